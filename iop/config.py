@@ -1,0 +1,293 @@
+"""Configuration: TOML files decoded into frozen, typed structs.
+
+Every struct forbids unknown fields, so a typo fails loudly with the key and
+the file in the message (hypercorn's ``Config.from_mapping``, which accepts
+any key, is the anti-example). Strings may reference environment variables as
+``${NAME}`` (for secrets such as API keys); a missing variable is an error,
+and expanded values are never logged.
+
+Durations are seconds (``*_s``); ``0`` or an absent optional deadline means
+"no deadline" only where the docstring says so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Final, Literal, TypeVar
+
+import msgspec
+
+from iop.errors import ConfigError
+
+__all__ = [
+    "DEFAULT_MAX_CONCURRENCY",
+    "DEFAULT_MAX_LINE_BYTES",
+    "Deadlines",
+    "HTTPInstance",
+    "InstanceBase",
+    "InstanceConfig",
+    "NodeConfig",
+    "OpenAICompatInstance",
+    "SimConfig",
+    "SimInstance",
+    "VllmInstance",
+    "decode_config",
+    "expand_env",
+    "load_config",
+]
+
+DEFAULT_MAX_CONCURRENCY: Final = 8  # seed 003's effectiveCapacity default
+
+# 16 MiB: whole tool-call arguments arrive in one SSE line from Ollama and
+# vLLM's Mistral parser; Go's 64 KiB default broke on them (protocols.md §4).
+# The limit still bounds what one run can make us buffer.
+DEFAULT_MAX_LINE_BYTES: Final = 16 * 1024 * 1024
+
+
+class _Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class Deadlines(_Config, frozen=True, kw_only=True):
+    """Per-phase deadlines of a run, measured while waiting on the backend.
+
+    Attributes:
+        first_token_timeout_s: From the run's start to its first output
+            (prefill of a long prompt on a busy GPU can take minutes). None
+            disables it.
+        idle_timeout_s: Longest silence between two outputs. Time spent
+            waiting for a slow *consumer* does not count: that is
+            backpressure, not an idle backend. None disables it.
+        request_timeout_s: Total time of a run, whatever it is waiting on.
+            None disables it.
+    """
+
+    first_token_timeout_s: float | None = 120.0
+    idle_timeout_s: float | None = 60.0
+    request_timeout_s: float | None = 600.0
+
+
+class InstanceBase(_Config, frozen=True, kw_only=True, tag_field="adapter"):
+    """Settings every adapter instance has.
+
+    Attributes:
+        name: Unique name of the instance on its node.
+        max_concurrency: Runs executed at once (seed default 8).
+        max_queue: Runs allowed to wait for a slot.
+        queue_timeout_s: How long a run may wait for a slot.
+        deadlines: Per-phase run deadlines.
+        targets: Models to advertise when the backend cannot list them.
+    """
+
+    name: str
+    max_concurrency: int = DEFAULT_MAX_CONCURRENCY
+    max_queue: int = 64
+    queue_timeout_s: float = 30.0
+    deadlines: Deadlines = Deadlines()
+    targets: list[str] = []
+
+    def __post_init__(self) -> None:
+        if not self.name.strip():
+            raise ValueError("name must not be empty")
+        if self.max_concurrency <= 0:
+            # Seed 003: a capacity <= 0 means "use the default".
+            object.__setattr__(self, "max_concurrency", DEFAULT_MAX_CONCURRENCY)
+        if self.max_queue < 0:
+            raise ValueError("max_queue must be >= 0")
+
+
+class HTTPInstance(InstanceBase, frozen=True, kw_only=True):
+    """Settings of adapters that talk HTTP to a backend.
+
+    Attributes:
+        endpoint: Base URL; ``http://host:8000`` and ``http://host:8000/v1``
+            are both accepted (paths are joined without producing ``/v1/v1``).
+        headers: Extra request headers (auth); ``${VAR}`` expands from the
+            environment. Content-Type is owned by the adapter.
+        connect_timeout_s: TCP connect deadline.
+        probe_timeout_s: Deadline of a ``/v1/models`` probe (seed: 2 s).
+        max_line_bytes: Longest SSE line accepted from the backend.
+        malformed_chunk_limit: Undecodable chunks tolerated (counted and
+            reported) before the run fails.
+    """
+
+    endpoint: str
+    headers: dict[str, str] = {}
+    connect_timeout_s: float = 5.0
+    probe_timeout_s: float = 2.0
+    max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    malformed_chunk_limit: int = 8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        # Seed 000/003 failed every run with "endpoint is required"; failing
+        # at start-up names the key instead.
+        if not self.endpoint.strip():
+            raise ValueError("endpoint is required")
+        if not self.endpoint.startswith(("http://", "https://")):
+            raise ValueError(f"endpoint must be an http(s) URL, got {self.endpoint!r}")
+
+
+class OpenAICompatInstance(HTTPInstance, frozen=True, tag="openai_compat", kw_only=True):
+    """Any OpenAI-compatible server: llama.cpp, Lemonade, Ollama's /v1, SGLang...
+
+    Attributes:
+        provider: Free-form label reported with capabilities and probes.
+    """
+
+    provider: str = ""
+
+
+class VllmInstance(HTTPInstance, frozen=True, tag="vllm", kw_only=True):
+    """A vLLM OpenAI-compatible server.
+
+    Attributes:
+        text_tool_fallback: When vLLM refuses tools (no tool parser), retry
+            with tools described in the prompt and parse calls from text.
+    """
+
+    text_tool_fallback: bool = True
+
+
+class SimConfig(_Config, frozen=True, kw_only=True):
+    """The deterministic simulated backend.
+
+    Attributes:
+        model: Model name it serves.
+        ttft_s: Time to first token.
+        tokens_per_s: Token rate; 0 streams as fast as possible.
+        output_tokens: Content tokens per answer (``max_tokens`` caps it).
+        reasoning_tokens: Reasoning tokens streamed before the content.
+        tool_mode: ``native`` streams OpenAI tool-call deltas when the
+            request has tools, ``text`` prints a Hermes ``<tool_call>`` in the
+            content, ``none`` ignores tools.
+        auto_tool_choice: False answers requests with tools and an ``auto``
+            tool choice by vLLM's 400 (a server started without
+            ``--enable-auto-tool-choice``); required/named choices then 400 too.
+        failure: Injected failure.
+        fail_after_tokens: Tokens streamed before a mid-stream failure.
+        seed: Seed of the deterministic text.
+    """
+
+    model: str = "iop-sim"
+    ttft_s: float = 0.02
+    tokens_per_s: float = 0.0
+    output_tokens: int = 64
+    reasoning_tokens: int = 0
+    tool_mode: Literal["native", "text", "none"] = "native"
+    auto_tool_choice: bool = True
+    failure: Literal[
+        "none",
+        "http_500",
+        "http_429",
+        "midstream_error",
+        "truncate",
+        "stall_before_first_byte",
+        "stall_mid_stream",
+        "malformed_chunk",
+    ] = "none"
+    fail_after_tokens: int = 8
+    seed: int = 0
+
+
+class SimInstance(InstanceBase, frozen=True, tag="sim", kw_only=True):
+    """A ``sim`` backend run in-process by the node (no HTTP)."""
+
+    sim: SimConfig = SimConfig()
+
+
+InstanceConfig = OpenAICompatInstance | VllmInstance | SimInstance
+
+
+class NodeSection(_Config, frozen=True, kw_only=True):
+    """The node's own settings.
+
+    Attributes:
+        id: Node id, unique among the edge's nodes.
+    """
+
+    id: str = "node"
+
+
+class NodeConfig(_Config, frozen=True, kw_only=True):
+    """A node: its identity and its adapter instances."""
+
+    node: NodeSection = NodeSection()
+    instances: list[InstanceConfig] = []
+
+
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+T = TypeVar("T")
+
+
+def expand_env(value: Any, *, env: dict[str, str] | None = None, where: str = "$") -> Any:
+    """Expand ``${NAME}`` in every string of a decoded TOML tree.
+
+    Raises:
+        ConfigError: A referenced variable is not set (the message names the
+            key, never a value).
+    """
+    environ = os.environ if env is None else env
+    if isinstance(value, str):
+
+        def sub(m: re.Match[str]) -> str:
+            name = m.group(1)
+            if name not in environ:
+                raise ConfigError(f"environment variable {name} is not set (used at {where})")
+            return environ[name]
+
+        return _ENV_REF.sub(sub, value)
+    if isinstance(value, dict):
+        return {k: expand_env(v, env=env, where=f"{where}.{k}") for k, v in value.items()}
+    if isinstance(value, list):
+        return [expand_env(v, env=env, where=f"{where}[{i}]") for i, v in enumerate(value)]
+    return value
+
+
+_UNKNOWN_FIELD = re.compile(r"Object contains unknown field `([^`]*)`(?: - at `\$(.*)`)?")
+
+
+def decode_config(
+    data: dict[str, Any], type_: type[T], *, source: str, env: dict[str, str] | None = None
+) -> T:
+    """Validate a decoded TOML mapping into a config struct.
+
+    Raises:
+        ConfigError: With the file and the offending key in the message.
+    """
+    try:
+        expanded = expand_env(data, env=env)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc.message}") from None
+    try:
+        return msgspec.convert(expanded, type_)
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        m = _UNKNOWN_FIELD.match(text)
+        if m:
+            at = (m.group(2) or "").lstrip(".")
+            key = f"{at}.{m.group(1)}" if at else m.group(1)
+            raise ConfigError(f"{source}: unknown key '{key}'") from exc
+        raise ConfigError(f"{source}: {text}") from exc
+
+
+def load_config(path: str | os.PathLike[str], type_: type[T]) -> T:
+    """Read and validate a TOML config file.
+
+    Raises:
+        ConfigError: The file is missing, is not TOML, or does not validate.
+    """
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read config: {exc.strerror}") from exc
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{p}: not valid TOML: {exc}") from exc
+    return decode_config(data, type_, source=str(p))

@@ -1,0 +1,155 @@
+"""The one exception tree of IOP.
+
+Every failure that crosses a module boundary is one of these. Foreign exceptions
+(httpx, msgspec, OS errors) are mapped at the boundary that sees them, with
+``raise ... from exc``, so no ``httpx.*`` error ever escapes an adapter.
+
+Faults are split by *whose* fault they are, after h11's Local/Remote split:
+the caller's input (``RequestError``), our own configuration
+(``ConfigError``), a broken internal contract (``InvariantError``, always a bug
+in IOP), or the backend (``BackendError`` and its children)::
+
+    IopError
+    ├── ConfigError                 a config file or value is wrong (names key and file)
+    ├── RequestError                the client's request is invalid             -> 4xx
+    ├── InvariantError              an internal contract was broken (a bug)     -> 500
+    └── BackendError                the inference backend failed                -> 5xx / backend's status
+        ├── BackendUnavailable      connection refused, DNS, connect timeout    -> 503
+        ├── BackendTimeout          a transport read/write timed out            -> 504
+        ├── BackendHTTPError        the backend answered non-2xx (status, body) -> backend's status
+        ├── BackendStreamError      the stream broke: reset, truncated, or an
+        │                           error event inside the stream               -> 502
+        └── BackendProtocolError    the backend sent malformed data: oversize
+                                    line, bad JSON beyond the tolerance         -> 502
+
+Each class carries a stable ``code`` (a snake_case string that ends up in
+``Error.code`` events and OpenAI error bodies) and an HTTP ``status``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendError",
+    "BackendHTTPError",
+    "BackendProtocolError",
+    "BackendStreamError",
+    "BackendTimeout",
+    "BackendUnavailable",
+    "ConfigError",
+    "InvariantError",
+    "IopError",
+    "RequestError",
+]
+
+
+class IopError(Exception):
+    """Base of every IOP error.
+
+    Attributes:
+        message: Human readable, safe to show a client (no secrets).
+        status: The HTTP status this error maps to.
+        code: Stable machine-readable code.
+    """
+
+    code: str = "iop_error"
+    status: int = 500
+
+    def __init__(self, message: str, *, status: int | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+        if code is not None:
+            self.code = code
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class ConfigError(IopError):
+    """A configuration file or value is invalid; the message names key and file."""
+
+    code = "config_error"
+    status = 500
+
+
+class RequestError(IopError):
+    """The client's request is invalid (maps to a 4xx with OpenAI's error body).
+
+    Attributes:
+        param: The request parameter at fault, if one is known.
+    """
+
+    code = "invalid_request_error"
+    status = 400
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message, status=status, code=code)
+        self.param = param
+
+
+class InvariantError(IopError):
+    """An internal contract was broken, e.g. an adapter emitted two terminal events."""
+
+    code = "internal_error"
+    status = 500
+
+
+class BackendError(IopError):
+    """The inference backend failed."""
+
+    code = "backend_error"
+    status = 502
+
+
+class BackendUnavailable(BackendError):
+    """The backend could not be reached (refused, DNS, connect timeout)."""
+
+    code = "backend_unavailable"
+    status = 503
+
+
+class BackendTimeout(BackendError):
+    """A transport-level read or write to the backend timed out."""
+
+    code = "backend_timeout"
+    status = 504
+
+
+class BackendHTTPError(BackendError):
+    """The backend answered with a non-2xx status.
+
+    Attributes:
+        backend_status: The status the backend sent.
+        body_excerpt: At most a few KiB of the response body, for diagnosis.
+    """
+
+    code = "backend_http_error"
+
+    def __init__(self, message: str, *, backend_status: int, body_excerpt: str = "") -> None:
+        # A backend's 4xx is usually the client's fault (bad params, context
+        # overflow) and is relayed as is; a backend 5xx stays a 5xx.
+        super().__init__(message, status=backend_status if 400 <= backend_status < 600 else 502)
+        self.backend_status = backend_status
+        self.body_excerpt = body_excerpt
+
+
+class BackendStreamError(BackendError):
+    """The response stream broke: reset, truncated, or an error event inside it."""
+
+    code = "backend_stream_error"
+    status = 502
+
+
+class BackendProtocolError(BackendError):
+    """The backend sent data we cannot accept (oversize line, malformed chunks)."""
+
+    code = "backend_protocol_error"
+    status = 502

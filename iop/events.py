@@ -1,0 +1,182 @@
+"""RuntimeEvents: what a run produces, from the adapter to the client.
+
+A run emits, in order::
+
+    Start  (Delta | ReasoningDelta)*  Terminal
+
+where Terminal is exactly one of ``Complete``, ``Error`` or ``Cancelled``. The
+runtime (``iop.runtime``) enforces that grammar; adapters only push events.
+An ``Error`` may also come without a ``Start`` when a run fails before the
+adapter reached its backend.
+
+Events are frozen ``msgspec.Struct``s forming one tagged union (tag field
+``"type"``), so they cross the edge-node link as they are and are dispatched
+by type, never by string keys. Don't subclass them.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Final
+
+import msgspec
+
+__all__ = [
+    "TERMINAL_EVENT_TYPES",
+    "CancelReason",
+    "Cancelled",
+    "Complete",
+    "Delta",
+    "Error",
+    "FinishReason",
+    "ReasoningDelta",
+    "RuntimeEvent",
+    "Start",
+    "TerminalEvent",
+    "ToolCall",
+    "Usage",
+    "is_terminal",
+]
+
+
+class FinishReason(enum.StrEnum):
+    """Why generation stopped, in OpenAI's vocabulary."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    TOOL_CALLS = "tool_calls"
+    CONTENT_FILTER = "content_filter"
+    FUNCTION_CALL = "function_call"
+
+
+class CancelReason(enum.StrEnum):
+    """Why a run was cancelled. Each cause has its own reason (DESIGN §2)."""
+
+    CLIENT_DISCONNECT = "client_disconnect"
+    NODE_LOST = "node_lost"
+    FIRST_TOKEN_TIMEOUT = "first_token_timeout"
+    IDLE_TIMEOUT = "idle_timeout"
+    TOTAL_TIMEOUT = "total_timeout"
+    QUEUE_TIMEOUT = "queue_timeout"
+    EXPLICIT = "explicit"
+    SHUTDOWN = "shutdown"
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Token counts for a run.
+
+    Attributes:
+        input_tokens: Prompt tokens.
+        output_tokens: Completion tokens (reasoning included, as OpenAI counts).
+        cached_input_tokens: Prompt tokens served from the prefix cache.
+        reasoning_tokens: Completion tokens spent on reasoning.
+        estimated: True when the backend reported no usage and the counts were
+            estimated from the stream (one token per streamed chunk).
+    """
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_input_tokens: int = 0
+    reasoning_tokens: int = 0
+    estimated: bool = False
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    """One complete tool call.
+
+    Attributes:
+        id: The call id (backend's, or synthesised when the backend gave none).
+        name: The function name.
+        arguments: The arguments as JSON text, exactly as the model produced them.
+        index: Position among the calls of one message.
+    """
+
+    id: str
+    name: str
+    arguments: str = ""
+    index: int = 0
+
+
+class Start(msgspec.Struct, frozen=True, kw_only=True, tag="start", tag_field="type"):
+    """The adapter accepted the run and is about to call its backend.
+
+    Attributes:
+        target: The backend model the run is served by.
+    """
+
+    target: str = ""
+
+
+class Delta(msgspec.Struct, frozen=True, tag="delta", tag_field="type"):
+    """A fragment of the answer's content."""
+
+    text: str
+
+
+class ReasoningDelta(msgspec.Struct, frozen=True, tag="reasoning_delta", tag_field="type"):
+    """A fragment of the model's reasoning."""
+
+    text: str
+
+
+class Complete(msgspec.Struct, frozen=True, kw_only=True, tag="complete", tag_field="type"):
+    """The run finished successfully (terminal).
+
+    Attributes:
+        finish_reason: Why generation stopped.
+        usage: Token counts.
+        tool_calls: Tool calls the backend parsed natively.
+        text_tool_fallback: The run used the text-tool fallback: tools were
+            described in the prompt and the edge must synthesise tool calls
+            from the text.
+        malformed_chunks: Chunks the adapter could not decode and skipped.
+    """
+
+    finish_reason: FinishReason = FinishReason.STOP
+    usage: Usage = Usage()
+    tool_calls: tuple[ToolCall, ...] = ()
+    text_tool_fallback: bool = False
+    malformed_chunks: int = 0
+
+
+class Error(msgspec.Struct, frozen=True, kw_only=True, tag="error", tag_field="type"):
+    """The run failed (terminal).
+
+    Attributes:
+        message: Human readable, safe for clients.
+        status: The HTTP status that describes the failure.
+        code: Stable machine-readable code (see ``iop.errors``).
+    """
+
+    message: str
+    status: int = 502
+    code: str = "backend_error"
+
+
+class Cancelled(msgspec.Struct, frozen=True, kw_only=True, tag="cancelled", tag_field="type"):
+    """The run was cancelled (terminal).
+
+    Attributes:
+        reason: What cancelled it.
+        message: Human readable detail.
+        usage: What the run had produced when it was cancelled (estimated).
+    """
+
+    reason: CancelReason
+    message: str = ""
+    usage: Usage = Usage()
+
+
+RuntimeEvent = Start | Delta | ReasoningDelta | Complete | Error | Cancelled
+TerminalEvent = Complete | Error | Cancelled
+
+TERMINAL_EVENT_TYPES: Final = (Complete, Error, Cancelled)
+
+
+def is_terminal(event: RuntimeEvent) -> bool:
+    """Return True for the events that end a run."""
+    return isinstance(event, TERMINAL_EVENT_TYPES)

@@ -1,0 +1,400 @@
+"""Runs: supervised Trio tasks with exactly one terminal event.
+
+Theory of operation
+-------------------
+A run is one task in a ``RunSupervisor``'s nursery. The task calls the
+adapter's ``execute(spec, sink)`` inside the run's own cancel scope. The
+adapter pushes events into ``sink``; the sink checks the event grammar
+(``Start``, then deltas, then at most one terminal), forwards each event into a
+bounded memory channel (``RUN_EVENT_BUFFER``) read by the run's consumer, and
+re-arms the run's deadline:
+
+* before the first output, the deadline is ``start + first_token_timeout``;
+* after it, ``last output + idle_timeout``;
+* while the sink is blocked because the *consumer* is slow, only the total
+  deadline applies: a slow reader is backpressure, not an idle backend;
+* ``start + request_timeout`` caps all of them.
+
+Whatever ends the adapter, the run task produces the terminal event itself if
+the adapter did not:
+
+=================================  =============================================
+adapter returned after a terminal  nothing more (the adapter's event stands)
+adapter returned without one       ``Error`` (an adapter bug, code internal_error)
+adapter raised ``IopError``        ``Error`` with the error's message/status/code
+adapter raised anything else       ``Error`` (logged with traceback)
+run cancelled (``Run.cancel``)     ``Cancelled`` with the caller's reason
+a deadline expired                 ``Cancelled`` with the phase's timeout reason
+the supervisor is shutting down    ``Cancelled(SHUTDOWN)``, delivered from a
+                                   shielded scope, then ``Cancelled`` re-raised
+=================================  =============================================
+
+Cancelling the run's scope is what closes the adapter's upstream response:
+httpx closes the TCP connection when its stream context exits, and that is
+what makes vLLM or llama.cpp abort the generation.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Final, Protocol
+
+import trio
+
+from iop.config import Deadlines
+from iop.errors import InvariantError, IopError
+from iop.events import (
+    CancelReason,
+    Cancelled,
+    Complete,
+    Delta,
+    Error,
+    ReasoningDelta,
+    RuntimeEvent,
+    Start,
+    TerminalEvent,
+    Usage,
+)
+from iop.spec import ExecutionSpec
+
+__all__ = [
+    "RUN_EVENT_BUFFER",
+    "EventSender",
+    "Executor",
+    "Run",
+    "RunState",
+    "RunSupervisor",
+    "collect_run",
+    "open_run_supervisor",
+]
+
+log = logging.getLogger("iop.run")
+
+# Small and bounded: with adaptive coalescing downstream, 8-16 was the fastest
+# capacity in the spike (trio-stack.md §5e), and it caps the memory a run can
+# hold whatever the backend's speed. A full channel blocks the adapter, which
+# stops reading its socket: end-to-end backpressure.
+RUN_EVENT_BUFFER: Final = 16
+
+# How long the terminal event of a run cancelled by shutdown may take to reach
+# its consumer. Shielded, so it must be short.
+SHUTDOWN_DELIVERY_GRACE_S: Final = 1.0
+# How long a consumer that stopped reading may keep a finished run's task
+# alive. After that the event is dropped (``Run.outcome`` still holds it) so a
+# stuck consumer cannot pin the run task forever.
+TERMINAL_DELIVERY_TIMEOUT_S: Final = 30.0
+
+
+class EventSender(Protocol):
+    """Where an adapter pushes a run's events (a bounded channel underneath)."""
+
+    async def send(self, event: RuntimeEvent) -> None: ...
+
+
+class Executor(Protocol):
+    """The part of an adapter the runtime needs."""
+
+    async def execute(self, spec: ExecutionSpec, send: EventSender) -> None: ...
+
+
+class RunState(enum.Enum):
+    """Life of a run; transitions happen only in ``_RunSink`` and ``_drive``."""
+
+    PENDING = "pending"  # created, adapter not called yet
+    STARTED = "started"  # adapter emitted Start
+    STREAMING = "streaming"  # first output seen
+    DONE = "done"  # terminal event produced
+
+
+class _Phase(enum.Enum):
+    FIRST_TOKEN = CancelReason.FIRST_TOKEN_TIMEOUT
+    IDLE = CancelReason.IDLE_TIMEOUT
+    TOTAL = CancelReason.TOTAL_TIMEOUT
+
+
+def _after(t: float, delay: float | None) -> float:
+    return math.inf if delay is None else t + delay
+
+
+class Run:
+    """Handle of one run: its events, its cancellation, its outcome.
+
+    Attributes:
+        spec: What is being run.
+        events: Receive side of the run's bounded event channel. It ends
+            (``EndOfChannel``) right after the terminal event.
+    """
+
+    def __init__(
+        self,
+        spec: ExecutionSpec,
+        deadlines: Deadlines,
+        events: trio.MemoryReceiveChannel[RuntimeEvent],
+    ) -> None:
+        self.spec = spec
+        self.deadlines = deadlines
+        self.events = events
+        self.state = RunState.PENDING
+        self.outcome: TerminalEvent | None = None
+        self.started_at = trio.current_time()
+        self.first_output_at: float | None = None
+        self._scope = trio.CancelScope()
+        self._cancel_reason: CancelReason | None = None
+        self._cancel_message = ""
+        self._done = trio.Event()
+
+    @property
+    def run_id(self) -> str:
+        return self.spec.run_id
+
+    def cancel(self, reason: CancelReason, message: str = "") -> None:
+        """Cancel the run. The first reason given wins; a finished run ignores it."""
+        if self.state is RunState.DONE or self._cancel_reason is not None:
+            return
+        self._cancel_reason = reason
+        self._cancel_message = message
+        self._scope.cancel()
+
+    async def wait(self) -> TerminalEvent:
+        """Wait until the run has produced its terminal event, and return it."""
+        await self._done.wait()
+        assert self.outcome is not None
+        return self.outcome
+
+
+class _RunSink:
+    """The ``EventSender`` handed to an adapter: checks grammar, arms deadlines."""
+
+    def __init__(self, run: Run, send: trio.MemorySendChannel[RuntimeEvent]) -> None:
+        self._run = run
+        self._send = send
+        self._phase = _Phase.FIRST_TOKEN
+        self.output_chunks = 0
+        self.pending_terminal: TerminalEvent | None = None
+        self.total_deadline = _after(run.started_at, run.deadlines.request_timeout_s)
+        self._arm(_after(run.started_at, run.deadlines.first_token_timeout_s), _Phase.FIRST_TOKEN)
+
+    @property
+    def phase_reason(self) -> CancelReason:
+        return self._phase.value
+
+    def _arm(self, phase_deadline: float, phase: _Phase) -> None:
+        if phase_deadline < self.total_deadline:
+            self._phase = phase
+            self._run._scope.deadline = phase_deadline
+        else:
+            self._phase = _Phase.TOTAL
+            self._run._scope.deadline = self.total_deadline
+
+    async def send(self, event: RuntimeEvent) -> None:
+        run = self._run
+        state = run.state
+        if state is RunState.DONE or self.pending_terminal is not None:
+            raise InvariantError(f"run {run.run_id}: event {type(event).__name__} after terminal")
+        if isinstance(event, Start):
+            if state is not RunState.PENDING:
+                raise InvariantError(f"run {run.run_id}: second start event")
+            run.state = RunState.STARTED
+        elif state is RunState.PENDING and not isinstance(event, Error):
+            raise InvariantError(f"run {run.run_id}: {type(event).__name__} before start")
+        elif isinstance(event, Delta | ReasoningDelta):
+            self.output_chunks += 1
+            if state is RunState.STARTED:
+                run.state = RunState.STREAMING
+                run.first_output_at = trio.current_time()
+        else:  # terminal: the run is DONE only once the consumer has it
+            self.pending_terminal = event
+        # While blocked on a slow consumer only the total deadline applies.
+        run._scope.deadline = self.total_deadline
+        phase = self._phase
+        self._phase = _Phase.TOTAL
+        try:
+            await self._send.send(event)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            # The consumer went away; whoever closed it also cancels the run.
+            if self.pending_terminal is None:
+                raise
+        if self.pending_terminal is not None:
+            run.state = RunState.DONE
+            run.outcome = self.pending_terminal
+        elif run.state is RunState.STREAMING:
+            self._arm(_after(trio.current_time(), run.deadlines.idle_timeout_s), _Phase.IDLE)
+        elif run.state is RunState.STARTED:
+            first = _after(run.started_at, run.deadlines.first_token_timeout_s)
+            self._arm(first, _Phase.FIRST_TOKEN)
+        else:
+            self._phase = phase
+
+    def partial_usage(self) -> Usage:
+        return Usage(output_tokens=self.output_chunks, estimated=True)
+
+
+def _error_from(exc: BaseException) -> Error:
+    leaf = exc
+    while isinstance(leaf, BaseExceptionGroup) and leaf.exceptions:
+        found = next((e for e in leaf.exceptions if isinstance(e, IopError)), None)
+        leaf = found if found is not None else leaf.exceptions[0]
+    if isinstance(leaf, IopError):
+        return Error(message=leaf.message, status=leaf.status, code=leaf.code)
+    return Error(message=f"internal error: {type(leaf).__name__}", status=500, code="internal_error")
+
+
+async def _drive(
+    run: Run, executor: Executor, send: trio.MemorySendChannel[RuntimeEvent]
+) -> None:
+    """Execute one run to its single terminal event. Never raises (but Cancelled)."""
+    sink = _RunSink(run, send)
+    terminal: TerminalEvent | None = None
+    finished_normally = False
+    try:
+        with run._scope:
+            try:
+                await executor.execute(run.spec, sink)
+            except Exception as exc:
+                if sink.pending_terminal is None:
+                    terminal = _error_from(exc)
+                    if not isinstance(exc, IopError):
+                        log.error("run %s: adapter crashed", run.run_id, exc_info=exc)
+                else:
+                    log.warning("run %s: adapter raised after its terminal event: %r", run.run_id, exc)
+            else:
+                if sink.pending_terminal is None:
+                    terminal = Error(
+                        message="adapter returned without a terminal event",
+                        status=500,
+                        code="internal_error",
+                    )
+        if run.state is not RunState.DONE and sink.pending_terminal is not None:
+            # The adapter's terminal event was cut off while the consumer was
+            # slow; it is still the run's outcome.
+            terminal = sink.pending_terminal
+        elif run._scope.cancelled_caught and run.state is not RunState.DONE:
+            reason = run._cancel_reason or sink.phase_reason
+            message = run._cancel_message or _default_cancel_message(reason, run.deadlines)
+            terminal = Cancelled(reason=reason, message=message, usage=sink.partial_usage())
+        finished_normally = True
+    finally:
+        if not finished_normally and run.state is not RunState.DONE and terminal is None:
+            # Cancelled from outside (supervisor shutdown) or a BaseException:
+            # still give the consumer its one terminal event, then let it go.
+            terminal = sink.pending_terminal or Cancelled(
+                reason=CancelReason.SHUTDOWN,
+                message="the server is shutting down",
+                usage=sink.partial_usage(),
+            )
+        if terminal is not None:
+            run.state = RunState.DONE
+            run.outcome = terminal
+            grace = TERMINAL_DELIVERY_TIMEOUT_S if finished_normally else SHUTDOWN_DELIVERY_GRACE_S
+            with trio.move_on_after(grace, shield=not finished_normally) as delivery:
+                try:
+                    await send.send(terminal)
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass  # nobody is listening any more
+            if delivery.cancelled_caught:
+                log.warning("run %s: consumer did not take the terminal event", run.run_id)
+        run._done.set()
+        send.close()
+        _log_outcome(run)
+
+
+def _default_cancel_message(reason: CancelReason, d: Deadlines) -> str:
+    if reason is CancelReason.FIRST_TOKEN_TIMEOUT:
+        return f"no output within first_token_timeout_s={d.first_token_timeout_s}"
+    if reason is CancelReason.IDLE_TIMEOUT:
+        return f"backend silent for idle_timeout_s={d.idle_timeout_s}"
+    if reason is CancelReason.TOTAL_TIMEOUT:
+        return f"run exceeded request_timeout_s={d.request_timeout_s}"
+    return reason.value.replace("_", " ")
+
+
+def _log_outcome(run: Run) -> None:
+    o = run.outcome
+    now = trio.current_time()
+    ttft = "-" if run.first_output_at is None else f"{run.first_output_at - run.started_at:.3f}"
+    if isinstance(o, Complete):
+        log.info(
+            "run %s complete finish=%s out_tokens=%d ttft_s=%s dur_s=%.3f",
+            run.run_id,
+            o.finish_reason,
+            o.usage.output_tokens,
+            ttft,
+            now - run.started_at,
+        )
+    elif isinstance(o, Cancelled):
+        log.info("run %s cancelled reason=%s ttft_s=%s", run.run_id, o.reason, ttft)
+    elif isinstance(o, Error):
+        log.info("run %s error status=%d code=%s: %s", run.run_id, o.status, o.code, o.message)
+
+
+class RunSupervisor:
+    """Owns the nursery every run of a process lives in.
+
+    Use ``open_run_supervisor()``; runs still going when it closes are
+    cancelled with ``CancelReason.SHUTDOWN`` and still get their terminal event.
+    """
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+        self.runs: dict[str, Run] = {}
+
+    def start_run(
+        self,
+        executor: Executor,
+        spec: ExecutionSpec,
+        deadlines: Deadlines,
+        *,
+        buffer: int = RUN_EVENT_BUFFER,
+    ) -> Run:
+        """Start a run as a task of the supervisor's nursery and return its handle."""
+        if spec.run_id in self.runs:
+            raise InvariantError(f"run id {spec.run_id} is already running")
+        send, receive = trio.open_memory_channel[RuntimeEvent](buffer)
+        run = Run(spec, deadlines, receive)
+        self.runs[spec.run_id] = run
+        self._nursery.start_soon(self._supervise, run, executor, send, name=f"run:{spec.run_id}")
+        return run
+
+    async def _supervise(
+        self, run: Run, executor: Executor, send: trio.MemorySendChannel[RuntimeEvent]
+    ) -> None:
+        try:
+            await _drive(run, executor, send)
+        finally:
+            self.runs.pop(run.run_id, None)
+
+    def cancel_all(self, reason: CancelReason) -> None:
+        for run in list(self.runs.values()):
+            run.cancel(reason)
+
+
+@asynccontextmanager
+async def open_run_supervisor() -> AsyncIterator[RunSupervisor]:
+    """Open a supervisor; on exit, wait for its runs (cancel them first if leaving by error)."""
+    async with trio.open_nursery() as nursery:
+        yield RunSupervisor(nursery)
+
+
+async def collect_run(
+    executor: Executor,
+    spec: ExecutionSpec,
+    deadlines: Deadlines | None = None,
+) -> list[RuntimeEvent]:
+    """Run to completion and return every event (for tools, tests and the CLI)."""
+    events: list[RuntimeEvent] = []
+    async with open_run_supervisor() as sup:
+        run = sup.start_run(executor, spec, deadlines or Deadlines())
+        async with run.events:
+            async for ev in run.events:
+                events.append(ev)
+    return events
+
+
+def new_run_id() -> str:
+    """A fresh run id: 32 hex chars, like vLLM's completion ids."""
+    return uuid.uuid4().hex

