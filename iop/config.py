@@ -44,7 +44,7 @@ DEFAULT_MAX_CONCURRENCY: Final = 8  # seed 003's effectiveCapacity default
 # 16 MiB: whole tool-call arguments arrive in one SSE line from Ollama and
 # vLLM's Mistral parser; Go's 64 KiB default broke on them (protocols.md §4).
 # The limit still bounds what one run can make us buffer.
-DEFAULT_MAX_LINE_BYTES: Final = 16 * 1024 * 1024
+DEFAULT_MAX_LINE_BYTES: Final = 16 * 1024 * 1024  # same value as iop.wire.DEFAULT_MAX_LINE_BYTES
 
 
 class _Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -94,7 +94,7 @@ class InstanceBase(_Config, frozen=True, kw_only=True, tag_field="adapter"):
             raise ValueError("name must not be empty")
         if self.max_concurrency <= 0:
             # Seed 003: a capacity <= 0 means "use the default".
-            object.__setattr__(self, "max_concurrency", DEFAULT_MAX_CONCURRENCY)
+            msgspec.structs.force_setattr(self, "max_concurrency", DEFAULT_MAX_CONCURRENCY)
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
 

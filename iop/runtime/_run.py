@@ -49,8 +49,8 @@ import trio
 from iop.config import Deadlines
 from iop.errors import InvariantError, IopError
 from iop.events import (
-    CancelReason,
     Cancelled,
+    CancelReason,
     Complete,
     Delta,
     Error,
@@ -241,12 +241,12 @@ def _error_from(exc: BaseException) -> Error:
         leaf = found if found is not None else leaf.exceptions[0]
     if isinstance(leaf, IopError):
         return Error(message=leaf.message, status=leaf.status, code=leaf.code)
-    return Error(message=f"internal error: {type(leaf).__name__}", status=500, code="internal_error")
+    return Error(
+        message=f"internal error: {type(leaf).__name__}", status=500, code="internal_error"
+    )
 
 
-async def _drive(
-    run: Run, executor: Executor, send: trio.MemorySendChannel[RuntimeEvent]
-) -> None:
+async def _drive(run: Run, executor: Executor, send: trio.MemorySendChannel[RuntimeEvent]) -> None:
     """Execute one run to its single terminal event. Never raises (but Cancelled)."""
     sink = _RunSink(run, send)
     terminal: TerminalEvent | None = None
@@ -261,7 +261,9 @@ async def _drive(
                     if not isinstance(exc, IopError):
                         log.error("run %s: adapter crashed", run.run_id, exc_info=exc)
                 else:
-                    log.warning("run %s: adapter raised after its terminal event: %r", run.run_id, exc)
+                    log.warning(
+                        "run %s: adapter raised after its terminal event: %r", run.run_id, exc
+                    )
             else:
                 if sink.pending_terminal is None:
                     terminal = Error(

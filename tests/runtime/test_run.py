@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from iop.config import Deadlines
 from iop.errors import BackendHTTPError
 from iop.events import (
-    CancelReason,
     Cancelled,
+    CancelReason,
     Complete,
     Delta,
     Error,
@@ -75,7 +75,10 @@ async def test_iop_error_becomes_error_event() -> None:
         raise BackendHTTPError("vllm returned 400: nope", backend_status=400)
 
     events = await collect_run(ScriptedAdapter(body), SPEC, NO_DEADLINES)
-    assert events == [Start(), Error(message="vllm returned 400: nope", status=400, code="backend_http_error")]
+    assert events == [
+        Start(),
+        Error(message="vllm returned 400: nope", status=400, code="backend_http_error"),
+    ]
 
 
 async def test_error_before_start_is_the_only_event() -> None:
@@ -92,7 +95,9 @@ async def test_adapter_crash_is_internal_error(caplog: pytest.LogCaptureFixture)
         raise KeyError("bug")
 
     events = await collect_run(ScriptedAdapter(body), SPEC, NO_DEADLINES)
-    assert events[-1] == Error(message="internal error: KeyError", status=500, code="internal_error")
+    assert events[-1] == Error(
+        message="internal error: KeyError", status=500, code="internal_error"
+    )
     assert "adapter crashed" in caplog.text
 
 
@@ -131,8 +136,12 @@ async def test_second_start_is_rejected() -> None:
     assert "second start" in events[1].message
 
 
-async def test_second_terminal_is_rejected_and_first_stands(caplog: pytest.LogCaptureFixture) -> None:
-    events = await collect_run(script(Start(), Complete(), Error(message="late")), SPEC, NO_DEADLINES)
+async def test_second_terminal_is_rejected_and_first_stands(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    events = await collect_run(
+        script(Start(), Complete(), Error(message="late")), SPEC, NO_DEADLINES
+    )
     assert events == [Start(), Complete()]
     assert "after its terminal event" in caplog.text
 
@@ -243,7 +252,9 @@ async def test_cancel_after_complete_is_ignored() -> None:
     assert events == [Start(), Complete()]
 
 
-async def test_shutdown_delivers_cancelled_and_propagates(autojump_clock: trio.testing.MockClock) -> None:
+async def test_shutdown_delivers_cancelled_and_propagates(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
     async def body(send: EventSender) -> None:
         await send.send(Start())
         await trio.sleep_forever()
@@ -292,7 +303,9 @@ async def test_duplicate_run_id_is_refused() -> None:
 # --- property: exactly one terminal event, whatever the adapter does -------------
 
 ACTIONS = st.lists(
-    st.sampled_from(["start", "delta", "reasoning", "complete", "error", "sleep", "raise", "crash"]),
+    st.sampled_from(
+        ["start", "delta", "reasoning", "complete", "error", "sleep", "raise", "crash"]
+    ),
     max_size=8,
 )
 

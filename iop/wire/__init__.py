@@ -1,0 +1,49 @@
+"""Sans-IO wire code: bytes in, typed events out.
+
+Nothing in this package does I/O or imports trio, httpx or quart
+(``tests/test_layers.py`` checks it). It is where SSE is framed, where OpenAI
+chat streams become RuntimeEvents, where backend error bodies are normalised
+and where tool calls are accumulated from deltas or parsed out of text.
+"""
+
+from iop.wire._chunks import ChatChunk, ChunkToolCall
+from iop.wire._errors import ERROR_EXCERPT_BYTES, BackendErrorInfo, parse_error_body
+from iop.wire._openai_stream import ChatStreamParser, map_finish_reason
+from iop.wire._sse import (
+    DEFAULT_MAX_LINE_BYTES,
+    DONE,
+    SSEDecoder,
+    SSEEvent,
+    encode_comment,
+    encode_event,
+)
+from iop.wire._toolcalls import ToolCallAccumulator
+from iop.wire._tooltext import (
+    TOOL_CALL_OPENERS,
+    ParsedToolText,
+    ToolTextFilter,
+    parse_tool_calls,
+    unstreamed_cleaned_text,
+)
+
+__all__ = [
+    "DEFAULT_MAX_LINE_BYTES",
+    "DONE",
+    "ERROR_EXCERPT_BYTES",
+    "TOOL_CALL_OPENERS",
+    "BackendErrorInfo",
+    "ChatChunk",
+    "ChatStreamParser",
+    "ChunkToolCall",
+    "ParsedToolText",
+    "SSEDecoder",
+    "SSEEvent",
+    "ToolCallAccumulator",
+    "ToolTextFilter",
+    "encode_comment",
+    "encode_event",
+    "map_finish_reason",
+    "parse_error_body",
+    "parse_tool_calls",
+    "unstreamed_cleaned_text",
+]

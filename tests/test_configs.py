@@ -1,0 +1,102 @@
+"""Every example config in configs/ validates, and bad keys are named."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from iop.config import NodeConfig, load_config
+from iop.errors import ConfigError
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+ENV = {"VLLM_API_KEY": "k", "LLAMA_API_KEY": "k"}
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("node-*.toml")), ids=lambda p: p.name)
+def test_example_node_configs_validate(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in ENV.items():
+        monkeypatch.setenv(k, v)
+    cfg = load_config(path, NodeConfig)
+    assert cfg.instances
+
+
+def test_unknown_key_names_key_and_file(tmp_path: Path) -> None:
+    p = tmp_path / "node.toml"
+    p.write_text(
+        '[[instances]]\nadapter = "vllm"\nname = "a"\nendpoint = "http://x"\nmax_concurency = 3\n'
+    )
+    with pytest.raises(
+        ConfigError, match=r"node\.toml: unknown key 'instances\[0\]\.max_concurency'"
+    ):
+        load_config(p, NodeConfig)
+
+
+def test_unknown_nested_key(tmp_path: Path) -> None:
+    p = tmp_path / "node.toml"
+    p.write_text(
+        '[[instances]]\nadapter = "vllm"\nname = "a"\nendpoint = "http://x"\n'
+        "[instances.deadlines]\nidle_s = 1\n"
+    )
+    with pytest.raises(ConfigError, match=r"unknown key 'instances\[0\]\.deadlines\.idle_s'"):
+        load_config(p, NodeConfig)
+
+
+def test_missing_env_var_is_named_not_leaked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("NOPE_KEY", raising=False)
+    p = tmp_path / "node.toml"
+    p.write_text(
+        '[[instances]]\nadapter = "vllm"\nname = "a"\nendpoint = "http://x"\n'
+        'headers = { Authorization = "Bearer ${NOPE_KEY}" }\n'
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"NOPE_KEY is not set \(used at \$\.instances\[0\]\.headers\.Authorization\)",
+    ):
+        load_config(p, NodeConfig)
+
+
+def test_env_var_expands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("K1", "s3cret")
+    p = tmp_path / "node.toml"
+    p.write_text(
+        '[[instances]]\nadapter = "vllm"\nname = "a"\nendpoint = "http://x"\n'
+        'headers = { Authorization = "Bearer ${K1}" }\n'
+    )
+    cfg = load_config(p, NodeConfig)
+    assert cfg.instances[0].headers == {"Authorization": "Bearer s3cret"}  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ('adapter = "vllm"\nname = "a"\nendpoint = ""', "endpoint is required"),
+        ('adapter = "vllm"\nname = "a"\nendpoint = "ftp://x"', "must be an http"),
+        ('adapter = "vllm"\nname = ""\nendpoint = "http://x"', "name must not be empty"),
+        ('adapter = "nope"\nname = "a"', "Invalid value 'nope'"),
+        ('adapter = "sim"\nname = "a"\nmax_queue = -1', "max_queue must be >= 0"),
+    ],
+)
+def test_invalid_values(tmp_path: Path, body: str, message: str) -> None:
+    p = tmp_path / "node.toml"
+    p.write_text(f"[[instances]]\n{body}\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(p, NodeConfig)
+
+
+def test_capacity_default_when_not_positive(tmp_path: Path) -> None:
+    # Seed 003 effectiveCapacity: capacity <= 0 means the default of 8.
+    p = tmp_path / "node.toml"
+    p.write_text('[[instances]]\nadapter = "sim"\nname = "a"\nmax_concurrency = 0\n')
+    assert load_config(p, NodeConfig).instances[0].max_concurrency == 8
+
+
+def test_unreadable_and_non_toml(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.toml", NodeConfig)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[instances]\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad, NodeConfig)
