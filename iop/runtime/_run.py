@@ -36,6 +36,7 @@ what makes vLLM or llama.cpp abort the generation.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import math
@@ -294,10 +295,9 @@ async def _drive(run: Run, executor: Executor, send: trio.MemorySendChannel[Runt
             run.outcome = terminal
             grace = TERMINAL_DELIVERY_TIMEOUT_S if finished_normally else SHUTDOWN_DELIVERY_GRACE_S
             with trio.move_on_after(grace, shield=not finished_normally) as delivery:
-                try:
+                # BrokenResourceError: nobody is listening any more.
+                with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                     await send.send(terminal)
-                except (trio.BrokenResourceError, trio.ClosedResourceError):
-                    pass  # nobody is listening any more
             if delivery.cancelled_caught:
                 log.warning("run %s: consumer did not take the terminal event", run.run_id)
         run._done.set()

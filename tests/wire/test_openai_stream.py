@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable
 from importlib.resources import files
@@ -78,7 +79,7 @@ def test_vllm_reasoning_field(split: str) -> None:
 
 @pytest.mark.parametrize("split", SPLITTERS)
 def test_vllm_native_tool_calls(split: str) -> None:
-    events, done = run(transcript("vllm_tool_call_stream_hermes.txt"), SPLITTERS[split])
+    _events, done = run(transcript("vllm_tool_call_stream_hermes.txt"), SPLITTERS[split])
     assert done.finish_reason is FinishReason.TOOL_CALLS
     assert [c.name for c in done.tool_calls] == ["get_weather"]
     assert json.loads(done.tool_calls[0].arguments)["city"] == "Paris"
@@ -282,7 +283,7 @@ def test_any_split_gives_the_same_result(cuts: list[int]) -> None:
 
     def pieces(b: bytes) -> list[bytes]:
         bounds = [0, *points, len(b)]
-        return [b[x:y] for x, y in zip(bounds, bounds[1:], strict=False)]
+        return [b[x:y] for x, y in itertools.pairwise(bounds)]
 
     assert run(data, pieces) == run(data)
 
