@@ -13,6 +13,10 @@ in IOP), or the backend (``BackendError`` and its children)::
     ├── ConfigError                 a config file or value is wrong (names key and file)
     ├── RequestError                the client's request is invalid             -> 4xx
     ├── InvariantError              an internal contract was broken (a bug)     -> 500
+    ├── RunAborted                  an executor ended its run as cancelled (reason)
+    ├── LinkError                   the edge<->node link failed
+    │   ├── LinkAuthError           a node presented a bad token / version
+    │   └── LinkProtocolError       a peer sent a frame that breaks the protocol
     └── BackendError                the inference backend failed                -> 5xx / backend's status
         ├── BackendUnavailable      connection refused, DNS, connect timeout    -> 503
         ├── BackendTimeout          a transport read/write timed out            -> 504
@@ -38,7 +42,11 @@ __all__ = [
     "ConfigError",
     "InvariantError",
     "IopError",
+    "LinkAuthError",
+    "LinkError",
+    "LinkProtocolError",
     "RequestError",
+    "RunAborted",
 ]
 
 
@@ -100,6 +108,45 @@ class InvariantError(IopError):
 
     code = "internal_error"
     status = 500
+
+
+class RunAborted(IopError):
+    """An executor ends its run as cancelled rather than failed.
+
+    The runtime turns it into ``Cancelled(reason)``; the edge raises it when
+    a run's node is lost, so the client learns the run was cut off.
+
+    Attributes:
+        reason: A ``CancelReason`` value.
+    """
+
+    code = "run_cancelled"
+    status = 503
+
+    def __init__(self, message: str, *, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class LinkError(IopError):
+    """The edge<->node link failed."""
+
+    code = "link_error"
+    status = 503
+
+
+class LinkAuthError(LinkError):
+    """A node was refused: bad token or unsupported protocol version."""
+
+    code = "link_auth_error"
+    status = 401
+
+
+class LinkProtocolError(LinkError):
+    """A peer sent a frame that breaks the link protocol."""
+
+    code = "link_protocol_error"
+    status = 502
 
 
 class BackendError(IopError):

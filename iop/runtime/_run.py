@@ -48,7 +48,7 @@ from typing import Final, Protocol
 import trio
 
 from iop.config import Deadlines
-from iop.errors import InvariantError, IopError
+from iop.errors import InvariantError, IopError, RunAborted
 from iop.events import (
     Cancelled,
     CancelReason,
@@ -68,6 +68,7 @@ __all__ = [
     "EventSender",
     "Executor",
     "Run",
+    "RunSink",
     "RunState",
     "RunSupervisor",
     "collect_run",
@@ -95,6 +96,13 @@ class EventSender(Protocol):
     """Where an adapter pushes a run's events (a bounded channel underneath)."""
 
     async def send(self, event: RuntimeEvent) -> None: ...
+
+
+class RunSink(EventSender, Protocol):
+    """The sender the runtime hands to executors; it also knows a cancel's reason."""
+
+    @property
+    def cancel_reason(self) -> CancelReason: ...
 
 
 class Executor(Protocol):
@@ -184,6 +192,11 @@ class _RunSink:
     def phase_reason(self) -> CancelReason:
         return self._phase.value
 
+    @property
+    def cancel_reason(self) -> CancelReason:
+        """Why the run is being cancelled: the caller's reason, else the deadline's."""
+        return self._run._cancel_reason or self._phase.value
+
     def _arm(self, phase_deadline: float, phase: _Phase) -> None:
         if phase_deadline < self.total_deadline:
             self._phase = phase
@@ -256,6 +269,13 @@ async def _drive(run: Run, executor: Executor, send: trio.MemorySendChannel[Runt
         with run._scope:
             try:
                 await executor.execute(run.spec, sink)
+            except RunAborted as exc:
+                if sink.pending_terminal is None:
+                    terminal = Cancelled(
+                        reason=CancelReason(exc.reason),
+                        message=exc.message,
+                        usage=sink.partial_usage(),
+                    )
             except Exception as exc:
                 if sink.pending_terminal is None:
                     terminal = _error_from(exc)

@@ -1,0 +1,62 @@
+"""The adapter contract.
+
+An adapter turns an ``ExecutionSpec`` into RuntimeEvents against one backend
+instance. ``execute`` *pushes* events into the sender it is given (it is not
+an async generator: no ``yield`` inside a cancel scope); it emits ``Start``
+first and ends by sending ``Complete``, or by raising an ``IopError``, which
+the runtime turns into the run's one ``Error`` event. Cancellation arrives as
+``trio.Cancelled`` at any await; adapters never catch it, they only make sure
+their ``async with`` blocks release the upstream connection.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Protocol
+
+from iop.capabilities import Capabilities, ProbeResult
+from iop.errors import RequestError
+from iop.runtime import EventSender
+from iop.spec import ExecutionSpec
+
+__all__ = ["Adapter", "require_model_and_messages"]
+
+
+class Adapter(Protocol):
+    """What every adapter offers to the node."""
+
+    kind: ClassVar[str]
+
+    @property
+    def name(self) -> str:
+        """The instance's name, unique on its node."""
+        ...
+
+    async def capabilities(self) -> Capabilities:
+        """What the instance serves and how much, with a fresh provider status."""
+        ...
+
+    async def probe(self, target: str = "") -> ProbeResult:
+        """Check the backend is up and, if given, serves ``target``."""
+        ...
+
+    async def execute(self, spec: ExecutionSpec, send: EventSender) -> None:
+        """Run ``spec``, pushing ``Start``, deltas and ``Complete`` into ``send``."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release the instance's resources (idempotent)."""
+        ...
+
+
+def require_model_and_messages(kind: str, spec: ExecutionSpec) -> str:
+    """Validate what every backend needs; return the model to ask for.
+
+    Raises:
+        RequestError: No target/model, or no messages (seed 000/003 order).
+    """
+    model = spec.model
+    if not model:
+        raise RequestError(f"{kind} adapter: target/model is required", param="model")
+    if not spec.request.messages:
+        raise RequestError(f"{kind} adapter: messages are required", param="messages")
+    return model

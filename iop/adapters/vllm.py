@@ -1,0 +1,137 @@
+"""Adapter for vLLM's OpenAI-compatible server (seed 000).
+
+vLLM's quirks live here. The request goes out as a streaming chat request; a
+non-2xx answer runs the seed's fallback chain, in the seed's order:
+
+1. The "auto tool choice requires --enable-auto-tool-choice" error with
+   exactly one tool: retry with that tool forced.
+2. If the (latest) answer is still a tool-support error: retry with the
+   text-tool fallback: tools described in the prompt, and ``Complete``
+   flagged so the edge synthesises tool calls from the text.
+3. Otherwise: an error with the status and a bounded excerpt of the body.
+
+Both of vLLM's error body shapes (nested since 0.10.1, flat before) are
+understood (``iop.wire._errors``), reasoning is read from
+``reasoning_content`` or ``reasoning``, and usage keeps cached and reasoning
+tokens (``iop.wire._openai_stream``).
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import AsyncExitStack
+from typing import Any, ClassVar
+
+import httpx
+
+from iop.adapters._base import require_model_and_messages
+from iop.adapters._http import HTTPBackend, build_chat_body
+from iop.wire._tool_prompt import (
+    fallback_messages,
+    forced_tool_choice,
+    is_auto_tool_choice_error,
+    is_tool_support_error,
+)
+from iop.capabilities import Capabilities, ProbeResult
+from iop.config import VllmInstance
+from iop.events import Start
+from iop.runtime import EventSender
+from iop.spec import ExecutionSpec
+from iop.wire._errors import parse_error_body
+
+__all__ = ["VllmAdapter"]
+
+log = logging.getLogger("iop.adapters.vllm")
+
+# vLLM does not know Ollama's extensions; everything else of the request is
+# passed through as the OpenAI fields vLLM understands.
+_VLLM_PASSTHROUGH = ("tools", "tool_choice")
+
+
+class VllmAdapter:
+    """Adapter for one vLLM server."""
+
+    kind: ClassVar[str] = "vllm"
+
+    def __init__(self, cfg: VllmInstance, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.cfg = cfg
+        self._http = HTTPBackend(cfg, kind=self.kind, provider="vllm", transport=transport)
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+    async def capabilities(self) -> Capabilities:
+        return await self._http.capabilities()
+
+    async def probe(self, target: str = "") -> ProbeResult:
+        return await self._http.probe(target)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def execute(self, spec: ExecutionSpec, send: EventSender) -> None:
+        model = require_model_and_messages(self.kind, spec)
+        await send.send(Start(target=model))
+        body = build_chat_body(spec, model=model, passthrough=_VLLM_PASSTHROUGH)
+        log.info(
+            "vllm executing run_id=%s target=%s endpoint=%s",
+            spec.run_id,
+            model,
+            self._http.endpoint,
+        )
+        async with AsyncExitStack() as stack:
+            response, text_tool_fallback = await self._request_with_fallback(stack, spec, body)
+            await self._http.pump(
+                response, send, run_id=spec.run_id, text_tool_fallback=text_tool_fallback
+            )
+
+    async def _request_with_fallback(
+        self, stack: AsyncExitStack, spec: ExecutionSpec, body: dict[str, Any]
+    ) -> tuple[httpx.Response, bool]:
+        """Send the request, applying the fallback chain on non-2xx answers.
+
+        Every response but the one returned is closed before the next try.
+        Returns the 2xx streaming response and whether the text-tool
+        fallback produced it.
+        """
+        http = self._http
+        response = await stack.enter_async_context(
+            http.post_chat(body, what="vllm request failed")
+        )
+        if response.is_success:
+            return response, False
+        error_body = await http.read_error_body(response)
+        await response.aclose()
+        message = parse_error_body(error_body).message
+
+        tools = spec.request.tools
+        if is_auto_tool_choice_error(message):
+            forced = forced_tool_choice(tools)
+            if forced is not None:
+                log.info("run %s: vllm has no auto tool choice; forcing the only tool", spec.run_id)
+                body = {**body, "tool_choice": forced}
+                response = await stack.enter_async_context(
+                    http.post_chat(body, what="vllm retry request failed")
+                )
+                if response.is_success:
+                    return response, False
+                error_body = await http.read_error_body(response)
+                await response.aclose()
+                message = parse_error_body(error_body).message
+
+        if self.cfg.text_tool_fallback and tools and is_tool_support_error(message):
+            log.info("run %s: vllm refused tools (%s); using the text-tool fallback", spec.run_id, message)
+            fallback = {k: v for k, v in body.items() if k not in ("tools", "tool_choice", "parallel_tool_calls")}
+            fallback["messages"] = fallback_messages(
+                spec.request.messages, tools, spec.request.tool_choice
+            )
+            response = await stack.enter_async_context(
+                http.post_chat(fallback, what="vllm text tool fallback request failed")
+            )
+            if response.is_success:
+                return response, True
+            error_body = await http.read_error_body(response)
+            await response.aclose()
+
+        raise http.http_error(response, error_body)

@@ -1,0 +1,125 @@
+"""``iop run`` and ``iop probe``: drive one adapter instance from a node config.
+
+For operators wiring up a backend: ``iop probe`` shows what each instance
+serves and whether its provider is up; ``iop run`` sends one chat request
+through an instance's adapter and prints its RuntimeEvents as they come, with
+the same runtime (deadlines, cancellation) the node uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import msgspec
+import trio
+
+from iop.adapters import build_adapter
+from iop.config import InstanceConfig, NodeConfig, load_config
+from iop.errors import ConfigError
+from iop.events import Complete, Delta, ReasoningDelta
+from iop.runtime import new_run_id, open_run_supervisor
+from iop.spec import ChatRequest, ExecutionSpec, Message
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "run",
+        help="send one chat request through an adapter instance and print its events",
+        description=(
+            "Send one chat request through an adapter instance of a node config and "
+            "print its RuntimeEvents (one JSON object per line with --events, else the "
+            "text as it streams). Exit status: 0 complete, 1 error or cancelled."
+        ),
+    )
+    p.add_argument("--config", required=True, help="node config (TOML) with [[instances]]")
+    p.add_argument("--instance", help="instance name (default: the first)")
+    p.add_argument("--model", default="", help="model to ask for (default: first target)")
+    p.add_argument("--max-tokens", type=int, default=None, help="max_tokens of the request")
+    p.add_argument("--events", action="store_true", help="print every event as JSON")
+    p.add_argument("prompt", help="the user message")
+    p.set_defaults(func=_cmd_run)
+
+    q = sub.add_parser(
+        "probe",
+        help="probe every adapter instance of a node config",
+        description="Probe each instance's backend (/v1/models) and print capabilities as JSON.",
+    )
+    q.add_argument("--config", required=True, help="node config (TOML) with [[instances]]")
+    q.set_defaults(func=_cmd_probe)
+
+
+def _pick(cfg: NodeConfig, name: str | None) -> InstanceConfig:
+    if not cfg.instances:
+        raise ConfigError("the config has no [[instances]]")
+    if name is None:
+        return cfg.instances[0]
+    for inst in cfg.instances:
+        if inst.name == name:
+            return inst
+    names = ", ".join(i.name for i in cfg.instances)
+    raise ConfigError(f"no instance named {name!r} (have: {names})")
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, NodeConfig)
+    inst = _pick(cfg, args.instance)
+    return trio.run(_run, inst, args)
+
+
+async def _run(inst: InstanceConfig, args: argparse.Namespace) -> int:
+    adapter = build_adapter(inst)
+    try:
+        model = args.model
+        if not model:
+            caps = await adapter.capabilities()
+            model = caps.targets[0] if caps.targets else ""
+        request = ChatRequest(
+            model=model,
+            messages=[Message(role="user", content=args.prompt)],
+            stream=True,
+            max_tokens=args.max_tokens,
+        )
+        spec = ExecutionSpec(run_id=new_run_id(), request=request, target=model)
+        ok = False
+        async with open_run_supervisor() as sup:
+            run = sup.start_run(adapter, spec, inst.deadlines)
+            async with run.events:
+                async for ev in run.events:
+                    if args.events:
+                        sys.stdout.write(msgspec.json.encode(ev).decode() + "\n")
+                    elif isinstance(ev, Delta):
+                        sys.stdout.write(ev.text)
+                    elif isinstance(ev, ReasoningDelta):
+                        sys.stderr.write(ev.text)
+                    elif not args.events:
+                        sys.stdout.write("\n")
+                        if not isinstance(ev, Complete):
+                            sys.stderr.write(f"[{msgspec.json.encode(ev).decode()}]\n")
+                    sys.stdout.flush()
+                    ok = isinstance(ev, Complete)
+        return 0 if ok else 1
+    finally:
+        await adapter.aclose()
+
+
+def _cmd_probe(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, NodeConfig)
+    return trio.run(_probe, cfg)
+
+
+async def _probe(cfg: NodeConfig) -> int:
+    worst = 0
+    for inst in cfg.instances:
+        adapter = build_adapter(inst)
+        try:
+            caps = await adapter.capabilities()
+        finally:
+            await adapter.aclose()
+        sys.stdout.write(msgspec.json.encode(caps).decode() + "\n")
+        if caps.provider_status != "available":
+            worst = 1
+    return worst

@@ -1,0 +1,183 @@
+"""``iop sim``: serve the deterministic simulated backend over HTTP.
+
+The sim speaks vLLM's OpenAI-compatible wire format byte for byte, so any
+client, the ``vllm`` adapter or a benchmark can be pointed at it. Settings
+come from ``--config`` (a TOML file with a ``[sim]`` table), then the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from functools import partial
+from typing import Any
+
+import msgspec
+import trio
+
+from iop.config import SimConfig, load_config
+from iop.errors import ConfigError
+from iop.sim import SimFile, serve_sim
+
+__all__ = ["add_parser"]
+
+_FAILURES = (
+    "none",
+    "http_500",
+    "http_429",
+    "midstream_error",
+    "truncate",
+    "stall_before_first_byte",
+    "stall_mid_stream",
+    "malformed_chunk",
+)
+
+_D = SimConfig()  # defaults shown in --help
+
+_EPILOG = """\
+examples:
+  iop sim                                    # iop-sim on http://127.0.0.1:8000/v1
+  iop sim --port 0 --tokens-per-s 50         # a free port, 50 tokens/s
+  iop sim --reasoning-tokens 16 --ttft 0.5   # reasoning first, 0.5 s to first token
+  iop sim --no-auto-tool-choice              # vLLM without --enable-auto-tool-choice
+  iop sim --failure midstream_error --fail-after-tokens 4
+  iop sim --config sim.toml --seed 7         # [sim] table from a file, seed overridden
+
+per request: a request key "iop_sim" (an object of the same settings, e.g.
+{"iop_sim": {"failure": "http_429"}}) overrides the server's settings for
+that request only.
+"""
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "sim",
+        help="serve the deterministic simulated backend (vLLM wire format)",
+        description=(
+            "Serve a deterministic simulated model over HTTP, speaking vLLM's "
+            "OpenAI-compatible API (POST /v1/chat/completions, GET /v1/models, "
+            "GET /health): same request, same bytes. Timing, reasoning, tool calls "
+            "and failures are configurable. Stops cleanly on SIGINT/SIGTERM."
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="interface to listen on (default: %(default)s)"
+    )
+    p.add_argument(
+        "--port", type=int, default=8000, help="TCP port, 0 for a free one (default: %(default)s)"
+    )
+    p.add_argument("--config", metavar="FILE", help="TOML file with a [sim] table")
+    g = p.add_argument_group("simulation (override the config file)")
+    g.add_argument("--model", help=f"model name served (default: {_D.model})")
+    g.add_argument(
+        "--ttft",
+        type=float,
+        dest="ttft_s",
+        metavar="SECONDS",
+        help=f"time to first token (default: {_D.ttft_s:g})",
+    )
+    g.add_argument(
+        "--tokens-per-s",
+        type=float,
+        metavar="RATE",
+        help=f"token rate; 0 = as fast as possible (default: {_D.tokens_per_s:g})",
+    )
+    g.add_argument(
+        "--output-tokens",
+        type=int,
+        metavar="N",
+        help=f"content tokens per answer (default: {_D.output_tokens})",
+    )
+    g.add_argument(
+        "--reasoning-tokens",
+        type=int,
+        metavar="N",
+        help=f"reasoning tokens before the content (default: {_D.reasoning_tokens})",
+    )
+    g.add_argument(
+        "--tool-mode",
+        choices=["native", "text", "none"],
+        help="tool calls as OpenAI deltas (native, the default), as Hermes <tool_call> text, or never",
+    )
+    g.add_argument(
+        "--no-auto-tool-choice",
+        dest="auto_tool_choice",
+        action="store_const",
+        const=False,
+        default=None,
+        help="answer tool requests with vLLM's 400 (no --enable-auto-tool-choice)",
+    )
+    g.add_argument(
+        "--failure", choices=_FAILURES, help="inject a failure into every answer (default: none)"
+    )
+    g.add_argument(
+        "--fail-after-tokens",
+        type=int,
+        metavar="N",
+        help=f"tokens sent before a mid-stream failure (default: {_D.fail_after_tokens})",
+    )
+    g.add_argument("--seed", type=int, help=f"seed of the deterministic text (default: {_D.seed})")
+    p.set_defaults(func=_cmd_sim)
+
+
+_OVERRIDES = (
+    "model",
+    "ttft_s",
+    "tokens_per_s",
+    "output_tokens",
+    "reasoning_tokens",
+    "tool_mode",
+    "auto_tool_choice",
+    "failure",
+    "fail_after_tokens",
+    "seed",
+)
+
+
+def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
+    """The file's ``[sim]`` table (if any) with the flags given on top.
+
+    Raises:
+        ConfigError: The file or a flag's value is invalid.
+    """
+    base = load_config(args.config, SimFile).sim if args.config else SimConfig()
+    flags = {k: getattr(args, k) for k in _OVERRIDES if getattr(args, k) is not None}
+    if not flags:
+        return base
+    try:
+        return msgspec.convert({**msgspec.structs.asdict(base), **flags}, SimConfig)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"invalid sim setting: {exc}") from exc
+
+
+def _cmd_sim(args: argparse.Namespace) -> int:
+    cfg = sim_config_from_args(args)
+    trio.run(_serve_until_signal, cfg, args.host, args.port)
+    return 0
+
+
+async def _serve_until_signal(cfg: SimConfig, host: str, port: int) -> None:
+    stop = trio.Event()
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def watch_signals() -> None:
+                async for _ in signals:
+                    stop.set()
+                    return
+
+            nursery.start_soon(watch_signals)
+            url = await nursery.start(
+                partial(serve_sim, cfg, host, port, shutdown_trigger=stop.wait)
+            )
+            print(
+                f"iop sim: serving model {cfg.model!r} (vLLM wire format) on {url}/v1",
+                flush=True,
+            )
+            await stop.wait()
+            # serve_sim returns once hypercorn has shut down; the watcher is
+            # done too, so the nursery closes on its own.
+    print("iop sim: stopped", file=sys.stderr, flush=True)

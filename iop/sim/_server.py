@@ -1,0 +1,271 @@
+"""The simulated backend as an HTTP server speaking vLLM's wire format.
+
+``create_sim_app(cfg)`` builds a quart-trio app with vLLM's routes
+(``POST /v1/chat/completions`` streaming and not, ``GET /v1/models``,
+``GET /health``); ``serve_sim`` runs it on hypercorn's trio worker. What the
+model says and when comes from ``iop.sim._script``, the bytes from
+``iop.sim._vllm_wire``; this module only does the IO: it reads the request,
+sleeps the script's delays and writes the frames.
+
+Streams are async generators that only ``trio.sleep`` and ``yield`` bytes
+(no nursery or cancel scope around a ``yield``, trio-stack.md §2 P4). A
+client that disconnects makes quart-trio cancel the generator, whose
+``finally`` counts it in ``app.sim_stats``: tests assert that the server saw
+the client go away, which is what makes a real vLLM abort the generation.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
+from typing import Final
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve
+from quart import Response, request
+from quart_trio import QuartTrio
+from werkzeug.exceptions import MethodNotAllowed, NotFound, RequestEntityTooLarge
+
+from iop.config import SimConfig
+from iop.errors import RequestError
+from iop.sim._script import SimScript, build_script
+from iop.sim._vllm_wire import (
+    SSE_CONTENT_TYPE,
+    Ending,
+    StreamPlan,
+    completion_body,
+    error_body,
+    injected_http_error,
+    model_not_found,
+    models_body,
+    parse_chat_request,
+    stream_plan,
+)
+
+__all__ = ["MAX_REQUEST_BYTES", "SimApp", "SimStats", "create_sim_app", "serve_sim"]
+
+log = logging.getLogger("iop.sim")
+
+# A chat request with a long conversation and many tool schemas is a few
+# hundred KiB; 4 MiB leaves room for that and still bounds what one request
+# can make the sim buffer.
+MAX_REQUEST_BYTES: Final = 4 * 1024 * 1024
+
+# How long open streams may run on after shutdown is triggered. Stalled
+# streams never end by themselves, so keep it short: Ctrl-C should be prompt.
+SHUTDOWN_GRACE_S: Final = 1.0
+
+_JSON: Final = "application/json"
+
+
+@dataclasses.dataclass
+class SimStats:
+    """What the server has seen; read by tests and benchmarks.
+
+    Attributes:
+        requests: ``POST /v1/chat/completions`` requests received.
+        statuses: Responses by HTTP status.
+        streams_opened: Streamed responses started.
+        streams_finished: Streams that ran to the end of their plan.
+        open_streams: Streams currently open.
+        open_completions: Non-streamed answers currently being generated.
+        client_disconnects: Generations (streamed or not) cut off before
+            their end because the client went away (or the server shut down).
+    """
+
+    requests: int = 0
+    statuses: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
+    streams_opened: int = 0
+    streams_finished: int = 0
+    open_streams: int = 0
+    open_completions: int = 0
+    client_disconnects: int = 0
+
+
+class SimApp(QuartTrio):
+    """The sim's quart-trio app; ``sim_config`` and ``sim_stats`` are public."""
+
+    def __init__(self, cfg: SimConfig) -> None:
+        super().__init__("iop.sim")
+        self.sim_config = cfg
+        self.sim_stats = SimStats()
+        self.started_at = int(time.time())
+
+
+def _json_response(body: bytes, status: int, headers: dict[str, str] | None = None) -> Response:
+    return Response(body, status=status, headers=headers, content_type=_JSON)
+
+
+def _error_response(exc: RequestError) -> Response:
+    return _json_response(error_body(exc.message, status=exc.status, param=exc.param), exc.status)
+
+
+async def _stream_body(plan: StreamPlan, stats: SimStats) -> AsyncIterator[bytes]:
+    stats.streams_opened += 1
+    stats.open_streams += 1
+    finished = False
+    try:
+        for frame in plan.frames:
+            if frame.delay_s > 0:
+                await trio.sleep(frame.delay_s)
+            yield frame.data
+        if plan.ending is Ending.STALL:
+            await trio.sleep_forever()
+        finished = True
+    finally:
+        stats.open_streams -= 1
+        if finished:
+            stats.streams_finished += 1
+        else:
+            stats.client_disconnects += 1
+
+
+async def _complete(script: SimScript, stats: SimStats, created: int) -> Response:
+    """The non-streaming answer, after the whole generation time."""
+    cfg = script.config
+    finished = False
+    stats.open_completions += 1
+    try:
+        if cfg.failure in ("stall_before_first_byte", "stall_mid_stream"):
+            await trio.sleep_forever()
+        if script.total_delay_s > 0:
+            await trio.sleep(script.total_delay_s)
+        finished = True
+    finally:
+        stats.open_completions -= 1
+        if not finished:
+            stats.client_disconnects += 1
+    if cfg.failure == "midstream_error":
+        # vLLM's full generator turns an engine failure into a 500.
+        return _json_response(error_body("sim: injected generation error", status=500), 500)
+    body = completion_body(script, created=created)
+    if cfg.failure == "truncate":
+        # Half a JSON document, then the connection closes.
+        return _json_response(body[: len(body) // 2], 200, {"Connection": "close"})
+    return _json_response(body, 200)
+
+
+def create_sim_app(cfg: SimConfig) -> SimApp:
+    """Build the sim's app: vLLM's routes, answering from ``cfg``.
+
+    Args:
+        cfg: What to simulate; a request's ``iop_sim`` key overrides it for
+            that request.
+    """
+    app = SimApp(cfg)
+    # Quart's 60 s response timeout would silently cut long streams
+    # (trio-stack.md §2 P1); run deadlines belong to the client.
+    app.config["RESPONSE_TIMEOUT"] = None
+    app.config["MAX_CONTENT_LENGTH"] = MAX_REQUEST_BYTES
+    stats = app.sim_stats
+
+    @app.after_request
+    async def count_status(response: Response) -> Response:
+        stats.statuses[response.status_code] += 1
+        return response
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        stats.requests += 1
+        raw = await request.get_data(cache=False, as_text=False, parse_form_data=False)
+        try:
+            chat = parse_chat_request(raw)
+            if chat.model != cfg.model:
+                raise model_not_found(chat.model)
+            script = build_script(chat, cfg)
+        except RequestError as exc:
+            log.debug("sim: refused request (%d): %s", exc.status, exc.message)
+            return _error_response(exc)
+        injected = injected_http_error(script.config)
+        if injected is not None:
+            status, body = injected
+            headers = {"Retry-After": "1"} if status == 429 else None
+            return _json_response(body, status, headers)
+        created = int(time.time())
+        if not chat.stream:
+            return await _complete(script, stats, created)
+        include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
+        plan = stream_plan(script, created=created, include_usage=include_usage)
+        headers = {"Connection": "close"} if plan.ending is Ending.TRUNCATE else None
+        response = Response(
+            _stream_body(plan, stats), status=200, headers=headers, content_type=SSE_CONTENT_TYPE
+        )
+        response.timeout = None
+        return response
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return _json_response(models_body(cfg.model, created=app.started_at), 200)
+
+    @app.get("/health")
+    async def health() -> Response:
+        # vLLM answers an empty 200.
+        return Response(b"", status=200)
+
+    @app.errorhandler(RequestEntityTooLarge)
+    async def too_large(_exc: RequestEntityTooLarge) -> Response:
+        message = f"request body exceeds {MAX_REQUEST_BYTES} bytes"
+        return _json_response(error_body(message, status=413), 413)
+
+    # FastAPI's bodies for unknown routes and methods, as vLLM sends them.
+    @app.errorhandler(NotFound)
+    async def not_found(_exc: NotFound) -> Response:
+        return _json_response(b'{"detail":"Not Found"}', 404)
+
+    @app.errorhandler(MethodNotAllowed)
+    async def not_allowed(_exc: MethodNotAllowed) -> Response:
+        return _json_response(b'{"detail":"Method Not Allowed"}', 405)
+
+    return app
+
+
+def _bind(host: str, port: int) -> str:
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"  # IPv6 literal
+    return f"{host}:{port}"
+
+
+async def serve_sim(
+    cfg: SimConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    app: SimApp | None = None,
+    shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve the sim on ``host:port`` until ``shutdown_trigger`` returns.
+
+    Start it with ``url = await nursery.start(serve_sim, cfg, host, port)``;
+    ``url`` is the bound base URL (``http://127.0.0.1:43117``), which tells
+    the real port when ``port`` is 0. Stop it with ``shutdown_trigger``
+    rather than by cancelling: that runs the app's shutdown and closes the
+    connections cleanly.
+
+    Args:
+        cfg: What to simulate.
+        host: Interface to listen on.
+        port: TCP port; 0 picks a free one.
+        app: Serve this app (from ``create_sim_app``) instead of a new one,
+            e.g. to read its ``sim_stats``.
+        shutdown_trigger: Returns when the server should stop.
+        task_status: Receives the bound URL once the socket listens.
+    """
+    if app is None:
+        app = create_sim_app(cfg)
+    hc = HypercornConfig()
+    hc.bind = [_bind(host, port)]
+    hc.accesslog = None
+    hc.errorlog = logging.getLogger("hypercorn.error")
+    hc.graceful_timeout = SHUTDOWN_GRACE_S
+    async with trio.open_nursery() as nursery:
+        binds: list[str] = await nursery.start(
+            partial(serve, app, hc, shutdown_trigger=shutdown_trigger)
+        )
+        log.info("sim: serving model %r on %s", cfg.model, binds[0])
+        task_status.started(binds[0])

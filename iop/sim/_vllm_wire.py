@@ -1,0 +1,415 @@
+"""vLLM's OpenAI-compatible wire format, byte for byte (sans-IO).
+
+Encodes a ``SimScript`` the way vLLM's server sends it (protocols.md §1,
+transcripts ``vllm_*.txt``):
+
+* chunks are compact JSON with pydantic's field order: ``id, object,
+  created, model, choices``; a choice is ``index, delta, logprobs,
+  finish_reason`` (+ ``stop_reason`` on the finish chunk, ``token_ids``
+  after the role chunk); the role chunk ``{"role":"assistant","content":""}``
+  comes first and carries ``prompt_token_ids``;
+* reasoning is the ``reasoning`` delta field (vLLM >= 0.16);
+* the usage chunk (``choices: []``, ``prompt_tokens, total_tokens,
+  completion_tokens``) only with ``stream_options.include_usage``;
+* ``data: [DONE]`` ends every stream, also after an in-stream error, whose
+  JSON uses ``json.dumps``'s default separators (vLLM's
+  ``create_streaming_error_response``);
+* error bodies are the nested ``{"error": {"message", "type", "param",
+  "code": <int>}}`` of vLLM >= 0.10.1.
+
+Injected failures (``SimConfig.failure``) change the plan: a ``StreamPlan``
+is a list of timed frames plus how the stream ends (``Ending``): after
+``[DONE]``, cut short (no ``[DONE]``), or stalled until the client leaves.
+
+Requests are decoded here too (``parse_chat_request``): known fields into a
+``ChatRequest``, the rest into ``extra_body``, as vLLM passes unknown keys.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from http import HTTPStatus
+from typing import Any, Final
+
+import msgspec
+
+from iop.config import SimConfig
+from iop.errors import RequestError
+from iop.sim._script import (
+    ContentToken,
+    ReasoningToken,
+    SimScript,
+    Step,
+    ToolCallBegin,
+)
+from iop.spec import ChatRequest
+
+__all__ = [
+    "MALFORMED_CHUNK",
+    "SSE_CONTENT_TYPE",
+    "Ending",
+    "Frame",
+    "StreamPlan",
+    "completion_body",
+    "error_body",
+    "error_type",
+    "injected_http_error",
+    "model_not_found",
+    "models_body",
+    "parse_chat_request",
+    "stream_plan",
+    "streaming_error_event",
+]
+
+# Starlette appends the charset to StreamingResponse's media type.
+SSE_CONTENT_TYPE: Final = "text/event-stream; charset=utf-8"
+DONE: Final = b"data: [DONE]\n\n"
+MALFORMED_CHUNK: Final = b"data: {not json\n\n"
+
+# vLLM's default --max-model-len for small models; only shown in /v1/models.
+MAX_MODEL_LEN: Final = 32768
+
+_REQUEST_FIELDS: Final = frozenset(f.name for f in msgspec.structs.fields(ChatRequest)) - {
+    "extra_body"
+}
+
+# The "type" of vLLM's ErrorInfo by status (create_error_response's err_type).
+_ERROR_TYPES: Final = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    413: "BadRequestError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+}
+
+_encode = msgspec.json.encode
+
+
+class Ending(enum.Enum):
+    """How a stream ends after its last frame."""
+
+    DONE = "done"  # the frames end with [DONE]; close normally
+    TRUNCATE = "truncate"  # cut short: no [DONE], connection closed
+    STALL = "stall"  # silence until the client goes away
+
+
+class Frame(msgspec.Struct, frozen=True):
+    """SSE bytes to send after waiting ``delay_s``."""
+
+    delay_s: float
+    data: bytes
+
+
+class StreamPlan(msgspec.Struct, frozen=True):
+    """A whole streamed response: timed frames, then an ending."""
+
+    frames: tuple[Frame, ...]
+    ending: Ending
+
+    @property
+    def body(self) -> bytes:
+        return b"".join(f.data for f in self.frames)
+
+
+# --- requests -----------------------------------------------------------------------
+
+
+def parse_chat_request(raw: bytes) -> ChatRequest:
+    """Decode a ``/v1/chat/completions`` body; unknown keys go to ``extra_body``.
+
+    Raises:
+        RequestError: Not JSON, not an object, or not a valid request
+            (missing ``model``/``messages``, wrong types...).
+    """
+    try:
+        data = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"invalid JSON body: {exc}") from exc
+    if not isinstance(data, dict):
+        raise RequestError("the request body must be a JSON object")
+    known = {k: v for k, v in data.items() if k in _REQUEST_FIELDS}
+    extra = {k: v for k, v in data.items() if k not in _REQUEST_FIELDS}
+    if extra:
+        known["extra_body"] = extra
+    try:
+        request = msgspec.convert(known, ChatRequest)
+    except msgspec.ValidationError as exc:
+        raise RequestError(str(exc)) from exc
+    if request.stream_options is not None and not request.stream:
+        raise RequestError(
+            "Stream options can only be defined when `stream=True`.", param="stream_options"
+        )
+    return request
+
+
+def model_not_found(model: str) -> RequestError:
+    """vLLM's 404 for a model it does not serve."""
+    return RequestError(
+        f"The model `{model}` does not exist.", status=404, code="model_not_found", param="model"
+    )
+
+
+# --- errors -------------------------------------------------------------------------
+
+
+def error_type(status: int) -> str:
+    """vLLM's ``ErrorInfo.type`` for a status."""
+    if status in _ERROR_TYPES:
+        return _ERROR_TYPES[status]
+    try:
+        return HTTPStatus(status).phrase.replace(" ", "")
+    except ValueError:
+        return "InternalServerError"
+
+
+def error_body(
+    message: str, *, status: int, type_: str | None = None, param: str | None = None
+) -> bytes:
+    """vLLM's error body: ``{"error":{"message","type","param","code":<int>}}``."""
+    info = {
+        "message": message,
+        "type": type_ or error_type(status),
+        "param": param,
+        "code": status,
+    }
+    return _encode({"error": info})
+
+
+def streaming_error_event(message: str, *, status: int = 500) -> bytes:
+    """An in-stream error event (``json.dumps`` separators, as vLLM writes it)."""
+    info = {"message": message, "type": error_type(status), "param": None, "code": status}
+    return b"data: " + json.dumps({"error": info}).encode() + b"\n\n"
+
+
+def injected_http_error(cfg: SimConfig) -> tuple[int, bytes] | None:
+    """Status and body of an injected ``http_500``/``http_429``, else None."""
+    if cfg.failure == "http_500":
+        return 500, error_body("sim: injected failure (http_500)", status=500)
+    if cfg.failure == "http_429":
+        return 429, error_body("sim: injected failure (http_429): too many requests", status=429)
+    return None
+
+
+# --- streams ------------------------------------------------------------------------
+
+
+class _Chunks:
+    """Pre-encoded chunk templates for one response (trio-stack.md §5e)."""
+
+    def __init__(self, script: SimScript, created: int) -> None:
+        head = (
+            b'data: {"id":'
+            + _encode(script.completion_id)
+            + b',"object":"chat.completion.chunk","created":'
+            + str(created).encode()
+            + b',"model":'
+            + _encode(script.model)
+        )
+        self.head = head
+        self._token_prefix = head + b',"choices":[{"index":0,"delta":'
+        self._token_suffix = b',"logprobs":null,"finish_reason":null,"token_ids":null}]}\n\n'
+
+    def role(self) -> bytes:
+        return (
+            self.head
+            + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+            + b'"logprobs":null,"finish_reason":null}],"prompt_token_ids":null}\n\n'
+        )
+
+    def token(self, step: Step) -> bytes:
+        return self._token_prefix + _delta(step) + self._token_suffix
+
+    def finish(self, reason: str, delta: bytes = b'{"content":""}') -> bytes:
+        return (
+            self._token_prefix
+            + delta
+            + b',"logprobs":null,"finish_reason":'
+            + _encode(reason)
+            + b',"stop_reason":null,"token_ids":null}]}\n\n'
+        )
+
+    def usage(self, script: SimScript) -> bytes:
+        return self.head + b',"choices":[],"usage":' + _encode(_usage(script)) + b"}\n\n"
+
+
+def _delta(step: Step) -> bytes:
+    if isinstance(step, ContentToken):
+        return b'{"content":' + _encode(step.text) + b"}"
+    if isinstance(step, ReasoningToken):
+        return b'{"reasoning":' + _encode(step.text) + b"}"
+    if isinstance(step, ToolCallBegin):
+        call = {
+            "id": step.id,
+            "type": "function",
+            "index": 0,
+            "function": {"name": step.name},
+        }
+        return _encode({"tool_calls": [call]})
+    return _encode({"tool_calls": [{"index": 0, "function": {"arguments": step.text}}]})
+
+
+def _usage(script: SimScript) -> dict[str, Any]:
+    prompt, completion = script.prompt_tokens, script.completion_tokens
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+    }
+    if script.reasoning_tokens:
+        # vLLM main with a reasoning parser (PR #45802, protocols.md §1.6).
+        usage["completion_tokens_details"] = {"reasoning_tokens": script.reasoning_tokens}
+    return usage
+
+
+def stream_plan(script: SimScript, *, created: int, include_usage: bool) -> StreamPlan:
+    """The streamed response for ``script``, with its injected failure if any.
+
+    The role chunk goes out with the first token (vLLM sends it with the
+    first engine output, after prefill). Failures strike after
+    ``fail_after_tokens`` token chunks (or before the finish chunk if the
+    answer is shorter). ``http_500``/``http_429`` are not stream failures:
+    check ``injected_http_error`` first.
+    """
+    cfg = script.config
+    chunks = _Chunks(script, created)
+    steps = script.steps
+    failure = cfg.failure
+    if failure == "stall_before_first_byte":
+        return StreamPlan((), Ending.STALL)
+    fail_at = min(max(cfg.fail_after_tokens, 0), len(steps))
+
+    frames: list[Frame] = []
+    first_delay = steps[0].delay_s if steps else script.finish_delay_s
+    frames.append(Frame(first_delay, chunks.role()))
+    for i, step in enumerate(steps):
+        # The first token's delay (the TTFT) was spent before the role chunk.
+        delay = 0.0 if i == 0 else step.delay_s
+        if i == fail_at:
+            ending = _inject(frames, chunks, failure, delay)
+            if ending is not None:
+                return StreamPlan(tuple(frames), ending)
+        if script.capped and i == len(steps) - 1:
+            frames.append(Frame(delay, chunks.finish(script.finish_reason.value, _delta(step))))
+        else:
+            frames.append(Frame(delay, chunks.token(step)))
+    if fail_at == len(steps):
+        tail_delay = 0.0 if script.capped or not steps else script.finish_delay_s
+        ending = _inject(frames, chunks, failure, tail_delay)
+        if ending is not None:
+            return StreamPlan(tuple(frames), ending)
+    if not script.capped:
+        delay = script.finish_delay_s if steps else 0.0
+        frames.append(Frame(delay, chunks.finish(script.finish_reason.value)))
+    if include_usage:
+        frames.append(Frame(0.0, chunks.usage(script)))
+    frames.append(Frame(0.0, DONE))
+    return StreamPlan(tuple(frames), Ending.DONE)
+
+
+def _inject(frames: list[Frame], chunks: _Chunks, failure: str, delay: float) -> Ending | None:
+    """Append the failure's frames; return the ending if the stream stops here."""
+    if failure == "midstream_error":
+        frames.append(Frame(delay, streaming_error_event("sim: injected mid-stream error")))
+        frames.append(Frame(0.0, DONE))
+        return Ending.DONE
+    if failure == "truncate":
+        return Ending.TRUNCATE
+    if failure == "stall_mid_stream":
+        return Ending.STALL
+    if failure == "malformed_chunk":
+        frames.append(Frame(0.0, MALFORMED_CHUNK))
+    return None
+
+
+# --- whole bodies ---------------------------------------------------------------------
+
+
+def completion_body(script: SimScript, *, created: int) -> bytes:
+    """vLLM's non-streaming ``chat.completion`` body (``model_dump`` field order)."""
+    call = script.tool_call
+    content = script.content
+    reasoning = script.reasoning
+    message = {
+        "role": "assistant",
+        "content": content if content or call is None else None,
+        "refusal": None,
+        "annotations": None,
+        "audio": None,
+        "function_call": None,
+        "tool_calls": (
+            []
+            if call is None
+            else [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": call.arguments},
+                }
+            ]
+        ),
+        "reasoning": reasoning or None,
+    }
+    usage = _usage(script)
+    # model_dump of UsageInfo: prompt_tokens_details comes before the
+    # completion details and is null without --enable-prompt-tokens-details.
+    details = usage.pop("completion_tokens_details", None)
+    usage["prompt_tokens_details"] = None
+    if details is not None:
+        usage["completion_tokens_details"] = details
+    body = {
+        "id": script.completion_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": script.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": message,
+                "logprobs": None,
+                "finish_reason": script.finish_reason.value,
+                "stop_reason": None,
+                "token_ids": None,
+            }
+        ],
+        "service_tier": None,
+        "system_fingerprint": None,
+        "usage": usage,
+        "prompt_logprobs": None,
+        "prompt_token_ids": None,
+        "kv_transfer_params": None,
+    }
+    return _encode(body)
+
+
+def models_body(model: str, *, created: int) -> bytes:
+    """vLLM's ``GET /v1/models`` body for one served model (protocols.md §1.8)."""
+    perm_id = "modelperm-" + hashlib.sha256(model.encode()).hexdigest()[:32]
+    card = {
+        "id": model,
+        "object": "model",
+        "created": created,
+        "owned_by": "vllm",
+        "root": model,
+        "parent": None,
+        "max_model_len": MAX_MODEL_LEN,
+        "permission": [
+            {
+                "id": perm_id,
+                "object": "model_permission",
+                "created": created,
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": True,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+        ],
+    }
+    return _encode({"object": "list", "data": [card]})

@@ -1,0 +1,60 @@
+"""The architecture's rules, checked: sans-IO cores and explicit public surfaces."""
+
+from __future__ import annotations
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+SANS_IO_MODULES = [
+    "iop.events",
+    "iop.errors",
+    "iop.spec",
+    "iop.config",
+    "iop.capabilities",
+    "iop.wire",
+    "iop.wire._sse",
+    "iop.wire._chunks",
+    "iop.wire._errors",
+    "iop.wire._openai_stream",
+    "iop.wire._toolcalls",
+    "iop.wire._tooltext",
+    "iop.wire._tool_prompt",
+]
+IO_LIBRARIES = ["trio", "httpx", "httpcore", "quart", "quart_trio", "hypercorn", "anyio"]
+
+
+@pytest.mark.parametrize("module", SANS_IO_MODULES)
+def test_sans_io_modules_import_no_io_library(module: str) -> None:
+    # A fresh interpreter, so nothing else has imported trio already.
+    code = (
+        f"import sys, importlib; importlib.import_module({module!r}); "
+        f"bad = [m for m in {IO_LIBRARIES!r} if m in sys.modules]; print(','.join(bad))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == "", f"{module} pulls in {out.stdout.strip()}"
+
+
+PUBLIC_PACKAGES = [
+    "iop",
+    "iop.runtime",
+    "iop.adapters",
+    "iop.wire",
+    "iop.testing",
+    "iop.sim",
+    "iop.managed",
+]
+
+
+@pytest.mark.parametrize("package", PUBLIC_PACKAGES)
+def test_public_surface_is_explicit(package: str) -> None:
+    mod = importlib.import_module(package)
+    exported = getattr(mod, "__all__", None)
+    assert exported is not None, f"{package} has no __all__"
+    for name in exported:
+        assert hasattr(mod, name), f"{package}.__all__ names missing {name}"
+        assert not name.startswith("_") or name == "__version__"
