@@ -166,7 +166,9 @@ class HTTPBackend:
                 write=cfg.connect_timeout_s,
                 pool=None,
             ),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=KEEPALIVE_CONNECTIONS),
+            limits=httpx.Limits(
+                max_connections=None, max_keepalive_connections=KEEPALIVE_CONNECTIONS
+            ),
         )
 
     async def aclose(self) -> None:
@@ -261,7 +263,9 @@ class HTTPBackend:
     # --- chat ---------------------------------------------------------------
 
     @asynccontextmanager
-    async def post_chat(self, body: Mapping[str, Any], *, what: str) -> AsyncIterator[httpx.Response]:
+    async def post_chat(
+        self, body: Mapping[str, Any], *, what: str
+    ) -> AsyncIterator[httpx.Response]:
         """POST a streaming chat request; yield the response with its body unread.
 
         Leaving the context closes the response, and with it the TCP

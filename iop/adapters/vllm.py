@@ -26,18 +26,18 @@ import httpx
 
 from iop.adapters._base import require_model_and_messages
 from iop.adapters._http import HTTPBackend, build_chat_body
-from iop.wire._tool_prompt import (
-    fallback_messages,
-    forced_tool_choice,
-    is_auto_tool_choice_error,
-    is_tool_support_error,
-)
 from iop.capabilities import Capabilities, ProbeResult
 from iop.config import VllmInstance
 from iop.events import Start
 from iop.runtime import EventSender
 from iop.spec import ExecutionSpec
 from iop.wire._errors import parse_error_body
+from iop.wire._tool_prompt import (
+    fallback_messages,
+    forced_tool_choice,
+    is_auto_tool_choice_error,
+    is_tool_support_error,
+)
 
 __all__ = ["VllmAdapter"]
 
@@ -53,7 +53,9 @@ class VllmAdapter:
 
     kind: ClassVar[str] = "vllm"
 
-    def __init__(self, cfg: VllmInstance, *, transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(
+        self, cfg: VllmInstance, *, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
         self.cfg = cfg
         self._http = HTTPBackend(cfg, kind=self.kind, provider="vllm", transport=transport)
 
@@ -96,9 +98,7 @@ class VllmAdapter:
         fallback produced it.
         """
         http = self._http
-        response = await stack.enter_async_context(
-            http.post_chat(body, what="vllm request failed")
-        )
+        response = await stack.enter_async_context(http.post_chat(body, what="vllm request failed"))
         if response.is_success:
             return response, False
         error_body = await http.read_error_body(response)
@@ -121,8 +121,16 @@ class VllmAdapter:
                 message = parse_error_body(error_body).message
 
         if self.cfg.text_tool_fallback and tools and is_tool_support_error(message):
-            log.info("run %s: vllm refused tools (%s); using the text-tool fallback", spec.run_id, message)
-            fallback = {k: v for k, v in body.items() if k not in ("tools", "tool_choice", "parallel_tool_calls")}
+            log.info(
+                "run %s: vllm refused tools (%s); using the text-tool fallback",
+                spec.run_id,
+                message,
+            )
+            fallback = {
+                k: v
+                for k, v in body.items()
+                if k not in ("tools", "tool_choice", "parallel_tool_calls")
+            }
             fallback["messages"] = fallback_messages(
                 spec.request.messages, tools, spec.request.tool_choice
             )

@@ -17,7 +17,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import iop.sim
-from iop.wire._tool_prompt import fallback_messages
 from iop.config import SimConfig
 from iop.errors import RequestError
 from iop.events import FinishReason
@@ -42,6 +41,7 @@ from iop.spec import (
     Tool,
 )
 from iop.spec import FunctionCall as MsgFunctionCall
+from iop.wire._tool_prompt import fallback_messages
 
 WEATHER = Tool(
     function=FunctionDef(
