@@ -22,6 +22,9 @@ SANS_IO_MODULES = [
     "iop.wire._toolcalls",
     "iop.wire._tooltext",
     "iop.wire._tool_prompt",
+    "iop.protocol",
+    "iop.protocol._messages",
+    "iop.protocol._session",
 ]
 IO_LIBRARIES = ["trio", "httpx", "httpcore", "quart", "quart_trio", "hypercorn", "anyio"]
 

@@ -1,0 +1,71 @@
+"""The edge <-> node link protocol, sans-IO: messages, codec, session state machines.
+
+See ``iop.protocol._session`` for flow control and liveness, and
+``docs/protocol.md`` for the wire description.
+"""
+
+from iop.protocol._messages import (
+    PROTOCOL_VERSION,
+    Assign,
+    Cancel,
+    CapabilitiesUpdate,
+    Credit,
+    EdgeMessage,
+    Goodbye,
+    Hello,
+    NodeMessage,
+    Ping,
+    Pong,
+    RunEvents,
+    Welcome,
+    decode_edge_message,
+    decode_node_message,
+    encode,
+)
+from iop.protocol._session import (
+    DEFAULT_RUN_WINDOW,
+    AssignReceived,
+    CancelReceived,
+    CapabilitiesChanged,
+    CreditReceived,
+    EdgeSession,
+    LinkState,
+    NodeDraining,
+    NodeJoined,
+    NodeSession,
+    PingReceived,
+    RunEventsReceived,
+    Welcomed,
+)
+
+__all__ = [
+    "DEFAULT_RUN_WINDOW",
+    "PROTOCOL_VERSION",
+    "Assign",
+    "AssignReceived",
+    "Cancel",
+    "CancelReceived",
+    "CapabilitiesChanged",
+    "CapabilitiesUpdate",
+    "Credit",
+    "CreditReceived",
+    "EdgeMessage",
+    "EdgeSession",
+    "Goodbye",
+    "Hello",
+    "LinkState",
+    "NodeDraining",
+    "NodeJoined",
+    "NodeMessage",
+    "NodeSession",
+    "Ping",
+    "PingReceived",
+    "Pong",
+    "RunEvents",
+    "RunEventsReceived",
+    "Welcome",
+    "Welcomed",
+    "decode_edge_message",
+    "decode_node_message",
+    "encode",
+]

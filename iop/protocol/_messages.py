@@ -1,0 +1,173 @@
+"""Edge <-> node link messages and their codec.
+
+One WebSocket binary frame carries one message, msgpack-encoded. Messages are
+a tagged union (tag field ``"t"``); each direction has its own union so a peer
+that sends the other side's message is a protocol error, not a silent no-op.
+New fields are always added with defaults, so an older peer still decodes a
+newer one's messages; incompatible changes bump ``PROTOCOL_VERSION``, which is
+checked in the ``Hello``.
+
+::
+
+    node                                   edge
+     |  Hello(version, node id, token,      |
+     |        instances)  ----------------> |  token checked (constant time)
+     |  <---------------- Welcome(heartbeat) |
+     |  <----------------- Assign(run, credit)
+     |  RunEvents(run, seq, [events]) ----> |  at most `credit` non-terminal events
+     |  <----------------- Credit(run, n)    |  as the client consumes them
+     |  <----------------- Cancel(run, reason)
+     |  <----------------- Ping(nonce)       |  every heartbeat_interval_s
+     |  Pong(nonce) ----------------------> |  any frame proves liveness
+     |  CapabilitiesUpdate(instances) ----> |  when a probe changes something
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import msgspec
+
+from iop.capabilities import Capabilities
+from iop.errors import LinkProtocolError
+from iop.events import CancelReason, RuntimeEvent
+from iop.spec import ExecutionSpec
+
+__all__ = [
+    "PROTOCOL_VERSION",
+    "Assign",
+    "Cancel",
+    "CapabilitiesUpdate",
+    "Credit",
+    "EdgeMessage",
+    "Goodbye",
+    "Hello",
+    "NodeMessage",
+    "Ping",
+    "Pong",
+    "RunEvents",
+    "Welcome",
+    "decode_edge_message",
+    "decode_node_message",
+    "encode",
+]
+
+PROTOCOL_VERSION: Final = 1
+
+
+class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="t"):
+    pass
+
+
+# --- node -> edge -------------------------------------------------------------
+
+
+class Hello(_Msg, frozen=True, kw_only=True, tag="hello"):
+    """First frame of a node: who it is, its token, what it serves."""
+
+    protocol_version: int
+    node_id: str
+    token: str
+    instances: list[Capabilities] = []
+    software: str = ""
+
+
+class CapabilitiesUpdate(_Msg, frozen=True, kw_only=True, tag="caps"):
+    """The node's instances changed (probe status, targets)."""
+
+    instances: list[Capabilities]
+
+
+class RunEvents(_Msg, frozen=True, kw_only=True, tag="events"):
+    """Events of one run, in order; ``seq`` counts frames per run from 0."""
+
+    run_id: str
+    seq: int
+    events: list[RuntimeEvent]
+
+
+class Pong(_Msg, frozen=True, kw_only=True, tag="pong"):
+    nonce: int
+
+
+class Goodbye(_Msg, frozen=True, kw_only=True, tag="bye"):
+    """The node is draining: assign it nothing new."""
+
+    reason: str = ""
+
+
+NodeMessage = Hello | CapabilitiesUpdate | RunEvents | Pong | Goodbye
+
+
+# --- edge -> node -------------------------------------------------------------
+
+
+class Welcome(_Msg, frozen=True, kw_only=True, tag="welcome"):
+    """The edge accepted the node; liveness parameters for both sides."""
+
+    protocol_version: int
+    node_id: str
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+
+
+class Assign(_Msg, frozen=True, kw_only=True, tag="assign"):
+    """Run ``spec`` on ``instance``; send at most ``credit`` non-terminal events."""
+
+    run_id: str
+    instance: str
+    spec: ExecutionSpec
+    credit: int
+
+
+class Credit(_Msg, frozen=True, kw_only=True, tag="credit"):
+    """The run's consumer took events: ``credit`` more may be sent."""
+
+    run_id: str
+    credit: int
+
+
+class Cancel(_Msg, frozen=True, kw_only=True, tag="cancel"):
+    run_id: str
+    reason: CancelReason
+    message: str = ""
+
+
+class Ping(_Msg, frozen=True, kw_only=True, tag="ping"):
+    nonce: int
+
+
+EdgeMessage = Welcome | Assign | Credit | Cancel | Ping
+
+_ENCODER: Final = msgspec.msgpack.Encoder()
+_NODE_DECODER: Final = msgspec.msgpack.Decoder(NodeMessage)
+_EDGE_DECODER: Final = msgspec.msgpack.Decoder(EdgeMessage)
+
+
+def encode(message: NodeMessage | EdgeMessage) -> bytes:
+    """Encode a message as one frame's payload."""
+    return _ENCODER.encode(message)
+
+
+def decode_node_message(frame: bytes) -> NodeMessage:
+    """Decode a frame the edge received.
+
+    Raises:
+        LinkProtocolError: Not a node message.
+    """
+    try:
+        return _NODE_DECODER.decode(frame)
+    except msgspec.DecodeError as exc:
+        raise LinkProtocolError(f"bad frame from node: {exc}") from exc
+
+
+def decode_edge_message(frame: bytes) -> EdgeMessage:
+    """Decode a frame the node received.
+
+    Raises:
+        LinkProtocolError: Not an edge message.
+    """
+    try:
+        return _EDGE_DECODER.decode(frame)
+    except msgspec.DecodeError as exc:
+        raise LinkProtocolError(f"bad frame from edge: {exc}") from exc
