@@ -43,6 +43,12 @@ class _Base(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     pass
 
 
+class _Always(msgspec.Struct, frozen=True, kw_only=True):
+    """Structs whose defaulted fields must still be sent: servers require
+    ``"type": "function"`` (llama.cpp answers 500 "Missing tool type" without
+    it) and an assistant call's ``arguments`` even when empty."""
+
+
 # --- content parts (OpenAI ChatCompletionRequestMessageContentPart*) ---------
 
 
@@ -88,12 +94,12 @@ ContentPart = TextPart | ImagePart | AudioPart | FilePart | RefusalPart
 # --- messages -----------------------------------------------------------------
 
 
-class FunctionCall(_Base, frozen=True):
+class FunctionCall(_Always, frozen=True):
     name: str
     arguments: str = ""
 
 
-class MessageToolCall(_Base, frozen=True):
+class MessageToolCall(_Always, frozen=True):
     id: str
     function: FunctionCall
     type: Literal["function"] = "function"
@@ -133,7 +139,7 @@ class FunctionDef(_Base, frozen=True):
     strict: bool | None = None
 
 
-class Tool(_Base, frozen=True):
+class Tool(_Always, frozen=True):
     function: FunctionDef
     type: Literal["function"] = "function"
 
@@ -142,7 +148,7 @@ class NamedFunction(_Base, frozen=True):
     name: str
 
 
-class NamedToolChoice(_Base, frozen=True):
+class NamedToolChoice(_Always, frozen=True):
     function: NamedFunction
     type: Literal["function"] = "function"
 

@@ -12,10 +12,11 @@ apply, as typed cancel reasons. Connect and write keep a transport timeout.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import Any, Final
+from typing import Any, Final, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -49,6 +50,11 @@ log = logging.getLogger("iop.adapters")
 # quadratic in pooled connections (trio-stack.md §3c). Total connections are
 # not capped by httpx: the node's capacity limiter is what bounds concurrency.
 KEEPALIVE_CONNECTIONS: Final = 20
+
+# After [DONE] a server sends only the end of its chunked body; a server that
+# sends more than this, or takes longer, loses its keep-alive connection.
+DRAIN_MAX_BYTES: Final = 64 * 1024
+DRAIN_TIMEOUT_S: Final = 1.0
 
 # Request fields copied from the client's request when set. Adapter-owned
 # fields (model, messages, stream, stream_options) are set last and win.
@@ -296,7 +302,8 @@ class HTTPBackend:
         """Read at most ``ERROR_EXCERPT_BYTES`` of a non-2xx body; never raises."""
         buf = bytearray()
         try:
-            async for piece in response.aiter_raw():
+            # Decoded bytes: a proxy may gzip an error page.
+            async for piece in response.aiter_bytes():
                 buf += piece
                 if len(buf) >= ERROR_EXCERPT_BYTES:
                     break
@@ -339,25 +346,41 @@ class HTTPBackend:
             BackendError: The stream broke, was malformed, or had no [DONE].
         """
         parser = self.new_parser()
-        try:
-            async for piece in response.aiter_bytes():
-                for event in parser.feed(piece):
-                    await send.send(event)
-                if parser.done:
-                    break
-            else:
-                parser.feed_eof()
-        except httpx.HTTPError as exc:
-            raise map_transport_error(exc, f"{self.kind} stream scan failed") from exc
-        if parser.malformed_chunks:
-            log.warning(
-                "run %s: %s sent %d malformed chunk(s); last: %s",
-                run_id,
-                self.kind,
-                parser.malformed_chunks,
-                parser.last_malformed,
-            )
-        await send.send(parser.complete(text_tool_fallback=text_tool_fallback))
+        async with contextlib.aclosing(
+            cast(AsyncGenerator[bytes, None], response.aiter_bytes())
+        ) as chunks:
+            try:
+                async for piece in chunks:
+                    for event in parser.feed(piece):
+                        await send.send(event)
+                    if parser.done:
+                        break
+                else:
+                    parser.feed_eof()
+            except httpx.HTTPError as exc:
+                raise map_transport_error(exc, f"{self.kind} stream scan failed") from exc
+            if parser.malformed_chunks:
+                log.warning(
+                    "run %s: %s sent %d malformed chunk(s); last: %s",
+                    run_id,
+                    self.kind,
+                    parser.malformed_chunks,
+                    parser.last_malformed,
+                )
+            await send.send(parser.complete(text_tool_fallback=text_tool_fallback))
+            await _drain(chunks)
+
+
+async def _drain(chunks: AsyncIterator[bytes]) -> None:
+    """Read what follows ``[DONE]`` (the chunked body's end) so the connection
+    goes back to the keep-alive pool instead of being reset; bounded in bytes
+    and time, and after the run's terminal event so nobody waits for it."""
+    seen = 0
+    with trio.move_on_after(DRAIN_TIMEOUT_S), contextlib.suppress(httpx.HTTPError):
+        async for piece in chunks:
+            seen += len(piece)
+            if seen > DRAIN_MAX_BYTES:
+                break
 
 
 class _Model(msgspec.Struct, frozen=True):
