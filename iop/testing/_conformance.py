@@ -84,6 +84,7 @@ __all__ = [
     "Scenario",
     "ScenarioCase",
     "ScenarioUnsupported",
+    "SimHarness",
     "UpstreamClosed",
     "VllmHarness",
     "check_backend_4xx",
@@ -1066,3 +1067,138 @@ class VllmHarness(_OpenAIHTTPHarness):
             malformed_chunk_limit=malformed_chunk_limit,
         )
         return VllmAdapter(cfg)
+
+
+class _TimedExecutor:
+    """Wraps an in-process adapter to record when its ``execute`` stopped."""
+
+    def __init__(self, inner: Executor) -> None:
+        self._inner = inner
+        self.stopped = trio.Event()
+        self.stopped_at = 0.0
+
+    async def execute(self, spec: ExecutionSpec, send: Any) -> None:
+        try:
+            await self._inner.execute(spec, send)
+        finally:
+            self.stopped_at = trio.current_time()
+            self.stopped.set()
+
+
+class SimHarness:
+    """Plays the scenarios with the in-process ``sim`` adapter (no sockets).
+
+    The simulated backend has no wire, so the framing scenarios (oversize
+    line, a malformed chunk past a tolerance, an unreachable backend) do not
+    apply to it; ``upstream_closed`` reports when its generation stopped.
+    Expectations come from the sim's own script for the same request.
+    """
+
+    _UNSUPPORTED: Final = {
+        Scenario.CONNECTION_REFUSED: "an in-process backend cannot be unreachable",
+        Scenario.OVERSIZE_LINE: "the sim has no wire, so no line to be too long",
+        Scenario.MALFORMED_CHUNK_OVER_LIMIT: "the sim has no decoder tolerance to exceed",
+    }
+
+    @property
+    def name(self) -> str:
+        return "sim"
+
+    def unsupported(self, scenario: Scenario) -> str | None:
+        return self._UNSUPPORTED.get(scenario)
+
+    @asynccontextmanager
+    async def case(self, scenario: Scenario) -> AsyncIterator[ScenarioCase]:
+        from iop.adapters.sim import SimAdapter
+        from iop.config import SimConfig, SimInstance
+        from iop.sim import ContentToken, ReasoningToken, build_script
+
+        if (why := self.unsupported(scenario)) is not None:
+            raise ScenarioUnsupported(self.name, scenario, why)
+        settings: dict[str, Any] = {"ttft_s": 0.0, "output_tokens": 12, "fail_after_tokens": 3}
+        deadlines = Deadlines(first_token_timeout_s=5, idle_timeout_s=5, request_timeout_s=30)
+        with_tools = scenario is Scenario.STREAMED_TOOL_CALLS
+        expected_status: int | None = None
+        if scenario is Scenario.REASONING:
+            settings["reasoning_tokens"] = 6
+        elif scenario is Scenario.BACKEND_4XX:
+            settings["failure"], expected_status = "http_429", 429
+        elif scenario is Scenario.BACKEND_5XX:
+            settings["failure"], expected_status = "http_500", 500
+        elif scenario is Scenario.STALL_BEFORE_FIRST_BYTE:
+            settings["failure"] = "stall_before_first_byte"
+            deadlines = Deadlines(
+                first_token_timeout_s=STALL_DEADLINE_S, idle_timeout_s=30, request_timeout_s=60
+            )
+        elif scenario is Scenario.STALL_MID_STREAM:
+            settings["failure"] = "stall_mid_stream"
+            deadlines = Deadlines(
+                first_token_timeout_s=30, idle_timeout_s=STALL_DEADLINE_S, request_timeout_s=60
+            )
+        elif scenario in (Scenario.TRUNCATED_STREAM, Scenario.MISSING_DONE):
+            settings["failure"] = "truncate"
+        elif scenario is Scenario.MALFORMED_CHUNK:
+            settings["failure"] = "malformed_chunk"
+        elif scenario is Scenario.CANCEL_MID_STREAM:
+            settings.update(output_tokens=10_000, tokens_per_s=500.0)
+        sim = msgspec.convert(settings, SimConfig)
+        spec = self._spec(with_tools=with_tools)
+        script = build_script(spec.request, msgspec.structs.replace(sim, failure="none"))
+        text = "".join(s.text for s in script.steps if isinstance(s, ContentToken))
+        reasoning = "".join(s.text for s in script.steps if isinstance(s, ReasoningToken))
+        calls: tuple[ExpectedToolCall, ...] = ()
+        if with_tools:
+            from iop.sim import ToolArgs, ToolCallBegin
+
+            name = next(s.name for s in script.steps if isinstance(s, ToolCallBegin))
+            args = "".join(s.text for s in script.steps if isinstance(s, ToolArgs))
+            calls = (ExpectedToolCall(name=name, arguments=json.loads(args)),)
+        expected = Expectation(
+            text=text,
+            reasoning=reasoning or None,
+            input_tokens=script.prompt_tokens,
+            output_tokens=script.completion_tokens,
+            tool_calls=calls,
+            backend_status=expected_status,
+            deltas_before_stall=sim.fail_after_tokens,
+        )
+        adapter = _TimedExecutor(SimAdapter(SimInstance(name="sim", sim=sim)))
+
+        async def upstream_closed(timeout_s: float) -> float:
+            with trio.fail_after(timeout_s):
+                await adapter.stopped.wait()
+            return adapter.stopped_at
+
+        yield ScenarioCase(
+            scenario=scenario,
+            adapter=adapter,
+            spec=spec,
+            deadlines=deadlines,
+            expected=expected,
+            upstream_closed=upstream_closed,
+        )
+
+    def _spec(self, *, with_tools: bool) -> ExecutionSpec:
+        tools = (
+            [
+                Tool(
+                    function=FunctionDef(
+                        name="get_weather",
+                        parameters={
+                            "type": "object",
+                            "properties": {"city": {"type": "string"}},
+                            "required": ["city"],
+                        },
+                    )
+                )
+            ]
+            if with_tools
+            else None
+        )
+        request = ChatRequest(
+            model="iop-sim",
+            messages=[Message(role="user", content="What is the weather in Paris?")],
+            stream=True,
+            tools=tools,
+        )
+        return ExecutionSpec(run_id=new_run_id(), request=request)

@@ -27,6 +27,7 @@ from iop.testing import (
     Scenario,
     ScenarioCase,
     ScenarioUnsupported,
+    SimHarness,
     Split,
     VllmHarness,
     check_cancel_mid_stream,
@@ -40,6 +41,7 @@ from iop.testing import (
 HARNESSES: dict[str, Harness] = {
     "openai_compat": OpenAICompatHarness(),
     "vllm": VllmHarness(),
+    "sim": SimHarness(),
 }
 
 # Runs of the cancellation check per harness for the latency figures.
