@@ -26,13 +26,22 @@ __all__ = [
     "DEFAULT_MAX_CONCURRENCY",
     "DEFAULT_MAX_LINE_BYTES",
     "Deadlines",
+    "EdgeConfig",
+    "EdgeServer",
+    "EmbeddedBackend",
     "HTTPInstance",
     "InstanceBase",
     "InstanceConfig",
+    "LinkSettings",
     "NodeConfig",
+    "NodeEdge",
+    "NodeSection",
     "OpenAICompatInstance",
+    "OutputPolicy",
+    "SchedulerSettings",
     "SimConfig",
     "SimInstance",
+    "UpConfig",
     "VllmInstance",
     "decode_config",
     "expand_env",
@@ -202,21 +211,181 @@ class SimInstance(InstanceBase, frozen=True, tag="sim", kw_only=True):
 InstanceConfig = OpenAICompatInstance | VllmInstance | SimInstance
 
 
+class NodeEdge(_Config, frozen=True, kw_only=True):
+    """An edge this node dials.
+
+    Attributes:
+        url: The edge's link URL, ``ws://host:port/v1/link`` (``wss://`` for TLS).
+        token: The node token the edge expects (use ``${VAR}``).
+    """
+
+    url: str
+    token: str
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("ws://", "wss://")):
+            raise ValueError(f"edge url must be ws:// or wss://, got {self.url!r}")
+        if not self.token:
+            raise ValueError("token must not be empty")
+
+
 class NodeSection(_Config, frozen=True, kw_only=True):
     """The node's own settings.
 
     Attributes:
         id: Node id, unique among the edge's nodes.
+        edges: Edges to dial (one link each).
+        reconnect_min_s: First reconnect delay after a lost link.
+        reconnect_max_s: Cap of the exponential reconnect backoff.
+        probe_interval_s: How often instances are probed (changes are pushed).
+        drain_timeout_s: On SIGINT/SIGTERM, how long in-flight runs may finish.
     """
 
     id: str = "node"
+    edges: list[NodeEdge] = []
+    reconnect_min_s: float = 0.2
+    reconnect_max_s: float = 5.0
+    probe_interval_s: float = 10.0
+    drain_timeout_s: float = 10.0
 
 
 class NodeConfig(_Config, frozen=True, kw_only=True):
-    """A node: its identity and its adapter instances."""
+    """A node: its identity, the edges it dials, and its adapter instances."""
 
     node: NodeSection = NodeSection()
     instances: list[InstanceConfig] = []
+
+
+class OutputPolicy(_Config, frozen=True, kw_only=True):
+    """How the edge shapes a model's output for clients (seed 001).
+
+    Attributes:
+        strict: Drop reasoning and strip ``<think>`` blocks from content.
+        stream_buffer: With ``strict``, buffer the whole run and send it
+            normalised in one go.
+        xml_completion_tool: When set and the final text holds no XML tool
+            call, wrap it as that tool (for XML-tool agents).
+        text_tool_calls: When to synthesise tool calls from text:
+            ``fallback`` only when the node used the text-tool fallback,
+            ``always`` whenever the request has tools, ``never``.
+    """
+
+    strict: bool = False
+    stream_buffer: bool = False
+    xml_completion_tool: str = ""
+    text_tool_calls: Literal["fallback", "always", "never"] = "fallback"
+
+    def __post_init__(self) -> None:
+        if self.xml_completion_tool and not re.fullmatch(
+            r"[A-Za-z_][A-Za-z0-9_.-]*", self.xml_completion_tool
+        ):
+            raise ValueError(
+                f"xml_completion_tool must be an XML element name, got {self.xml_completion_tool!r}"
+            )
+
+
+class EdgeServer(_Config, frozen=True, kw_only=True):
+    """The edge's HTTP side.
+
+    Attributes:
+        host: Address to listen on.
+        port: Port to listen on.
+        max_body_bytes: Largest request body (413 above).
+        keepalive_interval_s: SSE comment sent while a stream waits (queue,
+            prefill) so proxies and clients do not time out.
+        drain_timeout_s: On SIGINT/SIGTERM, how long in-flight runs may finish
+            before they are cancelled with reason ``shutdown``.
+        api_keys: Client API keys (``Authorization: Bearer``); empty = open.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8080
+    max_body_bytes: int = 8 * 1024 * 1024
+    keepalive_interval_s: float = 10.0
+    drain_timeout_s: float = 10.0
+    api_keys: list[str] = []
+
+
+class LinkSettings(_Config, frozen=True, kw_only=True):
+    """The edge's node link.
+
+    Attributes:
+        node_tokens: Tokens nodes may present (compared in constant time).
+        heartbeat_interval_s: How often the edge pings each node.
+        heartbeat_timeout_s: Silence after which a node is lost and its runs
+            end with ``node_lost``.
+        run_window: Per-run credit, in events, a node may have in flight.
+    """
+
+    node_tokens: list[str] = []
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 1.5
+    run_window: int = 64
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
+            raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
+        if self.run_window < 1:
+            raise ValueError("run_window must be >= 1")
+
+
+class SchedulerSettings(_Config, frozen=True, kw_only=True):
+    """How the edge places runs on nodes.
+
+    Attributes:
+        max_queue: Runs that may wait for capacity across all models (429
+            with ``Retry-After`` above).
+        queue_timeout_s: How long a run may wait for capacity.
+        failover: Retry a run on another node when it fails before its first
+            output (node lost, node error before start).
+    """
+
+    max_queue: int = 256
+    queue_timeout_s: float = 30.0
+    failover: bool = True
+
+
+class EdgeConfig(_Config, frozen=True, kw_only=True):
+    """The edge: HTTP server, node link, scheduler, wait timeouts, model policies.
+
+    ``deadlines`` are the edge's wait timeouts for a run (first token, idle,
+    total); ``models`` maps a model name (or ``"*"``) to its output policy.
+    """
+
+    server: EdgeServer = EdgeServer()
+    link: LinkSettings = LinkSettings()
+    scheduler: SchedulerSettings = SchedulerSettings()
+    deadlines: Deadlines = Deadlines()
+    models: dict[str, OutputPolicy] = {}
+
+    def policy_for(self, model: str) -> OutputPolicy:
+        return self.models.get(model) or self.models.get("*") or OutputPolicy()
+
+
+class EmbeddedBackend(_Config, frozen=True, kw_only=True):
+    """The backend ``iop up`` runs when the config has no instances.
+
+    Attributes:
+        kind: ``llamacpp`` (llama.cpp's server with SmolLM2-135M; falls back
+            to ``sim`` when its packages are missing) or ``sim``.
+        threads: llama.cpp threads (1 keeps it fast on a shared machine).
+        parallel: llama.cpp slots (concurrent runs).
+        ctx: Total context, split across slots.
+    """
+
+    kind: Literal["llamacpp", "sim"] = "llamacpp"
+    threads: int = 1
+    parallel: int = 2
+    ctx: int = 4096
+
+
+class UpConfig(_Config, frozen=True, kw_only=True):
+    """``iop up``: an edge and a node in one process."""
+
+    edge: EdgeConfig = EdgeConfig()
+    node: NodeSection = NodeSection(id="local")
+    instances: list[InstanceConfig] = []
+    embedded: EmbeddedBackend = EmbeddedBackend()
 
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")

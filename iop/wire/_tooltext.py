@@ -138,7 +138,13 @@ def _safe_release_len(s: str) -> int:
     Port of seed 001's ``streamToolTextSafeFlushLen``: the earliest suffix of
     ``s`` that is a proper prefix of an opener is held back.
     """
-    for i in range(max(0, len(s) - _LONGEST_OPENER + 1), len(s)):
+    start = max(0, len(s) - _LONGEST_OPENER + 1)
+    # Hot path: every opener starts with "<" or "{"; a tail without either
+    # cannot hold an opener's prefix.
+    tail = s[start:]
+    if "<" not in tail and "{" not in tail:
+        return len(s)
+    for i in range(start, len(s)):
         if _is_opener_prefix(s[i:]):
             return i
     return len(s)
