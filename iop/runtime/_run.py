@@ -41,7 +41,7 @@ import enum
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Final, Protocol
 
@@ -106,9 +106,9 @@ class RunSink(EventSender, Protocol):
 
 
 class Executor(Protocol):
-    """The part of an adapter the runtime needs."""
+    """The part of an adapter the runtime needs (adapters take any EventSender)."""
 
-    async def execute(self, spec: ExecutionSpec, send: EventSender) -> None: ...
+    async def execute(self, spec: ExecutionSpec, send: RunSink) -> None: ...
 
 
 class RunState(enum.Enum):
@@ -361,9 +361,14 @@ class RunSupervisor:
     cancelled with ``CancelReason.SHUTDOWN`` and still get their terminal event.
     """
 
-    def __init__(self, nursery: trio.Nursery) -> None:
+    def __init__(
+        self, nursery: trio.Nursery, *, on_finished: Callable[[Run], None] | None = None
+    ) -> None:
         self._nursery = nursery
+        self._on_finished = on_finished
         self.runs: dict[str, Run] = {}
+        self._idle = trio.Event()
+        self._idle.set()
 
     def start_run(
         self,
@@ -379,6 +384,8 @@ class RunSupervisor:
         send, receive = trio.open_memory_channel[RuntimeEvent](buffer)
         run = Run(spec, deadlines, receive)
         self.runs[spec.run_id] = run
+        if self._idle.is_set():
+            self._idle = trio.Event()
         self._nursery.start_soon(self._supervise, run, executor, send, name=f"run:{spec.run_id}")
         return run
 
@@ -389,6 +396,15 @@ class RunSupervisor:
             await _drive(run, executor, send)
         finally:
             self.runs.pop(run.run_id, None)
+            if not self.runs:
+                self._idle.set()
+            if self._on_finished is not None:
+                self._on_finished(run)
+
+    async def wait_idle(self) -> None:
+        """Wait until no run is in flight."""
+        while self.runs:
+            await self._idle.wait()
 
     def cancel_all(self, reason: CancelReason) -> None:
         for run in list(self.runs.values()):
@@ -396,10 +412,16 @@ class RunSupervisor:
 
 
 @asynccontextmanager
-async def open_run_supervisor() -> AsyncIterator[RunSupervisor]:
-    """Open a supervisor; on exit, wait for its runs (cancel them first if leaving by error)."""
+async def open_run_supervisor(
+    *, on_finished: Callable[[Run], None] | None = None
+) -> AsyncIterator[RunSupervisor]:
+    """Open a supervisor; on exit, wait for its runs (cancel them first if leaving by error).
+
+    Args:
+        on_finished: Called (synchronously) with each run once it has ended.
+    """
     async with trio.open_nursery() as nursery:
-        yield RunSupervisor(nursery)
+        yield RunSupervisor(nursery, on_finished=on_finished)
 
 
 async def collect_run(

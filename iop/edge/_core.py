@@ -1,0 +1,475 @@
+"""The edge's core: node links, remote runs, scheduling, drain.
+
+Theory of operation
+-------------------
+An edge run is an ordinary ``iop.runtime`` run whose executor is remote:
+``RemoteExecutor.execute`` asks the scheduler for a slot, sends ``Assign``
+over the chosen node's link, and then forwards the event batches that the
+link handler drops into the run's bounded inbox into the run's sink. So the
+edge gets the runtime's guarantees for free: one terminal event per run, the
+wait timeouts (first token, idle, total) as typed cancel reasons, and
+cancellation as structured scope cancellation.
+
+::
+
+    HTTP handler ──start_run──► RunSupervisor task: RemoteExecutor.execute
+                                   │ scheduler.acquire ─► Lease(node, instance)
+                                   │ Assign ──► outbox ──► link writer ──► node
+    node ──► link reader ──► EdgeSession.receive ──► RemoteRun.inbox (bounded)
+                                   │ inbox ──► sink.send ──► run.events ──► HTTP
+                                   │ every half window consumed: Credit ──► node
+
+When the edge run ends early (client gone, wait timeout, shutdown), the
+executor's ``finally`` sends ``Cancel`` from a shielded scope with a short
+deadline; the node cancels its run and closing the backend response makes
+the backend stop. When a node's link dies, the handler puts ``LinkLost`` in
+every inbox of that node: a run that has produced nothing yet is retried on
+another node (failover); one that has is ended with ``Cancelled(node_lost)``.
+
+The link handler is written against ``FrameChannel`` (WebSocket in
+production, ``iop.testing.memory_link_pair`` in tests). Per link there is one
+reader (the handler itself: it never blocks on a run), one writer draining
+a bounded outbox, a pinger and a liveness watchdog.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Final
+
+import msgspec
+import trio
+
+from iop.config import EdgeConfig
+from iop.edge._registry import LINK_OUTBOX, LinkLost, NodeConnection, NodeRegistry, Scheduler
+from iop.errors import LinkAuthError, LinkProtocolError, RequestError, RunAborted
+from iop.events import Cancelled, CancelReason, Error, Start, is_terminal
+from iop.protocol import (
+    CLOSE_BAD_TOKEN,
+    CLOSE_GOING_AWAY,
+    CLOSE_HEARTBEAT,
+    CLOSE_NORMAL,
+    CLOSE_PROTOCOL,
+    CLOSE_REPLACED,
+    CapabilitiesChanged,
+    EdgeSession,
+    FrameChannel,
+    LinkClosed,
+    NodeDraining,
+    NodeJoined,
+    RunEventsReceived,
+)
+from iop.runtime import Run, RunSink, RunSupervisor, open_run_supervisor
+from iop.spec import ExecutionSpec
+
+__all__ = ["EdgeCore", "RemoteExecutor", "open_edge_core"]
+
+log = logging.getLogger("iop.edge")
+
+# A node must say hello this soon after connecting.
+HELLO_TIMEOUT_S: Final = 5.0
+# How long a Cancel may take to reach the outbox from a cancelled run.
+CANCEL_SEND_TIMEOUT_S: Final = 1.0
+# Attempts of one run across nodes (the first try plus failovers).
+MAX_ATTEMPTS: Final = 3
+# Node errors before Start that another node may not have.
+_RETRYABLE_CODES: Final = frozenset(
+    {"queue_full", "node_draining", "unknown_instance", "backend_unavailable"}
+)
+
+
+class _Retry(Exception):
+    """This attempt failed before any output; try another node."""
+
+    def __init__(self, node_id: str, why: str, error: Error | None = None) -> None:
+        super().__init__(why)
+        self.node_id = node_id
+        self.why = why
+        self.error = error
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    id: str
+    nodes: tuple[str, ...]
+
+
+class RemoteExecutor:
+    """Executes one run on whichever node the scheduler picks."""
+
+    def __init__(self, core: EdgeCore) -> None:
+        self._core = core
+
+    async def execute(self, spec: ExecutionSpec, send: RunSink) -> None:
+        core = self._core
+        model = spec.model
+        excluded: set[str] = set()
+        last: _Retry | None = None
+        attempts = MAX_ATTEMPTS if core.config.scheduler.failover else 1
+        for attempt in range(attempts):
+            try:
+                lease = await core.scheduler.acquire(model, exclude=frozenset(excluded))
+            except RunAborted:
+                if last is not None and last.error is not None:
+                    break  # report the node's own error rather than the wait
+                raise
+            try:
+                await self._attempt(lease.conn, lease.instance.caps.instance, spec, send)
+                return
+            except _Retry as retry:
+                last = retry
+                excluded.add(retry.node_id)
+                log.warning(
+                    "run %s: attempt %d on node %s failed before output (%s)%s",
+                    spec.run_id,
+                    attempt + 1,
+                    retry.node_id,
+                    retry.why,
+                    "; failing over" if attempt + 1 < attempts else "",
+                )
+            finally:
+                lease.release()
+        assert last is not None
+        if last.error is not None:
+            await send.send(last.error)
+            return
+        raise RunAborted(last.why, reason=CancelReason.NODE_LOST)
+
+    async def _attempt(
+        self, conn: NodeConnection, instance: str, spec: ExecutionSpec, send: RunSink
+    ) -> None:
+        window = self._core.config.link.run_window
+        run_id = spec.run_id
+        rr = conn.open_run(run_id, window)
+        finished = False
+        forwarded = 0
+        started = False
+        try:
+            try:
+                await conn.outbox.send(conn.session.assign(run_id, instance, spec, window))
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                raise _Retry(conn.node_id, "link closed before assign") from exc
+            consumed = 0
+            while True:
+                batch = await rr.receive.receive()
+                if isinstance(batch, LinkLost):
+                    if forwarded == 0:
+                        raise _Retry(conn.node_id, batch.message)
+                    raise RunAborted(batch.message, reason=CancelReason.NODE_LOST)
+                for ev in batch:
+                    if not started and isinstance(ev, Error) and ev.code in _RETRYABLE_CODES:
+                        finished = True  # the node is done with it
+                        raise _Retry(conn.node_id, ev.message, ev)
+                    started = started or isinstance(ev, Start)
+                    await send.send(ev)
+                    forwarded += 1
+                    if is_terminal(ev):
+                        finished = True
+                        return
+                    consumed += 1
+                if consumed * 2 >= window:
+                    grant = conn.session.grant(run_id, consumed)
+                    consumed = 0
+                    if grant is not None:
+                        await conn.outbox.send(grant)
+        finally:
+            conn.close_run(run_id)
+            if not finished:
+                frame = conn.session.cancel(run_id, send.cancel_reason, "edge gave up on the run")
+                if frame is not None:
+                    with trio.move_on_after(CANCEL_SEND_TIMEOUT_S, shield=True):
+                        # A gone link is fine: the node cancels its runs itself.
+                        with contextlib.suppress(
+                            trio.BrokenResourceError, trio.ClosedResourceError
+                        ):
+                            await conn.outbox.send(frame)
+
+
+class EdgeCore:
+    """Nodes, scheduler and runs of one edge process."""
+
+    def __init__(self, config: EdgeConfig, supervisor: RunSupervisor) -> None:
+        self.config = config
+        self.registry = NodeRegistry()
+        self.scheduler = Scheduler(self.registry, config.scheduler)
+        self.supervisor = supervisor
+        self.draining = False
+        self.started_at = time.time()
+        self.runs_started = 0
+        self.outcomes: dict[str, int] = {}
+
+    # --- runs -----------------------------------------------------------------
+
+    def models(self) -> list[ModelEntry]:
+        return [ModelEntry(m, tuple(nodes)) for m, nodes in sorted(self.registry.models().items())]
+
+    def start_run(self, spec: ExecutionSpec) -> Run:
+        """Admit and start a run on the cluster.
+
+        Raises:
+            RequestError: 404 unknown model, 503 draining or no node, 429 queue full.
+        """
+        if self.draining:
+            raise RequestError("the server is shutting down", status=503, code="draining")
+        model = spec.model
+        if not self.scheduler.serves(model):
+            if not self.registry.nodes:
+                raise RequestError("no inference node is connected", status=503, code="no_nodes")
+            raise RequestError(
+                f"The model `{model}` does not exist or no node serves it.",
+                status=404,
+                code="model_not_found",
+                param="model",
+            )
+        self.scheduler.admit(model)
+        self.runs_started += 1
+        return self.supervisor.start_run(RemoteExecutor(self), spec, self.config.deadlines)
+
+    def record_outcome(self, run: Run) -> None:
+        """Count a finished run by outcome (``complete``, ``error:<code>``, ``cancelled:<reason>``)."""
+        o = run.outcome
+        if isinstance(o, Cancelled):
+            key = f"cancelled:{o.reason.value}"
+        elif isinstance(o, Error):
+            key = f"error:{o.code}"
+        else:
+            key = "complete"
+        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+
+    # --- node links -------------------------------------------------------------
+
+    async def handle_link(self, chan: FrameChannel, peer: str = "") -> None:
+        """Serve one node connection until it closes. Never raises (but Cancelled)."""
+        link = self.config.link
+        session = EdgeSession(
+            tokens=link.node_tokens,
+            heartbeat_interval_s=link.heartbeat_interval_s,
+            heartbeat_timeout_s=link.heartbeat_timeout_s,
+            now=trio.current_time(),
+        )
+        try:
+            opened = await self._handshake(chan, session)
+        except LinkClosed as exc:
+            log.info("node link from %s closed during handshake: %s", peer or "?", exc)
+            return
+        except LinkAuthError as exc:
+            log.warning("refusing node from %s: %s", peer or "?", exc)
+            await chan.aclose(CLOSE_BAD_TOKEN, exc.message[:120])
+            return
+        except LinkProtocolError as exc:
+            log.warning("refusing node from %s: %s", peer or "?", exc)
+            await chan.aclose(CLOSE_PROTOCOL, exc.message[:120])
+            return
+        if opened is None:
+            log.warning("node link from %s: no hello within %gs", peer or "?", HELLO_TIMEOUT_S)
+            await chan.aclose(CLOSE_PROTOCOL, "no hello")
+            return
+        await self._serve_connection(chan, session, *opened)
+
+    async def _handshake(
+        self, chan: FrameChannel, session: EdgeSession
+    ) -> tuple[NodeConnection, trio.MemoryReceiveChannel[bytes]] | None:
+        with trio.move_on_after(HELLO_TIMEOUT_S):
+            frame = await chan.receive()
+            event, reply = session.receive(frame, trio.current_time())
+            assert isinstance(event, NodeJoined)
+            assert reply is not None
+            await chan.send(reply)
+            hello = event.hello
+            outbox_send, outbox_receive = trio.open_memory_channel[bytes](LINK_OUTBOX)
+            conn = NodeConnection(
+                node_id=hello.node_id,
+                session=session,
+                outbox=outbox_send,
+                instances={},
+                connected_at=time.time(),
+                software=hello.software,
+            )
+            conn.update_instances(hello.instances)
+            return conn, outbox_receive
+        return None
+
+    async def _serve_connection(
+        self,
+        chan: FrameChannel,
+        session: EdgeSession,
+        conn: NodeConnection,
+        outbox_receive: trio.MemoryReceiveChannel[bytes],
+    ) -> None:
+        old = self.registry.add(conn)
+        if old is not None:
+            log.warning("node %s reconnected: replacing its previous link", conn.node_id)
+            old.close(CLOSE_REPLACED, "replaced by a new connection")
+        log.info(
+            "node %s connected: %s",
+            conn.node_id,
+            ", ".join(
+                f"{i.caps.instance}({i.caps.adapter}, {i.caps.provider_status}, "
+                f"targets={list(i.caps.targets)}, slots={i.caps.max_concurrency})"
+                for i in conn.instances.values()
+            )
+            or "no instances",
+        )
+        self.scheduler.dispatch()
+        try:
+            with conn.cancel_scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._writer, chan, outbox_receive)
+                    nursery.start_soon(self._pinger, session, conn)
+                    nursery.start_soon(self._watchdog, session, conn)
+                    await self._reader(chan, session, conn)
+        except* LinkClosed as group:
+            closed = group.exceptions[0]
+            assert isinstance(closed, LinkClosed)
+            if conn.close_code is None:
+                conn.close_code, conn.close_reason = closed.close_code, closed.reason or str(closed)
+        except* LinkProtocolError as group:
+            log.warning("node %s broke the protocol: %s", conn.node_id, group.exceptions[0])
+            conn.close_code, conn.close_reason = CLOSE_PROTOCOL, str(group.exceptions[0])[:120]
+        finally:
+            self.registry.remove(conn)
+            session.close()
+            reason = conn.close_reason or "link closed"
+            affected = len(conn.runs)
+            for rr in list(conn.runs.values()):
+                with contextlib.suppress(
+                    trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError
+                ):
+                    rr.send.send_nowait(LinkLost(f"node {conn.node_id} lost: {reason}"))
+            outbox_receive.close()
+            conn.outbox.close()
+            with trio.move_on_after(CANCEL_SEND_TIMEOUT_S, shield=True):
+                await chan.aclose(conn.close_code or CLOSE_NORMAL, conn.close_reason[:120])
+            log.warning(
+                "node %s disconnected (%s %s); %d run(s) affected",
+                conn.node_id,
+                conn.close_code,
+                reason,
+                affected,
+            )
+            self.scheduler.dispatch()
+
+    async def _reader(self, chan: FrameChannel, session: EdgeSession, conn: NodeConnection) -> None:
+        while True:
+            frame = await chan.receive()
+            event, _ = session.receive(frame, trio.current_time())
+            if isinstance(event, RunEventsReceived):
+                rr = conn.runs.get(event.run_id)
+                if rr is not None and event.events:
+                    # Never blocks: credit bounds what the node may send, and
+                    # the inbox holds a full window.
+                    try:
+                        rr.send.send_nowait(event.events)
+                    except trio.WouldBlock:
+                        raise LinkProtocolError(f"run {event.run_id}: inbox overflow") from None
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):
+                        pass  # the run ended on our side meanwhile
+            elif isinstance(event, CapabilitiesChanged):
+                conn.update_instances(event.instances)
+                log.info("node %s updated its capabilities", conn.node_id)
+                self.scheduler.dispatch()
+            elif isinstance(event, NodeDraining):
+                conn.draining = True
+                log.info("node %s is draining: %s", conn.node_id, event.reason)
+
+    async def _writer(self, chan: FrameChannel, outbox: trio.MemoryReceiveChannel[bytes]) -> None:
+        async for frame in outbox:
+            await chan.send(frame)
+
+    async def _pinger(self, session: EdgeSession, conn: NodeConnection) -> None:
+        while True:
+            await trio.sleep(session.heartbeat_interval_s)
+            await conn.outbox.send(session.ping())
+
+    async def _watchdog(self, session: EdgeSession, conn: NodeConnection) -> None:
+        while True:
+            deadline = session.liveness_deadline
+            await trio.sleep_until(deadline)
+            if session.liveness_deadline <= trio.current_time():
+                log.warning(
+                    "node %s silent for %.1fs: declaring it lost",
+                    conn.node_id,
+                    trio.current_time() - session.last_seen,
+                )
+                conn.close(CLOSE_HEARTBEAT, "heartbeat timeout")
+                return
+
+    # --- admin / lifecycle --------------------------------------------------------
+
+    def snapshot(self) -> dict[str, object]:
+        """The admin view: nodes, instances, load, runs."""
+        now = time.time()
+        nodes = []
+        for conn in self.registry.nodes.values():
+            nodes.append(
+                {
+                    "id": conn.node_id,
+                    "software": conn.software,
+                    "connected_for_s": round(now - conn.connected_at, 1),
+                    "draining": conn.draining,
+                    "runs": sorted(conn.runs),
+                    "instances": [
+                        {
+                            **msgspec.to_builtins(i.caps),
+                            "in_flight": i.in_flight,
+                        }
+                        for i in conn.instances.values()
+                    ],
+                }
+            )
+        runs = [
+            {
+                "run_id": r.run_id,
+                "model": r.spec.model,
+                "state": r.state.value,
+                "age_s": round(trio.current_time() - r.started_at, 3),
+            }
+            for r in self.supervisor.runs.values()
+        ]
+        return {
+            "draining": self.draining,
+            "nodes": nodes,
+            "queued": self.scheduler.queued,
+            "runs": runs,
+            "runs_started": self.runs_started,
+            "outcomes": dict(self.outcomes),
+        }
+
+    async def drain(self, timeout_s: float) -> None:
+        """Refuse new runs, let in-flight ones finish for ``timeout_s``, cancel the rest."""
+        self.draining = True
+        if self.supervisor.runs:
+            log.info(
+                "draining: waiting up to %gs for %d run(s)", timeout_s, len(self.supervisor.runs)
+            )
+        with trio.move_on_after(timeout_s):
+            await self.supervisor.wait_idle()
+        if self.supervisor.runs:
+            log.warning("drain: cancelling %d run(s) still going", len(self.supervisor.runs))
+            self.supervisor.cancel_all(CancelReason.SHUTDOWN)
+            with trio.move_on_after(CANCEL_SEND_TIMEOUT_S * 2):
+                await self.supervisor.wait_idle()
+        for conn in list(self.registry.nodes.values()):
+            conn.close(CLOSE_GOING_AWAY, "edge shutting down")
+
+
+@asynccontextmanager
+async def open_edge_core(config: EdgeConfig) -> AsyncIterator[EdgeCore]:
+    """An ``EdgeCore`` with its run supervisor; runs left at exit are cancelled."""
+    core: EdgeCore | None = None
+
+    def finished(run: Run) -> None:
+        if core is not None:
+            core.record_outcome(run)
+
+    async with open_run_supervisor(on_finished=finished) as supervisor:
+        core = EdgeCore(config, supervisor)
+        try:
+            yield core
+        finally:
+            supervisor.cancel_all(CancelReason.SHUTDOWN)

@@ -1,0 +1,286 @@
+"""The edge's view of its nodes, and the scheduler that places runs on them.
+
+``NodeRegistry`` holds one ``NodeConnection`` per connected node id (a node
+that reconnects replaces its old registration) and, for each, the instances
+it advertised with the edge's own count of runs in flight on them.
+
+``Scheduler`` places a run on the least-loaded instance that serves its model
+and has a free slot (``in_flight < max_concurrency``). When none has, the run
+waits in one FIFO queue, bounded by ``max_queue`` (full -> 429) and by
+``queue_timeout_s`` (-> ``Cancelled(queue_timeout)``). Every change of
+capacity (a run ends, a node joins or updates its capabilities) calls
+``dispatch()``, which hands free slots to waiters in arrival order; waiters
+never poll.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Final
+
+import trio
+
+from iop.capabilities import Capabilities, ProviderStatus
+from iop.config import SchedulerSettings
+from iop.errors import IopError, RunAborted
+from iop.events import CancelReason, RuntimeEvent
+from iop.protocol import EdgeSession
+
+__all__ = ["Lease", "NodeConnection", "NodeRegistry", "RemoteRun", "Scheduler"]
+
+log = logging.getLogger("iop.edge.scheduler")
+
+# Frames queued for one node's link writer. The writer drains it as fast as
+# the socket allows; a full outbox means the node's TCP window is closed, and
+# senders wait (link-level backpressure) rather than buffer without bound.
+LINK_OUTBOX: Final = 256
+
+
+class LinkLost:
+    """Marker put in a run's inbox when its node's link ends."""
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+
+@dataclass(eq=False)
+class RemoteRun:
+    """The edge's end of one run on a node: its bounded inbox of event batches."""
+
+    run_id: str
+    send: trio.MemorySendChannel[list[RuntimeEvent] | LinkLost]
+    receive: trio.MemoryReceiveChannel[list[RuntimeEvent] | LinkLost]
+
+
+@dataclass(eq=False)
+class InstanceState:
+    node_id: str
+    caps: Capabilities
+    in_flight: int = 0
+
+    @property
+    def usable(self) -> bool:
+        return self.caps.provider_status is not ProviderStatus.UNAVAILABLE
+
+    @property
+    def free(self) -> int:
+        return self.caps.max_concurrency - self.in_flight
+
+
+@dataclass(eq=False)
+class NodeConnection:
+    """One live link to a node."""
+
+    node_id: str
+    session: EdgeSession
+    outbox: trio.MemorySendChannel[bytes]
+    instances: dict[str, InstanceState]
+    connected_at: float
+    software: str = ""
+    draining: bool = False
+    runs: dict[str, RemoteRun] = field(default_factory=dict)
+    cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+    close_code: int | None = None
+    close_reason: str = ""
+
+    def update_instances(self, caps: list[Capabilities]) -> None:
+        old = self.instances
+        self.instances = {
+            c.instance: InstanceState(
+                self.node_id, c, old[c.instance].in_flight if c.instance in old else 0
+            )
+            for c in caps
+        }
+
+    def open_run(self, run_id: str, window: int) -> RemoteRun:
+        # Batches in flight are at most one per credited event, plus the
+        # terminal batch and the link-lost marker.
+        send, receive = trio.open_memory_channel[list[RuntimeEvent] | LinkLost](window + 2)
+        rr = RemoteRun(run_id, send, receive)
+        self.runs[run_id] = rr
+        return rr
+
+    def close_run(self, run_id: str) -> None:
+        rr = self.runs.pop(run_id, None)
+        if rr is not None:
+            rr.send.close()
+            rr.receive.close()
+
+    def close(self, code: int, reason: str) -> None:
+        """Ask the link's handler to close the link with ``code``."""
+        if self.close_code is None:
+            self.close_code, self.close_reason = code, reason
+        self.cancel_scope.cancel()
+
+
+class NodeRegistry:
+    """Connected nodes by id."""
+
+    def __init__(self) -> None:
+        self.nodes: dict[str, NodeConnection] = {}
+
+    def add(self, conn: NodeConnection) -> NodeConnection | None:
+        """Register ``conn``; return the registration it replaces, if any."""
+        old = self.nodes.get(conn.node_id)
+        self.nodes[conn.node_id] = conn
+        return old
+
+    def remove(self, conn: NodeConnection) -> bool:
+        """Unregister ``conn`` if it is still the current one for its id."""
+        if self.nodes.get(conn.node_id) is conn:
+            del self.nodes[conn.node_id]
+            return True
+        return False
+
+    def instances(self) -> Iterator[tuple[NodeConnection, InstanceState]]:
+        for conn in self.nodes.values():
+            for inst in conn.instances.values():
+                yield conn, inst
+
+    def models(self) -> dict[str, list[str]]:
+        """Model -> node ids serving it (usable instances of live nodes)."""
+        out: dict[str, list[str]] = {}
+        for conn, inst in self.instances():
+            if conn.draining or not inst.usable:
+                continue
+            for t in inst.caps.targets:
+                nodes = out.setdefault(t, [])
+                if conn.node_id not in nodes:
+                    nodes.append(conn.node_id)
+        return out
+
+
+@dataclass(eq=False)
+class Lease:
+    """A slot on one instance, held for the life of one attempt of a run."""
+
+    conn: NodeConnection
+    instance: InstanceState
+    _scheduler: Scheduler
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.instance.in_flight -= 1
+            self._scheduler.dispatch()
+
+
+@dataclass(eq=False)
+class _Waiter:
+    model: str
+    exclude: frozenset[str]
+    event: trio.Event = field(default_factory=trio.Event)
+    lease: Lease | None = None
+
+
+class Scheduler:
+    """Least-loaded placement with one bounded FIFO queue."""
+
+    def __init__(self, registry: NodeRegistry, settings: SchedulerSettings) -> None:
+        self.registry = registry
+        self.settings = settings
+        self._waiters: deque[_Waiter] = deque()
+
+    @property
+    def queued(self) -> int:
+        return len(self._waiters)
+
+    def serves(self, model: str) -> bool:
+        return model in self.registry.models()
+
+    def _pick(self, model: str, exclude: frozenset[str]) -> Lease | None:
+        best: tuple[float, NodeConnection, InstanceState] | None = None
+        for conn, inst in self.registry.instances():
+            if conn.draining or conn.node_id in exclude or not inst.usable:
+                continue
+            if model not in inst.caps.targets or inst.free <= 0:
+                continue
+            load = inst.in_flight / max(inst.caps.max_concurrency, 1)
+            if best is None or load < best[0]:
+                best = (load, conn, inst)
+        if best is None:
+            return None
+        _, conn, inst = best
+        inst.in_flight += 1
+        return Lease(conn, inst, self)
+
+    def admit(self, model: str) -> None:
+        """Refuse a run up front when it could only wait and the queue is full.
+
+        Raises:
+            IopError: 429 ``queue_full`` (the HTTP layer adds Retry-After).
+        """
+        if self.queued >= self.settings.max_queue and not self._has_room(model):
+            raise IopError(
+                f"all nodes serving {model!r} are busy and the queue is full "
+                f"({self.settings.max_queue} waiting)",
+                status=429,
+                code="queue_full",
+            )
+
+    def _has_room(self, model: str) -> bool:
+        return any(
+            not conn.draining and inst.usable and model in inst.caps.targets and inst.free > 0
+            for conn, inst in self.registry.instances()
+        )
+
+    async def acquire(self, model: str, *, exclude: frozenset[str] = frozenset()) -> Lease:
+        """A slot for ``model``, waiting in the queue if needed.
+
+        Raises:
+            IopError: 429 when the queue is full.
+            RunAborted: ``queue_timeout`` when no slot came in time.
+        """
+        if not self._waiters:
+            lease = self._pick(model, exclude)
+            if lease is not None:
+                return lease
+        if self.queued >= self.settings.max_queue:
+            raise IopError(
+                f"the queue is full ({self.settings.max_queue} runs waiting)",
+                status=429,
+                code="queue_full",
+            )
+        waiter = _Waiter(model, exclude)
+        self._waiters.append(waiter)
+        self.dispatch()
+        try:
+            with trio.move_on_after(self.settings.queue_timeout_s):
+                await waiter.event.wait()
+        except BaseException:
+            # Cancelled while waiting: leave the queue, or give back a slot
+            # that was handed over just before the cancellation landed.
+            if waiter.lease is not None:
+                waiter.lease.release()
+            else:
+                self._remove(waiter)
+            raise
+        if waiter.lease is None:
+            self._remove(waiter)
+            raise RunAborted(
+                f"no capacity for model {model!r} within queue_timeout_s="
+                f"{self.settings.queue_timeout_s:g}",
+                reason=CancelReason.QUEUE_TIMEOUT,
+            )
+        return waiter.lease
+
+    def _remove(self, waiter: _Waiter) -> None:
+        with contextlib.suppress(ValueError):
+            self._waiters.remove(waiter)
+
+    def dispatch(self) -> None:
+        """Hand free slots to waiters, first come first served."""
+        if not self._waiters:
+            return
+        for waiter in list(self._waiters):
+            lease = self._pick(waiter.model, waiter.exclude)
+            if lease is None:
+                continue
+            self._waiters.remove(waiter)
+            waiter.lease = lease
+            waiter.event.set()

@@ -1,0 +1,379 @@
+"""The edge core over in-memory links, in virtual time: scheduling, credit,
+cancellation, node loss, failover, liveness and drain. The node side is a
+scripted ``NodeSession`` so every frame the edge sends can be checked."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import msgspec
+import pytest
+import trio
+import trio.testing
+
+from iop.capabilities import Capabilities, ProviderStatus
+from iop.config import Deadlines, EdgeConfig, LinkSettings, SchedulerSettings
+from iop.edge import EdgeCore, open_edge_core
+from iop.errors import IopError, RequestError
+from iop.events import Cancelled, CancelReason, Complete, Delta, Error, RuntimeEvent, Start
+from iop.protocol import (
+    CLOSE_BAD_TOKEN,
+    CLOSE_HEARTBEAT,
+    AssignReceived,
+    CancelReceived,
+    CreditReceived,
+    LinkClosed,
+    NodeSession,
+    PingReceived,
+    Welcomed,
+)
+from iop.runtime import Run
+from iop.spec import ChatRequest, ExecutionSpec, Message
+from iop.testing import MemoryFrameChannel, memory_link_pair
+
+TOKEN = "node-token"
+
+
+def config(**kw: object) -> EdgeConfig:
+    link = LinkSettings(
+        node_tokens=[TOKEN], heartbeat_interval_s=0.5, heartbeat_timeout_s=1.5, run_window=4
+    )
+    sched = SchedulerSettings(max_queue=2, queue_timeout_s=5.0)
+    deadlines = Deadlines(first_token_timeout_s=30, idle_timeout_s=30, request_timeout_s=120)
+    base = EdgeConfig(link=link, scheduler=sched, deadlines=deadlines)
+    return msgspec.structs.replace(base, **kw)
+
+
+def spec(model: str = "m", run_id: str = "r1") -> ExecutionSpec:
+    return ExecutionSpec(
+        run_id=run_id,
+        request=ChatRequest(model=model, messages=[Message(role="user", content="hi")]),
+    )
+
+
+def caps(
+    slots: int = 2, model: str = "m", status: ProviderStatus = ProviderStatus.AVAILABLE
+) -> Capabilities:
+    return Capabilities(
+        adapter="sim",
+        instance="i0",
+        targets=(model,),
+        max_concurrency=slots,
+        provider_status=status,
+    )
+
+
+class FakeNode:
+    """A node played by hand: a NodeSession over one end of a memory link."""
+
+    def __init__(self, chan: MemoryFrameChannel, node_id: str = "n1", token: str = TOKEN) -> None:
+        self.chan = chan
+        self.session = NodeSession(node_id=node_id, token=token, now=trio.current_time())
+        self.assigned: list[str] = []
+        self.cancels: list[CancelReceived] = []
+        self.credits: list[CreditReceived] = []
+        self.inbox: trio.MemorySendChannel[AssignReceived]
+        self.assigns: trio.MemoryReceiveChannel[AssignReceived]
+        self.inbox, self.assigns = trio.open_memory_channel(16)
+        self.closed: LinkClosed | None = None
+        self.answer_pings = True
+
+    async def hello(self, instances: list[Capabilities]) -> None:
+        await self.chan.send(self.session.hello(instances))
+        assert isinstance(
+            self.session.receive(await self.chan.receive(), trio.current_time()), Welcomed
+        )
+
+    async def serve(self) -> None:
+        try:
+            while True:
+                ev = self.session.receive(await self.chan.receive(), trio.current_time())
+                if isinstance(ev, PingReceived):
+                    if self.answer_pings:
+                        await self.chan.send(ev.reply)
+                elif isinstance(ev, AssignReceived):
+                    self.assigned.append(ev.assign.run_id)
+                    self.inbox.send_nowait(ev)
+                elif isinstance(ev, CancelReceived):
+                    self.cancels.append(ev)
+                elif isinstance(ev, CreditReceived):
+                    self.credits.append(ev)
+        except LinkClosed as exc:
+            self.closed = exc
+
+    async def send(self, run_id: str, *events: RuntimeEvent) -> None:
+        await self.chan.send(self.session.run_events(run_id, list(events)))
+
+
+@asynccontextmanager
+async def edge_with_node(
+    cfg: EdgeConfig | None = None, instances: list[Capabilities] | None = None, node_id: str = "n1"
+) -> AsyncIterator[tuple[EdgeCore, FakeNode, trio.Nursery]]:
+    async with open_edge_core(cfg or config()) as core, trio.open_nursery() as nursery:
+        node = await connect(core, nursery, instances or [caps()], node_id)
+        yield core, node, nursery
+        nursery.cancel_scope.cancel()
+
+
+async def connect(
+    core: EdgeCore, nursery: trio.Nursery, instances: list[Capabilities], node_id: str
+) -> FakeNode:
+    edge_end, node_end = memory_link_pair()
+    nursery.start_soon(core.handle_link, edge_end, "test")
+    node = FakeNode(node_end, node_id)
+    await node.hello(instances)
+    nursery.start_soon(node.serve)
+    await trio.testing.wait_all_tasks_blocked()
+    return node
+
+
+async def drain_events(run: Run) -> list[RuntimeEvent]:
+    async with run.events:
+        return [ev async for ev in run.events]
+
+
+async def test_run_flows_through_the_node_with_credit(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with edge_with_node() as (core, node, _):
+        assert [m.id for m in core.models()] == ["m"]
+        run = core.start_run(spec())
+        assign = await node.assigns.receive()
+        assert assign.assign.instance == "i0"
+        assert assign.assign.credit == 4
+        await node.send("r1", Start(), Delta("a"), Delta("b"), Delta("c"))
+        assert node.session.credit("r1") == 0  # Start counts too
+        got = [await run.events.receive() for _ in range(4)]
+        assert got == [Start(), Delta("a"), Delta("b"), Delta("c")]
+        await trio.testing.wait_all_tasks_blocked()
+        # Half a window consumed: the edge returned credit.
+        assert sum(c.credit for c in node.credits) >= 2
+        await node.send("r1", Delta("d"), Complete())
+        assert await drain_events(run) == [Delta("d"), Complete()]
+        assert core.outcomes == {"complete": 1}
+        assert node.cancels == []
+
+
+async def test_client_disconnect_sends_cancel_to_the_node(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with edge_with_node() as (core, node, _):
+        run = core.start_run(spec())
+        await node.assigns.receive()
+        await node.send("r1", Start(), Delta("a"))
+        await run.events.receive()
+        run.cancel(CancelReason.CLIENT_DISCONNECT, "client went away")
+        outcome = await run.wait()
+        assert isinstance(outcome, Cancelled)
+        assert outcome.reason is CancelReason.CLIENT_DISCONNECT
+        await trio.testing.wait_all_tasks_blocked()
+        assert [c.cancel.reason for c in node.cancels] == [CancelReason.CLIENT_DISCONNECT]
+        # The slot is free again.
+        assert next(iter(core.registry.nodes["n1"].instances.values())).in_flight == 0
+
+
+async def test_wait_timeout_cancels_with_its_reason(autojump_clock: trio.testing.MockClock) -> None:
+    cfg = config(
+        deadlines=Deadlines(first_token_timeout_s=3, idle_timeout_s=30, request_timeout_s=60)
+    )
+    async with edge_with_node(cfg) as (core, node, _):
+        run = core.start_run(spec())
+        await node.assigns.receive()
+        await node.send("r1", Start())
+        events = await drain_events(run)
+        assert isinstance(events[-1], Cancelled)
+        assert events[-1].reason is CancelReason.FIRST_TOKEN_TIMEOUT
+        await trio.testing.wait_all_tasks_blocked()
+        assert [c.cancel.reason for c in node.cancels] == [CancelReason.FIRST_TOKEN_TIMEOUT]
+
+
+async def test_node_lost_mid_stream_ends_the_run(autojump_clock: trio.testing.MockClock) -> None:
+    async with edge_with_node() as (core, node, _):
+        run = core.start_run(spec())
+        await node.assigns.receive()
+        await node.send("r1", Start(), Delta("a"))
+        await node.chan.aclose()
+        events = await drain_events(run)
+        assert events[:2] == [Start(), Delta("a")]
+        last = events[-1]
+        assert isinstance(last, Cancelled)
+        assert last.reason is CancelReason.NODE_LOST
+        assert "n1" in last.message
+        assert core.registry.nodes == {}
+
+
+async def test_frozen_node_is_detected_within_two_seconds(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with edge_with_node() as (core, node, _):
+        run = core.start_run(spec())
+        await node.assigns.receive()
+        await node.send("r1", Start(), Delta("a"))
+        frozen_at = trio.current_time()
+        node.chan.freeze()
+        events = await drain_events(run)
+        last = events[-1]
+        assert isinstance(last, Cancelled)
+        assert last.reason is CancelReason.NODE_LOST
+        assert "heartbeat" in last.message
+        assert trio.current_time() - frozen_at <= 2.0
+        assert node.chan.close_code == CLOSE_HEARTBEAT
+
+
+async def test_failover_before_first_output(autojump_clock: trio.testing.MockClock) -> None:
+    async with open_edge_core(config()) as core, trio.open_nursery() as nursery:
+        a = await connect(core, nursery, [caps(slots=1)], "a")
+        b = await connect(core, nursery, [caps(slots=1)], "b")
+        run = core.start_run(spec())
+        await trio.testing.wait_all_tasks_blocked()
+        first, other = (a, b) if a.assigned else (b, a)
+        await first.assigns.receive()
+        await first.chan.aclose()  # lost before any output
+        await other.assigns.receive()
+        await other.send("r1", Start(), Delta("x"), Complete())
+        events = await drain_events(run)
+        assert events == [Start(), Delta("x"), Complete()]
+        nursery.cancel_scope.cancel()
+
+
+async def test_node_error_before_start_fails_over(autojump_clock: trio.testing.MockClock) -> None:
+    async with open_edge_core(config()) as core, trio.open_nursery() as nursery:
+        a = await connect(core, nursery, [caps(slots=1)], "a")
+        b = await connect(core, nursery, [caps(slots=1)], "b")
+        run = core.start_run(spec())
+        await trio.testing.wait_all_tasks_blocked()
+        first, other = (a, b) if a.assigned else (b, a)
+        await first.assigns.receive()
+        await first.send("r1", Error(message="busy", status=429, code="queue_full"))
+        await other.assigns.receive()
+        await other.send("r1", Start(), Complete())
+        assert await drain_events(run) == [Start(), Complete()]
+        nursery.cancel_scope.cancel()
+
+
+async def test_non_retryable_node_error_is_the_outcome(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with edge_with_node() as (core, node, _):
+        run = core.start_run(spec())
+        await node.assigns.receive()
+        await node.send(
+            "r1",
+            Start(),
+            Error(message="vllm returned 400: too long", status=400, code="backend_http_error"),
+        )
+        events = await drain_events(run)
+        assert events[-1] == Error(
+            message="vllm returned 400: too long", status=400, code="backend_http_error"
+        )
+
+
+async def test_queue_waits_for_a_slot_then_times_out(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with edge_with_node(instances=[caps(slots=1)]) as (core, node, _):
+        r1 = core.start_run(spec(run_id="r1"))
+        await node.assigns.receive()
+        r2 = core.start_run(spec(run_id="r2"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert core.scheduler.queued == 1
+        await node.send("r1", Start(), Complete())
+        await drain_events(r1)
+        # r1's slot went to r2.
+        assign = await node.assigns.receive()
+        assert assign.assign.run_id == "r2"
+        r3 = core.start_run(spec(run_id="r3"))
+        events = await drain_events(r3)
+        assert isinstance(events[-1], Cancelled)
+        assert events[-1].reason is CancelReason.QUEUE_TIMEOUT
+        await node.send("r2", Start(), Complete())
+        await drain_events(r2)
+
+
+async def test_queue_full_is_429_up_front(autojump_clock: trio.testing.MockClock) -> None:
+    async with edge_with_node(instances=[caps(slots=1)]) as (core, node, _):
+        runs = [core.start_run(spec(run_id=f"r{i}")) for i in range(3)]  # 1 running + 2 queued
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(IopError) as info:
+            core.start_run(spec(run_id="r9"))
+        assert info.value.status == 429
+        assert info.value.code == "queue_full"
+        for r in runs:
+            r.cancel(CancelReason.CLIENT_DISCONNECT)
+        for r in runs:
+            await r.wait()
+        del node
+
+
+async def test_unknown_model_is_404_and_no_node_is_503(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_edge_core(config()) as core:
+        with pytest.raises(RequestError) as info:
+            core.start_run(spec())
+        assert info.value.status == 503
+    async with edge_with_node() as (core, _, _):
+        with pytest.raises(RequestError) as info:
+            core.start_run(spec(model="nope"))
+        assert info.value.status == 404
+        assert info.value.param == "model"
+
+
+async def test_unavailable_instance_is_not_served(autojump_clock: trio.testing.MockClock) -> None:
+    async with edge_with_node(instances=[caps(status=ProviderStatus.UNAVAILABLE)]) as (core, _, _):
+        assert core.models() == []
+
+
+async def test_bad_token_is_refused_with_4401(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with open_edge_core(config()) as core, trio.open_nursery() as nursery:
+        edge_end, node_end = memory_link_pair()
+        nursery.start_soon(core.handle_link, edge_end, "10.0.0.9")
+        node = FakeNode(node_end, token="wrong")
+        await node_end.send(node.session.hello([caps()]))
+        with pytest.raises(LinkClosed):
+            await node_end.receive()
+        assert node_end.close_code == CLOSE_BAD_TOKEN
+        assert "bad token" in node_end.close_reason
+        assert "refusing node from 10.0.0.9" in caplog.text
+        assert core.registry.nodes == {}
+
+
+async def test_reconnect_replaces_the_old_registration(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_edge_core(config()) as core, trio.open_nursery() as nursery:
+        old = await connect(core, nursery, [caps()], "n1")
+        run = core.start_run(spec())
+        await old.assigns.receive()
+        await old.send("r1", Start(), Delta("a"))
+        new = await connect(core, nursery, [caps()], "n1")
+        events = await drain_events(run)
+        assert isinstance(events[-1], Cancelled)
+        assert events[-1].reason is CancelReason.NODE_LOST
+        assert core.registry.nodes["n1"].session is not None
+        assert len(core.registry.nodes) == 1
+        await trio.testing.wait_all_tasks_blocked()
+        assert old.closed is not None
+        del new
+        nursery.cancel_scope.cancel()
+
+
+async def test_drain_lets_runs_finish_then_cancels(autojump_clock: trio.testing.MockClock) -> None:
+    async with edge_with_node() as (core, node, nursery):
+        run = core.start_run(spec())
+        await node.assigns.receive()
+        await node.send("r1", Start(), Delta("a"))
+
+        async def consume() -> list[RuntimeEvent]:
+            return await drain_events(run)
+
+        nursery.start_soon(consume)
+        await core.drain(timeout_s=2.0)
+        assert isinstance(run.outcome, Cancelled)
+        assert run.outcome.reason is CancelReason.SHUTDOWN
+        with pytest.raises(RequestError) as info:
+            core.start_run(spec(run_id="r2"))
+        assert info.value.status == 503
