@@ -1,15 +1,26 @@
 """The edge: OpenAI-compatible HTTP API, node links, scheduling.
 
-The OpenAI output (seed 001's streaming behaviour) is sans-IO in
-``_openai_out``; request validation in ``_request``.
+``serve_edge`` runs it; ``create_edge_app`` is the quart-trio app over an
+``EdgeCore`` (node registry, scheduler, remote runs). The OpenAI output
+(seed 001's streaming behaviour) is sans-IO in ``_openai_out``; request
+validation in ``_request``.
 """
 
+from iop.edge._app import create_edge_app
+from iop.edge._core import EdgeCore, RemoteExecutor, open_edge_core
 from iop.edge._openai_out import ChatCompletionCollector, ChatCompletionStream, error_body
 from iop.edge._request import parse_chat_request
+from iop.edge._serve import EdgeHandle, serve_edge
 
 __all__ = [
     "ChatCompletionCollector",
     "ChatCompletionStream",
+    "EdgeCore",
+    "EdgeHandle",
+    "RemoteExecutor",
+    "create_edge_app",
     "error_body",
+    "open_edge_core",
     "parse_chat_request",
+    "serve_edge",
 ]

@@ -1,0 +1,107 @@
+"""``iop edge``: serve the OpenAI-compatible API and accept node links."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from functools import partial
+from typing import Any
+
+import msgspec
+import trio
+
+from iop.config import EdgeConfig, load_config
+from iop.edge import EdgeHandle, serve_edge
+from iop.errors import ConfigError
+
+__all__ = ["add_parser", "until_signal"]
+
+_EPILOG = """\
+examples:
+  iop edge --config configs/edge.toml
+  IOP_NODE_TOKEN=s3cret iop edge --node-token '${IOP_NODE_TOKEN}' --port 8080
+
+Nodes dial ws://HOST:PORT/v1/link with one of the configured node tokens.
+SIGINT/SIGTERM drain: new requests get 503, in-flight runs get
+server.drain_timeout_s to finish, then the process exits 0.
+"""
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "edge",
+        help="serve the OpenAI-compatible API and accept node links",
+        description=(
+            "Serve /v1/chat/completions, /v1/models, /healthz, /readyz and /admin/nodes, "
+            "and accept nodes on the /v1/link WebSocket."
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--config", metavar="FILE", help="edge config (TOML); see docs/configuration.md")
+    p.add_argument("--host", help="interface to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port to listen on, 0 for a free one (default: 8080)")
+    p.add_argument(
+        "--node-token",
+        action="append",
+        metavar="TOKEN",
+        help="a token nodes may present (repeatable; ${VAR} reads the environment)",
+    )
+    p.set_defaults(func=_cmd_edge)
+
+
+def edge_config_from_args(args: argparse.Namespace) -> EdgeConfig:
+    cfg = load_config(args.config, EdgeConfig) if args.config else EdgeConfig()
+    server = msgspec.structs.replace(
+        cfg.server,
+        **{k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None},
+    )
+    link = cfg.link
+    if args.node_token:
+        from iop.config import expand_env
+
+        tokens = [expand_env(t, where="--node-token") for t in args.node_token]
+        link = msgspec.structs.replace(link, node_tokens=[*link.node_tokens, *tokens])
+    if not link.node_tokens:
+        raise ConfigError("no node token configured: set link.node_tokens or pass --node-token")
+    return msgspec.structs.replace(cfg, server=server, link=link)
+
+
+def _cmd_edge(args: argparse.Namespace) -> int:
+    cfg = edge_config_from_args(args)
+    trio.run(_main, cfg)
+    return 0
+
+
+def describe_edge(handle: EdgeHandle) -> str:
+    return (
+        f"iop edge: OpenAI API on {handle.url}/v1 "
+        f"(chat/completions, models), nodes dial {handle.link_url}"
+    )
+
+
+async def until_signal(
+    stop: trio.Event, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Set ``stop`` on the first SIGINT or SIGTERM."""
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        task_status.started()
+        async for signum in signals:
+            print(
+                f"iop: {signal.Signals(signum).name} received, draining",
+                file=sys.stderr,
+                flush=True,
+            )
+            stop.set()
+            return
+
+
+async def _main(cfg: EdgeConfig) -> None:
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(until_signal, stop)
+        handle = await nursery.start(partial(serve_edge, cfg, shutdown=stop))
+        print(describe_edge(handle), flush=True)
+        await stop.wait()
+    print("iop edge: stopped", file=sys.stderr, flush=True)

@@ -1,0 +1,336 @@
+"""The edge's HTTP face: a quart-trio app over an ``EdgeCore``.
+
+Routes: ``POST /v1/chat/completions`` (streaming and not), ``GET /v1/models``,
+``GET /healthz``, ``GET /readyz``, ``GET /admin/nodes`` and the node link
+WebSocket ``/v1/link``. Every error a client sees is OpenAI's error body with
+the right status.
+
+Streaming (trio-stack.md §2): the response body is an async generator that
+only awaits the run's channel and yields bytes; no ``yield`` sits inside a
+cancel scope or nursery (the keep-alive timeout wraps only the ``receive``).
+What is already queued is coalesced into one send (§5e). When the client goes
+away, quart-trio cancels the generator and its ``finally`` cancels the run
+with ``client_disconnect``; the run task, owned by the core's supervisor and
+not by the request, then tells the node from a shielded scope.
+
+Headers are committed on the run's first output, or after
+``keepalive_interval_s`` (then keep-alive comments follow while the run is
+queued or in prefill). A run that fails before any output therefore gets a
+real HTTP status (429, 404, the backend's 400...) rather than an SSE error
+behind a 200.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import AsyncGenerator
+from typing import Final
+
+import msgspec
+import trio
+from quart import Response, request, websocket
+from quart_trio import QuartTrio
+from werkzeug.exceptions import HTTPException
+
+from iop.edge._core import EdgeCore
+from iop.edge._openai_out import (
+    ChatCompletionCollector,
+    ChatCompletionStream,
+    error_body,
+    openai_error_type,
+)
+from iop.edge._request import parse_chat_request
+from iop.errors import IopError, RequestError
+from iop.events import CancelReason, Error, RuntimeEvent, Start, is_terminal
+from iop.protocol import CLOSE_NORMAL, CLOSE_PROTOCOL, LinkClosed
+from iop.runtime import Run, new_run_id
+from iop.spec import ExecutionSpec
+
+__all__ = ["create_edge_app"]
+
+_NO_OUTCOME: Final = Error(
+    message="run ended without an outcome", status=500, code="internal_error"
+)
+
+log = logging.getLogger("iop.edge.http")
+
+# Events taken from a run's channel per send when more are already queued:
+# one write per batch instead of one per token (trio-stack.md §5e).
+COALESCE_MAX: Final = 64
+
+_SSE_HEADERS: Final = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+
+
+def _json_response(
+    body: bytes, status: int = 200, headers: dict[str, str] | None = None
+) -> Response:
+    return Response(body, status=status, content_type="application/json", headers=headers)
+
+
+def _error(
+    status: int,
+    message: str,
+    *,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
+    body = error_body(message, type=openai_error_type(status), code=code, param=param)
+    return _json_response(body, status, headers)
+
+
+def _from_exc(exc: IopError) -> Response:
+    headers = {"Retry-After": "1"} if exc.status == 429 else None
+    param = exc.param if isinstance(exc, RequestError) else None
+    return _error(exc.status, exc.message, code=exc.code, param=param, headers=headers)
+
+
+class _WebSocketChannel:
+    """``FrameChannel`` over quart's websocket object (binary frames only)."""
+
+    def __init__(self) -> None:
+        self._closed = False
+
+    async def send(self, frame: bytes) -> None:
+        if self._closed:
+            raise LinkClosed("link closed")
+        await websocket.send(frame)
+
+    async def receive(self) -> bytes:
+        data = await websocket.receive()
+        if isinstance(data, str):
+            raise LinkClosed(
+                "text frame on the node link", close_code=CLOSE_PROTOCOL, reason="text frame"
+            )
+        return data
+
+    async def aclose(self, code: int = CLOSE_NORMAL, reason: str = "") -> None:
+        if not self._closed:
+            self._closed = True
+            try:
+                await websocket.close(code, reason)
+            except Exception as exc:  # the socket may already be gone
+                log.debug("closing node websocket: %r", exc)
+
+
+def create_edge_app(core: EdgeCore) -> QuartTrio:
+    """The edge's ASGI app, serving ``core``."""
+    cfg = core.config
+    app = QuartTrio("iop.edge")
+    # Quart's 60 s defaults would cut long streams and slow uploads silently
+    # (trio-stack.md P1); runs have their own deadlines.
+    app.config["RESPONSE_TIMEOUT"] = None
+    app.config["BODY_TIMEOUT"] = 60
+    app.config["MAX_CONTENT_LENGTH"] = cfg.server.max_body_bytes
+    keys = [k.encode() for k in cfg.server.api_keys]
+
+    def authorized() -> bool:
+        if not keys:
+            return True
+        auth = request.headers.get("Authorization", "")
+        token = auth[7:].encode() if auth.startswith("Bearer ") else b""
+        ok = False
+        for k in keys:
+            ok |= hmac.compare_digest(token, k)
+        return ok
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Response:
+        status = exc.code or 500
+        message = {
+            404: f"Unknown request URL: {request.method} {request.path}.",
+            405: f"Method {request.method} is not allowed on {request.path}.",
+            413: f"Request body too large (limit {cfg.server.max_body_bytes} bytes).",
+        }.get(status, exc.description or exc.name)
+        return _error(status, message, code=exc.name.lower().replace(" ", "_"))
+
+    @app.errorhandler(Exception)
+    async def crash(exc: Exception) -> Response:
+        log.error("unhandled error on %s %s", request.method, request.path, exc_info=exc)
+        return _error(500, "internal server error", code="internal_error")
+
+    @app.get("/healthz")
+    async def healthz() -> Response:
+        return _json_response(b'{"status":"ok"}')
+
+    @app.get("/readyz")
+    async def readyz() -> Response:
+        if core.draining:
+            return _json_response(b'{"status":"draining"}', 503)
+        if not core.registry.nodes:
+            return _json_response(b'{"status":"no nodes connected"}', 503)
+        return _json_response(
+            msgspec.json.encode({"status": "ready", "nodes": len(core.registry.nodes)})
+        )
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        if not authorized():
+            return _error(401, "Incorrect API key provided.", code="invalid_api_key")
+        created = int(core.started_at)
+        data = [
+            {
+                "id": m.id,
+                "object": "model",
+                "created": created,
+                "owned_by": "iop",
+                "nodes": list(m.nodes),
+            }
+            for m in core.models()
+        ]
+        return _json_response(msgspec.json.encode({"object": "list", "data": data}))
+
+    @app.get("/admin/nodes")
+    async def admin_nodes() -> Response:
+        if not authorized():
+            return _error(401, "Incorrect API key provided.", code="invalid_api_key")
+        return _json_response(msgspec.json.encode(core.snapshot()))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions() -> Response:
+        if not authorized():
+            return _error(401, "Incorrect API key provided.", code="invalid_api_key")
+        body = await request.get_data(cache=False)
+        assert isinstance(body, bytes)
+        try:
+            req = parse_chat_request(body)
+            spec = ExecutionSpec(run_id=new_run_id(), request=req, target=req.model)
+            run = core.start_run(spec)
+        except IopError as exc:
+            return _from_exc(exc)
+        policy = cfg.policy_for(req.model)
+        created = int(time.time())
+        completion_id = f"chatcmpl-{spec.run_id}"
+        if not req.stream:
+            return await _complete(
+                run,
+                ChatCompletionCollector(
+                    completion_id=completion_id,
+                    created=created,
+                    model=req.model,
+                    request=req,
+                    policy=policy,
+                ),
+            )
+        stream = ChatCompletionStream(
+            completion_id=completion_id,
+            created=created,
+            model=req.model,
+            request=req,
+            policy=policy,
+        )
+        handed_over = False
+        try:
+            first = await _first_output(run, cfg.server.keepalive_interval_s)
+            early = first[-1] if first else None
+            if (
+                early is not None
+                and isinstance(early, Error)
+                and not any(not isinstance(e, Start) for e in first[:-1])
+            ):
+                run.events.close()
+                return _error(
+                    early.status,
+                    early.message,
+                    code=early.code,
+                    headers=({"Retry-After": "1"} if early.status == 429 else None),
+                )
+            handed_over = True
+            return Response(
+                _sse_body(run, stream, first, cfg.server.keepalive_interval_s),
+                status=200,
+                headers=_SSE_HEADERS,
+            )
+        finally:
+            if not handed_over:
+                run.cancel(CancelReason.CLIENT_DISCONNECT, "client disconnected")
+
+    @app.websocket("/v1/link")
+    async def node_link() -> None:
+        peer = websocket.headers.get("Remote-Addr", "")
+        await websocket.accept()
+        await core.handle_link(_WebSocketChannel(), peer=peer)
+
+    return app
+
+
+async def _first_output(run: Run, wait_s: float) -> list[RuntimeEvent]:
+    """Events up to the first output or terminal, waiting at most ``wait_s``."""
+    got: list[RuntimeEvent] = []
+    with trio.move_on_after(wait_s):
+        while True:
+            try:
+                ev = await run.events.receive()
+            except trio.EndOfChannel:
+                if run.outcome is not None:
+                    got.append(run.outcome)
+                break
+            got.append(ev)
+            if not isinstance(ev, Start):
+                break
+    return got
+
+
+async def _sse_body(
+    run: Run, stream: ChatCompletionStream, first: list[RuntimeEvent], keepalive_s: float
+) -> AsyncGenerator[bytes, None]:
+    """The SSE body: yields bytes only, never inside a cancel scope."""
+    finished = False
+    try:
+        yield stream.start()
+        batch = first
+        while True:
+            if batch:
+                out = stream.feed_many(batch)
+                if out:
+                    yield out
+                if stream.finished:
+                    finished = True
+                    return
+            batch = []
+            with trio.move_on_after(keepalive_s):
+                try:
+                    batch.append(await run.events.receive())
+                except trio.EndOfChannel:
+                    # The run ended without handing us its terminal event
+                    # (we were too slow); its outcome still says how.
+                    batch.append(run.outcome or _NO_OUTCOME)
+            if not batch:
+                yield stream.keepalive()
+                continue
+            while len(batch) < COALESCE_MAX and not is_terminal(batch[-1]):
+                try:
+                    batch.append(run.events.receive_nowait())
+                except (trio.WouldBlock, trio.EndOfChannel):
+                    break
+    finally:
+        if not finished:
+            run.cancel(CancelReason.CLIENT_DISCONNECT, "client disconnected")
+        run.events.close()
+        log.debug("stream %s closed: %s", run.run_id, stream.summary())
+
+
+async def _complete(run: Run, collector: ChatCompletionCollector) -> Response:
+    done = False
+    try:
+        async with run.events:
+            async for ev in run.events:
+                collector.feed(ev)
+                if is_terminal(ev):
+                    break
+            else:
+                if run.outcome is not None:
+                    collector.feed(run.outcome)
+        done = True
+    finally:
+        if not done:
+            run.cancel(CancelReason.CLIENT_DISCONNECT, "client disconnected")
+    status, body = collector.result()
+    headers = {"Retry-After": "1"} if status == 429 else None
+    return _json_response(body, status, headers)

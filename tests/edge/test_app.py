@@ -1,0 +1,307 @@
+"""The edge's HTTP layer on a real socket (hypercorn, port 0) with httpx, and a
+hand-played node attached to the core over an in-memory link."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+
+import httpx
+import msgspec
+import pytest
+import trio
+import trio.testing
+
+from iop.capabilities import Capabilities
+from iop.config import Deadlines, EdgeConfig, EdgeServer, LinkSettings, SchedulerSettings
+from iop.edge import EdgeHandle, serve_edge
+from iop.events import CancelReason, Complete, Delta, Error, ReasoningDelta, Start, ToolCall, Usage
+from iop.wire import SSEDecoder
+from tests.edge._openai_schema import validate_chunk, validate_completion, validate_error
+from tests.edge.test_core import TOKEN, FakeNode
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def config(**server: object) -> EdgeConfig:
+    return EdgeConfig(
+        server=msgspec.structs.replace(
+            EdgeServer(port=0, keepalive_interval_s=0.2, drain_timeout_s=1.0), **server
+        ),
+        link=LinkSettings(node_tokens=[TOKEN], run_window=8),
+        scheduler=SchedulerSettings(max_queue=1, queue_timeout_s=2.0),
+        deadlines=Deadlines(first_token_timeout_s=5, idle_timeout_s=5, request_timeout_s=30),
+    )
+
+
+@asynccontextmanager
+async def edge(
+    cfg: EdgeConfig | None = None, *, with_node: bool = True
+) -> AsyncIterator[tuple[EdgeHandle, FakeNode | None, httpx.AsyncClient]]:
+    from iop.testing import memory_link_pair
+
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        handle: EdgeHandle = await nursery.start(
+            partial(serve_edge, cfg or config(), shutdown=stop)
+        )
+        node = None
+        if with_node:
+            edge_end, node_end = memory_link_pair()
+            nursery.start_soon(handle.core.handle_link, edge_end, "test")
+            node = FakeNode(node_end)
+            await node.hello(
+                [Capabilities(adapter="sim", instance="i0", targets=("m",), max_concurrency=1)]
+            )
+            nursery.start_soon(node.serve)
+        async with httpx.AsyncClient(base_url=handle.url, timeout=10) as client:
+            yield handle, node, client
+        stop.set()
+
+
+async def answer(node: FakeNode, *events: object) -> str:
+    assign = await node.assigns.receive()
+    run_id = assign.assign.run_id
+    await node.send(run_id, *events)  # type: ignore[arg-type]
+    return run_id
+
+
+def sse_objects(body: bytes) -> list[object]:
+    dec = SSEDecoder()
+    out: list[object] = []
+    for ev in dec.feed(body):
+        out.append("[DONE]" if ev.data == "[DONE]" else json.loads(ev.data))
+    return out
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def test_streaming_chat() -> None:
+    async with edge() as (_, node, client), trio.open_nursery() as n:
+        assert node is not None
+        n.start_soon(
+            answer,
+            node,
+            Start(),
+            ReasoningDelta("hm"),
+            Delta("Hel"),
+            Delta("lo"),
+            Complete(usage=Usage(input_tokens=3, output_tokens=2)),
+        )
+        resp = await client.post(
+            "/v1/chat/completions",
+            json={**CHAT, "stream": True, "stream_options": {"include_usage": True}},
+        )
+        assert resp.status_code == 200
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        objs = sse_objects(resp.content)
+        assert objs[-1] == "[DONE]"
+        chunks = [o for o in objs[:-1] if isinstance(o, dict)]
+        for c in chunks:
+            validate_chunk(c)
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        text = "".join(
+            c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
+        )
+        assert text == "Hello"
+        assert any(
+            c["choices"] and c["choices"][0]["delta"].get("reasoning_content") == "hm"
+            for c in chunks
+        )
+        assert chunks[-1]["usage"]["prompt_tokens"] == 3
+
+
+async def test_non_streaming_chat_with_tool_calls() -> None:
+    async with edge() as (_, node, client), trio.open_nursery() as n:
+        assert node is not None
+        call = ToolCall(id="c1", name="get_weather", arguments='{"city":"Paris"}')
+        n.start_soon(answer, node, Start(), Complete(tool_calls=(call,)))
+        body = {
+            **CHAT,
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {"name": "get_weather", "parameters": {"type": "object"}},
+                }
+            ],
+        }
+        resp = await client.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200
+        obj = resp.json()
+        validate_completion(obj)
+        choice = obj["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (b"{not json", 400, None),
+        (b"[]", 400, None),
+        (json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode(), 400, "model"),
+        (json.dumps({"model": "m"}).encode(), 400, "messages"),
+        (
+            json.dumps({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}).encode(),
+            400,
+            "messages[0].role",
+        ),
+        (
+            json.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}]}).encode(),
+            404,
+            "model",
+        ),
+    ],
+)
+async def test_bad_requests_get_openai_errors(body: bytes, status: int, param: str | None) -> None:
+    async with edge() as (_, _, client):
+        resp = await client.post(
+            "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+        )
+        assert resp.status_code == status
+        obj = resp.json()
+        validate_error(obj)
+        if param is not None:
+            assert obj["error"]["param"] == param
+
+
+async def test_oversized_body_is_413() -> None:
+    async with edge(config(max_body_bytes=1000)) as (_, _, client):
+        resp = await client.post("/v1/chat/completions", content=b"x" * 5000)
+        assert resp.status_code == 413
+        validate_error(resp.json())
+
+
+async def test_unknown_route_and_method() -> None:
+    async with edge() as (_, _, client):
+        resp = await client.get("/v1/nope")
+        assert resp.status_code == 404
+        validate_error(resp.json())
+        resp = await client.get("/v1/chat/completions")
+        assert resp.status_code == 405
+        validate_error(resp.json())
+
+
+async def test_no_nodes_is_503_and_not_ready() -> None:
+    async with edge(with_node=False) as (_, _, client):
+        resp = await client.post("/v1/chat/completions", json=CHAT)
+        assert resp.status_code == 503
+        assert (await client.get("/readyz")).status_code == 503
+        assert (await client.get("/healthz")).status_code == 200
+
+
+async def test_models_health_and_admin() -> None:
+    async with edge() as (_, _, client):
+        models = (await client.get("/v1/models")).json()
+        assert models["object"] == "list"
+        assert [m["id"] for m in models["data"]] == ["m"]
+        assert (await client.get("/readyz")).json()["status"] == "ready"
+        admin = (await client.get("/admin/nodes")).json()
+        assert admin["nodes"][0]["id"] == "n1"
+        assert admin["nodes"][0]["instances"][0]["instance"] == "i0"
+
+
+async def test_early_error_gets_a_real_status() -> None:
+    async with edge() as (_, node, client), trio.open_nursery() as n:
+        assert node is not None
+        n.start_soon(
+            answer,
+            node,
+            Start(),
+            Error(message="context too long", status=400, code="backend_http_error"),
+        )
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        assert resp.status_code == 400
+        assert resp.json()["error"]["message"] == "context too long"
+
+
+async def test_error_after_output_is_an_sse_error_object() -> None:
+    async with edge() as (_, node, client), trio.open_nursery() as n:
+        assert node is not None
+        n.start_soon(
+            answer,
+            node,
+            Start(),
+            Delta("par"),
+            Error(message="backend died", status=502, code="backend_stream_error"),
+        )
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        assert resp.status_code == 200
+        objs = sse_objects(resp.content)
+        assert objs[-1] == "[DONE]"
+        err = objs[-2]
+        assert isinstance(err, dict)
+        validate_error(err)
+        assert err["error"]["message"] == "backend died"
+
+
+async def test_keepalive_while_waiting_then_answer() -> None:
+    async with edge() as (_, node, client), trio.open_nursery() as n:
+        assert node is not None
+
+        async def slow() -> None:
+            assign = await node.assigns.receive()
+            await trio.sleep(0.7)  # several keep-alive intervals
+            await node.send(assign.assign.run_id, Start(), Delta("x"), Complete())
+
+        n.start_soon(slow)
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        assert b": keep-alive\n\n" in resp.content
+        assert sse_objects(resp.content)[-1] == "[DONE]"
+
+
+async def test_client_disconnect_cancels_the_run_on_the_node() -> None:
+    async with edge() as (handle, node, client):
+        assert node is not None
+
+        async def stream_then_leave() -> None:
+            async with client.stream(
+                "POST", "/v1/chat/completions", json={**CHAT, "stream": True}
+            ) as resp:
+                async for line in resp.aiter_lines():
+                    if "tok" in line:
+                        return  # leaving the block closes the connection
+
+        async with trio.open_nursery() as n:
+            n.start_soon(stream_then_leave)
+            assign = await node.assigns.receive()
+            await node.send(assign.assign.run_id, Start(), Delta("tok"))
+        with trio.fail_after(5):
+            while not node.cancels:
+                await trio.sleep(0.01)
+        assert node.cancels[0].cancel.reason is CancelReason.CLIENT_DISCONNECT
+        assert handle.core.outcomes.get("cancelled:client_disconnect") == 1
+
+
+async def test_queue_full_is_429_with_retry_after() -> None:
+    async with edge() as (_, node, client), trio.open_nursery() as n:
+        assert node is not None
+        results: list[int] = []
+
+        async def call() -> None:
+            r = await client.post("/v1/chat/completions", json=CHAT)
+            results.append(r.status_code)
+
+        n.start_soon(call)  # takes the only slot
+        await node.assigns.receive()
+        n.start_soon(call)  # waits in the queue (max_queue=1)
+        with trio.fail_after(5):
+            while not (await client.get("/admin/nodes")).json()["queued"]:
+                await trio.sleep(0.01)
+        resp = await client.post("/v1/chat/completions", json=CHAT)
+        assert resp.status_code == 429
+        assert resp.headers["retry-after"] == "1"
+        validate_error(resp.json())
+        n.cancel_scope.cancel()
+
+
+async def test_api_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with edge(config(api_keys=["sk-1"])) as (_, _, client):
+        resp = await client.get("/v1/models")
+        assert resp.status_code == 401
+        validate_error(resp.json())
+        resp = await client.get("/v1/models", headers={"Authorization": "Bearer sk-1"})
+        assert resp.status_code == 200
