@@ -31,9 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="log verbosity (default: info)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from iop.cli import _edge, _run, _sim
+    from iop.cli import _edge, _node, _run, _sim
 
     _edge.add_parser(sub)
+    _node.add_parser(sub)
     _sim.add_parser(sub)
     _run.add_parser(sub)
     return parser

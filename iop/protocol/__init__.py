@@ -37,8 +37,24 @@ from iop.protocol._session import (
     RunEventsReceived,
     Welcomed,
 )
+from iop.protocol._transport import (
+    CLOSE_BAD_TOKEN,
+    CLOSE_GOING_AWAY,
+    CLOSE_HEARTBEAT,
+    CLOSE_NORMAL,
+    CLOSE_PROTOCOL,
+    CLOSE_REPLACED,
+    FrameChannel,
+    LinkClosed,
+)
 
 __all__ = [
+    "CLOSE_BAD_TOKEN",
+    "CLOSE_GOING_AWAY",
+    "CLOSE_HEARTBEAT",
+    "CLOSE_NORMAL",
+    "CLOSE_PROTOCOL",
+    "CLOSE_REPLACED",
     "DEFAULT_RUN_WINDOW",
     "PROTOCOL_VERSION",
     "Assign",
@@ -51,8 +67,10 @@ __all__ = [
     "CreditReceived",
     "EdgeMessage",
     "EdgeSession",
+    "FrameChannel",
     "Goodbye",
     "Hello",
+    "LinkClosed",
     "LinkState",
     "NodeDraining",
     "NodeJoined",

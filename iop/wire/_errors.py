@@ -18,7 +18,13 @@ from typing import Any, Final
 
 import msgspec
 
-__all__ = ["ERROR_EXCERPT_BYTES", "BackendErrorInfo", "excerpt", "parse_error_body", "parse_error_value"]
+__all__ = [
+    "ERROR_EXCERPT_BYTES",
+    "BackendErrorInfo",
+    "excerpt",
+    "parse_error_body",
+    "parse_error_value",
+]
 
 # Seed 000/003 read at most 4 KiB of an error body: enough for any real
 # error message, bounded against a backend that streams megabytes of HTML.

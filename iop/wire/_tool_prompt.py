@@ -120,7 +120,9 @@ def fallback_messages(
             )
             out.append(Message(role="assistant", content=f"{m.text()}\n{calls}".strip()))
         elif m.role in ("tool", "function"):
-            out.append(Message(role="user", content=f"<tool_response>\n{m.text()}\n</tool_response>"))
+            out.append(
+                Message(role="user", content=f"<tool_response>\n{m.text()}\n</tool_response>")
+            )
         else:
             out.append(m)
     if not merged:

@@ -1,0 +1,132 @@
+"""``iop node``: run a node agent that dials its edges and serves its instances.
+
+The node connects *out* to every edge of its config (NAT-friendly), says
+hello with its instances' capabilities, executes the runs the edges assign,
+and reconnects with backoff when a link drops. SIGINT or SIGTERM drains it:
+no new runs, in-flight runs get ``node.drain_timeout_s`` to finish, then the
+rest are cancelled (reason ``shutdown``) and the process exits 0. A second
+signal stops at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from typing import Any
+
+import trio
+
+from iop.config import HTTPInstance, InstanceConfig, NodeConfig, load_config
+from iop.errors import ConfigError
+from iop.node import NodeAgent, open_node_agent
+
+__all__ = ["add_parser"]
+
+log = logging.getLogger("iop.node")
+
+_EPILOG = """\
+config (TOML):
+  [node]
+  id = "gpu-1"                       # unique among the edge's nodes
+  reconnect_min_s = 0.2              # backoff after a lost link ...
+  reconnect_max_s = 5.0              # ... doubling up to this (with jitter)
+  probe_interval_s = 10.0            # instances re-probed; changes pushed to edges
+  drain_timeout_s = 10.0             # on SIGINT/SIGTERM, time for runs to finish
+
+  [[node.edges]]
+  url = "ws://edge.example:8080/v1/link"
+  token = "${IOP_NODE_TOKEN}"        # secrets come from the environment
+
+  [[instances]]
+  adapter = "vllm"                   # or "openai_compat", "sim"
+  name = "qwen"
+  endpoint = "http://127.0.0.1:8000"
+  max_concurrency = 8
+
+See docs/configuration.md for every key.
+"""
+
+
+def add_parser(sub: Any) -> None:
+    """Register ``iop node`` on the ``iop`` subparsers."""
+    p = sub.add_parser(
+        "node",
+        help="run a node agent: dial the edges, serve runs on local backends",
+        description=(
+            "Run a node agent. It dials every edge in the config's [[node.edges]] over "
+            "a WebSocket, advertises its [[instances]] (adapter, targets, capacity), "
+            "executes the runs the edges assign, and reconnects with exponential backoff "
+            "when a link drops. SIGINT/SIGTERM drain it: new runs are refused, in-flight "
+            "runs get node.drain_timeout_s to finish, then it exits 0; a second signal "
+            "stops at once."
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--config", required=True, metavar="FILE", help="node config (TOML): [node], [[instances]]"
+    )
+    p.set_defaults(func=_cmd_node)
+
+
+def _load(path: str) -> NodeConfig:
+    cfg = load_config(path, NodeConfig)
+    if not cfg.node.edges:
+        raise ConfigError(
+            f"{path}: no edges to dial; add a [[node.edges]] table with url and token"
+        )
+    if not cfg.instances:
+        raise ConfigError(f"{path}: no instances to serve; add an [[instances]] table")
+    return cfg
+
+
+def _cmd_node(args: argparse.Namespace) -> int:
+    cfg = _load(args.config)
+    trio.run(_run_node, cfg)
+    return 0
+
+
+def _kind(inst: InstanceConfig) -> str:
+    tag = type(inst).__struct_config__.tag
+    return str(tag) if tag is not None else type(inst).__name__
+
+
+def startup_line(agent: NodeAgent) -> str:
+    """One line saying who the node is, what it dials and what it serves."""
+    cfg = agent.config
+    caps = {c.instance: c for c in agent.capabilities}
+    parts = []
+    for inst in cfg.instances:
+        where = inst.endpoint if isinstance(inst, HTTPInstance) else "in-process"
+        c = caps.get(inst.name)
+        targets = ", ".join(c.targets) if c and c.targets else "none yet"
+        status = c.provider_status if c else "unknown"
+        parts.append(f"{inst.name} ({_kind(inst)} {where}, {status}, targets: {targets})")
+    edges = ", ".join(e.url for e in cfg.node.edges)
+    return f"iop node: node {agent.node_id!r} dialling {edges}; instances: {'; '.join(parts)}"
+
+
+async def _run_node(cfg: NodeConfig) -> None:
+    # The receiver is open before anything slow (the first probe), so an early
+    # signal is not lost.
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with open_node_agent(cfg) as agent:
+            print(startup_line(agent), flush=True)
+            async with trio.open_nursery() as nursery:
+                await nursery.start(agent.serve)
+                async for signum in signals:
+                    log.info("%s: draining", signal.Signals(signum).name)
+                    break
+
+                async def stop_on_second_signal() -> None:
+                    async for signum in signals:
+                        log.warning("%s again: stopping now", signal.Signals(signum).name)
+                        nursery.cancel_scope.cancel()
+                        return
+
+                nursery.start_soon(stop_on_second_signal)
+                await agent.drain(cfg.node.drain_timeout_s)
+                nursery.cancel_scope.cancel()
+    print("iop node: stopped", file=sys.stderr, flush=True)

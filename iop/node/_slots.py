@@ -1,0 +1,129 @@
+"""Per-instance capacity: a concurrency limit with a bounded, fair FIFO queue.
+
+An instance executes at most ``max_concurrency`` runs at once. A run that
+finds every slot taken waits in a FIFO queue of at most ``max_queue`` runs,
+for at most ``queue_timeout_s``:
+
+* queue full: ``IopError(status=429, code="queue_full")``; the runtime turns
+  it into the run's ``Error`` event, and the edge answers 429;
+* waited too long: ``RunAborted(reason="queue_timeout")``; the runtime turns
+  it into ``Cancelled(queue_timeout)``.
+
+A released slot is *handed over* to the first waiter (``in_flight`` does not
+drop in between), so a newcomer can never overtake the queue, and each slot is
+given to exactly one waiter. A waiter that is cancelled or times out leaves
+the queue; if a slot was handed to it in the same instant, it passes the slot
+on. Nothing polls: waiters sleep on their own ``trio.Event``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+
+from iop.errors import IopError, RunAborted
+from iop.events import CancelReason
+
+__all__ = ["InstanceSlots"]
+
+
+class _Waiter:
+    __slots__ = ("granted", "woken")
+
+    def __init__(self) -> None:
+        self.woken = trio.Event()
+        self.granted = False
+
+
+class InstanceSlots:
+    """Capacity limiter of one adapter instance.
+
+    Args:
+        max_concurrency: Runs executed at once (>= 1).
+        max_queue: Runs allowed to wait for a slot (0: no queue).
+        queue_timeout_s: Longest wait for a slot.
+
+    Attributes:
+        in_flight: Slots currently held (including ones handed to a waiter
+            that has not resumed yet).
+    """
+
+    def __init__(self, max_concurrency: int, max_queue: int, queue_timeout_s: float) -> None:
+        if max_concurrency < 1:
+            raise ValueError("max_concurrency must be >= 1")
+        if max_queue < 0:
+            raise ValueError("max_queue must be >= 0")
+        self.max_concurrency = max_concurrency
+        self.max_queue = max_queue
+        self.queue_timeout_s = queue_timeout_s
+        self.in_flight = 0
+        # Insertion-ordered: the first key is the oldest waiter; removal of a
+        # cancelled waiter is O(1).
+        self._waiters: dict[_Waiter, None] = {}
+
+    @property
+    def queued(self) -> int:
+        """Runs waiting for a slot."""
+        return len(self._waiters)
+
+    @asynccontextmanager
+    async def acquire(self) -> AsyncIterator[None]:
+        """Hold one slot for the duration of the ``async with`` block.
+
+        Raises:
+            IopError: The queue is full (status 429, code ``queue_full``).
+            RunAborted: No slot within ``queue_timeout_s`` (reason
+                ``queue_timeout``).
+        """
+        await trio.lowlevel.checkpoint()
+        if self.in_flight < self.max_concurrency and not self._waiters:
+            self.in_flight += 1
+        else:
+            await self._wait_for_slot()
+        try:
+            yield
+        finally:
+            self._release()
+
+    async def _wait_for_slot(self) -> None:
+        if len(self._waiters) >= self.max_queue:
+            raise IopError(
+                f"instance busy: {self.in_flight} runs in flight and "
+                f"{len(self._waiters)} queued (max_queue={self.max_queue})",
+                status=429,
+                code="queue_full",
+            )
+        waiter = _Waiter()
+        self._waiters[waiter] = None
+        try:
+            with trio.move_on_after(self.queue_timeout_s):
+                await waiter.woken.wait()
+        except BaseException:
+            # Cancelled from outside: leave the queue, or pass on a slot that
+            # was handed to us in the same instant. Then let it propagate.
+            self._abandon(waiter)
+            raise
+        if not waiter.granted:
+            self._abandon(waiter)
+            raise RunAborted(
+                f"no free slot within queue_timeout_s={self.queue_timeout_s:g}",
+                reason=CancelReason.QUEUE_TIMEOUT,
+            )
+
+    def _abandon(self, waiter: _Waiter) -> None:
+        if waiter.granted:
+            self._release()
+        else:
+            del self._waiters[waiter]
+
+    def _release(self) -> None:
+        if self._waiters:
+            # Hand the slot straight to the oldest waiter: in_flight unchanged.
+            waiter = next(iter(self._waiters))
+            del self._waiters[waiter]
+            waiter.granted = True
+            waiter.woken.set()
+        else:
+            self.in_flight -= 1

@@ -1,0 +1,59 @@
+"""What a link driver needs from a transport: whole frames, in order.
+
+The edge and node drivers are written against ``FrameChannel``; production
+uses WebSockets (trio-websocket on the node, quart-trio on the edge) and the
+tests use ``iop.testing.memory_link_pair`` with virtual time. This module only
+declares the interface (no trio import: the protocol package stays sans-IO).
+"""
+
+from __future__ import annotations
+
+from typing import Final, Protocol
+
+from iop.errors import LinkError
+
+__all__ = [
+    "CLOSE_BAD_TOKEN",
+    "CLOSE_GOING_AWAY",
+    "CLOSE_HEARTBEAT",
+    "CLOSE_NORMAL",
+    "CLOSE_PROTOCOL",
+    "CLOSE_REPLACED",
+    "FrameChannel",
+    "LinkClosed",
+]
+
+# WebSocket close codes used on the link (4000-4999 are application codes).
+CLOSE_NORMAL: Final = 1000
+CLOSE_GOING_AWAY: Final = 1001  # the peer is shutting down
+CLOSE_PROTOCOL: Final = 4400  # a frame broke the protocol
+CLOSE_BAD_TOKEN: Final = 4401  # bad token or protocol version: do not retry blindly
+CLOSE_HEARTBEAT: Final = 4408  # the peer was silent past the heartbeat deadline
+CLOSE_REPLACED: Final = 4409  # the same node id connected again
+
+
+class LinkClosed(LinkError):
+    """The link is closed; ``code``/``reason`` say why (when known)."""
+
+    code = "link_closed"
+
+    def __init__(self, message: str, *, close_code: int | None = None, reason: str = "") -> None:
+        super().__init__(message)
+        self.close_code = close_code
+        self.reason = reason
+
+
+class FrameChannel(Protocol):
+    """A message-oriented, ordered, bidirectional link."""
+
+    async def send(self, frame: bytes) -> None:
+        """Send one frame. Raises ``LinkClosed`` if the link is closed."""
+        ...
+
+    async def receive(self) -> bytes:
+        """The next frame. Raises ``LinkClosed`` when the link closes."""
+        ...
+
+    async def aclose(self, code: int = CLOSE_NORMAL, reason: str = "") -> None:
+        """Close the link (idempotent); the peer sees ``code`` and ``reason``."""
+        ...

@@ -1,0 +1,164 @@
+"""The WebSocket FrameChannel against a real loopback trio-websocket server (real time).
+
+These tests use real sockets, so no virtual clock: every wait is bounded by
+``fail_after``. ``gc.collect()`` at the end of a test makes a leaked socket
+show up as a ``ResourceWarning`` (an error under ``filterwarnings=error``).
+"""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Awaitable, Callable
+from functools import partial
+
+import pytest
+import trio
+from trio_websocket import WebSocketRequest, serve_websocket
+
+from iop.config import NodeConfig, NodeEdge, NodeSection, SimConfig, SimInstance
+from iop.errors import LinkError, LinkProtocolError
+from iop.events import Complete, RuntimeEvent, Start, is_terminal
+from iop.node import open_node_agent, open_ws_link
+from iop.protocol import (
+    CLOSE_BAD_TOKEN,
+    CLOSE_GOING_AWAY,
+    CLOSE_PROTOCOL,
+    EdgeSession,
+    LinkClosed,
+    NodeJoined,
+    RunEventsReceived,
+)
+from iop.spec import ChatRequest, ExecutionSpec, Message
+
+Handler = Callable[[WebSocketRequest], Awaitable[None]]
+DEADLINE_S = 10.0
+
+
+async def start_server(nursery: trio.Nursery, handler: Handler) -> str:
+    server = await nursery.start(partial(serve_websocket, handler, "127.0.0.1", 0, None))
+    return f"ws://127.0.0.1:{server.port}/v1/link"
+
+
+async def test_frames_round_trip_and_close_code_reaches_the_client() -> None:
+    async def handler(request: WebSocketRequest) -> None:
+        ws = await request.accept()
+        await ws.send_message(await ws.get_message())
+        await ws.aclose(CLOSE_BAD_TOKEN, "bad token")
+
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            url = await start_server(nursery, handler)
+            async with open_ws_link(url) as chan:
+                await chan.send(b"\x00frame\xff")
+                assert await chan.receive() == b"\x00frame\xff"
+                with pytest.raises(LinkClosed) as info:
+                    await chan.receive()
+                with pytest.raises(LinkClosed):
+                    await chan.send(b"late")
+            assert (info.value.close_code, info.value.reason) == (CLOSE_BAD_TOKEN, "bad token")
+            nursery.cancel_scope.cancel()
+    gc.collect()  # a leaked client socket would warn here
+
+
+async def test_client_close_reaches_the_server_with_its_code() -> None:
+    seen: list[tuple[int | None, str | None]] = []
+    closed = trio.Event()
+
+    async def handler(request: WebSocketRequest) -> None:
+        ws = await request.accept()
+        try:
+            await ws.get_message()
+        except Exception:
+            reason = ws.closed
+            seen.append((reason.code, reason.reason) if reason else (None, None))
+        closed.set()
+
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            url = await start_server(nursery, handler)
+            async with open_ws_link(url) as chan:
+                await chan.aclose(CLOSE_GOING_AWAY, "node draining")
+                await chan.aclose()  # idempotent
+            await closed.wait()
+            nursery.cancel_scope.cancel()
+    assert seen == [(CLOSE_GOING_AWAY, "node draining")]
+    gc.collect()
+
+
+async def test_a_text_frame_is_a_protocol_error() -> None:
+    async def handler(request: WebSocketRequest) -> None:
+        ws = await request.accept()
+        await ws.send_message("not binary")
+        try:
+            await ws.get_message()
+        except Exception:
+            closed_with.append(ws.closed.code if ws.closed else None)
+
+    closed_with: list[int | None] = []
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            url = await start_server(nursery, handler)
+            async with open_ws_link(url) as chan:
+                with pytest.raises(LinkProtocolError, match="text frame"):
+                    await chan.receive()
+            await trio.sleep(0.05)
+            nursery.cancel_scope.cancel()
+    assert closed_with == [CLOSE_PROTOCOL]
+    gc.collect()
+
+
+async def test_connection_refused_names_the_url() -> None:
+    with trio.socket.socket() as sock:  # a port nobody listens on
+        await sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    url = f"ws://127.0.0.1:{port}/v1/link"
+    with trio.fail_after(DEADLINE_S), pytest.raises(LinkError, match=f"127.0.0.1:{port}"):
+        async with open_ws_link(url):
+            pytest.fail("connected to nothing")
+    gc.collect()
+
+
+async def test_node_agent_serves_a_run_over_a_real_websocket() -> None:
+    """The whole node path on a real socket: dial, hello, assign, events, close."""
+    received: list[RuntimeEvent] = []
+    done = trio.Event()
+
+    async def edge(request: WebSocketRequest) -> None:
+        ws = await request.accept()
+        session = EdgeSession(
+            tokens=["t0k"],
+            heartbeat_interval_s=0.5,
+            heartbeat_timeout_s=5.0,
+            now=trio.current_time(),
+        )
+        joined, welcome = session.receive(await ws.get_message(), trio.current_time())  # type: ignore[arg-type]
+        assert isinstance(joined, NodeJoined)
+        assert welcome is not None
+        await ws.send_message(welcome)
+        spec = ExecutionSpec(
+            run_id="r1",
+            request=ChatRequest(model="iop-sim", messages=[Message(role="user", content="hi")]),
+        )
+        await ws.send_message(session.assign("r1", "sim", spec, credit=64))
+        while not received or not is_terminal(received[-1]):
+            event, _ = session.receive(await ws.get_message(), trio.current_time())  # type: ignore[arg-type]
+            if isinstance(event, RunEventsReceived):
+                received.extend(event.events)
+        await ws.aclose(CLOSE_GOING_AWAY, "edge restarting")
+        done.set()
+
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            url = await start_server(nursery, edge)
+            cfg = NodeConfig(
+                node=NodeSection(id="n1", edges=[NodeEdge(url=url, token="t0k")]),
+                instances=[SimInstance(name="sim", sim=SimConfig(ttft_s=0.0, output_tokens=5))],
+            )
+            async with open_node_agent(cfg) as agent, trio.open_nursery() as node_nursery:
+                await node_nursery.start(agent.serve)
+                await done.wait()
+                node_nursery.cancel_scope.cancel()
+            nursery.cancel_scope.cancel()
+    assert isinstance(received[0], Start)
+    assert isinstance(received[-1], Complete)
+    gc.collect()
