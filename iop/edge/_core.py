@@ -113,7 +113,8 @@ class RemoteExecutor:
         attempts = MAX_ATTEMPTS if core.config.scheduler.failover else 1
         for attempt in range(attempts):
             try:
-                lease = await core.scheduler.acquire(model, exclude=frozenset(excluded))
+                with send.queued():  # the queue wait is not the node's latency
+                    lease = await core.scheduler.acquire(model, exclude=frozenset(excluded))
             except RunAborted:
                 if last is not None and last.error is not None:
                     break  # report the node's own error rather than the wait

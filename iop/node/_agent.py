@@ -65,6 +65,7 @@ run cancelled while starved a run whose outcome is ``Cancelled`` while it has
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -109,7 +110,7 @@ from iop.protocol import (
     Welcome,
     Welcomed,
 )
-from iop.runtime import EventSender, Run, RunState, RunSupervisor, open_run_supervisor
+from iop.runtime import Run, RunSink, RunState, RunSupervisor, open_run_supervisor
 from iop.spec import ExecutionSpec
 
 __all__ = [
@@ -290,9 +291,11 @@ class _RunExecutor:
         self._instance = instance
         self._wake = wake
 
-    async def execute(self, spec: ExecutionSpec, send: EventSender) -> None:
+    async def execute(self, spec: ExecutionSpec, send: RunSink) -> None:
         try:
-            async with self._instance.slots.acquire():
+            async with contextlib.AsyncExitStack() as stack:
+                with send.queued():  # waiting for a slot is not the backend's latency
+                    await stack.enter_async_context(self._instance.slots.acquire())
                 await self._instance.adapter.execute(spec, send)
         finally:
             self._wake.set()

@@ -41,7 +41,7 @@ import enum
 import logging
 import math
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Final, Protocol
 
@@ -103,6 +103,8 @@ class RunSink(EventSender, Protocol):
 
     @property
     def cancel_reason(self) -> CancelReason: ...
+
+    def queued(self) -> contextlib.AbstractContextManager[None]: ...
 
 
 class Executor(Protocol):
@@ -170,7 +172,9 @@ class Run:
         self._scope.cancel()
 
     async def wait(self) -> TerminalEvent:
-        """Wait until the run has produced its terminal event, and return it."""
+        """Wait until the run's terminal event is decided, and return it.
+
+        This does not wait for the consumer to have read it."""
         await self._done.wait()
         assert self.outcome is not None
         return self.outcome
@@ -186,6 +190,7 @@ class _RunSink:
         self.output_chunks = 0
         self.pending_terminal: TerminalEvent | None = None
         self.total_deadline = _after(run.started_at, run.deadlines.request_timeout_s)
+        self._first_token_from = run.started_at
         self._arm(_after(run.started_at, run.deadlines.first_token_timeout_s), _Phase.FIRST_TOKEN)
 
     @property
@@ -196,6 +201,25 @@ class _RunSink:
     def cancel_reason(self) -> CancelReason:
         """Why the run is being cancelled: the caller's reason, else the deadline's."""
         return self._run._cancel_reason or self._phase.value
+
+    @contextlib.contextmanager
+    def queued(self) -> Iterator[None]:
+        """Wrap a wait for capacity: the first-token deadline stops meanwhile
+        and restarts when the wait ends. Queueing is not the backend's
+        latency; the queue has its own timeout and the total deadline still
+        counts from the run's start."""
+        run = self._run
+        if run.state not in (RunState.PENDING, RunState.STARTED):
+            yield
+            return
+        run._scope.deadline = self.total_deadline
+        self._phase = _Phase.TOTAL
+        try:
+            yield
+        finally:
+            self._first_token_from = trio.current_time()
+            first = _after(self._first_token_from, run.deadlines.first_token_timeout_s)
+            self._arm(first, _Phase.FIRST_TOKEN)
 
     def _arm(self, phase_deadline: float, phase: _Phase) -> None:
         if phase_deadline < self.total_deadline:
@@ -239,7 +263,7 @@ class _RunSink:
         elif run.state is RunState.STREAMING:
             self._arm(_after(trio.current_time(), run.deadlines.idle_timeout_s), _Phase.IDLE)
         elif run.state is RunState.STARTED:
-            first = _after(run.started_at, run.deadlines.first_token_timeout_s)
+            first = _after(self._first_token_from, run.deadlines.first_token_timeout_s)
             self._arm(first, _Phase.FIRST_TOKEN)
         else:
             self._phase = phase
@@ -313,6 +337,7 @@ async def _drive(run: Run, executor: Executor, send: trio.MemorySendChannel[Runt
         if terminal is not None:
             run.state = RunState.DONE
             run.outcome = terminal
+            run._done.set()  # decided; delivery below may still wait on the consumer
             grace = TERMINAL_DELIVERY_TIMEOUT_S if finished_normally else SHUTDOWN_DELIVERY_GRACE_S
             with trio.move_on_after(grace, shield=not finished_normally) as delivery:
                 # BrokenResourceError: nobody is listening any more.

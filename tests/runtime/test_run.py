@@ -382,3 +382,38 @@ def test_exactly_one_terminal_event_property(
     assert starts in ([], [0])
     if not starts:
         assert len(got) == 1
+
+
+async def test_queue_wait_does_not_count_towards_first_token(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    from iop.runtime import RunSink
+
+    class Queued:
+        async def execute(self, spec: ExecutionSpec, send: RunSink) -> None:
+            with send.queued():
+                await trio.sleep(8)  # waiting for a slot
+            await send.send(Start())
+            await trio.sleep(4)
+            await send.send(Delta("x"))
+            await send.send(Complete())
+
+    d = Deadlines(first_token_timeout_s=5, idle_timeout_s=5, request_timeout_s=100)
+    events = await collect_run(Queued(), SPEC, d)
+    assert events[-1] == Complete()
+
+
+async def test_wait_returns_when_decided_not_when_delivered(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def body(send: EventSender) -> None:
+        await send.send(Start())
+        await trio.sleep_forever()
+
+    async with open_run_supervisor() as sup:
+        run = sup.start_run(ScriptedAdapter(body), SPEC, NO_DEADLINES, buffer=0)
+        await run.events.receive()  # Start
+        run.cancel(CancelReason.EXPLICIT)
+        outcome = await run.wait()  # nobody reads the terminal yet
+        assert isinstance(outcome, Cancelled)
+        assert await run.events.receive() == outcome
