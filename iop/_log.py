@@ -37,3 +37,5 @@ def configure_logging(level: str = "info") -> None:
     root.setLevel(level.upper())
     # hypercorn's access log is noisy at info; errors still show.
     logging.getLogger("hypercorn.access").setLevel(logging.WARNING)
+    # httpx logs every request at info: the node's periodic probes would flood.
+    logging.getLogger("httpx").setLevel(logging.WARNING)

@@ -31,8 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="log verbosity (default: info)",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from iop.cli import _edge, _node, _run, _sim
+    from iop.cli import _edge, _node, _run, _sim, _up
 
+    _up.add_parser(sub)
     _edge.add_parser(sub)
     _node.add_parser(sub)
     _sim.add_parser(sub)

