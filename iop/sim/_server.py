@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Final
 
+import msgspec
 import trio
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
@@ -206,6 +207,14 @@ def create_sim_app(cfg: SimConfig) -> SimApp:
     async def health() -> Response:
         # vLLM answers an empty 200.
         return Response(b"", status=200)
+
+    @app.get("/sim/stats")
+    async def sim_stats() -> Response:
+        # Not a vLLM route: lets tests and benchmarks in other processes see
+        # what the server saw (e.g. that a client went away).
+        body = dataclasses.asdict(stats)
+        body["statuses"] = {str(k): v for k, v in stats.statuses.items()}
+        return _json_response(msgspec.json.encode(body), 200)
 
     @app.errorhandler(RequestEntityTooLarge)
     async def too_large(_exc: RequestEntityTooLarge) -> Response:
