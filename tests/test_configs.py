@@ -6,19 +6,49 @@ from pathlib import Path
 
 import pytest
 
-from iop.config import NodeConfig, load_config
+from iop.config import EdgeConfig, NodeConfig, UpConfig, load_config
 from iop.errors import ConfigError
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-ENV = {"VLLM_API_KEY": "k", "LLAMA_API_KEY": "k"}
+ENV = {"VLLM_API_KEY": "k", "LLAMA_API_KEY": "k", "IOP_NODE_TOKEN": "t", "IOP_API_KEY": "k"}
 
 
-@pytest.mark.parametrize("path", sorted(CONFIGS.glob("node-*.toml")), ids=lambda p: p.name)
-def test_example_node_configs_validate(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _kind(path: Path) -> type[object]:
+    name = path.name
+    if name.startswith("node"):
+        return NodeConfig
+    if name.startswith("edge"):
+        return EdgeConfig
+    if name.startswith("up"):
+        return UpConfig
+    from iop.sim import SimFile
+
+    return SimFile
+
+
+EXAMPLES = sorted(CONFIGS.rglob("*.toml"))
+
+
+def test_there_are_examples_for_every_process() -> None:
+    names = {p.name for p in EXAMPLES}
+    assert {
+        "edge.toml",
+        "up.toml",
+        "sim.toml",
+        "node-vllm.toml",
+        "node-openai-compat.toml",
+    } <= names
+    assert (CONFIGS / "multi-node" / "node-b.toml").exists()
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: str(p.relative_to(CONFIGS)))
+def test_example_configs_validate(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     for k, v in ENV.items():
         monkeypatch.setenv(k, v)
-    cfg = load_config(path, NodeConfig)
-    assert cfg.instances
+    cfg = load_config(path, _kind(path))
+    if isinstance(cfg, NodeConfig):
+        assert cfg.instances
+        assert cfg.node.edges
 
 
 def test_unknown_key_names_key_and_file(tmp_path: Path) -> None:
