@@ -38,12 +38,14 @@ from iop.edge._core import EdgeCore
 from iop.edge._openai_out import (
     ChatCompletionCollector,
     ChatCompletionStream,
+    cancel_message,
+    cancel_status,
     error_body,
     openai_error_type,
 )
 from iop.edge._request import parse_chat_request
 from iop.errors import IopError, RequestError
-from iop.events import CancelReason, Error, RuntimeEvent, Start, is_terminal
+from iop.events import Cancelled, CancelReason, Error, RuntimeEvent, Start, is_terminal
 from iop.protocol import CLOSE_NORMAL, CLOSE_PROTOCOL, LinkClosed
 from iop.runtime import Run, new_run_id
 from iop.spec import ExecutionSpec
@@ -228,19 +230,10 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
         handed_over = False
         try:
             first = await _first_output(run, cfg.server.keepalive_interval_s)
-            early = first[-1] if first else None
-            if (
-                early is not None
-                and isinstance(early, Error)
-                and not any(not isinstance(e, Start) for e in first[:-1])
-            ):
+            early = _early_failure(first)
+            if early is not None:
                 run.events.close()
-                return _error(
-                    early.status,
-                    early.message,
-                    code=early.code,
-                    headers=({"Retry-After": "1"} if early.status == 429 else None),
-                )
+                return early
             handed_over = True
             return Response(
                 _sse_body(run, stream, first, cfg.server.keepalive_interval_s),
@@ -258,6 +251,22 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
         await core.handle_link(_WebSocketChannel(), peer=peer)
 
     return app
+
+
+def _early_failure(first: list[RuntimeEvent]) -> Response | None:
+    """An HTTP error for a run that ended before any output, else None."""
+    if not first or any(not isinstance(e, Start) for e in first[:-1]):
+        return None
+    end = first[-1]
+    if isinstance(end, Error):
+        status, message, code = end.status, end.message, end.code
+    elif isinstance(end, Cancelled):
+        status, message, code = cancel_status(end.reason), cancel_message(end), end.reason.value
+    else:
+        return None
+    return _error(
+        status, message, code=code, headers={"Retry-After": "1"} if status == 429 else None
+    )
 
 
 async def _first_output(run: Run, wait_s: float) -> list[RuntimeEvent]:

@@ -305,3 +305,17 @@ async def test_api_keys(monkeypatch: pytest.MonkeyPatch) -> None:
         validate_error(resp.json())
         resp = await client.get("/v1/models", headers={"Authorization": "Bearer sk-1"})
         assert resp.status_code == 200
+
+
+async def test_cancelled_before_output_gets_a_real_status() -> None:
+    cfg = msgspec.structs.replace(
+        config(),
+        deadlines=Deadlines(first_token_timeout_s=0.05, idle_timeout_s=5, request_timeout_s=30),
+    )
+    async with edge(cfg) as (_, node, client):
+        assert node is not None
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        assert resp.status_code == 504
+        body = resp.json()
+        validate_error(body)
+        assert body["error"]["code"] == "first_token_timeout"
