@@ -16,7 +16,7 @@ import contextlib
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
-from typing import Any, Final, cast
+from typing import Any, ClassVar, Final, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -38,6 +38,7 @@ from iop.wire._errors import ERROR_EXCERPT_BYTES, excerpt, parse_error_body
 from iop.wire._openai_stream import ChatStreamParser
 
 __all__ = [
+    "HTTPAdapter",
     "HTTPBackend",
     "build_chat_body",
     "join_openai_path",
@@ -381,6 +382,36 @@ async def _drain(chunks: AsyncIterator[bytes]) -> None:
             seen += len(piece)
             if seen > DRAIN_MAX_BYTES:
                 break
+
+
+class HTTPAdapter:
+    """What the OpenAI-style HTTP adapters share: the instance's name,
+    probes, capabilities and the client's life cycle. Subclasses add
+    ``execute``."""
+
+    kind: ClassVar[str]
+
+    def __init__(
+        self,
+        cfg: HTTPInstance,
+        *,
+        provider: str,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._http = HTTPBackend(cfg, kind=self.kind, provider=provider, transport=transport)
+
+    @property
+    def name(self) -> str:
+        return self._http.cfg.name
+
+    async def capabilities(self) -> Capabilities:
+        return await self._http.capabilities()
+
+    async def probe(self, target: str = "") -> ProbeResult:
+        return await self._http.probe(target)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
 
 
 class _Model(msgspec.Struct, frozen=True):

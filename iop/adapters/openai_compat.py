@@ -17,8 +17,7 @@ from typing import ClassVar
 import httpx
 
 from iop.adapters._base import require_model_and_messages
-from iop.adapters._http import HTTPBackend, build_chat_body
-from iop.capabilities import Capabilities, ProbeResult
+from iop.adapters._http import HTTPAdapter, build_chat_body
 from iop.config import OpenAICompatInstance
 from iop.events import Start
 from iop.runtime import EventSender
@@ -29,7 +28,7 @@ __all__ = ["OpenAICompatAdapter"]
 log = logging.getLogger("iop.adapters.openai_compat")
 
 
-class OpenAICompatAdapter:
+class OpenAICompatAdapter(HTTPAdapter):
     """Adapter for one OpenAI-compatible backend instance."""
 
     kind: ClassVar[str] = "openai_compat"
@@ -37,21 +36,8 @@ class OpenAICompatAdapter:
     def __init__(
         self, cfg: OpenAICompatInstance, *, transport: httpx.AsyncBaseTransport | None = None
     ) -> None:
+        super().__init__(cfg, provider=cfg.provider, transport=transport)
         self.cfg = cfg
-        self._http = HTTPBackend(cfg, kind=self.kind, provider=cfg.provider, transport=transport)
-
-    @property
-    def name(self) -> str:
-        return self.cfg.name
-
-    async def capabilities(self) -> Capabilities:
-        return await self._http.capabilities()
-
-    async def probe(self, target: str = "") -> ProbeResult:
-        return await self._http.probe(target)
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
 
     async def execute(self, spec: ExecutionSpec, send: EventSender) -> None:
         model = require_model_and_messages(self.kind, spec)

@@ -25,8 +25,7 @@ from typing import Any, ClassVar
 import httpx
 
 from iop.adapters._base import require_model_and_messages
-from iop.adapters._http import HTTPBackend, build_chat_body
-from iop.capabilities import Capabilities, ProbeResult
+from iop.adapters._http import HTTPAdapter, build_chat_body
 from iop.config import VllmInstance
 from iop.events import Start
 from iop.runtime import EventSender
@@ -48,7 +47,7 @@ log = logging.getLogger("iop.adapters.vllm")
 _VLLM_PASSTHROUGH = ("tools", "tool_choice")
 
 
-class VllmAdapter:
+class VllmAdapter(HTTPAdapter):
     """Adapter for one vLLM server."""
 
     kind: ClassVar[str] = "vllm"
@@ -56,21 +55,8 @@ class VllmAdapter:
     def __init__(
         self, cfg: VllmInstance, *, transport: httpx.AsyncBaseTransport | None = None
     ) -> None:
+        super().__init__(cfg, provider="vllm", transport=transport)
         self.cfg = cfg
-        self._http = HTTPBackend(cfg, kind=self.kind, provider="vllm", transport=transport)
-
-    @property
-    def name(self) -> str:
-        return self.cfg.name
-
-    async def capabilities(self) -> Capabilities:
-        return await self._http.capabilities()
-
-    async def probe(self, target: str = "") -> ProbeResult:
-        return await self._http.probe(target)
-
-    async def aclose(self) -> None:
-        await self._http.aclose()
 
     async def execute(self, spec: ExecutionSpec, send: EventSender) -> None:
         model = require_model_and_messages(self.kind, spec)
@@ -97,13 +83,10 @@ class VllmAdapter:
         Returns the 2xx streaming response and whether the text-tool
         fallback produced it.
         """
-        http = self._http
-        response = await stack.enter_async_context(http.post_chat(body, what="vllm request failed"))
-        if response.is_success:
+        response, error = await self._send(stack, body, "vllm request failed")
+        if error is None:
             return response, False
-        error_body = await http.read_error_body(response)
-        await response.aclose()
-        message = parse_error_body(error_body).message
+        message = parse_error_body(error).message
 
         tools = spec.request.tools
         if is_auto_tool_choice_error(message):
@@ -111,14 +94,10 @@ class VllmAdapter:
             if forced is not None:
                 log.info("run %s: vllm has no auto tool choice; forcing the only tool", spec.run_id)
                 body = {**body, "tool_choice": forced}
-                response = await stack.enter_async_context(
-                    http.post_chat(body, what="vllm retry request failed")
-                )
-                if response.is_success:
+                response, error = await self._send(stack, body, "vllm retry request failed")
+                if error is None:
                     return response, False
-                error_body = await http.read_error_body(response)
-                await response.aclose()
-                message = parse_error_body(error_body).message
+                message = parse_error_body(error).message
 
         if self.cfg.text_tool_fallback and tools and is_tool_support_error(message):
             log.info(
@@ -134,12 +113,22 @@ class VllmAdapter:
             fallback["messages"] = fallback_messages(
                 spec.request.messages, tools, spec.request.tool_choice
             )
-            response = await stack.enter_async_context(
-                http.post_chat(fallback, what="vllm text tool fallback request failed")
+            response, error = await self._send(
+                stack, fallback, "vllm text tool fallback request failed"
             )
-            if response.is_success:
+            if error is None:
                 return response, True
-            error_body = await http.read_error_body(response)
-            await response.aclose()
 
-        raise http.http_error(response, error_body)
+        raise self._http.http_error(response, error)
+
+    async def _send(
+        self, stack: AsyncExitStack, body: dict[str, Any], what: str
+    ) -> tuple[httpx.Response, bytes | None]:
+        """POST ``body``. A 2xx response stays open in ``stack`` (error None);
+        a non-2xx one is read (bounded), closed, and its body returned."""
+        response = await stack.enter_async_context(self._http.post_chat(body, what=what))
+        if response.is_success:
+            return response, None
+        error = await self._http.read_error_body(response)
+        await response.aclose()
+        return response, error
