@@ -32,4 +32,4 @@ step "mypy --strict iop"
 "$VENV/bin/mypy"
 step "pytest"
 export IOP_REQUIRE_REAL_BACKEND=${IOP_REQUIRE_REAL_BACKEND:-1}
-"$VENV/bin/pytest" --cov=iop --cov-report=term:skip-covered "$@"
+"$VENV/bin/pytest" --cov=iop --cov-report=term:skip-covered --cov-fail-under=85 "$@"
