@@ -165,6 +165,7 @@ class HTTPBackend:
         self.kind = kind
         self.provider = provider
         self.endpoint = cfg.endpoint.rstrip("/")
+        self._last_targets: tuple[str, ...] = ()
         self._client = httpx.AsyncClient(
             transport=transport,
             timeout=httpx.Timeout(
@@ -252,9 +253,16 @@ class HTTPBackend:
         )
 
     async def capabilities(self) -> Capabilities:
-        """Capabilities with live targets and provider status from a probe."""
+        """Capabilities with live targets and provider status from a probe.
+
+        When the backend is down its last known models stay advertised (as
+        ``unavailable``), so the edge answers "temporarily unavailable"
+        instead of "no such model".
+        """
         probe = await self.probe()
-        targets = probe.targets or tuple(self.cfg.targets)
+        if probe.targets:
+            self._last_targets = probe.targets
+        targets = probe.targets or self._last_targets or tuple(self.cfg.targets)
         return Capabilities(
             adapter=self.kind,
             instance=self.cfg.name,

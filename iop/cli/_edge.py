@@ -81,27 +81,36 @@ def describe_edge(handle: EdgeHandle) -> str:
     )
 
 
-async def until_signal(
-    stop: trio.Event, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
-) -> None:
-    """Set ``stop`` on the first SIGINT or SIGTERM."""
+async def until_signal(stop: trio.Event, *, on_second: trio.CancelScope) -> None:
+    """Set ``stop`` on the first SIGINT or SIGTERM; cancel ``on_second`` on the next."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        task_status.started()
         async for signum in signals:
-            print(
-                f"iop: {signal.Signals(signum).name} received, draining",
-                file=sys.stderr,
-                flush=True,
-            )
-            stop.set()
-            return
+            name = signal.Signals(signum).name
+            if not stop.is_set():
+                print(f"iop: {name} received, draining", file=sys.stderr, flush=True)
+                stop.set()
+            else:
+                print(f"iop: {name} again, stopping now", file=sys.stderr, flush=True)
+                on_second.cancel()
+                return
 
 
 async def _main(cfg: EdgeConfig) -> None:
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
-        await nursery.start(until_signal, stop)
-        handle = await nursery.start(partial(serve_edge, cfg, shutdown=stop))
+        nursery.start_soon(partial(until_signal, stop, on_second=nursery.cancel_scope))
+        done = trio.Event()
+
+        async def serve(
+            task_status: trio.TaskStatus[EdgeHandle] = trio.TASK_STATUS_IGNORED,
+        ) -> None:
+            try:
+                await serve_edge(cfg, shutdown=stop, task_status=task_status)
+            finally:
+                done.set()
+
+        handle = await nursery.start(serve)
         print(describe_edge(handle), flush=True)
-        await stop.wait()
+        await done.wait()
+        nursery.cancel_scope.cancel()  # the signal watcher
     print("iop edge: stopped", file=sys.stderr, flush=True)

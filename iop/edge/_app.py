@@ -167,6 +167,8 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
             return _json_response(b'{"status":"draining"}', 503)
         if not core.registry.nodes:
             return _json_response(b'{"status":"no nodes connected"}', 503)
+        if not core.models():
+            return _json_response(b'{"status":"no node can serve a model right now"}', 503)
         return _json_response(
             msgspec.json.encode({"status": "ready", "nodes": len(core.registry.nodes)})
         )
@@ -293,15 +295,22 @@ async def _sse_body(
     finished = False
     try:
         yield stream.start()
+        last_write = trio.current_time()
         batch = first
         while True:
             if batch:
                 out = stream.feed_many(batch)
                 if out:
                     yield out
+                    last_write = trio.current_time()
                 if stream.finished:
                     finished = True
                     return
+                if trio.current_time() - last_write >= keepalive_s:
+                    # Events arrive but nothing goes out (a buffered or strict
+                    # stream holding its text): keep the connection alive.
+                    yield stream.keepalive()
+                    last_write = trio.current_time()
             batch = []
             with trio.move_on_after(keepalive_s):
                 try:
@@ -312,6 +321,7 @@ async def _sse_body(
                     batch.append(run.outcome or _NO_OUTCOME)
             if not batch:
                 yield stream.keepalive()
+                last_write = trio.current_time()
                 continue
             while len(batch) < COALESCE_MAX and not is_terminal(batch[-1]):
                 try:

@@ -104,6 +104,9 @@ class RemoteExecutor:
 
     def __init__(self, core: EdgeCore) -> None:
         self._core = core
+        # Start reached the run's sink (from the first attempt that sent one);
+        # a failover attempt's own Start is then not forwarded again.
+        self._started = False
 
     async def execute(self, spec: ExecutionSpec, send: RunSink) -> None:
         core = self._core
@@ -112,6 +115,8 @@ class RemoteExecutor:
         last: _Retry | None = None
         attempts = MAX_ATTEMPTS if core.config.scheduler.failover else 1
         for attempt in range(attempts):
+            if last is not None and not core.scheduler.could_serve(model, frozenset(excluded)):
+                break  # no other node to fail over to: report what happened
             try:
                 with send.queued():  # the queue wait is not the node's latency
                     lease = await core.scheduler.acquire(model, exclude=frozenset(excluded))
@@ -148,8 +153,7 @@ class RemoteExecutor:
         run_id = spec.run_id
         rr = conn.open_run(run_id, window)
         finished = False
-        forwarded = 0
-        started = False
+        output = False  # content, reasoning or a terminal reached the sink
         try:
             try:
                 await conn.outbox.send(conn.session.assign(run_id, instance, spec, window))
@@ -159,16 +163,21 @@ class RemoteExecutor:
             while True:
                 batch = await rr.receive.receive()
                 if isinstance(batch, LinkLost):
-                    if forwarded == 0:
+                    if not output:
                         raise _Retry(conn.node_id, batch.message)
                     raise RunAborted(batch.message, reason=CancelReason.NODE_LOST)
                 for ev in batch:
-                    if not started and isinstance(ev, Error) and ev.code in _RETRYABLE_CODES:
+                    if isinstance(ev, Start):
+                        consumed += 1  # it used credit even when not forwarded
+                        if not self._started:
+                            self._started = True
+                            await send.send(ev)
+                        continue
+                    if not output and isinstance(ev, Error) and ev.code in _RETRYABLE_CODES:
                         finished = True  # the node is done with it
                         raise _Retry(conn.node_id, ev.message, ev)
-                    started = started or isinstance(ev, Start)
+                    output = True
                     await send.send(ev)
-                    forwarded += 1
                     if is_terminal(ev):
                         finished = True
                         return
@@ -221,6 +230,16 @@ class EdgeCore:
         if not self.scheduler.serves(model):
             if not self.registry.nodes:
                 raise RequestError("no inference node is connected", status=503, code="no_nodes")
+            if model in self.registry.known_models():
+                # Known, but every node serving it is draining or its backend
+                # is down: a retryable 503, not "does not exist".
+                raise RequestError(
+                    f"model `{model}` is temporarily unavailable (its nodes are draining "
+                    "or their backends are down)",
+                    status=503,
+                    code="model_unavailable",
+                    param="model",
+                )
             raise RequestError(
                 f"The model `{model}` does not exist or no node serves it.",
                 status=404,

@@ -143,6 +143,10 @@ class NodeRegistry:
             for inst in conn.instances.values():
                 yield conn, inst
 
+    def known_models(self) -> set[str]:
+        """Every model any connected node advertises, usable or not."""
+        return {t for _, inst in self.instances() for t in inst.caps.targets}
+
     def models(self) -> dict[str, list[str]]:
         """Model -> node ids serving it (usable instances of live nodes)."""
         out: dict[str, list[str]] = {}
@@ -210,6 +214,16 @@ class Scheduler:
         _, conn, inst = best
         inst.in_flight += 1
         return Lease(conn, inst, self)
+
+    def could_serve(self, model: str, exclude: frozenset[str]) -> bool:
+        """Whether any node outside ``exclude`` serves ``model`` (free or busy)."""
+        return any(
+            not conn.draining
+            and conn.node_id not in exclude
+            and inst.usable
+            and model in inst.caps.targets
+            for conn, inst in self.registry.instances()
+        )
 
     def admit(self, model: str) -> None:
         """Refuse a run up front when it could only wait and the queue is full.

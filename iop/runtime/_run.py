@@ -358,6 +358,15 @@ async def _drive(run: Run, executor: Executor, send: trio.MemorySendChannel[Runt
         _log_outcome(run)
 
 
+_CANCEL_MESSAGES: Final = {
+    CancelReason.CLIENT_DISCONNECT: "the client disconnected",
+    CancelReason.NODE_LOST: "the node running this request was lost",
+    CancelReason.QUEUE_TIMEOUT: "no capacity became free in time",
+    CancelReason.EXPLICIT: "the request was cancelled",
+    CancelReason.SHUTDOWN: "the server is shutting down",
+}
+
+
 def _default_cancel_message(reason: CancelReason, d: Deadlines) -> str:
     if reason is CancelReason.FIRST_TOKEN_TIMEOUT:
         return f"no output within first_token_timeout_s={d.first_token_timeout_s}"
@@ -365,7 +374,7 @@ def _default_cancel_message(reason: CancelReason, d: Deadlines) -> str:
         return f"backend silent for idle_timeout_s={d.idle_timeout_s}"
     if reason is CancelReason.TOTAL_TIMEOUT:
         return f"run exceeded request_timeout_s={d.request_timeout_s}"
-    return reason.value.replace("_", " ")
+    return _CANCEL_MESSAGES[reason]
 
 
 def _log_outcome(run: Run) -> None:

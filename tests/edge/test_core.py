@@ -377,3 +377,39 @@ async def test_drain_lets_runs_finish_then_cancels(autojump_clock: trio.testing.
         with pytest.raises(RequestError) as info:
             core.start_run(spec(run_id="r2"))
         assert info.value.status == 503
+
+
+async def test_failover_after_start_but_before_output(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Adapters send Start before they call their backend: a node lost during
+    # prefill has produced nothing yet, so the run moves to another node and
+    # the client sees one Start.
+    async with open_edge_core(config()) as core, trio.open_nursery() as nursery:
+        a = await connect(core, nursery, [caps(slots=1)], "a")
+        b = await connect(core, nursery, [caps(slots=1)], "b")
+        run = core.start_run(spec())
+        await trio.testing.wait_all_tasks_blocked()
+        first, other = (a, b) if a.assigned else (b, a)
+        await first.assigns.receive()
+        await first.send("r1", Start(target="m"))
+        await trio.testing.wait_all_tasks_blocked()
+        await first.chan.aclose()
+        await other.assigns.receive()
+        await other.send("r1", Start(target="m"), Delta("x"), Complete())
+        assert await drain_events(run) == [Start(target="m"), Delta("x"), Complete()]
+        nursery.cancel_scope.cancel()
+
+
+async def test_no_other_node_reports_the_error_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with edge_with_node() as (core, node, _):
+        run = core.start_run(spec())
+        await node.assigns.receive()
+        err = Error(message="connection refused", status=503, code="backend_unavailable")
+        await node.send("r1", Start(), err)
+        started = trio.current_time()
+        events = await drain_events(run)
+        assert events == [Start(), err]
+        assert trio.current_time() - started < 1  # no wait for a queue timeout

@@ -1,0 +1,595 @@
+"""Real IOP processes on loopback for the end-to-end tests (helpers, no fixtures).
+
+Every process is ``python -m iop ...`` started by ``Proc``: its stdout and
+stderr go to files in the test's log directory (``conftest.py`` prints their
+tails when a test fails), and it is stopped by PID (SIGTERM, then SIGKILL).
+``Sim``, ``Edge`` and ``Node`` wrap the three kinds of process with what the
+tests need: start-up lines parsed for URLs, ``/sim/stats``, ``/admin/nodes``
+and ``/readyz`` polling with deadlines, and an ``openai.OpenAI`` client.
+
+Waits poll with a deadline (never a fixed sleep to "wait for" something), and
+the only timing assertions are generous upper bounds on liveness.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Final, TypeVar
+
+import httpx
+import openai
+
+from tests.edge._openai_schema import validate_chunk, validate_completion
+
+__all__ = [
+    "MODEL",
+    "TOKEN",
+    "Cluster",
+    "Edge",
+    "Node",
+    "Proc",
+    "Procs",
+    "Sim",
+    "StreamResult",
+    "free_port",
+    "poll",
+    "read_more",
+    "read_stream",
+    "start_edge",
+    "start_node",
+    "start_sim",
+    "toml_dumps",
+    "validated_completion",
+]
+
+MODEL: Final = "iop-sim"
+TOKEN: Final = "e2e-node-token"
+# Generous: a process start on a loaded 2-core machine.
+START_TIMEOUT_S: Final = 30.0
+# Stop: SIGTERM, then SIGKILL after this.
+STOP_GRACE_S: Final = 15.0
+POLL_S: Final = 0.02
+
+T = TypeVar("T")
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (for processes that must keep a port)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def poll(
+    check: Callable[[], T | None], *, timeout: float, what: str, interval: float = POLL_S
+) -> T:
+    """Call ``check`` until it returns something other than None/False; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if result is not None and result is not False:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+# --- TOML ------------------------------------------------------------------------------
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"no TOML for {v!r}")
+
+
+_BARE_KEY: Final = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.fullmatch(key) else json.dumps(key)
+
+
+def toml_dumps(data: dict[str, Any], _prefix: str = "") -> str:
+    """A minimal TOML writer: scalars, lists of scalars, tables, arrays of tables."""
+    lines: list[str] = []
+    tables: list[str] = []
+    for raw_key, value in data.items():
+        key = _toml_key(raw_key)
+        name = f"{_prefix}.{key}" if _prefix else key
+        if isinstance(value, dict):
+            tables.append(f"\n[{name}]\n" + toml_dumps(value, name))
+        elif isinstance(value, list) and value and all(isinstance(x, dict) for x in value):
+            for item in value:
+                tables.append(f"\n[[{name}]]\n" + toml_dumps(item, name))
+        else:
+            lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n" + "".join(tables)
+
+
+# --- processes -------------------------------------------------------------------------
+
+
+class Proc:
+    """One ``python -m iop`` process, its output in files, stopped by PID."""
+
+    # Every process started in this pytest run, for the failure report.
+    ALL: ClassVar[list[Proc]] = []
+
+    def __init__(
+        self, name: str, args: list[str], log_dir: Path, *, argv: list[str] | None = None
+    ) -> None:
+        """Start ``python -m iop ARGS`` (or ``argv`` as given), logging to ``log_dir``."""
+        self.name = name
+        self.args = args
+        self.argv = argv or [sys.executable, "-m", "iop", *args]
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.stdout_path = log_dir / f"{name}.stdout"
+        self.stderr_path = log_dir / f"{name}.stderr"
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        with self.stdout_path.open("wb") as out, self.stderr_path.open("wb") as err:
+            self.popen = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                cwd=log_dir,
+                env=env,
+                # Its own process group: a Ctrl-C at the terminal reaches pytest only.
+                start_new_session=True,
+            )
+        self.pid = self.popen.pid
+        self.started_at = time.time()
+        self.stopped_at: float | None = None
+        Proc.ALL.append(self)
+
+    def __repr__(self) -> str:
+        return f"<Proc {self.name} pid={self.pid} rc={self.popen.returncode}>"
+
+    @property
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.popen.poll()
+
+    def stdout(self) -> str:
+        return self.stdout_path.read_text(errors="replace")
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text(errors="replace")
+
+    def logs(self, tail: int = 120) -> str:
+        def last(text: str) -> str:
+            lines = text.splitlines()
+            cut = len(lines) - tail
+            head = [f"... ({cut} earlier lines in the file)"] if cut > 0 else []
+            return "\n".join(head + lines[-tail:])
+
+        return (
+            f"--- {self.name} (pid {self.pid}, rc {self.popen.poll()}): "
+            f"{' '.join(self.argv)}\n"
+            f"--- stdout ({self.stdout_path})\n{last(self.stdout())}\n"
+            f"--- stderr ({self.stderr_path})\n{last(self.stderr())}"
+        )
+
+    def wait_stdout(self, pattern: str, timeout: float = START_TIMEOUT_S) -> re.Match[str]:
+        """Wait for a line of stdout matching ``pattern``; fail if the process dies first."""
+        rx = re.compile(pattern)
+
+        def check() -> re.Match[str] | None:
+            m = rx.search(self.stdout())
+            if m is None and not self.alive:
+                raise AssertionError(
+                    f"{self.name} exited ({self.returncode}) before printing {pattern!r}\n"
+                    + self.logs()
+                )
+            return m
+
+        return poll(check, timeout=timeout, what=f"{self.name} to print {pattern!r}")
+
+    def wait_stderr(self, pattern: str, timeout: float) -> re.Match[str]:
+        rx = re.compile(pattern)
+        return poll(
+            lambda: rx.search(self.stderr()),
+            timeout=timeout,
+            what=f"{self.name} to log {pattern!r}",
+        )
+
+    def send(self, sig: signal.Signals) -> None:
+        if self.alive:
+            os.kill(self.pid, sig)
+
+    def wait(self, timeout: float) -> int:
+        """Wait for the exit; returns the exit code (fails on timeout)."""
+        try:
+            rc = self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"{self.name} still running after {timeout:g}s\n{self.logs()}"
+            ) from None
+        self.stopped_at = self.stopped_at or time.time()
+        return rc
+
+    def kill(self) -> int:
+        """SIGKILL (of a stopped process too) and reap."""
+        if self.alive:
+            os.kill(self.pid, signal.SIGCONT)
+            os.kill(self.pid, signal.SIGKILL)
+        return self.wait(STOP_GRACE_S)
+
+    def stop(self, grace: float = STOP_GRACE_S) -> int:
+        """SIGTERM, then SIGKILL after ``grace``; reaps the process, returns its exit code."""
+        if self.alive:
+            os.kill(self.pid, signal.SIGCONT)  # a frozen process cannot drain
+            os.kill(self.pid, signal.SIGTERM)
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                os.kill(self.pid, signal.SIGKILL)
+        rc = self.popen.wait(STOP_GRACE_S)
+        self.stopped_at = self.stopped_at or time.time()
+        return rc
+
+
+@contextlib.contextmanager
+def _stop_on_error(proc: Proc) -> Iterator[None]:
+    """Stop ``proc`` if its start-up check fails: no fixture will own it."""
+    try:
+        yield
+    except BaseException:
+        proc.stop()
+        raise
+
+
+def _http(base_url: str) -> httpx.Client:
+    return httpx.Client(base_url=base_url, timeout=5.0, trust_env=False)
+
+
+# --- the sim ---------------------------------------------------------------------------
+
+
+@dataclass
+class Sim:
+    """``iop sim``: the backend in vLLM's wire format, and its ``/sim/stats``."""
+
+    proc: Proc
+    url: str  # http://127.0.0.1:PORT
+    _client: httpx.Client = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._client = _http(self.url)
+
+    def close(self) -> None:
+        self._client.close()
+
+    def stats(self) -> dict[str, Any]:
+        resp = self._client.get("/sim/stats")
+        resp.raise_for_status()
+        data: dict[str, Any] = resp.json()
+        return data
+
+    def open(self) -> int:
+        s = self.stats()
+        return int(s["open_streams"]) + int(s["open_completions"])
+
+    def wait_idle(self, timeout: float = 15.0) -> dict[str, Any]:
+        """Wait until no generation is open (what earlier tests started has ended)."""
+        return poll(
+            lambda: (s := self.stats())["open_streams"] == 0 and s["open_completions"] == 0 and s,
+            timeout=timeout,
+            what="the sim to have no open generation",
+        )
+
+    def wait_open(self, n: int = 1, timeout: float = 15.0) -> dict[str, Any]:
+        """Wait until at least ``n`` generations are open."""
+        return poll(
+            lambda: (s := self.stats())["open_streams"] + s["open_completions"] >= n and s,
+            timeout=timeout,
+            what=f"the sim to have {n} open generation(s)",
+        )
+
+    def wait_disconnects(self, more_than: int, timeout: float = 10.0) -> float:
+        """Wait until ``client_disconnects`` exceeds ``more_than``; returns the seconds waited."""
+        t0 = time.monotonic()
+        poll(
+            lambda: self.stats()["client_disconnects"] > more_than,
+            timeout=timeout,
+            what=f"the sim to see its client go away (client_disconnects > {more_than})",
+            interval=0.005,
+        )
+        return time.monotonic() - t0
+
+
+def start_sim(log_dir: Path, name: str = "sim", *flags: str) -> Sim:
+    proc = Proc(name, ["sim", "--port", "0", *flags], log_dir)
+    with _stop_on_error(proc):
+        m = proc.wait_stdout(r"on (http://\S+)/v1")
+    return Sim(proc, m.group(1))
+
+
+# --- the edge --------------------------------------------------------------------------
+
+
+@dataclass
+class Edge:
+    """``iop edge``: its URLs, admin and readiness endpoints, and an SDK client."""
+
+    proc: Proc
+    url: str  # http://127.0.0.1:PORT
+    link_url: str  # ws://127.0.0.1:PORT/v1/link
+    api_key: str | None = None  # the first of server.api_keys, if any
+    _client: httpx.Client = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._client = _http(self.url)
+        if self.api_key is not None:
+            self._client.headers["Authorization"] = f"Bearer {self.api_key}"
+
+    def close(self) -> None:
+        self._client.close()
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def get(self, path: str) -> httpx.Response:
+        return self._client.get(path)
+
+    def post(self, path: str, **kwargs: Any) -> httpx.Response:
+        return self._client.post(path, **kwargs)
+
+    def admin(self) -> dict[str, Any]:
+        resp = self.get("/admin/nodes")
+        resp.raise_for_status()
+        data: dict[str, Any] = resp.json()
+        return data
+
+    def models(self) -> list[str]:
+        resp = self.get("/v1/models")
+        resp.raise_for_status()
+        return [m["id"] for m in resp.json()["data"]]
+
+    def ready_with(self, model: str, node_id: str | None = None) -> bool:
+        try:
+            if self.get("/readyz").status_code != 200:
+                return False
+            resp = self.get("/v1/models")
+        except httpx.TransportError:
+            return False
+        for m in resp.json()["data"]:
+            if m["id"] == model and (node_id is None or node_id in m["nodes"]):
+                return True
+        return False
+
+    def wait_ready(
+        self, model: str = MODEL, node_id: str | None = None, timeout: float = 20.0
+    ) -> None:
+        """Wait for ``/readyz`` 200 and ``model`` in ``/v1/models`` (served by ``node_id``)."""
+        poll(
+            lambda: self.ready_with(model, node_id),
+            timeout=timeout,
+            what=f"edge {self.url} to be ready with {model!r}"
+            + (f" on node {node_id!r}" if node_id else ""),
+        )
+
+    def wait_no_runs(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Wait until the edge has no run left (in the supervisor or on any node)."""
+        return poll(
+            lambda: (
+                (a := self.admin())["runs"] == [] and all(n["runs"] == [] for n in a["nodes"]) and a
+            ),
+            timeout=timeout,
+            what="the edge to have no runs left",
+        )
+
+    def outcome(self, key: str) -> int:
+        return int(self.admin()["outcomes"].get(key, 0))
+
+    def openai(self, timeout: float = 30.0) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key=self.api_key or "x", max_retries=0, timeout=timeout
+        )
+
+
+def start_edge(log_dir: Path, config: dict[str, Any], *, name: str = "edge", port: int = 0) -> Edge:
+    """``iop edge --port PORT --node-token TOKEN --config <config as TOML>``."""
+    cfg = log_dir / f"{name}.toml"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cfg.write_text(toml_dumps(config))
+    proc = Proc(
+        name,
+        ["edge", "--port", str(port), "--node-token", TOKEN, "--config", str(cfg)],
+        log_dir,
+    )
+    with _stop_on_error(proc):
+        m = proc.wait_stdout(r"OpenAI API on (http://\S+)/v1 .*nodes dial (ws://\S+)")
+    keys = config.get("server", {}).get("api_keys") or [None]
+    return Edge(proc, m.group(1), m.group(2), keys[0])
+
+
+# --- the node --------------------------------------------------------------------------
+
+
+@dataclass
+class Node:
+    proc: Proc
+    node_id: str
+
+
+def start_node(
+    log_dir: Path,
+    edges: Iterable[str],
+    sim_url: str,
+    *,
+    name: str = "node",
+    node_id: str = "n1",
+    node: dict[str, Any] | None = None,
+    instance: dict[str, Any] | None = None,
+) -> Node:
+    """``iop node`` with one vllm instance on ``sim_url``, dialling ``edges`` (link URLs)."""
+    config = {
+        "node": {
+            "id": node_id,
+            "reconnect_min_s": 0.1,
+            "reconnect_max_s": 1.0,
+            **(node or {}),
+            "edges": [{"url": url, "token": TOKEN} for url in edges],
+        },
+        "instances": [
+            {"adapter": "vllm", "name": "vllm-sim", "endpoint": sim_url, **(instance or {})}
+        ],
+    }
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cfg = log_dir / f"{name}.toml"
+    cfg.write_text(toml_dumps(config))
+    proc = Proc(name, ["node", "--config", str(cfg)], log_dir)
+    with _stop_on_error(proc):
+        proc.wait_stdout(r"iop node: node ")
+    return Node(proc, node_id)
+
+
+# --- the OpenAI SDK side -----------------------------------------------------------------
+
+
+@dataclass
+class StreamResult:
+    """A validated streamed answer, as the SDK delivered it."""
+
+    chunks: list[dict[str, Any]]
+    content: str
+    content_deltas: list[str]
+    reasoning: str
+    tool_calls: dict[int, dict[str, Any]]
+    finish_reason: str | None
+    usage: dict[str, Any] | None
+
+
+# Long streams (thousands of chunks) validate a sample: the first chunks, then
+# one in this many, and every chunk that is not a plain content delta.
+SAMPLE_AFTER: Final = 64
+
+
+def _feed(result: StreamResult, chunk: Any, validate_every: int) -> None:
+    obj = chunk.to_dict()
+    n = len(result.chunks)
+    plain = bool(obj["choices"]) and set(obj["choices"][0]["delta"]) == {"content"}
+    if validate_every <= 1 or n < SAMPLE_AFTER or n % validate_every == 0 or not plain:
+        validate_chunk(obj)
+    result.chunks.append(obj)
+    if obj.get("usage"):
+        result.usage = obj["usage"]
+    for choice in obj["choices"]:
+        delta = choice.get("delta") or {}
+        if delta.get("content"):
+            result.content_deltas.append(delta["content"])
+            result.content += delta["content"]
+        if delta.get("reasoning_content"):
+            result.reasoning += delta["reasoning_content"]
+        for tc in delta.get("tool_calls") or ():
+            acc = result.tool_calls.setdefault(
+                tc["index"], {"id": None, "name": None, "arguments": ""}
+            )
+            acc["id"] = tc.get("id") or acc["id"]
+            fn = tc.get("function") or {}
+            acc["name"] = fn.get("name") or acc["name"]
+            acc["arguments"] += fn.get("arguments") or ""
+        if choice.get("finish_reason"):
+            result.finish_reason = choice["finish_reason"]
+
+
+def read_stream(
+    stream: Iterable[Any], *, limit: int | None = None, validate_every: int = 1
+) -> StreamResult:
+    """Iterate an SDK stream (up to ``limit`` chunks), validating every chunk
+    (or a sample, for long streams: ``validate_every``)."""
+    return read_more(
+        iter(stream), StreamResult([], "", [], "", {}, None, None), limit, validate_every
+    )
+
+
+def read_more(
+    stream: Iterator[Any], result: StreamResult, n: int | None = None, validate_every: int = 1
+) -> StreamResult:
+    """Continue ``result`` with ``n`` more chunks of ``stream`` (all if None)."""
+    for i, chunk in enumerate(stream):
+        _feed(result, chunk, validate_every)
+        if n is not None and i + 1 >= n:
+            break
+    return result
+
+
+def validated_completion(completion: Any) -> dict[str, Any]:
+    obj: dict[str, Any] = completion.to_dict()
+    validate_completion(obj)
+    return obj
+
+
+# --- groups of processes ---------------------------------------------------------------
+
+
+@dataclass
+class Cluster:
+    sim: Sim
+    edge: Edge
+    node: Node
+
+
+class Procs:
+    """Processes owned by one test: started on demand, all stopped at its end."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self._owned: list[Proc] = []
+        self._closers: list[Edge | Sim] = []
+
+    def sim(self, name: str = "sim", *flags: str) -> Sim:
+        s = start_sim(self.log_dir, name, *flags)
+        self._owned.append(s.proc)
+        self._closers.append(s)
+        return s
+
+    def edge(self, config: dict[str, Any], *, name: str = "edge", port: int = 0) -> Edge:
+        e = start_edge(self.log_dir, config, name=name, port=port)
+        self._owned.append(e.proc)
+        self._closers.append(e)
+        return e
+
+    def node(self, edges: list[Edge], sim: Sim, **kwargs: Any) -> Node:
+        n = start_node(self.log_dir, [e.link_url for e in edges], sim.url, **kwargs)
+        self._owned.append(n.proc)
+        return n
+
+    def adopt(self, proc: Proc) -> None:
+        """Stop ``proc`` at the test's end too."""
+        self._owned.append(proc)
+
+    def adopt_client(self, closer: Edge | Sim) -> None:
+        self._closers.append(closer)
+
+    def stop_all(self) -> None:
+        for c in self._closers:
+            c.close()
+        # Nodes first (they were started last), then edges, then backends.
+        for proc in reversed(self._owned):
+            proc.stop()

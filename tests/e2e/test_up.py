@@ -1,0 +1,123 @@
+"""``iop up`` end to end with the real model: edge + node + llama.cpp's server (SmolLM2-135M).
+
+One ``iop up --port 0`` process serves the module; the official OpenAI SDK
+talks to it. The tests assert protocol behaviour only, never the model's
+words. When the real backend cannot run here the tests skip, unless
+``IOP_REQUIRE_REAL_BACKEND=1`` (CI), where they fail.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Final
+
+import openai
+import pytest
+
+from iop.managed import llamacpp_available
+from tests.e2e._platform import Proc, poll, read_stream, validated_completion
+
+pytestmark = pytest.mark.real_backend
+
+ALIAS: Final = "SmolLM2-135M-Instruct"
+MESSAGES: list[Any] = [{"role": "user", "content": "Say hello."}]
+READY_TIMEOUT_S: Final = 120.0
+
+
+def _require_backend() -> None:
+    reason = llamacpp_available()
+    if reason is None:
+        return
+    if os.environ.get("IOP_REQUIRE_REAL_BACKEND") == "1":
+        pytest.fail(
+            f"IOP_REQUIRE_REAL_BACKEND=1 but the real llama.cpp backend cannot run: {reason}",
+            pytrace=False,
+        )
+    pytest.skip(f"real llama.cpp backend unavailable: {reason}")
+
+
+@dataclass
+class Up:
+    proc: Proc
+    url: str
+    ready_line: str
+
+    def openai(self, timeout: float = 60.0) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="x", max_retries=0, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    _require_backend()
+    proc = Proc("iop-up", ["up", "--port", "0"], tmp_path_factory.mktemp("up"))
+    try:
+        ready = proc.wait_stdout(r"iop up: ready; models: .*", timeout=READY_TIMEOUT_S)
+        url = re.search(r"OpenAI API on (http://\S+)/v1", proc.stdout())
+        assert url is not None, proc.logs()
+        assert not url.group(1).endswith(":0"), "the URL line must show the bound port"
+        yield Up(proc, url.group(1), ready.group(0))
+    finally:
+        proc.stop()
+
+
+def test_up_serves_the_real_model(up: Up) -> None:
+    assert repr(ALIAS) in up.ready_line
+    with up.openai() as client:
+        assert [m.id for m in client.models.list()] == [ALIAS]
+
+
+def test_streaming_through_the_whole_platform(up: Up) -> None:
+    with (
+        up.openai() as client,
+        client.chat.completions.create(
+            model=ALIAS,
+            messages=MESSAGES,
+            max_tokens=8,
+            stream=True,
+            stream_options={"include_usage": True},
+        ) as stream,
+    ):
+        r = read_stream(stream)
+    assert r.chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert r.content_deltas
+    assert r.content.strip()
+    assert r.finish_reason in ("length", "stop")
+    assert r.usage is not None
+    assert 0 < r.usage["completion_tokens"] <= 8
+    assert r.usage["prompt_tokens"] > 0
+    assert {c["model"] for c in r.chunks} == {ALIAS}
+
+
+def test_non_streaming_through_the_whole_platform(up: Up) -> None:
+    with up.openai() as client:
+        completion = client.chat.completions.create(model=ALIAS, messages=MESSAGES, max_tokens=8)
+    obj = validated_completion(completion)
+    (choice,) = obj["choices"]
+    assert choice["message"]["role"] == "assistant"
+    assert choice["message"]["content"].strip()
+    assert choice["finish_reason"] in ("length", "stop")
+    assert 0 < obj["usage"]["completion_tokens"] <= 8
+
+
+def test_up_sigterm_stops_everything(up: Up) -> None:
+    """Last in the module: SIGTERM drains edge, node and llama.cpp; exit 0, no orphan."""
+    server = re.search(r"llama.cpp server is ready at \S+ .*pid (\d+)\)", up.proc.stderr())
+    assert server is not None, up.proc.logs()
+    server_pid = int(server.group(1))
+    t0 = time.monotonic()
+    assert up.proc.stop() == 0
+    print(f"\niop up: SIGTERM -> exit 0 in {time.monotonic() - t0:.2f}s")
+    assert "iop up: stopped" in up.proc.stderr()
+
+    def gone() -> bool:
+        try:
+            os.kill(server_pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    poll(gone, timeout=10, what=f"llama.cpp's server (pid {server_pid}) to be gone")
