@@ -237,11 +237,8 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
                 run.events.close()
                 return early
             handed_over = True
-            return Response(
-                _sse_body(run, stream, first, cfg.server.keepalive_interval_s),
-                status=200,
-                headers=_SSE_HEADERS,
-            )
+            sse = _RunBody(run, _sse_body(run, stream, first, cfg.server.keepalive_interval_s))
+            return Response(sse, status=200, headers=_SSE_HEADERS)
         finally:
             if not handed_over:
                 run.cancel(CancelReason.CLIENT_DISCONNECT, "client disconnected")
@@ -253,6 +250,27 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
         await core.handle_link(_WebSocketChannel(), peer=peer)
 
     return app
+
+
+class _RunBody:
+    """The response body: iterates the SSE generator, and closing it cancels
+    the run even if the generator never started (a client that left before
+    quart began sending; an unstarted generator's ``finally`` never runs)."""
+
+    def __init__(self, run: Run, gen: AsyncGenerator[bytes, None]) -> None:
+        self._run = run
+        self._gen = gen
+
+    def __aiter__(self) -> _RunBody:
+        return self
+
+    async def __anext__(self) -> bytes:
+        return await self._gen.__anext__()
+
+    async def aclose(self) -> None:
+        # A no-op for a run that already ended.
+        self._run.cancel(CancelReason.CLIENT_DISCONNECT, "client disconnected")
+        await self._gen.aclose()
 
 
 def _early_failure(first: list[RuntimeEvent]) -> Response | None:

@@ -43,8 +43,9 @@ nursery holds:
 A run is executed by the runtime as ``slots.acquire()`` then
 ``adapter.execute()``, so a full queue (``Error`` 429 ``queue_full``) and a
 queue timeout (``Cancelled(queue_timeout)``) become the run's terminal event
-like any other outcome, and the instance's ``deadlines`` apply from the
-moment the run was assigned (queue time counts, as the client sees it).
+like any other outcome. The instance's total deadline counts from the moment
+the run was assigned; the first-token deadline starts once it has a slot
+(the wait is wrapped in ``sink.queued()``).
 
 Every way a run ends produces exactly one terminal event on the link:
 
