@@ -35,6 +35,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from iop.edge._core import EdgeCore
+from iop.edge._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from iop.edge._openai_out import (
     ChatCompletionCollector,
     ChatCompletionStream,
@@ -189,6 +190,10 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
             for m in core.models()
         ]
         return _json_response(msgspec.json.encode({"object": "list", "data": data}))
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(core.metrics.render(), status=200, content_type=METRICS_CONTENT_TYPE)
 
     @app.get("/admin/nodes")
     async def admin_nodes() -> Response:

@@ -46,6 +46,7 @@ import msgspec
 import trio
 
 from iop.config import EdgeConfig
+from iop.edge._metrics import EdgeMetrics
 from iop.edge._registry import LINK_OUTBOX, LinkLost, NodeConnection, NodeRegistry, Scheduler
 from iop.errors import LinkAuthError, LinkProtocolError, RequestError, RunAborted
 from iop.events import Cancelled, CancelReason, Error, Start, is_terminal
@@ -212,6 +213,7 @@ class EdgeCore:
         self.started_at = time.time()
         self.runs_started = 0
         self.outcomes: dict[str, int] = {}
+        self.metrics = EdgeMetrics(self)
 
     # --- runs -----------------------------------------------------------------
 
@@ -260,6 +262,7 @@ class EdgeCore:
         else:
             key = "complete"
         self.outcomes[key] = self.outcomes.get(key, 0) + 1
+        self.metrics.record(run, trio.current_time())
 
     # --- node links -------------------------------------------------------------
 

@@ -319,3 +319,30 @@ async def test_cancelled_before_output_gets_a_real_status() -> None:
         body = resp.json()
         validate_error(body)
         assert body["error"]["code"] == "first_token_timeout"
+
+
+async def test_metrics() -> None:
+    async with edge() as (_, node, client), trio.open_nursery() as n:
+        assert node is not None
+        n.start_soon(
+            answer,
+            node,
+            Start(),
+            Delta("a"),
+            Complete(usage=Usage(input_tokens=3, output_tokens=1)),
+        )
+        resp = await client.post("/v1/chat/completions", json=CHAT)
+        assert resp.status_code == 200
+        n.start_soon(
+            answer, node, Start(), Error(message="bad", status=400, code="backend_http_error")
+        )
+        resp = await client.post("/v1/chat/completions", json=CHAT)
+        assert resp.status_code == 400
+        text = (await client.get("/metrics")).text
+    assert 'iop_runs_total{model="m",outcome="complete",reason="stop"} 1.0' in text
+    assert 'iop_runs_total{model="m",outcome="error",reason="backend_http_error"} 1.0' in text
+    assert 'iop_tokens_total{kind="input",model="m"} 3.0' in text
+    assert 'iop_run_ttft_seconds_count{model="m"} 1.0' in text
+    assert 'iop_instance_slots{instance="i0",node="n1"} 1.0' in text
+    assert "iop_nodes_connected 1.0" in text
+    assert "iop_queue_depth 0.0" in text

@@ -1,0 +1,140 @@
+"""Prometheus metrics of the edge (``GET /metrics``).
+
+Run metrics are recorded once per run when it ends (``EdgeMetrics.record``,
+called from the run supervisor's ``on_finished``), so the hot path (chunk in,
+chunk out) pays nothing for them. Gauges (queue depth, runs in flight, nodes,
+per-instance load) are read from the core at scrape time by a collector.
+Each edge has its own registry: several edges in one process (tests) do not
+share counters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Final
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from iop.events import Cancelled, Complete, Error
+
+if TYPE_CHECKING:
+    from iop.edge._core import EdgeCore
+    from iop.runtime import Run
+
+__all__ = ["CONTENT_TYPE", "EdgeMetrics"]
+
+CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
+
+# Time to first token spans a fast GPU (tens of ms) to a long prefill on a
+# busy one (minutes); durations go further.
+_TTFT_BUCKETS: Final = (0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_DURATION_BUCKETS: Final = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class _LiveCollector(Collector):
+    """Gauges read from the core when Prometheus scrapes."""
+
+    def __init__(self, core: EdgeCore) -> None:
+        self._core = core
+
+    def collect(self) -> Iterator[Metric]:
+        core = self._core
+        yield GaugeMetricFamily(
+            "iop_nodes_connected", "Nodes with a live link.", value=len(core.registry.nodes)
+        )
+        yield GaugeMetricFamily(
+            "iop_runs_in_flight", "Runs started and not ended.", value=len(core.supervisor.runs)
+        )
+        yield GaugeMetricFamily(
+            "iop_queue_depth", "Runs waiting for capacity.", value=core.scheduler.queued
+        )
+        in_flight = GaugeMetricFamily(
+            "iop_instance_in_flight",
+            "Runs the edge has placed on each node instance.",
+            labels=["node", "instance"],
+        )
+        slots = GaugeMetricFamily(
+            "iop_instance_slots",
+            "Concurrent runs each node instance accepts (max_concurrency).",
+            labels=["node", "instance"],
+        )
+        up = GaugeMetricFamily(
+            "iop_instance_available",
+            "1 when the instance's provider status is not unavailable.",
+            labels=["node", "instance"],
+        )
+        for conn, inst in core.registry.instances():
+            labels = [conn.node_id, inst.caps.instance]
+            in_flight.add_metric(labels, inst.in_flight)
+            slots.add_metric(labels, inst.caps.max_concurrency)
+            up.add_metric(labels, 1 if inst.usable else 0)
+        yield in_flight
+        yield slots
+        yield up
+
+
+class EdgeMetrics:
+    """The edge's metrics registry and its run counters."""
+
+    def __init__(self, core: EdgeCore) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.runs = Counter(
+            "iop_runs",
+            "Runs ended, by model and outcome (complete, error or cancelled) and reason "
+            "(the error code or the cancel reason).",
+            ["model", "outcome", "reason"],
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "iop_run_ttft_seconds",
+            "Time from a run's start (queue included) to its first output, as the edge saw it.",
+            ["model"],
+            buckets=_TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.duration = Histogram(
+            "iop_run_duration_seconds",
+            "Time from a run's start to its end.",
+            ["model", "outcome"],
+            buckets=_DURATION_BUCKETS,
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "iop_tokens",
+            "Tokens of completed runs, by model and kind (input, output, cached_input, reasoning).",
+            ["model", "kind"],
+            registry=self.registry,
+        )
+        self.registry.register(_LiveCollector(core))
+
+    def record(self, run: Run, now: float) -> None:
+        """Count one ended run (called once per run, off the hot path)."""
+        model = run.spec.model
+        o = run.outcome
+        if isinstance(o, Complete):
+            outcome, reason = "complete", o.finish_reason.value
+            u = o.usage
+            for kind, n in (
+                ("input", u.input_tokens),
+                ("output", u.output_tokens),
+                ("cached_input", u.cached_input_tokens),
+                ("reasoning", u.reasoning_tokens),
+            ):
+                if n:
+                    self.tokens.labels(model, kind).inc(n)
+        elif isinstance(o, Error):
+            outcome, reason = "error", o.code
+        elif isinstance(o, Cancelled):
+            outcome, reason = "cancelled", o.reason.value
+        else:
+            outcome, reason = "unknown", ""
+        self.runs.labels(model, outcome, reason).inc()
+        self.duration.labels(model, outcome).observe(max(0.0, now - run.started_at))
+        if run.first_output_at is not None:
+            self.ttft.labels(model).observe(max(0.0, run.first_output_at - run.started_at))
+
+    def render(self) -> bytes:
+        """The registry in Prometheus' text format."""
+        return generate_latest(self.registry)
