@@ -18,7 +18,7 @@ import trio
 from iop.adapters import build_adapter
 from iop.config import InstanceConfig, NodeConfig, load_config
 from iop.errors import ConfigError
-from iop.events import Complete, Delta, ReasoningDelta
+from iop.events import Complete, Delta, ReasoningDelta, is_terminal
 from iop.runtime import new_run_id, open_run_supervisor
 from iop.spec import ChatRequest, ExecutionSpec, Message
 
@@ -95,10 +95,10 @@ async def _run(inst: InstanceConfig, args: argparse.Namespace) -> int:
                         sys.stdout.write(ev.text)
                     elif isinstance(ev, ReasoningDelta):
                         sys.stderr.write(ev.text)
-                    elif not args.events:
+                    elif is_terminal(ev):
                         sys.stdout.write("\n")
                         if not isinstance(ev, Complete):
-                            sys.stderr.write(f"[{msgspec.json.encode(ev).decode()}]\n")
+                            sys.stderr.write(f"iop run: {msgspec.json.encode(ev).decode()}\n")
                     sys.stdout.flush()
                     ok = isinstance(ev, Complete)
         return 0 if ok else 1

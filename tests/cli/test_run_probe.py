@@ -1,0 +1,66 @@
+"""`iop run` and `iop probe` as a user runs them (subprocesses)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "node-sim.toml")
+ENV = {**os.environ, "IOP_NODE_TOKEN": "t"}
+
+
+def iop(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "iop", "--log-level", "warning", *args],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_run_streams_the_answer() -> None:
+    out = iop("run", "--config", CONFIG, "--max-tokens", "5", "hello")
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.split()) == 5
+
+
+def test_run_events_are_json_lines_ending_in_complete() -> None:
+    out = iop("run", "--config", CONFIG, "--events", "--max-tokens", "3", "hello")
+    assert out.returncode == 0, out.stderr
+    events = [json.loads(line) for line in out.stdout.splitlines()]
+    assert events[0]["type"] == "start"
+    assert [e["type"] for e in events[1:-1]] == ["delta"] * 3
+    assert events[-1]["type"] == "complete"
+    assert events[-1]["finish_reason"] == "length"
+
+
+def test_probe_prints_capabilities() -> None:
+    out = iop("probe", "--config", CONFIG)
+    assert out.returncode == 0, out.stderr
+    caps = json.loads(out.stdout)
+    assert caps["provider_status"] == "available"
+    assert caps["targets"] == ["iop-sim"]
+
+
+def test_unknown_instance_is_a_config_error() -> None:
+    out = iop("run", "--config", CONFIG, "--instance", "nope", "hello")
+    assert out.returncode == 2
+    assert "no instance named 'nope' (have: sim)" in out.stderr
+
+
+def test_missing_config_file_is_a_config_error(tmp_path: Path) -> None:
+    out = iop("probe", "--config", str(tmp_path / "missing.toml"))
+    assert out.returncode == 2
+    assert "cannot read config" in out.stderr
+
+
+def test_help_for_every_command() -> None:
+    for cmd in ("up", "edge", "node", "sim", "run", "probe"):
+        out = iop(cmd, "--help")
+        assert out.returncode == 0, cmd
+        assert "usage: iop" in out.stdout
