@@ -16,7 +16,8 @@ in IOP), or the backend (``BackendError`` and its children)::
     ├── RunAborted                  an executor ended its run as cancelled (reason)
     ├── LinkError                   the edge<->node link failed
     │   ├── LinkAuthError           a node presented a bad token / version
-    │   └── LinkProtocolError       a peer sent a frame that breaks the protocol
+    │   ├── LinkProtocolError       a peer sent a frame that breaks the protocol
+    │   └── LinkClosed              the link closed (WebSocket close code, reason)
     └── BackendError                the inference backend failed                -> 5xx / backend's status
         ├── BackendUnavailable      connection refused, DNS, connect timeout    -> 503
         ├── BackendTimeout          a transport read/write timed out            -> 504
@@ -43,6 +44,7 @@ __all__ = [
     "InvariantError",
     "IopError",
     "LinkAuthError",
+    "LinkClosed",
     "LinkError",
     "LinkProtocolError",
     "RequestError",
@@ -147,6 +149,17 @@ class LinkProtocolError(LinkError):
 
     code = "link_protocol_error"
     status = 502
+
+
+class LinkClosed(LinkError):
+    """The link is closed; ``close_code``/``reason`` say why (when known)."""
+
+    code = "link_closed"
+
+    def __init__(self, message: str, *, close_code: int | None = None, reason: str = "") -> None:
+        super().__init__(message)
+        self.close_code = close_code
+        self.reason = reason
 
 
 class BackendError(IopError):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Final, Protocol
 
-from iop.errors import LinkError
+from iop.errors import LinkClosed
 
 __all__ = [
     "CLOSE_BAD_TOKEN",
@@ -30,17 +30,6 @@ CLOSE_PROTOCOL: Final = 4400  # a frame broke the protocol
 CLOSE_BAD_TOKEN: Final = 4401  # bad token or protocol version: do not retry blindly
 CLOSE_HEARTBEAT: Final = 4408  # the peer was silent past the heartbeat deadline
 CLOSE_REPLACED: Final = 4409  # the same node id connected again
-
-
-class LinkClosed(LinkError):
-    """The link is closed; ``code``/``reason`` say why (when known)."""
-
-    code = "link_closed"
-
-    def __init__(self, message: str, *, close_code: int | None = None, reason: str = "") -> None:
-        super().__init__(message)
-        self.close_code = close_code
-        self.reason = reason
 
 
 class FrameChannel(Protocol):
