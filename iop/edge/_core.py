@@ -490,7 +490,7 @@ async def open_edge_core(config: EdgeConfig) -> AsyncIterator[EdgeCore]:
         if core is not None:
             core.record_outcome(run)
 
-    async with open_run_supervisor(on_finished=finished) as supervisor:
+    async with open_run_supervisor(on_finished=finished, logger="iop.edge.run") as supervisor:
         core = EdgeCore(config, supervisor)
         try:
             yield core

@@ -996,7 +996,10 @@ async def open_node_agent(
         raise ValueError(f"adapters given for unconfigured instances: {sorted(unknown)}")
     built = {cfg.name: build_adapter(cfg) for cfg in config.instances if cfg.name not in injected}
     try:
-        async with open_run_supervisor() as supervisor, trio.open_nursery() as nursery:
+        async with (
+            open_run_supervisor(logger="iop.node.run") as supervisor,
+            trio.open_nursery() as nursery,
+        ):
             agent = NodeAgent(
                 config,
                 supervisor,

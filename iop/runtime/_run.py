@@ -292,7 +292,12 @@ def _error_from(exc: BaseException) -> Error:
     )
 
 
-async def _drive(run: Run, executor: Executor, send: trio.MemorySendChannel[RuntimeEvent]) -> None:
+async def _drive(
+    run: Run,
+    executor: Executor,
+    send: trio.MemorySendChannel[RuntimeEvent],
+    logger: logging.Logger = log,
+) -> None:
     """Execute one run to its single terminal event. Never raises (but Cancelled)."""
     sink = _RunSink(run, send)
     terminal: TerminalEvent | None = None
@@ -355,7 +360,7 @@ async def _drive(run: Run, executor: Executor, send: trio.MemorySendChannel[Runt
                 log.warning("run %s: consumer did not take the terminal event", run.run_id)
         run._done.set()
         send.close()
-        _log_outcome(run)
+        _log_outcome(run, logger)
 
 
 _CANCEL_MESSAGES: Final = {
@@ -377,7 +382,7 @@ def _default_cancel_message(reason: CancelReason, d: Deadlines) -> str:
     return _CANCEL_MESSAGES[reason]
 
 
-def _log_outcome(run: Run) -> None:
+def _log_outcome(run: Run, log: logging.Logger) -> None:
     o = run.outcome
     now = trio.current_time()
     ttft = "-" if run.first_output_at is None else f"{run.first_output_at - run.started_at:.3f}"
@@ -404,9 +409,14 @@ class RunSupervisor:
     """
 
     def __init__(
-        self, nursery: trio.Nursery, *, on_finished: Callable[[Run], None] | None = None
+        self,
+        nursery: trio.Nursery,
+        *,
+        on_finished: Callable[[Run], None] | None = None,
+        logger: str = "iop.run",
     ) -> None:
         self._nursery = nursery
+        self._log = logging.getLogger(logger)
         self._on_finished = on_finished
         self.runs: dict[str, Run] = {}
         self._idle = trio.Event()
@@ -435,7 +445,7 @@ class RunSupervisor:
         self, run: Run, executor: Executor, send: trio.MemorySendChannel[RuntimeEvent]
     ) -> None:
         try:
-            await _drive(run, executor, send)
+            await _drive(run, executor, send, self._log)
         finally:
             self.runs.pop(run.run_id, None)
             if not self.runs:
@@ -455,15 +465,16 @@ class RunSupervisor:
 
 @asynccontextmanager
 async def open_run_supervisor(
-    *, on_finished: Callable[[Run], None] | None = None
+    *, on_finished: Callable[[Run], None] | None = None, logger: str = "iop.run"
 ) -> AsyncIterator[RunSupervisor]:
     """Open a supervisor; on exit, wait for its runs (cancel them first if leaving by error).
 
     Args:
         on_finished: Called (synchronously) with each run once it has ended.
+        logger: Logger of the one line each run logs when it ends.
     """
     async with trio.open_nursery() as nursery:
-        yield RunSupervisor(nursery, on_finished=on_finished)
+        yield RunSupervisor(nursery, on_finished=on_finished, logger=logger)
 
 
 async def collect_run(

@@ -478,7 +478,7 @@ async def test_node_side_first_token_deadline(autojump_clock: trio.abc.Clock) ->
 async def test_silent_edge_is_abandoned_and_its_runs_cancelled(
     autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="iop.run")
+    caplog.set_level(logging.INFO, logger="iop.node.run")
     adapter = SimAdapter(sim(output_tokens=1000, tokens_per_s=10))
     async with (
         running_node(adapter.cfg, adapters={"sim": adapter}) as agent,
