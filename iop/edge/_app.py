@@ -34,6 +34,7 @@ from quart import Response, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
+from iop.edge._admin_page import render_admin_page
 from iop.edge._core import EdgeCore
 from iop.edge._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from iop.edge._openai_out import (
@@ -194,6 +195,13 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(core.metrics.render(), status=200, content_type=METRICS_CONTENT_TYPE)
+
+    @app.get("/admin")
+    async def admin_page() -> Response:
+        if not authorized():
+            return _error(401, "Incorrect API key provided.", code="invalid_api_key")
+        html = render_admin_page(core.snapshot())
+        return Response(html, status=200, content_type="text/html; charset=utf-8")
 
     @app.get("/admin/nodes")
     async def admin_nodes() -> Response:

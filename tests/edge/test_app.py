@@ -346,3 +346,43 @@ async def test_metrics() -> None:
     assert 'iop_instance_slots{instance="i0",node="n1"} 1.0' in text
     assert "iop_nodes_connected 1.0" in text
     assert "iop_queue_depth 0.0" in text
+
+
+async def test_admin_page() -> None:
+    async with edge() as (_, node, client), trio.open_nursery() as n:
+        assert node is not None
+        n.start_soon(answer, node, Start(), Delta("a"), Complete())
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+        resp = await client.get("/admin")
+    assert resp.status_code == 200
+    assert resp.headers["content-type"].startswith("text/html")
+    page = resp.text
+    assert "IOP edge: serving" in page
+    assert "<td>n1</td>" in page
+    assert "<td>i0</td>" in page
+    assert "<td>complete</td>" in page
+    assert "No node is connected." not in page
+
+
+def test_admin_page_escapes_what_nodes_report() -> None:
+    from iop.edge._admin_page import render_admin_page
+
+    snap = {
+        "nodes": [
+            {
+                "id": "<script>x</script>",
+                "instances": [
+                    {"instance": "a&b", "targets": ["m<1>"], "provider_status": "unavailable"}
+                ],
+            }
+        ],
+        "runs": [],
+        "outcomes": {},
+    }
+    page = render_admin_page(snap).decode()
+    assert "<script>" not in page
+    assert "&lt;script&gt;x&lt;/script&gt;" in page
+    assert "a&amp;b" in page
+    assert 'class="bad"' in page
+    empty = render_admin_page({}).decode()
+    assert "No node is connected." in empty
