@@ -22,7 +22,6 @@ SANS_IO_MODULES = [
     "iop.wire._toolcalls",
     "iop.wire._tooltext",
     "iop.wire._tool_prompt",
-    "iop.edge._admin_page",
     "iop.protocol",
     "iop.protocol._messages",
     "iop.protocol._session",
