@@ -338,11 +338,16 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
         queue_timeout_s: How long a run may wait for capacity.
         failover: Retry a run on another node when it fails before its first
             output (node lost, node error before start).
+        affinity: Send a conversation back to the instance that served it
+            before when it has a free slot (prefix-cache reuse).
+        affinity_entries: Conversations remembered for affinity (LRU).
     """
 
     max_queue: int = 256
     queue_timeout_s: float = 30.0
     failover: bool = True
+    affinity: bool = True
+    affinity_entries: int = 10_000
 
 
 class EdgeConfig(_Config, frozen=True, kw_only=True):

@@ -369,18 +369,20 @@ async def _sse_body(
 async def _complete(run: Run, collector: ChatCompletionCollector) -> Response:
     done = False
     try:
-        async with run.events:
-            async for ev in run.events:
-                collector.feed(ev)
-                if is_terminal(ev):
-                    break
-            else:
-                if run.outcome is not None:
-                    collector.feed(run.outcome)
+        async for ev in run.events:
+            collector.feed(ev)
+            if is_terminal(ev):
+                break
+        else:
+            if run.outcome is not None:
+                collector.feed(run.outcome)
         done = True
     finally:
+        # Cancel before closing the channel: a run that finds its consumer
+        # gone first would end as an internal error, not client_disconnect.
         if not done:
             run.cancel(CancelReason.CLIENT_DISCONNECT, "client disconnected")
+        run.events.close()
     status, body = collector.result()
     headers = {"Retry-After": "1"} if status == 429 else None
     return _json_response(body, status, headers)

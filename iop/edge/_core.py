@@ -47,7 +47,14 @@ import trio
 
 from iop.config import EdgeConfig
 from iop.edge._metrics import EdgeMetrics
-from iop.edge._registry import LINK_OUTBOX, LinkLost, NodeConnection, NodeRegistry, Scheduler
+from iop.edge._registry import (
+    LINK_OUTBOX,
+    LinkLost,
+    NodeConnection,
+    NodeRegistry,
+    Scheduler,
+    affinity_key,
+)
 from iop.errors import LinkAuthError, LinkProtocolError, RequestError, RunAborted
 from iop.events import Cancelled, CancelReason, Error, Start, is_terminal
 from iop.protocol import (
@@ -114,13 +121,16 @@ class RemoteExecutor:
         model = spec.model
         excluded: set[str] = set()
         last: _Retry | None = None
+        affinity = affinity_key(spec.request) if core.config.scheduler.affinity else None
         attempts = MAX_ATTEMPTS if core.config.scheduler.failover else 1
         for attempt in range(attempts):
             if last is not None and not core.scheduler.could_serve(model, frozenset(excluded)):
                 break  # no other node to fail over to: report what happened
             try:
                 with send.queued():  # the queue wait is not the node's latency
-                    lease = await core.scheduler.acquire(model, exclude=frozenset(excluded))
+                    lease = await core.scheduler.acquire(
+                        model, exclude=frozenset(excluded), affinity=affinity
+                    )
             except RunAborted:
                 if last is not None and last.error is not None:
                     break  # report the node's own error rather than the wait

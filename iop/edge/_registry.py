@@ -5,7 +5,10 @@ that reconnects replaces its old registration) and, for each, the instances
 it advertised with the edge's own count of runs in flight on them.
 
 ``Scheduler`` places a run on the least-loaded instance that serves its model
-and has a free slot (``in_flight < max_concurrency``). When none has, the run
+and has a free slot (``in_flight < max_concurrency``), unless the run's
+conversation was served before by an instance that still has a free slot:
+then it goes there again (session affinity, so the backend's prefix cache
+holds the prompt's head; see ``affinity_key``). When none has, the run
 waits in one FIFO queue, bounded by ``max_queue`` (full -> 429) and by
 ``queue_timeout_s`` (-> ``Cancelled(queue_timeout)``). Every change of
 capacity (a run ends, a node joins or updates its capabilities) calls
@@ -16,12 +19,14 @@ never poll.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
+import msgspec
 import trio
 
 from iop.capabilities import Capabilities, ProviderStatus
@@ -29,8 +34,9 @@ from iop.config import SchedulerSettings
 from iop.errors import IopError, RunAborted
 from iop.events import CancelReason, RuntimeEvent
 from iop.protocol import EdgeSession
+from iop.spec import ChatRequest
 
-__all__ = ["Lease", "NodeConnection", "NodeRegistry", "RemoteRun", "Scheduler"]
+__all__ = ["Lease", "NodeConnection", "NodeRegistry", "RemoteRun", "Scheduler", "affinity_key"]
 
 log = logging.getLogger("iop.edge.scheduler")
 
@@ -160,6 +166,24 @@ class NodeRegistry:
         return out
 
 
+# Messages of the conversation's head that make its affinity key: the system
+# prompt and the first user turn. Agent loops and chats resend them on every
+# turn, and they are what a backend's prefix cache holds.
+AFFINITY_HEAD_MESSAGES: Final = 2
+
+
+def affinity_key(request: ChatRequest) -> str:
+    """A stable key for the conversation ``request`` belongs to.
+
+    The client's ``user`` field when set (an explicit session), else a hash of
+    the model and the conversation's head messages.
+    """
+    if request.user:
+        return f"user:{request.model}:{request.user}"
+    head = msgspec.json.encode([request.model, request.messages[:AFFINITY_HEAD_MESSAGES]])
+    return "head:" + hashlib.blake2b(head, digest_size=16).hexdigest()
+
+
 @dataclass(eq=False)
 class Lease:
     """A slot on one instance, held for the life of one attempt of a run."""
@@ -180,6 +204,7 @@ class Lease:
 class _Waiter:
     model: str
     exclude: frozenset[str]
+    affinity: str | None = None
     event: trio.Event = field(default_factory=trio.Event)
     lease: Lease | None = None
 
@@ -191,6 +216,8 @@ class Scheduler:
         self.registry = registry
         self.settings = settings
         self._waiters: deque[_Waiter] = deque()
+        # Conversation key -> (node, instance) that last served it; LRU-bounded.
+        self._affinity: OrderedDict[str, tuple[str, str]] = OrderedDict()
 
     @property
     def queued(self) -> int:
@@ -199,13 +226,21 @@ class Scheduler:
     def serves(self, model: str) -> bool:
         return model in self.registry.models()
 
-    def _pick(self, model: str, exclude: frozenset[str]) -> Lease | None:
+    def _pick(
+        self, model: str, exclude: frozenset[str], affinity: str | None = None
+    ) -> Lease | None:
         best: tuple[float, NodeConnection, InstanceState] | None = None
+        preferred = self._affinity.get(affinity) if affinity is not None else None
         for conn, inst in self.registry.instances():
             if conn.draining or conn.node_id in exclude or not inst.usable:
                 continue
             if model not in inst.caps.targets or inst.free <= 0:
                 continue
+            if preferred == (conn.node_id, inst.caps.instance):
+                # The instance that served this conversation before: its
+                # prefix cache likely holds the prompt's head.
+                best = (-1.0, conn, inst)
+                break
             load = inst.in_flight / max(inst.caps.max_concurrency, 1)
             if best is None or load < best[0]:
                 best = (load, conn, inst)
@@ -213,7 +248,15 @@ class Scheduler:
             return None
         _, conn, inst = best
         inst.in_flight += 1
+        if affinity is not None:
+            self._remember(affinity, (conn.node_id, inst.caps.instance))
         return Lease(conn, inst, self)
+
+    def _remember(self, key: str, where: tuple[str, str]) -> None:
+        self._affinity[key] = where
+        self._affinity.move_to_end(key)
+        while len(self._affinity) > self.settings.affinity_entries:
+            self._affinity.popitem(last=False)
 
     def could_serve(self, model: str, exclude: frozenset[str]) -> bool:
         """Whether any node outside ``exclude`` serves ``model`` (free or busy)."""
@@ -245,7 +288,13 @@ class Scheduler:
             for conn, inst in self.registry.instances()
         )
 
-    async def acquire(self, model: str, *, exclude: frozenset[str] = frozenset()) -> Lease:
+    async def acquire(
+        self,
+        model: str,
+        *,
+        exclude: frozenset[str] = frozenset(),
+        affinity: str | None = None,
+    ) -> Lease:
         """A slot for ``model``, waiting in the queue if needed.
 
         Raises:
@@ -253,7 +302,7 @@ class Scheduler:
             RunAborted: ``queue_timeout`` when no slot came in time.
         """
         if not self._waiters:
-            lease = self._pick(model, exclude)
+            lease = self._pick(model, exclude, affinity)
             if lease is not None:
                 return lease
         if self.queued >= self.settings.max_queue:
@@ -262,7 +311,7 @@ class Scheduler:
                 status=429,
                 code="queue_full",
             )
-        waiter = _Waiter(model, exclude)
+        waiter = _Waiter(model, exclude, affinity)
         self._waiters.append(waiter)
         self.dispatch()
         try:
@@ -294,7 +343,7 @@ class Scheduler:
         if not self._waiters:
             return
         for waiter in list(self._waiters):
-            lease = self._pick(waiter.model, waiter.exclude)
+            lease = self._pick(waiter.model, waiter.exclude, waiter.affinity)
             if lease is None:
                 continue
             self._waiters.remove(waiter)

@@ -262,8 +262,11 @@ class _RunSink:
             except trio.WouldBlock:
                 await self._send.send(event)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
-            # The consumer went away; whoever closed it also cancels the run.
             if self.pending_terminal is None:
+                # The consumer went away without cancelling the run (or just
+                # before doing so): nobody reads this run any more.
+                run.cancel(CancelReason.CLIENT_DISCONNECT, "the run's consumer went away")
+                await trio.lowlevel.checkpoint()  # raises Cancelled: the run scope is cancelled
                 raise
         if self.pending_terminal is not None:
             run.state = RunState.DONE

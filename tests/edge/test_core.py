@@ -413,3 +413,90 @@ async def test_no_other_node_reports_the_error_at_once(
         events = await drain_events(run)
         assert events == [Start(), err]
         assert trio.current_time() - started < 1  # no wait for a queue timeout
+
+
+def conversation(
+    first_user: str, turns: int = 0, run_id: str = "r", user: str | None = None
+) -> ExecutionSpec:
+    msgs = [
+        Message(role="system", content="You are helpful."),
+        Message(role="user", content=first_user),
+    ]
+    for i in range(turns):
+        msgs += [Message(role="assistant", content=f"a{i}"), Message(role="user", content=f"u{i}")]
+    return ExecutionSpec(run_id=run_id, request=ChatRequest(model="m", messages=msgs, user=user))
+
+
+async def test_affinity_sends_a_conversation_back_to_its_instance(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_edge_core(config()) as core, trio.open_nursery() as nursery:
+        a = await connect(core, nursery, [caps(slots=4)], "a")
+        b = await connect(core, nursery, [caps(slots=4)], "b")
+        nodes = {"a": a, "b": b}
+
+        async def serve_one(spec_: ExecutionSpec) -> str:
+            run = core.start_run(spec_)
+            await trio.testing.wait_all_tasks_blocked()
+            (name,) = [n for n, node in nodes.items() if spec_.run_id in node.assigned]
+            await nodes[name].assigns.receive()
+            await nodes[name].send(spec_.run_id, Start(), Complete())
+            await drain_events(run)
+            return name
+
+        first = await serve_one(conversation("plan a trip", run_id="t0"))
+        # Make `first` the busier node: least-loaded placement now prefers the
+        # other one, as a new conversation shows...
+        inst = core.registry.nodes[first].instances["i0"]
+        inst.in_flight += 2
+        assert await serve_one(conversation("something else", run_id="n0")) != first
+        # ...but later turns of the first conversation (same head) go back to
+        # the instance that served it, which still has free slots.
+        for turn in range(1, 4):
+            again = await serve_one(conversation("plan a trip", turns=turn, run_id=f"t{turn}"))
+            assert again == first
+        inst.in_flight -= 2
+        # The client's `user` field is an explicit session key.
+        u1 = await serve_one(conversation("x", run_id="u1", user="alice"))
+        assert await serve_one(conversation("y", run_id="u2", user="alice")) == u1
+        nursery.cancel_scope.cancel()
+
+
+async def test_affinity_yields_to_a_full_instance(autojump_clock: trio.testing.MockClock) -> None:
+    async with open_edge_core(config()) as core, trio.open_nursery() as nursery:
+        a = await connect(core, nursery, [caps(slots=1)], "a")
+        b = await connect(core, nursery, [caps(slots=1)], "b")
+        r0 = core.start_run(conversation("same", run_id="r0"))
+        await trio.testing.wait_all_tasks_blocked()
+        busy, other = (a, b) if a.assigned else (b, a)
+        # Same conversation while its instance is busy: the other node serves it.
+        r1 = core.start_run(conversation("same", turns=1, run_id="r1"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert "r1" in other.assigned
+        for node, rid, run in ((busy, "r0", r0), (other, "r1", r1)):
+            await node.assigns.receive()
+            await node.send(rid, Start(), Complete())
+            await drain_events(run)
+        nursery.cancel_scope.cancel()
+
+
+def test_affinity_key_is_the_conversation_head() -> None:
+    from iop.edge._registry import affinity_key
+
+    k = affinity_key(conversation("hello").request)
+    assert affinity_key(conversation("hello", turns=3).request) == k
+    assert affinity_key(conversation("other").request) != k
+    assert affinity_key(conversation("hello", user="bob").request).startswith("user:")
+
+
+async def test_affinity_memory_is_bounded(autojump_clock: trio.testing.MockClock) -> None:
+    cfg = config(scheduler=SchedulerSettings(max_queue=2, queue_timeout_s=5.0, affinity_entries=3))
+    async with open_edge_core(cfg) as core, trio.open_nursery() as nursery:
+        node = await connect(core, nursery, [caps(slots=8)], "n1")
+        for i in range(6):
+            run = core.start_run(conversation(f"c{i}", run_id=f"r{i}"))
+            await node.assigns.receive()
+            await node.send(f"r{i}", Start(), Complete())
+            await drain_events(run)
+        assert len(core.scheduler._affinity) == 3
+        nursery.cancel_scope.cancel()

@@ -284,7 +284,9 @@ async def test_consumer_gone_ends_the_run() -> None:
         await run.events.receive()
         await run.events.aclose()  # the consumer leaves without cancelling
         outcome = await run.wait()
-    assert isinstance(outcome, Error)
+    assert isinstance(outcome, Cancelled)
+    assert outcome.reason is CancelReason.CLIENT_DISCONNECT
+    assert adapter.cancelled
 
 
 async def test_duplicate_run_id_is_refused() -> None:
