@@ -1,7 +1,7 @@
 """The edge's queue end to end: one slot on the node, one place in the edge's queue.
 
 The node's instance has ``max_concurrency = 1`` and the edge queues at most
-one run for ``queue_timeout_s = 2``. A long stream holds the slot while the
+one run for ``queue_timeout_s = 4``. A long stream holds the slot while the
 tests queue, abandon, time out and overflow other requests.
 """
 
@@ -32,7 +32,7 @@ from tests.edge._openai_schema import validate_error
 
 EDGE_CONFIG: dict[str, Any] = {
     "server": {"keepalive_interval_s": 0.5},
-    "scheduler": {"max_queue": 1, "queue_timeout_s": 2.0},
+    "scheduler": {"max_queue": 1, "queue_timeout_s": 4.0},
 }
 MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
 # Holds the node's only slot for up to 50 s, until the test closes it.
