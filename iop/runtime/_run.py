@@ -247,10 +247,6 @@ class _RunSink:
                 run.first_output_at = trio.current_time()
         else:  # terminal: the run is DONE only once the consumer has it
             self.pending_terminal = event
-        # While blocked on a slow consumer only the total deadline applies.
-        run._scope.deadline = self.total_deadline
-        phase = self._phase
-        self._phase = _Phase.TOTAL
         try:
             # Still a cancellation point, but no schedule point while the
             # channel has room: the producer keeps going and the consumer
@@ -260,6 +256,9 @@ class _RunSink:
             try:
                 self._send.send_nowait(event)
             except trio.WouldBlock:
+                # Blocked on a slow consumer: only the total deadline applies.
+                run._scope.deadline = self.total_deadline
+                self._phase = _Phase.TOTAL
                 await self._send.send(event)
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             if self.pending_terminal is None:
@@ -276,8 +275,6 @@ class _RunSink:
         elif run.state is RunState.STARTED:
             first = _after(self._first_token_from, run.deadlines.first_token_timeout_s)
             self._arm(first, _Phase.FIRST_TOKEN)
-        else:
-            self._phase = phase
 
     def partial_usage(self) -> Usage:
         return Usage(output_tokens=self.output_chunks, estimated=True)
