@@ -223,18 +223,26 @@ class Scheduler:
     def queued(self) -> int:
         return len(self._waiters)
 
+    def _candidates(
+        self, model: str, exclude: frozenset[str] = frozenset()
+    ) -> Iterator[tuple[NodeConnection, InstanceState]]:
+        """Instances that may run ``model``: live, not draining, not excluded, up."""
+        for conn, inst in self.registry.instances():
+            if conn.draining or conn.node_id in exclude or not inst.usable:
+                continue
+            if model in inst.caps.targets:
+                yield conn, inst
+
     def serves(self, model: str) -> bool:
-        return model in self.registry.models()
+        return self.could_serve(model, frozenset())
 
     def _pick(
         self, model: str, exclude: frozenset[str], affinity: str | None = None
     ) -> Lease | None:
         best: tuple[float, NodeConnection, InstanceState] | None = None
         preferred = self._affinity.get(affinity) if affinity is not None else None
-        for conn, inst in self.registry.instances():
-            if conn.draining or conn.node_id in exclude or not inst.usable:
-                continue
-            if model not in inst.caps.targets or inst.free <= 0:
+        for conn, inst in self._candidates(model, exclude):
+            if inst.free <= 0:
                 continue
             if preferred == (conn.node_id, inst.caps.instance):
                 # The instance that served this conversation before: its
@@ -260,13 +268,7 @@ class Scheduler:
 
     def could_serve(self, model: str, exclude: frozenset[str]) -> bool:
         """Whether any node outside ``exclude`` serves ``model`` (free or busy)."""
-        return any(
-            not conn.draining
-            and conn.node_id not in exclude
-            and inst.usable
-            and model in inst.caps.targets
-            for conn, inst in self.registry.instances()
-        )
+        return any(True for _ in self._candidates(model, exclude))
 
     def admit(self, model: str) -> None:
         """Refuse a run up front when it could only wait and the queue is full.
@@ -283,10 +285,7 @@ class Scheduler:
             )
 
     def _has_room(self, model: str) -> bool:
-        return any(
-            not conn.draining and inst.usable and model in inst.caps.targets and inst.free > 0
-            for conn, inst in self.registry.instances()
-        )
+        return any(inst.free > 0 for _, inst in self._candidates(model))
 
     async def acquire(
         self,
