@@ -155,6 +155,9 @@ def _log_wrong_admin_key(gate: AdminGate, via: str, path: str) -> None:
         gate.failures,
         gate.failures_per_minute,
     )
+    wait = gate.retry_after()
+    if wait is not None:  # this key was the last one checked this minute
+        log.warning("admin logins braked for %.0f s: too many wrong keys", wait)
 
 
 def _same_origin() -> bool:

@@ -221,7 +221,7 @@ async def test_admin_keys_without_api_keys_protect_admin_only() -> None:
         assert (await client.get("/admin/nodes")).status_code == 401
 
 
-async def test_wrong_keys_are_braked() -> None:
+async def test_wrong_keys_are_braked(caplog: pytest.LogCaptureFixture) -> None:
     cfg = config(api_keys=[API_KEY], admin_login_failures_per_minute=2)
     async with edge(cfg) as (_, _, client):
         token = await logged_in(client, API_KEY)
@@ -246,6 +246,8 @@ async def test_wrong_keys_are_braked() -> None:
         assert (await client.get("/admin", headers=with_cookie(token))).status_code == 200
         resp = await client.get("/v1/models", headers={"Authorization": f"Bearer {API_KEY}"})
         assert resp.status_code == 200
+    braked = [r for r in caplog.records if "admin logins braked" in r.getMessage()]
+    assert len(braked) == 1  # once, when the limit is reached, not per refused try
 
 
 async def test_cross_origin_forms_are_refused() -> None:

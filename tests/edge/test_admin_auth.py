@@ -135,6 +135,8 @@ def test_logout_ends_the_session_and_is_forgotten_after_expiry(
     gate.logout(later)  # prunes the expired revocation
     assert gate._revoked.keys() == {later.split(".")[1]}
     assert not gate.session_valid(token)
+    gate.logout(token)  # expired already: nothing to remember
+    assert gate._revoked.keys() == {later.split(".")[1]}
 
 
 def test_brake_throttles_after_the_limit_until_the_window_ends(
