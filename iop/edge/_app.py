@@ -169,9 +169,9 @@ def _same_origin() -> bool:
     origin = request.headers.get("Origin")
     if origin is None:
         return True
-    netloc = urlsplit(origin).netloc
-    forwarded = request.headers.get("X-Forwarded-Host", "").split(",")[0].strip()
-    return bool(netloc) and netloc in (request.host, forwarded)
+    netloc = urlsplit(origin).netloc.lower()
+    forwarded = request.headers.get("X-Forwarded-Host", "").split(",")[0].strip().lower()
+    return bool(netloc) and netloc in (request.host.lower(), forwarded)
 
 
 def _cross_origin_refused() -> Response:
