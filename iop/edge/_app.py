@@ -1,9 +1,12 @@
 """The edge's HTTP face: a quart-trio app over an ``EdgeCore``.
 
 Routes: ``POST /v1/chat/completions`` (streaming and not), ``GET /v1/models``,
-``GET /healthz``, ``GET /readyz``, ``GET /admin/nodes`` and the node link
-WebSocket ``/v1/link``. Every error a client sees is OpenAI's error body with
-the right status.
+``GET /healthz``, ``GET /readyz``, ``GET /metrics``, the admin pages
+(``GET /admin`` as HTML, or its login form; ``POST /admin/login`` and
+``/admin/logout``; ``GET /admin/nodes`` as JSON: ``_admin_auth`` says who may
+open them) and the node link WebSocket ``/v1/link``. Every error a client sees
+is OpenAI's error body with the right status; the one HTML answer to a
+refused request is ``/admin``'s login form, for people.
 
 Streaming (trio-stack.md §2): the response body is an async generator that
 only awaits the run's channel and yields bytes; no ``yield`` sits inside a
@@ -22,11 +25,12 @@ behind a 200.
 
 from __future__ import annotations
 
-import hmac
 import logging
+import math
 import time
 from collections.abc import AsyncGenerator
 from typing import Final
+from urllib.parse import urlsplit
 
 import msgspec
 import trio
@@ -34,7 +38,8 @@ from quart import Response, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from iop.edge._admin_page import render_admin_page
+from iop.edge._admin_auth import COOKIE_NAME, AdminGate, Verdict, key_matches
+from iop.edge._admin_page import render_admin_page, render_login_page
 from iop.edge._core import EdgeCore
 from iop.edge._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from iop.edge._openai_out import (
@@ -95,6 +100,92 @@ def _from_exc(exc: IopError) -> Response:
     return _error(exc.status, exc.message, code=exc.code, param=param, headers=headers)
 
 
+# --- /admin: see _admin_auth for the rules ---------------------------------------------
+
+# Admin pages are neither cached (they show live state, or a login form) nor
+# framed (a framed log-out button could be clicked for the user); no script
+# runs, forms post only here.
+_ADMIN_HEADERS: Final = {
+    "Cache-Control": "no-store",
+    "Content-Security-Policy": (
+        "default-src 'none'; style-src 'unsafe-inline'; form-action 'self'; frame-ancestors 'none'"
+    ),
+    "X-Frame-Options": "DENY",
+    # Not no-referrer: Chromium then sends `Origin: null` on the form's POST.
+    "Referrer-Policy": "same-origin",
+}
+
+
+def _html(body: bytes, status: int = 200, headers: dict[str, str] | None = None) -> Response:
+    return Response(
+        body,
+        status=status,
+        content_type="text/html; charset=utf-8",
+        headers={**_ADMIN_HEADERS, **(headers or {})},
+    )
+
+
+def _retry_after(gate: AdminGate) -> dict[str, str]:
+    return {"Retry-After": str(math.ceil(gate.retry_after() or 1))}
+
+
+def _throttled_message(gate: AdminGate) -> str:
+    return (
+        f"Too many wrong admin keys (limit {gate.failures_per_minute} a minute); "
+        f"try again in {_retry_after(gate)['Retry-After']} s."
+    )
+
+
+def _login_page(message: str | None, status: int, gate: AdminGate) -> Response:
+    headers = _retry_after(gate) if status == 429 else None
+    return _html(render_login_page(message), status, headers)
+
+
+def _see_other(location: str) -> Response:
+    return Response(b"", status=303, headers={**_ADMIN_HEADERS, "Location": location})
+
+
+def _log_wrong_admin_key(gate: AdminGate, via: str, path: str) -> None:
+    # Never the key itself: it may be a real key of something else, mistyped.
+    log.warning(
+        "wrong admin key from %s (%s, %s): %d of %d allowed a minute",
+        request.remote_addr,
+        via,
+        path,
+        gate.failures,
+        gate.failures_per_minute,
+    )
+    wait = gate.retry_after()
+    if wait is not None:  # this key was the last one checked this minute
+        log.warning("admin logins braked for %.0f s: too many wrong keys", wait)
+
+
+def _same_origin() -> bool:
+    """CSRF guard for the admin forms, beside ``SameSite=Strict``: a browser's
+    cross-site POST carries a foreign ``Origin`` (or ``null``); a script's
+    carries none. Behind a proxy that rewrites ``Host``, its
+    ``X-Forwarded-Host`` names the host the browser used (a cross-site form
+    cannot set headers, so trusting it here opens nothing)."""
+    origin = request.headers.get("Origin")
+    if origin is None:
+        return True
+    netloc = urlsplit(origin).netloc.lower()
+    forwarded = request.headers.get("X-Forwarded-Host", "").split(",")[0].strip().lower()
+    return bool(netloc) and netloc in (request.host.lower(), forwarded)
+
+
+def _cross_origin_refused() -> Response:
+    log.warning("cross-origin admin form refused from %s", request.remote_addr)
+    return _error(403, "Cross-origin admin request refused.", code="cross_origin")
+
+
+def _over_https() -> bool:
+    """Whether the browser talks https (here, or to the TLS proxy in front)."""
+    # Trusting a spoofed header only makes the spoofer's own cookie https-only.
+    forwarded = request.headers.get("X-Forwarded-Proto", "").split(",")[0].strip()
+    return request.scheme == "https" or forwarded == "https"
+
+
 class _WebSocketChannel:
     """``FrameChannel`` over quart's websocket object (binary frames only)."""
 
@@ -133,16 +224,24 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
     app.config["BODY_TIMEOUT"] = 60
     app.config["MAX_CONTENT_LENGTH"] = cfg.server.max_body_bytes
     keys = [k.encode() for k in cfg.server.api_keys]
+    gate = AdminGate(
+        cfg.server.admin_keys or cfg.server.api_keys,
+        session_s=cfg.server.admin_session_s,
+        failures_per_minute=cfg.server.admin_login_failures_per_minute,
+    )
 
     def authorized() -> bool:
         if not keys:
             return True
         auth = request.headers.get("Authorization", "")
         token = auth[7:].encode() if auth.startswith("Bearer ") else b""
-        ok = False
-        for k in keys:
-            ok |= hmac.compare_digest(token, k)
-        return ok
+        return key_matches(token, keys)
+
+    def admin_verdict() -> Verdict:
+        verdict = gate.check(request.cookies.get(COOKIE_NAME), request.headers.get("Authorization"))
+        if verdict is Verdict.DENIED and "Authorization" in request.headers:
+            _log_wrong_admin_key(gate, "Bearer header", request.path)
+        return verdict
 
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
@@ -198,16 +297,66 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
 
     @app.get("/admin")
     async def admin_page() -> Response:
-        if not authorized():
-            return _error(401, "Incorrect API key provided.", code="invalid_api_key")
-        html = render_admin_page(core.snapshot())
-        return Response(html, status=200, content_type="text/html; charset=utf-8")
+        verdict = admin_verdict()
+        if verdict is Verdict.THROTTLED:
+            return _login_page(_throttled_message(gate), 429, gate)
+        if verdict is Verdict.DENIED:
+            return _login_page(None, 401, gate)
+        return _html(render_admin_page(core.snapshot(), logout=not gate.open))
 
     @app.get("/admin/nodes")
     async def admin_nodes() -> Response:
-        if not authorized():
+        verdict = admin_verdict()
+        if verdict is Verdict.THROTTLED:
+            return _error(
+                429,
+                _throttled_message(gate),
+                code="too_many_wrong_keys",
+                headers=_retry_after(gate),
+            )
+        if verdict is Verdict.DENIED:
             return _error(401, "Incorrect API key provided.", code="invalid_api_key")
         return _json_response(msgspec.json.encode(core.snapshot()))
+
+    @app.get("/admin/login")
+    async def admin_login_form() -> Response:
+        return _see_other("/admin")
+
+    @app.post("/admin/login")
+    async def admin_login() -> Response:
+        if not _same_origin():
+            return _cross_origin_refused()
+        form = await request.form
+        verdict = gate.login(form.get("key", ""))
+        if verdict is Verdict.THROTTLED:
+            return _login_page(_throttled_message(gate), 429, gate)
+        if verdict is Verdict.DENIED:
+            _log_wrong_admin_key(gate, "login form", request.path)
+            return _login_page("Wrong key.", 401, gate)
+        resp = _see_other("/admin")
+        if not gate.open:
+            log.info("admin login from %s", request.remote_addr)
+            resp.set_cookie(
+                COOKIE_NAME,
+                gate.issue(),
+                max_age=math.ceil(gate.session_s),
+                path="/admin",
+                secure=_over_https(),
+                httponly=True,
+                samesite="Strict",
+            )
+        return resp
+
+    @app.post("/admin/logout")
+    async def admin_logout() -> Response:
+        if not _same_origin():
+            return _cross_origin_refused()
+        gate.logout(request.cookies.get(COOKIE_NAME))
+        resp = _see_other("/admin")
+        resp.delete_cookie(
+            COOKIE_NAME, path="/admin", secure=_over_https(), httponly=True, samesite="Strict"
+        )
+        return resp
 
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:

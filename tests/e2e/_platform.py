@@ -339,6 +339,8 @@ class Edge:
     url: str  # http://127.0.0.1:PORT
     link_url: str  # ws://127.0.0.1:PORT/v1/link
     api_key: str | None = None  # the first of server.api_keys, if any
+    # The first of server.admin_keys, else api_key: what opens /admin/nodes.
+    admin_key: str | None = None
     _client: httpx.Client = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -360,7 +362,9 @@ class Edge:
         return self._client.post(path, **kwargs)
 
     def admin(self) -> dict[str, Any]:
-        resp = self.get("/admin/nodes")
+        key = self.admin_key or self.api_key
+        headers = {"Authorization": f"Bearer {key}"} if key else None
+        resp = self._client.get("/admin/nodes", headers=headers)
         resp.raise_for_status()
         data: dict[str, Any] = resp.json()
         return data
@@ -424,8 +428,10 @@ def start_edge(log_dir: Path, config: dict[str, Any], *, name: str = "edge", por
     )
     with _stop_on_error(proc):
         m = proc.wait_stdout(r"OpenAI API on (http://\S+)/v1 .*nodes dial (ws://\S+)")
-    keys = config.get("server", {}).get("api_keys") or [None]
-    return Edge(proc, m.group(1), m.group(2), keys[0])
+    server = config.get("server", {})
+    keys = server.get("api_keys") or [None]
+    admin_keys = server.get("admin_keys") or keys
+    return Edge(proc, m.group(1), m.group(2), keys[0], admin_keys[0])
 
 
 # --- the node --------------------------------------------------------------------------
