@@ -31,10 +31,13 @@ import json
 import logging
 import re
 from collections.abc import Iterable, Iterator
-from typing import Final
+from typing import Final, TypeVar
 from urllib.parse import quote
 
+import msgspec
+
 from iop.config import EdgeConfig, HTTPInstance, InstanceConfig, NodeConfig, UpConfig
+from iop.events import Cancelled, Error, RuntimeEvent
 
 __all__ = [
     "MASK",
@@ -44,6 +47,7 @@ __all__ = [
     "SecretMasker",
     "edge_secrets",
     "mask",
+    "mask_event",
     "node_secrets",
     "register_secrets",
     "registered_masker",
@@ -63,6 +67,8 @@ NOT_SECRET_HEADERS: Final = frozenset({"content-type", "accept", "accept-encodin
 
 # HTTP authentication schemes whose credential follows the scheme name.
 _SCHEME: Final = re.compile(r"(?i)^\s*(?:bearer|basic|token|apikey|api-key|key)\s+(\S+)\s*$")
+
+T = TypeVar("T")
 
 Secret = tuple[str, str]
 """A secret value and where it came from (``edge.server.api_keys[0]``), for warnings."""
@@ -153,6 +159,35 @@ class SecretMasker:
         if self._pattern is None or not text:
             return text
         return self._pattern.sub(MASK, text)
+
+    def mask_tree(self, value: T) -> T:
+        """A copy of a JSON-like tree (dicts, lists, strings...) with every string masked."""
+        if self._pattern is None:
+            return value
+        out: object
+        if isinstance(value, str):
+            out = self.mask(value)
+        elif isinstance(value, dict):
+            out = {self.mask_tree(k): self.mask_tree(v) for k, v in value.items()}
+        elif isinstance(value, list | tuple):
+            out = type(value)(self.mask_tree(v) for v in value)
+        else:
+            out = value
+        return out  # type: ignore[return-value]
+
+
+def mask_event(event: RuntimeEvent, masker: SecretMasker) -> RuntimeEvent:
+    """``event`` with ``masker`` applied to its message (``Error``, ``Cancelled``).
+
+    A backend that refuses a credential often echoes it ("Incorrect API key
+    provided: Bearer sk-..."): such a message must not carry it on to the
+    edge, its logs and its clients.
+    """
+    if isinstance(event, Error | Cancelled) and event.message:
+        masked = masker.mask(event.message)
+        if masked != event.message:
+            return msgspec.structs.replace(event, message=masked)
+    return event
 
 
 # --- secrets of a config -----------------------------------------------------------

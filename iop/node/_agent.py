@@ -79,7 +79,7 @@ import msgspec
 import trio
 
 from iop import __version__
-from iop._secrets import SecretMasker, node_secrets
+from iop._secrets import SecretMasker, mask_event, node_secrets
 from iop.adapters import Adapter, build_adapter
 from iop.capabilities import Capabilities, ProviderStatus
 from iop.config import Deadlines, InstanceConfig, NodeConfig, NodeEdge
@@ -841,7 +841,7 @@ class NodeAgent:
                     budget -= 1
                 batch.append(event)
             if is_terminal(batch[-1]):
-                batch[-1] = _masked(batch[-1], self._masker)
+                batch[-1] = mask_event(batch[-1], self._masker)
             await link.outbox_send.send(session.run_events(run_id, batch))
             if is_terminal(batch[-1]):
                 lr.delivered = True
@@ -961,20 +961,6 @@ class NodeAgent:
             links=links,
             runs=runs,
         )
-
-
-def _masked(event: RuntimeEvent, masker: SecretMasker) -> RuntimeEvent:
-    """``event`` with the node's secrets masked in its message (Error, Cancelled).
-
-    A backend that refuses a credential often echoes it ("Incorrect API key
-    provided: Bearer sk-..."); the message must not carry it to the edge,
-    its logs and its clients.
-    """
-    if isinstance(event, Error | Cancelled) and event.message:
-        masked = masker.mask(event.message)
-        if masked != event.message:
-            return msgspec.structs.replace(event, message=masked)
-    return event
 
 
 def _outcome(run: Run) -> RuntimeEvent:
