@@ -23,7 +23,7 @@ from typing import Final
 
 from iop._secrets import MASK, mask
 
-__all__ = ["configure_logging", "redact"]
+__all__ = ["configure_logging", "redact", "scrub"]
 
 # Keys whose value never reaches a log line, then the separator, then an
 # optional opening quote (the value's end is found by ``_value_end``).
@@ -116,11 +116,19 @@ def redact(text: str) -> str:
     return _OPENAI_KEY.sub(f"sk-{MASK}", text)
 
 
+def scrub(text: str) -> str:
+    """``text`` as a log line would show it: registered secrets masked, then ``redact``.
+
+    For what a command prints outside the log (start-up lines, errors).
+    """
+    return redact(mask(text))
+
+
 class _RedactingFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         # Configured secrets first: redact may cut a value at a delimiter the
         # secret itself contains, and the rest would then not match.
-        return redact(mask(super().format(record)))
+        return scrub(super().format(record))
 
 
 def configure_logging(level: str = "info") -> None:

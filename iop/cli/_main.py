@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from iop import __version__
-from iop._log import configure_logging
+from iop._log import configure_logging, scrub
 from iop.errors import ConfigError
 
 __all__ = ["build_parser", "main"]
@@ -52,7 +52,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = args.func(args)
     except ConfigError as exc:
-        print(f"iop: config error: {exc}", file=sys.stderr)
+        print(f"iop: config error: {scrub(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
