@@ -85,7 +85,8 @@ def secret_forms(value: str) -> set[str]:
     """``value`` and the forms it may take in a message.
 
     * the credential of an ``Authorization``-style value (``Bearer X``,
-      ``Basic X``, ...): ``X`` alone;
+      ``Basic X``, ...): ``X`` alone, which masks the value as
+      ``Bearer ***`` (the scheme stays readable);
     * for ``Basic``: the decoded ``user:pass`` and the password;
     * the base64 of the value (and of ``X``), as a ``Basic`` header or a
       proxy would carry it;
@@ -97,10 +98,12 @@ def secret_forms(value: str) -> set[str]:
     if len(value) < MIN_SECRET_LENGTH:
         return set()
     forms = {value}
+    encoded = {value}
     m = _SCHEME.match(value)
     if m:
         credential = m.group(1)
-        forms.add(credential)
+        forms = {credential}
+        encoded.add(credential)
         if value.strip().lower().startswith("basic"):
             try:
                 decoded = base64.b64decode(credential + "=" * (-len(credential) % 4), validate=True)
@@ -111,9 +114,10 @@ def secret_forms(value: str) -> set[str]:
                 forms.add(plain)
                 forms.add(plain.split(":", 1)[1])
     for form in list(forms):
-        forms.update(_b64(form.encode()))
         forms.add(quote(form, safe=""))
         forms.add(json.dumps(form)[1:-1])
+    for form in encoded | forms:
+        forms.update(_b64(form.encode()))
     return {f for f in forms if len(f) >= MIN_SECRET_LENGTH}
 
 

@@ -39,7 +39,9 @@ def test_masks_every_occurrence_whatever_surrounds_it() -> None:
 def test_masks_the_credential_of_a_bearer_header_value_alone() -> None:
     m = SecretMasker(["Bearer tok-abcdef-123"])
     assert m.mask("key tok-abcdef-123 refused") == "key *** refused"
-    assert m.mask("header 'Bearer tok-abcdef-123'") == "header '***'"
+    assert m.mask("header 'Bearer tok-abcdef-123'") == "header 'Bearer ***'"
+    b64 = base64.b64encode(b"Bearer tok-abcdef-123").decode()
+    assert m.mask(f"as base64 {b64}") == "as base64 ***"
 
 
 def test_masks_basic_credentials_encoded_and_decoded() -> None:
