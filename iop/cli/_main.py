@@ -8,6 +8,7 @@ namespace and returning an exit code).
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -56,4 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception:
+        # Through the log, not Python's default hook: the traceback may
+        # carry a secret (an exception message echoing a backend's error).
+        logging.getLogger("iop").critical("iop %s crashed", args.command, exc_info=True)
+        return 1
     return code
