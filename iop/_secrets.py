@@ -45,6 +45,7 @@ __all__ = [
     "NOT_SECRET_HEADERS",
     "Secret",
     "SecretMasker",
+    "credential",
     "edge_secrets",
     "mask",
     "mask_event",
@@ -81,12 +82,19 @@ def _b64(data: bytes) -> Iterator[str]:
         yield text.rstrip("=")
 
 
+def credential(value: str) -> str:
+    """The credential of an ``Authorization``-style value (``X`` of ``Bearer X``), else ``value``."""
+    m = _SCHEME.match(value)
+    return m.group(1) if m else value
+
+
 def secret_forms(value: str) -> set[str]:
     """``value`` and the forms it may take in a message.
 
     * the credential of an ``Authorization``-style value (``Bearer X``,
       ``Basic X``, ...): ``X`` alone, which masks the value as
-      ``Bearer ***`` (the scheme stays readable);
+      ``Bearer ***`` (the scheme stays readable), unless ``X`` is too short
+      to be masked alone: then the whole value;
     * for ``Basic``: the decoded ``user:pass`` and the password;
     * the base64 of the value (and of ``X``), as a ``Basic`` header or a
       proxy would carry it;
@@ -99,14 +107,14 @@ def secret_forms(value: str) -> set[str]:
         return set()
     forms = {value}
     encoded = {value}
-    m = _SCHEME.match(value)
-    if m:
-        credential = m.group(1)
-        forms = {credential}
-        encoded.add(credential)
+    cred = credential(value)
+    if cred != value:
+        if len(cred) >= MIN_SECRET_LENGTH:
+            forms = {cred}
+        encoded.add(cred)
         if value.strip().lower().startswith("basic"):
             try:
-                decoded = base64.b64decode(credential + "=" * (-len(credential) % 4), validate=True)
+                decoded = base64.b64decode(cred + "=" * (-len(cred) % 4), validate=True)
                 plain = decoded.decode("utf-8")
             except (binascii.Error, UnicodeDecodeError):
                 plain = ""
@@ -233,23 +241,25 @@ _registered = SecretMasker()
 def register_secrets(secrets: Iterable[Secret]) -> SecretMasker:
     """Add secrets to the process-wide masker (the one logs go through).
 
-    Secrets shorter than ``MIN_SECRET_LENGTH`` are not masked; each gets a
-    warning naming where it came from. Returns the new masker.
+    Secrets shorter than ``MIN_SECRET_LENGTH`` are not masked, and a
+    ``Bearer X`` whose ``X`` is that short is masked only as a whole: each
+    gets a warning naming where it came from. Returns the new masker.
     """
     global _registered
     values = []
     for value, where in secrets:
         if not value:
             continue
-        if len(value) < MIN_SECRET_LENGTH:
+        if len(credential(value)) < MIN_SECRET_LENGTH:
             log.warning(
                 "the secret at %s is shorter than %d characters: it is not masked in logs "
-                "and error messages; use a longer one",
+                "and error messages%s; use a longer one",
                 where,
                 MIN_SECRET_LENGTH,
+                "" if len(value) < MIN_SECRET_LENGTH else " (but as a whole header value)",
             )
-            continue
-        values.append(value)
+        if len(value) >= MIN_SECRET_LENGTH:
+            values.append(value)
     if values:
         _registered = _registered.with_secrets(values)
     return _registered

@@ -44,6 +44,12 @@ def test_masks_the_credential_of_a_bearer_header_value_alone() -> None:
     assert m.mask(f"as base64 {b64}") == "as base64 ***"
 
 
+def test_a_credential_too_short_alone_is_masked_with_its_scheme() -> None:
+    m = SecretMasker(["Bearer abc12"])
+    assert m.mask("got 'Bearer abc12'") == "got '***'"
+    assert m.mask("abc12 alone") == "abc12 alone"
+
+
 def test_masks_basic_credentials_encoded_and_decoded() -> None:
     b64 = base64.b64encode(b"alice:wonderland-9").decode()
     m = SecretMasker([f"Basic {b64}"])
@@ -155,3 +161,14 @@ def test_register_secrets_warns_about_short_ones_without_the_value(
     assert "shorter than 8 characters" in caplog.text
     assert "tiny" not in caplog.text
     assert _secrets.mask("tiny") == "tiny"
+
+
+def test_register_secrets_warns_about_a_short_credential_behind_a_scheme(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(_secrets, "_registered", SecretMasker())
+    with caplog.at_level(logging.WARNING, "iop.secrets"):
+        register_secrets([("Bearer abc12", "instances[v].headers.Authorization")])
+    assert "instances[v].headers.Authorization is shorter than 8" in caplog.text
+    assert "(but as a whole header value)" in caplog.text
+    assert _secrets.mask("Bearer abc12") == "***"
