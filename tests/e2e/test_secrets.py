@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.e2e._platform import MODEL, Procs
+from tests.e2e._platform import MODEL, Proc, Procs, toml_dumps
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -141,3 +142,49 @@ def test_no_secret_reaches_a_log_a_client_or_an_admin_view(procs: Procs) -> None
 
     for where, text in {**bodies, **logs}.items():
         assert_no_secret(where, text)
+
+
+def test_iop_up_masks_the_secrets_of_its_edge_node_and_instances(procs: Procs) -> None:
+    sim = procs.sim("sim-up")
+    config = {
+        "edge": {
+            "server": {"api_keys": [API_KEY]},
+            "link": {"node_tokens": [NODE_TOKEN]},
+        },
+        "instances": [
+            {
+                "adapter": "vllm",
+                "name": "vllm-sim",
+                "endpoint": sim.url,
+                "headers": {"Authorization": f"Bearer {BEARER_KEY}"},
+            }
+        ],
+    }
+    cfg = procs.log_dir / "up.toml"
+    procs.log_dir.mkdir(parents=True, exist_ok=True)
+    cfg.write_text(toml_dumps(config))
+    up = Proc(
+        "iop-up",
+        ["--log-level", "debug", "up", "--port", "0", "--config", str(cfg)],
+        procs.log_dir,
+    )
+    procs.adopt(up)
+    up.wait_stdout(r"iop up: ready; models: 'iop-sim'")
+    m = re.search(r"OpenAI API on (http://\S+)/v1", up.stdout())
+    assert m is not None, up.logs()
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "hello"}],
+        "iop_sim": {"failure": "http_401"},
+    }
+    with httpx.Client(base_url=m.group(1), timeout=30.0, trust_env=False, headers=auth) as http:
+        refused = http.post("/v1/chat/completions", json=body)
+        pages = {p: http.get(p).text for p in ("/admin", "/admin/nodes", "/metrics")}
+    assert refused.status_code == 401, refused.text
+    assert refused.json()["error"]["message"].endswith("Incorrect API key provided: Bearer ***")
+    assert up.stop() == 0
+    assert "Incorrect API key provided: Bearer ***" in up.stderr()
+    outputs = {"response": refused.text, "stdout": up.stdout(), "stderr": up.stderr(), **pages}
+    for where, text in outputs.items():
+        assert_no_secret(f"iop up {where}", text)
