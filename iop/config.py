@@ -176,7 +176,9 @@ class SimConfig(_Config, frozen=True, kw_only=True):
         auto_tool_choice: False answers requests with tools and an ``auto``
             tool choice by vLLM's 400 (a server started without
             ``--enable-auto-tool-choice``); required/named choices then 400 too.
-        failure: Injected failure.
+        failure: Injected failure. ``http_401`` refuses the request's
+            credential and echoes its ``Authorization`` header in the error
+            message, as OpenAI-compatible servers do.
         fail_after_tokens: Tokens streamed before a mid-stream failure.
         seed: Seed of the deterministic text.
     """
@@ -192,6 +194,7 @@ class SimConfig(_Config, frozen=True, kw_only=True):
         "none",
         "http_500",
         "http_429",
+        "http_401",
         "midstream_error",
         "truncate",
         "stall_before_first_byte",

@@ -11,6 +11,7 @@ same backend behaviour:
 
 ===========================  ====================================================
 ``http_500`` / ``http_429``  ``BackendHTTPError`` with that status
+``http_401``                 ``BackendHTTPError`` 401 (no credential to echo)
 ``midstream_error``          ``BackendStreamError`` (vLLM's in-stream error, 500)
 ``truncate``                 ``BackendStreamError`` (no ``[DONE]``)
 ``stall_before_first_byte``  silence forever: the first-token deadline ends it

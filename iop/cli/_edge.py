@@ -11,6 +11,7 @@ from typing import Any
 import msgspec
 import trio
 
+from iop._secrets import edge_secrets, register_secrets
 from iop.config import EdgeConfig, load_config
 from iop.edge import EdgeHandle, serve_edge
 from iop.errors import ConfigError
@@ -70,6 +71,7 @@ def edge_config_from_args(args: argparse.Namespace) -> EdgeConfig:
 
 def _cmd_edge(args: argparse.Namespace) -> int:
     cfg = edge_config_from_args(args)
+    register_secrets(edge_secrets(cfg))
     trio.run(_main, cfg)
     return 0
 

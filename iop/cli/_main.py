@@ -8,11 +8,12 @@ namespace and returning an exit code).
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from collections.abc import Sequence
 
 from iop import __version__
-from iop._log import configure_logging
+from iop._log import configure_logging, scrub
 from iop.errors import ConfigError
 
 __all__ = ["build_parser", "main"]
@@ -52,8 +53,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = args.func(args)
     except ConfigError as exc:
-        print(f"iop: config error: {exc}", file=sys.stderr)
+        print(f"iop: config error: {scrub(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
+    except Exception:
+        # Through the log, not Python's default hook: the traceback may
+        # carry a secret (an exception message echoing a backend's error).
+        logging.getLogger("iop").critical("iop %s crashed", args.command, exc_info=True)
+        return 1
     return code

@@ -18,6 +18,8 @@ from typing import Any
 
 import trio
 
+from iop._log import scrub
+from iop._secrets import node_secrets, register_secrets
 from iop.config import HTTPInstance, InstanceConfig, NodeConfig, load_config
 from iop.errors import ConfigError
 from iop.node import NodeAgent, open_node_agent
@@ -84,6 +86,7 @@ def _load(path: str) -> NodeConfig:
 
 def _cmd_node(args: argparse.Namespace) -> int:
     cfg = _load(args.config)
+    register_secrets(node_secrets(cfg))
     trio.run(_run_node, cfg)
     return 0
 
@@ -105,7 +108,10 @@ def startup_line(agent: NodeAgent) -> str:
         status = c.provider_status if c else "unknown"
         parts.append(f"{inst.name} ({_kind(inst)} {where}, {status}, targets: {targets})")
     edges = ", ".join(e.url for e in cfg.node.edges)
-    return f"iop node: node {agent.node_id!r} dialling {edges}; instances: {'; '.join(parts)}"
+    # Endpoints and edge URLs may carry credentials (user:pass@, ?api_key=).
+    return scrub(
+        f"iop node: node {agent.node_id!r} dialling {edges}; instances: {'; '.join(parts)}"
+    )
 
 
 async def _run_node(cfg: NodeConfig) -> None:

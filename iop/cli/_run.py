@@ -15,6 +15,8 @@ from typing import Any
 import msgspec
 import trio
 
+from iop._log import scrub
+from iop._secrets import node_secrets, register_secrets
 from iop.adapters import build_adapter
 from iop.config import InstanceConfig, NodeConfig, load_config
 from iop.errors import ConfigError
@@ -66,6 +68,7 @@ def _pick(cfg: NodeConfig, name: str | None) -> InstanceConfig:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, NodeConfig)
+    register_secrets(node_secrets(cfg))
     inst = _pick(cfg, args.instance)
     return trio.run(_run, inst, args)
 
@@ -90,7 +93,8 @@ async def _run(inst: InstanceConfig, args: argparse.Namespace) -> int:
             async with run.events:
                 async for ev in run.events:
                     if args.events:
-                        sys.stdout.write(msgspec.json.encode(ev).decode() + "\n")
+                        line = msgspec.json.encode(ev).decode()
+                        sys.stdout.write((scrub(line) if is_terminal(ev) else line) + "\n")
                     elif isinstance(ev, Delta):
                         sys.stdout.write(ev.text)
                     elif isinstance(ev, ReasoningDelta):
@@ -98,7 +102,8 @@ async def _run(inst: InstanceConfig, args: argparse.Namespace) -> int:
                     elif is_terminal(ev):
                         sys.stdout.write("\n")
                         if not isinstance(ev, Complete):
-                            sys.stderr.write(f"iop run: {msgspec.json.encode(ev).decode()}\n")
+                            line = scrub(msgspec.json.encode(ev).decode())
+                            sys.stderr.write(f"iop run: {line}\n")
                     sys.stdout.flush()
                     ok = isinstance(ev, Complete)
         return 0 if ok else 1
@@ -108,6 +113,7 @@ async def _run(inst: InstanceConfig, args: argparse.Namespace) -> int:
 
 def _cmd_probe(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, NodeConfig)
+    register_secrets(node_secrets(cfg))
     return trio.run(_probe, cfg)
 
 
@@ -119,7 +125,7 @@ async def _probe(cfg: NodeConfig) -> int:
             caps = await adapter.capabilities()
         finally:
             await adapter.aclose()
-        sys.stdout.write(msgspec.json.encode(caps).decode() + "\n")
+        sys.stdout.write(scrub(msgspec.json.encode(caps).decode()) + "\n")
         if caps.provider_status != "available":
             worst = 1
     return worst

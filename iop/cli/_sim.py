@@ -26,6 +26,7 @@ _FAILURES = (
     "none",
     "http_500",
     "http_429",
+    "http_401",
     "midstream_error",
     "truncate",
     "stall_before_first_byte",

@@ -24,6 +24,7 @@ from typing import Any
 import msgspec
 import trio
 
+from iop._secrets import register_secrets, up_secrets
 from iop.cli._edge import describe_edge
 from iop.config import (
     InstanceConfig,
@@ -105,6 +106,7 @@ def up_config_from_args(args: argparse.Namespace) -> UpConfig:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     cfg = up_config_from_args(args)
+    register_secrets(up_secrets(cfg))
     trio.run(_up, cfg)
     return 0
 

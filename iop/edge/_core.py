@@ -45,6 +45,7 @@ from typing import Final
 import msgspec
 import trio
 
+from iop._secrets import SecretMasker, edge_secrets, mask_event
 from iop.config import EdgeConfig
 from iop.edge._metrics import EdgeMetrics
 from iop.edge._registry import (
@@ -153,14 +154,17 @@ class RemoteExecutor:
                 lease.release()
         assert last is not None
         if last.error is not None:
-            await send.send(last.error)
+            await send.send(mask_event(last.error, core.masker))
             return
-        raise RunAborted(last.why, reason=CancelReason.NODE_LOST)
+        raise RunAborted(core.masker.mask(last.why), reason=CancelReason.NODE_LOST)
 
     async def _attempt(
         self, conn: NodeConnection, instance: str, spec: ExecutionSpec, send: RunSink
     ) -> None:
         window = self._core.config.link.run_window
+        # What a node sends is masked with the edge's secrets before a client
+        # (or the admin views) can see it: a node or its backend may echo one.
+        masker = self._core.masker
         run_id = spec.run_id
         rr = conn.open_run(run_id, window)
         finished = False
@@ -176,7 +180,7 @@ class RemoteExecutor:
                 if isinstance(batch, LinkLost):
                     if not output:
                         raise _Retry(conn.node_id, batch.message)
-                    raise RunAborted(batch.message, reason=CancelReason.NODE_LOST)
+                    raise RunAborted(masker.mask(batch.message), reason=CancelReason.NODE_LOST)
                 for ev in batch:
                     if isinstance(ev, Start):
                         consumed += 1  # it used credit even when not forwarded
@@ -188,7 +192,7 @@ class RemoteExecutor:
                         finished = True  # the node is done with it
                         raise _Retry(conn.node_id, ev.message, ev)
                     output = True
-                    await send.send(ev)
+                    await send.send(mask_event(ev, masker))
                     if is_terminal(ev):
                         finished = True
                         return
@@ -223,6 +227,9 @@ class EdgeCore:
         self.started_at = time.time()
         self.runs_started = 0
         self.outcomes: dict[str, int] = {}
+        # Client API keys and node tokens: masked in whatever the edge relays
+        # from nodes to clients, /admin, /admin/nodes and /metrics.
+        self.masker = SecretMasker(value for value, _ in edge_secrets(config))
         self.metrics = EdgeMetrics(self)
 
     # --- runs -----------------------------------------------------------------
@@ -464,14 +471,17 @@ class EdgeCore:
             }
             for r in self.supervisor.runs.values()
         ]
-        return {
-            "draining": self.draining,
-            "nodes": nodes,
-            "queued": self.scheduler.queued,
-            "runs": runs,
-            "runs_started": self.runs_started,
-            "outcomes": dict(self.outcomes),
-        }
+        # Nodes report names, providers and models: strings the edge does not control.
+        return self.masker.mask_tree(
+            {
+                "draining": self.draining,
+                "nodes": nodes,
+                "queued": self.scheduler.queued,
+                "runs": runs,
+                "runs_started": self.runs_started,
+                "outcomes": dict(self.outcomes),
+            }
+        )
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new runs, let in-flight ones finish for ``timeout_s``, cancel the rest."""

@@ -79,6 +79,7 @@ class EdgeMetrics:
     """The edge's metrics registry and its run counters."""
 
     def __init__(self, core: EdgeCore) -> None:
+        self._masker = core.masker
         self.registry = CollectorRegistry(auto_describe=True)
         self.runs = Counter(
             "iop_runs",
@@ -136,5 +137,12 @@ class EdgeMetrics:
             self.ttft.labels(model).observe(max(0.0, run.first_output_at - run.started_at))
 
     def render(self) -> bytes:
-        """The registry in Prometheus' text format."""
-        return generate_latest(self.registry)
+        """The registry in Prometheus' text format, the edge's secrets masked.
+
+        Label values (node ids, instance names, models) come from nodes and
+        clients; /metrics is scraped without an API key.
+        """
+        text = generate_latest(self.registry)
+        if not self._masker:
+            return text
+        return self._masker.mask(text.decode()).encode()

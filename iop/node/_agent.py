@@ -79,6 +79,7 @@ import msgspec
 import trio
 
 from iop import __version__
+from iop._secrets import SecretMasker, mask_event, node_secrets
 from iop.adapters import Adapter, build_adapter
 from iop.capabilities import Capabilities, ProviderStatus
 from iop.config import Deadlines, InstanceConfig, NodeConfig, NodeEdge
@@ -423,6 +424,9 @@ class NodeAgent:
     ) -> None:
         self.config = config
         self.node_id = config.node.id
+        # The node is the only process that knows its instances' header
+        # values: every message it sends the edge goes through this first.
+        self._masker = SecretMasker(value for value, _ in node_secrets(config))
         self._supervisor = supervisor
         self._instances = {cfg.name: _Instance(cfg, adapters[cfg.name]) for cfg in config.instances}
         self._welcome_timeout_s = welcome_timeout_s
@@ -756,7 +760,8 @@ class NodeAgent:
 
     def _reject(self, link: _Link, run_id: str, status: int, code: str, message: str) -> None:
         log.info("run %s refused: %s (%s)", run_id, message, code)
-        frame = link.session.run_events(run_id, [Error(message=message, status=status, code=code)])
+        error = Error(message=self._masker.mask(message), status=status, code=code)
+        frame = link.session.run_events(run_id, [error])
         assert link.nursery is not None
         link.nursery.start_soon(link.outbox_send.send, frame)
 
@@ -835,6 +840,8 @@ class NodeAgent:
                         break
                     budget -= 1
                 batch.append(event)
+            if is_terminal(batch[-1]):
+                batch[-1] = mask_event(batch[-1], self._masker)
             await link.outbox_send.send(session.run_events(run_id, batch))
             if is_terminal(batch[-1]):
                 lr.delivered = True

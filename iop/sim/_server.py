@@ -182,7 +182,9 @@ def create_sim_app(cfg: SimConfig) -> SimApp:
         except RequestError as exc:
             log.debug("sim: refused request (%d): %s", exc.status, exc.message)
             return _error_response(exc)
-        injected = injected_http_error(script.config)
+        injected = injected_http_error(
+            script.config, authorization=request.headers.get("Authorization", "")
+        )
         if injected is not None:
             status, body = injected
             headers = {"Retry-After": "1"} if status == 429 else None

@@ -184,8 +184,17 @@ def streaming_error_event(message: str, *, status: int = 500) -> bytes:
     return b"data: " + json.dumps({"error": info}).encode() + b"\n\n"
 
 
-def injected_http_error(cfg: SimConfig) -> tuple[int, bytes] | None:
-    """Status and body of an injected ``http_500``/``http_429``, else None."""
+def injected_http_error(cfg: SimConfig, *, authorization: str = "") -> tuple[int, bytes] | None:
+    """Status and body of an injected ``http_500``/``http_429``/``http_401``, else None.
+
+    ``http_401`` echoes ``authorization`` (the request's header) the way
+    OpenAI-compatible servers echo a refused key: the test of every place
+    a credential must not leak to.
+    """
+    if cfg.failure == "http_401":
+        return 401, error_body(
+            f"Incorrect API key provided: {authorization or '(none)'}", status=401
+        )
     if cfg.failure == "http_500":
         return 500, error_body("sim: injected failure (http_500)", status=500)
     if cfg.failure == "http_429":

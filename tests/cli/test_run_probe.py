@@ -64,3 +64,37 @@ def test_help_for_every_command() -> None:
         out = iop(cmd, "--help")
         assert out.returncode == 0, cmd
         assert "usage: iop" in out.stdout
+
+
+def test_run_masks_a_credential_the_backend_echoes(tmp_path: Path) -> None:
+    from tests.e2e._platform import start_sim, toml_dumps
+
+    key = "sk-cli-run-marker-0b9a8c"
+    sim = start_sim(tmp_path, "sim", "--failure", "http_401")
+    try:
+        cfg = tmp_path / "node.toml"
+        instance = {
+            "adapter": "vllm",
+            "name": "v",
+            "endpoint": sim.url,
+            "headers": {"Authorization": f"Bearer {key}", "X-Tiny": "short"},
+        }
+        cfg.write_text(toml_dumps({"instances": [instance]}))
+        argv = ["--log-level", "debug", "run", "--events", "--config", str(cfg), "hello"]
+        out = subprocess.run(
+            [sys.executable, "-m", "iop", *argv],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        sim.close()
+        sim.proc.stop()
+    assert out.returncode == 1, out.stderr
+    error = json.loads(out.stdout.splitlines()[-1])
+    assert error["type"] == "error"
+    assert error["message"].endswith("Incorrect API key provided: Bearer ***")
+    assert key not in out.stdout + out.stderr
+    # A value too short to mask is named (never shown) at start-up.
+    assert "the secret at instances[v].headers.X-Tiny is shorter than 8 characters" in out.stderr

@@ -416,14 +416,35 @@ class Edge:
         )
 
 
-def start_edge(log_dir: Path, config: dict[str, Any], *, name: str = "edge", port: int = 0) -> Edge:
-    """``iop edge --port PORT --node-token TOKEN --config <config as TOML>``."""
+def _log_flags(log_level: str | None) -> list[str]:
+    return ["--log-level", log_level] if log_level else []
+
+
+def start_edge(
+    log_dir: Path,
+    config: dict[str, Any],
+    *,
+    name: str = "edge",
+    port: int = 0,
+    token: str = TOKEN,
+    log_level: str | None = None,
+) -> Edge:
+    """``iop [--log-level L] edge --port PORT --node-token TOKEN --config <config as TOML>``."""
     cfg = log_dir / f"{name}.toml"
     log_dir.mkdir(parents=True, exist_ok=True)
     cfg.write_text(toml_dumps(config))
     proc = Proc(
         name,
-        ["edge", "--port", str(port), "--node-token", TOKEN, "--config", str(cfg)],
+        [
+            *_log_flags(log_level),
+            "edge",
+            "--port",
+            str(port),
+            "--node-token",
+            token,
+            "--config",
+            str(cfg),
+        ],
         log_dir,
     )
     with _stop_on_error(proc):
@@ -452,24 +473,29 @@ def start_node(
     node_id: str = "n1",
     node: dict[str, Any] | None = None,
     instance: dict[str, Any] | None = None,
+    more_instances: Iterable[dict[str, Any]] = (),
+    token: str = TOKEN,
+    log_level: str | None = None,
 ) -> Node:
-    """``iop node`` with one vllm instance on ``sim_url``, dialling ``edges`` (link URLs)."""
+    """``iop node`` with one vllm instance on ``sim_url`` (and ``more_instances``),
+    dialling ``edges`` (link URLs)."""
     config = {
         "node": {
             "id": node_id,
             "reconnect_min_s": 0.1,
             "reconnect_max_s": 1.0,
             **(node or {}),
-            "edges": [{"url": url, "token": TOKEN} for url in edges],
+            "edges": [{"url": url, "token": token} for url in edges],
         },
         "instances": [
-            {"adapter": "vllm", "name": "vllm-sim", "endpoint": sim_url, **(instance or {})}
+            {"adapter": "vllm", "name": "vllm-sim", "endpoint": sim_url, **(instance or {})},
+            *more_instances,
         ],
     }
     log_dir.mkdir(parents=True, exist_ok=True)
     cfg = log_dir / f"{name}.toml"
     cfg.write_text(toml_dumps(config))
-    proc = Proc(name, ["node", "--config", str(cfg)], log_dir)
+    proc = Proc(name, [*_log_flags(log_level), "node", "--config", str(cfg)], log_dir)
     with _stop_on_error(proc):
         proc.wait_stdout(r"iop node: node ")
     return Node(proc, node_id)
@@ -575,8 +601,10 @@ class Procs:
         self._closers.append(s)
         return s
 
-    def edge(self, config: dict[str, Any], *, name: str = "edge", port: int = 0) -> Edge:
-        e = start_edge(self.log_dir, config, name=name, port=port)
+    def edge(
+        self, config: dict[str, Any], *, name: str = "edge", port: int = 0, **kwargs: Any
+    ) -> Edge:
+        e = start_edge(self.log_dir, config, name=name, port=port, **kwargs)
         self._owned.append(e.proc)
         self._closers.append(e)
         return e

@@ -17,7 +17,17 @@ import trio.testing
 from iop.capabilities import Capabilities
 from iop.config import Deadlines, EdgeConfig, EdgeServer, LinkSettings, SchedulerSettings
 from iop.edge import EdgeHandle, serve_edge
-from iop.events import CancelReason, Complete, Delta, Error, ReasoningDelta, Start, ToolCall, Usage
+from iop.events import (
+    Cancelled,
+    CancelReason,
+    Complete,
+    Delta,
+    Error,
+    ReasoningDelta,
+    Start,
+    ToolCall,
+    Usage,
+)
 from iop.wire import SSEDecoder
 from tests.edge._openai_schema import validate_chunk, validate_completion, validate_error
 from tests.edge.test_core import TOKEN, FakeNode
@@ -386,3 +396,73 @@ def test_admin_page_escapes_what_nodes_report() -> None:
     assert 'class="bad"' in page
     empty = render_admin_page({}).decode()
     assert "No node is connected." in empty
+
+
+# --- secrets ---------------------------------------------------------------------------
+
+API_KEY = "sk-client-key-marker-71a3"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("after_output", [False, True])
+async def test_error_messages_never_carry_the_edges_secrets(
+    stream: bool, after_output: bool
+) -> None:
+    # A node (or its backend) that echoes a credential: the edge's own
+    # secrets must not reach the client, whatever the node sent.
+    leak = f"Incorrect API key provided: Bearer {API_KEY} (node token {TOKEN})"
+    events: list[object] = [Start(), *([Delta("x")] if after_output else [])]
+    async with edge(config(api_keys=[API_KEY])) as (_, node, client), trio.open_nursery() as n:
+        assert node is not None
+        client.headers["Authorization"] = f"Bearer {API_KEY}"
+        n.start_soon(
+            answer, node, *events, Error(message=leak, status=401, code="backend_http_error")
+        )
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": stream})
+    assert API_KEY not in resp.text
+    assert TOKEN not in resp.text
+    assert "Incorrect API key provided: Bearer *** (node token ***)" in resp.text
+
+
+async def test_a_cancel_message_never_carries_the_edges_secrets() -> None:
+    async with edge() as (_, node, client), trio.open_nursery() as n:
+        assert node is not None
+        n.start_soon(
+            answer, node, Start(), Cancelled(reason=CancelReason.EXPLICIT, message=f"t={TOKEN}!")
+        )
+        resp = await client.post("/v1/chat/completions", json=CHAT)
+    assert TOKEN not in resp.text
+    assert "t=***!" in resp.text
+
+
+async def test_admin_views_and_metrics_never_carry_the_edges_secrets() -> None:
+    from iop.testing import memory_link_pair
+
+    cfg = config(api_keys=[API_KEY])
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        handle: EdgeHandle = await nursery.start(partial(serve_edge, cfg, shutdown=stop))
+        edge_end, node_end = memory_link_pair()
+        nursery.start_soon(handle.core.handle_link, edge_end, "test")
+        node = FakeNode(node_end)
+        leaky = Capabilities(
+            adapter="sim",
+            instance=f"i-{API_KEY}",
+            provider=f"token {TOKEN}",
+            targets=("m",),
+            max_concurrency=1,
+        )
+        await node.hello([leaky])
+        nursery.start_soon(node.serve)
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(base_url=handle.url, timeout=10, headers=auth) as client:
+            nursery.start_soon(answer, node, Start(), Complete())
+            assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+            pages = {p: (await client.get(p)).text for p in ("/admin", "/admin/nodes", "/metrics")}
+        stop.set()
+    for path, text in pages.items():
+        assert API_KEY not in text, path
+        assert TOKEN not in text, path
+    assert "token ***" in pages["/admin/nodes"]
+    assert "token ***" in pages["/admin"]
+    assert 'instance="i-***"' in pages["/metrics"]

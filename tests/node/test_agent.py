@@ -8,6 +8,7 @@ instances.
 
 from __future__ import annotations
 
+import base64
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -18,10 +19,19 @@ import pytest
 import trio
 import trio.testing
 
-from iop.adapters import Adapter, SimAdapter
-from iop.capabilities import Capabilities, ProviderStatus
-from iop.config import Deadlines, NodeConfig, NodeEdge, NodeSection, SimConfig, SimInstance
-from iop.errors import LinkError
+from iop.adapters import Adapter, SimAdapter, VllmAdapter
+from iop.capabilities import Capabilities, ProbeResult, ProviderStatus
+from iop.config import (
+    Deadlines,
+    InstanceConfig,
+    NodeConfig,
+    NodeEdge,
+    NodeSection,
+    SimConfig,
+    SimInstance,
+    VllmInstance,
+)
+from iop.errors import BackendError, LinkError, RunAborted
 from iop.events import (
     Cancelled,
     CancelReason,
@@ -47,8 +57,9 @@ from iop.protocol import (
     RunEvents,
     decode_node_message,
 )
-from iop.runtime import RUN_EVENT_BUFFER
+from iop.runtime import RUN_EVENT_BUFFER, EventSender
 from iop.spec import ChatRequest, ExecutionSpec, Message
+from iop.testing import CHAT_COMPLETIONS_PATH, MODELS_PATH, FakeTransport, RecordedRequest, Reply
 from iop.testing._memory_link import MemoryFrameChannel, memory_link_pair
 
 TOKEN = "s3cret-token"
@@ -186,7 +197,7 @@ class FakeEdge:
 
 @asynccontextmanager
 async def running_node(
-    *instances: SimInstance,
+    *instances: InstanceConfig,
     adapters: dict[str, Adapter] | None = None,
     **node: object,
 ) -> AsyncIterator[NodeAgent]:
@@ -815,3 +826,103 @@ async def test_a_run_id_still_running_is_refused(autojump_clock: trio.abc.Clock)
         assert len(agent.snapshot().links) == 2
         await first.close()
         await second.close()
+
+
+# --- secrets ---------------------------------------------------------------------------
+
+BACKEND_KEY = "sk-backend-marker-6c1d2e"
+
+
+def _echoing_vllm(headers: dict[str, str]) -> tuple[VllmInstance, VllmAdapter]:
+    """A vllm instance whose backend refuses every chat, echoing the header it got."""
+    cfg = VllmInstance(name="v", endpoint="http://backend.test", headers=headers, targets=["m"])
+    transport = FakeTransport()
+    transport.route(
+        MODELS_PATH, Reply(status=200, body=b'{"object":"list","data":[{"id":"iop-sim"}]}')
+    )
+
+    def refuse(req: RecordedRequest) -> Reply:
+        auth = dict(req.headers).get("authorization", "")
+        body = msgspec.json.encode(
+            {
+                "error": {
+                    "message": f"Incorrect API key provided: {auth}",
+                    "type": "invalid_request_error",
+                    "code": "invalid_api_key",
+                }
+            }
+        )
+        return Reply(status=401, body=body)
+
+    transport.route(CHAT_COMPLETIONS_PATH, refuse)
+    return cfg, VllmAdapter(cfg, transport=transport)
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"Authorization": f"Bearer {BACKEND_KEY}"},
+        {"Authorization": f"Basic {base64.b64encode(f'user:{BACKEND_KEY}'.encode()).decode()}"},
+    ],
+)
+async def test_a_backend_echoing_its_credential_does_not_send_it_on_the_link(
+    autojump_clock: trio.abc.Clock, headers: dict[str, str]
+) -> None:
+    cfg, adapter = _echoing_vllm(headers)
+    async with running_node(cfg, adapters={"v": adapter}) as agent, trio.open_nursery() as nursery:
+        edge = await link(nursery, agent)
+        await edge.assign("r1", instance="v")
+        events = await edge.wait_finished("r1")
+        err = events[-1]
+        assert isinstance(err, Error)
+        assert err.status == 401
+        assert "Incorrect API key provided: " in err.message
+        (value,) = headers.values()
+        credential = value.split(" ", 1)[1]
+        for secret in (value, credential, BACKEND_KEY):
+            assert secret not in err.message
+        assert "***" in err.message
+        await edge.close()
+    await adapter.aclose()
+
+
+class _LeakyAdapter:
+    """Ends runs as cancelled, or fails them, with a message naming the node's secrets."""
+
+    kind = "sim"
+
+    def __init__(self, name: str, text: str, *, cancel: bool) -> None:
+        self.name = name
+        self._text = text
+        self._cancel = cancel
+
+    async def capabilities(self) -> Capabilities:
+        return Capabilities(adapter="sim", instance=self.name, targets=("iop-sim",))
+
+    async def probe(self, target: str = "") -> ProbeResult:
+        raise NotImplementedError
+
+    async def execute(self, spec: ExecutionSpec, send: EventSender) -> None:
+        await send.send(Start(target="iop-sim"))
+        if self._cancel:
+            raise RunAborted(self._text, reason=CancelReason.EXPLICIT)
+        raise BackendError(self._text)
+
+    async def aclose(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("cancel", [False, True])
+async def test_error_and_cancel_messages_lose_the_nodes_secrets(
+    autojump_clock: trio.abc.Clock, cancel: bool
+) -> None:
+    inst = VllmInstance(name="v", endpoint="http://b.test", headers={"X-Api-Key": BACKEND_KEY})
+    b64 = base64.b64encode(BACKEND_KEY.encode()).decode()
+    adapter = _LeakyAdapter("v", f"token {TOKEN} key {BACKEND_KEY} b64 {b64}", cancel=cancel)
+    async with running_node(inst, adapters={"v": adapter}) as agent, trio.open_nursery() as nursery:
+        edge = await link(nursery, agent)
+        await edge.assign("r1", instance="v")
+        end = (await edge.wait_finished("r1"))[-1]
+        assert isinstance(end, Cancelled if cancel else Error)
+        assert end.message == "token *** key *** b64 ***"
+        await edge.close()

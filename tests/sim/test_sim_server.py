@@ -170,6 +170,20 @@ async def test_injected_http_errors_and_per_request_overrides() -> None:
     assert fine.json()["usage"]["completion_tokens"] == 3
 
 
+async def test_injected_401_echoes_the_authorization_header() -> None:
+    # What OpenAI-compatible servers do with a key they refuse: the e2e test
+    # of secret masking relies on it.
+    body = chat(stream=True, iop_sim={"failure": "http_401"})
+    async with running_sim() as (_, url), httpx.AsyncClient(base_url=url) as client:
+        refused = await client.post(
+            "/v1/chat/completions", json=body, headers={"Authorization": "Bearer sk-echoed-1"}
+        )
+        anonymous = await client.post("/v1/chat/completions", json=body)
+    assert refused.status_code == 401
+    assert refused.json()["error"]["message"] == "Incorrect API key provided: Bearer sk-echoed-1"
+    assert anonymous.json()["error"]["message"] == "Incorrect API key provided: (none)"
+
+
 async def test_truncated_stream_has_no_done() -> None:
     body = chat(stream=True, iop_sim={"failure": "truncate", "fail_after_tokens": 3})
     async with (
