@@ -111,7 +111,7 @@ def test_up_sigterm_stops_everything(up: Up) -> None:
     t0 = time.monotonic()
     assert up.proc.stop() == 0
     print(f"\niop up: SIGTERM -> exit 0 in {time.monotonic() - t0:.2f}s")
-    assert "iop up: stopped" in up.proc.stderr()
+    assert "iop.up: stopped" in up.proc.stderr()
 
     def gone() -> bool:
         try:
