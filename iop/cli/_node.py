@@ -100,7 +100,9 @@ def startup_line(agent: NodeAgent) -> str:
         where = inst.endpoint if isinstance(inst, HTTPInstance) else "in-process"
         c = caps.get(inst.name)
         targets = ", ".join(c.targets) if c and c.targets else "none yet"
-        status = c.provider_status if c else "unknown"
+        status = str(c.provider_status) if c else "unknown"
+        if c and c.provider_detail:
+            status += f": {c.provider_detail}"
         parts.append(f"{inst.name} ({_kind(inst)} {where}, {status}, targets: {targets})")
     edges = ", ".join(e.url for e in cfg.node.edges)
     return f"iop node: node {agent.node_id!r} dialling {edges}; instances: {'; '.join(parts)}"

@@ -80,7 +80,7 @@ import trio
 
 from iop import __version__
 from iop.adapters import Adapter, build_adapter
-from iop.capabilities import Capabilities, ProviderStatus
+from iop.capabilities import Capabilities, ProviderStatus, provider_detail
 from iop.config import Deadlines, InstanceConfig, NodeConfig, NodeEdge
 from iop.errors import (
     ConfigError,
@@ -247,7 +247,7 @@ class _Instance:
         self.deadlines: Deadlines = cfg.deadlines
         self.slots = InstanceSlots(cfg.max_concurrency, cfg.max_queue, cfg.queue_timeout_s)
 
-    def fallback_capabilities(self) -> Capabilities:
+    def fallback_capabilities(self, detail: str = "not probed yet") -> Capabilities:
         """What to advertise when the adapter cannot say (its probe crashed)."""
         return Capabilities(
             adapter=self.adapter.kind,
@@ -258,6 +258,7 @@ class _Instance:
             queue_timeout_s=self.cfg.queue_timeout_s,
             request_timeout_s=self.deadlines.request_timeout_s or 0.0,
             provider_status=ProviderStatus.UNAVAILABLE,
+            provider_detail=provider_detail(detail),
         )
 
 
@@ -466,9 +467,15 @@ class NodeAgent:
                     results[i] = await inst.adapter.capabilities()
                 except Exception as exc:
                     log.warning("instance %s: capabilities probe failed: %r", inst.name, exc)
+                    results[i] = inst.fallback_capabilities(
+                        f"capabilities probe failed: {type(exc).__name__}"
+                    )
             if guard.cancelled_caught:
                 log.warning(
                     "instance %s: capabilities probe took over %gs", inst.name, PROBE_GUARD_S
+                )
+                results[i] = inst.fallback_capabilities(
+                    f"capabilities probe took over {PROBE_GUARD_S:g}s"
                 )
 
         async with trio.open_nursery() as nursery:
@@ -481,7 +488,12 @@ class NodeAgent:
             self._caps_changed = trio.Event()
             log.info(
                 "instance status: %s",
-                ", ".join(f"{c.instance}={c.provider_status}" for c in results) or "(none)",
+                ", ".join(
+                    f"{c.instance}={c.provider_status}"
+                    + (f" ({c.provider_detail})" if c.provider_detail else "")
+                    for c in results
+                )
+                or "(none)",
             )
         return list(results)
 
