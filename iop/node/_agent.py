@@ -486,7 +486,9 @@ class NodeAgent:
             self._caps_version += 1
             self._caps_changed.set()
             self._caps_changed = trio.Event()
-            log.info(
+            down = any(c.provider_status is ProviderStatus.UNAVAILABLE for c in results)
+            log.log(
+                logging.WARNING if down else logging.INFO,
                 "instance status: %s",
                 ", ".join(
                     f"{c.instance}={c.provider_status}"
