@@ -60,7 +60,8 @@ def add_parser(sub: Any) -> None:
             "Serve a deterministic simulated model over HTTP, speaking vLLM's "
             "OpenAI-compatible API (POST /v1/chat/completions, GET /v1/models, "
             "GET /health): same request, same bytes. Timing, reasoning, tool calls "
-            "and failures are configurable. Stops cleanly on SIGINT/SIGTERM."
+            "and failures are configurable. SIGINT/SIGTERM stop it cleanly (open streams get "
+            "1 s) and exit 0; a second signal stops at once (exit 130/143)."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from iop.managed import llamacpp_available
-from tests.e2e._platform import Proc, poll, read_stream, validated_completion
+from tests.e2e._platform import LOG_LINE, Proc, poll, read_stream, validated_completion
 
 pytestmark = pytest.mark.real_backend
 
@@ -158,6 +158,9 @@ def test_up_sigterm_stops_everything(up: Up) -> None:
     assert up.proc.stop() == 0
     print(f"\niop up: SIGTERM -> exit 0 in {time.monotonic() - t0:.2f}s")
     assert "iop.up: stopped" in up.proc.stderr()
+    # One log format for everything on stderr, llama.cpp's own lines included.
+    strays = [line for line in up.proc.stderr().splitlines() if not LOG_LINE.match(line)]
+    assert strays == [], "\n".join(strays[:20])
 
     def gone() -> bool:
         try:

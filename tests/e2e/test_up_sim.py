@@ -18,13 +18,19 @@ from typing import Any, Final
 import openai
 import pytest
 
-from tests.e2e._platform import MODEL, Proc, StreamResult, read_more, read_stream, toml_dumps
+from tests.e2e._platform import (
+    LOG_LINE,
+    MODEL,
+    Proc,
+    StreamResult,
+    read_more,
+    read_stream,
+    toml_dumps,
+)
 
 pytestmark = pytest.mark.slow
 
 MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
-# docs/operations.md "Logs": `time level logger: message`, one line per record.
-LOG_LINE: Final = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR|CRITICAL) +[\w.]+: \S")
 # Generous bound on an exit that should be prompt (a hang guard, not a timing claim).
 EXIT_BOUND_S: Final = 5.0
 
