@@ -322,6 +322,13 @@ async def test_003_probe_unavailable_connection_refused(refused_url: str) -> Non
     assert caps.provider_detail == probe.detail
 
 
+async def test_probe_detail_never_carries_userinfo_or_path(refused_url: str) -> None:
+    host_port = refused_url.split("//", 1)[1]
+    async with compat(f"http://admin:hunter2@{host_port}/secret-path?key=k3y") as a:
+        detail = (await a.capabilities()).provider_detail
+    assert detail == f"request failed: connection refused by {host_port}"
+
+
 async def test_003_probe_unavailable_non_2xx(fb: FakeBackend) -> None:
     # Go: if resp.StatusCode < 200 || >= 300 { return nil, fmt.Errorf("status code %d", resp.StatusCode) }
     fb.route(MODELS_PATH, Reply.json({"error": "loading"}, status=503))
