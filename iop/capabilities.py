@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import enum
+from typing import Final
 
 import msgspec
 
-__all__ = ["Capabilities", "ProbeResult", "ProviderStatus", "normalize_provider_status"]
+__all__ = [
+    "PROVIDER_DETAIL_MAX_CHARS",
+    "Capabilities",
+    "ProbeResult",
+    "ProviderStatus",
+    "normalize_provider_status",
+    "provider_detail",
+]
 
 
 class ProviderStatus(enum.StrEnum):
@@ -62,6 +70,12 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
         queue_timeout_s: How long a run may wait for a slot.
         request_timeout_s: Total deadline of a run.
         provider_status: Health of the backend at the last probe.
+        provider_detail: Why the status is not ``available`` (from the
+            probe: ``request failed: connection refused by HOST:PORT``,
+            ``status code 503``, a timeout), "" when it is. Short and
+            secret-free: host and port, never URL paths, headers or
+            bodies. Added after the first release; a peer that predates it
+            decodes without it (and sends none: "").
     """
 
     adapter: str
@@ -73,6 +87,19 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     queue_timeout_s: float = 0.0
     request_timeout_s: float = 0.0
     provider_status: ProviderStatus = ProviderStatus.UNKNOWN
+    provider_detail: str = ""
+
+
+# Longest provider_detail a node sends: a status line, not a log excerpt.
+PROVIDER_DETAIL_MAX_CHARS: Final = 200
+
+
+def provider_detail(text: str) -> str:
+    """``text`` as a ``provider_detail``: one line, at most ``PROVIDER_DETAIL_MAX_CHARS``."""
+    line = " ".join(text.split())
+    if len(line) <= PROVIDER_DETAIL_MAX_CHARS:
+        return line
+    return line[: PROVIDER_DETAIL_MAX_CHARS - 1] + "…"
 
 
 class ProbeResult(msgspec.Struct, frozen=True, kw_only=True):

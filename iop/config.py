@@ -480,13 +480,21 @@ def load_config(path: str | os.PathLike[str], type_: type[T]) -> T:
     Raises:
         ConfigError: The file is missing, is not TOML, or does not validate.
     """
+    return decode_config(read_config_file(path), type_, source=str(Path(path)))
+
+
+def read_config_file(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a TOML config file, not yet validated (``${VAR}`` not expanded).
+
+    Raises:
+        ConfigError: The file is missing or is not TOML.
+    """
     p = Path(path)
     try:
         raw = p.read_bytes()
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read config: {exc.strerror}") from exc
     try:
-        data = tomllib.loads(raw.decode("utf-8"))
+        return tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{p}: not valid TOML: {exc}") from exc
-    return decode_config(data, type_, source=str(p))

@@ -11,6 +11,7 @@ in IOP), or the backend (``BackendError`` and its children)::
 
     IopError
     ├── ConfigError                 a config file or value is wrong (names key and file)
+    ├── ListenError                 a server cannot listen on its address (port taken)
     ├── RequestError                the client's request is invalid             -> 4xx
     ├── InvariantError              an internal contract was broken (a bug)     -> 500
     ├── RunAborted                  an executor ended its run as cancelled (reason)
@@ -33,6 +34,8 @@ Each class carries a stable ``code`` (a snake_case string that ends up in
 
 from __future__ import annotations
 
+import errno
+
 __all__ = [
     "BackendError",
     "BackendHTTPError",
@@ -47,8 +50,10 @@ __all__ = [
     "LinkClosed",
     "LinkError",
     "LinkProtocolError",
+    "ListenError",
     "RequestError",
     "RunAborted",
+    "listen_error_from",
 ]
 
 
@@ -81,6 +86,42 @@ class ConfigError(IopError):
 
     code = "config_error"
     status = 500
+
+
+class ListenError(IopError):
+    """A server cannot listen on its address: the port is taken, or not ours to take.
+
+    Attributes:
+        address: ``host:port`` as configured.
+        in_use: The port is held by another process (``EADDRINUSE``).
+    """
+
+    code = "listen_error"
+
+    def __init__(self, address: str, why: str, *, in_use: bool = False) -> None:
+        super().__init__(f"cannot listen on {address}: {why}")
+        self.address = address
+        self.in_use = in_use
+
+
+_BIND_ERRORS = {
+    errno.EADDRINUSE: "the port is already in use",
+    errno.EACCES: "permission denied (ports below 1024 need privileges)",
+    errno.EADDRNOTAVAIL: "the address is not one of this machine's",
+}
+
+
+def listen_error_from(address: str, exc: BaseException) -> ListenError | None:
+    """The ``ListenError`` for a bind of ``address`` that failed with ``exc``.
+
+    ``exc`` may be the ``OSError`` or an exception group holding only it (a
+    server's nursery); anything else is not a bind failure: None.
+    """
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    if isinstance(exc, OSError) and exc.errno in _BIND_ERRORS:
+        return ListenError(address, _BIND_ERRORS[exc.errno], in_use=exc.errno == errno.EADDRINUSE)
+    return None
 
 
 class RequestError(IopError):

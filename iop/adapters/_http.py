@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, ClassVar, Final, cast
@@ -23,7 +24,7 @@ import httpx
 import msgspec
 import trio
 
-from iop.capabilities import Capabilities, ProbeResult, ProviderStatus
+from iop.capabilities import Capabilities, ProbeResult, ProviderStatus, provider_detail
 from iop.config import HTTPInstance
 from iop.errors import (
     BackendError,
@@ -131,9 +132,55 @@ def build_chat_body(
     return body
 
 
+def _os_error_under(exc: BaseException) -> OSError | None:
+    """The first ``OSError`` in ``exc``'s cause chain and exception groups.
+
+    httpx over trio buries the refusal: ``ConnectError`` <- ``OSError("all
+    attempts to connect ... failed")`` <- a group of ``ConnectionRefusedError``.
+    """
+    todo: list[BaseException] = [exc]
+    seen: set[int] = set()
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno is not None:
+            return e
+        if isinstance(e, BaseExceptionGroup):
+            todo.extend(e.exceptions)
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+    return None
+
+
+def _where(exc: httpx.HTTPError) -> str:
+    """``host:port`` the failed request went to (never userinfo, path or query)."""
+    try:
+        url = exc.request.url
+    except RuntimeError:  # no request attached
+        return "the backend"
+    return f"{url.host}:{url.port or (443 if url.scheme == 'https' else 80)}"
+
+
+def transport_detail(exc: httpx.HTTPError) -> str:
+    """A short, secret-free cause: ``connection refused by 127.0.0.1:8000``."""
+    where = _where(exc)
+    if isinstance(exc, httpx.ConnectTimeout):
+        return f"no connection to {where} within the connect timeout"
+    if isinstance(exc, httpx.ConnectError):
+        os_error = _os_error_under(exc)
+        if isinstance(os_error, ConnectionRefusedError):
+            return f"connection refused by {where}"
+        if isinstance(os_error, socket.gaierror):
+            return f"cannot resolve the host of {where} ({os_error.strerror})"
+        if os_error is not None and os_error.strerror:
+            return f"cannot connect to {where} ({os_error.strerror})"
+    return str(exc) or type(exc).__name__
+
+
 def map_transport_error(exc: httpx.HTTPError, what: str) -> BackendError:
     """Translate an httpx exception into the project's error tree."""
-    detail = str(exc) or type(exc).__name__
+    detail = transport_detail(exc)
     if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError | httpx.UnsupportedProtocol):
         return BackendUnavailable(f"{what}: {detail}")
     if isinstance(exc, httpx.TimeoutException):
@@ -273,6 +320,7 @@ class HTTPBackend:
             queue_timeout_s=self.cfg.queue_timeout_s,
             request_timeout_s=self.cfg.deadlines.request_timeout_s or 0.0,
             provider_status=probe.status,
+            provider_detail=provider_detail(probe.detail),
         )
 
     # --- chat ---------------------------------------------------------------

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import signal
-import sys
+import logging
 from functools import partial
 from typing import Any
 
@@ -12,11 +11,14 @@ import msgspec
 import trio
 
 from iop._secrets import edge_secrets, register_secrets
+from iop.cli._signals import open_stop_signals
 from iop.config import EdgeConfig, load_config
 from iop.edge import EdgeHandle, serve_edge
 from iop.errors import ConfigError
 
-__all__ = ["add_parser", "until_signal"]
+__all__ = ["add_parser", "describe_edge"]
+
+log = logging.getLogger("iop.edge")
 
 _EPILOG = """\
 examples:
@@ -25,7 +27,8 @@ examples:
 
 Nodes dial ws://HOST:PORT/v1/link with one of the configured node tokens.
 SIGINT/SIGTERM drain: new requests get 503, in-flight runs get
-server.drain_timeout_s to finish, then the process exits 0.
+server.drain_timeout_s to finish, then the process exits 0. A second signal
+stops at once (exit 130 for SIGINT, 143 for SIGTERM).
 """
 
 
@@ -34,8 +37,10 @@ def add_parser(sub: Any) -> None:
         "edge",
         help="serve the OpenAI-compatible API and accept node links",
         description=(
-            "Serve /v1/chat/completions, /v1/models, /healthz, /readyz and /admin/nodes, "
-            "and accept nodes on the /v1/link WebSocket."
+            "Serve the OpenAI API (POST /v1/chat/completions, GET /v1/models), health "
+            "(GET /healthz, GET /readyz), Prometheus metrics (GET /metrics) and the admin "
+            "view (GET /admin as a page, GET /admin/nodes as JSON; behind server.api_keys "
+            "when set), and accept nodes on the /v1/link WebSocket."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -72,8 +77,7 @@ def edge_config_from_args(args: argparse.Namespace) -> EdgeConfig:
 def _cmd_edge(args: argparse.Namespace) -> int:
     cfg = edge_config_from_args(args)
     register_secrets(edge_secrets(cfg))
-    trio.run(_main, cfg)
-    return 0
+    return trio.run(_main, cfg)
 
 
 def describe_edge(handle: EdgeHandle) -> str:
@@ -83,36 +87,10 @@ def describe_edge(handle: EdgeHandle) -> str:
     )
 
 
-async def until_signal(stop: trio.Event, *, on_second: trio.CancelScope) -> None:
-    """Set ``stop`` on the first SIGINT or SIGTERM; cancel ``on_second`` on the next."""
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async for signum in signals:
-            name = signal.Signals(signum).name
-            if not stop.is_set():
-                print(f"iop: {name} received, draining", file=sys.stderr, flush=True)
-                stop.set()
-            else:
-                print(f"iop: {name} again, stopping now", file=sys.stderr, flush=True)
-                on_second.cancel()
-                return
-
-
-async def _main(cfg: EdgeConfig) -> None:
-    stop = trio.Event()
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(partial(until_signal, stop, on_second=nursery.cancel_scope))
-        done = trio.Event()
-
-        async def serve(
-            task_status: trio.TaskStatus[EdgeHandle] = trio.TASK_STATUS_IGNORED,
-        ) -> None:
-            try:
-                await serve_edge(cfg, shutdown=stop, task_status=task_status)
-            finally:
-                done.set()
-
-        handle = await nursery.start(serve)
+async def _main(cfg: EdgeConfig) -> int:
+    async with open_stop_signals(log) as stop, trio.open_nursery() as nursery:
+        handle = await nursery.start(partial(serve_edge, cfg, shutdown=stop.drain))
         print(describe_edge(handle), flush=True)
-        await done.wait()
-        nursery.cancel_scope.cancel()  # the signal watcher
-    print("iop edge: stopped", file=sys.stderr, flush=True)
+        # serve_edge returns once the first signal's drain is done.
+    log.info("stopped")
+    return stop.exit_code

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
-import sys
 from typing import Any
 
 import trio
 
 from iop._log import scrub
 from iop._secrets import node_secrets, register_secrets
+from iop.cli._signals import open_stop_signals
 from iop.config import HTTPInstance, InstanceConfig, NodeConfig, load_config
 from iop.errors import ConfigError
 from iop.node import NodeAgent, open_node_agent
@@ -62,7 +61,7 @@ def add_parser(sub: Any) -> None:
             "executes the runs the edges assign, and reconnects with exponential backoff "
             "when a link drops. SIGINT/SIGTERM drain it: new runs are refused, in-flight "
             "runs get node.drain_timeout_s to finish, then it exits 0; a second signal "
-            "stops at once."
+            "stops at once (exit 130 for SIGINT, 143 for SIGTERM)."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -87,8 +86,7 @@ def _load(path: str) -> NodeConfig:
 def _cmd_node(args: argparse.Namespace) -> int:
     cfg = _load(args.config)
     register_secrets(node_secrets(cfg))
-    trio.run(_run_node, cfg)
-    return 0
+    return trio.run(_run_node, cfg)
 
 
 def _kind(inst: InstanceConfig) -> str:
@@ -105,7 +103,9 @@ def startup_line(agent: NodeAgent) -> str:
         where = inst.endpoint if isinstance(inst, HTTPInstance) else "in-process"
         c = caps.get(inst.name)
         targets = ", ".join(c.targets) if c and c.targets else "none yet"
-        status = c.provider_status if c else "unknown"
+        status = str(c.provider_status) if c else "unknown"
+        if c and c.provider_detail:
+            status += f": {c.provider_detail}"
         parts.append(f"{inst.name} ({_kind(inst)} {where}, {status}, targets: {targets})")
     edges = ", ".join(e.url for e in cfg.node.edges)
     # Endpoints and edge URLs may carry credentials (user:pass@, ?api_key=).
@@ -114,25 +114,15 @@ def startup_line(agent: NodeAgent) -> str:
     )
 
 
-async def _run_node(cfg: NodeConfig) -> None:
-    # The receiver is open before anything slow (the first probe), so an early
-    # signal is not lost.
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with open_node_agent(cfg) as agent:
-            print(startup_line(agent), flush=True)
-            async with trio.open_nursery() as nursery:
-                await nursery.start(agent.serve)
-                async for signum in signals:
-                    log.info("%s: draining", signal.Signals(signum).name)
-                    break
-
-                async def stop_on_second_signal() -> None:
-                    async for signum in signals:
-                        log.warning("%s again: stopping now", signal.Signals(signum).name)
-                        nursery.cancel_scope.cancel()
-                        return
-
-                nursery.start_soon(stop_on_second_signal)
-                await agent.drain(cfg.node.drain_timeout_s)
-                nursery.cancel_scope.cancel()
-    print("iop node: stopped", file=sys.stderr, flush=True)
+async def _run_node(cfg: NodeConfig) -> int:
+    # The signals are watched before anything slow (the first probe), so an
+    # early signal is not lost.
+    async with open_stop_signals(log) as stop, open_node_agent(cfg) as agent:
+        print(startup_line(agent), flush=True)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(agent.serve)
+            await stop.drain.wait()
+            await agent.drain(cfg.node.drain_timeout_s)
+            nursery.cancel_scope.cancel()
+    log.info("stopped")
+    return stop.exit_code

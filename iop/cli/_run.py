@@ -18,7 +18,7 @@ import trio
 from iop._log import scrub
 from iop._secrets import node_secrets, register_secrets
 from iop.adapters import build_adapter
-from iop.config import InstanceConfig, NodeConfig, load_config
+from iop.config import InstanceConfig, NodeConfig, decode_config, read_config_file
 from iop.errors import ConfigError
 from iop.events import Complete, Delta, ReasoningDelta, is_terminal
 from iop.runtime import new_run_id, open_run_supervisor
@@ -37,7 +37,9 @@ def add_parser(sub: Any) -> None:
             "text as it streams). Exit status: 0 complete, 1 error or cancelled."
         ),
     )
-    p.add_argument("--config", required=True, help="node config (TOML) with [[instances]]")
+    p.add_argument(
+        "--config", required=True, metavar="FILE", help="node config (TOML) with [[instances]]"
+    )
     p.add_argument("--instance", help="instance name (default: the first)")
     p.add_argument("--model", default="", help="model to ask for (default: first target)")
     p.add_argument("--max-tokens", type=int, default=None, help="max_tokens of the request")
@@ -48,9 +50,16 @@ def add_parser(sub: Any) -> None:
     q = sub.add_parser(
         "probe",
         help="probe every adapter instance of a node config",
-        description="Probe each instance's backend (/v1/models) and print capabilities as JSON.",
+        description=(
+            "Probe each instance's backend (GET /v1/models) and print its capabilities as "
+            "one JSON object per line; provider_detail says why an instance is not available. "
+            "Exit status: 0 all available, 1 otherwise. Never dials an edge, so "
+            "[[node.edges]] (and its token) may be absent."
+        ),
     )
-    q.add_argument("--config", required=True, help="node config (TOML) with [[instances]]")
+    q.add_argument(
+        "--config", required=True, metavar="FILE", help="node config (TOML) with [[instances]]"
+    )
     q.set_defaults(func=_cmd_probe)
 
 
@@ -66,8 +75,21 @@ def _pick(cfg: NodeConfig, name: str | None) -> InstanceConfig:
     raise ConfigError(f"no instance named {name!r} (have: {names})")
 
 
+def _load_instances(path: str) -> NodeConfig:
+    """The node config without its ``[[node.edges]]``.
+
+    ``run`` and ``probe`` never dial an edge, so an edge token's ``${VAR}``
+    need not be set; the instances' own variables (backend API keys) must.
+    """
+    data = read_config_file(path)
+    node = data.get("node")
+    if isinstance(node, dict):
+        data = {**data, "node": {k: v for k, v in node.items() if k != "edges"}}
+    return decode_config(data, NodeConfig, source=path)
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, NodeConfig)
+    cfg = _load_instances(args.config)
     register_secrets(node_secrets(cfg))
     inst = _pick(cfg, args.instance)
     return trio.run(_run, inst, args)
@@ -112,7 +134,7 @@ async def _run(inst: InstanceConfig, args: argparse.Namespace) -> int:
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, NodeConfig)
+    cfg = _load_instances(args.config)
     register_secrets(node_secrets(cfg))
     return trio.run(_probe, cfg)
 

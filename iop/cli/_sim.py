@@ -8,19 +8,21 @@ come from ``--config`` (a TOML file with a ``[sim]`` table), then the flags.
 from __future__ import annotations
 
 import argparse
-import signal
-import sys
+import logging
 from functools import partial
 from typing import Any
 
 import msgspec
 import trio
 
+from iop.cli._signals import open_stop_signals
 from iop.config import SimConfig, load_config
 from iop.errors import ConfigError
 from iop.sim import SimFile, serve_sim
 
 __all__ = ["add_parser"]
+
+log = logging.getLogger("iop.sim")
 
 _FAILURES = (
     "none",
@@ -59,7 +61,8 @@ def add_parser(sub: Any) -> None:
             "Serve a deterministic simulated model over HTTP, speaking vLLM's "
             "OpenAI-compatible API (POST /v1/chat/completions, GET /v1/models, "
             "GET /health): same request, same bytes. Timing, reasoning, tool calls "
-            "and failures are configurable. Stops cleanly on SIGINT/SIGTERM."
+            "and failures are configurable. SIGINT/SIGTERM stop it cleanly (open streams get "
+            "1 s) and exit 0; a second signal stops at once (exit 130/143)."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -156,29 +159,15 @@ def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
 
 def _cmd_sim(args: argparse.Namespace) -> int:
     cfg = sim_config_from_args(args)
-    trio.run(_serve_until_signal, cfg, args.host, args.port)
-    return 0
+    return trio.run(_serve_until_signal, cfg, args.host, args.port)
 
 
-async def _serve_until_signal(cfg: SimConfig, host: str, port: int) -> None:
-    stop = trio.Event()
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with trio.open_nursery() as nursery:
-
-            async def watch_signals() -> None:
-                async for _ in signals:
-                    stop.set()
-                    return
-
-            nursery.start_soon(watch_signals)
-            url = await nursery.start(
-                partial(serve_sim, cfg, host, port, shutdown_trigger=stop.wait)
-            )
-            print(
-                f"iop sim: serving model {cfg.model!r} (vLLM wire format) on {url}/v1",
-                flush=True,
-            )
-            await stop.wait()
-            # serve_sim returns once hypercorn has shut down; the watcher is
-            # done too, so the nursery closes on its own.
-    print("iop sim: stopped", file=sys.stderr, flush=True)
+async def _serve_until_signal(cfg: SimConfig, host: str, port: int) -> int:
+    async with open_stop_signals(log) as stop, trio.open_nursery() as nursery:
+        url = await nursery.start(
+            partial(serve_sim, cfg, host, port, shutdown_trigger=stop.drain.wait)
+        )
+        print(f"iop sim: serving model {cfg.model!r} (vLLM wire format) on {url}/v1", flush=True)
+        # serve_sim returns once hypercorn has shut down after the first signal.
+    log.info("stopped")
+    return stop.exit_code

@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import logging
 import secrets
-import signal
-import sys
 from contextlib import AsyncExitStack
 from functools import partial
 from typing import Any
@@ -26,6 +24,7 @@ import trio
 
 from iop._secrets import register_secrets, up_secrets
 from iop.cli._edge import describe_edge
+from iop.cli._signals import open_stop_signals
 from iop.config import (
     InstanceConfig,
     NodeConfig,
@@ -57,6 +56,15 @@ then:
   curl -N http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
     -d '{"model": "SmolLM2-135M-Instruct", "stream": true,
          "messages": [{"role": "user", "content": "Hello!"}]}'
+
+tool calls: the tiny SmolLM2-135M model cannot make them: its chat template
+has no tools and llama.cpp drops an object tool_choice, so a request with
+tools gets plain text back. For tool-call demos use `iop up --backend sim`:
+its model 'iop-sim' answers a request with tools with a well-formed call of
+the named tool (or the first one).
+
+SIGINT/SIGTERM drain and exit 0; a second signal stops at once (exit 130 for
+SIGINT, 143 for SIGTERM).
 """
 
 
@@ -68,8 +76,7 @@ def add_parser(sub: Any) -> None:
             "Run the whole platform in one process: the edge (OpenAI API), a node that "
             "dials it over loopback, and the node's backends. Without [[instances]] in the "
             "config, the node starts llama.cpp's server with SmolLM2-135M-Instruct (both "
-            "from PyPI wheels), or the simulated backend if they are missing. "
-            "SIGINT/SIGTERM drain everything and exit 0."
+            "from PyPI wheels), or the simulated backend if they are missing."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -107,8 +114,7 @@ def up_config_from_args(args: argparse.Namespace) -> UpConfig:
 def _cmd_up(args: argparse.Namespace) -> int:
     cfg = up_config_from_args(args)
     register_secrets(up_secrets(cfg))
-    trio.run(_up, cfg)
-    return 0
+    return trio.run(_up, cfg)
 
 
 async def _embedded_instances(
@@ -118,18 +124,10 @@ async def _embedded_instances(
     if emb.kind == "llamacpp":
         reason = llamacpp_available()
         if reason is None:
-            print(
-                "iop up: starting llama.cpp (SmolLM2-135M-Instruct) ...",
-                file=sys.stderr,
-                flush=True,
-            )
+            log.info("starting llama.cpp (SmolLM2-135M-Instruct) ...")
             settings = LlamaCppSettings(threads=emb.threads, parallel=emb.parallel, ctx=emb.ctx)
             endpoint = await nursery.start(serve_llamacpp, settings)
-            print(
-                f"iop up: llama.cpp ready at {endpoint.url} (model loaded in {endpoint.load_s:.1f}s)",
-                file=sys.stderr,
-                flush=True,
-            )
+            log.info("llama.cpp ready at %s (model loaded in %.1fs)", endpoint.url, endpoint.load_s)
             return [
                 OpenAICompatInstance(
                     name="llamacpp",
@@ -139,57 +137,54 @@ async def _embedded_instances(
                     targets=[endpoint.alias],
                 )
             ]
-        print(
-            f"iop up: the embedded llama.cpp backend is unavailable ({reason}); "
+        log.warning(
+            "the embedded llama.cpp backend is unavailable (%s); "
             "serving the simulated backend 'iop-sim' instead",
-            file=sys.stderr,
-            flush=True,
+            reason,
         )
     return [
         SimInstance(name="sim", max_concurrency=64, sim=SimConfig(tokens_per_s=50.0, ttft_s=0.05))
     ]
 
 
-async def _up(cfg: UpConfig) -> None:
-    stop = trio.Event()
-    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-        async with AsyncExitStack() as stack, trio.open_nursery() as backends:
-            instances = cfg.instances or await _embedded_instances(cfg, stack, backends)
-            async with trio.open_nursery() as nursery:
-                handle: EdgeHandle = await nursery.start(
-                    partial(serve_edge, cfg.edge, shutdown=stop)
-                )
-                node_cfg = NodeConfig(
-                    node=msgspec.structs.replace(
-                        cfg.node,
-                        edges=[NodeEdge(url=handle.link_url, token=cfg.edge.link.node_tokens[0])],
-                    ),
-                    instances=instances,
-                )
-                async with open_node_agent(node_cfg) as agent:
-                    node_scope = trio.CancelScope()
+async def _up(cfg: UpConfig) -> int:
+    async with (
+        open_stop_signals(log) as stop,
+        AsyncExitStack() as stack,
+        trio.open_nursery() as backends,
+    ):
+        instances = cfg.instances or await _embedded_instances(cfg, stack, backends)
+        async with trio.open_nursery() as nursery:
+            handle: EdgeHandle = await nursery.start(
+                partial(serve_edge, cfg.edge, shutdown=stop.drain)
+            )
+            node_cfg = NodeConfig(
+                node=msgspec.structs.replace(
+                    cfg.node,
+                    edges=[NodeEdge(url=handle.link_url, token=cfg.edge.link.node_tokens[0])],
+                ),
+                instances=instances,
+            )
+            async with open_node_agent(node_cfg) as agent:
+                node_scope = trio.CancelScope()
 
-                    async def run_node(
-                        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
-                    ) -> None:
-                        with node_scope:
-                            await agent.serve(task_status=task_status)
+                async def run_node(
+                    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+                ) -> None:
+                    with node_scope:
+                        await agent.serve(task_status=task_status)
 
-                    await nursery.start(run_node)
-                    with trio.move_on_after(NODE_READY_TIMEOUT_S):
-                        await handle.core.registry.joined.wait()
-                    models = ", ".join(repr(m.id) for m in handle.core.models()) or "none yet"
-                    print(describe_edge(handle), flush=True)
-                    print(f"iop up: ready; models: {models}", flush=True)
-                    async for signum in signals:
-                        print(
-                            f"iop up: {signal.Signals(signum).name} received, draining",
-                            file=sys.stderr,
-                            flush=True,
-                        )
-                        break
-                    stop.set()  # the edge drains its runs, then stops
-                    await agent.drain(cfg.node.drain_timeout_s)
-                    node_scope.cancel()
-            backends.cancel_scope.cancel()
-    print("iop up: stopped", file=sys.stderr, flush=True)
+                await nursery.start(run_node)
+                with trio.move_on_after(NODE_READY_TIMEOUT_S):
+                    await handle.core.registry.joined.wait()
+                models = ", ".join(repr(m.id) for m in handle.core.models()) or "none yet"
+                print(describe_edge(handle), flush=True)
+                print(f"iop up: ready; models: {models}", flush=True)
+                # The first signal sets drain: the edge drains its runs
+                # (serve_edge watches the same event) while the node does.
+                await stop.drain.wait()
+                await agent.drain(cfg.node.drain_timeout_s)
+                node_scope.cancel()
+        backends.cancel_scope.cancel()
+    log.info("stopped")
+    return stop.exit_code

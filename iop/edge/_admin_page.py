@@ -74,13 +74,17 @@ def render_admin_page(snapshot: dict[str, Any], *, logout: bool = False) -> byte
     for node in nodes:
         for inst in node.get("instances", []):
             status = str(inst.get("provider_status", ""))
+            detail = str(inst.get("provider_detail", ""))
             instance_rows.append(
                 "<tr>"
                 + _cell(node["id"] + (" (draining)" if node.get("draining") else ""))
                 + _cell(inst.get("instance", ""))
                 + _cell(inst.get("adapter", ""))
                 + _cell(inst.get("provider", ""))
-                + _cell(status, "ok" if status == "available" else "bad")
+                + _cell(
+                    f"{status}: {detail}" if detail else status,
+                    "ok" if status == "available" else "bad",
+                )
                 + _cell(", ".join(inst.get("targets", [])))
                 + _cell(f"{inst.get('in_flight', 0)} / {inst.get('max_concurrency', 0)}", "num")
                 + "</tr>"

@@ -249,12 +249,13 @@ class EdgeCore:
         if not self.scheduler.serves(model):
             if not self.registry.nodes:
                 raise RequestError("no inference node is connected", status=503, code="no_nodes")
-            if model in self.registry.known_models():
-                # Known, but every node serving it is draining or its backend
-                # is down: a retryable 503, not "does not exist".
+            blocked = self._why_unavailable(model)
+            if blocked:
+                # Known (or maybe served by a backend that is down and never
+                # listed its models): a retryable 503 that says why, not
+                # "does not exist".
                 raise RequestError(
-                    f"model `{model}` is temporarily unavailable (its nodes are draining "
-                    "or their backends are down)",
+                    f"model `{model}` is temporarily unavailable: {'; '.join(blocked)}",
                     status=503,
                     code="model_unavailable",
                     param="model",
@@ -268,6 +269,28 @@ class EdgeCore:
         self.scheduler.admit(model)
         self.runs_started += 1
         return self.supervisor.start_run(RemoteExecutor(self), spec, self.config.deadlines)
+
+    def _why_unavailable(self, model: str) -> list[str]:
+        """Why no instance can take ``model`` now, one phrase per instance that might.
+
+        An instance might serve it if it advertises it, or if it is
+        unavailable without having listed any model (its backend was down
+        since the node started). Empty: no instance might, the model is unknown.
+        """
+        why: list[str] = []
+        for conn, inst in self.registry.instances():
+            caps = inst.caps
+            listed = model in caps.targets
+            if not listed and (caps.targets or inst.usable):
+                continue
+            name = f"{conn.node_id}/{caps.instance}"
+            if conn.draining:
+                why.append(f"node {conn.node_id} is draining")
+            elif not inst.usable:
+                cause = caps.provider_detail or "no reason given"
+                maybe = "" if listed else " (its models are unknown)"
+                why.append(f"instance {name}{maybe} is unavailable: {cause}")
+        return list(dict.fromkeys(why))  # one "node X is draining" per node
 
     def record_outcome(self, run: Run) -> None:
         """Count a finished run by outcome (``complete``, ``error:<code>``, ``cancelled:<reason>``)."""

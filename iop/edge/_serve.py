@@ -13,6 +13,7 @@ from hypercorn.trio import serve
 from iop.config import EdgeConfig
 from iop.edge._app import create_edge_app
 from iop.edge._core import EdgeCore, open_edge_core
+from iop.errors import listen_error_from
 
 __all__ = ["EdgeHandle", "serve_edge"]
 
@@ -43,6 +44,9 @@ async def serve_edge(
     ``server.drain_timeout_s`` to finish, the rest are cancelled with reason
     ``shutdown`` (their clients get a clean SSE error and ``[DONE]``), node
     links are closed with 1001, then hypercorn stops.
+
+    Raises:
+        ListenError: ``server.host:server.port`` cannot be bound.
     """
     stop = shutdown if shutdown is not None else trio.Event()
     async with open_edge_core(config) as core:
@@ -50,6 +54,9 @@ async def serve_edge(
         hc = HypercornConfig()
         hc.bind = [f"{config.server.host}:{config.server.port}"]
         hc.accesslog = None
+        # hypercorn's own "-" logger prints in its own format; this one goes
+        # through the process's handler (one log format, docs/operations.md).
+        hc.errorlog = logging.getLogger("hypercorn.error")
         hc.graceful_timeout = 2.0
         # Liveness is the link protocol's heartbeat (hypercorn's ping never
         # checks pongs: trio-stack.md §4).
@@ -61,6 +68,12 @@ async def serve_edge(
             await core.drain(config.server.drain_timeout_s)
 
         async with trio.open_nursery() as nursery:
-            binds = await nursery.start(partial(serve, app, hc, shutdown_trigger=trigger))
+            try:
+                binds = await nursery.start(partial(serve, app, hc, shutdown_trigger=trigger))
+            except (OSError, BaseExceptionGroup) as exc:
+                error = listen_error_from(hc.bind[0], exc)
+                if error is None:
+                    raise
+                raise error from exc
             url = str(binds[0])
             task_status.started(EdgeHandle(core, url))

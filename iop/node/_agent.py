@@ -81,7 +81,7 @@ import trio
 from iop import __version__
 from iop._secrets import SecretMasker, mask_event, node_secrets
 from iop.adapters import Adapter, build_adapter
-from iop.capabilities import Capabilities, ProviderStatus
+from iop.capabilities import Capabilities, ProviderStatus, provider_detail
 from iop.config import Deadlines, InstanceConfig, NodeConfig, NodeEdge
 from iop.errors import (
     ConfigError,
@@ -248,7 +248,7 @@ class _Instance:
         self.deadlines: Deadlines = cfg.deadlines
         self.slots = InstanceSlots(cfg.max_concurrency, cfg.max_queue, cfg.queue_timeout_s)
 
-    def fallback_capabilities(self) -> Capabilities:
+    def fallback_capabilities(self, detail: str = "not probed yet") -> Capabilities:
         """What to advertise when the adapter cannot say (its probe crashed)."""
         return Capabilities(
             adapter=self.adapter.kind,
@@ -259,6 +259,7 @@ class _Instance:
             queue_timeout_s=self.cfg.queue_timeout_s,
             request_timeout_s=self.deadlines.request_timeout_s or 0.0,
             provider_status=ProviderStatus.UNAVAILABLE,
+            provider_detail=provider_detail(detail),
         )
 
 
@@ -470,9 +471,15 @@ class NodeAgent:
                     results[i] = await inst.adapter.capabilities()
                 except Exception as exc:
                     log.warning("instance %s: capabilities probe failed: %r", inst.name, exc)
+                    results[i] = inst.fallback_capabilities(
+                        f"capabilities probe failed: {type(exc).__name__}"
+                    )
             if guard.cancelled_caught:
                 log.warning(
                     "instance %s: capabilities probe took over %gs", inst.name, PROBE_GUARD_S
+                )
+                results[i] = inst.fallback_capabilities(
+                    f"capabilities probe took over {PROBE_GUARD_S:g}s"
                 )
 
         async with trio.open_nursery() as nursery:
@@ -483,9 +490,16 @@ class NodeAgent:
             self._caps_version += 1
             self._caps_changed.set()
             self._caps_changed = trio.Event()
-            log.info(
+            down = any(c.provider_status is ProviderStatus.UNAVAILABLE for c in results)
+            log.log(
+                logging.WARNING if down else logging.INFO,
                 "instance status: %s",
-                ", ".join(f"{c.instance}={c.provider_status}" for c in results) or "(none)",
+                ", ".join(
+                    f"{c.instance}={c.provider_status}"
+                    + (f" ({c.provider_detail})" if c.provider_detail else "")
+                    for c in results
+                )
+                or "(none)",
             )
         return list(results)
 

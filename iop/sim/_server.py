@@ -33,7 +33,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import MethodNotAllowed, NotFound, RequestEntityTooLarge
 
 from iop.config import SimConfig
-from iop.errors import RequestError
+from iop.errors import RequestError, listen_error_from
 from iop.sim._script import SimScript, build_script
 from iop.sim._vllm_wire import (
     SSE_CONTENT_TYPE,
@@ -266,6 +266,9 @@ async def serve_sim(
             e.g. to read its ``sim_stats``.
         shutdown_trigger: Returns when the server should stop.
         task_status: Receives the bound URL once the socket listens.
+
+    Raises:
+        ListenError: ``host:port`` cannot be bound (taken, or not ours).
     """
     if app is None:
         app = create_sim_app(cfg)
@@ -275,8 +278,14 @@ async def serve_sim(
     hc.errorlog = logging.getLogger("hypercorn.error")
     hc.graceful_timeout = SHUTDOWN_GRACE_S
     async with trio.open_nursery() as nursery:
-        binds: list[str] = await nursery.start(
-            partial(serve, app, hc, shutdown_trigger=shutdown_trigger)
-        )
+        try:
+            binds: list[str] = await nursery.start(
+                partial(serve, app, hc, shutdown_trigger=shutdown_trigger)
+            )
+        except (OSError, BaseExceptionGroup) as exc:
+            error = listen_error_from(hc.bind[0], exc)
+            if error is None:
+                raise
+            raise error from exc
         log.info("sim: serving model %r on %s", cfg.model, binds[0])
         task_status.started(binds[0])

@@ -313,8 +313,20 @@ async def test_003_probe_unavailable_connection_refused(refused_url: str) -> Non
     # Go: if err != nil { Status = Unavailable; Detail = err.Error() }  (fetchTargets: "request failed: %w")
     async with compat(refused_url) as a:
         probe = await a.probe("m")
+        caps = await a.capabilities()
     assert probe.status is ProviderStatus.UNAVAILABLE
     assert probe.detail.startswith("request failed")
+    # Beyond the seed: the cause, named, and on the wire in the capabilities.
+    host_port = refused_url.split("//", 1)[1].rstrip("/")
+    assert probe.detail == f"request failed: connection refused by {host_port}"
+    assert caps.provider_detail == probe.detail
+
+
+async def test_probe_detail_never_carries_userinfo_or_path(refused_url: str) -> None:
+    host_port = refused_url.split("//", 1)[1]
+    async with compat(f"http://admin:hunter2@{host_port}/secret-path?key=k3y") as a:
+        detail = (await a.capabilities()).provider_detail
+    assert detail == f"request failed: connection refused by {host_port}"
 
 
 async def test_003_probe_unavailable_non_2xx(fb: FakeBackend) -> None:

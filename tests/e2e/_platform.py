@@ -33,6 +33,7 @@ import openai
 from tests.edge._openai_schema import validate_chunk, validate_completion
 
 __all__ = [
+    "LOG_LINE",
     "MODEL",
     "TOKEN",
     "Cluster",
@@ -54,6 +55,8 @@ __all__ = [
 ]
 
 MODEL: Final = "iop-sim"
+# docs/operations.md "Logs": every stderr line is `time level logger: message`.
+LOG_LINE: Final = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR|CRITICAL) +[\w.]+: \S")
 TOKEN: Final = "e2e-node-token"
 # Generous: a process start on a loaded 2-core machine.
 START_TIMEOUT_S: Final = 30.0

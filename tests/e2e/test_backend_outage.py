@@ -6,12 +6,24 @@ address), its own edge and its own node.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from typing import Any
 
 import openai
 import pytest
 
-from tests.e2e._platform import MODEL, Proc, Procs, Sim, free_port, poll, read_stream
+from tests.e2e._platform import (
+    MODEL,
+    Proc,
+    Procs,
+    Sim,
+    free_port,
+    poll,
+    read_stream,
+    start_node,
+)
 from tests.edge._openai_schema import validate_error
 
 pytestmark = pytest.mark.slow
@@ -75,3 +87,48 @@ def test_model_of_an_unavailable_backend_is_unavailable_not_unknown(procs: Procs
     with edge.openai() as client, pytest.raises(openai.APIStatusError) as info:
         client.chat.completions.create(model=MODEL, messages=MESSAGES)
     assert info.value.status_code == 503
+
+
+def test_a_backend_that_is_down_says_why_everywhere(procs: Procs) -> None:
+    """A node whose only instance points at a closed port: the node's log, the
+    edge's admin view, ``iop probe`` and the 503 a client gets all name the
+    instance and the cause; ``/readyz`` is 503 although a node is connected."""
+    port = free_port()  # nothing listens there
+    cause = f"connection refused by 127.0.0.1:{port}"
+    edge = procs.edge(EDGE_CONFIG)
+    node = start_node(procs.log_dir, [edge.link_url], f"http://127.0.0.1:{port}", node_id="n1")
+    procs.adopt(node.proc)
+    poll(lambda: edge.admin()["nodes"], timeout=20, what="the node to connect")
+
+    node.proc.wait_stderr(rf"instance status: vllm-sim=unavailable \(.*{cause}\)", timeout=10)
+    assert f"vllm-sim (vllm http://127.0.0.1:{port}, unavailable: " in node.proc.stdout()
+
+    (inst,) = edge.admin()["nodes"][0]["instances"]
+    assert inst["provider_status"] == "unavailable"
+    assert cause in inst["provider_detail"]
+    assert cause in edge.get("/admin").text
+
+    ready = edge.get("/readyz")
+    assert ready.status_code == 503
+    assert ready.json()["status"] == "no node can serve a model right now"
+
+    with edge.openai() as client, pytest.raises(openai.APIStatusError) as info:
+        client.chat.completions.create(model=MODEL, messages=MESSAGES)
+    assert info.value.status_code == 503
+    body = info.value.response.json()
+    validate_error(body)
+    assert body["error"]["code"] == "model_unavailable"
+    assert "instance n1/vllm-sim" in body["error"]["message"]
+    assert cause in body["error"]["message"]
+
+    probe = subprocess.run(
+        [sys.executable, "-m", "iop", "probe", "--config", str(procs.log_dir / "node.toml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert probe.returncode == 1, probe.stderr
+    caps = json.loads(probe.stdout)
+    assert caps["provider_status"] == "unavailable"
+    assert cause in caps["provider_detail"]

@@ -10,16 +10,19 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 import openai
 import pytest
 
 from iop.managed import llamacpp_available
-from tests.e2e._platform import Proc, poll, read_stream, validated_completion
+from tests.e2e._platform import LOG_LINE, Proc, poll, read_stream, validated_completion
 
 pytestmark = pytest.mark.real_backend
 
@@ -103,6 +106,49 @@ def test_non_streaming_through_the_whole_platform(up: Up) -> None:
     assert 0 < obj["usage"]["completion_tokens"] <= 8
 
 
+# --- the README's examples, as written (only the port differs) -------------------------
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def _readme_blocks(lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", README.read_text(), re.DOTALL)
+
+
+def _on(up: Up, text: str) -> str:
+    assert "http://127.0.0.1:8080" in text
+    return text.replace("http://127.0.0.1:8080", up.url)
+
+
+def test_readme_installs_what_its_sdk_example_imports() -> None:
+    """The set-up command does not install `openai`: the README must, before using it."""
+    text = README.read_text()
+    sdk = text.index("from openai import OpenAI")
+    assert ".venv/bin/pip install -c constraints.txt openai" in text[:sdk]
+
+
+def test_readme_curl_example(up: Up) -> None:
+    (curl,) = [b for b in _readme_blocks("bash") if b.startswith("curl ")]
+    out = subprocess.run(
+        ["bash", "-c", _on(up, curl)], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.rstrip().endswith("data: [DONE]"), out.stdout
+
+
+def test_readme_sdk_example(up: Up) -> None:
+    (code,) = _readme_blocks("python")
+    out = subprocess.run(
+        [sys.executable, "-c", _on(up, code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip(), "the example prints the streamed answer"
+
+
 def test_up_sigterm_stops_everything(up: Up) -> None:
     """Last in the module: SIGTERM drains edge, node and llama.cpp; exit 0, no orphan."""
     server = re.search(r"llama.cpp server is ready at \S+ .*pid (\d+)\)", up.proc.stderr())
@@ -111,7 +157,10 @@ def test_up_sigterm_stops_everything(up: Up) -> None:
     t0 = time.monotonic()
     assert up.proc.stop() == 0
     print(f"\niop up: SIGTERM -> exit 0 in {time.monotonic() - t0:.2f}s")
-    assert "iop up: stopped" in up.proc.stderr()
+    assert "iop.up: stopped" in up.proc.stderr()
+    # One log format for everything on stderr, llama.cpp's own lines included.
+    strays = [line for line in up.proc.stderr().splitlines() if not LOG_LINE.match(line)]
+    assert strays == [], "\n".join(strays[:20])
 
     def gone() -> bool:
         try:

@@ -325,6 +325,33 @@ async def test_unavailable_instance_is_not_served(autojump_clock: trio.testing.M
         assert core.models() == []
 
 
+async def test_a_model_no_instance_can_take_is_503_naming_instance_and_cause(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    refused = "request failed: connection refused by 127.0.0.1:8000"
+    never_up = Capabilities(
+        adapter="vllm",
+        instance="q",
+        provider_status=ProviderStatus.UNAVAILABLE,
+        provider_detail=refused,
+    )
+    # Down since the node started: no model listed, so any model might be its.
+    async with edge_with_node(instances=[never_up]) as (core, _, _):
+        with pytest.raises(RequestError) as info:
+            core.start_run(spec(model="anything"))
+    assert (info.value.status, info.value.code) == (503, "model_unavailable")
+    assert f"instance n1/q (its models are unknown) is unavailable: {refused}" in info.value.message
+    # Listed its model before going down (an old node sends no detail).
+    async with edge_with_node(instances=[caps(status=ProviderStatus.UNAVAILABLE)]) as (core, _, _):
+        with pytest.raises(RequestError) as info:
+            core.start_run(spec(model="m"))
+        assert "instance n1/i0 is unavailable: no reason given" in info.value.message
+        # A model nobody lists, with every instance's models known: unknown.
+        with pytest.raises(RequestError) as info:
+            core.start_run(spec(model="nope"))
+        assert (info.value.status, info.value.code) == (404, "model_not_found")
+
+
 async def test_bad_token_is_refused_with_4401(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:

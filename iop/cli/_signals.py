@@ -1,0 +1,71 @@
+"""SIGINT/SIGTERM for the long-running commands: the first drains, the second stops.
+
+``iop up``, ``iop edge``, ``iop node`` and ``iop sim`` all run their service
+inside ``open_stop_signals()``:
+
+* the **first** signal sets ``StopSignals.drain``; the command drains (new
+  work refused, in-flight work given its drain timeout) and exits 0;
+* a **second** signal cancels everything at once (in-flight runs end with
+  ``shutdown``, embedded servers are still stopped and reaped) and the exit
+  status is 128 + the signal's number: 130 for SIGINT, 143 for SIGTERM, what
+  a shell reports for a process that signal killed. A supervisor can so tell
+  a clean stop (0) from a cut-short one.
+
+The receiver is open before the service starts, so a signal during a slow
+start (a model loading, the first probe) is not lost: the service then
+drains as soon as it is up.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+
+__all__ = ["StopSignals", "open_stop_signals"]
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopSignals:
+    """What the stop signals asked for so far.
+
+    Attributes:
+        drain: Set by the first signal.
+        exit_code: 0, or 128 + the number of the signal that stopped at once.
+    """
+
+    def __init__(self, log: logging.Logger) -> None:
+        self.drain = trio.Event()
+        self.exit_code = 0
+        self._log = log
+
+    async def _watch(self, signals: AsyncIterator[int], hard: trio.CancelScope) -> None:
+        async for signum in signals:
+            name = signal.Signals(signum).name
+            if not self.drain.is_set():
+                self._log.info("%s received: draining (a second signal stops at once)", name)
+                self.drain.set()
+                continue
+            self._log.warning("%s again: stopping now", name)
+            self.exit_code = 128 + signum
+            hard.cancel()
+            return
+
+
+@asynccontextmanager
+async def open_stop_signals(log: logging.Logger) -> AsyncIterator[StopSignals]:
+    """Watch SIGINT/SIGTERM while the body runs; a second signal cancels the body.
+
+    The body ends normally after a hard stop (the cancellation is absorbed
+    here); read ``exit_code`` afterwards.
+    """
+    stop = StopSignals(log)
+    with trio.open_signal_receiver(*STOP_SIGNALS) as signals, trio.CancelScope() as hard:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stop._watch, signals, hard)
+            yield stop
+            nursery.cancel_scope.cancel()  # the watcher

@@ -1,0 +1,96 @@
+"""What an operator meets first, as real ``iop`` subprocesses: taken ports, help, flags."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "node-sim.toml")
+
+
+def iop(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "iop", *args],
+        capture_output=True,
+        text=True,
+        env=env if env is not None else dict(os.environ),
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A port another process (here: this one) listens on."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "command",
+    [["up", "--backend", "sim"], ["edge", "--node-token", "a-long-node-token"], ["sim"]],
+    ids=["up", "edge", "sim"],
+)
+def test_a_taken_port_is_one_line_and_exit_2(command: list[str], taken_port: int) -> None:
+    out = iop(*command, "--port", str(taken_port))
+    assert out.returncode == 2, out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr
+    (line,) = lines
+    assert line.startswith(f"iop: cannot listen on 127.0.0.1:{taken_port}: ")
+    assert "already in use" in line
+    assert "--port" in line
+
+
+def test_log_level_goes_before_or_after_the_subcommand() -> None:
+    for args in (["--log-level", "debug", "probe"], ["probe", "--log-level", "debug"]):
+        out = iop(*args, "--config", CONFIG, env={**os.environ, "IOP_NODE_TOKEN": "t"})
+        assert out.returncode == 0, (args, out.stderr)
+    out = iop("probe", "--config", CONFIG, "--log-level", "loud")
+    assert out.returncode == 2
+    assert "invalid choice: 'loud'" in out.stderr
+
+
+def test_probe_does_not_need_the_edge_token() -> None:
+    """``iop probe`` never dials an edge: an unset ``${IOP_NODE_TOKEN}`` is no error."""
+    env = {k: v for k, v in os.environ.items() if k != "IOP_NODE_TOKEN"}
+    out = iop("probe", "--config", CONFIG, env=env)
+    assert out.returncode == 0, out.stderr
+    assert '"provider_status":"available"' in out.stdout
+    out = iop("run", "--config", CONFIG, "--max-tokens", "2", "hi", env=env)
+    assert out.returncode == 0, out.stderr
+
+
+def test_probe_still_needs_the_backends_variables(tmp_path: Path) -> None:
+    cfg = tmp_path / "node.toml"
+    cfg.write_text(
+        '[[instances]]\nadapter = "openai_compat"\nname = "o"\n'
+        'endpoint = "http://127.0.0.1:9"\nheaders = { Authorization = "Bearer ${IOP_T_KEY}" }\n'
+    )
+    out = iop("probe", "--config", str(cfg), env={})
+    assert out.returncode == 2
+    assert "IOP_T_KEY is not set" in out.stderr
+
+
+def test_help_names_every_endpoint_and_flag_alike() -> None:
+    edge = iop("edge", "--help").stdout
+    for path in ("/v1/chat/completions", "/v1/models", "/metrics", "/admin", "/readyz"):
+        assert path in edge, path
+    for cmd in ("up", "edge", "node", "sim", "run", "probe"):
+        text = iop(cmd, "--help").stdout
+        assert "--config FILE" in text, cmd
+        assert "--log-level" in text, cmd
+
+
+def test_up_help_says_the_tiny_model_cannot_call_tools() -> None:
+    text = " ".join(iop("up", "--help").stdout.split())
+    assert "tool calls" in text
+    assert "--backend sim" in text

@@ -1,0 +1,154 @@
+"""``iop up --backend sim`` as an operator sees it: its output, its signals, tool calls.
+
+Real ``iop up`` processes (the simulated backend, so no model is needed):
+every line it prints on stderr is a log record in the format of
+docs/operations.md; a second SIGTERM cuts a drain short with exit 143; and
+the sim backend is the one to demo tool calls with (the tiny llama.cpp model
+cannot: README "Try it").
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+from pathlib import Path
+from typing import Any, Final
+
+import openai
+import pytest
+
+from tests.e2e._platform import (
+    LOG_LINE,
+    MODEL,
+    Proc,
+    StreamResult,
+    read_more,
+    read_stream,
+    toml_dumps,
+)
+
+pytestmark = pytest.mark.slow
+
+MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
+# Generous bound on an exit that should be prompt (a hang guard, not a timing claim).
+EXIT_BOUND_S: Final = 5.0
+
+
+def start_up(log_dir: Path, *flags: str, config: dict[str, Any] | None = None) -> tuple[Proc, str]:
+    args = ["up", "--backend", "sim", "--port", "0", *flags]
+    if config is not None:
+        path = log_dir / "up.toml"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(toml_dumps(config))
+        args += ["--config", str(path)]
+    proc = Proc("iop-up", args, log_dir)
+    try:
+        proc.wait_stdout(r"iop up: ready; models: 'iop-sim'")
+    except BaseException:
+        proc.stop()
+        raise
+    m = re.search(r"OpenAI API on (http://\S+)/v1", proc.stdout())
+    assert m is not None, proc.logs()
+    return proc, m.group(1)
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30)
+
+
+def test_everything_on_stderr_is_a_log_record(tmp_path: Path) -> None:
+    proc, url = start_up(tmp_path)
+    try:
+        with (
+            client(url) as c,
+            c.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True) as s,
+        ):
+            assert read_stream(s).finish_reason in ("stop", "length")
+    finally:
+        rc = proc.stop()
+    assert rc == 0, proc.logs()
+    lines = proc.stderr().splitlines()
+    assert lines, "iop up logs its start and stop"
+    strays = [line for line in lines if not LOG_LINE.match(line)]
+    assert strays == [], "\n".join(strays)
+    # hypercorn's start-up line once, in our format, not its own.
+    assert sum("Running on http://" in line for line in lines) == 1
+    assert any(" iop.up: SIGTERM received: draining" in line for line in lines)
+    assert lines[-1].endswith(" iop.up: stopped")
+    # stdout is the two start-up lines of docs/operations.md, nothing else.
+    out = proc.stdout().splitlines()
+    assert [line.split(":")[0] for line in out] == ["iop edge", "iop up"], out
+
+
+def test_log_level_after_the_subcommand(tmp_path: Path) -> None:
+    proc, _ = start_up(tmp_path, "--log-level", "warning")
+    assert proc.stop() == 0, proc.logs()
+    assert " INFO " not in proc.stderr(), proc.stderr()
+    assert "WARNING iop.edge: node local disconnected" in proc.stderr()
+
+
+def test_second_sigterm_stops_a_drain_at_once(tmp_path: Path) -> None:
+    """First SIGTERM: drain (30 s here, with a stream running); second: exit 143 at once."""
+    proc, url = start_up(
+        tmp_path,
+        config={
+            "edge": {"server": {"drain_timeout_s": 30.0, "keepalive_interval_s": 0.5}},
+            "node": {"id": "local", "drain_timeout_s": 30.0},
+        },
+    )
+    try:
+        with (
+            client(url) as c,
+            c.chat.completions.create(
+                model=MODEL,
+                messages=MESSAGES,
+                stream=True,
+                extra_body={"iop_sim": {"output_tokens": 1000, "tokens_per_s": 20.0}},
+            ) as s,
+        ):
+            it = iter(s)
+            r = StreamResult([], "", [], "", {}, None, None)
+            read_more(it, r, 3)
+            proc.send(signal.SIGTERM)
+            proc.wait_stderr(r"draining node local: 1 runs? in flight", timeout=10)
+            assert proc.alive, "the drain waits for the stream"
+            proc.send(signal.SIGTERM)
+            rc = proc.wait(EXIT_BOUND_S)
+            with pytest.raises((openai.APIError, openai.APIConnectionError)):
+                read_more(it, r)
+    finally:
+        proc.stop()
+    assert rc == 128 + signal.SIGTERM, proc.logs()
+    assert "iop.up: SIGTERM again: stopping now" in proc.stderr()
+    assert r.finish_reason is None
+
+
+def test_the_sim_backend_demos_tool_calls(tmp_path: Path) -> None:
+    """README "Try it" points tool-call demos at `iop up --backend sim`: it must deliver."""
+    proc, url = start_up(tmp_path)
+    tools: Any = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
+    try:
+        with client(url) as c:
+            completion = c.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": "Weather in Paris?"}],
+                tools=tools,
+                tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            )
+    finally:
+        assert proc.stop() == 0, proc.logs()
+    (choice,) = completion.choices
+    assert choice.finish_reason == "tool_calls"
+    calls = choice.message.tool_calls
+    assert calls
+    assert calls[0].function.name == "get_weather"
+    json.loads(calls[0].function.arguments)
