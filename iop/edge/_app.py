@@ -36,6 +36,7 @@ from werkzeug.exceptions import HTTPException
 
 from iop.edge._admin_page import render_admin_page
 from iop.edge._core import EdgeCore
+from iop.edge._link_guard import LINK_LIMITS_SCOPE_KEY, LinkFrameLimits
 from iop.edge._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from iop.edge._openai_out import (
     ChatCompletionCollector,
@@ -46,13 +47,16 @@ from iop.edge._openai_out import (
     openai_error_type,
 )
 from iop.edge._request import parse_chat_request
-from iop.errors import IopError, RequestError
+from iop.errors import IopError, LinkProtocolError, RequestError
 from iop.events import Cancelled, CancelReason, Error, RuntimeEvent, Start, is_terminal
-from iop.protocol import CLOSE_NORMAL, CLOSE_PROTOCOL, LinkClosed
+from iop.protocol import CLOSE_NORMAL, CLOSE_TOO_BIG, LinkClosed
 from iop.runtime import Run, new_run_id
 from iop.spec import ExecutionSpec
 
-__all__ = ["create_edge_app"]
+__all__ = ["LINK_PATH", "create_edge_app"]
+
+# The node link's WebSocket endpoint.
+LINK_PATH: Final = "/v1/link"
 
 _NO_OUTCOME: Final = Error(
     message="run ended without an outcome", status=500, code="internal_error"
@@ -96,10 +100,16 @@ def _from_exc(exc: IopError) -> Response:
 
 
 class _WebSocketChannel:
-    """``FrameChannel`` over quart's websocket object (binary frames only)."""
+    """``FrameChannel`` over quart's websocket object (binary frames only).
 
-    def __init__(self) -> None:
+    With the frame guard installed (``serve_edge``), a frame over the limit
+    never reaches quart: the guard wakes ``receive``, which raises
+    ``LinkClosed`` (1009).
+    """
+
+    def __init__(self, limits: LinkFrameLimits | None = None) -> None:
         self._closed = False
+        self._limits = limits
 
     async def send(self, frame: bytes) -> None:
         if self._closed:
@@ -107,11 +117,26 @@ class _WebSocketChannel:
         await websocket.send(frame)
 
     async def receive(self) -> bytes:
-        data = await websocket.receive()
-        if isinstance(data, str):
+        limits = self._limits
+        with trio.CancelScope() as scope:
+            if limits is not None:
+                if limits.oversize is not None:
+                    scope.cancel()
+                limits.waiting(scope)
+            try:
+                data = await websocket.receive()
+            finally:
+                if limits is not None:
+                    limits.waiting(None)
+        if scope.cancelled_caught:
+            assert limits is not None
             raise LinkClosed(
-                "text frame on the node link", close_code=CLOSE_PROTOCOL, reason="text frame"
+                f"frame of more than {limits.oversize} bytes (limit {limits.limit})",
+                close_code=CLOSE_TOO_BIG,
+                reason="frame too big",
             )
+        if isinstance(data, str):
+            raise LinkProtocolError("text frame on the node link (the link is binary frames)")
         return data
 
     async def aclose(self, code: int = CLOSE_NORMAL, reason: str = "") -> None:
@@ -256,11 +281,18 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
             if not handed_over:
                 run.cancel(CancelReason.CLIENT_DISCONNECT, "client disconnected")
 
-    @app.websocket("/v1/link")
+    @app.websocket(LINK_PATH)
     async def node_link() -> None:
-        peer = websocket.headers.get("Remote-Addr", "")
+        client = websocket.scope.get("client")
+        peer = f"{client[0]}:{client[1]}" if client else websocket.headers.get("Remote-Addr", "")
+        found = websocket.scope.get(LINK_LIMITS_SCOPE_KEY)
+        limits = found if isinstance(found, LinkFrameLimits) else None
         await websocket.accept()
-        await core.handle_link(_WebSocketChannel(), peer=peer)
+        await core.handle_link(
+            _WebSocketChannel(limits),
+            peer=peer,
+            on_open=None if limits is None else limits.open,
+        )
 
     return app
 
