@@ -13,8 +13,18 @@ import threading
 from typing import Any
 
 import pytest
+import trio
+from trio_websocket import ConnectionClosed
 
-from tests.e2e._platform import MODEL, Procs, Sim, StreamResult, read_stream
+from iop.protocol import (
+    CLOSE_ID_IN_USE,
+    CLOSE_PROTOCOL,
+    CLOSE_TOO_BIG,
+    LinkClosed,
+    NodeSession,
+)
+from iop.node._ws import open_ws_link
+from tests.e2e._platform import MODEL, TOKEN, Procs, Sim, StreamResult, read_stream
 
 pytestmark = pytest.mark.slow
 
@@ -65,9 +75,82 @@ def test_a_max_size_body_does_not_break_other_streams(procs: Procs, sim: Sim) ->
     )
     for t in threads:
         t.join(60)
-    assert resp.status_code in (200, 413), resp.text
+    # The sim takes bodies up to 4 MiB (iop/sim/_server.py): its own 413,
+    # relayed, proves the request crossed the link whole.
+    assert resp.status_code == 413, resp.text
+    assert resp.json()["error"]["code"] == "backend_http_error"
+    assert "vllm returned 413" in resp.json()["error"]["message"]
     for r in results:
         assert isinstance(r, StreamResult), r
         assert r.finish_reason == "stop"
         assert len(r.content_deltas) == 40
     assert edge.outcome("cancelled:node_lost") == 0
+
+
+async def _first_close(url: str, *frames: bytes | str) -> tuple[int | None, str]:
+    """Send ``frames`` on a fresh link connection; the close code and reason it gets.
+
+    Over the node's own channel (``open_ws_link`` closes the socket even when
+    the server closed first); a text frame goes through its WebSocket.
+    """
+    async with open_ws_link(url) as chan:
+        try:
+            for frame in frames:
+                await chan._ws.send_message(frame)
+            with trio.fail_after(10):
+                while True:
+                    await chan.receive()
+        except LinkClosed as exc:
+            return exc.close_code, exc.reason
+        except ConnectionClosed as exc:  # closed while we were still sending
+            assert exc.reason is not None
+            return exc.reason.code, exc.reason.reason or ""
+    raise AssertionError("unreachable")
+
+
+def test_a_big_frame_before_the_hello_is_closed_at_once_and_logged(procs: Procs) -> None:
+    edge = procs.edge({})
+    code, _ = trio.run(_first_close, edge.link_url, b"\x00" * (4 << 20))
+    assert code == CLOSE_TOO_BIG
+    m = edge.proc.wait_stderr(
+        r"node link from 127\.0\.0\.1:\d+: frame of more than \d+ bytes before its hello "
+        r"\(limit 262144\): closing \(1009\)",
+        timeout=10,
+    )
+    assert m is not None
+
+
+def test_a_text_frame_first_is_a_protocol_error(procs: Procs) -> None:
+    edge = procs.edge({})
+    code, reason = trio.run(_first_close, edge.link_url, "hello?")
+    assert code == CLOSE_PROTOCOL
+    assert "text frame" in reason
+    edge.proc.wait_stderr(r"refusing node link from 127\.0\.0\.1:\d+: text frame", timeout=10)
+
+
+def test_a_live_node_id_cannot_be_taken_over(procs: Procs, sim: Sim) -> None:
+    """A second connection with a valid token and the id of a live node is
+    refused with 4410 (both sides log it); the live node's stream completes."""
+    edge = procs.edge({"server": {"keepalive_interval_s": 0.5}})
+    procs.node([edge], sim, node_id="n1")
+    edge.wait_ready(node_id="n1")
+    with (
+        edge.openai() as client,
+        client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            stream=True,
+            extra_body={"iop_sim": {"output_tokens": 30, "tokens_per_s": 20.0}},
+        ) as stream,
+    ):
+        session = NodeSession(node_id="n1", token=TOKEN, now=0.0)
+        for _ in range(3):  # repeatedly, as the issue saw
+            code, reason = trio.run(_first_close, edge.link_url, session.hello([]))
+            assert code == CLOSE_ID_IN_USE
+            assert "in use by a live link" in reason
+        r = read_stream(stream)
+    assert r.finish_reason == "stop"
+    assert len(r.content_deltas) == 30
+    assert edge.outcome("cancelled:node_lost") == 0
+    edge.proc.wait_stderr(r"refusing node from 127\.0\.0\.1:\d+: node id 'n1' is in use", 10)
+    assert [n["id"] for n in edge.admin()["nodes"]] == ["n1"]
