@@ -8,6 +8,7 @@ instances.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -37,6 +38,7 @@ from iop.protocol import (
     CLOSE_BAD_TOKEN,
     CLOSE_GOING_AWAY,
     CLOSE_HEARTBEAT,
+    CLOSE_ID_IN_USE,
     CLOSE_NORMAL,
     CapabilitiesChanged,
     EdgeSession,
@@ -815,3 +817,71 @@ async def test_a_run_id_still_running_is_refused(autojump_clock: trio.abc.Clock)
         assert len(agent.snapshot().links) == 2
         await first.close()
         await second.close()
+
+
+async def test_a_live_id_refusal_is_an_error_log_and_max_backoff(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """4410 (another live node has this id): the node says so, naming the edge
+    and the id, and retries only at the maximum backoff, never in a hot loop."""
+    dialer = Dialer()
+    async with (
+        running_node(sim(), reconnect_min_s=0.2, reconnect_max_s=7.0) as agent,
+        trio.open_nursery() as nursery,
+    ):
+        await nursery.start(partial(agent.serve, connect=dialer.connect))
+        _, edge = await dialer.next_edge()
+        for _ in range(2):
+            await edge.chan.receive()  # the hello
+            await edge.chan.aclose(CLOSE_ID_IN_USE, "node id 'n1' is in use by a live link")
+            refused_at = trio.current_time()
+            dialled_at, edge = await dialer.next_edge()
+            assert dialled_at - refused_at == pytest.approx(7.0)
+        nursery.cancel_scope.cancel()
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2
+    assert EDGE.url in errors[0]
+    assert "4410" in errors[0]
+    assert "another live node already uses the id 'n1'" in errors[0]
+
+
+async def test_frames_stay_within_what_the_edge_accepts(autojump_clock: trio.abc.Clock) -> None:
+    """The welcome says how big a frame the edge accepts; a batch that would
+    be bigger goes out in several frames, and the link stays up."""
+    async with running_node(sim(output_tokens=60)) as agent, trio.open_nursery() as nursery:
+        edge_chan, node_chan = memory_link_pair()
+        edge = FakeEdge(edge_chan)
+        edge.session.max_frame_bytes = 400  # the welcome tells the node
+
+        async def serve() -> None:
+            with contextlib.suppress(LinkError):
+                await agent.serve_link(node_chan, edge=EDGE)
+            edge.node_done.set()
+
+        nursery.start_soon(serve)
+        hello = await edge.handshake()
+        assert hello.max_frame_bytes == NodeSection(id="x").max_frame_bytes
+        edge.start(nursery)
+        await edge.assign("r1", credit=64)
+        events = await edge.wait_finished("r1")
+        assert_grammar(events)
+        assert sum(isinstance(e, Delta) for e in events) == 60
+        assert edge.frames["r1"] > 1
+        assert edge.closed is None
+        await edge.close()
+
+
+def test_an_event_larger_than_any_frame_ends_only_its_run() -> None:
+    from iop.node._agent import _fit_frames
+
+    small, big = Delta("a"), Delta("x" * 5000)
+    assert _fit_frames("r1", [small, small], 1000) == [[small, small]]
+    assert _fit_frames("r1", [small] * 3, 64 + 2 + 2 * len(encode_event(small))) == [
+        [small, small],
+        [small],
+    ]
+    assert _fit_frames("r1", [small, big, small], 1000) == [[small], None]
+
+
+def encode_event(ev: RuntimeEvent) -> bytes:
+    return msgspec.msgpack.encode(ev)
