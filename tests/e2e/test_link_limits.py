@@ -9,7 +9,9 @@ node id cannot be taken over by a second connection.
 
 from __future__ import annotations
 
+import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,9 +22,12 @@ from iop.node._ws import open_ws_link
 from iop.protocol import (
     CLOSE_ID_IN_USE,
     CLOSE_PROTOCOL,
+    CLOSE_RATE,
     CLOSE_TOO_BIG,
     LinkClosed,
     NodeSession,
+    Pong,
+    encode,
 )
 from tests.e2e._platform import MODEL, TOKEN, Procs, Sim, StreamResult, read_stream
 
@@ -154,3 +159,41 @@ def test_a_live_node_id_cannot_be_taken_over(procs: Procs, sim: Sim) -> None:
     assert edge.outcome("cancelled:node_lost") == 0
     edge.proc.wait_stderr(r"refusing node from 127\.0\.0\.1:\d+: node id 'n1' is in use", 10)
     assert [n["id"] for n in edge.admin()["nodes"]] == ["n1"]
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _flood(url: str, count: int) -> tuple[int, int | None, str]:
+    """Say hello as a valid node, then send ``count`` pongs; (sent, close code, reason)."""
+    session = NodeSession(node_id="flooder", token=TOKEN, now=0.0)
+    pong = encode(Pong(nonce=1))
+    sent = 0
+    async with open_ws_link(url) as chan:
+        try:
+            await chan.send(session.hello([]))
+            await chan.receive()  # the welcome
+            for _ in range(count):
+                await chan.send(pong)
+                sent += 1
+            with trio.fail_after(10):
+                while True:
+                    await chan.receive()
+        except LinkClosed as exc:
+            return sent, exc.close_code, exc.reason
+    raise AssertionError("unreachable")
+
+
+def test_a_flooding_node_is_cut_off(procs: Procs) -> None:
+    """100,000 messages that cost no credit: the edge closes the link with
+    4429 once the burst (link.control_burst = 1000) is spent."""
+    edge = procs.edge({})
+    cpu0 = _cpu_s(edge.proc.pid)
+    sent, code, reason = trio.run(_flood, edge.link_url, 100_000)
+    cpu = _cpu_s(edge.proc.pid) - cpu0
+    print(f"\nflood: {sent} pongs sent before the close ({code} {reason}); edge CPU {cpu:.2f} s")
+    assert code == CLOSE_RATE
+    assert sent < 100_000
+    edge.proc.wait_stderr(r"node flooder broke the protocol: .*message rate.*\(close 4429\)", 10)
