@@ -18,6 +18,7 @@ import pytest
 import trio
 from trio_websocket import ConnectionClosed
 
+from iop.events import Delta
 from iop.node._ws import open_ws_link
 from iop.protocol import (
     CLOSE_ID_IN_USE,
@@ -27,6 +28,7 @@ from iop.protocol import (
     LinkClosed,
     NodeSession,
     Pong,
+    RunEvents,
     encode,
 )
 from tests.e2e._platform import MODEL, TOKEN, Procs, Sim, StreamResult, read_stream
@@ -197,3 +199,28 @@ def test_a_flooding_node_is_cut_off(procs: Procs) -> None:
     assert code == CLOSE_RATE
     assert sent < 100_000
     edge.proc.wait_stderr(r"node flooder broke the protocol: .*message rate.*\(close 4429\)", 10)
+
+
+async def _hello_then(url: str, frame: bytes) -> tuple[int | None, str]:
+    session = NodeSession(node_id="big-framer", token=TOKEN, now=0.0)
+    async with open_ws_link(url) as chan:
+        try:
+            await chan.send(session.hello([]))
+            await chan.receive()  # the welcome
+            await chan.send(frame)
+            with trio.fail_after(10):
+                while True:
+                    await chan.receive()
+        except LinkClosed as exc:
+            return exc.close_code, exc.reason
+    raise AssertionError("unreachable")
+
+
+def test_after_the_hello_the_frame_limit_is_raised(procs: Procs) -> None:
+    """A 1 MiB frame is over the pre-hello limit but fine after it: the edge
+    reads it (and closes 4400 because no such run is assigned, not 1009)."""
+    edge = procs.edge({})
+    frame = encode(RunEvents(run_id="nope", seq=0, events=[Delta("x" * (1 << 20))]))
+    code, reason = trio.run(_hello_then, edge.link_url, frame)
+    assert code == CLOSE_PROTOCOL, reason
+    assert "not assigned on this link" in reason
