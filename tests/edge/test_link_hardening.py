@@ -8,6 +8,7 @@ are checked. The node is a scripted ``NodeSession`` over a memory link
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import msgspec
@@ -15,7 +16,9 @@ import pytest
 import trio
 import trio.testing
 
-from iop.edge import open_edge_core
+from iop.config import EdgeConfig
+from iop.edge import EdgeCore, open_edge_core
+from iop.edge._registry import LINK_OUTBOX
 from iop.events import Cancelled, CancelReason, Complete, Delta, Error, Start
 from iop.protocol import (
     CLOSE_GOING_AWAY,
@@ -25,11 +28,13 @@ from iop.protocol import (
     Hello,
     LinkClosed,
     NodeSession,
+    Pong,
     RunEvents,
     encode,
 )
+from iop.runtime import Run
 from iop.spec import ChatRequest, ExecutionSpec, Message
-from iop.testing import memory_link_pair
+from iop.testing import MemoryFrameChannel, memory_link_pair
 from tests.edge.test_core import TOKEN, FakeNode, caps, config, connect, drain_events, spec
 
 
@@ -169,27 +174,79 @@ async def test_a_request_too_big_for_the_node_is_refused_alone(
         nursery.cancel_scope.cancel()
 
 
-async def test_returning_credit_on_a_closed_link_is_node_lost_not_a_500(
+async def _run_with_a_full_outbox(
+    core: EdgeCore, nursery: trio.Nursery
+) -> tuple[Run, MemoryFrameChannel, FakeNode]:
+    """A run whose node stopped reading: the link's outbox is full (pings
+    piled up behind a blocked writer) when the run consumes half its window."""
+    edge_end, node_end = memory_link_pair(buffer=1)
+    nursery.start_soon(core.handle_link, edge_end, "test")
+    node = FakeNode(node_end, "n1")
+    await node.hello([caps()])
+    await trio.testing.wait_all_tasks_blocked()
+    run = core.start_run(spec())
+    conn = core.registry.nodes["n1"]
+
+    async def keep_alive() -> None:  # the node still sends; it just does not read
+        with contextlib.suppress(LinkClosed):
+            while True:
+                await node_end.send(encode(Pong(nonce=0)))
+                await trio.sleep(0.2)
+
+    nursery.start_soon(keep_alive)
+    while conn.outbox.statistics().current_buffer_used < LINK_OUTBOX:
+        await trio.sleep(0.05)
+    frame = encode(RunEvents(run_id="r1", seq=0, events=[Start(), *[Delta("t")] * 40]))
+    await node_end.send(frame)
+    return run, node_end, node
+
+
+async def test_returning_credit_never_waits_on_a_full_outbox(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """The run is blocked on its slow consumer with a half window consumed;
-    the link closes meanwhile. Its credit must not go to a closed outbox."""
-    cfg = config()
-    cfg = msgspec.structs.replace(cfg, link=msgspec.structs.replace(cfg.link, run_window=64))
-    async with open_edge_core(cfg) as core, trio.open_nursery() as nursery:
-        node = await connect(core, nursery, [caps()], "n1")
-        run = core.start_run(spec())
-        await node.assigns.receive()
-        await node.send("r1", Start(), *[Delta(str(i)) for i in range(40)])
-        await trio.testing.wait_all_tasks_blocked()  # the run waits on its consumer
-        await node.chan.aclose(CLOSE_GOING_AWAY, "node restarting")
+    """The run gives credit back while the outbox is full; the link then
+    closes. The run ends node_lost (not a 500 from a closed outbox)."""
+    async with open_edge_core(_fast_pings()) as core, trio.open_nursery() as nursery:
+        run, node_end, _ = await _run_with_a_full_outbox(core, nursery)
+        got = [await run.events.receive() for _ in range(41)]  # a half window and more
+        assert len(got) == 41
         await trio.testing.wait_all_tasks_blocked()
+        assert core.registry.nodes["n1"].pending_credit == {"r1": 41}
+        await node_end.aclose(CLOSE_GOING_AWAY, "node restarting")
         events = await drain_events(run)
         end = events[-1]
         assert isinstance(end, Cancelled), end
         assert end.reason is CancelReason.NODE_LOST
         assert core.outcomes == {"cancelled:node_lost": 1}
         nursery.cancel_scope.cancel()
+
+
+async def test_credit_that_found_the_outbox_full_is_sent_later(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with open_edge_core(_fast_pings()) as core, trio.open_nursery() as nursery:
+        run, _, node = await _run_with_a_full_outbox(core, nursery)
+        for _ in range(41):
+            await run.events.receive()
+        await trio.testing.wait_all_tasks_blocked()
+        node.session.receive(await node.chan.receive(), trio.current_time())  # the assign
+        nursery.start_soon(node.serve)  # the node reads again
+        while not node.credits:
+            await trio.sleep(0.05)
+        assert [(c.run_id, c.credit) for c in node.credits] == [("r1", 41)]
+        assert core.registry.nodes["n1"].pending_credit == {}
+        run.cancel(CancelReason.CLIENT_DISCONNECT)
+        nursery.cancel_scope.cancel()
+
+
+def _fast_pings() -> EdgeConfig:
+    cfg = config()
+    return msgspec.structs.replace(
+        cfg,
+        link=msgspec.structs.replace(
+            cfg.link, run_window=64, heartbeat_interval_s=0.01, control_burst=100_000
+        ),
+    )
 
 
 class _StuckChannel:
