@@ -224,3 +224,14 @@ def test_after_the_hello_the_frame_limit_is_raised(procs: Procs) -> None:
     code, reason = trio.run(_hello_then, edge.link_url, frame)
     assert code == CLOSE_PROTOCOL, reason
     assert "not assigned on this link" in reason
+
+
+def test_a_node_that_leaves_cleanly_is_logged_at_info(procs: Procs, sim: Sim) -> None:
+    edge = procs.edge({})
+    node = procs.node([edge], sim, node_id="n1")
+    edge.wait_ready(node_id="n1")
+    node.proc.stop()  # SIGTERM: drain, goodbye, close 1001
+    m = edge.proc.wait_stderr(r"(\w+) +iop\.edge: node n1 disconnected: ([^\n]*)", timeout=15)
+    assert m.group(1) == "INFO", m.group(0)
+    assert "None" not in m.group(2)
+    assert "goodbye" in m.group(2) or "closed cleanly" in m.group(2)

@@ -885,3 +885,31 @@ def test_an_event_larger_than_any_frame_ends_only_its_run() -> None:
 
 def encode_event(ev: RuntimeEvent) -> bytes:
     return msgspec.msgpack.encode(ev)
+
+
+class _StuckClose:
+    """A memory link end whose close never finishes (an edge that stopped reading)."""
+
+    def __init__(self, chan: MemoryFrameChannel) -> None:
+        self._chan = chan
+        self.closes = 0
+
+    async def send(self, frame: bytes) -> None:
+        await self._chan.send(frame)
+
+    async def receive(self) -> bytes:
+        return await self._chan.receive()
+
+    async def aclose(self, code: int = CLOSE_NORMAL, reason: str = "") -> None:
+        self.closes += 1
+        await trio.sleep_forever()
+
+
+async def test_closing_a_stuck_link_is_bounded(autojump_clock: trio.abc.Clock) -> None:
+    cfg = NodeConfig(node=NodeSection(id="n1"), instances=[sim()])
+    async with open_node_agent(cfg, welcome_timeout_s=1.0) as agent:
+        _, node_chan = memory_link_pair()
+        stuck = _StuckClose(node_chan)
+        with trio.fail_after(10), pytest.raises(LinkClosed, match="no welcome"):
+            await agent.serve_link(stuck, edge=EDGE)
+        assert stuck.closes == 1
