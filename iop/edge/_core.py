@@ -338,7 +338,7 @@ class EdgeCore:
         )
         who = peer or "?"
         try:
-            opened = await self._handshake(chan, session, who)
+            opened = await self._handshake(chan, session, who, on_open)
         except LinkClosed as exc:
             log.info("node link from %s closed during handshake: %s", who, exc)
             return
@@ -364,12 +364,22 @@ class EdgeCore:
             return
         conn, outbox_receive = opened
         conn.peer = who
-        if on_open is not None:
-            on_open(session.max_frame_bytes)
+        try:
+            # Again, with no wait before the registration: two newcomers
+            # with one id may both have passed the check before the welcome.
+            self._check_id_free(conn.node_id, who)
+        except _NodeIdInUse as exc:
+            log.warning("refusing node from %s: %s", who, exc)
+            await _close(chan, CLOSE_ID_IN_USE, exc.message)
+            return
         await self._serve_connection(chan, session, conn, outbox_receive)
 
     async def _handshake(
-        self, chan: FrameChannel, session: EdgeSession, peer: str
+        self,
+        chan: FrameChannel,
+        session: EdgeSession,
+        peer: str,
+        on_open: Callable[[int], None] | None,
     ) -> tuple[NodeConnection, trio.MemoryReceiveChannel[bytes]] | None:
         with trio.move_on_after(HELLO_TIMEOUT_S):
             frame = await chan.receive()
@@ -378,6 +388,9 @@ class EdgeCore:
             assert reply is not None
             hello = event.hello
             self._check_id_free(hello.node_id, peer)
+            if on_open is not None:
+                # Before the welcome: the node may answer it with a big frame at once.
+                on_open(session.max_frame_bytes)
             await chan.send(reply)
             outbox_send, outbox_receive = trio.open_memory_channel[bytes](LINK_OUTBOX)
             conn = NodeConnection(

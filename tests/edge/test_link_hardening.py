@@ -296,3 +296,23 @@ async def test_a_clean_goodbye_is_info_and_a_heartbeat_loss_a_warning(
         assert line.levelno == logging.WARNING
         assert "4408 heartbeat timeout" in line.getMessage()
         nursery.cancel_scope.cancel()
+
+
+async def test_two_newcomers_with_one_id_get_one_registration(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Both hellos pass the check before either node is registered: the
+    second to register is still refused (4410), the first is not replaced."""
+    async with open_edge_core(config()) as core, trio.open_nursery() as nursery:
+        ends = []
+        for peer in ("a", "b"):
+            edge_end, node_end = memory_link_pair()
+            nursery.start_soon(core.handle_link, edge_end, peer)
+            await node_end.send(NodeSession(node_id="n1", token=TOKEN, now=0.0).hello([caps()]))
+            ends.append(node_end)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(core.registry.nodes) == 1
+        assert sorted(str(e.close_code) for e in ends) == ["4410", "None"]
+        live = core.registry.nodes["n1"]
+        assert live.close_code is None
+        nursery.cancel_scope.cancel()
