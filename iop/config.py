@@ -363,6 +363,9 @@ class LinkSettings(_Config, frozen=True, kw_only=True):
         control_rate_per_s: Messages per second a node may send that cost
             no credit (pong, caps, bye); above it, and the burst, 4429.
         control_burst: How many of those may come at once.
+        max_queued_bytes: Bytes of a node's complete frames that may wait
+            unread between the server and the link handler (4429 above). 0:
+            twice the frame limit (``EdgeConfig.link_queued_bytes``).
     """
 
     node_tokens: list[str] = []
@@ -374,6 +377,7 @@ class LinkSettings(_Config, frozen=True, kw_only=True):
     max_frame_bytes: int = 0
     control_rate_per_s: float = 50.0
     control_burst: int = 1000
+    max_queued_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
@@ -384,6 +388,8 @@ class LinkSettings(_Config, frozen=True, kw_only=True):
             raise ValueError("max_hello_bytes must be >= 1024")
         if self.max_frame_bytes and self.max_frame_bytes < self.max_hello_bytes:
             raise ValueError("max_frame_bytes must be 0 (derived) or >= max_hello_bytes")
+        if self.max_queued_bytes < 0:
+            raise ValueError("max_queued_bytes must be 0 (derived) or positive")
         if not self.control_rate_per_s > 0 or self.control_burst < 1:
             raise ValueError("control_rate_per_s must be > 0 and control_burst >= 1")
 
@@ -438,6 +444,17 @@ class EdgeConfig(_Config, frozen=True, kw_only=True):
         if self.link.max_frame_bytes:
             return self.link.max_frame_bytes
         return max(2 * self.server.max_body_bytes + 1024 * 1024, self.link.max_hello_bytes)
+
+    @property
+    def link_queued_bytes(self) -> int:
+        """Bytes of a node's frames that may wait unread on the edge.
+
+        ``link.max_queued_bytes``, or when 0 twice the frame limit: the reader
+        never blocks, so a healthy link holds at most a frame or two; without
+        this, hypercorn's and quart's queues (10 messages each) could hold 20
+        frames of up to the limit per link.
+        """
+        return self.link.max_queued_bytes or 2 * self.link_frame_bytes
 
 
 class EmbeddedBackend(_Config, frozen=True, kw_only=True):

@@ -47,9 +47,9 @@ from iop.edge._openai_out import (
     openai_error_type,
 )
 from iop.edge._request import parse_chat_request
-from iop.errors import IopError, LinkProtocolError, RequestError
+from iop.errors import IopError, LinkLimitError, LinkProtocolError, RequestError
 from iop.events import Cancelled, CancelReason, Error, RuntimeEvent, Start, is_terminal
-from iop.protocol import CLOSE_NORMAL, CLOSE_TOO_BIG, LinkClosed
+from iop.protocol import CLOSE_NORMAL, CLOSE_RATE, CLOSE_TOO_BIG, LinkClosed
 from iop.runtime import Run, new_run_id
 from iop.spec import ExecutionSpec
 
@@ -104,7 +104,8 @@ class _WebSocketChannel:
 
     With the frame guard installed (``serve_edge``), a frame over the limit
     never reaches quart: the guard wakes ``receive``, which raises
-    ``LinkClosed`` (1009).
+    ``LinkClosed`` (1009, already sent by hypercorn); too many bytes queued
+    unread raise ``LinkLimitError`` (4429, the handler closes).
     """
 
     def __init__(self, limits: LinkFrameLimits | None = None) -> None:
@@ -118,9 +119,10 @@ class _WebSocketChannel:
 
     async def receive(self) -> bytes:
         limits = self._limits
+        data: bytes | str | None = None
         with trio.CancelScope() as scope:
             if limits is not None:
-                if limits.oversize is not None:
+                if limits.tripped:
                     scope.cancel()
                 limits.waiting(scope)
             try:
@@ -128,13 +130,22 @@ class _WebSocketChannel:
             finally:
                 if limits is not None:
                     limits.waiting(None)
-        if scope.cancelled_caught:
-            assert limits is not None
-            raise LinkClosed(
-                f"frame of more than {limits.oversize} bytes (limit {limits.limit})",
-                close_code=CLOSE_TOO_BIG,
-                reason="frame too big",
-            )
+        if limits is not None:
+            if data is not None:
+                limits.consumed(len(data))
+            if limits.oversize is not None:
+                raise LinkClosed(
+                    f"frame of more than {limits.oversize} bytes (limit {limits.limit})",
+                    close_code=CLOSE_TOO_BIG,
+                    reason="frame too big",
+                )
+            if limits.overqueued:
+                raise LinkLimitError(
+                    f"{limits.queued} bytes queued unread (limit {limits.max_queued})",
+                    close_code=CLOSE_RATE,
+                )
+        if data is None:  # pragma: no cover - only a tripped guard cancels the scope
+            raise LinkClosed("link closed")
         if isinstance(data, str):
             raise LinkProtocolError("text frame on the node link (the link is binary frames)")
         return data

@@ -13,6 +13,11 @@ and the link handler raises it once the hello is accepted
 at once (its bytes freed), hypercorn closes with 1009, the guard logs it with
 the peer's address, and the handler's pending receive is woken.
 
+It also bounds the bytes a connection has queued between hypercorn and the
+link handler (``link.max_queued_bytes``): complete messages waiting in
+hypercorn's and quart's queues because the edge's reader is behind. Above
+it the handler closes the link with ``CLOSE_RATE`` (4429).
+
 The guard also declines permessage-deflate on the link: a compressed chunk is
 inflated in full before any length check, so a 64 KiB frame could become
 tens of MiB. The link carries msgpack over a LAN; it needs no compression.
@@ -50,12 +55,37 @@ class LinkFrameLimits:
             the limit (None while it has not).
     """
 
-    def __init__(self, limit: int, peer: str) -> None:
+    def __init__(self, limit: int, peer: str, max_queued: int = 0) -> None:
         self.limit = limit
         self.peer = peer
+        self.max_queued = max_queued  # 0: not bounded here
+        self.queued = 0
+        self.overqueued = False
         self.authenticated = False
         self.oversize: int | None = None
         self._waiter: trio.CancelScope | None = None
+
+    @property
+    def tripped(self) -> bool:
+        return self.oversize is not None or self.overqueued
+
+    def delivered(self, size: int) -> None:
+        """hypercorn handed a whole message of ``size`` bytes towards the app."""
+        self.queued += size
+        if self.max_queued and self.queued > self.max_queued and not self.tripped:
+            self.overqueued = True
+            log.warning(
+                "node link from %s: %d bytes queued unread (limit %d): closing (4429)",
+                self.peer,
+                self.queued,
+                self.max_queued,
+            )
+            if self._waiter is not None:
+                self._waiter.cancel()
+
+    def consumed(self, size: int) -> None:
+        """The handler took a message of ``size`` bytes."""
+        self.queued = max(0, self.queued - size)
 
     def open(self, limit: int) -> None:
         """The hello was accepted: allow frames up to ``limit``."""
@@ -64,7 +94,7 @@ class LinkFrameLimits:
 
     def trip(self, size: int) -> None:
         """A message crossed the limit: log it and wake the handler."""
-        if self.oversize is not None:
+        if self.tripped:
             return
         self.oversize = size
         when = "after its hello" if self.authenticated else "before its hello"
@@ -103,6 +133,11 @@ class _GuardedBuffer(WebsocketBuffer):
             raise FrameTooLargeError()
         super().extend(event)
 
+    def to_message(self) -> dict[str, Any]:
+        message: dict[str, Any] = super().to_message()
+        self._limits.delivered(self.length)
+        return message
+
 
 class LinkFrameGuard:
     """ASGI middleware: per-connection frame limits on the link path.
@@ -111,12 +146,14 @@ class LinkFrameGuard:
         app: The edge's ASGI app.
         path: The link's path (``/v1/link``).
         hello_limit: The limit before the hello (``link.max_hello_bytes``).
+        max_queued: Bytes a connection may have queued unread (0: unbounded).
     """
 
-    def __init__(self, app: Any, *, path: str, hello_limit: int) -> None:
+    def __init__(self, app: Any, *, path: str, hello_limit: int, max_queued: int = 0) -> None:
         self._app = app
         self._path = path
         self._hello_limit = hello_limit
+        self._max_queued = max_queued
         self._warned = False
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -141,7 +178,7 @@ class LinkFrameGuard:
             return None
         client = scope.get("client")
         peer = f"{client[0]}:{client[1]}" if client else "?"
-        limits = LinkFrameLimits(self._hello_limit, peer)
+        limits = LinkFrameLimits(self._hello_limit, peer, self._max_queued)
         stream.buffer = _GuardedBuffer(limits)
         handshake.extensions = None  # no permessage-deflate (see the module doc)
         return limits

@@ -48,7 +48,10 @@ async def serve_edge(
     stop = shutdown if shutdown is not None else trio.Event()
     async with open_edge_core(config) as core:
         app = LinkFrameGuard(
-            create_edge_app(core), path=LINK_PATH, hello_limit=config.link.max_hello_bytes
+            create_edge_app(core),
+            path=LINK_PATH,
+            hello_limit=config.link.max_hello_bytes,
+            max_queued=config.link_queued_bytes,
         )
         hc = HypercornConfig()
         hc.bind = [f"{config.server.host}:{config.server.port}"]
