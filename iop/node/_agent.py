@@ -88,6 +88,7 @@ from iop.errors import (
     IopError,
     LinkAuthError,
     LinkError,
+    LinkLimitError,
     LinkProtocolError,
 )
 from iop.events import Cancelled, CancelReason, Error, RuntimeEvent, is_terminal
@@ -377,6 +378,11 @@ def _close_reason(text: str) -> str:
     # A WebSocket close reason is at most 123 bytes of UTF-8 (RFC 6455 §5.5).
     data = text.encode()
     return text if len(data) <= 120 else data[:120].decode(errors="ignore")
+
+
+def _close_code(exc: LinkProtocolError) -> int:
+    """The close code for a protocol error: a crossed limit carries its own."""
+    return exc.close_code if isinstance(exc, LinkLimitError) else CLOSE_PROTOCOL
 
 
 def _first_link_error(group: BaseExceptionGroup[LinkError]) -> LinkError:
@@ -674,7 +680,7 @@ class NodeAgent:
             try:
                 event = session.receive(frame, trio.current_time())
             except LinkProtocolError as exc:
-                link.close_code, link.close_reason = CLOSE_PROTOCOL, _close_reason(exc.message)
+                link.close_code, link.close_reason = _close_code(exc), _close_reason(exc.message)
                 raise
             if not isinstance(event, Welcomed):  # the session accepts only a welcome here
                 raise InvariantError(f"handshake produced {type(event).__name__}")
@@ -700,7 +706,7 @@ class NodeAgent:
                 link.fail(exc)
             except LinkProtocolError as exc:
                 log.error("edge %s broke the link protocol: %s", link.edge.url, exc)
-                link.fail(exc, CLOSE_PROTOCOL, exc.message)
+                link.fail(exc, _close_code(exc), exc.message)
         if liveness.cancelled_caught:
             timeout = session.heartbeat_timeout_s
             link.fail(

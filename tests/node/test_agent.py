@@ -40,14 +40,17 @@ from iop.protocol import (
     CLOSE_HEARTBEAT,
     CLOSE_ID_IN_USE,
     CLOSE_NORMAL,
+    CLOSE_TOO_BIG,
     CapabilitiesChanged,
     EdgeSession,
     Hello,
     LinkClosed,
     NodeDraining,
     NodeJoined,
+    Ping,
     RunEvents,
     decode_node_message,
+    encode,
 )
 from iop.runtime import RUN_EVENT_BUFFER
 from iop.spec import ChatRequest, ExecutionSpec, Message
@@ -913,3 +916,16 @@ async def test_closing_a_stuck_link_is_bounded(autojump_clock: trio.abc.Clock) -
         with trio.fail_after(10), pytest.raises(LinkClosed, match="no welcome"):
             await agent.serve_link(stuck, edge=EDGE)
         assert stuck.closes == 1
+
+
+async def test_a_frame_above_the_node_limit_closes_1009(autojump_clock: trio.abc.Clock) -> None:
+    async with (
+        running_node(sim(), max_frame_bytes=65536) as agent,
+        trio.open_nursery() as nursery,
+    ):
+        edge = await link(nursery, agent, ping=False)
+        await edge.chan.send(encode(Ping(nonce=1)) + b"\x00" * 70_000)
+        await edge.node_done.wait()
+        assert edge.chan.close_code == CLOSE_TOO_BIG
+        assert edge.node_error is not None
+        assert "limit 65536" in edge.node_error.message
