@@ -12,8 +12,10 @@ Durations are seconds (``*_s``); ``0`` or an absent optional deadline means
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import socket
 import tomllib
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
@@ -214,6 +216,31 @@ class SimInstance(InstanceBase, frozen=True, tag="sim", kw_only=True):
 InstanceConfig = OpenAICompatInstance | VllmInstance | SimInstance
 
 
+# Where a machine's stable identity lives (systemd; D-Bus on older systems).
+_MACHINE_ID_FILES: Final = ("/etc/machine-id", "/var/lib/dbus/machine-id")
+
+
+def default_node_id() -> str:
+    """The node id when the config sets none: unique per machine, stable across restarts.
+
+    ``HOSTNAME-XXXXXXXX``: the host name (what an operator recognises) and 8
+    hex digits of a hash of the machine id, so two machines that share a
+    host name (cloned VMs, containers named alike) still differ. Two nodes on
+    one machine need ids of their own in their configs: the edge refuses the
+    second while the first is live (close code 4410).
+    """
+    host = re.sub(r"[^A-Za-z0-9.-]+", "-", socket.gethostname()).strip("-.") or "node"
+    seed = host
+    for path in _MACHINE_ID_FILES:
+        try:
+            seed = Path(path).read_text().strip() or seed
+        except OSError:
+            continue
+        break
+    digest = hashlib.blake2b(seed.encode(), digest_size=4).hexdigest()
+    return f"{host}-{digest}"
+
+
 class NodeEdge(_Config, frozen=True, kw_only=True):
     """An edge this node dials.
 
@@ -242,14 +269,26 @@ class NodeSection(_Config, frozen=True, kw_only=True):
         reconnect_max_s: Cap of the exponential reconnect backoff.
         probe_interval_s: How often instances are probed (changes are pushed).
         drain_timeout_s: On SIGINT/SIGTERM, how long in-flight runs may finish.
+        max_frame_bytes: Largest frame the node accepts from an edge (told
+            to the edge in the hello; the edge refuses a run whose Assign
+            would not fit with a 413 instead of sending it).
     """
 
-    id: str = "node"
+    id: str = msgspec.field(default_factory=lambda: default_node_id())
     edges: list[NodeEdge] = []
     reconnect_min_s: float = 0.2
     reconnect_max_s: float = 5.0
     probe_interval_s: float = 10.0
     drain_timeout_s: float = 10.0
+    # An edge with the default server.max_body_bytes (8 MiB) sends Assign
+    # frames of up to ~19 MiB (EdgeConfig.link_frame_bytes): 32 MiB has room.
+    max_frame_bytes: int = 32 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            raise ValueError("node id must not be empty")
+        if self.max_frame_bytes < 64 * 1024:
+            raise ValueError("max_frame_bytes must be >= 65536")
 
 
 class NodeConfig(_Config, frozen=True, kw_only=True):
@@ -340,18 +379,44 @@ class LinkSettings(_Config, frozen=True, kw_only=True):
         heartbeat_timeout_s: Silence after which a node is lost and its runs
             end with ``node_lost``.
         run_window: Per-run credit, in events, a node may have in flight.
+        max_hello_bytes: Largest frame a connection may send before its
+            hello is accepted (1009 above): all an unauthenticated peer can
+            make the edge buffer.
+        max_frame_bytes: Largest frame from an authenticated node (1009
+            above); told to the node in the welcome. 0: derived from
+            ``server.max_body_bytes`` (``EdgeConfig.link_frame_bytes``).
+        control_rate_per_s: Messages per second a node may send that cost
+            no credit (pong, caps, bye); above it, and the burst, 4429.
+        control_burst: How many of those may come at once.
+        max_queued_bytes: Bytes of a node's complete frames that may wait
+            unread between the server and the link handler (4429 above). 0:
+            twice the frame limit (``EdgeConfig.link_queued_bytes``).
     """
 
     node_tokens: list[str] = []
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 1.5
     run_window: int = 64
+    # Why these numbers: iop.protocol._session (DEFAULT_MAX_HELLO_BYTES, ...).
+    max_hello_bytes: int = 256 * 1024
+    max_frame_bytes: int = 0
+    control_rate_per_s: float = 50.0
+    control_burst: int = 1000
+    max_queued_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
         if self.run_window < 1:
             raise ValueError("run_window must be >= 1")
+        if self.max_hello_bytes < 1024:
+            raise ValueError("max_hello_bytes must be >= 1024")
+        if self.max_frame_bytes and self.max_frame_bytes < self.max_hello_bytes:
+            raise ValueError("max_frame_bytes must be 0 (derived) or >= max_hello_bytes")
+        if self.max_queued_bytes < 0:
+            raise ValueError("max_queued_bytes must be 0 (derived) or positive")
+        if not self.control_rate_per_s > 0 or self.control_burst < 1:
+            raise ValueError("control_rate_per_s must be > 0 and control_burst >= 1")
 
 
 class SchedulerSettings(_Config, frozen=True, kw_only=True):
@@ -390,6 +455,31 @@ class EdgeConfig(_Config, frozen=True, kw_only=True):
 
     def policy_for(self, model: str) -> OutputPolicy:
         return self.models.get(model) or self.models.get("*") or OutputPolicy()
+
+    @property
+    def link_frame_bytes(self) -> int:
+        """The largest frame the edge accepts from a node after its hello.
+
+        ``link.max_frame_bytes``, or when 0, derived from the largest request
+        body: a body re-encoded as msgpack takes at most ~2.25x its JSON (a
+        float such as ``0.5,`` is 4 bytes of JSON and 9 of msgpack), so twice
+        the body plus 1 MiB of envelope. A node's frames are event batches,
+        far smaller than requests; the same bound keeps one number per link.
+        """
+        if self.link.max_frame_bytes:
+            return self.link.max_frame_bytes
+        return max(2 * self.server.max_body_bytes + 1024 * 1024, self.link.max_hello_bytes)
+
+    @property
+    def link_queued_bytes(self) -> int:
+        """Bytes of a node's frames that may wait unread on the edge.
+
+        ``link.max_queued_bytes``, or when 0 twice the frame limit: the reader
+        never blocks, so a healthy link holds at most a frame or two; without
+        this, hypercorn's and quart's queues (10 messages each) could hold 20
+        frames of up to the limit per link.
+        """
+        return self.link.max_queued_bytes or 2 * self.link_frame_bytes
 
 
 class EmbeddedBackend(_Config, frozen=True, kw_only=True):

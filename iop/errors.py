@@ -18,6 +18,7 @@ in IOP), or the backend (``BackendError`` and its children)::
     ├── LinkError                   the edge<->node link failed
     │   ├── LinkAuthError           a node presented a bad token / version
     │   ├── LinkProtocolError       a peer sent a frame that breaks the protocol
+    │   │   └── LinkLimitError      ... or crossed a link limit (frame size, rate)
     │   └── LinkClosed              the link closed (WebSocket close code, reason)
     └── BackendError                the inference backend failed                -> 5xx / backend's status
         ├── BackendUnavailable      connection refused, DNS, connect timeout    -> 503
@@ -49,6 +50,7 @@ __all__ = [
     "LinkAuthError",
     "LinkClosed",
     "LinkError",
+    "LinkLimitError",
     "LinkProtocolError",
     "ListenError",
     "RequestError",
@@ -190,6 +192,20 @@ class LinkProtocolError(LinkError):
 
     code = "link_protocol_error"
     status = 502
+
+
+class LinkLimitError(LinkProtocolError):
+    """A peer crossed a limit of the link: a frame too large, too many messages.
+
+    Attributes:
+        close_code: The WebSocket close code the link is closed with.
+    """
+
+    code = "link_limit_exceeded"
+
+    def __init__(self, message: str, *, close_code: int) -> None:
+        super().__init__(message)
+        self.close_code = close_code
 
 
 class LinkClosed(LinkError):

@@ -41,6 +41,7 @@ from werkzeug.exceptions import HTTPException
 from iop.edge._admin_auth import COOKIE_NAME, AdminGate, Verdict, key_matches
 from iop.edge._admin_page import render_admin_page, render_login_page
 from iop.edge._core import EdgeCore
+from iop.edge._link_guard import LINK_LIMITS_SCOPE_KEY, LinkFrameLimits
 from iop.edge._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from iop.edge._openai_out import (
     ChatCompletionCollector,
@@ -51,13 +52,16 @@ from iop.edge._openai_out import (
     openai_error_type,
 )
 from iop.edge._request import parse_chat_request
-from iop.errors import IopError, RequestError
+from iop.errors import IopError, LinkLimitError, LinkProtocolError, RequestError
 from iop.events import Cancelled, CancelReason, Error, RuntimeEvent, Start, is_terminal
-from iop.protocol import CLOSE_NORMAL, CLOSE_PROTOCOL, LinkClosed
+from iop.protocol import CLOSE_NORMAL, CLOSE_RATE, CLOSE_TOO_BIG, LinkClosed
 from iop.runtime import Run, new_run_id
 from iop.spec import ExecutionSpec
 
-__all__ = ["create_edge_app"]
+__all__ = ["LINK_PATH", "create_edge_app"]
+
+# The node link's WebSocket endpoint.
+LINK_PATH: Final = "/v1/link"
 
 _NO_OUTCOME: Final = Error(
     message="run ended without an outcome", status=500, code="internal_error"
@@ -187,10 +191,17 @@ def _over_https() -> bool:
 
 
 class _WebSocketChannel:
-    """``FrameChannel`` over quart's websocket object (binary frames only)."""
+    """``FrameChannel`` over quart's websocket object (binary frames only).
 
-    def __init__(self) -> None:
+    With the frame guard installed (``serve_edge``), a frame over the limit
+    never reaches quart: the guard wakes ``receive``, which raises
+    ``LinkClosed`` (1009, already sent by hypercorn); too many bytes queued
+    unread raise ``LinkLimitError`` (4429, the handler closes).
+    """
+
+    def __init__(self, limits: LinkFrameLimits | None = None) -> None:
         self._closed = False
+        self._limits = limits
 
     async def send(self, frame: bytes) -> None:
         if self._closed:
@@ -198,11 +209,36 @@ class _WebSocketChannel:
         await websocket.send(frame)
 
     async def receive(self) -> bytes:
-        data = await websocket.receive()
+        limits = self._limits
+        data: bytes | str | None = None
+        with trio.CancelScope() as scope:
+            if limits is not None:
+                if limits.tripped:
+                    scope.cancel()
+                limits.waiting(scope)
+            try:
+                data = await websocket.receive()
+            finally:
+                if limits is not None:
+                    limits.waiting(None)
+        if limits is not None:
+            if data is not None:
+                limits.consumed(len(data))
+            if limits.oversize is not None:
+                raise LinkClosed(
+                    f"frame of more than {limits.oversize} bytes (limit {limits.limit})",
+                    close_code=CLOSE_TOO_BIG,
+                    reason="frame too big",
+                )
+            if limits.overqueued:
+                raise LinkLimitError(
+                    f"{limits.queued} bytes queued unread (limit {limits.max_queued})",
+                    close_code=CLOSE_RATE,
+                )
+        if data is None:  # pragma: no cover - only a tripped guard cancels the scope
+            raise LinkClosed("link closed")
         if isinstance(data, str):
-            raise LinkClosed(
-                "text frame on the node link", close_code=CLOSE_PROTOCOL, reason="text frame"
-            )
+            raise LinkProtocolError("text frame on the node link (the link is binary frames)")
         return data
 
     async def aclose(self, code: int = CLOSE_NORMAL, reason: str = "") -> None:
@@ -405,11 +441,18 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
             if not handed_over:
                 run.cancel(CancelReason.CLIENT_DISCONNECT, "client disconnected")
 
-    @app.websocket("/v1/link")
+    @app.websocket(LINK_PATH)
     async def node_link() -> None:
-        peer = websocket.headers.get("Remote-Addr", "")
+        client = websocket.scope.get("client")
+        peer = f"{client[0]}:{client[1]}" if client else websocket.headers.get("Remote-Addr", "")
+        found = websocket.scope.get(LINK_LIMITS_SCOPE_KEY)
+        limits = found if isinstance(found, LinkFrameLimits) else None
         await websocket.accept()
-        await core.handle_link(_WebSocketChannel(), peer=peer)
+        await core.handle_link(
+            _WebSocketChannel(limits),
+            peer=peer,
+            on_open=None if limits is None else limits.open,
+        )
 
     return app
 

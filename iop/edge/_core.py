@@ -37,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Final
@@ -56,12 +56,20 @@ from iop.edge._registry import (
     Scheduler,
     affinity_key,
 )
-from iop.errors import LinkAuthError, LinkProtocolError, RequestError, RunAborted
+from iop.errors import (
+    LinkAuthError,
+    LinkError,
+    LinkLimitError,
+    LinkProtocolError,
+    RequestError,
+    RunAborted,
+)
 from iop.events import Cancelled, CancelReason, Error, Start, is_terminal
 from iop.protocol import (
     CLOSE_BAD_TOKEN,
     CLOSE_GOING_AWAY,
     CLOSE_HEARTBEAT,
+    CLOSE_ID_IN_USE,
     CLOSE_NORMAL,
     CLOSE_PROTOCOL,
     CLOSE_REPLACED,
@@ -84,12 +92,31 @@ log = logging.getLogger("iop.edge")
 HELLO_TIMEOUT_S: Final = 5.0
 # How long a Cancel may take to reach the outbox from a cancelled run.
 CANCEL_SEND_TIMEOUT_S: Final = 1.0
+# Our side of closing a link (shielded cleanup, so it must be short): a peer
+# that stopped reading must not keep a handler, or a drain, waiting.
+CLOSE_TIMEOUT_S: Final = 1.0
 # Attempts of one run across nodes (the first try plus failovers).
 MAX_ATTEMPTS: Final = 3
 # Node errors before Start that another node may not have.
 _RETRYABLE_CODES: Final = frozenset(
     {"queue_full", "node_draining", "unknown_instance", "backend_unavailable"}
 )
+
+
+class _NodeIdInUse(LinkError):
+    """A second connection presented the id of a node whose link is alive."""
+
+
+async def _close(chan: FrameChannel, code: int, reason: str) -> None:
+    """Close ``chan`` within ``CLOSE_TIMEOUT_S``, even while being cancelled."""
+    with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
+        await chan.aclose(code, _close_reason(reason))
+
+
+def _close_reason(text: str) -> str:
+    # A WebSocket close reason is at most 123 bytes of UTF-8 (RFC 6455 §5.5).
+    data = text.encode()
+    return text if len(data) <= 120 else data[:120].decode(errors="ignore")
 
 
 class _Retry(Exception):
@@ -178,9 +205,7 @@ class RemoteExecutor:
             while True:
                 batch = await rr.receive.receive()
                 if isinstance(batch, LinkLost):
-                    if not output:
-                        raise _Retry(conn.node_id, batch.message)
-                    raise RunAborted(masker.mask(batch.message), reason=CancelReason.NODE_LOST)
+                    raise self._lost(conn, batch.message, output)
                 for ev in batch:
                     if isinstance(ev, Start):
                         consumed += 1  # it used credit even when not forwarded
@@ -198,10 +223,11 @@ class RemoteExecutor:
                         return
                     consumed += 1
                 if consumed * 2 >= window:
-                    grant = conn.session.grant(run_id, consumed)
+                    # Never blocks: a run must not wait on the link to give
+                    # credit back (a full outbox queues it on the connection).
+                    if not conn.return_credit(run_id, consumed):
+                        raise self._lost(conn, f"node {conn.node_id} lost: link closed", output)
                     consumed = 0
-                    if grant is not None:
-                        await conn.outbox.send(grant)
         finally:
             conn.close_run(run_id)
             if not finished:
@@ -213,6 +239,12 @@ class RemoteExecutor:
                             trio.BrokenResourceError, trio.ClosedResourceError
                         ):
                             await conn.outbox.send(frame)
+
+    def _lost(self, conn: NodeConnection, message: str, output: bool) -> Exception:
+        """What a run does when its node's link is gone: fail over, or end node_lost."""
+        if not output:
+            return _Retry(conn.node_id, message)
+        return RunAborted(self._core.masker.mask(message), reason=CancelReason.NODE_LOST)
 
 
 class EdgeCore:
@@ -306,44 +338,89 @@ class EdgeCore:
 
     # --- node links -------------------------------------------------------------
 
-    async def handle_link(self, chan: FrameChannel, peer: str = "") -> None:
-        """Serve one node connection until it closes. Never raises (but Cancelled)."""
+    async def handle_link(
+        self,
+        chan: FrameChannel,
+        peer: str = "",
+        *,
+        on_open: Callable[[int], None] | None = None,
+    ) -> None:
+        """Serve one node connection until it closes. Never raises (but Cancelled).
+
+        Args:
+            chan: The connection.
+            peer: Who is at the other end (address), for logs.
+            on_open: Called with the frame limit after the hello once the
+                node is accepted, so a transport that enforces the limit
+                while buffering (hypercorn) can raise it from the hello's.
+        """
         link = self.config.link
         session = EdgeSession(
             tokens=link.node_tokens,
             heartbeat_interval_s=link.heartbeat_interval_s,
             heartbeat_timeout_s=link.heartbeat_timeout_s,
             now=trio.current_time(),
+            max_hello_bytes=link.max_hello_bytes,
+            max_frame_bytes=self.config.link_frame_bytes,
+            control_rate_per_s=link.control_rate_per_s,
+            control_burst=link.control_burst,
         )
+        who = peer or "?"
         try:
-            opened = await self._handshake(chan, session)
+            opened = await self._handshake(chan, session, who, on_open)
         except LinkClosed as exc:
-            log.info("node link from %s closed during handshake: %s", peer or "?", exc)
+            log.info("node link from %s closed during handshake: %s", who, exc)
             return
         except LinkAuthError as exc:
-            log.warning("refusing node from %s: %s", peer or "?", exc)
-            await chan.aclose(CLOSE_BAD_TOKEN, exc.message[:120])
+            log.warning("refusing node from %s: %s", who, exc)
+            await _close(chan, CLOSE_BAD_TOKEN, exc.message)
+            return
+        except _NodeIdInUse as exc:
+            log.warning("refusing node from %s: %s", who, exc)
+            await _close(chan, CLOSE_ID_IN_USE, exc.message)
+            return
+        except LinkLimitError as exc:
+            log.warning("refusing node link from %s: %s (close %d)", who, exc, exc.close_code)
+            await _close(chan, exc.close_code, exc.message)
             return
         except LinkProtocolError as exc:
-            log.warning("refusing node from %s: %s", peer or "?", exc)
-            await chan.aclose(CLOSE_PROTOCOL, exc.message[:120])
+            log.warning("refusing node link from %s: %s", who, exc)
+            await _close(chan, CLOSE_PROTOCOL, exc.message)
             return
         if opened is None:
-            log.warning("node link from %s: no hello within %gs", peer or "?", HELLO_TIMEOUT_S)
-            await chan.aclose(CLOSE_PROTOCOL, "no hello")
+            log.warning("node link from %s: no hello within %gs", who, HELLO_TIMEOUT_S)
+            await _close(chan, CLOSE_PROTOCOL, "no hello")
             return
-        await self._serve_connection(chan, session, *opened)
+        conn, outbox_receive = opened
+        conn.peer = who
+        try:
+            # Again, with no wait before the registration: two newcomers
+            # with one id may both have passed the check before the welcome.
+            self._check_id_free(conn.node_id, who)
+        except _NodeIdInUse as exc:
+            log.warning("refusing node from %s: %s", who, exc)
+            await _close(chan, CLOSE_ID_IN_USE, exc.message)
+            return
+        await self._serve_connection(chan, session, conn, outbox_receive)
 
     async def _handshake(
-        self, chan: FrameChannel, session: EdgeSession
+        self,
+        chan: FrameChannel,
+        session: EdgeSession,
+        peer: str,
+        on_open: Callable[[int], None] | None,
     ) -> tuple[NodeConnection, trio.MemoryReceiveChannel[bytes]] | None:
         with trio.move_on_after(HELLO_TIMEOUT_S):
             frame = await chan.receive()
             event, reply = session.receive(frame, trio.current_time())
             assert isinstance(event, NodeJoined)
             assert reply is not None
-            await chan.send(reply)
             hello = event.hello
+            self._check_id_free(hello.node_id, peer)
+            if on_open is not None:
+                # Before the welcome: the node may answer it with a big frame at once.
+                on_open(session.max_frame_bytes)
+            await chan.send(reply)
             outbox_send, outbox_receive = trio.open_memory_channel[bytes](LINK_OUTBOX)
             conn = NodeConnection(
                 node_id=hello.node_id,
@@ -357,6 +434,29 @@ class EdgeCore:
             return conn, outbox_receive
         return None
 
+    def _check_id_free(self, node_id: str, peer: str) -> None:
+        """Refuse a node id whose link is alive: it must not be taken over.
+
+        A registered link is alive until its liveness deadline (last frame
+        plus ``heartbeat_timeout_s``) has passed; the edge pings every
+        ``heartbeat_interval_s``, so a live node is never near it. A link
+        past its deadline is dead (its watchdog is about to close it) and a
+        reconnecting node may replace it.
+
+        Raises:
+            _NodeIdInUse: The id is served by a live link.
+        """
+        old = self.registry.nodes.get(node_id)
+        if old is None:
+            return
+        now = trio.current_time()
+        if now < old.session.liveness_deadline:
+            raise _NodeIdInUse(
+                f"node id {node_id!r} is in use by a live link from {old.peer or '?'} "
+                f"(last heard {now - old.session.last_seen:.1f}s ago); "
+                "each node needs its own node.id"
+            )
+
     async def _serve_connection(
         self,
         chan: FrameChannel,
@@ -366,7 +466,15 @@ class EdgeCore:
     ) -> None:
         old = self.registry.add(conn)
         if old is not None:
-            log.warning("node %s reconnected: replacing its previous link", conn.node_id)
+            # _check_id_free let it in: the old link is past its deadline.
+            log.warning(
+                "node %s reconnected from %s: replacing its previous link from %s "
+                "(silent for %.1fs)",
+                conn.node_id,
+                conn.peer or "?",
+                old.peer or "?",
+                trio.current_time() - old.session.last_seen,
+            )
             old.close(CLOSE_REPLACED, "replaced by a new connection")
         log.info(
             "node %s connected: %s",
@@ -382,7 +490,7 @@ class EdgeCore:
         try:
             with conn.cancel_scope:
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._writer, chan, outbox_receive)
+                    nursery.start_soon(self._writer, chan, conn, outbox_receive)
                     nursery.start_soon(self._pinger, session, conn)
                     nursery.start_soon(self._watchdog, session, conn)
                     await self._reader(chan, session, conn)
@@ -392,8 +500,10 @@ class EdgeCore:
             if conn.close_code is None:
                 conn.close_code, conn.close_reason = closed.close_code, closed.reason or str(closed)
         except* LinkProtocolError as group:
-            log.warning("node %s broke the protocol: %s", conn.node_id, group.exceptions[0])
-            conn.close_code, conn.close_reason = CLOSE_PROTOCOL, str(group.exceptions[0])[:120]
+            exc = group.exceptions[0]
+            code = exc.close_code if isinstance(exc, LinkLimitError) else CLOSE_PROTOCOL
+            log.warning("node %s broke the protocol: %s (close %d)", conn.node_id, exc, code)
+            conn.close_code, conn.close_reason = code, _close_reason(str(exc))
         finally:
             self.registry.remove(conn)
             session.close()
@@ -406,16 +516,30 @@ class EdgeCore:
                     rr.send.send_nowait(LinkLost(f"node {conn.node_id} lost: {reason}"))
             outbox_receive.close()
             conn.outbox.close()
-            with trio.move_on_after(CANCEL_SEND_TIMEOUT_S, shield=True):
-                await chan.aclose(conn.close_code or CLOSE_NORMAL, conn.close_reason[:120])
-            log.warning(
-                "node %s disconnected (%s %s); %d run(s) affected",
-                conn.node_id,
-                conn.close_code,
-                reason,
-                affected,
-            )
+            await _close(chan, conn.close_code or CLOSE_NORMAL, conn.close_reason)
+            self._log_disconnect(conn, affected)
             self.scheduler.dispatch()
+
+    @staticmethod
+    def _log_disconnect(conn: NodeConnection, affected: int) -> None:
+        """INFO for a clean end (1000/1001, or a goodbye then close), else WARNING."""
+        code = conn.close_code
+        if code is None and conn.draining:
+            # The node said goodbye and closed: quart reports no close code.
+            level, how = logging.INFO, f"left after its goodbye ({conn.goodbye or 'draining'})"
+        elif code is None:
+            level, how = logging.WARNING, "closed the link without a goodbye"
+        elif code in (CLOSE_NORMAL, CLOSE_GOING_AWAY):
+            level, how = logging.INFO, f"closed cleanly ({code} {conn.close_reason or 'normal'})"
+        else:
+            level, how = logging.WARNING, f"lost ({code} {conn.close_reason or 'no reason'})"
+        log.log(
+            level,
+            "node %s disconnected: %s; %d run(s) affected",
+            conn.node_id,
+            how,
+            affected,
+        )
 
     async def _reader(self, chan: FrameChannel, session: EdgeSession, conn: NodeConnection) -> None:
         while True:
@@ -438,11 +562,21 @@ class EdgeCore:
                 self.scheduler.dispatch()
             elif isinstance(event, NodeDraining):
                 conn.draining = True
+                conn.goodbye = event.reason
                 log.info("node %s is draining: %s", conn.node_id, event.reason)
 
-    async def _writer(self, chan: FrameChannel, outbox: trio.MemoryReceiveChannel[bytes]) -> None:
+    async def _writer(
+        self,
+        chan: FrameChannel,
+        conn: NodeConnection,
+        outbox: trio.MemoryReceiveChannel[bytes],
+    ) -> None:
         async for frame in outbox:
             await chan.send(frame)
+            # Credit that found the outbox full (see return_credit): the
+            # outbox was not empty then, so this loop gets here soon.
+            for credit in conn.take_pending_credit():
+                await chan.send(credit)
 
     async def _pinger(self, session: EdgeSession, conn: NodeConnection) -> None:
         while True:

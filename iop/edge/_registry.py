@@ -1,7 +1,8 @@
 """The edge's view of its nodes, and the scheduler that places runs on them.
 
 ``NodeRegistry`` holds one ``NodeConnection`` per connected node id (a node
-that reconnects replaces its old registration) and, for each, the instances
+that reconnects replaces its old registration once that link is dead; a live
+one is never taken over) and, for each, the instances
 it advertised with the edge's own count of runs in flight on them.
 
 ``Scheduler`` places a run on the least-loaded instance that serves its model
@@ -33,7 +34,7 @@ from iop.capabilities import Capabilities, ProviderStatus
 from iop.config import SchedulerSettings
 from iop.errors import IopError, RunAborted
 from iop.events import CancelReason, RuntimeEvent
-from iop.protocol import EdgeSession
+from iop.protocol import Credit, EdgeSession, encode
 from iop.spec import ChatRequest
 
 __all__ = ["Lease", "NodeConnection", "NodeRegistry", "RemoteRun", "Scheduler", "affinity_key"]
@@ -87,11 +88,41 @@ class NodeConnection:
     instances: dict[str, InstanceState]
     connected_at: float
     software: str = ""
+    peer: str = ""
     draining: bool = False
+    goodbye: str = ""  # the reason of the node's goodbye, once it sent one
     runs: dict[str, RemoteRun] = field(default_factory=dict)
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     close_code: int | None = None
     close_reason: str = ""
+    # Credit granted while the outbox was full, by run; the writer sends it.
+    # At most one entry per run, each at most the run's window.
+    pending_credit: dict[str, int] = field(default_factory=dict)
+
+    def return_credit(self, run_id: str, credit: int) -> bool:
+        """Give ``credit`` back to a run, without waiting; False if the link is closed."""
+        frame = self.session.grant(run_id, credit)
+        if frame is None:
+            return True  # the run is over on the link: nothing to give back
+        try:
+            self.outbox.send_nowait(frame)
+        except trio.WouldBlock:
+            self.pending_credit[run_id] = self.pending_credit.get(run_id, 0) + credit
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return False
+        return True
+
+    def take_pending_credit(self) -> list[bytes]:
+        """Credit frames queued by ``return_credit`` (for the link writer)."""
+        if not self.pending_credit:
+            return []
+        frames = [
+            encode(Credit(run_id=run_id, credit=n))
+            for run_id, n in self.pending_credit.items()
+            if run_id in self.runs
+        ]
+        self.pending_credit.clear()
+        return frames
 
     def update_instances(self, caps: list[Capabilities]) -> None:
         old = self.instances
@@ -112,6 +143,7 @@ class NodeConnection:
 
     def close_run(self, run_id: str) -> None:
         rr = self.runs.pop(run_id, None)
+        self.pending_credit.pop(run_id, None)
         if rr is not None:
             rr.send.close()
             rr.receive.close()
@@ -124,7 +156,7 @@ class NodeConnection:
 
 
 class NodeRegistry:
-    """Connected nodes by id."""
+    """Connected nodes by id (``EdgeCore`` refuses an id whose link is alive)."""
 
     def __init__(self) -> None:
         self.nodes: dict[str, NodeConnection] = {}

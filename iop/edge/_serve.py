@@ -11,8 +11,9 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
 from iop.config import EdgeConfig
-from iop.edge._app import create_edge_app
+from iop.edge._app import LINK_PATH, create_edge_app
 from iop.edge._core import EdgeCore, open_edge_core
+from iop.edge._link_guard import LinkFrameGuard
 from iop.errors import listen_error_from
 
 __all__ = ["EdgeHandle", "serve_edge"]
@@ -50,7 +51,12 @@ async def serve_edge(
     """
     stop = shutdown if shutdown is not None else trio.Event()
     async with open_edge_core(config) as core:
-        app = create_edge_app(core)
+        app = LinkFrameGuard(
+            create_edge_app(core),
+            path=LINK_PATH,
+            hello_limit=config.link.max_hello_bytes,
+            max_queued=config.link_queued_bytes,
+        )
         hc = HypercornConfig()
         hc.bind = [f"{config.server.host}:{config.server.port}"]
         hc.accesslog = None
@@ -61,6 +67,10 @@ async def serve_edge(
         # Liveness is the link protocol's heartbeat (hypercorn's ping never
         # checks pongs: trio-stack.md §4).
         hc.websocket_ping_interval = None
+        # The only WebSocket is the node link: no message above its
+        # post-hello limit is ever buffered (the guard applies the smaller
+        # pre-hello one per connection; docs/operations.md "The node link").
+        hc.websocket_max_message_size = config.link_frame_bytes
 
         async def trigger() -> None:
             await stop.wait()

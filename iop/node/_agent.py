@@ -89,6 +89,7 @@ from iop.errors import (
     IopError,
     LinkAuthError,
     LinkError,
+    LinkLimitError,
     LinkProtocolError,
 )
 from iop.events import Cancelled, CancelReason, Error, RuntimeEvent, is_terminal
@@ -98,6 +99,7 @@ from iop.protocol import (
     CLOSE_BAD_TOKEN,
     CLOSE_GOING_AWAY,
     CLOSE_HEARTBEAT,
+    CLOSE_ID_IN_USE,
     CLOSE_NORMAL,
     CLOSE_PROTOCOL,
     CLOSE_REPLACED,
@@ -380,6 +382,11 @@ def _close_reason(text: str) -> str:
     return text if len(data) <= 120 else data[:120].decode(errors="ignore")
 
 
+def _close_code(exc: LinkProtocolError) -> int:
+    """The close code for a protocol error: a crossed limit carries its own."""
+    return exc.close_code if isinstance(exc, LinkLimitError) else CLOSE_PROTOCOL
+
+
 def _first_link_error(group: BaseExceptionGroup[LinkError]) -> LinkError:
     leaf: BaseException = group
     while isinstance(leaf, BaseExceptionGroup):
@@ -392,7 +399,11 @@ def _refused(exc: LinkError) -> bool:
     """The edge refused this node itself: retrying soon would only repeat it."""
     if isinstance(exc, LinkAuthError):
         return True
-    return isinstance(exc, LinkClosed) and exc.close_code in (CLOSE_BAD_TOKEN, CLOSE_REPLACED)
+    return isinstance(exc, LinkClosed) and exc.close_code in (
+        CLOSE_BAD_TOKEN,
+        CLOSE_REPLACED,
+        CLOSE_ID_IN_USE,
+    )
 
 
 # --- the agent ------------------------------------------------------------------
@@ -513,7 +524,11 @@ class NodeAgent:
     # --- dialling edges -----------------------------------------------------------
 
     def _default_connect(self, edge: NodeEdge) -> AbstractAsyncContextManager[FrameChannel]:
-        return open_ws_link(edge.url, connect_timeout_s=self._connect_timeout_s)
+        return open_ws_link(
+            edge.url,
+            connect_timeout_s=self._connect_timeout_s,
+            max_message_size=self.config.node.max_frame_bytes,
+        )
 
     async def serve(
         self,
@@ -570,12 +585,19 @@ class NodeAgent:
             lived = trio.current_time() - connected_at
             if _refused(failure):
                 delay = self.config.node.reconnect_max_s
+                if isinstance(failure, LinkClosed) and failure.close_code == CLOSE_ID_IN_USE:
+                    hint = (
+                        f"another live node already uses the id {self.node_id!r} on that "
+                        "edge; give each node its own node.id"
+                    )
+                else:
+                    hint = "check the node's id and the token of this edge in the config"
                 log.error(
-                    "edge %s refused node %s: %s; check the node's id and the token of "
-                    "this edge in the config; retrying in %.1fs",
+                    "edge %s refused node %s: %s; %s; retrying in %.1fs",
                     edge.url,
                     self.node_id,
                     failure,
+                    hint,
                     delay,
                 )
                 failures = 0
@@ -588,9 +610,12 @@ class NodeAgent:
                     where = "" if edge.url in failure.message else f"edge {edge.url}: "
                     log.warning("%s%s; retrying in %.1fs", where, failure, delay)
                 elif isinstance(failure, LinkClosed):
-                    log.warning(
-                        "link to edge %s lost (close %s %s) after %.1fs; reconnecting in %.1fs",
+                    clean = failure.close_code in (CLOSE_NORMAL, CLOSE_GOING_AWAY)
+                    log.log(
+                        logging.INFO if clean else logging.WARNING,
+                        "link to edge %s %s (close %s %s) after %.1fs; reconnecting in %.1fs",
                         edge.url,
+                        "closed" if clean else "lost",
                         failure.close_code,
                         failure.reason or failure.message,
                         lived,
@@ -640,6 +665,7 @@ class NodeAgent:
             token=edge.token,
             now=trio.current_time(),
             heartbeat_timeout_s=self._welcome_timeout_s,
+            max_frame_bytes=self.config.node.max_frame_bytes,
         )
         link = _Link(edge, chan, session)
         try:
@@ -672,7 +698,7 @@ class NodeAgent:
             try:
                 event = session.receive(frame, trio.current_time())
             except LinkProtocolError as exc:
-                link.close_code, link.close_reason = CLOSE_PROTOCOL, _close_reason(exc.message)
+                link.close_code, link.close_reason = _close_code(exc), _close_reason(exc.message)
                 raise
             if not isinstance(event, Welcomed):  # the session accepts only a welcome here
                 raise InvariantError(f"handshake produced {type(event).__name__}")
@@ -698,7 +724,7 @@ class NodeAgent:
                 link.fail(exc)
             except LinkProtocolError as exc:
                 log.error("edge %s broke the link protocol: %s", link.edge.url, exc)
-                link.fail(exc, CLOSE_PROTOCOL, exc.message)
+                link.fail(exc, _close_code(exc), exc.message)
         if liveness.cancelled_caught:
             timeout = session.heartbeat_timeout_s
             link.fail(
@@ -856,10 +882,24 @@ class NodeAgent:
                 batch.append(event)
             if is_terminal(batch[-1]):
                 batch[-1] = mask_event(batch[-1], self._masker)
-            await link.outbox_send.send(session.run_events(run_id, batch))
-            if is_terminal(batch[-1]):
-                lr.delivered = True
-                return
+            for part in _fit_frames(run_id, batch, session.peer_max_frame_bytes):
+                if part is None:
+                    # One event larger than the edge accepts: sending it would
+                    # close the link under every other run. This run alone ends.
+                    lr.cut_off(CancelReason.EXPLICIT, "event too large for the link")
+                    part = [
+                        Error(
+                            message=f"run {run_id}: the backend produced an event larger "
+                            f"than the edge accepts on the link "
+                            f"({session.peer_max_frame_bytes} bytes)",
+                            status=502,
+                            code="event_too_large",
+                        )
+                    ]
+                await link.outbox_send.send(session.run_events(run_id, part))
+                if is_terminal(part[-1]):
+                    lr.delivered = True
+                    return
 
     # --- drain --------------------------------------------------------------------------
 
@@ -975,6 +1015,44 @@ class NodeAgent:
             links=links,
             runs=runs,
         )
+
+
+# msgpack envelope of an events frame besides its events and run id (tag,
+# keys, seq, array header), generously.
+_EVENTS_FRAME_OVERHEAD: Final = 64
+
+
+def _fit_frames(
+    run_id: str, batch: list[RuntimeEvent], limit: int
+) -> list[list[RuntimeEvent] | None]:
+    """``batch`` cut into frames of at most ``limit`` bytes, in order.
+
+    A None stands for an event too large for any frame: nothing after it is
+    kept (the caller ends the run there).
+    """
+    room = limit - _EVENTS_FRAME_OVERHEAD - len(run_id.encode())
+    sizes = [len(_EVENT_ENCODER.encode(ev)) for ev in batch]
+    if sum(sizes) <= room:
+        return [batch]
+    parts: list[list[RuntimeEvent] | None] = []
+    current: list[RuntimeEvent] = []
+    used = 0
+    for ev, size in zip(batch, sizes, strict=True):
+        if size > room:
+            if current:
+                parts.append(current)
+            parts.append(None)
+            return parts
+        if used + size > room:
+            parts.append(current)
+            current, used = [], 0
+        current.append(ev)
+        used += size
+    parts.append(current)
+    return parts
+
+
+_EVENT_ENCODER: Final = msgspec.msgpack.Encoder()
 
 
 def _outcome(run: Run) -> RuntimeEvent:

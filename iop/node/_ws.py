@@ -48,11 +48,11 @@ log = logging.getLogger("iop.node.ws")
 DEFAULT_CONNECT_TIMEOUT_S: Final = 10.0
 # Close handshake; trio-websocket's default is 60 s (trio-stack.md §4).
 DISCONNECT_TIMEOUT_S: Final = 2.0
-# An Assign frame carries the whole chat request (long contexts, base64
-# images): the edge accepts bodies of up to 8 MiB by default, and msgpack
-# framing adds little. trio-websocket's 1 MiB default would close the link
+# The default of ``open_ws_link(max_message_size=...)``; the agent passes
+# ``node.max_frame_bytes`` (told to the edge in the hello, which sends
+# nothing bigger). trio-websocket's 1 MiB default would close the link
 # (1009) on a legitimate large request.
-MAX_FRAME_BYTES: Final = 16 * 1024 * 1024
+MAX_FRAME_BYTES: Final = 32 * 1024 * 1024
 
 
 def _link_closed(exc: ConnectionClosed, url: str) -> LinkClosed:
@@ -120,13 +120,17 @@ class WebSocketFrameChannel:
 
 @asynccontextmanager
 async def open_ws_link(
-    url: str, *, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S
+    url: str,
+    *,
+    connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    max_message_size: int = MAX_FRAME_BYTES,
 ) -> AsyncIterator[WebSocketFrameChannel]:
     """Connect to an edge's link endpoint; close the connection on exit.
 
     Args:
         url: ``ws://`` or ``wss://`` URL of the edge's link endpoint.
         connect_timeout_s: Deadline of the TCP connect and WebSocket upgrade.
+        max_message_size: Largest frame accepted (1009 above).
 
     Raises:
         LinkAuthError: The edge refused the upgrade with HTTP 401/403.
@@ -138,7 +142,7 @@ async def open_ws_link(
             url,
             connect_timeout=connect_timeout_s,
             disconnect_timeout=DISCONNECT_TIMEOUT_S,
-            max_message_size=MAX_FRAME_BYTES,
+            max_message_size=max_message_size,
         ) as ws:
             chan = WebSocketFrameChannel(ws, url)
             try:

@@ -70,6 +70,10 @@ class Hello(_Msg, frozen=True, kw_only=True, tag="hello"):
     token: str
     instances: list[Capabilities] = []
     software: str = ""
+    # The largest frame this node accepts (0: a node from before this field,
+    # which accepted 16 MiB). The edge sends nothing bigger: a run whose
+    # Assign would not fit is refused alone (413), the link stays up.
+    max_frame_bytes: int = 0
 
 
 class CapabilitiesUpdate(_Msg, frozen=True, kw_only=True, tag="caps"):
@@ -109,6 +113,9 @@ class Welcome(_Msg, frozen=True, kw_only=True, tag="welcome"):
     node_id: str
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
+    # The largest frame the edge accepts from this node (0: an edge from
+    # before this field; the node keeps its own limit).
+    max_frame_bytes: int = 0
 
 
 class Assign(_Msg, frozen=True, kw_only=True, tag="assign"):

@@ -16,9 +16,12 @@ __all__ = [
     "CLOSE_BAD_TOKEN",
     "CLOSE_GOING_AWAY",
     "CLOSE_HEARTBEAT",
+    "CLOSE_ID_IN_USE",
     "CLOSE_NORMAL",
     "CLOSE_PROTOCOL",
+    "CLOSE_RATE",
     "CLOSE_REPLACED",
+    "CLOSE_TOO_BIG",
     "FrameChannel",
     "LinkClosed",
 ]
@@ -26,10 +29,13 @@ __all__ = [
 # WebSocket close codes used on the link (4000-4999 are application codes).
 CLOSE_NORMAL: Final = 1000
 CLOSE_GOING_AWAY: Final = 1001  # the peer is shutting down
+CLOSE_TOO_BIG: Final = 1009  # a frame above the receiver's size limit (RFC 6455)
 CLOSE_PROTOCOL: Final = 4400  # a frame broke the protocol
 CLOSE_BAD_TOKEN: Final = 4401  # bad token or protocol version: do not retry blindly
 CLOSE_HEARTBEAT: Final = 4408  # the peer was silent past the heartbeat deadline
-CLOSE_REPLACED: Final = 4409  # the same node id connected again
+CLOSE_REPLACED: Final = 4409  # the same node id connected again, the old link was dead
+CLOSE_ID_IN_USE: Final = 4410  # refused: a live link already serves this node id
+CLOSE_RATE: Final = 4429  # the peer sent more than the link's message rate allows
 
 
 class FrameChannel(Protocol):

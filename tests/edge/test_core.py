@@ -20,6 +20,7 @@ from iop.events import Cancelled, CancelReason, Complete, Delta, Error, RuntimeE
 from iop.protocol import (
     CLOSE_BAD_TOKEN,
     CLOSE_HEARTBEAT,
+    CLOSE_ID_IN_USE,
     AssignReceived,
     CancelReceived,
     CreditReceived,
@@ -368,7 +369,34 @@ async def test_bad_token_is_refused_with_4401(
         assert core.registry.nodes == {}
 
 
-async def test_reconnect_replaces_the_old_registration(
+async def test_a_live_node_id_is_not_taken_over(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """docs/protocol.md "Refusals and close codes": 4410 for a second
+    connection with the id of a live node; the live node's runs go on."""
+    async with open_edge_core(config()) as core, trio.open_nursery() as nursery:
+        old = await connect(core, nursery, [caps()], "n1")
+        run = core.start_run(spec())
+        await old.assigns.receive()
+        await old.send("r1", Start(), Delta("a"))
+        live = core.registry.nodes["n1"]
+        edge_end, node_end = memory_link_pair()
+        nursery.start_soon(core.handle_link, edge_end, "10.0.0.7:4242")
+        intruder = FakeNode(node_end, "n1")
+        await node_end.send(intruder.session.hello([caps()]))
+        with pytest.raises(LinkClosed):
+            await node_end.receive()
+        assert node_end.close_code == CLOSE_ID_IN_USE
+        assert "in use by a live link" in node_end.close_reason
+        assert "refusing node from 10.0.0.7:4242: node id 'n1' is in use" in caplog.text
+        await old.send("r1", Delta("b"), Complete())
+        assert await drain_events(run) == [Start(), Delta("a"), Delta("b"), Complete()]
+        assert core.registry.nodes["n1"] is live
+        assert old.closed is None
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_dead_link_gives_its_id_to_the_reconnecting_node(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_edge_core(config()) as core, trio.open_nursery() as nursery:
@@ -376,15 +404,14 @@ async def test_reconnect_replaces_the_old_registration(
         run = core.start_run(spec())
         await old.assigns.receive()
         await old.send("r1", Start(), Delta("a"))
+        old.chan.freeze()  # a node that vanished without a FIN
+        await trio.sleep(2.0)  # past heartbeat_timeout_s (1.5 s)
         new = await connect(core, nursery, [caps()], "n1")
         events = await drain_events(run)
         assert isinstance(events[-1], Cancelled)
         assert events[-1].reason is CancelReason.NODE_LOST
-        assert core.registry.nodes["n1"].session is not None
         assert len(core.registry.nodes) == 1
-        await trio.testing.wait_all_tasks_blocked()
-        assert old.closed is not None
-        del new
+        assert new.closed is None
         nursery.cancel_scope.cancel()
 
 

@@ -9,6 +9,7 @@ instances.
 from __future__ import annotations
 
 import base64
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -47,15 +48,19 @@ from iop.protocol import (
     CLOSE_BAD_TOKEN,
     CLOSE_GOING_AWAY,
     CLOSE_HEARTBEAT,
+    CLOSE_ID_IN_USE,
     CLOSE_NORMAL,
+    CLOSE_TOO_BIG,
     CapabilitiesChanged,
     EdgeSession,
     Hello,
     LinkClosed,
     NodeDraining,
     NodeJoined,
+    Ping,
     RunEvents,
     decode_node_message,
+    encode,
 )
 from iop.runtime import RUN_EVENT_BUFFER, EventSender
 from iop.spec import ChatRequest, ExecutionSpec, Message
@@ -926,3 +931,112 @@ async def test_error_and_cancel_messages_lose_the_nodes_secrets(
         assert isinstance(end, Cancelled if cancel else Error)
         assert end.message == "token *** key *** b64 ***"
         await edge.close()
+
+
+async def test_a_live_id_refusal_is_an_error_log_and_max_backoff(
+    autojump_clock: trio.abc.Clock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """4410 (another live node has this id): the node says so, naming the edge
+    and the id, and retries only at the maximum backoff, never in a hot loop."""
+    dialer = Dialer()
+    async with (
+        running_node(sim(), reconnect_min_s=0.2, reconnect_max_s=7.0) as agent,
+        trio.open_nursery() as nursery,
+    ):
+        await nursery.start(partial(agent.serve, connect=dialer.connect))
+        _, edge = await dialer.next_edge()
+        for _ in range(2):
+            await edge.chan.receive()  # the hello
+            await edge.chan.aclose(CLOSE_ID_IN_USE, "node id 'n1' is in use by a live link")
+            refused_at = trio.current_time()
+            dialled_at, edge = await dialer.next_edge()
+            assert dialled_at - refused_at == pytest.approx(7.0)
+        nursery.cancel_scope.cancel()
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2
+    assert EDGE.url in errors[0]
+    assert "4410" in errors[0]
+    assert "another live node already uses the id 'n1'" in errors[0]
+
+
+async def test_frames_stay_within_what_the_edge_accepts(autojump_clock: trio.abc.Clock) -> None:
+    """The welcome says how big a frame the edge accepts; a batch that would
+    be bigger goes out in several frames, and the link stays up."""
+    async with running_node(sim(output_tokens=60)) as agent, trio.open_nursery() as nursery:
+        edge_chan, node_chan = memory_link_pair()
+        edge = FakeEdge(edge_chan)
+        edge.session.max_frame_bytes = 400  # the welcome tells the node
+
+        async def serve() -> None:
+            with contextlib.suppress(LinkError):
+                await agent.serve_link(node_chan, edge=EDGE)
+            edge.node_done.set()
+
+        nursery.start_soon(serve)
+        hello = await edge.handshake()
+        assert hello.max_frame_bytes == NodeSection(id="x").max_frame_bytes
+        edge.start(nursery)
+        await edge.assign("r1", credit=64)
+        events = await edge.wait_finished("r1")
+        assert_grammar(events)
+        assert sum(isinstance(e, Delta) for e in events) == 60
+        assert edge.frames["r1"] > 1
+        assert edge.closed is None
+        await edge.close()
+
+
+def test_an_event_larger_than_any_frame_ends_only_its_run() -> None:
+    from iop.node._agent import _fit_frames
+
+    small, big = Delta("a"), Delta("x" * 5000)
+    assert _fit_frames("r1", [small, small], 1000) == [[small, small]]
+    assert _fit_frames("r1", [small] * 3, 64 + 2 + 2 * len(encode_event(small))) == [
+        [small, small],
+        [small],
+    ]
+    assert _fit_frames("r1", [small, big, small], 1000) == [[small], None]
+
+
+def encode_event(ev: RuntimeEvent) -> bytes:
+    return msgspec.msgpack.encode(ev)
+
+
+class _StuckClose:
+    """A memory link end whose close never finishes (an edge that stopped reading)."""
+
+    def __init__(self, chan: MemoryFrameChannel) -> None:
+        self._chan = chan
+        self.closes = 0
+
+    async def send(self, frame: bytes) -> None:
+        await self._chan.send(frame)
+
+    async def receive(self) -> bytes:
+        return await self._chan.receive()
+
+    async def aclose(self, code: int = CLOSE_NORMAL, reason: str = "") -> None:
+        self.closes += 1
+        await trio.sleep_forever()
+
+
+async def test_closing_a_stuck_link_is_bounded(autojump_clock: trio.abc.Clock) -> None:
+    cfg = NodeConfig(node=NodeSection(id="n1"), instances=[sim()])
+    async with open_node_agent(cfg, welcome_timeout_s=1.0) as agent:
+        _, node_chan = memory_link_pair()
+        stuck = _StuckClose(node_chan)
+        with trio.fail_after(10), pytest.raises(LinkClosed, match="no welcome"):
+            await agent.serve_link(stuck, edge=EDGE)
+        assert stuck.closes == 1
+
+
+async def test_a_frame_above_the_node_limit_closes_1009(autojump_clock: trio.abc.Clock) -> None:
+    async with (
+        running_node(sim(), max_frame_bytes=65536) as agent,
+        trio.open_nursery() as nursery,
+    ):
+        edge = await link(nursery, agent, ping=False)
+        await edge.chan.send(encode(Ping(nonce=1)) + b"\x00" * 70_000)
+        await edge.node_done.wait()
+        assert edge.chan.close_code == CLOSE_TOO_BIG
+        assert edge.node_error is not None
+        assert "limit 65536" in edge.node_error.message
