@@ -12,6 +12,7 @@ Durations are seconds (``*_s``); ``0`` or an absent optional deadline means
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import tomllib
@@ -180,7 +181,18 @@ class SimConfig(_Config, frozen=True, kw_only=True):
             credential and echoes its ``Authorization`` header in the error
             message, as OpenAI-compatible servers do.
         fail_after_tokens: Tokens streamed before a mid-stream failure.
-        seed: Seed of the deterministic text.
+        seed: Seed of the deterministic text (and of the embedding vectors).
+        tool_call_names: Scripted tool mode, for driving real agents through
+            a tool round trip: the first of these names the request declares
+            as a tool is called, on the first turn, with exactly
+            ``tool_call_arguments``; once a tool result arrives (the last
+            message has role ``tool``) the answer is text quoting it
+            (``The tool said: ...``). Empty: tools get generated arguments.
+        tool_call_arguments: The scripted call's arguments, a JSON object.
+        embedding_dim: Size of the ``/v1/embeddings`` vectors (the largest
+            ``dimensions`` a request may ask for).
+        max_inputs: Most inputs in one ``/v1/embeddings`` request and most
+            prompts in one ``/v1/completions`` request.
     """
 
     model: str = "iop-sim"
@@ -203,6 +215,28 @@ class SimConfig(_Config, frozen=True, kw_only=True):
     ] = "none"
     fail_after_tokens: int = 8
     seed: int = 0
+    tool_call_names: tuple[str, ...] = ()
+    tool_call_arguments: str = "{}"
+    # 384: the vector size of the common small embedding models
+    # (all-MiniLM-L6-v2, bge-small), cheap to generate and to compare.
+    embedding_dim: int = 384
+    # OpenAI's own cap on the inputs of one embeddings request; it bounds
+    # the work (and, for completions, the streamed frames) one request makes.
+    max_inputs: int = 2048
+
+    def __post_init__(self) -> None:
+        # Checked here so that a bad file, flag or per-request override is
+        # refused where it is given, not when a tool call is first scripted.
+        try:
+            arguments = json.loads(self.tool_call_arguments)
+        except ValueError as exc:
+            raise ValueError(f"tool_call_arguments is not JSON: {exc}") from None
+        if not isinstance(arguments, dict):
+            raise ValueError("tool_call_arguments must be a JSON object")
+        if self.embedding_dim < 1:
+            raise ValueError("embedding_dim must be at least 1")
+        if self.max_inputs < 1:
+            raise ValueError("max_inputs must be at least 1")
 
 
 class SimInstance(InstanceBase, frozen=True, tag="sim", kw_only=True):

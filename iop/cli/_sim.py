@@ -44,6 +44,9 @@ examples:
   iop sim --no-auto-tool-choice              # vLLM without --enable-auto-tool-choice
   iop sim --failure midstream_error --fail-after-tokens 4
   iop sim --config sim.toml --seed 7         # [sim] table from a file, seed overridden
+  iop sim --tool-call-name shell --tool-call-name Bash \
+          --tool-call-arguments '{"command": "echo iop-tool-ok"}'
+                                             # agents: call their shell tool, quote its output
 
 per request: a request key "iop_sim" (an object of the same settings, e.g.
 {"iop_sim": {"failure": "http_429"}}) overrides the server's settings for
@@ -57,9 +60,10 @@ def add_parser(sub: Any) -> None:
         help="serve the deterministic simulated backend (vLLM wire format)",
         description=(
             "Serve a deterministic simulated model over HTTP, speaking vLLM's "
-            "OpenAI-compatible API (POST /v1/chat/completions, GET /v1/models, "
-            "GET /health): same request, same bytes. Timing, reasoning, tool calls "
-            "and failures are configurable. Stops cleanly on SIGINT/SIGTERM."
+            "OpenAI-compatible API (POST /v1/chat/completions, /v1/completions, "
+            "/v1/embeddings, /tokenize, /detokenize; GET /v1/models, /health): "
+            "same request, same bytes. Timing, reasoning, tool calls and failures "
+            "are configurable. Stops cleanly on SIGINT/SIGTERM."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -120,7 +124,39 @@ def add_parser(sub: Any) -> None:
         metavar="N",
         help=f"tokens sent before a mid-stream failure (default: {_D.fail_after_tokens})",
     )
-    g.add_argument("--seed", type=int, help=f"seed of the deterministic text (default: {_D.seed})")
+    g.add_argument(
+        "--seed", type=int, help=f"seed of the deterministic text and vectors (default: {_D.seed})"
+    )
+    g.add_argument(
+        "--tool-call-name",
+        dest="tool_call_names",
+        action="append",
+        metavar="NAME",
+        help=(
+            "scripted tool mode: call the first of these tools (repeat the flag "
+            "for candidates) the request declares, then quote the tool's result"
+        ),
+    )
+    g.add_argument(
+        "--tool-call-arguments",
+        metavar="JSON",
+        help=f"the scripted call's arguments, a JSON object (default: {_D.tool_call_arguments})",
+    )
+    g.add_argument(
+        "--embedding-dim",
+        type=int,
+        metavar="N",
+        help=f"size of the /v1/embeddings vectors (default: {_D.embedding_dim})",
+    )
+    g.add_argument(
+        "--max-inputs",
+        type=int,
+        metavar="N",
+        help=(
+            "most embeddings inputs or completions prompts in one request "
+            f"(default: {_D.max_inputs})"
+        ),
+    )
     p.set_defaults(func=_cmd_sim)
 
 
@@ -135,6 +171,10 @@ _OVERRIDES = (
     "failure",
     "fail_after_tokens",
     "seed",
+    "tool_call_names",
+    "tool_call_arguments",
+    "embedding_dim",
+    "max_inputs",
 )
 
 

@@ -1,0 +1,193 @@
+"""The sim's scripted tool mode: an exact tool call, then an answer quoting its result."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+import pytest
+
+from iop.cli import build_parser
+from iop.cli._sim import sim_config_from_args
+from iop.config import SimConfig
+from iop.errors import ConfigError, RequestError
+from iop.events import FinishReason
+from iop.sim import TOOL_RESULT_QUOTE_CHARS, build_script, parse_chat_request
+from iop.spec import (
+    ChatRequest,
+    FunctionDef,
+    Message,
+    MessageToolCall,
+    NamedFunction,
+    NamedToolChoice,
+    Tool,
+)
+from iop.spec import FunctionCall as MsgFunctionCall
+from iop.wire._tool_prompt import fallback_messages
+
+COMMAND = '{"command": "echo iop-tool-ok"}'
+AGENTS = SimConfig(ttft_s=0.0, tool_call_names=("shell", "Bash"), tool_call_arguments=COMMAND)
+
+
+def tool(name: str) -> Tool:
+    schema = {"type": "object", "properties": {"command": {"type": "string"}}}
+    return Tool(function=FunctionDef(name=name, parameters=schema))
+
+
+def first_turn(*tools: Tool, **kw: Any) -> ChatRequest:
+    return ChatRequest(
+        model="iop-sim",
+        messages=[Message(role="user", content="run it")],
+        tools=list(tools),
+        **kw,
+    )
+
+
+def after_result(result: str, *tools: Tool) -> ChatRequest:
+    call = MessageToolCall(
+        id="call-1", function=MsgFunctionCall(name=tools[0].function.name, arguments=COMMAND)
+    )
+    return ChatRequest(
+        model="iop-sim",
+        messages=[
+            Message(role="user", content="run it"),
+            Message(role="assistant", tool_calls=[call]),
+            Message(role="tool", tool_call_id="call-1", content=result),
+        ],
+        tools=list(tools),
+    )
+
+
+@pytest.mark.parametrize("declared", ["Bash", "shell"])
+def test_first_turn_calls_the_declared_candidate_with_the_exact_arguments(declared: str) -> None:
+    # Claude Code declares Bash, Codex its shell tool: one config fits both.
+    script = build_script(first_turn(tool("Read"), tool(declared)), AGENTS)
+    call = script.tool_call
+    assert call is not None
+    assert (call.name, call.arguments) == (declared, COMMAND)
+    assert script.finish_reason is FinishReason.TOOL_CALLS
+    assert script.content == ""
+
+
+def test_the_first_candidate_wins_when_both_are_declared() -> None:
+    script = build_script(first_turn(tool("Bash"), tool("shell")), AGENTS)
+    assert script.tool_call is not None
+    assert script.tool_call.name == "shell"
+
+
+def test_arguments_are_streamed_verbatim_in_fragments() -> None:
+    odd = '{"command":"ls  -la",  "timeout": 5}'
+    cfg = msgspec.structs.replace(AGENTS, tool_call_arguments=odd)
+    script = build_script(first_turn(tool("Bash")), cfg)
+    assert script.tool_call is not None
+    assert script.tool_call.arguments == odd
+    assert sum(1 for s in script.steps if type(s).__name__ == "ToolArgs") > 1
+
+
+def test_after_the_tool_result_the_answer_quotes_it() -> None:
+    script = build_script(after_result("iop-tool-ok\n", tool("Bash")), AGENTS)
+    assert script.tool_call is None
+    assert script.content == "The tool said: iop-tool-ok"
+    assert script.finish_reason is FinishReason.STOP
+
+
+def test_the_quote_is_cut_to_its_limit() -> None:
+    long = "x" * (TOOL_RESULT_QUOTE_CHARS + 50)
+    script = build_script(after_result(long, tool("Bash")), AGENTS)
+    assert script.content == "The tool said: " + "x" * TOOL_RESULT_QUOTE_CHARS
+
+
+def test_max_tokens_still_caps_the_quote() -> None:
+    request = msgspec.structs.replace(after_result("a b c d e f", tool("Bash")), max_tokens=3)
+    script = build_script(request, AGENTS)
+    assert script.content == "The tool said"
+    assert script.finish_reason is FinishReason.LENGTH
+
+
+def test_requests_without_a_candidate_tool_are_answered_as_before() -> None:
+    request = first_turn(tool("get_weather"))
+    plain = msgspec.structs.replace(AGENTS, tool_call_names=(), tool_call_arguments="{}")
+    ours, theirs = build_script(request, AGENTS), build_script(request, plain)
+    assert (ours.steps, ours.finish_reason) == (theirs.steps, theirs.finish_reason)
+
+
+def test_a_named_choice_of_another_tool_is_honoured() -> None:
+    choice = NamedToolChoice(function=NamedFunction(name="Read"))
+    script = build_script(first_turn(tool("Bash"), tool("Read"), tool_choice=choice), AGENTS)
+    assert script.tool_call is not None
+    assert script.tool_call.name == "Read"
+    assert json.loads(script.tool_call.arguments).keys() == {"command"}
+    assert script.tool_call.arguments != COMMAND
+
+
+def test_text_tool_mode_prints_the_exact_call_as_hermes_text() -> None:
+    cfg = msgspec.structs.replace(AGENTS, tool_mode="text")
+    script = build_script(first_turn(tool("Bash")), cfg)
+    assert script.content == (
+        '<tool_call>{"name": "Bash", "arguments": {"command": "echo iop-tool-ok"}}</tool_call>'
+    )
+
+
+def test_the_text_tool_fallback_prompt_is_scripted_too() -> None:
+    # A backend without a tool API gets the tools in its system prompt and
+    # the result back as a <tool_response> user turn (IOP's fallback).
+    messages = fallback_messages([Message(role="user", content="run it")], [tool("Bash")])
+    first = build_script(ChatRequest(model="iop-sim", messages=messages), AGENTS)
+    assert first.content == (
+        '<tool_call>{"name": "Bash", "arguments": {"command": "echo iop-tool-ok"}}</tool_call>'
+    )
+    reply = Message(role="user", content="<tool_response>\niop-tool-ok\n</tool_response>")
+    second = build_script(ChatRequest(model="iop-sim", messages=[*messages, reply]), AGENTS)
+    assert second.content == "The tool said: iop-tool-ok"
+
+
+def test_the_mode_can_be_switched_on_per_request() -> None:
+    body = {
+        "model": "iop-sim",
+        "messages": [{"role": "user", "content": "run it"}],
+        "tools": [msgspec.to_builtins(tool("Bash"))],
+        "iop_sim": {"tool_call_names": ["Bash"], "tool_call_arguments": COMMAND},
+    }
+    script = build_script(parse_chat_request(json.dumps(body).encode()), SimConfig())
+    assert script.tool_call is not None
+    assert (script.tool_call.name, script.tool_call.arguments) == ("Bash", COMMAND)
+
+
+@pytest.mark.parametrize("arguments", ["not json", "[1, 2]", '"echo"'])
+def test_arguments_that_are_not_a_json_object_are_refused(arguments: str) -> None:
+    with pytest.raises(msgspec.ValidationError, match="tool_call_arguments"):
+        msgspec.convert({"tool_call_arguments": arguments}, SimConfig)
+    body = {
+        "model": "iop-sim",
+        "messages": [{"role": "user", "content": "hi"}],
+        "iop_sim": {"tool_call_arguments": arguments},
+    }
+    with pytest.raises(RequestError, match="tool_call_arguments"):
+        build_script(parse_chat_request(json.dumps(body).encode()), SimConfig())
+
+
+def test_cli_flags_and_config_file(tmp_path: Any) -> None:
+    args = build_parser().parse_args(
+        [
+            "sim",
+            "--tool-call-name",
+            "shell",
+            "--tool-call-name",
+            "Bash",
+            "--tool-call-arguments",
+            COMMAND,
+        ]
+    )
+    cfg = sim_config_from_args(args)
+    assert (cfg.tool_call_names, cfg.tool_call_arguments) == (("shell", "Bash"), COMMAND)
+    path = tmp_path / "sim.toml"
+    path.write_text(
+        '[sim]\ntool_call_names = ["Bash"]\n'
+        'tool_call_arguments = \'{"command": "echo iop-tool-ok"}\'\n'
+    )
+    cfg = sim_config_from_args(build_parser().parse_args(["sim", "--config", str(path)]))
+    assert (cfg.tool_call_names, cfg.tool_call_arguments) == (("Bash",), COMMAND)
+    bad = build_parser().parse_args(["sim", "--tool-call-arguments", "[]"])
+    with pytest.raises(ConfigError, match="tool_call_arguments"):
+        sim_config_from_args(bad)
