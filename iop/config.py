@@ -162,6 +162,15 @@ class VllmInstance(HTTPInstance, frozen=True, tag="vllm", kw_only=True):
     text_tool_fallback: bool = True
 
 
+def _check_json_object(key: str, text: str) -> None:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{key} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{key} must be a JSON object")
+
+
 class SimConfig(_Config, frozen=True, kw_only=True):
     """The deterministic simulated backend.
 
@@ -189,6 +198,9 @@ class SimConfig(_Config, frozen=True, kw_only=True):
             message has role ``tool``) the answer is text quoting it
             (``The tool said: ...``). Empty: tools get generated arguments.
         tool_call_arguments: The scripted call's arguments, a JSON object.
+        tool_call_arguments_by_tool: Arguments for particular candidates
+            (tool name -> JSON object), for agents whose shell tools take
+            different arguments; the others get ``tool_call_arguments``.
         embedding_dim: Size of the ``/v1/embeddings`` vectors (the largest
             ``dimensions`` a request may ask for).
         max_inputs: Most inputs in one ``/v1/embeddings`` request and most
@@ -217,6 +229,7 @@ class SimConfig(_Config, frozen=True, kw_only=True):
     seed: int = 0
     tool_call_names: tuple[str, ...] = ()
     tool_call_arguments: str = "{}"
+    tool_call_arguments_by_tool: dict[str, str] = {}
     # 384: the vector size of the common small embedding models
     # (all-MiniLM-L6-v2, bge-small), cheap to generate and to compare.
     embedding_dim: int = 384
@@ -227,12 +240,9 @@ class SimConfig(_Config, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         # Checked here so that a bad file, flag or per-request override is
         # refused where it is given, not when a tool call is first scripted.
-        try:
-            arguments = json.loads(self.tool_call_arguments)
-        except ValueError as exc:
-            raise ValueError(f"tool_call_arguments is not JSON: {exc}") from None
-        if not isinstance(arguments, dict):
-            raise ValueError("tool_call_arguments must be a JSON object")
+        _check_json_object("tool_call_arguments", self.tool_call_arguments)
+        for name, text in self.tool_call_arguments_by_tool.items():
+            _check_json_object(f"tool_call_arguments_by_tool[{name!r}]", text)
         if self.embedding_dim < 1:
             raise ValueError("embedding_dim must be at least 1")
         if self.max_inputs < 1:

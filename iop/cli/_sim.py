@@ -47,6 +47,7 @@ examples:
   iop sim --tool-call-name shell --tool-call-name Bash \
           --tool-call-arguments '{"command": "echo iop-tool-ok"}'
                                              # agents: call their shell tool, quote its output
+  iop sim --tool-call-name shell --tool-call-arguments-for 'shell={"command": ["ls"]}'
 
 per request: a request key "iop_sim" (an object of the same settings, e.g.
 {"iop_sim": {"failure": "http_429"}}) overrides the server's settings for
@@ -143,6 +144,13 @@ def add_parser(sub: Any) -> None:
         help=f"the scripted call's arguments, a JSON object (default: {_D.tool_call_arguments})",
     )
     g.add_argument(
+        "--tool-call-arguments-for",
+        dest="tool_call_arguments_by_tool",
+        action="append",
+        metavar="NAME=JSON",
+        help="arguments for one candidate tool (repeatable), instead of --tool-call-arguments",
+    )
+    g.add_argument(
         "--embedding-dim",
         type=int,
         metavar="N",
@@ -173,6 +181,7 @@ _OVERRIDES = (
     "seed",
     "tool_call_names",
     "tool_call_arguments",
+    "tool_call_arguments_by_tool",
     "embedding_dim",
     "max_inputs",
 )
@@ -186,12 +195,24 @@ def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
     """
     base = load_config(args.config, SimFile).sim if args.config else SimConfig()
     flags = {k: getattr(args, k) for k in _OVERRIDES if getattr(args, k) is not None}
+    if "tool_call_arguments_by_tool" in flags:
+        flags["tool_call_arguments_by_tool"] = _name_values(flags["tool_call_arguments_by_tool"])
     if not flags:
         return base
     try:
         return msgspec.convert({**msgspec.structs.asdict(base), **flags}, SimConfig)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid sim setting: {exc}") from exc
+
+
+def _name_values(items: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--tool-call-arguments-for wants NAME=JSON, got {item!r}")
+        out[name] = value
+    return out
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:

@@ -41,7 +41,8 @@ Scripted tool mode (``tool_call_names`` set), for driving real agents
 declares (natively, or between ``<tools>`` tags) a tool named by
 ``tool_call_names`` (the first candidate it declares wins, so one config
 fits agents whose shell tools have different names), the first turn calls
-that tool with exactly ``tool_call_arguments`` (the JSON text as given), and
+that tool with exactly ``tool_call_arguments_by_tool[name]`` if set, else
+``tool_call_arguments`` (the JSON text as given), and
 the turn after a tool result answers ``The tool said: <result>`` with the
 result's first ``TOOL_RESULT_QUOTE_CHARS`` characters, so that an end-to-end
 test can prove the model saw the tool's output. Everything else (tool
@@ -454,6 +455,10 @@ def _scripted_tool(cfg: SimConfig, declared: list[str]) -> str | None:
     return next((name for name in cfg.tool_call_names if name in declared), None)
 
 
+def _scripted_arguments(cfg: SimConfig, name: str) -> str:
+    return cfg.tool_call_arguments_by_tool.get(name, cfg.tool_call_arguments)
+
+
 def _after_tool_result(messages: list[Message]) -> bool:
     if not messages:
         return False
@@ -514,7 +519,7 @@ def build_script(request: ChatRequest, config: SimConfig) -> SimScript:
         forced = choice is not None and choice != "auto"
         if forced or not _after_tool_result(request.messages):
             if scripted:
-                args_text = cfg.tool_call_arguments
+                args_text = _scripted_arguments(cfg, name)
             else:
                 args_text = json.dumps(
                     _arguments_for(tool.function.parameters, rng), ensure_ascii=False
@@ -542,7 +547,7 @@ def build_script(request: ChatRequest, config: SimConfig) -> SimScript:
             else:
                 steps.extend(ContentToken(w) for w in _words(rng, max(cfg.output_tokens, 0)))
         elif scripted_name is not None:
-            args = json.loads(cfg.tool_call_arguments)
+            args = json.loads(_scripted_arguments(cfg, scripted_name))
             steps.extend(ContentToken(t) for t in _hermes_tokens(scripted_name, args))
         else:
             name, parameters = listed[0]

@@ -8,14 +8,17 @@ from typing import Any
 import msgspec
 import pytest
 
+from iop.adapters.sim import SimAdapter
 from iop.cli import build_parser
 from iop.cli._sim import sim_config_from_args
-from iop.config import SimConfig
+from iop.config import SimConfig, SimInstance
 from iop.errors import ConfigError, RequestError
-from iop.events import FinishReason
+from iop.events import Complete, Delta, FinishReason
+from iop.runtime import collect_run
 from iop.sim import TOOL_RESULT_QUOTE_CHARS, build_script, parse_chat_request
 from iop.spec import (
     ChatRequest,
+    ExecutionSpec,
     FunctionDef,
     Message,
     MessageToolCall,
@@ -191,3 +194,35 @@ def test_cli_flags_and_config_file(tmp_path: Any) -> None:
     bad = build_parser().parse_args(["sim", "--tool-call-arguments", "[]"])
     with pytest.raises(ConfigError, match="tool_call_arguments"):
         sim_config_from_args(bad)
+
+
+def test_arguments_can_differ_per_candidate() -> None:
+    codex = '{"command": ["bash", "-lc", "echo iop-tool-ok"]}'
+    cfg = msgspec.structs.replace(AGENTS, tool_call_arguments_by_tool={"shell": codex})
+    shell = build_script(first_turn(tool("shell")), cfg).tool_call
+    bash = build_script(first_turn(tool("Bash")), cfg).tool_call
+    assert shell is not None
+    assert bash is not None
+    assert (shell.arguments, bash.arguments) == (codex, COMMAND)
+    with pytest.raises(msgspec.ValidationError, match=r"tool_call_arguments_by_tool\['shell'\]"):
+        msgspec.convert({"tool_call_arguments_by_tool": {"shell": "[]"}}, SimConfig)
+    args = build_parser().parse_args(
+        ["sim", "--tool-call-name", "shell", "--tool-call-arguments-for", f"shell={codex}"]
+    )
+    assert sim_config_from_args(args).tool_call_arguments_by_tool == {"shell": codex}
+    with pytest.raises(ConfigError, match="NAME=JSON"):
+        sim_config_from_args(build_parser().parse_args(["sim", "--tool-call-arguments-for", "x"]))
+
+
+async def test_the_in_process_adapter_plays_the_scripted_call() -> None:
+    adapter = SimAdapter(SimInstance(name="s", sim=AGENTS))
+    events = await collect_run(
+        adapter, ExecutionSpec(run_id="r1", request=first_turn(tool("Bash")))
+    )
+    done = events[-1]
+    assert isinstance(done, Complete)
+    assert [(c.name, c.arguments) for c in done.tool_calls] == [("Bash", COMMAND)]
+    quoted = await collect_run(
+        adapter, ExecutionSpec(run_id="r2", request=after_result("iop-tool-ok", tool("Bash")))
+    )
+    assert "".join(e.text for e in quoted if isinstance(e, Delta)) == "The tool said: iop-tool-ok"
