@@ -110,3 +110,15 @@ async def test_iop_sim_process_serves_and_exits_cleanly_on_sigint(tmp_path: Path
                 await proc.wait()
             await proc.stdout.aclose()
     assert code == 0, (tmp_path / "stderr.txt").read_text()
+
+
+def test_embedding_and_input_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = sim_config_from_args(parse("--embedding-dim", "64", "--max-inputs", "10"))
+    assert (cfg.embedding_dim, cfg.max_inputs) == (64, 10)
+    with pytest.raises(ConfigError, match="embedding_dim must be at least 1"):
+        sim_config_from_args(parse("--embedding-dim", "0"))
+    with pytest.raises(SystemExit):
+        parse("--help")
+    out = capsys.readouterr().out
+    for flag in ("--tool-call-name", "--tool-call-arguments", "--embedding-dim", "/v1/embeddings"):
+        assert flag in out
