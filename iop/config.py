@@ -445,12 +445,16 @@ class EmbeddedBackend(_Config, frozen=True, kw_only=True):
         threads: llama.cpp threads (1 keeps it fast on a shared machine).
         parallel: llama.cpp slots (concurrent runs).
         ctx: Total context, split across slots.
+        sim: The simulated backend's settings (``kind = "sim"``, or the
+            fallback), e.g. its scripted tool mode for agent tests.
     """
 
     kind: Literal["llamacpp", "sim"] = "llamacpp"
     threads: int = 1
     parallel: int = 2
     ctx: int = 4096
+    # A human-watchable pace for a demo: 50 tokens/s after 50 ms.
+    sim: SimConfig = SimConfig(tokens_per_s=50.0, ttft_s=0.05)
 
 
 class UpConfig(_Config, frozen=True, kw_only=True):

@@ -31,7 +31,6 @@ from iop.config import (
     NodeConfig,
     NodeEdge,
     OpenAICompatInstance,
-    SimConfig,
     SimInstance,
     UpConfig,
     load_config,
@@ -145,9 +144,7 @@ async def _embedded_instances(
             file=sys.stderr,
             flush=True,
         )
-    return [
-        SimInstance(name="sim", max_concurrency=64, sim=SimConfig(tokens_per_s=50.0, ttft_s=0.05))
-    ]
+    return [SimInstance(name="sim", max_concurrency=64, sim=emb.sim)]
 
 
 async def _up(cfg: UpConfig) -> None:
