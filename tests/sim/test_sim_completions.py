@@ -6,6 +6,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from iop.config import SimConfig
 from iop.errors import RequestError
@@ -227,3 +229,26 @@ def test_max_inputs_is_enforced() -> None:
         RequestError, match="prompt list length 3 exceeds the maximum allowed count of 2"
     ):
         script({"prompt": ["a", "b", "c"]}, SimConfig(max_inputs=2))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    stops=st.lists(st.text(alphabet="abcdefghilmnorstu .", min_size=1, max_size=6), max_size=3),
+    max_tokens=st.integers(1, 30),
+    echo=st.booleans(),
+)
+def test_the_stream_joins_to_the_whole_answer(
+    stops: list[str], max_tokens: int, echo: bool
+) -> None:
+    request = {"prompt": "p", "stop": stops, "max_tokens": max_tokens, "echo": echo}
+    s = script(request, SimConfig(ttft_s=0.0, output_tokens=20))
+    whole = json.loads(completion_text_body(s, created=1))["choices"][0]
+    chunks = events(completion_stream_plan(s, created=1, include_usage=False).body)[:-1]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole["finish_reason"]
+    generated = whole["text"][len("p") :] if echo else whole["text"]
+    assert not any(stop in generated for stop in stops)
+    if whole["stop_reason"] is not None:
+        assert whole["stop_reason"] in stops
+    assert s.choices[0].completion_tokens <= max_tokens + 1

@@ -129,3 +129,23 @@ def test_max_inputs_is_enforced() -> None:
     assert len(body({"input": ["a"] * 3}, cfg)["data"]) == 3
     with pytest.raises(RequestError, match="4 items, more than the 3 allowed"):
         body({"input": ["a"] * 4}, cfg)
+
+
+def test_body_bytes() -> None:
+    parsed = parse_embedding_request(b'{"model": "iop-sim", "input": "hi"}')
+    raw = embedding_body(parsed, SimConfig(embedding_dim=2), model="iop-sim", created=7)
+    vector = embedding_vector("hi", dim=2)
+    digest = json.loads(raw)["id"]
+    assert raw == (
+        b'{"id":"' + digest.encode() + b'","object":"list","created":7,"model":"iop-sim",'
+        b'"data":[{"index":0,"object":"embedding","embedding":['
+        + b",".join(repr(v).encode() for v in vector)
+        + b']}],"usage":{"prompt_tokens":1,"total_tokens":1,"completion_tokens":0,'
+        b'"prompt_tokens_details":null}}'
+    )
+    assert (
+        digest
+        == json.loads(
+            embedding_body(parsed, SimConfig(embedding_dim=2), model="iop-sim", created=8)
+        )["id"]
+    )
