@@ -33,6 +33,7 @@ from iop.sim._completions import (
 )
 from iop.sim._embeddings import (
     EmbeddingRequest,
+    check_embedding_request,
     embedding_body,
     embedding_inputs,
     embedding_vector,
@@ -104,6 +105,7 @@ __all__ = [
     "apply_overrides",
     "build_completion_script",
     "build_script",
+    "check_embedding_request",
     "completion_body",
     "completion_stream_plan",
     "completion_text_body",

@@ -39,6 +39,7 @@ from iop.sim._tokenizer import detokenize, tokenize
 
 __all__ = [
     "EmbeddingRequest",
+    "check_embedding_request",
     "embedding_body",
     "embedding_inputs",
     "embedding_vector",
@@ -149,15 +150,13 @@ def _base64(vector: list[float]) -> str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
 
-def embedding_body(request: EmbeddingRequest, cfg: SimConfig, *, model: str, created: int) -> bytes:
-    """vLLM's ``/v1/embeddings`` response body for ``request``.
-
-    ``cfg`` is the effective config (``apply_overrides`` of the request's
-    ``extra_body``); ``model`` is the name to echo.
+def check_embedding_request(request: EmbeddingRequest, cfg: SimConfig) -> list[tuple[str, int]]:
+    """Validate ``request`` (cheap, no vectors); return ``embedding_inputs``.
 
     Raises:
-        RequestError: Invalid ``input`` or ``dimensions`` (below 1 with
-            vLLM's message, or above ``embedding_dim``).
+        RequestError: Invalid ``input`` (see ``embedding_inputs``) or
+            ``dimensions`` (below 1 with vLLM's message, or above
+            ``embedding_dim``).
     """
     dims = request.dimensions
     if dims is not None and dims < 1:
@@ -167,7 +166,20 @@ def embedding_body(request: EmbeddingRequest, cfg: SimConfig, *, model: str, cre
             f"dimensions {dims} is more than the model's {cfg.embedding_dim}",
             param="dimensions",
         )
-    inputs = embedding_inputs(request, cfg)
+    return embedding_inputs(request, cfg)
+
+
+def embedding_body(request: EmbeddingRequest, cfg: SimConfig, *, model: str, created: int) -> bytes:
+    """vLLM's ``/v1/embeddings`` response body for ``request``.
+
+    ``cfg`` is the effective config (``apply_overrides`` of the request's
+    ``extra_body``); ``model`` is the name to echo.
+
+    Raises:
+        RequestError: See ``check_embedding_request``.
+    """
+    inputs = check_embedding_request(request, cfg)
+    dims = request.dimensions
     data: list[dict[str, Any]] = []
     for index, (text, _) in enumerate(inputs):
         vector = embedding_vector(text, dim=cfg.embedding_dim, seed=cfg.seed, dimensions=dims)

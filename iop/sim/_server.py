@@ -47,7 +47,7 @@ from iop.sim._completions import (
     completion_text_body,
     parse_completion_request,
 )
-from iop.sim._embeddings import embedding_body, parse_embedding_request
+from iop.sim._embeddings import check_embedding_request, embedding_body, parse_embedding_request
 from iop.sim._script import apply_overrides, build_script
 from iop.sim._tokenize_api import detokenize_body, tokenize_body
 from iop.sim._vllm_wire import (
@@ -160,6 +160,14 @@ async def _complete(
             await trio.sleep_forever()
         if delay_s > 0:
             await trio.sleep(delay_s)
+        if cfg.failure == "midstream_error":
+            data = b""
+        else:
+            # In a worker thread: a 2048-input embeddings body takes seconds
+            # of CPU, which must not stall every other stream of the server.
+            # A client that leaves meanwhile is counted like one that left
+            # during the delay (the thread's result is dropped).
+            data = await trio.to_thread.run_sync(body, abandon_on_cancel=True)
         finished = True
     finally:
         stats.open_completions -= 1
@@ -168,7 +176,7 @@ async def _complete(
     if cfg.failure == "midstream_error":
         # vLLM's full generator turns an engine failure into a 500.
         return _json_response(error_body("sim: injected generation error", status=500), 500)
-    return _body_response(cfg, body())
+    return _body_response(cfg, data)
 
 
 def _body_response(cfg: SimConfig, body: bytes) -> Response:
@@ -256,7 +264,10 @@ def create_sim_app(cfg: SimConfig) -> SimApp:
         try:
             body = parse_completion_request(raw)
             _check_model(body.model, cfg)
-            script = build_completion_script(body, cfg)
+            # Many prompts make many frames: plan them off the event loop.
+            script = await trio.to_thread.run_sync(
+                build_completion_script, body, cfg, abandon_on_cancel=True
+            )
         except RequestError as exc:
             log.debug("sim: refused completions request (%d): %s", exc.status, exc.message)
             return _error_response(exc)
@@ -271,9 +282,11 @@ def create_sim_app(cfg: SimConfig) -> SimApp:
                 stats,
             )
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return _stream_response(
-            completion_stream_plan(script, created=created, include_usage=include_usage), stats
+        plan = await trio.to_thread.run_sync(
+            partial(completion_stream_plan, script, created=created, include_usage=include_usage),
+            abandon_on_cancel=True,
         )
+        return _stream_response(plan, stats)
 
     @app.post("/v1/embeddings")
     async def embeddings() -> Response:
@@ -283,16 +296,17 @@ def create_sim_app(cfg: SimConfig) -> SimApp:
             body = parse_embedding_request(raw)
             _check_model(body.model, cfg)
             effective = apply_overrides(body.extra_body, cfg)
-            # Computed up front: a bad input is a 400 before any waiting.
-            answer = embedding_body(
-                body, effective, model=body.model or cfg.model, created=int(time.time())
-            )
+            # Checked up front: a bad input is a 400 before any waiting.
+            check_embedding_request(body, effective)
         except RequestError as exc:
             log.debug("sim: refused embeddings request (%d): %s", exc.status, exc.message)
             return _error_response(exc)
         if (injected := _injected(effective)) is not None:
             return injected
-        return await _complete(effective, effective.ttft_s, lambda: answer, stats)
+        answer = partial(
+            embedding_body, body, effective, model=body.model or cfg.model, created=int(time.time())
+        )
+        return await _complete(effective, effective.ttft_s, answer, stats)
 
     @app.post("/tokenize")
     async def tokenize() -> Response:
