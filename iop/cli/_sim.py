@@ -44,10 +44,11 @@ examples:
   iop sim --no-auto-tool-choice              # vLLM without --enable-auto-tool-choice
   iop sim --failure midstream_error --fail-after-tokens 4
   iop sim --config sim.toml --seed 7         # [sim] table from a file, seed overridden
-  iop sim --tool-call-name shell --tool-call-name Bash \
+  iop sim --tool-call-name shell --tool-call-name Bash \\
           --tool-call-arguments '{"command": "echo iop-tool-ok"}'
                                              # agents: call their shell tool, quote its output
   iop sim --tool-call-name shell --tool-call-arguments-for 'shell={"command": ["ls"]}'
+                                             # ... with arguments for one tool only
 
 per request: a request key "iop_sim" (an object of the same settings, e.g.
 {"iop_sim": {"failure": "http_429"}}) overrides the server's settings for

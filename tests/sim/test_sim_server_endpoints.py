@@ -109,6 +109,7 @@ async def test_embeddings_float_body_validates() -> None:
         ({"model": "iop-sim", "input": "x", "dimensions": 0}, 400, "Dimensions must be"),
         ({"model": "iop-sim", "input": []}, 400, "must not be empty"),
         ({"model": "iop-sim", "input": "x", "iop_sim": {"failure": "http_429"}}, 429, "http_429"),
+        ({"input": ["a"] * 3, "iop_sim": {"max_inputs": 2}}, 400, "more than the 2 allowed"),
     ],
 )
 async def test_embeddings_errors_are_vllm_bodies(
