@@ -41,7 +41,7 @@ from iop.config import SimConfig
 from iop.errors import RequestError
 from iop.events import FinishReason
 from iop.sim._script import ContentToken, apply_overrides, build_script
-from iop.sim._tokenizer import detokenize, tokenize
+from iop.sim._tokenizer import detokenize, is_token_ids, tokenize
 from iop.sim._vllm_wire import DONE, Ending, Frame, StreamPlan, inject_failure
 from iop.spec import ChatRequest, Message, StreamOptions
 
@@ -52,6 +52,7 @@ __all__ = [
     "CompletionScript",
     "Piece",
     "build_completion_script",
+    "completion_prompts",
     "completion_stream_plan",
     "completion_text_body",
     "parse_completion_request",
@@ -118,12 +119,6 @@ def parse_completion_request(raw: bytes) -> CompletionRequest:
     return request
 
 
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(i, int) and not isinstance(i, bool) for i in value
-    )
-
-
 def completion_prompts(request: CompletionRequest, cfg: SimConfig) -> list[str]:
     """The prompts' texts, in order (token ids read back with the toy tokenizer).
 
@@ -133,7 +128,7 @@ def completion_prompts(request: CompletionRequest, cfg: SimConfig) -> list[str]:
     """
     value = request.prompt
     items: list[Any] = (
-        [value] if isinstance(value, str) or (value and _is_ids(value)) else list(value or [])
+        [value] if isinstance(value, str) or (value and is_token_ids(value)) else list(value or [])
     )
     if len(items) > cfg.max_inputs:
         raise RequestError(
@@ -145,7 +140,7 @@ def completion_prompts(request: CompletionRequest, cfg: SimConfig) -> list[str]:
     for item in items:
         if isinstance(item, str):
             out.append(item)
-        elif _is_ids(item) and item:
+        elif is_token_ids(item) and item:
             out.append(detokenize(item))
         else:
             raise RequestError(

@@ -35,7 +35,7 @@ import msgspec
 from iop.config import SimConfig
 from iop.errors import RequestError
 from iop.sim._script import _Rng
-from iop.sim._tokenizer import detokenize, tokenize
+from iop.sim._tokenizer import detokenize, is_token_ids, tokenize
 
 __all__ = [
     "EmbeddingRequest",
@@ -88,12 +88,6 @@ def parse_embedding_request(raw: bytes) -> EmbeddingRequest:
         raise RequestError(str(exc)) from exc
 
 
-def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and all(
-        isinstance(i, int) and not isinstance(i, bool) for i in value
-    )
-
-
 def embedding_inputs(request: EmbeddingRequest, cfg: SimConfig) -> list[tuple[str, int]]:
     """Each input's text and prompt-token count, in order.
 
@@ -105,7 +99,9 @@ def embedding_inputs(request: EmbeddingRequest, cfg: SimConfig) -> list[tuple[st
             ``cfg.max_inputs`` inputs, or a token id out of the toy vocabulary.
     """
     value = request.input
-    items: list[Any] = [value] if isinstance(value, str) or (value and _is_ids(value)) else value
+    items: list[Any] = (
+        [value] if isinstance(value, str) or (value and is_token_ids(value)) else value
+    )
     if not items:
         raise RequestError("`input` must not be empty", param="input")
     if len(items) > cfg.max_inputs:
@@ -117,7 +113,7 @@ def embedding_inputs(request: EmbeddingRequest, cfg: SimConfig) -> list[tuple[st
     for item in items:
         if isinstance(item, str):
             out.append((item, len(tokenize(item))))
-        elif _is_ids(item) and item:
+        elif is_token_ids(item) and item:
             out.append((detokenize(item), len(item)))
         else:
             raise RequestError(

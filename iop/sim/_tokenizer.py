@@ -35,6 +35,7 @@ from iop.spec import Message
 __all__ = [
     "MAX_TOKEN_ID",
     "detokenize",
+    "is_token_ids",
     "render_chat",
     "token_strs",
     "tokenize",
@@ -69,6 +70,13 @@ def tokenize(text: str) -> list[int]:
     for fragment in _FRAGMENT.findall(text):
         ids.extend(int.from_bytes(p, "big") for p in _pieces(fragment.encode()))
     return ids
+
+
+def is_token_ids(value: Any) -> bool:
+    """True for a list of ints (token ids, as APIs accept them for text)."""
+    return isinstance(value, list) and all(
+        isinstance(i, int) and not isinstance(i, bool) for i in value
+    )
 
 
 def _piece(token_id: int) -> bytes:
