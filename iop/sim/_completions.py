@@ -119,8 +119,9 @@ def parse_completion_request(raw: bytes) -> CompletionRequest:
     return request
 
 
-def completion_prompts(request: CompletionRequest, cfg: SimConfig) -> list[str]:
-    """The prompts' texts, in order (token ids read back with the toy tokenizer).
+def completion_prompts(request: CompletionRequest, cfg: SimConfig) -> list[tuple[str, int]]:
+    """Each prompt's text and token count, in order (token ids are read back
+    with the toy tokenizer, and counted as given).
 
     Raises:
         RequestError: A prompt of another shape, or more than
@@ -136,12 +137,12 @@ def completion_prompts(request: CompletionRequest, cfg: SimConfig) -> list[str]:
             f"of {cfg.max_inputs}",
             param="prompt",
         )
-    out: list[str] = []
+    out: list[tuple[str, int]] = []
     for item in items:
         if isinstance(item, str):
-            out.append(item)
+            out.append((item, len(tokenize(item))))
         elif is_token_ids(item) and item:
-            out.append(detokenize(item))
+            out.append((detokenize(item), len(item)))
         else:
             raise RequestError(
                 "`prompt` must be a string, a list of strings, a list of token ids "
@@ -215,7 +216,7 @@ def _stops(request: CompletionRequest) -> list[str]:
 
 
 def _choice(
-    prompt: str, request: CompletionRequest, cfg: SimConfig, model: str
+    prompt: str, prompt_tokens: int, request: CompletionRequest, cfg: SimConfig, model: str
 ) -> CompletionChoice:
     chat = ChatRequest(
         model=model,
@@ -229,7 +230,6 @@ def _choice(
     delays = [s.delay_s for s in steps]
     full = "".join(texts)
     hits = [(full.find(s), s) for s in _stops(request) if s in full]
-    prompt_tokens = len(tokenize(prompt))
     echo = prompt if request.echo else ""
 
     if hits:
@@ -278,8 +278,8 @@ def build_completion_script(request: CompletionRequest, config: SimConfig) -> Co
     cfg = msgspec.structs.replace(apply_overrides(request.extra_body, config), reasoning_tokens=0)
     model = request.model or config.model
     prompts = completion_prompts(request, cfg)
-    choices = tuple(_choice(p, request, cfg, model) for p in prompts)
-    digest = hashlib.sha256(_encode([cfg.seed, model, prompts])).hexdigest()
+    choices = tuple(_choice(p, n, request, cfg, model) for p, n in prompts)
+    digest = hashlib.sha256(_encode([cfg.seed, model, [p for p, _ in prompts]])).hexdigest()
     return CompletionScript(
         completion_id="cmpl-" + digest[:32], model=model, config=cfg, choices=choices
     )

@@ -174,6 +174,8 @@ def test_token_id_prompts_read_back_to_text() -> None:
     by_ids = script({"prompt": tokenize("Say hi")})
     nested = script({"prompt": [tokenize("Say hi")]})
     assert by_ids.choices[0].text == nested.choices[0].text == chat_text("Say hi")
+    # Ids are counted as given, even ones no text of ours tokenizes to.
+    assert script({"prompt": [0xFF, 0xFE, 0xFD]}).prompt_tokens == 3
 
 
 def test_overrides_and_timing() -> None:
