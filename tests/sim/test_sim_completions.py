@@ -20,6 +20,7 @@ from iop.sim import (
     completion_stream_plan,
     completion_text_body,
     parse_completion_request,
+    parse_embedding_request,
     tokenize,
 )
 from iop.spec import ChatRequest, Message
@@ -254,3 +255,26 @@ def test_the_stream_joins_to_the_whole_answer(
     if whole["stop_reason"] is not None:
         assert whole["stop_reason"] in stops
     assert s.choices[0].completion_tokens <= max_tokens + 1
+
+
+@pytest.mark.parametrize(("raw", "message"), [(b"{nope", "invalid JSON"), (b"[1]", "JSON object")])
+def test_undecodable_bodies(raw: bytes, message: str) -> None:
+    with pytest.raises(RequestError, match=message):
+        parse_completion_request(raw)
+    with pytest.raises(RequestError, match=message):
+        parse_embedding_request(raw)
+
+
+def test_a_stall_before_the_first_byte_sends_nothing() -> None:
+    s = script({"prompt": "x", "stream": True, "iop_sim": {"failure": "stall_before_first_byte"}})
+    plan = completion_stream_plan(s, created=1, include_usage=True)
+    assert (plan.frames, plan.ending) == ((), Ending.STALL)
+
+
+def test_a_stop_string_at_the_very_start_leaves_no_text() -> None:
+    first = chat_text("x")[:2]
+    s = script({"prompt": "x", "stop": first, "stream": True})
+    choice = s.choices[0]
+    assert (choice.text, choice.stop_reason, choice.completion_tokens) == ("", first, 1)
+    chunks = events(completion_stream_plan(s, created=1, include_usage=False).body)
+    assert [c["choices"][0]["text"] for c in chunks[:-1]] == [""]

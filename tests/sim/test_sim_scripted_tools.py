@@ -249,3 +249,11 @@ async def test_iop_up_backend_sim_takes_the_scripted_mode_from_its_config(tmp_pa
     )
     default = up_config_from_args(build_parser().parse_args(["up", "--backend", "sim"]))
     assert default.embedded.sim == SimConfig(tokens_per_s=50.0, ttft_s=0.05)
+
+
+def test_the_text_tool_fallback_without_a_candidate_answers_as_before() -> None:
+    messages = fallback_messages([Message(role="user", content="run it")], [tool("Read")])
+    reply = Message(role="user", content="<tool_response>\nfile\n</tool_response>")
+    script = build_script(ChatRequest(model="iop-sim", messages=[*messages, reply]), AGENTS)
+    assert not script.content.startswith("The tool said")
+    assert script.content

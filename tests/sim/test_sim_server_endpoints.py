@@ -221,6 +221,18 @@ async def test_non_streamed_completion_validates() -> None:
     assert missing.json()["error"]["param"] == "prompt"
 
 
+async def test_completions_injected_failures_over_http() -> None:
+    async with running_sim() as (_, url), httpx.AsyncClient(base_url=url) as client:
+        limited = await client.post(
+            "/v1/completions", json={"prompt": "x", "iop_sim": {"failure": "http_500"}}
+        )
+        bad_ids = await client.post("/detokenize", json={"tokens": [-1]})
+    assert limited.status_code == 500
+    assert limited.json()["error"]["type"] == "InternalServerError"
+    assert bad_ids.status_code == 400
+    assert "out of vocabulary" in bad_ids.json()["error"]["message"]
+
+
 async def test_a_client_that_leaves_a_completions_stream_is_seen() -> None:
     cfg = SimConfig(ttft_s=0.0, tokens_per_s=200, output_tokens=100_000)
     body = {"prompt": "x", "stream": True, "max_tokens": 100_000}

@@ -19,7 +19,7 @@ from iop.sim import (
     tokenize,
     tokenize_body,
 )
-from iop.spec import Message
+from iop.spec import FunctionCall, Message, MessageToolCall
 
 
 def test_ids_are_the_fragments_bytes() -> None:
@@ -127,3 +127,10 @@ def test_bad_detokenize_requests() -> None:
         detokenize_body(b'{"tokens": [-5]}', SimConfig())
     with pytest.raises(RequestError, match="tokens"):
         detokenize_body(b'{"model": "iop-sim"}', SimConfig())
+
+
+def test_the_template_renders_tool_calls() -> None:
+    call = MessageToolCall(id="c1", function=FunctionCall(name="Bash", arguments="{}"))
+    rendered = render_chat([Message(role="assistant", content="ok", tool_calls=[call])])
+    assert rendered.startswith("<|assistant|>\nok[{")
+    assert '"name":"Bash"' in rendered
