@@ -13,6 +13,7 @@ Durations are seconds (``*_s``); ``0`` or an absent optional deadline means
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import socket
@@ -163,6 +164,15 @@ class VllmInstance(HTTPInstance, frozen=True, tag="vllm", kw_only=True):
     text_tool_fallback: bool = True
 
 
+def _check_json_object(key: str, text: str) -> None:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{key} is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{key} must be a JSON object")
+
+
 class SimConfig(_Config, frozen=True, kw_only=True):
     """The deterministic simulated backend.
 
@@ -182,7 +192,21 @@ class SimConfig(_Config, frozen=True, kw_only=True):
             credential and echoes its ``Authorization`` header in the error
             message, as OpenAI-compatible servers do.
         fail_after_tokens: Tokens streamed before a mid-stream failure.
-        seed: Seed of the deterministic text.
+        seed: Seed of the deterministic text (and of the embedding vectors).
+        tool_call_names: Scripted tool mode, for driving real agents through
+            a tool round trip: the first of these names the request declares
+            as a tool is called, on the first turn, with exactly
+            ``tool_call_arguments``; once a tool result arrives (the last
+            message has role ``tool``) the answer is text quoting it
+            (``The tool said: ...``). Empty: tools get generated arguments.
+        tool_call_arguments: The scripted call's arguments, a JSON object.
+        tool_call_arguments_by_tool: Arguments for particular candidates
+            (tool name -> JSON object), for agents whose shell tools take
+            different arguments; the others get ``tool_call_arguments``.
+        embedding_dim: Size of the ``/v1/embeddings`` vectors (the largest
+            ``dimensions`` a request may ask for).
+        max_inputs: Most inputs in one ``/v1/embeddings`` request and most
+            prompts in one ``/v1/completions`` request.
     """
 
     model: str = "iop-sim"
@@ -205,6 +229,26 @@ class SimConfig(_Config, frozen=True, kw_only=True):
     ] = "none"
     fail_after_tokens: int = 8
     seed: int = 0
+    tool_call_names: tuple[str, ...] = ()
+    tool_call_arguments: str = "{}"
+    tool_call_arguments_by_tool: dict[str, str] = {}
+    # 384: the vector size of the common small embedding models
+    # (all-MiniLM-L6-v2, bge-small), cheap to generate and to compare.
+    embedding_dim: int = 384
+    # OpenAI's own cap on the inputs of one embeddings request; it bounds
+    # the work (and, for completions, the streamed frames) one request makes.
+    max_inputs: int = 2048
+
+    def __post_init__(self) -> None:
+        # Checked here so that a bad file, flag or per-request override is
+        # refused where it is given, not when a tool call is first scripted.
+        _check_json_object("tool_call_arguments", self.tool_call_arguments)
+        for name, text in self.tool_call_arguments_by_tool.items():
+            _check_json_object(f"tool_call_arguments_by_tool[{name!r}]", text)
+        if self.embedding_dim < 1:
+            raise ValueError("embedding_dim must be at least 1")
+        if self.max_inputs < 1:
+            raise ValueError("max_inputs must be at least 1")
 
 
 class SimInstance(InstanceBase, frozen=True, tag="sim", kw_only=True):
@@ -491,12 +535,16 @@ class EmbeddedBackend(_Config, frozen=True, kw_only=True):
         threads: llama.cpp threads (1 keeps it fast on a shared machine).
         parallel: llama.cpp slots (concurrent runs).
         ctx: Total context, split across slots.
+        sim: The simulated backend's settings (``kind = "sim"``, or the
+            fallback), e.g. its scripted tool mode for agent tests.
     """
 
     kind: Literal["llamacpp", "sim"] = "llamacpp"
     threads: int = 1
     parallel: int = 2
     ctx: int = 4096
+    # A human-watchable pace for a demo: 50 tokens/s after 50 ms.
+    sim: SimConfig = SimConfig(tokens_per_s=50.0, ttft_s=0.05)
 
 
 class UpConfig(_Config, frozen=True, kw_only=True):

@@ -46,6 +46,11 @@ examples:
   iop sim --no-auto-tool-choice              # vLLM without --enable-auto-tool-choice
   iop sim --failure midstream_error --fail-after-tokens 4
   iop sim --config sim.toml --seed 7         # [sim] table from a file, seed overridden
+  iop sim --tool-call-name shell --tool-call-name Bash \\
+          --tool-call-arguments '{"command": "echo iop-tool-ok"}'
+                                             # agents: call their shell tool, quote its output
+  iop sim --tool-call-name shell --tool-call-arguments-for 'shell={"command": ["ls"]}'
+                                             # ... with arguments for one tool only
 
 per request: a request key "iop_sim" (an object of the same settings, e.g.
 {"iop_sim": {"failure": "http_429"}}) overrides the server's settings for
@@ -59,9 +64,10 @@ def add_parser(sub: Any) -> None:
         help="serve the deterministic simulated backend (vLLM wire format)",
         description=(
             "Serve a deterministic simulated model over HTTP, speaking vLLM's "
-            "OpenAI-compatible API (POST /v1/chat/completions, GET /v1/models, "
-            "GET /health): same request, same bytes. Timing, reasoning, tool calls "
-            "and failures are configurable. SIGINT/SIGTERM stop it cleanly (open streams get "
+            "OpenAI-compatible API (POST /v1/chat/completions, /v1/completions, "
+            "/v1/embeddings, /tokenize, /detokenize; GET /v1/models, /health): "
+            "same request, same bytes. Timing, reasoning, tool calls and failures "
+            "are configurable. SIGINT/SIGTERM stop it cleanly (open streams get "
             "1 s) and exit 0; a second signal stops at once (exit 130/143)."
         ),
         epilog=_EPILOG,
@@ -123,7 +129,46 @@ def add_parser(sub: Any) -> None:
         metavar="N",
         help=f"tokens sent before a mid-stream failure (default: {_D.fail_after_tokens})",
     )
-    g.add_argument("--seed", type=int, help=f"seed of the deterministic text (default: {_D.seed})")
+    g.add_argument(
+        "--seed", type=int, help=f"seed of the deterministic text and vectors (default: {_D.seed})"
+    )
+    g.add_argument(
+        "--tool-call-name",
+        dest="tool_call_names",
+        action="append",
+        metavar="NAME",
+        help=(
+            "scripted tool mode: call the first of these tools (repeat the flag "
+            "for candidates) the request declares, then quote the tool's result"
+        ),
+    )
+    g.add_argument(
+        "--tool-call-arguments",
+        metavar="JSON",
+        help=f"the scripted call's arguments, a JSON object (default: {_D.tool_call_arguments})",
+    )
+    g.add_argument(
+        "--tool-call-arguments-for",
+        dest="tool_call_arguments_by_tool",
+        action="append",
+        metavar="NAME=JSON",
+        help="arguments for one candidate tool (repeatable), instead of --tool-call-arguments",
+    )
+    g.add_argument(
+        "--embedding-dim",
+        type=int,
+        metavar="N",
+        help=f"size of the /v1/embeddings vectors (default: {_D.embedding_dim})",
+    )
+    g.add_argument(
+        "--max-inputs",
+        type=int,
+        metavar="N",
+        help=(
+            "most embeddings inputs or completions prompts in one request "
+            f"(default: {_D.max_inputs})"
+        ),
+    )
     p.set_defaults(func=_cmd_sim)
 
 
@@ -138,6 +183,11 @@ _OVERRIDES = (
     "failure",
     "fail_after_tokens",
     "seed",
+    "tool_call_names",
+    "tool_call_arguments",
+    "tool_call_arguments_by_tool",
+    "embedding_dim",
+    "max_inputs",
 )
 
 
@@ -149,12 +199,24 @@ def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
     """
     base = load_config(args.config, SimFile).sim if args.config else SimConfig()
     flags = {k: getattr(args, k) for k in _OVERRIDES if getattr(args, k) is not None}
+    if "tool_call_arguments_by_tool" in flags:
+        flags["tool_call_arguments_by_tool"] = _name_values(flags["tool_call_arguments_by_tool"])
     if not flags:
         return base
     try:
         return msgspec.convert({**msgspec.structs.asdict(base), **flags}, SimConfig)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"invalid sim setting: {exc}") from exc
+
+
+def _name_values(items: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            raise ConfigError(f"--tool-call-arguments-for wants NAME=JSON, got {item!r}")
+        out[name] = value
+    return out
 
 
 def _cmd_sim(args: argparse.Namespace) -> int:

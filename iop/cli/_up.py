@@ -30,7 +30,6 @@ from iop.config import (
     NodeConfig,
     NodeEdge,
     OpenAICompatInstance,
-    SimConfig,
     SimInstance,
     UpConfig,
     load_config,
@@ -142,9 +141,7 @@ async def _embedded_instances(
             "serving the simulated backend 'iop-sim' instead",
             reason,
         )
-    return [
-        SimInstance(name="sim", max_concurrency=64, sim=SimConfig(tokens_per_s=50.0, ttft_s=0.05))
-    ]
+    return [SimInstance(name="sim", max_concurrency=64, sim=emb.sim)]
 
 
 async def _up(cfg: UpConfig) -> int:

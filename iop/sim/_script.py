@@ -36,6 +36,18 @@ What the model answers:
    ``<tool_call>`` in the content;
 4. otherwise ``output_tokens`` words of text.
 
+Scripted tool mode (``tool_call_names`` set), for driving real agents
+(Codex CLI, Claude Code) through a tool round trip: when the request
+declares (natively, or between ``<tools>`` tags) a tool named by
+``tool_call_names`` (the first candidate it declares wins, so one config
+fits agents whose shell tools have different names), the first turn calls
+that tool with exactly ``tool_call_arguments_by_tool[name]`` if set, else
+``tool_call_arguments`` (the JSON text as given), and
+the turn after a tool result answers ``The tool said: <result>`` with the
+result's first ``TOOL_RESULT_QUOTE_CHARS`` characters, so that an end-to-end
+test can prove the model saw the tool's output. Everything else (tool
+choice, caps, timing) works as above.
+
 ``max_completion_tokens`` (or ``max_tokens``) caps the whole completion,
 reasoning included, as vLLM does, and makes the finish reason ``length``.
 
@@ -63,6 +75,7 @@ from iop.spec import ChatRequest, Message, NamedToolChoice
 __all__ = [
     "AUTO_TOOL_CHOICE_ERROR",
     "SIM_OVERRIDE_KEY",
+    "TOOL_RESULT_QUOTE_CHARS",
     "ContentToken",
     "ReasoningToken",
     "ScriptToolCall",
@@ -71,12 +84,17 @@ __all__ = [
     "Step",
     "ToolArgs",
     "ToolCallBegin",
+    "apply_overrides",
     "build_script",
     "effective_config",
     "estimate_prompt_tokens",
 ]
 
 SIM_OVERRIDE_KEY: Final = "iop_sim"
+
+# How much of a tool result the scripted answer quotes: enough for any
+# marker a test prints, short enough to keep the answer one line.
+TOOL_RESULT_QUOTE_CHARS: Final = 200
 
 # vLLM's exact text (protocols.md §1.1; transcript vllm_400_auto_tool_choice_body.json).
 AUTO_TOOL_CHOICE_ERROR: Final = (
@@ -105,6 +123,7 @@ _VOCABULARY: Final = (
 _FRAGMENT: Final = re.compile(r"\s*(?:\w+|[^\w\s]+)|\s+")
 _TOOLS_BLOCK: Final = re.compile(r"<tools>(.*?)</tools>", re.DOTALL)
 _JSON_TOKEN: Final = re.compile(r"\w+|[^\w\s]")
+_TOOL_RESPONSE: Final = re.compile(r"<tool_response>(.*?)</tool_response>", re.DOTALL)
 
 
 class SimFile(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -248,7 +267,16 @@ def effective_config(request: ChatRequest, base: SimConfig) -> SimConfig:
     Raises:
         RequestError: The overrides are not a mapping or do not validate.
     """
-    overrides = (request.extra_body or {}).get(SIM_OVERRIDE_KEY)
+    return apply_overrides(request.extra_body, base)
+
+
+def apply_overrides(extra_body: dict[str, Any] | None, base: SimConfig) -> SimConfig:
+    """``base`` with ``extra_body["iop_sim"]`` applied (any endpoint's request).
+
+    Raises:
+        RequestError: The overrides are not a mapping or do not validate.
+    """
+    overrides = (extra_body or {}).get(SIM_OVERRIDE_KEY)
     if overrides is None:
         return base
     if not isinstance(overrides, dict):
@@ -408,6 +436,29 @@ def _prompt_tools(messages: list[Message]) -> list[tuple[str, Any]]:
     return found
 
 
+def _tool_result_text(messages: list[Message]) -> str:
+    """The text of the last message, a tool result (inside the text-tool
+    fallback's ``<tool_response>`` tags when it is a user turn)."""
+    text = messages[-1].text() if messages else ""
+    found = _TOOL_RESPONSE.search(text)
+    return (found.group(1) if found else text).strip()
+
+
+def _scripted_answer(messages: list[Message]) -> list[str]:
+    """The scripted mode's answer to a tool result, as tokens."""
+    quoted = _tool_result_text(messages)[:TOOL_RESULT_QUOTE_CHARS]
+    return _fragments("The tool said: " + quoted)
+
+
+def _scripted_tool(cfg: SimConfig, declared: list[str]) -> str | None:
+    """The first of ``tool_call_names`` among the declared tools, if any."""
+    return next((name for name in cfg.tool_call_names if name in declared), None)
+
+
+def _scripted_arguments(cfg: SimConfig, name: str) -> str:
+    return cfg.tool_call_arguments_by_tool.get(name, cfg.tool_call_arguments)
+
+
 def _after_tool_result(messages: list[Message]) -> bool:
     if not messages:
         return False
@@ -460,28 +511,44 @@ def build_script(request: ChatRequest, config: SimConfig) -> SimScript:
     choice = request.tool_choice
     if tools and cfg.tool_mode != "none" and choice != "none":
         if isinstance(choice, NamedToolChoice):
-            tool = next(t for t in tools if t.function.name == choice.function.name)
+            name = choice.function.name
         else:
-            tool = tools[0]
+            name = _scripted_tool(cfg, request.tool_names()) or tools[0].function.name
+        tool = next(t for t in tools if t.function.name == name)
+        scripted = name in cfg.tool_call_names
         forced = choice is not None and choice != "auto"
         if forced or not _after_tool_result(request.messages):
-            args = _arguments_for(tool.function.parameters, rng)
+            if scripted:
+                args_text = _scripted_arguments(cfg, name)
+            else:
+                args_text = json.dumps(
+                    _arguments_for(tool.function.parameters, rng), ensure_ascii=False
+                )
             if cfg.tool_mode == "native":
                 call_id = "chatcmpl-tool-" + hashlib.sha256(digest + b"tool").hexdigest()[:32]
-                steps.append(ToolCallBegin(call_id, tool.function.name))
-                args_text = json.dumps(args, ensure_ascii=False)
+                steps.append(ToolCallBegin(call_id, name))
                 steps.extend(ToolArgs(f) for f in _fragments(args_text))
                 # vLLM main: "tool_calls" for auto/required, "stop" for a named
                 # choice (OpenAI's behaviour; protocols.md §1.3).
                 if not isinstance(choice, NamedToolChoice):
                     finish = FinishReason.TOOL_CALLS
             else:
-                steps.extend(ContentToken(t) for t in _hermes_tokens(tool.function.name, args))
+                steps.extend(ContentToken(t) for t in _hermes_tokens(name, json.loads(args_text)))
+        elif scripted:
+            steps.extend(ContentToken(t) for t in _scripted_answer(request.messages))
         else:
             steps.extend(ContentToken(w) for w in _words(rng, max(cfg.output_tokens, 0)))
     elif not tools and cfg.tool_mode != "none" and (listed := _prompt_tools(request.messages)):
+        listed_names = [n for n, _ in listed]
+        scripted_name = _scripted_tool(cfg, listed_names)
         if _after_tool_result(request.messages):
-            steps.extend(ContentToken(w) for w in _words(rng, max(cfg.output_tokens, 0)))
+            if scripted_name is not None:
+                steps.extend(ContentToken(t) for t in _scripted_answer(request.messages))
+            else:
+                steps.extend(ContentToken(w) for w in _words(rng, max(cfg.output_tokens, 0)))
+        elif scripted_name is not None:
+            args = json.loads(_scripted_arguments(cfg, scripted_name))
+            steps.extend(ContentToken(t) for t in _hermes_tokens(scripted_name, args))
         else:
             name, parameters = listed[0]
             args = _arguments_for(parameters, rng)

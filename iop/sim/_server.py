@@ -1,11 +1,18 @@
 """The simulated backend as an HTTP server speaking vLLM's wire format.
 
 ``create_sim_app(cfg)`` builds a quart-trio app with vLLM's routes
-(``POST /v1/chat/completions`` streaming and not, ``GET /v1/models``,
-``GET /health``); ``serve_sim`` runs it on hypercorn's trio worker. What the
-model says and when comes from ``iop.sim._script``, the bytes from
-``iop.sim._vllm_wire``; this module only does the IO: it reads the request,
-sleeps the script's delays and writes the frames.
+(``POST /v1/chat/completions`` and ``POST /v1/completions``, streaming and
+not, ``POST /v1/embeddings``, ``POST /tokenize``, ``POST /detokenize``,
+``GET /v1/models``, ``GET /health``); ``serve_sim`` runs it on hypercorn's
+trio worker. What the model says and when comes from ``iop.sim._script``
+(chat), ``iop.sim._completions``, ``iop.sim._embeddings`` and
+``iop.sim._tokenizer``, the bytes from those and ``iop.sim._vllm_wire``;
+this module only does the IO: it reads the request, sleeps the script's
+delays and writes the frames.
+
+An embeddings request takes ``ttft_s`` to compute (the prefill of its
+inputs) and honours the same injected failures as a non-streamed chat
+answer, so that cancelling it can be tested the same way.
 
 Streams are async generators that only ``trio.sleep`` and ``yield`` bytes
 (no nursery or cancel scope around a ``yield``, trio-stack.md §2 P4). A
@@ -34,7 +41,15 @@ from werkzeug.exceptions import MethodNotAllowed, NotFound, RequestEntityTooLarg
 
 from iop.config import SimConfig
 from iop.errors import RequestError, listen_error_from
-from iop.sim._script import SimScript, build_script
+from iop.sim._completions import (
+    build_completion_script,
+    completion_stream_plan,
+    completion_text_body,
+    parse_completion_request,
+)
+from iop.sim._embeddings import check_embedding_request, embedding_body, parse_embedding_request
+from iop.sim._script import apply_overrides, build_script
+from iop.sim._tokenize_api import detokenize_body, tokenize_body
 from iop.sim._vllm_wire import (
     SSE_CONTENT_TYPE,
     Ending,
@@ -70,16 +85,24 @@ class SimStats:
 
     Attributes:
         requests: ``POST /v1/chat/completions`` requests received.
+        completions_requests: ``POST /v1/completions`` requests received.
+        embeddings_requests: ``POST /v1/embeddings`` requests received.
+        tokenize_requests: ``POST /tokenize`` and ``/detokenize`` requests.
         statuses: Responses by HTTP status.
-        streams_opened: Streamed responses started.
+        streams_opened: Streamed responses started (chat and completions).
         streams_finished: Streams that ran to the end of their plan.
         open_streams: Streams currently open.
-        open_completions: Non-streamed answers currently being generated.
-        client_disconnects: Generations (streamed or not) cut off before
-            their end because the client went away (or the server shut down).
+        open_completions: Non-streamed answers currently being generated
+            (chat, completions and embeddings).
+        client_disconnects: Generations (streamed or not, embeddings too)
+            cut off before their end because the client went away (or the
+            server shut down).
     """
 
     requests: int = 0
+    completions_requests: int = 0
+    embeddings_requests: int = 0
+    tokenize_requests: int = 0
     statuses: collections.Counter[int] = dataclasses.field(default_factory=collections.Counter)
     streams_opened: int = 0
     streams_finished: int = 0
@@ -126,16 +149,25 @@ async def _stream_body(plan: StreamPlan, stats: SimStats) -> AsyncIterator[bytes
             stats.client_disconnects += 1
 
 
-async def _complete(script: SimScript, stats: SimStats, created: int) -> Response:
-    """The non-streaming answer, after the whole generation time."""
-    cfg = script.config
+async def _complete(
+    cfg: SimConfig, delay_s: float, body: Callable[[], bytes], stats: SimStats
+) -> Response:
+    """A non-streaming answer, ``body()``, after the whole generation time."""
     finished = False
     stats.open_completions += 1
     try:
         if cfg.failure in ("stall_before_first_byte", "stall_mid_stream"):
             await trio.sleep_forever()
-        if script.total_delay_s > 0:
-            await trio.sleep(script.total_delay_s)
+        if delay_s > 0:
+            await trio.sleep(delay_s)
+        if cfg.failure == "midstream_error":
+            data = b""
+        else:
+            # In a worker thread: a 2048-input embeddings body takes seconds
+            # of CPU, which must not stall every other stream of the server.
+            # A client that leaves meanwhile is counted like one that left
+            # during the delay (the thread's result is dropped).
+            data = await trio.to_thread.run_sync(body, abandon_on_cancel=True)
         finished = True
     finally:
         stats.open_completions -= 1
@@ -144,11 +176,39 @@ async def _complete(script: SimScript, stats: SimStats, created: int) -> Respons
     if cfg.failure == "midstream_error":
         # vLLM's full generator turns an engine failure into a 500.
         return _json_response(error_body("sim: injected generation error", status=500), 500)
-    body = completion_body(script, created=created)
+    return _body_response(cfg, data)
+
+
+def _body_response(cfg: SimConfig, body: bytes) -> Response:
     if cfg.failure == "truncate":
         # Half a JSON document, then the connection closes.
         return _json_response(body[: len(body) // 2], 200, {"Connection": "close"})
     return _json_response(body, 200)
+
+
+def _stream_response(plan: StreamPlan, stats: SimStats) -> Response:
+    headers = {"Connection": "close"} if plan.ending is Ending.TRUNCATE else None
+    response = Response(
+        _stream_body(plan, stats), status=200, headers=headers, content_type=SSE_CONTENT_TYPE
+    )
+    response.timeout = None
+    return response
+
+
+def _injected(cfg: SimConfig) -> Response | None:
+    """The injected ``http_*`` failure's response, if ``cfg`` has one."""
+    injected = injected_http_error(cfg, authorization=request.headers.get("Authorization", ""))
+    if injected is None:
+        return None
+    status, body = injected
+    headers = {"Retry-After": "1"} if status == 429 else None
+    return _json_response(body, status, headers)
+
+
+def _check_model(model: str | None, cfg: SimConfig) -> None:
+    # vLLM serves the request with its model when the body names none.
+    if model is not None and model != cfg.model:
+        raise model_not_found(model)
 
 
 def create_sim_app(cfg: SimConfig) -> SimApp:
@@ -182,24 +242,89 @@ def create_sim_app(cfg: SimConfig) -> SimApp:
         except RequestError as exc:
             log.debug("sim: refused request (%d): %s", exc.status, exc.message)
             return _error_response(exc)
-        injected = injected_http_error(
-            script.config, authorization=request.headers.get("Authorization", "")
-        )
-        if injected is not None:
-            status, body = injected
-            headers = {"Retry-After": "1"} if status == 429 else None
-            return _json_response(body, status, headers)
+        if (injected := _injected(script.config)) is not None:
+            return injected
         created = int(time.time())
         if not chat.stream:
-            return await _complete(script, stats, created)
+            return await _complete(
+                script.config,
+                script.total_delay_s,
+                partial(completion_body, script, created=created),
+                stats,
+            )
         include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
-        plan = stream_plan(script, created=created, include_usage=include_usage)
-        headers = {"Connection": "close"} if plan.ending is Ending.TRUNCATE else None
-        response = Response(
-            _stream_body(plan, stats), status=200, headers=headers, content_type=SSE_CONTENT_TYPE
+        return _stream_response(
+            stream_plan(script, created=created, include_usage=include_usage), stats
         )
-        response.timeout = None
-        return response
+
+    @app.post("/v1/completions")
+    async def completions() -> Response:
+        stats.completions_requests += 1
+        raw = await request.get_data(cache=False, as_text=False, parse_form_data=False)
+        try:
+            body = parse_completion_request(raw)
+            _check_model(body.model, cfg)
+            # Many prompts make many frames: plan them off the event loop.
+            script = await trio.to_thread.run_sync(
+                build_completion_script, body, cfg, abandon_on_cancel=True
+            )
+        except RequestError as exc:
+            log.debug("sim: refused completions request (%d): %s", exc.status, exc.message)
+            return _error_response(exc)
+        if (injected := _injected(script.config)) is not None:
+            return injected
+        created = int(time.time())
+        if not body.stream:
+            return await _complete(
+                script.config,
+                script.total_delay_s,
+                partial(completion_text_body, script, created=created),
+                stats,
+            )
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        plan = await trio.to_thread.run_sync(
+            partial(completion_stream_plan, script, created=created, include_usage=include_usage),
+            abandon_on_cancel=True,
+        )
+        return _stream_response(plan, stats)
+
+    @app.post("/v1/embeddings")
+    async def embeddings() -> Response:
+        stats.embeddings_requests += 1
+        raw = await request.get_data(cache=False, as_text=False, parse_form_data=False)
+        try:
+            body = parse_embedding_request(raw)
+            _check_model(body.model, cfg)
+            effective = apply_overrides(body.extra_body, cfg)
+            # Checked up front: a bad input is a 400 before any waiting.
+            check_embedding_request(body, effective)
+        except RequestError as exc:
+            log.debug("sim: refused embeddings request (%d): %s", exc.status, exc.message)
+            return _error_response(exc)
+        if (injected := _injected(effective)) is not None:
+            return injected
+        answer = partial(
+            embedding_body, body, effective, model=body.model or cfg.model, created=int(time.time())
+        )
+        return await _complete(effective, effective.ttft_s, answer, stats)
+
+    @app.post("/tokenize")
+    async def tokenize() -> Response:
+        stats.tokenize_requests += 1
+        raw = await request.get_data(cache=False, as_text=False, parse_form_data=False)
+        try:
+            return _json_response(tokenize_body(raw, cfg), 200)
+        except RequestError as exc:
+            return _error_response(exc)
+
+    @app.post("/detokenize")
+    async def detokenize() -> Response:
+        stats.tokenize_requests += 1
+        raw = await request.get_data(cache=False, as_text=False, parse_form_data=False)
+        try:
+            return _json_response(detokenize_body(raw, cfg), 200)
+        except RequestError as exc:
+            return _error_response(exc)
 
     @app.get("/v1/models")
     async def list_models() -> Response:

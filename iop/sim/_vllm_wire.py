@@ -55,6 +55,7 @@ __all__ = [
     "completion_body",
     "error_body",
     "error_type",
+    "inject_failure",
     "injected_http_error",
     "model_not_found",
     "models_body",
@@ -297,7 +298,7 @@ def stream_plan(script: SimScript, *, created: int, include_usage: bool) -> Stre
         # The first token's delay (the TTFT) was spent before the role chunk.
         delay = 0.0 if i == 0 else step.delay_s
         if i == fail_at:
-            ending = _inject(frames, chunks, failure, delay)
+            ending = inject_failure(frames, failure, delay)
             if ending is not None:
                 return StreamPlan(tuple(frames), ending)
         if script.capped and i == len(steps) - 1:
@@ -306,7 +307,7 @@ def stream_plan(script: SimScript, *, created: int, include_usage: bool) -> Stre
             frames.append(Frame(delay, chunks.token(step)))
     if fail_at == len(steps):
         tail_delay = 0.0 if script.capped or not steps else script.finish_delay_s
-        ending = _inject(frames, chunks, failure, tail_delay)
+        ending = inject_failure(frames, failure, tail_delay)
         if ending is not None:
             return StreamPlan(tuple(frames), ending)
     if not script.capped:
@@ -318,7 +319,7 @@ def stream_plan(script: SimScript, *, created: int, include_usage: bool) -> Stre
     return StreamPlan(tuple(frames), Ending.DONE)
 
 
-def _inject(frames: list[Frame], chunks: _Chunks, failure: str, delay: float) -> Ending | None:
+def inject_failure(frames: list[Frame], failure: str, delay: float) -> Ending | None:
     """Append the failure's frames; return the ending if the stream stops here."""
     if failure == "midstream_error":
         frames.append(Frame(delay, streaming_error_event("sim: injected mid-stream error")))

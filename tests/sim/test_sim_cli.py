@@ -83,6 +83,8 @@ async def test_iop_sim_process_serves_and_exits_cleanly_on_sigint(tmp_path: Path
         "0",
         "--output-tokens",
         "4",
+        "--embedding-dim",
+        "8",
     ]
     with (tmp_path / "stderr.txt").open("wb") as stderr:
         proc = await trio.lowlevel.open_process(cmd, stdout=subprocess.PIPE, stderr=stderr)
@@ -99,8 +101,14 @@ async def test_iop_sim_process_serves_and_exits_cleanly_on_sigint(tmp_path: Path
                     "/v1/chat/completions",
                     json={"model": "cli-sim", "messages": [{"role": "user", "content": "hi"}]},
                 )
+                vectors = await client.post("/v1/embeddings", json={"input": ["a", "b"]})
+                text = await client.post("/v1/completions", json={"prompt": "hi"})
+                tokens = await client.post("/tokenize", json={"prompt": "hi there"})
             assert resp.status_code == 200
             assert resp.json()["usage"]["completion_tokens"] == 5
+            assert [len(d["embedding"]) for d in vectors.json()["data"]] == [8, 8]
+            assert text.json()["object"] == "text_completion"
+            assert tokens.json()["count"] == 2
             proc.send_signal(signal.SIGINT)
             with trio.fail_after(STARTUP_S):
                 code = await proc.wait()
@@ -110,3 +118,15 @@ async def test_iop_sim_process_serves_and_exits_cleanly_on_sigint(tmp_path: Path
                 await proc.wait()
             await proc.stdout.aclose()
     assert code == 0, (tmp_path / "stderr.txt").read_text()
+
+
+def test_embedding_and_input_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = sim_config_from_args(parse("--embedding-dim", "64", "--max-inputs", "10"))
+    assert (cfg.embedding_dim, cfg.max_inputs) == (64, 10)
+    with pytest.raises(ConfigError, match="embedding_dim must be at least 1"):
+        sim_config_from_args(parse("--embedding-dim", "0"))
+    with pytest.raises(SystemExit):
+        parse("--help")
+    out = capsys.readouterr().out
+    for flag in ("--tool-call-name", "--tool-call-arguments", "--embedding-dim", "/v1/embeddings"):
+        assert flag in out

@@ -356,7 +356,12 @@ def test_fragments_always_join_back(text: str) -> None:
 
 def test_sans_io_modules_import_no_io_library() -> None:
     code = (
-        "import sys, iop.sim._script, iop.sim._vllm_wire;"
+        "import sys, iop.sim, iop.sim._script, iop.sim._vllm_wire, iop.sim._completions,"
+        " iop.sim._embeddings, iop.sim._tokenizer, iop.sim._tokenize_api;"
+        # The in-process adapter's future operations: usable with no IO library.
+        "iop.sim.embedding_vector('x', dim=4); iop.sim.tokenize('x');"
+        "iop.sim.build_completion_script("
+        'iop.sim.parse_completion_request(b\'{"prompt": "x"}\'), iop.sim._script.SimConfig());'
         "print(','.join(m for m in ('trio','httpx','quart','quart_trio','hypercorn','anyio')"
         " if m in sys.modules))"
     )
@@ -365,7 +370,15 @@ def test_sans_io_modules_import_no_io_library() -> None:
     )
     assert out.stdout.strip() == ""
     # And not even lazily, inside a function.
-    for name in ("_script.py", "_vllm_wire.py"):
+    for name in (
+        "__init__.py",
+        "_script.py",
+        "_vllm_wire.py",
+        "_completions.py",
+        "_embeddings.py",
+        "_tokenizer.py",
+        "_tokenize_api.py",
+    ):
         tree = ast.parse((Path(iop.sim.__file__).parent / name).read_text())
         imported = {
             alias.name.split(".")[0]
