@@ -21,13 +21,26 @@ the adapter did not:
 =================================  =============================================
 adapter returned after a terminal  nothing more (the adapter's event stands)
 adapter returned without one       ``Error`` (an adapter bug, code internal_error)
+adapter raised ``RunAborted``      ``Cancelled`` with the error's reason
 adapter raised ``IopError``        ``Error`` with the error's message/status/code
 adapter raised anything else       ``Error`` (logged with traceback)
 run cancelled (``Run.cancel``)     ``Cancelled`` with the caller's reason
 a deadline expired                 ``Cancelled`` with the phase's timeout reason
+adapter raised while cancelled     ``Cancelled`` as above: the cancel wins, the
+                                   error is logged (bare, or a group
+                                   ``[Cancelled, SomeError]`` from a nursery)
 the supervisor is shutting down    ``Cancelled(SHUTDOWN)``, delivered from a
                                    shielded scope, then ``Cancelled`` re-raised
 =================================  =============================================
+
+The rows are in precedence order from "adapter raised while cancelled" up:
+an adapter's own terminal event always stands. Why the cancel wins over an
+error raised during cancellation: the cancel is the cause and the error a
+consequence of tearing the adapter down; reporting the error would turn a
+client disconnect or a deadline into an internal error. Errors are handled
+*outside* the run's cancel scope (``except*``): the scope strips the
+``Cancelled`` from such a group and the rest must not escape the run task, or
+it would take the supervisor's nursery, and every other run, down with it.
 
 Cancelling the run's scope is what closes the adapter's upstream response:
 httpx closes the TCP connection when its stream context exits, and that is
@@ -301,47 +314,38 @@ async def _drive(
     """Execute one run to its single terminal event. Never raises (but Cancelled)."""
     sink = _RunSink(run, send)
     terminal: TerminalEvent | None = None
+    aborted: Cancelled | None = None
+    failure: BaseException | None = None
     finished_normally = False
     try:
-        with run._scope:
-            try:
-                await executor.execute(run.spec, sink)
-            except RunAborted as exc:
-                if sink.pending_terminal is None:
-                    terminal = Cancelled(
+        try:
+            with run._scope:
+                try:
+                    await executor.execute(run.spec, sink)
+                except RunAborted as exc:
+                    aborted = Cancelled(
                         reason=CancelReason(exc.reason),
                         message=exc.message,
                         usage=sink.partial_usage(),
                     )
-            except Exception as exc:
-                if sink.pending_terminal is None:
-                    terminal = _error_from(exc)
-                    if not isinstance(exc, IopError):
-                        log.error("run %s: adapter crashed", run.run_id, exc_info=exc)
-                else:
-                    log.warning(
-                        "run %s: adapter raised after its terminal event: %r", run.run_id, exc
-                    )
-            else:
-                if sink.pending_terminal is None:
-                    terminal = Error(
-                        message="adapter returned without a terminal event",
-                        status=500,
-                        code="internal_error",
-                    )
-        if run.state is not RunState.DONE and sink.pending_terminal is not None:
-            # The adapter's terminal event was cut off while the consumer was
-            # slow; it is still the run's outcome.
-            terminal = sink.pending_terminal
-        elif run._scope.cancelled_caught and run.state is not RunState.DONE:
-            reason = run._cancel_reason or sink.phase_reason
-            message = run._cancel_message or _default_cancel_message(reason, run.deadlines)
-            terminal = Cancelled(reason=reason, message=message, usage=sink.partial_usage())
+                except Exception as exc:
+                    failure = exc
+        except* Exception as group:
+            # What the run's scope left of a group [Cancelled, SomeError]: the
+            # adapter (or a task of its nursery) raised while it was being
+            # cancelled. Handled here, outside the scope, so that it never
+            # reaches the supervisor's nursery and its other runs. A Cancelled
+            # from outside (shutdown) in the same group is re-raised by
+            # ``except*`` itself, after this handler.
+            failure = group
+        terminal = _decide(run, sink, aborted, failure)
         finished_normally = True
     finally:
         if not finished_normally and run.state is not RunState.DONE and terminal is None:
             # Cancelled from outside (supervisor shutdown) or a BaseException:
             # still give the consumer its one terminal event, then let it go.
+            if failure is not None:
+                log.warning("run %s: adapter raised during shutdown: %r", run.run_id, failure)
             terminal = sink.pending_terminal or Cancelled(
                 reason=CancelReason.SHUTDOWN,
                 message="the server is shutting down",
@@ -361,6 +365,48 @@ async def _drive(
         run._done.set()
         send.close()
         _log_outcome(run, logger)
+
+
+def _decide(
+    run: Run, sink: _RunSink, aborted: Cancelled | None, failure: BaseException | None
+) -> TerminalEvent | None:
+    """The run's terminal event once ``execute`` is over (None: already delivered).
+
+    Precedence, as in the module's table: the adapter's own terminal, then a
+    ``RunAborted``, then the cancel (caller's reason or deadline) over any
+    error raised while being cancelled, then the error, then "returned
+    without a terminal".
+    """
+    if run.state is RunState.DONE or sink.pending_terminal is not None:
+        if failure is not None:
+            log.warning("run %s: adapter raised after its terminal event: %r", run.run_id, failure)
+        # A terminal cut off while the consumer was slow is still the outcome.
+        return None if run.state is RunState.DONE else sink.pending_terminal
+    if aborted is not None:
+        return aborted
+    if run._scope.cancel_called:
+        # The cancel is the cause; an error from the adapter's cleanup is a
+        # consequence. Reporting it instead would turn a client disconnect
+        # or a deadline into an internal error.
+        if failure is not None:
+            log.warning(
+                "run %s: adapter raised while being cancelled: %r",
+                run.run_id,
+                failure,
+                exc_info=None if isinstance(failure, IopError) else failure,
+            )
+        reason = run._cancel_reason or sink.phase_reason
+        message = run._cancel_message or _default_cancel_message(reason, run.deadlines)
+        return Cancelled(reason=reason, message=message, usage=sink.partial_usage())
+    if failure is not None:
+        if not isinstance(failure, IopError):
+            log.error("run %s: adapter crashed", run.run_id, exc_info=failure)
+        return _error_from(failure)
+    return Error(
+        message="adapter returned without a terminal event",
+        status=500,
+        code="internal_error",
+    )
 
 
 _CANCEL_MESSAGES: Final = {
