@@ -10,7 +10,8 @@ had two copies of this loop), and it is where their weak spots are fixed:
 * reasoning comes from ``reasoning_content`` or ``reasoning``;
 * tool-call deltas are accumulated by index and id;
 * usage keeps cached and reasoning tokens (vLLM, SGLang, llama.cpp timings);
-* an in-stream error object or ``event: error`` fails the run;
+* an in-stream error object, ``event: error`` or an ``error:`` field line
+  (llama.cpp before PR #16109, which then sends ``[DONE]``) fails the run;
 * a chunk that does not decode is counted, logged by the adapter, and
   tolerated up to a limit; past it the run fails (seed: silently skipped);
 * the stream must end with ``[DONE]``: EOF without it is an error, never a
@@ -98,7 +99,9 @@ class ChatStreamParser:
         tool_id_prefix: str = "call_",
     ) -> None:
         self._label = label
-        self._sse = SSEDecoder(max_line_bytes=max_line_bytes)
+        # llama.cpp before PR #16109 sent a mid-stream failure as an
+        # ``error:`` field line, then [DONE]: ask the decoder for it.
+        self._sse = SSEDecoder(max_line_bytes=max_line_bytes, surface_fields=("error",))
         self._malformed_limit = malformed_chunk_limit
         self._tools = ToolCallAccumulator(id_prefix=tool_id_prefix)
         self._usage: ChunkUsage | None = None
@@ -122,10 +125,8 @@ class ChatStreamParser:
         if self.done:
             return out
         for sse in self._sse.feed(data):
-            if sse.event == "error":
-                info = parse_error_value(_loads_any(sse.data)) or None
-                msg = info.message if info else sse.data.strip() or "error event"
-                raise BackendStreamError(f"{self._label} stream error: {msg}")
+            if sse.field == "error" or sse.event == "error":
+                raise self._stream_error(sse.data)
             payload = sse.data
             if payload.strip() == "[DONE]":
                 self.done = True
@@ -149,6 +150,20 @@ class ChatStreamParser:
             return
         seen = f" (finish_reason was {self._finish_raw!r})" if self._finish_raw else ""
         raise BackendStreamError(f"{self._label} stream ended without [DONE]{seen}")
+
+    def _stream_error(self, payload: str) -> BackendStreamError:
+        """The error of an ``event: error`` event or an ``error:`` field line.
+
+        The value is an error object (llama.cpp's old ``{"code", "message",
+        "type"}``), one wrapped in ``{"error": ...}``, a JSON string, or text.
+        """
+        value = _loads_any(payload)
+        if isinstance(value, dict) and "error" in value:
+            value = value["error"]
+        info = parse_error_value(value)
+        msg = info.message if info else payload.strip() or "error event"
+        status = info.status if info and info.status else 502
+        return BackendStreamError(f"{self._label} stream error: {msg}", status=status)
 
     def _handle(self, payload: str, out: list[Delta | ReasoningDelta]) -> None:
         try:
