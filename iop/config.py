@@ -25,6 +25,7 @@ from iop.errors import ConfigError
 __all__ = [
     "DEFAULT_MAX_CONCURRENCY",
     "DEFAULT_MAX_LINE_BYTES",
+    "DEFAULT_PROBE_MAX_BODY_BYTES",
     "Deadlines",
     "EdgeConfig",
     "EdgeServer",
@@ -54,6 +55,13 @@ DEFAULT_MAX_CONCURRENCY: Final = 8  # seed 003's effectiveCapacity default
 # vLLM's Mistral parser; Go's 64 KiB default broke on them (protocols.md §4).
 # The limit still bounds what one run can make us buffer.
 DEFAULT_MAX_LINE_BYTES: Final = 16 * 1024 * 1024  # same value as iop.wire.DEFAULT_MAX_LINE_BYTES
+
+
+# 4 MiB: a model list is about 100 bytes to 1 KiB per model (llama.cpp adds a
+# ``meta`` object, proxies list hundreds of models), so thousands of models fit.
+# A probe runs every ``probe_interval_s`` on every instance: the limit bounds what
+# a broken or hostile server can make the node buffer each time.
+DEFAULT_PROBE_MAX_BODY_BYTES: Final = 4 * 1024 * 1024
 
 
 class _Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -118,6 +126,8 @@ class HTTPInstance(InstanceBase, frozen=True, kw_only=True):
             environment. Content-Type is owned by the adapter.
         connect_timeout_s: TCP connect deadline.
         probe_timeout_s: Deadline of a ``/v1/models`` probe (seed: 2 s).
+        probe_max_body_bytes: Largest ``/v1/models`` body a probe reads; a
+            bigger one makes the probe fail (the instance is unavailable).
         max_line_bytes: Longest SSE line accepted from the backend.
         malformed_chunk_limit: Undecodable chunks tolerated (counted and
             reported) before the run fails.
@@ -127,6 +137,7 @@ class HTTPInstance(InstanceBase, frozen=True, kw_only=True):
     headers: dict[str, str] = {}
     connect_timeout_s: float = 5.0
     probe_timeout_s: float = 2.0
+    probe_max_body_bytes: int = DEFAULT_PROBE_MAX_BODY_BYTES
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
     malformed_chunk_limit: int = 8
 
@@ -138,6 +149,8 @@ class HTTPInstance(InstanceBase, frozen=True, kw_only=True):
             raise ValueError("endpoint is required")
         if not self.endpoint.startswith(("http://", "https://")):
             raise ValueError(f"endpoint must be an http(s) URL, got {self.endpoint!r}")
+        if self.probe_max_body_bytes < 1:
+            raise ValueError("probe_max_body_bytes must be >= 1")
 
 
 class OpenAICompatInstance(HTTPInstance, frozen=True, tag="openai_compat", kw_only=True):

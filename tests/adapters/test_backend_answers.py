@@ -8,15 +8,18 @@ OpenAI's codes, and the bounds on what a backend can make an adapter buffer
 from __future__ import annotations
 
 import pytest
+import trio
 
 from iop.adapters.openai_compat import OpenAICompatAdapter
 from iop.adapters.vllm import VllmAdapter
+from iop.capabilities import ProviderStatus
 from iop.config import Deadlines, OpenAICompatInstance, VllmInstance
 from iop.events import Delta, Error, RuntimeEvent, Start
 from iop.runtime import collect_run
 from iop.spec import ChatRequest, ExecutionSpec, Message
 from iop.testing import (
     CHAT_COMPLETIONS_PATH,
+    MODELS_PATH,
     FakeBackend,
     Reply,
     Split,
@@ -68,3 +71,75 @@ async def test_llamacpp_pre16109_error_field_fails_the_run(split: Split) -> None
     )
     # Whatever was streamed before the failure reached the client as it came.
     assert "Hello! How".startswith(_text(events))
+
+
+# --- the /v1/models probe reads a bounded body -------------------------------------
+
+PROBE_LIMIT = 4096
+
+
+def _model_list(count: int) -> bytes:
+    entries = ",".join(f'{{"id":"model-{i:06d}","object":"model"}}' for i in range(count))
+    return f'{{"object":"list","data":[{entries}]}}'.encode()
+
+
+async def test_probe_body_over_the_limit_fails_with_a_clear_detail() -> None:
+    body = _model_list(2000)  # about 80 KiB
+    assert len(body) > PROBE_LIMIT
+    async with open_fake_backend() as fb:
+        fb.script(MODELS_PATH, Reply.json(body, split=Split.every(1024)))
+        adapter = _compat(fb, probe_max_body_bytes=PROBE_LIMIT)
+        try:
+            probe = await adapter.probe()
+        finally:
+            await adapter.aclose()
+        conn = await fb.wait_connection_closed(5.0)
+    assert probe.status is ProviderStatus.UNAVAILABLE
+    assert probe.detail == (f"/v1/models body exceeds probe_max_body_bytes={PROBE_LIMIT} bytes")
+    assert probe.targets == ()
+    # It stopped reading early: most of the body was never sent.
+    assert conn.body_bytes_sent < len(body)
+
+
+async def test_probe_of_an_endless_body_fails_at_the_limit_not_at_its_end() -> None:
+    # The body's first bytes, then a stall that never ends: only the limit
+    # can stop the read before the probe deadline does.
+    body = _model_list(2000)
+    async with open_fake_backend() as fb:
+        fb.script(
+            MODELS_PATH,
+            Reply.json(body, split=Split.every(512), stall_after_bytes=PROBE_LIMIT + 512),
+        )
+        adapter = _compat(fb, probe_max_body_bytes=PROBE_LIMIT, probe_timeout_s=60.0)
+        try:
+            with trio.fail_after(30):
+                probe = await adapter.probe()
+        finally:
+            await adapter.aclose()
+    assert probe.status is ProviderStatus.UNAVAILABLE
+    assert "probe_max_body_bytes" in probe.detail
+
+
+async def test_probe_body_at_the_limit_is_read() -> None:
+    body = _model_list(3)
+    async with open_fake_backend() as fb:
+        fb.script(MODELS_PATH, Reply.json(body))
+        adapter = _vllm(fb, probe_max_body_bytes=len(body))
+        try:
+            probe = await adapter.probe()
+        finally:
+            await adapter.aclose()
+    assert probe.status is ProviderStatus.AVAILABLE
+    assert probe.targets == ("model-000000", "model-000001", "model-000002")
+
+
+async def test_probe_error_body_is_read_as_an_excerpt_only() -> None:
+    async with open_fake_backend() as fb:
+        fb.script(MODELS_PATH, Reply.text(b"x" * 100_000, status=500))
+        adapter = _compat(fb)
+        try:
+            probe = await adapter.probe()
+        finally:
+            await adapter.aclose()
+    assert probe.status is ProviderStatus.UNAVAILABLE
+    assert probe.detail == "status code 500"
