@@ -25,6 +25,7 @@ from iop.errors import ConfigError
 __all__ = [
     "DEFAULT_MAX_CONCURRENCY",
     "DEFAULT_MAX_LINE_BYTES",
+    "DEFAULT_MAX_TOOL_CALL_BYTES",
     "DEFAULT_PROBE_MAX_BODY_BYTES",
     "Deadlines",
     "EdgeConfig",
@@ -55,6 +56,12 @@ DEFAULT_MAX_CONCURRENCY: Final = 8  # seed 003's effectiveCapacity default
 # vLLM's Mistral parser; Go's 64 KiB default broke on them (protocols.md §4).
 # The limit still bounds what one run can make us buffer.
 DEFAULT_MAX_LINE_BYTES: Final = 16 * 1024 * 1024  # same value as iop.wire.DEFAULT_MAX_LINE_BYTES
+
+# 16 MiB, the line limit: a whole call's arguments may arrive in one line of up
+# to max_line_bytes, so a smaller cap would refuse what the line limit accepts.
+# Streamed arguments are kept until the stream ends (they are parsed whole);
+# this bounds them across all the fragments and calls of one answer.
+DEFAULT_MAX_TOOL_CALL_BYTES: Final = 16 * 1024 * 1024
 
 
 # 4 MiB: a model list is about 100 bytes to 1 KiB per model (llama.cpp adds a
@@ -129,6 +136,8 @@ class HTTPInstance(InstanceBase, frozen=True, kw_only=True):
         probe_max_body_bytes: Largest ``/v1/models`` body a probe reads; a
             bigger one makes the probe fail (the instance is unavailable).
         max_line_bytes: Longest SSE line accepted from the backend.
+        max_tool_call_bytes: Largest total size of an answer's streamed tool
+            calls (ids, names, arguments) before the run fails.
         malformed_chunk_limit: Undecodable chunks tolerated (counted and
             reported) before the run fails.
     """
@@ -139,6 +148,7 @@ class HTTPInstance(InstanceBase, frozen=True, kw_only=True):
     probe_timeout_s: float = 2.0
     probe_max_body_bytes: int = DEFAULT_PROBE_MAX_BODY_BYTES
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    max_tool_call_bytes: int = DEFAULT_MAX_TOOL_CALL_BYTES
     malformed_chunk_limit: int = 8
 
     def __post_init__(self) -> None:
@@ -151,6 +161,8 @@ class HTTPInstance(InstanceBase, frozen=True, kw_only=True):
             raise ValueError(f"endpoint must be an http(s) URL, got {self.endpoint!r}")
         if self.probe_max_body_bytes < 1:
             raise ValueError("probe_max_body_bytes must be >= 1")
+        if self.max_tool_call_bytes < 1:
+            raise ValueError("max_tool_call_bytes must be >= 1")
 
 
 class OpenAICompatInstance(HTTPInstance, frozen=True, tag="openai_compat", kw_only=True):

@@ -358,6 +358,7 @@ class HTTPBackend:
             label=self.kind,
             max_line_bytes=self.cfg.max_line_bytes,
             malformed_chunk_limit=self.cfg.malformed_chunk_limit,
+            max_tool_call_bytes=self.cfg.max_tool_call_bytes,
         )
 
     async def pump(

@@ -39,7 +39,7 @@ from typing import Final
 
 import msgspec
 
-from iop.config import DEFAULT_MAX_LINE_BYTES
+from iop.config import DEFAULT_MAX_LINE_BYTES, DEFAULT_MAX_TOOL_CALL_BYTES
 from iop.errors import BackendProtocolError, BackendStreamError
 from iop.events import Complete, Delta, FinishReason, ReasoningDelta, Usage
 from iop.wire._chunks import ChatChunk, ChunkUsage
@@ -88,6 +88,8 @@ class ChatStreamParser:
         malformed_chunk_limit: Chunks that fail to decode before the stream
             is declared broken.
         tool_id_prefix: Prefix of ids synthesised for tool calls without one.
+        max_tool_call_bytes: Largest total size of the streamed tool calls
+            (ids, names, arguments) kept until the end of the stream.
     """
 
     def __init__(
@@ -97,13 +99,14 @@ class ChatStreamParser:
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
         malformed_chunk_limit: int = DEFAULT_MALFORMED_CHUNK_LIMIT,
         tool_id_prefix: str = "call_",
+        max_tool_call_bytes: int = DEFAULT_MAX_TOOL_CALL_BYTES,
     ) -> None:
         self._label = label
         # llama.cpp before PR #16109 sent a mid-stream failure as an
         # ``error:`` field line, then [DONE]: ask the decoder for it.
         self._sse = SSEDecoder(max_line_bytes=max_line_bytes, surface_fields=("error",))
         self._malformed_limit = malformed_chunk_limit
-        self._tools = ToolCallAccumulator(id_prefix=tool_id_prefix)
+        self._tools = ToolCallAccumulator(id_prefix=tool_id_prefix, max_bytes=max_tool_call_bytes)
         self._usage: ChunkUsage | None = None
         self._cached_from_timings: int | None = None
         self._finish_raw: str | None = None
@@ -118,8 +121,8 @@ class ChatStreamParser:
 
         Raises:
             BackendStreamError: The backend reported an error in the stream.
-            BackendProtocolError: A line was too long, or too many chunks
-                were malformed.
+            BackendProtocolError: A line was too long, too many chunks were
+                malformed, or the tool calls grew past their limit.
         """
         out: list[Delta | ReasoningDelta] = []
         if self.done:

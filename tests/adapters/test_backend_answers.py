@@ -14,7 +14,7 @@ from iop.adapters.openai_compat import OpenAICompatAdapter
 from iop.adapters.vllm import VllmAdapter
 from iop.capabilities import ProviderStatus
 from iop.config import Deadlines, OpenAICompatInstance, VllmInstance
-from iop.events import Delta, Error, RuntimeEvent, Start
+from iop.events import Complete, Delta, Error, RuntimeEvent, Start
 from iop.runtime import collect_run
 from iop.spec import ChatRequest, ExecutionSpec, Message
 from iop.testing import (
@@ -143,3 +143,46 @@ async def test_probe_error_body_is_read_as_an_excerpt_only() -> None:
             await adapter.aclose()
     assert probe.status is ProviderStatus.UNAVAILABLE
     assert probe.detail == "status code 500"
+
+
+# --- streamed tool-call arguments are bounded ----------------------------------------
+
+
+def _tool_stream(fragments: int, fragment: str) -> bytes:
+    """vLLM-style: the call's header, then ``fragments`` argument fragments."""
+    head = (
+        b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_1",'
+        b'"type":"function","function":{"name":"get_weather","arguments":""}}]}}]}\n\n'
+    )
+    piece = (
+        b'data: {"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,'
+        b'"function":{"arguments":"' + fragment.encode() + b'"}}]}}]}\n\n'
+    )
+    end = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"tool_calls"}]}\n\n'
+    return head + piece * fragments + end + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("kind", ["openai_compat", "vllm"])
+async def test_tool_call_arguments_past_the_limit_end_the_run(kind: str) -> None:
+    limit = 4096
+    body = _tool_stream(1000, "x" * 16)  # 16,000 bytes of arguments
+    async with open_fake_backend() as fb:
+        fb.script(CHAT_COMPLETIONS_PATH, Reply.sse(body, split=Split.random(3, max_piece=300)))
+        make = _compat if kind == "openai_compat" else _vllm
+        events = await _run(make(fb, max_tool_call_bytes=limit))
+        await fb.wait_client_closed(5.0)
+    assert events[-1] == Error(
+        message=f"tool calls exceed {limit} bytes (1 call(s) so far)",
+        status=502,
+        code="tool_calls_too_large",
+    )
+
+
+async def test_tool_call_arguments_under_the_limit_complete() -> None:
+    body = _tool_stream(10, "x")
+    async with open_fake_backend() as fb:
+        fb.script(CHAT_COMPLETIONS_PATH, Reply.sse(body, split=Split.bytewise()))
+        events = await _run(_compat(fb, max_tool_call_bytes=4096))
+    last = events[-1]
+    assert isinstance(last, Complete)
+    assert [(c.name, c.arguments) for c in last.tool_calls] == [("get_weather", "x" * 10)]
