@@ -149,12 +149,15 @@ class Error(msgspec.Struct, frozen=True, kw_only=True, tag="error", tag_field="t
     Attributes:
         message: Human readable, safe for clients.
         status: The HTTP status that describes the failure.
-        code: Stable machine-readable code (see ``iop.errors``).
+        code: Stable machine-readable code (see ``iop.errors``), OpenAI's
+            where the backend's error has one (``context_length_exceeded``).
+        param: The request parameter at fault, for OpenAI's error body.
     """
 
     message: str
     status: int = 502
     code: str = "backend_error"
+    param: str | None = None
 
 
 class Cancelled(msgspec.Struct, frozen=True, kw_only=True, tag="cancelled", tag_field="type"):

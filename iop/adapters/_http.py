@@ -35,7 +35,7 @@ from iop.errors import (
 )
 from iop.runtime import EventSender
 from iop.spec import ExecutionSpec
-from iop.wire._errors import ERROR_EXCERPT_BYTES, excerpt, parse_error_body
+from iop.wire._errors import ERROR_EXCERPT_BYTES, excerpt, openai_error_code, parse_error_body
 from iop.wire._openai_stream import ChatStreamParser
 
 __all__ = [
@@ -343,14 +343,19 @@ class HTTPBackend:
         return bytes(buf[:ERROR_EXCERPT_BYTES])
 
     def http_error(self, response: httpx.Response, body: bytes) -> BackendHTTPError:
-        """``<kind> returned <status>: <message>`` with a bounded excerpt."""
+        """``<kind> returned <status>: <message>`` with a bounded excerpt, and
+        OpenAI's code and param where the error has one (``openai_error_code``)."""
         info = parse_error_body(body)
         status_line = f"{response.status_code} {response.reason_phrase}".strip()
         message = info.message or status_line
+        # The one place a backend's refusal gets OpenAI's code, if it has one.
+        openai = openai_error_code(info, response.status_code)
         return BackendHTTPError(
             f"{self.kind} returned {status_line}: {message}",
             backend_status=response.status_code,
             body_excerpt=excerpt(body),
+            code=openai.code if openai else None,
+            param=openai.param if openai else None,
         )
 
     def new_parser(self) -> ChatStreamParser:

@@ -291,14 +291,19 @@ def _early_failure(first: list[RuntimeEvent]) -> Response | None:
     if not first or any(not isinstance(e, Start) for e in first[:-1]):
         return None
     end = first[-1]
+    param = None
     if isinstance(end, Error):
-        status, message, code = end.status, end.message, end.code
+        status, message, code, param = end.status, end.message, end.code, end.param
     elif isinstance(end, Cancelled):
         status, message, code = cancel_status(end.reason), cancel_message(end), end.reason.value
     else:
         return None
     return _error(
-        status, message, code=code, headers={"Retry-After": "1"} if status == 429 else None
+        status,
+        message,
+        code=code,
+        param=param,
+        headers={"Retry-After": "1"} if status == 429 else None,
     )
 
 

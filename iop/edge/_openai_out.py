@@ -746,10 +746,12 @@ class ChatCompletionStream:
         parts.append(DONE)
         return b"".join(parts)
 
-    def _error(self, message: str, type: str, code: str | None, outcome: str) -> bytes:
+    def _error(
+        self, message: str, type: str, code: str | None, outcome: str, *, param: str | None = None
+    ) -> bytes:
         self._outcome = outcome
         self._state = _State.FINISHED
-        body = error_body(message, type=type, code=code)
+        body = error_body(message, type=type, code=code, param=param)
         return b"data: " + body + b"\n\n" + DONE
 
     # -- the API -------------------------------------------------------------------------
@@ -835,6 +837,7 @@ class ChatCompletionStream:
                 openai_error_type(_error_status(event.status)),
                 event.code,
                 "error",
+                param=event.param,
             )
         if isinstance(event, Cancelled):
             return self._error(
@@ -993,7 +996,9 @@ class ChatCompletionCollector:
         elif isinstance(event, Error):
             status = _error_status(event.status)
             message = event.message or "run failed"
-            body = error_body(message, type=openai_error_type(status), code=event.code)
+            body = error_body(
+                message, type=openai_error_type(status), code=event.code, param=event.param
+            )
             self._result = (status, body)
             self._outcome = "error"
         elif isinstance(event, Cancelled):

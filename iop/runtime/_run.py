@@ -299,7 +299,7 @@ def _error_from(exc: BaseException) -> Error:
         found = next((e for e in leaf.exceptions if isinstance(e, IopError)), None)
         leaf = found if found is not None else leaf.exceptions[0]
     if isinstance(leaf, IopError):
-        return Error(message=leaf.message, status=leaf.status, code=leaf.code)
+        return Error(message=leaf.message, status=leaf.status, code=leaf.code, param=leaf.param)
     return Error(
         message=f"internal error: {type(leaf).__name__}", status=500, code="internal_error"
     )

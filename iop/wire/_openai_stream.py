@@ -43,7 +43,7 @@ from iop.config import DEFAULT_MAX_LINE_BYTES, DEFAULT_MAX_TOOL_CALL_BYTES
 from iop.errors import BackendProtocolError, BackendStreamError
 from iop.events import Complete, Delta, FinishReason, ReasoningDelta, Usage
 from iop.wire._chunks import ChatChunk, ChunkUsage
-from iop.wire._errors import parse_error_value
+from iop.wire._errors import openai_error_code, parse_error_value
 from iop.wire._sse import SSEDecoder
 from iop.wire._toolcalls import ToolCallAccumulator
 
@@ -163,10 +163,20 @@ class ChatStreamParser:
         value = _loads_any(payload)
         if isinstance(value, dict) and "error" in value:
             value = value["error"]
+        return self._error_from_value(value, payload.strip() or "error event")
+
+    def _error_from_value(self, value: object, fallback: str) -> BackendStreamError:
         info = parse_error_value(value)
-        msg = info.message if info else payload.strip() or "error event"
+        msg = info.message if info else fallback
         status = info.status if info and info.status else 502
-        return BackendStreamError(f"{self._label} stream error: {msg}", status=status)
+        openai = openai_error_code(info, status) if info else None
+        error = BackendStreamError(
+            f"{self._label} stream error: {msg}",
+            status=status,
+            code=openai.code if openai else None,
+        )
+        error.param = openai.param if openai else None
+        return error
 
     def _handle(self, payload: str, out: list[Delta | ReasoningDelta]) -> None:
         try:
@@ -181,10 +191,7 @@ class ChatStreamParser:
                 ) from exc
             return
         if chunk.error is not None:
-            info = parse_error_value(chunk.error)
-            msg = info.message if info else str(chunk.error)
-            status = info.status if info and info.status else 502
-            raise BackendStreamError(f"{self._label} stream error: {msg}", status=status)
+            raise self._error_from_value(chunk.error, str(chunk.error))
         if chunk.usage is not None:
             self._usage = chunk.usage
         if chunk.timings is not None:

@@ -23,6 +23,7 @@ from iop.testing import (
     FakeBackend,
     Reply,
     Split,
+    captured_exchanges,
     load_transcript,
     open_fake_backend,
 )
@@ -186,3 +187,87 @@ async def test_tool_call_arguments_under_the_limit_complete() -> None:
     last = events[-1]
     assert isinstance(last, Complete)
     assert [(c.name, c.arguments) for c in last.tool_calls] == [("get_weather", "x" * 10)]
+
+
+# --- backend errors get OpenAI's codes ------------------------------------------------
+
+
+def _captured(name: str, needle: str) -> Reply:
+    exchange = next(e for e in captured_exchanges(name) if needle in e.command)
+    assert exchange.status is not None
+    return Reply(
+        status=exchange.status,
+        headers=tuple((k, v) for k, v in exchange.headers if k.lower() == "content-type"),
+        body=exchange.body,
+    )
+
+
+async def test_llamacpp_context_overflow_is_context_length_exceeded() -> None:
+    async with open_fake_backend() as fb:
+        fb.script(CHAT_COMPLETIONS_PATH, _captured("real-xllamacpp-errors.txt", "too-long-stream"))
+        events = await _run(_compat(fb))
+    assert events[-1] == Error(
+        message="openai_compat returned 400 Bad Request: request (3031 tokens) exceeds the "
+        "available context size (2048 tokens), try increasing it",
+        status=400,
+        code="context_length_exceeded",
+        param="messages",
+    )
+
+
+async def test_vllm_context_overflow_is_context_length_exceeded() -> None:
+    message = (
+        "This model's maximum context length is 2048 tokens. However, you requested 3000 "
+        "tokens (2900 in the messages, 100 in the completion). Please reduce the length of "
+        "the messages or completion."
+    )
+    body = {"error": {"message": message, "type": "BadRequestError", "param": None, "code": 400}}
+    async with open_fake_backend() as fb:
+        fb.script(CHAT_COMPLETIONS_PATH, Reply.json(body, status=400))
+        events = await _run(_vllm(fb))
+    assert events[-1] == Error(
+        message=f"vllm returned 400 Bad Request: {message}",
+        status=400,
+        code="context_length_exceeded",
+        param="messages",
+    )
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "code"),
+    [
+        (
+            429,
+            {"error": {"message": "slow down", "type": "rate_limit", "code": 429}},
+            "rate_limit_exceeded",
+        ),
+        (
+            404,
+            {"error": {"message": "The model `m` does not exist.", "code": 404}},
+            "model_not_found",
+        ),
+        (400, {"error": {"message": "'messages' is required", "code": 400}}, "backend_http_error"),
+    ],
+)
+async def test_other_backend_errors(status: int, body: object, code: str) -> None:
+    async with open_fake_backend() as fb:
+        fb.script(CHAT_COMPLETIONS_PATH, Reply.json(body, status=status))
+        events = await _run(_compat(fb))
+    last = events[-1]
+    assert isinstance(last, Error)
+    assert (last.status, last.code, last.param) == (status, code, None)
+
+
+async def test_in_stream_context_error_is_mapped_too() -> None:
+    body = (
+        b'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+        b'data: {"error": {"message": "This model\'s maximum context length is 8 tokens.", '
+        b'"type": "BadRequestError", "param": null, "code": 400}}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    async with open_fake_backend() as fb:
+        fb.script(CHAT_COMPLETIONS_PATH, Reply.sse(body))
+        events = await _run(_vllm(fb))
+    last = events[-1]
+    assert isinstance(last, Error)
+    assert (last.code, last.param) == ("context_length_exceeded", "messages")

@@ -541,6 +541,21 @@ def test_seed_error_event_sends_error_object_then_done(status: int, type_: str) 
     assert stream.summary().outcome == "error"
 
 
+def test_error_param_reaches_the_body_streamed_and_collected() -> None:
+    event = Error(message="too long", status=400, code="context_length_exceeded", param="messages")
+    stream = make_stream()
+    objs = check_stream(stream.start() + stream.feed(Delta("x")) + stream.feed(event))
+    assert error_of(objs)["param"] == "messages"
+    status, body = collect([Start(), event])
+    assert status == 400
+    assert json.loads(body)["error"] == {
+        "message": "too long",
+        "type": "invalid_request_error",
+        "param": "messages",
+        "code": "context_length_exceeded",
+    }
+
+
 def test_seed_error_default_message_is_run_failed() -> None:
     # if msg == "" { msg = "run failed" }
     objs = check_stream(run_stream([Error(message="")]))
