@@ -321,6 +321,9 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
         drain_timeout_s: On SIGINT/SIGTERM, how long in-flight runs may finish
             before they are cancelled with reason ``shutdown``.
         api_keys: Client API keys (``Authorization: Bearer``); empty = open.
+        write_stall_timeout_s: A client that accepts no response bytes for
+            this long is a slow client: its run is cancelled (``slow_client``)
+            and its connection closed. ``0`` disables it.
     """
 
     host: str = "127.0.0.1"
@@ -329,6 +332,20 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
     keepalive_interval_s: float = 10.0
     drain_timeout_s: float = 10.0
     api_keys: list[str] = []
+    # 30 s: TCP buffers (hundreds of KiB) absorb a reader's pauses long before
+    # they fill, so a live client that stops for this long is not coming back
+    # soon; meanwhile its run holds a node slot. Shorter than idle_timeout_s
+    # (60 s), which is the patience given to a silent backend.
+    write_stall_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.write_stall_timeout_s < 0:
+            raise ValueError("write_stall_timeout_s must be >= 0 (0 disables it)")
+
+    @property
+    def write_stall_timeout(self) -> float | None:
+        """``write_stall_timeout_s``, or None when disabled (0)."""
+        return self.write_stall_timeout_s or None
 
 
 class LinkSettings(_Config, frozen=True, kw_only=True):

@@ -60,6 +60,8 @@ class CancelReason(enum.StrEnum):
     QUEUE_TIMEOUT = "queue_timeout"
     EXPLICIT = "explicit"
     SHUTDOWN = "shutdown"
+    # The client accepted nothing for ``server.write_stall_timeout_s`` (edge).
+    SLOW_CLIENT = "slow_client"
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -46,8 +46,9 @@ from iop.edge._openai_out import (
     openai_error_type,
 )
 from iop.edge._request import parse_chat_request
+from iop.edge._stall import client_gone_reason
 from iop.errors import IopError, RequestError
-from iop.events import Cancelled, CancelReason, Error, RuntimeEvent, Start, is_terminal
+from iop.events import Cancelled, Error, RuntimeEvent, Start, is_terminal
 from iop.protocol import CLOSE_NORMAL, CLOSE_PROTOCOL, LinkClosed
 from iop.runtime import Run, new_run_id
 from iop.spec import ExecutionSpec
@@ -254,7 +255,7 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
             return Response(sse, status=200, headers=_SSE_HEADERS)
         finally:
             if not handed_over:
-                run.cancel(CancelReason.CLIENT_DISCONNECT, "client disconnected")
+                run.cancel(*client_gone_reason())
 
     @app.websocket("/v1/link")
     async def node_link() -> None:
@@ -282,7 +283,7 @@ class _RunBody:
 
     async def aclose(self) -> None:
         # A no-op for a run that already ended.
-        self._run.cancel(CancelReason.CLIENT_DISCONNECT, "client disconnected")
+        self._run.cancel(*client_gone_reason())
         await self._gen.aclose()
 
 
@@ -366,7 +367,7 @@ async def _sse_body(
                     break
     finally:
         if not finished:
-            run.cancel(CancelReason.CLIENT_DISCONNECT, "client disconnected")
+            run.cancel(*client_gone_reason())
         run.events.close()
         log.debug("stream %s closed: %s", run.run_id, stream.summary())
 
@@ -386,7 +387,7 @@ async def _complete(run: Run, collector: ChatCompletionCollector) -> Response:
         # Cancel before closing the channel: a run that finds its consumer
         # gone first would end as an internal error, not client_disconnect.
         if not done:
-            run.cancel(CancelReason.CLIENT_DISCONNECT, "client disconnected")
+            run.cancel(*client_gone_reason())
         run.events.close()
     status, body = collector.result()
     headers = {"Retry-After": "1"} if status == 429 else None

@@ -260,7 +260,12 @@ class EdgeCore:
             )
         self.scheduler.admit(model)
         self.runs_started += 1
-        return self.supervisor.start_run(RemoteExecutor(self), spec, self.config.deadlines)
+        return self.supervisor.start_run(
+            RemoteExecutor(self),
+            spec,
+            self.config.deadlines,
+            write_stall_timeout_s=self.config.server.write_stall_timeout,
+        )
 
     def record_outcome(self, run: Run) -> None:
         """Count a finished run by outcome (``complete``, ``error:<code>``, ``cancelled:<reason>``)."""

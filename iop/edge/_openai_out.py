@@ -217,6 +217,7 @@ _CANCEL_MESSAGES: Final[dict[CancelReason, str]] = {
     CancelReason.QUEUE_TIMEOUT: "timed out waiting for capacity",
     CancelReason.EXPLICIT: "the run was cancelled",
     CancelReason.SHUTDOWN: "the server is shutting down",
+    CancelReason.SLOW_CLIENT: "the client stopped reading its response",
 }
 
 
@@ -224,13 +225,17 @@ def cancel_status(reason: CancelReason) -> int:
     """The HTTP status a cancelled run is reported with.
 
     503 when the node was lost (the request may be retried elsewhere), 504 for
-    every timeout (first token, idle, total, queue), 500 for the rest
-    (explicit cancel, shutdown, and a client disconnect nobody will read).
+    every timeout (first token, idle, total, queue), 408 for a slow client
+    (the server stopped waiting for it; it is not reading, so it is for logs
+    and metrics), 500 for the rest (explicit cancel, shutdown, and a client
+    disconnect nobody will read).
     """
     if reason is CancelReason.NODE_LOST:
         return 503
     if reason in _TIMEOUT_REASONS:
         return 504
+    if reason is CancelReason.SLOW_CLIENT:
+        return 408
     return 500
 
 

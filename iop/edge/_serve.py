@@ -8,11 +8,11 @@ from functools import partial
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve
 
 from iop.config import EdgeConfig
 from iop.edge._app import create_edge_app
 from iop.edge._core import EdgeCore, open_edge_core
+from iop.edge._stall import StallGuard, serve_guarded
 
 __all__ = ["EdgeHandle", "serve_edge"]
 
@@ -61,6 +61,10 @@ async def serve_edge(
             await core.drain(config.server.drain_timeout_s)
 
         async with trio.open_nursery() as nursery:
-            binds = await nursery.start(partial(serve, app, hc, shutdown_trigger=trigger))
+            # Every connection gets the write-stall deadline (iop.edge._stall).
+            guard = StallGuard(config.server.write_stall_timeout)
+            binds = await nursery.start(
+                partial(serve_guarded, app, hc, guard, shutdown_trigger=trigger)
+            )
             url = str(binds[0])
             task_status.started(EdgeHandle(core, url))

@@ -15,6 +15,14 @@ re-arms the run's deadline:
   deadline applies: a slow reader is backpressure, not an idle backend;
 * ``start + request_timeout`` caps all of them.
 
+A run started with ``write_stall_timeout_s`` (the edge's runs, whose consumer
+writes to an HTTP client) also bounds each wait of a blocked sink: a consumer
+that takes no event for that long cancels the run with ``slow_client``, so a
+client that stopped reading cannot hold the run, and its node slot, until the
+total deadline (or forever, when there is none). The node does not use it:
+its consumer is the credit-limited link, whose stalls are the edge's
+backpressure and end when the edge's own run does.
+
 Whatever ends the adapter, the run task produces the terminal event itself if
 the adapter did not:
 
@@ -26,6 +34,7 @@ adapter raised ``IopError``        ``Error`` with the error's message/status/cod
 adapter raised anything else       ``Error`` (logged with traceback)
 run cancelled (``Run.cancel``)     ``Cancelled`` with the caller's reason
 a deadline expired                 ``Cancelled`` with the phase's timeout reason
+the consumer stalled (edge)        ``Cancelled(SLOW_CLIENT)``
 adapter raised while cancelled     ``Cancelled`` as above: the cancel wins, the
                                    error is logged (bare, or a group
                                    ``[Cancelled, SomeError]`` from a nursery)
@@ -159,9 +168,12 @@ class Run:
         spec: ExecutionSpec,
         deadlines: Deadlines,
         events: trio.MemoryReceiveChannel[RuntimeEvent],
+        *,
+        write_stall_timeout_s: float | None = None,
     ) -> None:
         self.spec = spec
         self.deadlines = deadlines
+        self.write_stall_timeout_s = write_stall_timeout_s
         self.events = events
         self.state = RunState.PENDING
         self.outcome: TerminalEvent | None = None
@@ -269,10 +281,19 @@ class _RunSink:
             try:
                 self._send.send_nowait(event)
             except trio.WouldBlock:
-                # Blocked on a slow consumer: only the total deadline applies.
+                # Blocked on a slow consumer: only the total deadline applies,
+                # and the write-stall bound when the run has one.
                 run._scope.deadline = self.total_deadline
                 self._phase = _Phase.TOTAL
-                await self._send.send(event)
+                stall = run.write_stall_timeout_s
+                with trio.move_on_after(math.inf if stall is None else stall) as waited:
+                    await self._send.send(event)
+                if waited.cancelled_caught:
+                    run.cancel(
+                        CancelReason.SLOW_CLIENT,
+                        f"the client accepted no data for write_stall_timeout_s={stall:g}",
+                    )
+                    await trio.lowlevel.checkpoint()  # raises Cancelled: the run scope is cancelled
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             if self.pending_terminal is None:
                 # The consumer went away without cancelling the run (or just
@@ -415,6 +436,7 @@ _CANCEL_MESSAGES: Final = {
     CancelReason.QUEUE_TIMEOUT: "no capacity became free in time",
     CancelReason.EXPLICIT: "the request was cancelled",
     CancelReason.SHUTDOWN: "the server is shutting down",
+    CancelReason.SLOW_CLIENT: "the client stopped reading its response",
 }
 
 
@@ -475,12 +497,19 @@ class RunSupervisor:
         deadlines: Deadlines,
         *,
         buffer: int = RUN_EVENT_BUFFER,
+        write_stall_timeout_s: float | None = None,
     ) -> Run:
-        """Start a run as a task of the supervisor's nursery and return its handle."""
+        """Start a run as a task of the supervisor's nursery and return its handle.
+
+        Args:
+            write_stall_timeout_s: Longest wait of the run's sink on a consumer
+                that takes nothing; then the run is cancelled with
+                ``slow_client``. None: no bound (the total deadline applies).
+        """
         if spec.run_id in self.runs:
             raise InvariantError(f"run id {spec.run_id} is already running")
         send, receive = trio.open_memory_channel[RuntimeEvent](buffer)
-        run = Run(spec, deadlines, receive)
+        run = Run(spec, deadlines, receive, write_stall_timeout_s=write_stall_timeout_s)
         self.runs[spec.run_id] = run
         if self._idle.is_set():
             self._idle = trio.Event()

@@ -213,6 +213,52 @@ async def test_slow_consumer_is_not_an_idle_backend(autojump_clock: trio.testing
     assert len(got) == n + 2
 
 
+async def test_consumer_that_stops_reading_is_a_slow_client(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    adapter = script(Start(), *[Delta("x")] * 100, Complete(), pause=0.01)
+    async with open_run_supervisor() as sup:
+        run = sup.start_run(adapter, SPEC, NO_DEADLINES, buffer=4, write_stall_timeout_s=5.0)
+        await run.events.receive()  # Start, then the client stops reading
+        outcome = await run.wait()
+        decided_at = trio.current_time()
+        run.events.close()
+    assert isinstance(outcome, Cancelled)
+    assert outcome.reason is CancelReason.SLOW_CLIENT
+    assert outcome.message == "the client accepted no data for write_stall_timeout_s=5"
+    assert adapter.cancelled
+    # Virtual time: the channel filled after a few deltas, then 5 s of nothing.
+    assert 5.0 <= decided_at < 6.0
+
+
+async def test_slow_but_reading_consumer_is_not_a_slow_client(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    adapter = script(Start(), *[Delta("x")] * 10, Complete())
+    got: list[RuntimeEvent] = []
+    async with open_run_supervisor() as sup:
+        run = sup.start_run(adapter, SPEC, NO_DEADLINES, buffer=1, write_stall_timeout_s=5.0)
+        async with run.events:
+            async for ev in run.events:
+                got.append(ev)
+                await trio.sleep(4.0)  # slow, but never 5 s without taking one
+    assert got[-1] == Complete()
+
+
+async def test_without_write_stall_timeout_a_stalled_consumer_waits(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    adapter = script(Start(), *[Delta("x")] * 10, Complete())
+    d = Deadlines(first_token_timeout_s=None, idle_timeout_s=None, request_timeout_s=100)
+    async with open_run_supervisor() as sup:
+        run = sup.start_run(adapter, SPEC, d, buffer=1)
+        await run.events.receive()
+        outcome = await run.wait()
+        run.events.close()
+    assert isinstance(outcome, Cancelled)
+    assert outcome.reason is CancelReason.TOTAL_TIMEOUT
+
+
 async def test_explicit_cancel_mid_stream(autojump_clock: trio.testing.MockClock) -> None:
     async def body(send: EventSender) -> None:
         await send.send(Start())
