@@ -10,8 +10,10 @@ only awaits the run's channel and yields bytes; no ``yield`` sits inside a
 cancel scope or nursery (the keep-alive timeout wraps only the ``receive``).
 What is already queued is coalesced into one send (§5e). When the client goes
 away, quart-trio cancels the generator and its ``finally`` cancels the run
-with ``client_disconnect``; the run task, owned by the core's supervisor and
-not by the request, then tells the node from a shielded scope.
+with ``client_disconnect`` (``slow_client`` when the edge's write-stall
+guard closed the connection, ``iop.edge._stall``); the run task, owned by the
+core's supervisor and not by the request, then tells the node from a
+shielded scope.
 
 Headers are committed on the run's first output, or after
 ``keepalive_interval_s`` (then keep-alive comments follow while the run is
