@@ -1223,6 +1223,12 @@ def test_collector_strict_and_xml() -> None:
         (Cancelled(reason=CancelReason.NODE_LOST), 503, "server_error", "node_lost"),
         (Cancelled(reason=CancelReason.TOTAL_TIMEOUT), 504, "server_error", "total_timeout"),
         (Cancelled(reason=CancelReason.SHUTDOWN), 500, "server_error", "shutdown"),
+        (
+            Cancelled(reason=CancelReason.SLOW_CLIENT),
+            408,
+            "invalid_request_error",
+            "slow_client",
+        ),
     ],
 )
 def test_collector_errors(event: RuntimeEvent, status: int, type_: str, code: str) -> None:
