@@ -293,14 +293,23 @@ class OutputPolicy(_Config, frozen=True, kw_only=True):
         text_tool_calls: When to synthesise tool calls from text:
             ``fallback`` only when the node used the text-tool fallback,
             ``always`` whenever the request has tools, ``never``.
+        max_tool_text_chars: Longest streamed answer kept to parse tool calls
+            from its text (and held back while it may be one); past it the
+            held text is released and the rest streams as plain text.
     """
 
     strict: bool = False
     stream_buffer: bool = False
     xml_completion_tool: str = ""
     text_tool_calls: Literal["fallback", "always", "never"] = "fallback"
+    # 16 Mi characters, the size of native tool calls a node accepts
+    # (max_tool_call_bytes): a text tool call is not allowed to be bigger. It
+    # bounds what a streamed answer to a request with tools costs the edge.
+    max_tool_text_chars: int = 16 * 1024 * 1024
 
     def __post_init__(self) -> None:
+        if self.max_tool_text_chars < 1:
+            raise ValueError("max_tool_text_chars must be >= 1")
         if self.xml_completion_tool and not re.fullmatch(
             r"[A-Za-z_][A-Za-z0-9_.-]*", self.xml_completion_tool
         ):

@@ -626,6 +626,13 @@ class _TextLog:
     def text(self) -> str:
         return "".join(self.parts)
 
+    def forget(self) -> None:
+        """Stop keeping the whole text; keep its head, as ``keep=False`` does."""
+        head = "".join(self.parts)[:PREVIEW_CHARS]
+        self.keep = False
+        self.parts = [head]
+        self.room = PREVIEW_CHARS - len(head)
+
 
 class ChatCompletionStream:
     """One streaming chat completion: RuntimeEvents in, SSE bytes out.
@@ -674,6 +681,10 @@ class ChatCompletionStream:
         self._source = self._content.parts if self._stripper is None else []
         self._emitted: list[str] = []  # content sent, kept only with the filter
         self._resolved: _Resolved | None = None
+        # Past this much content, tool calls are no longer parsed from text
+        # (policy.max_tool_text_chars): the kept text is what costs memory.
+        self._tool_text_limit = policy.max_tool_text_chars
+        self.tool_text_abandoned = False
 
         # Pre-encoded templates (trio-stack.md §5b): only the text is encoded per chunk.
         head = b"".join(
@@ -821,9 +832,12 @@ class ChatCompletionStream:
                 if self._stripper is not None:
                     self._source.append(text)
                 text = self._filter.append(text)
+                if self._content.length > self._tool_text_limit:
+                    text += self._abandon_tool_text()
                 if not text:
                     return b""
-                self._emitted.append(text)
+                if self._filter is not None:
+                    self._emitted.append(text)
             return self._content_pre + _encode_text(text) + self._text_post
         if isinstance(event, ReasoningDelta):
             if not event.text:
@@ -854,6 +868,18 @@ class ChatCompletionStream:
         if isinstance(event, Start):
             return b""
         assert_never(event)
+
+    def _abandon_tool_text(self) -> str:
+        """The answer outgrew ``max_tool_text_chars``: release what the filter
+        holds, stop keeping the text, and stream the rest as plain text (native
+        tool calls in ``Complete`` still go out)."""
+        assert self._filter is not None
+        held = self._filter.flush()
+        self._filter = None
+        self._source, self._emitted = [], []
+        self._content.forget()
+        self.tool_text_abandoned = True
+        return held
 
     def _complete(self, complete: Complete) -> bytes:
         """Seed 001's ``case "complete"`` of ``streamChatCompletion``."""
