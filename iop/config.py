@@ -28,6 +28,8 @@ from iop.errors import ConfigError
 __all__ = [
     "DEFAULT_MAX_CONCURRENCY",
     "DEFAULT_MAX_LINE_BYTES",
+    "DEFAULT_MAX_TOOL_CALL_BYTES",
+    "DEFAULT_PROBE_MAX_BODY_BYTES",
     "Deadlines",
     "EdgeConfig",
     "EdgeServer",
@@ -57,6 +59,19 @@ DEFAULT_MAX_CONCURRENCY: Final = 8  # seed 003's effectiveCapacity default
 # vLLM's Mistral parser; Go's 64 KiB default broke on them (protocols.md §4).
 # The limit still bounds what one run can make us buffer.
 DEFAULT_MAX_LINE_BYTES: Final = 16 * 1024 * 1024  # same value as iop.wire.DEFAULT_MAX_LINE_BYTES
+
+# 16 MiB, the line limit: a whole call's arguments may arrive in one line of up
+# to max_line_bytes, so a smaller cap would refuse what the line limit accepts.
+# Streamed arguments are kept until the stream ends (they are parsed whole);
+# this bounds them across all the fragments and calls of one answer.
+DEFAULT_MAX_TOOL_CALL_BYTES: Final = 16 * 1024 * 1024
+
+
+# 4 MiB: a model list is about 100 bytes to 1 KiB per model (llama.cpp adds a
+# ``meta`` object, proxies list hundreds of models), so thousands of models fit.
+# A probe runs every ``probe_interval_s`` on every instance: the limit bounds what
+# a broken or hostile server can make the node buffer each time.
+DEFAULT_PROBE_MAX_BODY_BYTES: Final = 4 * 1024 * 1024
 
 
 class _Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -121,7 +136,11 @@ class HTTPInstance(InstanceBase, frozen=True, kw_only=True):
             environment. Content-Type is owned by the adapter.
         connect_timeout_s: TCP connect deadline.
         probe_timeout_s: Deadline of a ``/v1/models`` probe (seed: 2 s).
+        probe_max_body_bytes: Largest ``/v1/models`` body a probe reads; a
+            bigger one makes the probe fail (the instance is unavailable).
         max_line_bytes: Longest SSE line accepted from the backend.
+        max_tool_call_bytes: Largest total size of an answer's streamed tool
+            calls (ids, names, arguments) before the run fails.
         malformed_chunk_limit: Undecodable chunks tolerated (counted and
             reported) before the run fails.
     """
@@ -130,7 +149,9 @@ class HTTPInstance(InstanceBase, frozen=True, kw_only=True):
     headers: dict[str, str] = {}
     connect_timeout_s: float = 5.0
     probe_timeout_s: float = 2.0
+    probe_max_body_bytes: int = DEFAULT_PROBE_MAX_BODY_BYTES
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
+    max_tool_call_bytes: int = DEFAULT_MAX_TOOL_CALL_BYTES
     malformed_chunk_limit: int = 8
 
     def __post_init__(self) -> None:
@@ -141,6 +162,10 @@ class HTTPInstance(InstanceBase, frozen=True, kw_only=True):
             raise ValueError("endpoint is required")
         if not self.endpoint.startswith(("http://", "https://")):
             raise ValueError(f"endpoint must be an http(s) URL, got {self.endpoint!r}")
+        if self.probe_max_body_bytes < 1:
+            raise ValueError("probe_max_body_bytes must be >= 1")
+        if self.max_tool_call_bytes < 1:
+            raise ValueError("max_tool_call_bytes must be >= 1")
 
 
 class OpenAICompatInstance(HTTPInstance, frozen=True, tag="openai_compat", kw_only=True):
@@ -354,14 +379,23 @@ class OutputPolicy(_Config, frozen=True, kw_only=True):
         text_tool_calls: When to synthesise tool calls from text:
             ``fallback`` only when the node used the text-tool fallback,
             ``always`` whenever the request has tools, ``never``.
+        max_tool_text_chars: Longest streamed answer kept to parse tool calls
+            from its text (and held back while it may be one); past it the
+            held text is released and the rest streams as plain text.
     """
 
     strict: bool = False
     stream_buffer: bool = False
     xml_completion_tool: str = ""
     text_tool_calls: Literal["fallback", "always", "never"] = "fallback"
+    # 16 Mi characters, the size of native tool calls a node accepts
+    # (max_tool_call_bytes): a text tool call is not allowed to be bigger. It
+    # bounds what a streamed answer to a request with tools costs the edge.
+    max_tool_text_chars: int = 16 * 1024 * 1024
 
     def __post_init__(self) -> None:
+        if self.max_tool_text_chars < 1:
+            raise ValueError("max_tool_text_chars must be >= 1")
         if self.xml_completion_tool and not re.fullmatch(
             r"[A-Za-z_][A-Za-z0-9_.-]*", self.xml_completion_tool
         ):
@@ -389,6 +423,9 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
         admin_login_failures_per_minute: Wrong admin keys (all clients
             together) after which admin logins are refused with 429 until
             the minute is over.
+        write_stall_timeout_s: A client that accepts no response bytes for
+            this long is a slow client: its run is cancelled (``slow_client``)
+            and its connection closed. ``0`` disables it.
     """
 
     host: str = "127.0.0.1"
@@ -405,6 +442,12 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
     # gets 14,400 tries a day, hopeless against a random key of 16+ characters.
     admin_login_failures_per_minute: int = 10
 
+    # 30 s: TCP buffers (hundreds of KiB) absorb a reader's pauses long before
+    # they fill, so a live client that stops for this long is not coming back
+    # soon; meanwhile its run holds a node slot. Shorter than idle_timeout_s
+    # (60 s), which is the patience given to a silent backend.
+    write_stall_timeout_s: float = 30.0
+
     def __post_init__(self) -> None:
         if self.admin_session_s <= 0:
             raise ValueError("admin_session_s must be > 0")
@@ -412,6 +455,13 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
             raise ValueError("admin_login_failures_per_minute must be >= 1")
         if any(not k for k in (*self.api_keys, *self.admin_keys)):
             raise ValueError("api_keys and admin_keys must not contain an empty key")
+        if self.write_stall_timeout_s < 0:
+            raise ValueError("write_stall_timeout_s must be >= 0 (0 disables it)")
+
+    @property
+    def write_stall_timeout(self) -> float | None:
+        """``write_stall_timeout_s``, or None when disabled (0)."""
+        return self.write_stall_timeout_s or None
 
 
 class LinkSettings(_Config, frozen=True, kw_only=True):

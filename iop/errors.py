@@ -66,10 +66,12 @@ class IopError(Exception):
         message: Human readable, safe to show a client (no secrets).
         status: The HTTP status this error maps to.
         code: Stable machine-readable code.
+        param: The request parameter OpenAI's error body names, if any.
     """
 
     code: str = "iop_error"
     status: int = 500
+    param: str | None = None
 
     def __init__(self, message: str, *, status: int | None = None, code: str | None = None) -> None:
         super().__init__(message)
@@ -250,12 +252,24 @@ class BackendHTTPError(BackendError):
 
     code = "backend_http_error"
 
-    def __init__(self, message: str, *, backend_status: int, body_excerpt: str = "") -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        backend_status: int,
+        body_excerpt: str = "",
+        code: str | None = None,
+        param: str | None = None,
+    ) -> None:
         # A backend's 4xx is usually the client's fault (bad params, context
-        # overflow) and is relayed as is; a backend 5xx stays a 5xx.
-        super().__init__(message, status=backend_status if 400 <= backend_status < 600 else 502)
+        # overflow) and is relayed as is; a backend 5xx stays a 5xx. ``code``
+        # and ``param``: OpenAI's, when the adapter recognised the error.
+        super().__init__(
+            message, status=backend_status if 400 <= backend_status < 600 else 502, code=code
+        )
         self.backend_status = backend_status
         self.body_excerpt = body_excerpt
+        self.param = param
 
 
 class BackendStreamError(BackendError):

@@ -60,6 +60,8 @@ class CancelReason(enum.StrEnum):
     QUEUE_TIMEOUT = "queue_timeout"
     EXPLICIT = "explicit"
     SHUTDOWN = "shutdown"
+    # The client accepted nothing for ``server.write_stall_timeout_s`` (edge).
+    SLOW_CLIENT = "slow_client"
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -149,12 +151,15 @@ class Error(msgspec.Struct, frozen=True, kw_only=True, tag="error", tag_field="t
     Attributes:
         message: Human readable, safe for clients.
         status: The HTTP status that describes the failure.
-        code: Stable machine-readable code (see ``iop.errors``).
+        code: Stable machine-readable code (see ``iop.errors``), OpenAI's
+            where the backend's error has one (``context_length_exceeded``).
+        param: The request parameter at fault, for OpenAI's error body.
     """
 
     message: str
     status: int = 502
     code: str = "backend_error"
+    param: str | None = None
 
 
 class Cancelled(msgspec.Struct, frozen=True, kw_only=True, tag="cancelled", tag_field="type"):

@@ -29,13 +29,14 @@ from iop.config import HTTPInstance
 from iop.errors import (
     BackendError,
     BackendHTTPError,
+    BackendProtocolError,
     BackendStreamError,
     BackendTimeout,
     BackendUnavailable,
 )
 from iop.runtime import EventSender
 from iop.spec import ExecutionSpec
-from iop.wire._errors import ERROR_EXCERPT_BYTES, excerpt, parse_error_body
+from iop.wire._errors import ERROR_EXCERPT_BYTES, excerpt, openai_error_code, parse_error_body
 from iop.wire._openai_stream import ChatStreamParser
 
 __all__ = [
@@ -248,29 +249,50 @@ class HTTPBackend:
     async def fetch_targets(self) -> list[str]:
         """``GET /v1/models`` with the probe deadline; the ids it lists.
 
+        The body is read up to ``probe_max_body_bytes`` (decoded), an error
+        body up to ``ERROR_EXCERPT_BYTES``: a huge or endless body fails the
+        probe instead of growing the node's memory until the deadline.
+
         Raises:
-            BackendError: Unreachable, non-2xx, timed out, or not a model list.
+            BackendError: Unreachable, non-2xx, timed out, a body over the
+                limit, or not a model list.
         """
         url = self.url("/v1/models")
+        body = b""
         with trio.move_on_after(self.cfg.probe_timeout_s) as scope:
             try:
-                resp = await self._client.get(url, headers=self.headers(json_body=False))
+                async with self._client.stream(
+                    "GET", url, headers=self.headers(json_body=False)
+                ) as resp:
+                    if not 200 <= resp.status_code < 300:
+                        raise BackendHTTPError(
+                            f"status code {resp.status_code}",
+                            backend_status=resp.status_code,
+                            body_excerpt=excerpt(await self.read_error_body(resp)),
+                        )
+                    body = await self._read_probe_body(resp)
             except httpx.HTTPError as exc:
                 raise map_transport_error(exc, "request failed") from exc
         if scope.cancelled_caught:
             raise BackendTimeout(f"no answer within {self.cfg.probe_timeout_s:g}s")
-        if not 200 <= resp.status_code < 300:
-            raise BackendHTTPError(
-                f"status code {resp.status_code}",
-                backend_status=resp.status_code,
-                body_excerpt=excerpt(resp.content),
-            )
         try:
-            models = msgspec.json.decode(resp.content, type=_ModelList)
+            models = msgspec.json.decode(body, type=_ModelList)
         except msgspec.DecodeError as exc:
             raise BackendError(f"decode response: {exc}") from exc
         # Ollama sends "data": null when no model is installed.
         return [m.id for m in models.data or () if m.id]
+
+    async def _read_probe_body(self, response: httpx.Response) -> bytes:
+        limit = self.cfg.probe_max_body_bytes
+        buf = bytearray()
+        async for piece in response.aiter_bytes():
+            buf += piece
+            if len(buf) > limit:
+                # Leaving the stream context closes the connection unread.
+                raise BackendProtocolError(
+                    f"/v1/models body exceeds probe_max_body_bytes={limit} bytes"
+                )
+        return bytes(buf)
 
     async def probe(self, target: str = "") -> ProbeResult:
         """Probe availability and, if given, presence of ``target`` (seed 003)."""
@@ -369,14 +391,19 @@ class HTTPBackend:
         return bytes(buf[:ERROR_EXCERPT_BYTES])
 
     def http_error(self, response: httpx.Response, body: bytes) -> BackendHTTPError:
-        """``<kind> returned <status>: <message>`` with a bounded excerpt."""
+        """``<kind> returned <status>: <message>`` with a bounded excerpt, and
+        OpenAI's code and param where the error has one (``openai_error_code``)."""
         info = parse_error_body(body)
         status_line = f"{response.status_code} {response.reason_phrase}".strip()
         message = info.message or status_line
+        # The one place a backend's refusal gets OpenAI's code, if it has one.
+        openai = openai_error_code(info, response.status_code)
         return BackendHTTPError(
             f"{self.kind} returned {status_line}: {message}",
             backend_status=response.status_code,
             body_excerpt=excerpt(body),
+            code=openai.code if openai else None,
+            param=openai.param if openai else None,
         )
 
     def new_parser(self) -> ChatStreamParser:
@@ -384,6 +411,7 @@ class HTTPBackend:
             label=self.kind,
             max_line_bytes=self.cfg.max_line_bytes,
             malformed_chunk_limit=self.cfg.malformed_chunk_limit,
+            max_tool_call_bytes=self.cfg.max_tool_call_bytes,
         )
 
     async def pump(

@@ -48,7 +48,7 @@ from iop.sim._script import (
 )
 from iop.sim._vllm_wire import error_body, injected_http_error
 from iop.spec import ExecutionSpec
-from iop.wire._errors import excerpt
+from iop.wire._errors import excerpt, openai_error_code, parse_error_body
 
 __all__ = ["SimAdapter"]
 
@@ -199,8 +199,12 @@ def _http_error(status: int, message: str, body: bytes) -> BackendHTTPError:
         status_line = f"{status} {HTTPStatus(status).phrase}"
     except ValueError:
         status_line = str(status)
+    # The same mapping as the HTTP adapters give the same body over the wire.
+    openai = openai_error_code(parse_error_body(body), status)
     return BackendHTTPError(
         f"sim returned {status_line}: {message}",
         backend_status=status,
         body_excerpt=excerpt(body),
+        code=openai.code if openai else None,
+        param=openai.param if openai else None,
     )

@@ -13,8 +13,10 @@ only awaits the run's channel and yields bytes; no ``yield`` sits inside a
 cancel scope or nursery (the keep-alive timeout wraps only the ``receive``).
 What is already queued is coalesced into one send (§5e). When the client goes
 away, quart-trio cancels the generator and its ``finally`` cancels the run
-with ``client_disconnect``; the run task, owned by the core's supervisor and
-not by the request, then tells the node from a shielded scope.
+with ``client_disconnect`` (``slow_client`` when the edge's write-stall
+guard closed the connection, ``iop.edge._stall``); the run task, owned by the
+core's supervisor and not by the request, then tells the node from a
+shielded scope.
 
 Headers are committed on the run's first output, or after
 ``keepalive_interval_s`` (then keep-alive comments follow while the run is
@@ -52,8 +54,9 @@ from iop.edge._openai_out import (
     openai_error_type,
 )
 from iop.edge._request import parse_chat_request
+from iop.edge._stall import client_gone_reason
 from iop.errors import IopError, LinkLimitError, LinkProtocolError, RequestError
-from iop.events import Cancelled, CancelReason, Error, RuntimeEvent, Start, is_terminal
+from iop.events import Cancelled, Error, RuntimeEvent, Start, is_terminal
 from iop.protocol import CLOSE_NORMAL, CLOSE_RATE, CLOSE_TOO_BIG, LinkClosed
 from iop.runtime import Run, new_run_id
 from iop.spec import ExecutionSpec
@@ -439,7 +442,7 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
             return Response(sse, status=200, headers=_SSE_HEADERS)
         finally:
             if not handed_over:
-                run.cancel(CancelReason.CLIENT_DISCONNECT, "client disconnected")
+                run.cancel(*client_gone_reason())
 
     @app.websocket(LINK_PATH)
     async def node_link() -> None:
@@ -474,7 +477,7 @@ class _RunBody:
 
     async def aclose(self) -> None:
         # A no-op for a run that already ended.
-        self._run.cancel(CancelReason.CLIENT_DISCONNECT, "client disconnected")
+        self._run.cancel(*client_gone_reason())
         await self._gen.aclose()
 
 
@@ -483,14 +486,19 @@ def _early_failure(first: list[RuntimeEvent]) -> Response | None:
     if not first or any(not isinstance(e, Start) for e in first[:-1]):
         return None
     end = first[-1]
+    param = None
     if isinstance(end, Error):
-        status, message, code = end.status, end.message, end.code
+        status, message, code, param = end.status, end.message, end.code, end.param
     elif isinstance(end, Cancelled):
         status, message, code = cancel_status(end.reason), cancel_message(end), end.reason.value
     else:
         return None
     return _error(
-        status, message, code=code, headers={"Retry-After": "1"} if status == 429 else None
+        status,
+        message,
+        code=code,
+        param=param,
+        headers={"Retry-After": "1"} if status == 429 else None,
     )
 
 
@@ -553,7 +561,7 @@ async def _sse_body(
                     break
     finally:
         if not finished:
-            run.cancel(CancelReason.CLIENT_DISCONNECT, "client disconnected")
+            run.cancel(*client_gone_reason())
         run.events.close()
         log.debug("stream %s closed: %s", run.run_id, stream.summary())
 
@@ -573,7 +581,7 @@ async def _complete(run: Run, collector: ChatCompletionCollector) -> Response:
         # Cancel before closing the channel: a run that finds its consumer
         # gone first would end as an internal error, not client_disconnect.
         if not done:
-            run.cancel(CancelReason.CLIENT_DISCONNECT, "client disconnected")
+            run.cancel(*client_gone_reason())
         run.events.close()
     status, body = collector.result()
     headers = {"Retry-After": "1"} if status == 429 else None

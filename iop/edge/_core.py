@@ -231,7 +231,13 @@ class RemoteExecutor:
         finally:
             conn.close_run(run_id)
             if not finished:
-                frame = conn.session.cancel(run_id, send.cancel_reason, "edge gave up on the run")
+                reason = send.cancel_reason
+                if reason is CancelReason.SLOW_CLIENT:
+                    # Nodes older than slow_client cannot decode it (a link
+                    # protocol error would drop every run of the node); for
+                    # the node it is a client that went away.
+                    reason = CancelReason.CLIENT_DISCONNECT
+                frame = conn.session.cancel(run_id, reason, "edge gave up on the run")
                 if frame is not None:
                     with trio.move_on_after(CANCEL_SEND_TIMEOUT_S, shield=True):
                         # A gone link is fine: the node cancels its runs itself.
@@ -300,7 +306,12 @@ class EdgeCore:
             )
         self.scheduler.admit(model)
         self.runs_started += 1
-        return self.supervisor.start_run(RemoteExecutor(self), spec, self.config.deadlines)
+        return self.supervisor.start_run(
+            RemoteExecutor(self),
+            spec,
+            self.config.deadlines,
+            write_stall_timeout_s=self.config.server.write_stall_timeout,
+        )
 
     def _why_unavailable(self, model: str) -> list[str]:
         """Why no instance can take ``model`` now, one phrase per instance that might.

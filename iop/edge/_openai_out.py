@@ -217,6 +217,7 @@ _CANCEL_MESSAGES: Final[dict[CancelReason, str]] = {
     CancelReason.QUEUE_TIMEOUT: "timed out waiting for capacity",
     CancelReason.EXPLICIT: "the run was cancelled",
     CancelReason.SHUTDOWN: "the server is shutting down",
+    CancelReason.SLOW_CLIENT: "the client stopped reading its response",
 }
 
 
@@ -224,13 +225,17 @@ def cancel_status(reason: CancelReason) -> int:
     """The HTTP status a cancelled run is reported with.
 
     503 when the node was lost (the request may be retried elsewhere), 504 for
-    every timeout (first token, idle, total, queue), 500 for the rest
-    (explicit cancel, shutdown, and a client disconnect nobody will read).
+    every timeout (first token, idle, total, queue), 408 for a slow client
+    (the server stopped waiting for it; it is not reading, so it is for logs
+    and metrics), 500 for the rest (explicit cancel, shutdown, and a client
+    disconnect nobody will read).
     """
     if reason is CancelReason.NODE_LOST:
         return 503
     if reason in _TIMEOUT_REASONS:
         return 504
+    if reason is CancelReason.SLOW_CLIENT:
+        return 408
     return 500
 
 
@@ -621,6 +626,13 @@ class _TextLog:
     def text(self) -> str:
         return "".join(self.parts)
 
+    def forget(self) -> None:
+        """Stop keeping the whole text; keep its head, as ``keep=False`` does."""
+        head = "".join(self.parts)[:PREVIEW_CHARS]
+        self.keep = False
+        self.parts = [head]
+        self.room = PREVIEW_CHARS - len(head)
+
 
 class ChatCompletionStream:
     """One streaming chat completion: RuntimeEvents in, SSE bytes out.
@@ -669,6 +681,10 @@ class ChatCompletionStream:
         self._source = self._content.parts if self._stripper is None else []
         self._emitted: list[str] = []  # content sent, kept only with the filter
         self._resolved: _Resolved | None = None
+        # Past this much content, tool calls are no longer parsed from text
+        # (policy.max_tool_text_chars): the kept text is what costs memory.
+        self._tool_text_limit = policy.max_tool_text_chars
+        self.tool_text_abandoned = False
 
         # Pre-encoded templates (trio-stack.md §5b): only the text is encoded per chunk.
         head = b"".join(
@@ -746,10 +762,12 @@ class ChatCompletionStream:
         parts.append(DONE)
         return b"".join(parts)
 
-    def _error(self, message: str, type: str, code: str | None, outcome: str) -> bytes:
+    def _error(
+        self, message: str, type: str, code: str | None, outcome: str, *, param: str | None = None
+    ) -> bytes:
         self._outcome = outcome
         self._state = _State.FINISHED
-        body = error_body(message, type=type, code=code)
+        body = error_body(message, type=type, code=code, param=param)
         return b"data: " + body + b"\n\n" + DONE
 
     # -- the API -------------------------------------------------------------------------
@@ -814,9 +832,12 @@ class ChatCompletionStream:
                 if self._stripper is not None:
                     self._source.append(text)
                 text = self._filter.append(text)
+                if self._content.length > self._tool_text_limit:
+                    text += self._abandon_tool_text()
                 if not text:
                     return b""
-                self._emitted.append(text)
+                if self._filter is not None:
+                    self._emitted.append(text)
             return self._content_pre + _encode_text(text) + self._text_post
         if isinstance(event, ReasoningDelta):
             if not event.text:
@@ -835,6 +856,7 @@ class ChatCompletionStream:
                 openai_error_type(_error_status(event.status)),
                 event.code,
                 "error",
+                param=event.param,
             )
         if isinstance(event, Cancelled):
             return self._error(
@@ -846,6 +868,18 @@ class ChatCompletionStream:
         if isinstance(event, Start):
             return b""
         assert_never(event)
+
+    def _abandon_tool_text(self) -> str:
+        """The answer outgrew ``max_tool_text_chars``: release what the filter
+        holds, stop keeping the text, and stream the rest as plain text (native
+        tool calls in ``Complete`` still go out)."""
+        assert self._filter is not None
+        held = self._filter.flush()
+        self._filter = None
+        self._source, self._emitted = [], []
+        self._content.forget()
+        self.tool_text_abandoned = True
+        return held
 
     def _complete(self, complete: Complete) -> bytes:
         """Seed 001's ``case "complete"`` of ``streamChatCompletion``."""
@@ -993,7 +1027,9 @@ class ChatCompletionCollector:
         elif isinstance(event, Error):
             status = _error_status(event.status)
             message = event.message or "run failed"
-            body = error_body(message, type=openai_error_type(status), code=event.code)
+            body = error_body(
+                message, type=openai_error_type(status), code=event.code, param=event.param
+            )
             self._result = (status, body)
             self._outcome = "error"
         elif isinstance(event, Cancelled):

@@ -8,12 +8,12 @@ from functools import partial
 
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio import serve
 
 from iop.config import EdgeConfig
 from iop.edge._app import LINK_PATH, create_edge_app
 from iop.edge._core import EdgeCore, open_edge_core
 from iop.edge._link_guard import LinkFrameGuard
+from iop.edge._stall import StallGuard, serve_guarded
 from iop.errors import listen_error_from
 
 __all__ = ["EdgeHandle", "serve_edge"]
@@ -78,8 +78,12 @@ async def serve_edge(
             await core.drain(config.server.drain_timeout_s)
 
         async with trio.open_nursery() as nursery:
+            # Every connection gets the write-stall deadline (iop.edge._stall).
+            guard = StallGuard(config.server.write_stall_timeout)
             try:
-                binds = await nursery.start(partial(serve, app, hc, shutdown_trigger=trigger))
+                binds = await nursery.start(
+                    partial(serve_guarded, app, hc, guard, shutdown_trigger=trigger)
+                )
             except (OSError, BaseExceptionGroup) as exc:
                 error = listen_error_from(hc.bind[0], exc)
                 if error is None:

@@ -15,19 +15,41 @@ re-arms the run's deadline:
   deadline applies: a slow reader is backpressure, not an idle backend;
 * ``start + request_timeout`` caps all of them.
 
+A run started with ``write_stall_timeout_s`` (the edge's runs, whose consumer
+writes to an HTTP client) also bounds each wait of a blocked sink: a consumer
+that takes no event for that long cancels the run with ``slow_client``, so a
+client that stopped reading cannot hold the run, and its node slot, until the
+total deadline (or forever, when there is none). The node does not use it:
+its consumer is the credit-limited link, whose stalls are the edge's
+backpressure and end when the edge's own run does.
+
 Whatever ends the adapter, the run task produces the terminal event itself if
 the adapter did not:
 
 =================================  =============================================
 adapter returned after a terminal  nothing more (the adapter's event stands)
 adapter returned without one       ``Error`` (an adapter bug, code internal_error)
+adapter raised ``RunAborted``      ``Cancelled`` with the error's reason
 adapter raised ``IopError``        ``Error`` with the error's message/status/code
 adapter raised anything else       ``Error`` (logged with traceback)
 run cancelled (``Run.cancel``)     ``Cancelled`` with the caller's reason
 a deadline expired                 ``Cancelled`` with the phase's timeout reason
+the consumer stalled (edge)        ``Cancelled(SLOW_CLIENT)``
+adapter raised while cancelled     ``Cancelled`` as above: the cancel wins, the
+                                   error is logged (bare, or a group
+                                   ``[Cancelled, SomeError]`` from a nursery)
 the supervisor is shutting down    ``Cancelled(SHUTDOWN)``, delivered from a
                                    shielded scope, then ``Cancelled`` re-raised
 =================================  =============================================
+
+The rows are in precedence order from "adapter raised while cancelled" up:
+an adapter's own terminal event always stands. Why the cancel wins over an
+error raised during cancellation: the cancel is the cause and the error a
+consequence of tearing the adapter down; reporting the error would turn a
+client disconnect or a deadline into an internal error. Errors are handled
+*outside* the run's cancel scope (``except*``): the scope strips the
+``Cancelled`` from such a group and the rest must not escape the run task, or
+it would take the supervisor's nursery, and every other run, down with it.
 
 Cancelling the run's scope is what closes the adapter's upstream response:
 httpx closes the TCP connection when its stream context exits, and that is
@@ -146,9 +168,12 @@ class Run:
         spec: ExecutionSpec,
         deadlines: Deadlines,
         events: trio.MemoryReceiveChannel[RuntimeEvent],
+        *,
+        write_stall_timeout_s: float | None = None,
     ) -> None:
         self.spec = spec
         self.deadlines = deadlines
+        self.write_stall_timeout_s = write_stall_timeout_s
         self.events = events
         self.state = RunState.PENDING
         self.outcome: TerminalEvent | None = None
@@ -256,10 +281,19 @@ class _RunSink:
             try:
                 self._send.send_nowait(event)
             except trio.WouldBlock:
-                # Blocked on a slow consumer: only the total deadline applies.
+                # Blocked on a slow consumer: only the total deadline applies,
+                # and the write-stall bound when the run has one.
                 run._scope.deadline = self.total_deadline
                 self._phase = _Phase.TOTAL
-                await self._send.send(event)
+                stall = run.write_stall_timeout_s
+                with trio.move_on_after(math.inf if stall is None else stall) as waited:
+                    await self._send.send(event)
+                if waited.cancelled_caught:
+                    run.cancel(
+                        CancelReason.SLOW_CLIENT,
+                        f"the client accepted no data for write_stall_timeout_s={stall:g}",
+                    )
+                    await trio.lowlevel.checkpoint()  # raises Cancelled: the run scope is cancelled
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             if self.pending_terminal is None:
                 # The consumer went away without cancelling the run (or just
@@ -286,7 +320,7 @@ def _error_from(exc: BaseException) -> Error:
         found = next((e for e in leaf.exceptions if isinstance(e, IopError)), None)
         leaf = found if found is not None else leaf.exceptions[0]
     if isinstance(leaf, IopError):
-        return Error(message=leaf.message, status=leaf.status, code=leaf.code)
+        return Error(message=leaf.message, status=leaf.status, code=leaf.code, param=leaf.param)
     return Error(
         message=f"internal error: {type(leaf).__name__}", status=500, code="internal_error"
     )
@@ -301,47 +335,38 @@ async def _drive(
     """Execute one run to its single terminal event. Never raises (but Cancelled)."""
     sink = _RunSink(run, send)
     terminal: TerminalEvent | None = None
+    aborted: Cancelled | None = None
+    failure: BaseException | None = None
     finished_normally = False
     try:
-        with run._scope:
-            try:
-                await executor.execute(run.spec, sink)
-            except RunAborted as exc:
-                if sink.pending_terminal is None:
-                    terminal = Cancelled(
+        try:
+            with run._scope:
+                try:
+                    await executor.execute(run.spec, sink)
+                except RunAborted as exc:
+                    aborted = Cancelled(
                         reason=CancelReason(exc.reason),
                         message=exc.message,
                         usage=sink.partial_usage(),
                     )
-            except Exception as exc:
-                if sink.pending_terminal is None:
-                    terminal = _error_from(exc)
-                    if not isinstance(exc, IopError):
-                        log.error("run %s: adapter crashed", run.run_id, exc_info=exc)
-                else:
-                    log.warning(
-                        "run %s: adapter raised after its terminal event: %r", run.run_id, exc
-                    )
-            else:
-                if sink.pending_terminal is None:
-                    terminal = Error(
-                        message="adapter returned without a terminal event",
-                        status=500,
-                        code="internal_error",
-                    )
-        if run.state is not RunState.DONE and sink.pending_terminal is not None:
-            # The adapter's terminal event was cut off while the consumer was
-            # slow; it is still the run's outcome.
-            terminal = sink.pending_terminal
-        elif run._scope.cancelled_caught and run.state is not RunState.DONE:
-            reason = run._cancel_reason or sink.phase_reason
-            message = run._cancel_message or _default_cancel_message(reason, run.deadlines)
-            terminal = Cancelled(reason=reason, message=message, usage=sink.partial_usage())
+                except Exception as exc:
+                    failure = exc
+        except* Exception as group:
+            # What the run's scope left of a group [Cancelled, SomeError]: the
+            # adapter (or a task of its nursery) raised while it was being
+            # cancelled. Handled here, outside the scope, so that it never
+            # reaches the supervisor's nursery and its other runs. A Cancelled
+            # from outside (shutdown) in the same group is re-raised by
+            # ``except*`` itself, after this handler.
+            failure = group
+        terminal = _decide(run, sink, aborted, failure)
         finished_normally = True
     finally:
         if not finished_normally and run.state is not RunState.DONE and terminal is None:
             # Cancelled from outside (supervisor shutdown) or a BaseException:
             # still give the consumer its one terminal event, then let it go.
+            if failure is not None:
+                log.warning("run %s: adapter raised during shutdown: %r", run.run_id, failure)
             terminal = sink.pending_terminal or Cancelled(
                 reason=CancelReason.SHUTDOWN,
                 message="the server is shutting down",
@@ -363,12 +388,55 @@ async def _drive(
         _log_outcome(run, logger)
 
 
+def _decide(
+    run: Run, sink: _RunSink, aborted: Cancelled | None, failure: BaseException | None
+) -> TerminalEvent | None:
+    """The run's terminal event once ``execute`` is over (None: already delivered).
+
+    Precedence, as in the module's table: the adapter's own terminal, then a
+    ``RunAborted``, then the cancel (caller's reason or deadline) over any
+    error raised while being cancelled, then the error, then "returned
+    without a terminal".
+    """
+    if run.state is RunState.DONE or sink.pending_terminal is not None:
+        if failure is not None:
+            log.warning("run %s: adapter raised after its terminal event: %r", run.run_id, failure)
+        # A terminal cut off while the consumer was slow is still the outcome.
+        return None if run.state is RunState.DONE else sink.pending_terminal
+    if aborted is not None:
+        return aborted
+    if run._scope.cancel_called:
+        # The cancel is the cause; an error from the adapter's cleanup is a
+        # consequence. Reporting it instead would turn a client disconnect
+        # or a deadline into an internal error.
+        if failure is not None:
+            log.warning(
+                "run %s: adapter raised while being cancelled: %r",
+                run.run_id,
+                failure,
+                exc_info=None if isinstance(failure, IopError) else failure,
+            )
+        reason = run._cancel_reason or sink.phase_reason
+        message = run._cancel_message or _default_cancel_message(reason, run.deadlines)
+        return Cancelled(reason=reason, message=message, usage=sink.partial_usage())
+    if failure is not None:
+        if not isinstance(failure, IopError):
+            log.error("run %s: adapter crashed", run.run_id, exc_info=failure)
+        return _error_from(failure)
+    return Error(
+        message="adapter returned without a terminal event",
+        status=500,
+        code="internal_error",
+    )
+
+
 _CANCEL_MESSAGES: Final = {
     CancelReason.CLIENT_DISCONNECT: "the client disconnected",
     CancelReason.NODE_LOST: "the node running this request was lost",
     CancelReason.QUEUE_TIMEOUT: "no capacity became free in time",
     CancelReason.EXPLICIT: "the request was cancelled",
     CancelReason.SHUTDOWN: "the server is shutting down",
+    CancelReason.SLOW_CLIENT: "the client stopped reading its response",
 }
 
 
@@ -429,12 +497,19 @@ class RunSupervisor:
         deadlines: Deadlines,
         *,
         buffer: int = RUN_EVENT_BUFFER,
+        write_stall_timeout_s: float | None = None,
     ) -> Run:
-        """Start a run as a task of the supervisor's nursery and return its handle."""
+        """Start a run as a task of the supervisor's nursery and return its handle.
+
+        Args:
+            write_stall_timeout_s: Longest wait of the run's sink on a consumer
+                that takes nothing; then the run is cancelled with
+                ``slow_client``. None: no bound (the total deadline applies).
+        """
         if spec.run_id in self.runs:
             raise InvariantError(f"run id {spec.run_id} is already running")
         send, receive = trio.open_memory_channel[RuntimeEvent](buffer)
-        run = Run(spec, deadlines, receive)
+        run = Run(spec, deadlines, receive, write_stall_timeout_s=write_stall_timeout_s)
         self.runs[spec.run_id] = run
         if self._idle.is_set():
             self._idle = trio.Event()

@@ -1,6 +1,7 @@
 """Recorded backend transcripts, loaded byte for byte.
 
-Two kinds of files live in ``iop/testing/transcripts/``:
+Two kinds of files live in ``iop/testing/transcripts/`` (its ``README.md``
+says where each came from, and which were written from documentation):
 
 * **Raw bodies** (``vllm_*.txt``, ``llamacpp_stream.txt``, ``hermes_*.txt``,
   ...): the exact bytes of one response body. ``transcript_body(name)``
@@ -47,6 +48,8 @@ __all__ = [
 
 _PACKAGE: Final = "iop.testing"
 _DIRECTORY: Final = "transcripts"
+# Provenance of the files, in particular of those not captured from a server.
+_README: Final = "README.md"
 
 _RECORD_START: Final = b"# captured "
 _SECTION_START: Final = b"## "
@@ -81,9 +84,13 @@ class CapturedExchange(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def list_transcripts() -> list[str]:
-    """Names of every transcript shipped with ``iop.testing``, sorted."""
+    """Names of every transcript shipped with ``iop.testing``, sorted (not the README)."""
     root = files(_PACKAGE).joinpath(_DIRECTORY)
-    return sorted(p.name for p in root.iterdir() if p.is_file() and not p.name.startswith("."))
+    return sorted(
+        p.name
+        for p in root.iterdir()
+        if p.is_file() and not p.name.startswith(".") and p.name != _README
+    )
 
 
 def load_transcript(name: str) -> bytes:

@@ -9,11 +9,28 @@ Backends disagree on how an error looks (protocols.md §0.7, §3.6):
 * Lemonade, LM Studio: sometimes ``{"error": "<string>"}``
 * anything else: plain text or HTML from a proxy.
 
-``parse_error_body`` reduces all of them to one ``BackendErrorInfo``.
+``parse_error_body`` reduces all of them to one ``BackendErrorInfo``, and
+``openai_error_code`` names the OpenAI error code it corresponds to, where
+OpenAI has one (the client-facing table is in ``docs/operations.md``, "Errors
+clients see"):
+
+* ``context_length_exceeded`` with ``param: "messages"``: llama.cpp's error
+  type ``exceed_context_size_error``; vLLM's and SGLang's "This model's
+  maximum context length is N tokens..."; a backend that already sends
+  OpenAI's code (llama-cpp-python).
+* ``rate_limit_exceeded``: status 429 (OpenAI-compatible services, proxies).
+* ``model_not_found``: status 404 with a message about a model (vLLM's
+  "The model `x` does not exist.", Ollama's ``model "x" not found``); not
+  llama.cpp's 404 "File Not Found" for an unknown path.
+
+Anything else keeps the adapter's own code (``backend_http_error``...). A
+backend 401/403 is deliberately *not* mapped to ``invalid_api_key``: it is the
+node's configured credential that failed, not the client's.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Final
 
 import msgspec
@@ -21,7 +38,9 @@ import msgspec
 __all__ = [
     "ERROR_EXCERPT_BYTES",
     "BackendErrorInfo",
+    "OpenAIErrorCode",
     "excerpt",
+    "openai_error_code",
     "parse_error_body",
     "parse_error_value",
 ]
@@ -96,3 +115,42 @@ def parse_error_body(body: bytes) -> BackendErrorInfo:
             if flat is not None:
                 return flat
     return BackendErrorInfo(message=text)
+
+
+class OpenAIErrorCode(msgspec.Struct, frozen=True):
+    """An OpenAI error ``code`` (and the ``param`` OpenAI names with it)."""
+
+    code: str
+    param: str | None = None
+
+
+CONTEXT_LENGTH_EXCEEDED: Final = OpenAIErrorCode("context_length_exceeded", "messages")
+RATE_LIMIT_EXCEEDED: Final = OpenAIErrorCode("rate_limit_exceeded")
+MODEL_NOT_FOUND: Final = OpenAIErrorCode("model_not_found")
+
+# llama.cpp's error type for a prompt over the context (its
+# ``format_error_response``, docs/architecture.md "Backend errors"); OpenAI's
+# own code, which some servers (llama-cpp-python) already send.
+_CONTEXT_TYPES: Final = frozenset({"exceed_context_size_error", "context_length_exceeded"})
+# vLLM: "This model's maximum context length is 2048 tokens. However, you
+# requested ..."; SGLang words it the same way.
+_CONTEXT_MESSAGE: Final = re.compile(r"maximum context length", re.IGNORECASE)
+_MODEL_NOT_FOUND_MESSAGE: Final = re.compile(
+    r"\bmodel\b.*\b(?:does not exist|not found)\b", re.IGNORECASE | re.DOTALL
+)
+
+
+def openai_error_code(info: BackendErrorInfo, status: int) -> OpenAIErrorCode | None:
+    """OpenAI's code for what a backend answered with ``status``, if one fits.
+
+    See the module docstring for the table; None means "keep our own code".
+    """
+    if (info.type or "").lower() in _CONTEXT_TYPES or (info.code or "") in _CONTEXT_TYPES:
+        return CONTEXT_LENGTH_EXCEEDED
+    if _CONTEXT_MESSAGE.search(info.message):
+        return CONTEXT_LENGTH_EXCEEDED
+    if status == 429:
+        return RATE_LIMIT_EXCEEDED
+    if status == 404 and _MODEL_NOT_FOUND_MESSAGE.search(info.message):
+        return MODEL_NOT_FOUND
+    return None

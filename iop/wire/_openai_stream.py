@@ -10,7 +10,8 @@ had two copies of this loop), and it is where their weak spots are fixed:
 * reasoning comes from ``reasoning_content`` or ``reasoning``;
 * tool-call deltas are accumulated by index and id;
 * usage keeps cached and reasoning tokens (vLLM, SGLang, llama.cpp timings);
-* an in-stream error object or ``event: error`` fails the run;
+* an in-stream error object, ``event: error`` or an ``error:`` field line
+  (llama.cpp before PR #16109, which then sends ``[DONE]``) fails the run;
 * a chunk that does not decode is counted, logged by the adapter, and
   tolerated up to a limit; past it the run fails (seed: silently skipped);
 * the stream must end with ``[DONE]``: EOF without it is an error, never a
@@ -38,11 +39,11 @@ from typing import Final
 
 import msgspec
 
-from iop.config import DEFAULT_MAX_LINE_BYTES
+from iop.config import DEFAULT_MAX_LINE_BYTES, DEFAULT_MAX_TOOL_CALL_BYTES
 from iop.errors import BackendProtocolError, BackendStreamError
 from iop.events import Complete, Delta, FinishReason, ReasoningDelta, Usage
 from iop.wire._chunks import ChatChunk, ChunkUsage
-from iop.wire._errors import parse_error_value
+from iop.wire._errors import openai_error_code, parse_error_value
 from iop.wire._sse import SSEDecoder
 from iop.wire._toolcalls import ToolCallAccumulator
 
@@ -87,6 +88,8 @@ class ChatStreamParser:
         malformed_chunk_limit: Chunks that fail to decode before the stream
             is declared broken.
         tool_id_prefix: Prefix of ids synthesised for tool calls without one.
+        max_tool_call_bytes: Largest total size of the streamed tool calls
+            (ids, names, arguments) kept until the end of the stream.
     """
 
     def __init__(
@@ -96,11 +99,14 @@ class ChatStreamParser:
         max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
         malformed_chunk_limit: int = DEFAULT_MALFORMED_CHUNK_LIMIT,
         tool_id_prefix: str = "call_",
+        max_tool_call_bytes: int = DEFAULT_MAX_TOOL_CALL_BYTES,
     ) -> None:
         self._label = label
-        self._sse = SSEDecoder(max_line_bytes=max_line_bytes)
+        # llama.cpp before PR #16109 sent a mid-stream failure as an
+        # ``error:`` field line, then [DONE]: ask the decoder for it.
+        self._sse = SSEDecoder(max_line_bytes=max_line_bytes, surface_fields=("error",))
         self._malformed_limit = malformed_chunk_limit
-        self._tools = ToolCallAccumulator(id_prefix=tool_id_prefix)
+        self._tools = ToolCallAccumulator(id_prefix=tool_id_prefix, max_bytes=max_tool_call_bytes)
         self._usage: ChunkUsage | None = None
         self._cached_from_timings: int | None = None
         self._finish_raw: str | None = None
@@ -115,17 +121,15 @@ class ChatStreamParser:
 
         Raises:
             BackendStreamError: The backend reported an error in the stream.
-            BackendProtocolError: A line was too long, or too many chunks
-                were malformed.
+            BackendProtocolError: A line was too long, too many chunks were
+                malformed, or the tool calls grew past their limit.
         """
         out: list[Delta | ReasoningDelta] = []
         if self.done:
             return out
         for sse in self._sse.feed(data):
-            if sse.event == "error":
-                info = parse_error_value(_loads_any(sse.data)) or None
-                msg = info.message if info else sse.data.strip() or "error event"
-                raise BackendStreamError(f"{self._label} stream error: {msg}")
+            if sse.field == "error" or sse.event == "error":
+                raise self._stream_error(sse.data)
             payload = sse.data
             if payload.strip() == "[DONE]":
                 self.done = True
@@ -150,6 +154,30 @@ class ChatStreamParser:
         seen = f" (finish_reason was {self._finish_raw!r})" if self._finish_raw else ""
         raise BackendStreamError(f"{self._label} stream ended without [DONE]{seen}")
 
+    def _stream_error(self, payload: str) -> BackendStreamError:
+        """The error of an ``event: error`` event or an ``error:`` field line.
+
+        The value is an error object (llama.cpp's old ``{"code", "message",
+        "type"}``), one wrapped in ``{"error": ...}``, a JSON string, or text.
+        """
+        value = _loads_any(payload)
+        if isinstance(value, dict) and "error" in value:
+            value = value["error"]
+        return self._error_from_value(value, payload.strip() or "error event")
+
+    def _error_from_value(self, value: object, fallback: str) -> BackendStreamError:
+        info = parse_error_value(value)
+        msg = info.message if info else fallback
+        status = info.status if info and info.status else 502
+        openai = openai_error_code(info, status) if info else None
+        error = BackendStreamError(
+            f"{self._label} stream error: {msg}",
+            status=status,
+            code=openai.code if openai else None,
+        )
+        error.param = openai.param if openai else None
+        return error
+
     def _handle(self, payload: str, out: list[Delta | ReasoningDelta]) -> None:
         try:
             chunk = _DECODER.decode(payload)
@@ -163,10 +191,7 @@ class ChatStreamParser:
                 ) from exc
             return
         if chunk.error is not None:
-            info = parse_error_value(chunk.error)
-            msg = info.message if info else str(chunk.error)
-            status = info.status if info and info.status else 502
-            raise BackendStreamError(f"{self._label} stream error: {msg}", status=status)
+            raise self._error_from_value(chunk.error, str(chunk.error))
         if chunk.usage is not None:
             self._usage = chunk.usage
         if chunk.timings is not None:

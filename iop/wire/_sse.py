@@ -32,6 +32,15 @@ Per feed:
    ``:`` starts a comment, otherwise the field name is the text before the
    first colon and the value the rest minus one leading space.
 
+Non-standard fields: the spec ignores any field name it does not know, and
+so does the decoder, unless the caller names it in ``surface_fields``. Each
+such line is then returned, in stream order, as an ``SSEEvent`` whose
+``field`` is the field's name and ``data`` its value, at the line itself and
+without touching the event being built. llama.cpp builds before PR #16109
+report a mid-stream failure as an ``error: {...}`` line followed by
+``data: [DONE]`` (docs/architecture.md, "Backend streams"): a spec-conformant
+reader sees a successful, empty stream.
+
 At EOF (:meth:`SSEDecoder.close`) the incomplete trailing event is not
 dispatched, as the spec requires; its pending data is returned instead so the
 caller may be lenient about a final ``data: [DONE]`` with no blank line
@@ -45,6 +54,7 @@ with ``code="sse_line_too_long"``. After raising, the decoder is closed.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Final
 
 import msgspec
@@ -71,10 +81,11 @@ DONE: Final[bytes] = b"data: [DONE]\n\n"
 
 _BOM: Final[bytes] = b"\xef\xbb\xbf"
 _ERROR_CODE: Final[str] = "sse_line_too_long"
+_STANDARD_FIELDS: Final = frozenset({"data", "event", "id", "retry"})
 
 
 class SSEEvent(msgspec.Struct, frozen=True, gc=False):
-    """One dispatched event.
+    """One dispatched event, or one surfaced non-standard field line.
 
     Attributes:
         data: The data buffer, lines joined with LF, final LF removed.
@@ -85,12 +96,16 @@ class SSEEvent(msgspec.Struct, frozen=True, gc=False):
             empty ``id`` field.
         retry: The reconnection time in ms, only if this event's block carried
             a valid ``retry`` field.
+        field: ``None`` for a dispatched event. For a line of a field named in
+            the decoder's ``surface_fields``: the field's name (``data`` is
+            then its value, and the other attributes keep their defaults).
     """
 
     data: str
     event: str = "message"
     id: str | None = None
     retry: int | None = None
+    field: str | None = None
 
 
 class SSEDecoder:
@@ -100,6 +115,9 @@ class SSEDecoder:
         max_line_bytes: Largest accepted line, in bytes, not counting its
             terminator; also the largest accepted data buffer (the sum over an
             event's ``data`` lines of value bytes plus one LF each).
+        surface_fields: Non-standard field names to return instead of
+            ignoring (see the module docstring); the standard ones (``data``,
+            ``event``, ``id``, ``retry``) cannot be surfaced.
 
     Raises:
         ValueError: If ``max_line_bytes`` is not positive.
@@ -119,12 +137,22 @@ class SSEDecoder:
         "_partial",
         "_retry",
         "_skip_lf",
+        "_surface",
     )
 
-    def __init__(self, *, max_line_bytes: int = DEFAULT_MAX_LINE_BYTES) -> None:
+    def __init__(
+        self,
+        *,
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
+        surface_fields: Collection[str] = (),
+    ) -> None:
         if max_line_bytes <= 0:
             raise ValueError(f"max_line_bytes must be positive, got {max_line_bytes}")
+        standard = _STANDARD_FIELDS.intersection(surface_fields)
+        if standard:
+            raise ValueError(f"standard SSE fields cannot be surfaced: {sorted(standard)}")
         self._max = max_line_bytes
+        self._surface = frozenset(f.encode() for f in surface_fields)
         self._partial = bytearray()  # the current unterminated line, no CR/LF in it
         self._skip_lf = False  # the last chunk ended with CR: drop a leading LF
         self._bom_pending = True
@@ -258,6 +286,8 @@ class SSEDecoder:
                 retry = _parse_retry(value)
                 if retry is not None:
                     self._retry = self._block_retry = retry
+            elif field in self._surface:
+                events.append(SSEEvent(value.decode("utf-8", "replace"), field=field.decode()))
             # Any other field name is ignored.
         return events
 

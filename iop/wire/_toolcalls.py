@@ -19,6 +19,12 @@ accumulator keys calls on ``(index, id)`` rather than on ``index`` alone:
   ignored; a whole call in one delta (Ollama, vLLM's Mistral parser) is just
   the one-fragment case.
 
+Memory is bounded by ``max_bytes``: ids, names and argument fragments (UTF-8
+bytes) plus a fixed cost per call, summed over every call of the answer.
+Crossing it raises ``BackendProtocolError`` (``code="tool_calls_too_large"``):
+arguments are kept whole until the end, so without a bound a backend that
+never stops streaming them would grow the run's memory without end.
+
 Arguments are kept exactly as the model produced them (``ToolCall.arguments``
 is "JSON text, exactly as the model produced them"): no validation or
 normalisation happens here, that is the response layer's job.
@@ -30,11 +36,18 @@ own typed structs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Final
 
+from iop.errors import BackendProtocolError
 from iop.events import ToolCall
 from iop.wire._chunks import ChunkToolCall
 
-__all__ = ["ToolCallAccumulator"]
+__all__ = ["TOOL_CALLS_TOO_LARGE", "ToolCallAccumulator"]
+
+TOOL_CALLS_TOO_LARGE: Final = "tool_calls_too_large"
+# What one call costs beyond its strings, counted so that a backend opening
+# endless empty calls (a new index or id per delta) reaches the limit too.
+SLOT_COST_BYTES: Final = 64
 
 
 class _Slot:
@@ -72,12 +85,27 @@ class ToolCallAccumulator:
       decide (and so no model output is silently lost).
     * ``calls()`` lists calls in first-seen order with ``index`` renumbered
       0..n-1, whatever indexes the backend used.
+
+    Args:
+        id_prefix: Prefix of synthesised ids.
+        max_bytes: Largest total size of the calls (see the module
+            docstring); None for no limit.
     """
 
-    def __init__(self, id_prefix: str = "call_") -> None:
+    def __init__(self, id_prefix: str = "call_", *, max_bytes: int | None = None) -> None:
         self._id_prefix = id_prefix
+        self._max_bytes = max_bytes
+        self.size_bytes = 0
         self._slots: list[_Slot] = []
         self._latest: dict[int, _Slot] = {}
+
+    def _grow(self, n: int) -> None:
+        self.size_bytes += n
+        if self._max_bytes is not None and self.size_bytes > self._max_bytes:
+            raise BackendProtocolError(
+                f"tool calls exceed {self._max_bytes} bytes ({len(self._slots)} call(s) so far)",
+                code=TOOL_CALLS_TOO_LARGE,
+            )
 
     def add(self, deltas: Sequence[ChunkToolCall]) -> None:
         """Fold one chunk's ``delta.tool_calls`` into the calls so far."""
@@ -88,17 +116,21 @@ class ToolCallAccumulator:
                 call_id = None
             slot = self._latest.get(index)
             if slot is None or (call_id is not None and slot.id is not None and call_id != slot.id):
+                self._grow(SLOT_COST_BYTES + _utf8_len(call_id))
                 slot = _Slot(len(self._slots), call_id)
                 self._slots.append(slot)
                 self._latest[index] = slot
             elif call_id is not None and slot.id is None:
+                self._grow(_utf8_len(call_id))
                 slot.id = call_id
             function = delta.function
             if function is None:
                 continue
             if function.name:
+                self._grow(_utf8_len(function.name) - _utf8_len(slot.name))
                 slot.name = function.name
             if function.arguments:
+                self._grow(_utf8_len(function.arguments))
                 slot.arguments.append(function.arguments)
 
     def calls(self) -> tuple[ToolCall, ...]:
@@ -128,3 +160,11 @@ class ToolCallAccumulator:
     def __len__(self) -> int:
         """How many calls ``calls()`` would return now."""
         return sum(1 for s in self._slots if not s.is_empty())
+
+
+def _utf8_len(s: str | None) -> int:
+    if not s:
+        return 0
+    if s.isascii():
+        return len(s)
+    return len(s.encode("utf-8", "surrogatepass"))

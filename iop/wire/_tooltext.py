@@ -180,7 +180,9 @@ class ToolTextFilter:
     removed is empty, a proper prefix of an opener, or starts with an opener.
 
     The filter keeps no limit of its own on held text: the caller keeps the
-    whole content anyway, to parse the calls out of it at the end.
+    whole content anyway, to parse the calls out of it at the end, and bounds
+    that (the edge's ``OutputPolicy.max_tool_text_chars``: past it, it
+    ``flush()``es and stops using the filter).
     """
 
     def __init__(self) -> None:

@@ -883,7 +883,9 @@ async def test_000_non_tool_400_error_without_retry(shape: str) -> None:
     error = last(events, Error)
     assert error.status == 400
     assert error.message == f"vllm returned 400 Bad Request: {message}"
-    assert error.code == "backend_http_error"
+    # Beyond the seed: a context overflow gets OpenAI's code (iop.wire._errors).
+    assert error.code == "context_length_exceeded"
+    assert error.param == "messages"
     assert len(ft.requests) == 1
 
 

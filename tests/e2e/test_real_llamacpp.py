@@ -191,7 +191,8 @@ async def test_prompt_over_the_context_is_a_400_with_the_servers_message(
     last = events[-1]
     assert isinstance(last, Error), last
     assert last.status == 400
-    assert last.code == "backend_http_error"
+    assert last.code == "context_length_exceeded"  # OpenAI's code for it
+    assert last.param == "messages"
     assert "exceeds the available context size" in last.message
     assert "400" in last.message
 

@@ -228,6 +228,32 @@ async def test_early_error_gets_a_real_status() -> None:
         assert resp.json()["error"]["message"] == "context too long"
 
 
+async def test_early_context_overflow_is_openais_error() -> None:
+    async with edge() as (_, node, client), trio.open_nursery() as n:
+        assert node is not None
+        n.start_soon(
+            answer,
+            node,
+            Start(),
+            Error(
+                message="vllm returned 400 Bad Request: maximum context length is 8 tokens",
+                status=400,
+                code="context_length_exceeded",
+                param="messages",
+            ),
+        )
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        assert resp.status_code == 400
+        body = resp.json()
+        validate_error(body)
+        assert body["error"] == {
+            "message": "vllm returned 400 Bad Request: maximum context length is 8 tokens",
+            "type": "invalid_request_error",
+            "param": "messages",
+            "code": "context_length_exceeded",
+        }
+
+
 async def test_error_after_output_is_an_sse_error_object() -> None:
     async with edge() as (_, node, client), trio.open_nursery() as n:
         assert node is not None

@@ -541,6 +541,21 @@ def test_seed_error_event_sends_error_object_then_done(status: int, type_: str) 
     assert stream.summary().outcome == "error"
 
 
+def test_error_param_reaches_the_body_streamed_and_collected() -> None:
+    event = Error(message="too long", status=400, code="context_length_exceeded", param="messages")
+    stream = make_stream()
+    objs = check_stream(stream.start() + stream.feed(Delta("x")) + stream.feed(event))
+    assert error_of(objs)["param"] == "messages"
+    status, body = collect([Start(), event])
+    assert status == 400
+    assert json.loads(body)["error"] == {
+        "message": "too long",
+        "type": "invalid_request_error",
+        "param": "messages",
+        "code": "context_length_exceeded",
+    }
+
+
 def test_seed_error_default_message_is_run_failed() -> None:
     # if msg == "" { msg = "run failed" }
     objs = check_stream(run_stream([Error(message="")]))
@@ -1208,6 +1223,12 @@ def test_collector_strict_and_xml() -> None:
         (Cancelled(reason=CancelReason.NODE_LOST), 503, "server_error", "node_lost"),
         (Cancelled(reason=CancelReason.TOTAL_TIMEOUT), 504, "server_error", "total_timeout"),
         (Cancelled(reason=CancelReason.SHUTDOWN), 500, "server_error", "shutdown"),
+        (
+            Cancelled(reason=CancelReason.SLOW_CLIENT),
+            408,
+            "invalid_request_error",
+            "slow_client",
+        ),
     ],
 )
 def test_collector_errors(event: RuntimeEvent, status: int, type_: str, code: str) -> None:
@@ -1416,3 +1437,53 @@ def test_property_strict_streaming_equals_buffered(texts: list[str]) -> None:
     assert visible(streamed) == visible(buffered) == strip_think("".join(texts))
     _, body = collect(events, policy=STRICT)
     assert message_of(body)["content"] == strip_think("".join(texts))
+
+
+# --- the text kept for tool-call parsing is bounded -----------------------------------------
+
+
+def test_text_kept_for_tool_parsing_past_the_limit_is_released_as_text() -> None:
+    limit = 200
+    policy = OutputPolicy(max_tool_text_chars=limit)
+    stream = make_stream(WITH_TOOLS, policy)
+    raw = stream.start()
+    # An opener, then "arguments" that never end: the filter holds them back...
+    raw += stream.feed(Delta("<tool_call>\n" + '{"name": "get_weather", "arguments": "'))
+    piece = "x" * 50
+    held = b""
+    for _ in range(3):
+        held += stream.feed(Delta(piece))
+    assert held == b""  # still under the limit: nothing released
+    # ...until the kept text crosses the limit: all of it goes out as text,
+    # and from then on the answer streams as plain text.
+    raw += held + stream.feed(Delta(piece))
+    assert stream.tool_text_abandoned
+    raw += stream.feed(Delta("tail"))
+    raw += stream.feed(Complete(text_tool_fallback=True))
+    objs = check_stream(raw)
+    expected = '<tool_call>\n{"name": "get_weather", "arguments": "' + piece * 4 + "tail"
+    assert content(objs) == expected
+    assert tool_calls(objs) == []
+    assert finish_reason(objs) == "stop"
+
+
+def test_text_under_the_limit_still_becomes_tool_calls() -> None:
+    policy = OutputPolicy(max_tool_text_chars=len(HERMES))
+    stream = make_stream(WITH_TOOLS, policy)
+    raw = (
+        stream.start() + stream.feed(Delta(HERMES)) + stream.feed(Complete(text_tool_fallback=True))
+    )
+    assert not stream.tool_text_abandoned
+    objs = check_stream(raw)
+    assert [c["function"]["name"] for c in tool_calls(objs)] == ["get_weather"]
+
+
+def test_native_tool_calls_survive_an_abandoned_text_parse() -> None:
+    stream = make_stream(WITH_TOOLS, OutputPolicy(max_tool_text_chars=10))
+    raw = stream.start() + stream.feed(Delta("a long answer, " * 3))
+    assert stream.tool_text_abandoned
+    call = ToolCall(id="c1", name="get_weather", arguments='{"city":"Paris"}')
+    raw += stream.feed(Complete(tool_calls=(call,)))
+    objs = check_stream(raw)
+    assert content(objs) == "a long answer, " * 3
+    assert [c["function"]["name"] for c in tool_calls(objs)] == ["get_weather"]

@@ -213,6 +213,52 @@ async def test_slow_consumer_is_not_an_idle_backend(autojump_clock: trio.testing
     assert len(got) == n + 2
 
 
+async def test_consumer_that_stops_reading_is_a_slow_client(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    adapter = script(Start(), *[Delta("x")] * 100, Complete(), pause=0.01)
+    async with open_run_supervisor() as sup:
+        run = sup.start_run(adapter, SPEC, NO_DEADLINES, buffer=4, write_stall_timeout_s=5.0)
+        await run.events.receive()  # Start, then the client stops reading
+        outcome = await run.wait()
+        decided_at = trio.current_time()
+        run.events.close()
+    assert isinstance(outcome, Cancelled)
+    assert outcome.reason is CancelReason.SLOW_CLIENT
+    assert outcome.message == "the client accepted no data for write_stall_timeout_s=5"
+    assert adapter.cancelled
+    # Virtual time: the channel filled after a few deltas, then 5 s of nothing.
+    assert 5.0 <= decided_at < 6.0
+
+
+async def test_slow_but_reading_consumer_is_not_a_slow_client(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    adapter = script(Start(), *[Delta("x")] * 10, Complete())
+    got: list[RuntimeEvent] = []
+    async with open_run_supervisor() as sup:
+        run = sup.start_run(adapter, SPEC, NO_DEADLINES, buffer=1, write_stall_timeout_s=5.0)
+        async with run.events:
+            async for ev in run.events:
+                got.append(ev)
+                await trio.sleep(4.0)  # slow, but never 5 s without taking one
+    assert got[-1] == Complete()
+
+
+async def test_without_write_stall_timeout_a_stalled_consumer_waits(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    adapter = script(Start(), *[Delta("x")] * 10, Complete())
+    d = Deadlines(first_token_timeout_s=None, idle_timeout_s=None, request_timeout_s=100)
+    async with open_run_supervisor() as sup:
+        run = sup.start_run(adapter, SPEC, d, buffer=1)
+        await run.events.receive()
+        outcome = await run.wait()
+        run.events.close()
+    assert isinstance(outcome, Cancelled)
+    assert outcome.reason is CancelReason.TOTAL_TIMEOUT
+
+
 async def test_explicit_cancel_mid_stream(autojump_clock: trio.testing.MockClock) -> None:
     async def body(send: EventSender) -> None:
         await send.send(Start())
@@ -289,6 +335,111 @@ async def test_consumer_gone_ends_the_run() -> None:
     assert adapter.cancelled
 
 
+def _spec(run_id: str) -> ExecutionSpec:
+    return ExecutionSpec(run_id=run_id, request=SPEC.request)
+
+
+async def _cleanup_crashes_in_nursery(send: EventSender) -> None:
+    """An adapter whose helper task raises while the run is being cancelled:
+    its nursery raises a group [Cancelled, RuntimeError]."""
+    await send.send(Start())
+    await send.send(Delta("x"))
+
+    async def helper() -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            raise RuntimeError("cleanup failed")
+
+    async with trio.open_nursery() as n:
+        n.start_soon(helper)
+        await trio.sleep_forever()
+
+
+async def _cleanup_crashes_in_finally(send: EventSender) -> None:
+    """An adapter whose own ``finally`` raises while it is being cancelled."""
+    await send.send(Start())
+    try:
+        await trio.sleep_forever()
+    finally:
+        raise RuntimeError("cleanup failed")
+
+
+@pytest.mark.parametrize(
+    "body", [_cleanup_crashes_in_nursery, _cleanup_crashes_in_finally], ids=["group", "finally"]
+)
+async def test_adapter_raising_during_cancellation_ends_as_cancelled(
+    body: Callable[[EventSender], Awaitable[None]],
+    autojump_clock: trio.testing.MockClock,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with open_run_supervisor() as sup:
+        run = sup.start_run(ScriptedAdapter(body), SPEC, NO_DEADLINES)
+        await run.events.receive()  # Start
+        run.cancel(CancelReason.CLIENT_DISCONNECT, "client disconnected")
+        async with run.events:
+            rest = [ev async for ev in run.events]
+    # The cancel is what ended the run; the cleanup's error is only logged.
+    assert rest[-1] == run.outcome
+    assert isinstance(run.outcome, Cancelled)
+    assert run.outcome.reason is CancelReason.CLIENT_DISCONNECT
+    assert "raised while being cancelled" in caplog.text
+    assert "cleanup failed" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "body", [_cleanup_crashes_in_nursery, _cleanup_crashes_in_finally], ids=["group", "finally"]
+)
+async def test_adapter_raising_on_deadline_keeps_the_timeout_reason(
+    body: Callable[[EventSender], Awaitable[None]], autojump_clock: trio.testing.MockClock
+) -> None:
+    d = Deadlines(first_token_timeout_s=5, idle_timeout_s=3, request_timeout_s=None)
+    events = await collect_run(ScriptedAdapter(body), SPEC, d)
+    last = events[-1]
+    assert isinstance(last, Cancelled)
+    assert last.reason in (CancelReason.IDLE_TIMEOUT, CancelReason.FIRST_TOKEN_TIMEOUT)
+
+
+async def test_cleanup_crash_of_one_run_leaves_its_siblings_alone(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    sibling_events: list[RuntimeEvent] = []
+    async with open_run_supervisor() as sup:
+        crashing = sup.start_run(ScriptedAdapter(_cleanup_crashes_in_nursery), SPEC, NO_DEADLINES)
+        sibling = sup.start_run(
+            script(Start(), *[Delta("s")] * 5, Complete(), pause=1.0), _spec("r2"), NO_DEADLINES
+        )
+        async with trio.open_nursery() as n:
+
+            async def read_sibling() -> None:
+                async with sibling.events:
+                    async for ev in sibling.events:
+                        sibling_events.append(ev)
+
+            n.start_soon(read_sibling)
+            await crashing.events.receive()  # Start
+            await trio.sleep(2.5)  # the sibling is mid-stream
+            crashing.cancel(CancelReason.CLIENT_DISCONNECT)
+            crashing.events.close()
+    assert isinstance(crashing.outcome, Cancelled)
+    assert crashing.outcome.reason is CancelReason.CLIENT_DISCONNECT
+    assert sibling_events == [Start(), *[Delta("s")] * 5, Complete()]
+
+
+async def test_cleanup_crash_during_shutdown_still_propagates_only_cancelled(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.move_on_after(5) as outer:
+        async with open_run_supervisor() as sup:
+            run = sup.start_run(ScriptedAdapter(_cleanup_crashes_in_nursery), SPEC, NO_DEADLINES)
+            async with run.events:
+                async for _ in run.events:
+                    pass
+    assert outer.cancelled_caught
+    assert isinstance(run.outcome, Cancelled)
+    assert run.outcome.reason is CancelReason.SHUTDOWN
+
+
 async def test_duplicate_run_id_is_refused() -> None:
     async def body(send: EventSender) -> None:
         await send.send(Start())
@@ -306,7 +457,21 @@ async def test_duplicate_run_id_is_refused() -> None:
 
 ACTIONS = st.lists(
     st.sampled_from(
-        ["start", "delta", "reasoning", "complete", "error", "sleep", "raise", "crash"]
+        [
+            "start",
+            "delta",
+            "reasoning",
+            "complete",
+            "error",
+            "sleep",
+            "raise",
+            "crash",
+            # Raise from cleanup, which runs while the run is being cancelled
+            # when a cancel or deadline lands in the sleep: bare, and from a
+            # helper task (a group [Cancelled, RuntimeError]).
+            "sleep_then_raise_in_finally",
+            "sleep_in_nursery_helper_raises_in_finally",
+        ]
     ),
     max_size=8,
 )
@@ -345,6 +510,22 @@ def test_exactly_one_terminal_event_property(
                 await trio.sleep(2)
             elif a == "raise":
                 raise BackendHTTPError("x", backend_status=500)
+            elif a == "sleep_then_raise_in_finally":
+                try:
+                    await trio.sleep(2)
+                finally:
+                    raise RuntimeError("cleanup")
+            elif a == "sleep_in_nursery_helper_raises_in_finally":
+
+                async def helper() -> None:
+                    try:
+                        await trio.sleep(2)
+                    finally:
+                        raise RuntimeError("cleanup")
+
+                async with trio.open_nursery() as n:
+                    n.start_soon(helper)
+                    await trio.sleep(2)
             else:
                 raise RuntimeError("crash")
 

@@ -128,7 +128,8 @@ async def test_http_failures(
     done = terminal(events)
     assert isinstance(done, Error)
     assert done.status == status
-    assert done.code == "backend_http_error"
+    # A 429 gets OpenAI's code, as from the HTTP adapters (iop.wire._errors).
+    assert done.code == ("rate_limit_exceeded" if status == 429 else "backend_http_error")
     assert f"sim returned {status}" in done.message
 
 

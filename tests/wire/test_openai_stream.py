@@ -184,13 +184,41 @@ def test_sse_error_event() -> None:
         run(data)
 
 
-def test_old_llamacpp_error_field_is_not_an_event() -> None:
-    # Pre-2025-09 llama-server wrote `error: {...}` (an unknown SSE field) and
-    # then [DONE]; nothing to dispatch, so the run completes with no output.
-    data = b'error: {"code":500,"message":"x"}\n\n' + DONE
-    events, done = run(data)
-    assert events == []
-    assert done.usage.output_tokens == 0
+@pytest.mark.parametrize("split", SPLITTERS)
+def test_old_llamacpp_error_field_fails_the_run(split: str) -> None:
+    # llama-server before PR #16109 wrote `error: {...}` (a non-standard SSE
+    # field) and then [DONE]: a spec reader sees an empty success.
+    data = transcript("llamacpp_pre16109_midstream_error.txt")
+    parser = ChatStreamParser(label="t")
+    out: Events = []
+
+    def feed_all() -> None:
+        for piece in SPLITTERS[split](data):
+            out.extend(parser.feed(piece))
+
+    with pytest.raises(BackendStreamError) as info:
+        feed_all()
+    assert str(info.value) == "t stream error: Failed to decode the batch (synthetic message)"
+    assert info.value.status == 500
+    # Deltas completed by the failing feed are not returned (the run fails).
+    assert "Hello! How".startswith(text(out))
+    assert text(out) == ("" if split == "whole" else "Hello! How")
+    assert not parser.done
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (b'error: {"code":500,"message":"x"}', "x"),
+        (b'error: {"error": {"message": "wrapped", "code": 503}}', "wrapped"),
+        (b'error: "just a string"', "just a string"),
+        (b"error: not json at all", "not json at all"),
+        (b"error", "backend error"),
+    ],
+)
+def test_error_field_shapes(line: bytes, message: str) -> None:
+    with pytest.raises(BackendStreamError, match=f"t stream error: {message}"):
+        run(line + b"\n\n" + DONE)
 
 
 @pytest.mark.parametrize(

@@ -215,6 +215,56 @@ def test_unknown_fields_ignored(line: bytes) -> None:
     assert decode_three_ways(line + b"\ndata: y\n\n") == [ev("y")]
 
 
+LLAMACPP_OLD_ERROR = (
+    b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}]}\n\n'
+    b'error: {"code":500,"message":"slot failed","type":"server_error"}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+def _decode_surfacing(chunks: Iterable[bytes]) -> list[SSEEvent]:
+    dec = SSEDecoder(surface_fields=("error",))
+    events: list[SSEEvent] = []
+    for chunk in chunks:
+        events.extend(dec.feed(chunk))
+    assert dec.close() is None
+    return events
+
+
+def test_surfaced_field_is_returned_in_stream_order() -> None:
+    want = [
+        ev('{"choices":[{"index":0,"delta":{"content":"Hi"}}]}'),
+        SSEEvent('{"code":500,"message":"slot failed","type":"server_error"}', field="error"),
+        ev("[DONE]"),
+    ]
+    assert _decode_surfacing([LLAMACPP_OLD_ERROR]) == want
+    assert _decode_surfacing(_bytewise(LLAMACPP_OLD_ERROR)) == want
+    for i in range(1, len(LLAMACPP_OLD_ERROR)):
+        assert _decode_surfacing([LLAMACPP_OLD_ERROR[:i], LLAMACPP_OLD_ERROR[i:]]) == want, i
+    # Without asking for it the line is ignored, as the spec says.
+    assert decode_three_ways(LLAMACPP_OLD_ERROR) == [want[0], want[2]]
+
+
+def test_surfaced_field_does_not_touch_the_event_being_built() -> None:
+    stream = b"data: a\nerror:x\ndata: b\n\n"
+    assert _decode_surfacing([stream]) == [SSEEvent("x", field="error"), ev("a\nb")]
+
+
+def test_surfaced_field_without_colon_or_value() -> None:
+    assert _decode_surfacing([b"error\n\n"]) == [SSEEvent("", field="error")]
+
+
+def test_surfaced_field_line_counts_towards_the_limit() -> None:
+    dec = SSEDecoder(max_line_bytes=8, surface_fields=("error",))
+    with pytest.raises(BackendProtocolError):
+        dec.feed(b"error: 0123456789\n")
+
+
+def test_standard_fields_cannot_be_surfaced() -> None:
+    with pytest.raises(ValueError, match="standard SSE fields"):
+        SSEDecoder(surface_fields=("data",))
+
+
 def test_event_error() -> None:
     stream = b'event: error\ndata: {"error": {"message": "x"}}\n\n'
     assert decode_three_ways(stream) == [ev('{"error": {"message": "x"}}', event="error")]
@@ -578,8 +628,11 @@ def test_other_sse_transcripts(name: str) -> None:
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")
 
 
-def _reference_decode(raw: bytes) -> tuple[list[SSEEvent], str, int | None]:
-    """A direct, slow transcription of the spec over a decoded string."""
+def _reference_decode(
+    raw: bytes, surface: frozenset[str] = frozenset()
+) -> tuple[list[SSEEvent], str, int | None]:
+    """A direct, slow transcription of the spec over a decoded string
+    (plus the fields in ``surface``, returned where they occur)."""
     text = raw.decode("utf-8", "replace")
     if text.startswith("\ufeff"):
         text = text[1:]
@@ -611,12 +664,15 @@ def _reference_decode(raw: bytes) -> tuple[list[SSEEvent], str, int | None]:
                 id_buffer = value
         elif field == "retry" and value and all(c in "0123456789" for c in value):
             retry = block_retry = int(value)
+        elif field in surface:
+            events.append(SSEEvent(value, field=field))
     return events, last_id, retry
 
 
 _SSE_TOKENS = st.sampled_from(
     [
         b"data",
+        b"error",
         b"event",
         b"id",
         b"retry",
@@ -650,9 +706,9 @@ def _partition(raw: bytes, cuts: Sequence[int]) -> list[bytes]:
 _Outcome = tuple[list[SSEEvent], str | None, str | None, str, int | None]
 
 
-def _run(chunks: Iterable[bytes], limit: int) -> _Outcome:
+def _run(chunks: Iterable[bytes], limit: int, surface: Sequence[str] = ()) -> _Outcome:
     """Decode; return (events, error code or None, close(), last_event_id, retry)."""
-    dec = SSEDecoder(max_line_bytes=limit)
+    dec = SSEDecoder(max_line_bytes=limit, surface_fields=surface)
     events: list[SSEEvent] = []
     try:
         for chunk in chunks:
@@ -673,6 +729,22 @@ def test_splitting_invariance_and_reference(raw: bytes, cuts: list[int]) -> None
     assert whole[0] == ref_events
     assert whole[3] == ref_last_id
     assert whole[4] == ref_retry
+
+
+@settings(max_examples=300)
+@given(raw=_SSE_BYTES, cuts=st.lists(st.integers(min_value=0), max_size=20))
+def test_surfaced_fields_splitting_invariance_and_reference(raw: bytes, cuts: list[int]) -> None:
+    surface = ("error",)
+    whole = _run([raw], DEFAULT_MAX_LINE_BYTES, surface)
+    assert whole[1] is None
+    assert _run(_partition(raw, cuts), DEFAULT_MAX_LINE_BYTES, surface) == whole
+    assert _run(_bytewise(raw), DEFAULT_MAX_LINE_BYTES, surface) == whole
+    ref_events, ref_last_id, ref_retry = _reference_decode(raw, frozenset(surface))
+    assert whole[0] == ref_events
+    assert (whole[3], whole[4]) == (ref_last_id, ref_retry)
+    # Surfacing only adds items: the dispatched events are the spec's.
+    plain = _run([raw], DEFAULT_MAX_LINE_BYTES)[0]
+    assert [e for e in whole[0] if e.field is None] == plain
 
 
 @settings(max_examples=300)

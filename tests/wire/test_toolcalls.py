@@ -213,3 +213,48 @@ def test_real_vllm_hermes_transcript() -> None:
     assert call.id == "chatcmpl-tool-01124f84c71ff641dd8be1b9f42082ac"
     assert call.name == "get_weather"
     assert json.loads(call.arguments) == {"city": "Paris", "unit": "celsius"}
+
+
+# --- the size limit --------------------------------------------------------------------
+
+
+def test_arguments_past_the_limit_raise_a_protocol_error() -> None:
+    import pytest
+
+    from iop.errors import BackendProtocolError
+    from iop.wire._toolcalls import SLOT_COST_BYTES, TOOL_CALLS_TOO_LARGE
+
+    limit = SLOT_COST_BYTES + len("a") + len("f") + 100
+    acc = ToolCallAccumulator(max_bytes=limit)
+    acc.add([tc(0, "a", "f", "x" * 60)])
+    acc.add([tc(0, arguments="x" * 40)])  # exactly at the limit: accepted
+    assert acc.size_bytes == limit
+    with pytest.raises(BackendProtocolError) as info:
+        acc.add([tc(0, arguments="x")])
+    assert info.value.code == TOOL_CALLS_TOO_LARGE
+    assert str(info.value) == f"tool calls exceed {limit} bytes (1 call(s) so far)"
+
+
+def test_limit_counts_utf8_bytes_and_every_call() -> None:
+    import pytest
+
+    from iop.errors import BackendProtocolError
+    from iop.wire._toolcalls import SLOT_COST_BYTES
+
+    acc = ToolCallAccumulator(max_bytes=3 * SLOT_COST_BYTES + 6)
+    acc.add([tc(0, arguments="é")])  # 2 bytes
+    acc.add([tc(1, arguments="€")])  # 3 bytes
+    assert acc.size_bytes == 2 * SLOT_COST_BYTES + 5
+    # Endless empty calls (a new index per delta) reach the limit too.
+    acc.add([tc(2)])  # a third empty call still fits
+    with pytest.raises(BackendProtocolError):
+        acc.add([tc(3)])
+
+
+def test_repeated_name_is_not_counted_twice() -> None:
+    acc = ToolCallAccumulator(max_bytes=1000)
+    acc.add([tc(0, "id", "get_weather")])
+    before = acc.size_bytes
+    for _ in range(100):
+        acc.add([tc(0, name="get_weather")])
+    assert acc.size_bytes == before

@@ -1,0 +1,309 @@
+"""Slow clients: a write-stall deadline on every connection of the edge.
+
+A client that stops reading fills its TCP window; the edge's write then
+blocks. Two things must end, and both are bounded by
+``server.write_stall_timeout_s``:
+
+* **the run**: its sink waits on a consumer that takes nothing. The runtime
+  cancels it with ``slow_client`` (``RunSupervisor.start_run``'s
+  ``write_stall_timeout_s``), which frees its node slot and closes the
+  backend's connection, whatever the API surface.
+* **the connection**: the response generator is stuck inside hypercorn's
+  socket write, which hypercorn runs in a *shielded* scope
+  (``TCPServer.protocol_send``): no cancellation from the app can end it,
+  and an ASGI wrapper around ``send`` cannot either. Only closing the socket
+  does. So the edge wraps every accepted stream (``StallGuard.listener``):
+  its ``send_all`` gives each ``send`` syscall (each bit of progress) the
+  deadline; a client that accepts no byte for that long has its connection
+  marked stalled and closed. Hypercorn sees a broken stream, the request's
+  ASGI app gets ``http.disconnect``, and the response generator is
+  cancelled.
+
+Either can notice first (the socket stalls before the run's channel fills,
+but how soon the channel fills depends on the backend's speed), so the reason
+is shared: the ASGI wrapper (``StallGuard.asgi``) puts the connection's
+``ConnectionStall`` in a context variable for the request, and the edge's
+"client went away" path asks ``client_gone_reason()``: ``slow_client`` once
+the connection was marked stalled, ``client_disconnect`` otherwise. A run's
+first cancel reason wins, so the run ends ``slow_client`` either way.
+
+``serve_guarded`` is hypercorn's trio ``worker_serve`` (0.18) with the
+listeners wrapped: plain HTTP only (TLS is a proxy's job in front of the
+edge), no QUIC.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import errno
+import fcntl
+import logging
+import sys
+import termios
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any, Final, cast
+
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio.lifespan import Lifespan
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import ConnectionState, LifespanState
+from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
+
+from iop.events import CancelReason
+
+__all__ = ["ConnectionStall", "StallGuard", "client_gone_reason", "serve_guarded"]
+
+log = logging.getLogger("iop.edge.http")
+
+# How often a blocked write checks whether the peer made progress. A quarter
+# of the deadline (so a stall is seen within 25 % of it), at most a second.
+PROGRESS_POLL_MAX_S: Final = 1.0
+
+_Peer = tuple[Any, ...]
+_ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
+
+
+class ConnectionStall:
+    """What the guard knows about one connection."""
+
+    __slots__ = ("peer", "stalled", "timeout_s")
+
+    def __init__(self, peer: _Peer | None, timeout_s: float) -> None:
+        self.peer = peer
+        self.timeout_s = timeout_s
+        self.stalled = False
+
+
+_CURRENT: Final = contextvars.ContextVar[ConnectionStall | None](
+    "iop_connection_stall", default=None
+)
+
+
+def client_gone_reason() -> tuple[CancelReason, str]:
+    """Why the current request's client went away: stalled, or disconnected."""
+    state = _CURRENT.get()
+    if state is not None and state.stalled:
+        return (
+            CancelReason.SLOW_CLIENT,
+            f"the client accepted no data for write_stall_timeout_s={state.timeout_s:g}",
+        )
+    return CancelReason.CLIENT_DISCONNECT, "client disconnected"
+
+
+class StallGuard:
+    """The edge's write-stall deadline, on its listeners and its ASGI app.
+
+    Args:
+        timeout_s: Longest time a connection may accept no byte of a pending
+            write; None disables the guard (streams are not wrapped).
+    """
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.timeout_s = timeout_s
+        # Open connections by peer address, so that a request (whose ASGI
+        # scope names its peer) finds its connection's state.
+        self._connections: dict[_Peer, ConnectionStall] = {}
+        self.stalled_total = 0
+
+    def listener(self, inner: trio.SocketListener) -> trio.abc.Listener[Any]:
+        if self.timeout_s is None:
+            return inner
+        return _GuardedListener(inner, self)
+
+    def asgi(self, app: _ASGIApp) -> _ASGIApp:
+        """``app`` with its connection's state in ``client_gone_reason``'s reach."""
+
+        async def guarded(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            client = scope.get("client")
+            state = self._connections.get(tuple(client)) if client else None
+            token = _CURRENT.set(state)
+            try:
+                await app(scope, receive, send)
+            finally:
+                _CURRENT.reset(token)
+
+        return guarded
+
+    def _opened(self, stream: trio.SocketStream) -> ConnectionStall:
+        assert self.timeout_s is not None
+        try:
+            peer: _Peer | None = tuple(stream.socket.getpeername()[:2])
+        except OSError:  # already gone
+            peer = None
+        state = ConnectionStall(peer, self.timeout_s)
+        if peer is not None:
+            self._connections[peer] = state
+        return state
+
+    def _closed(self, state: ConnectionStall) -> None:
+        if state.peer is not None and self._connections.get(state.peer) is state:
+            del self._connections[state.peer]
+
+    def _stalled(self, state: ConnectionStall) -> None:
+        state.stalled = True
+        self.stalled_total += 1
+        log.warning(
+            "client %s accepted no data for write_stall_timeout_s=%g: closing its connection",
+            _peer_text(state.peer),
+            state.timeout_s,
+        )
+
+
+def _send_queue(sock: trio.socket.SocketType) -> int | None:
+    """Bytes in the socket's send queue not yet acknowledged (Linux), else None."""
+    buf = bytearray(4)
+    try:
+        fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, buf)  # = SIOCOUTQ on sockets
+    except OSError:
+        return None
+    return int.from_bytes(buf, sys.byteorder, signed=True)
+
+
+def _peer_text(peer: _Peer | None) -> str:
+    return "?" if peer is None else ":".join(str(p) for p in peer)
+
+
+class _GuardedListener(trio.abc.Listener["_GuardedStream"]):
+    def __init__(self, inner: trio.SocketListener, guard: StallGuard) -> None:
+        self._inner = inner
+        self._guard = guard
+
+    async def accept(self) -> _GuardedStream:
+        stream = await self._inner.accept()
+        return _GuardedStream(stream, self._guard, self._guard._opened(stream))
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class _GuardedStream(trio.abc.HalfCloseableStream):
+    """A ``SocketStream`` whose writes fail when the peer accepts no byte in time."""
+
+    def __init__(self, inner: trio.SocketStream, guard: StallGuard, state: ConnectionStall) -> None:
+        self._inner = inner
+        self._guard = guard
+        self._state = state
+
+    @property
+    def socket(self) -> trio.socket.SocketType:
+        """The socket (hypercorn reads its addresses)."""
+        return self._inner.socket
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        # trio's SocketStream.send_all, watching the peer's progress while a
+        # send() waits. A blocked send() is no measure of it: the kernel
+        # reports the socket writable only once a third of its send buffer
+        # (megabytes, autotuned) has drained, so a client reading slowly can
+        # wait far longer than the deadline for that. Progress is the send
+        # queue shrinking (the peer acknowledging bytes, SIOCOUTQ), polled
+        # while blocked. A cancelled send() sent nothing, so no byte is lost.
+        sock = self._inner.socket
+        timeout = self._state.timeout_s
+        if not data:
+            await trio.lowlevel.checkpoint()
+            return
+        with memoryview(data) as view:
+            total = 0
+            queued = _send_queue(sock)
+            progress_at = trio.current_time()
+            while total < len(view):
+                with trio.move_on_after(min(timeout / 4, PROGRESS_POLL_MAX_S)) as waited:
+                    try:
+                        total += await sock.send(view[total:])
+                    except OSError as exc:
+                        if exc.errno == errno.EBADF:
+                            raise trio.ClosedResourceError("the connection was closed") from exc
+                        raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+                now = trio.current_time()
+                if not waited.cancelled_caught:
+                    progress_at = now
+                    queued = _send_queue(sock)
+                    continue
+                now_queued = _send_queue(sock)
+                if now_queued is not None and queued is not None and now_queued < queued:
+                    progress_at = now
+                queued = now_queued
+                if now - progress_at >= timeout:
+                    self._guard._stalled(self._state)
+                    await self.aclose()
+                    raise trio.BrokenResourceError(f"the client accepted no data for {timeout:g}s")
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._inner.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self._inner.send_eof()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        return await self._inner.receive_some(max_bytes)
+
+    async def aclose(self) -> None:
+        self._guard._closed(self._state)
+        await self._inner.aclose()
+
+
+async def serve_guarded(
+    app: Any,
+    config: HypercornConfig,
+    guard: StallGuard,
+    *,
+    shutdown_trigger: Callable[[], Awaitable[None]],
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` like ``hypercorn.trio.serve``, every connection guarded.
+
+    Hypercorn's ``worker_serve`` (0.18), plain HTTP only, with the listeners
+    wrapped by ``guard`` and the app by ``guard.asgi``.
+    """
+    wrapped = wrap_app(cast(Any, guard.asgi(app)), config.wsgi_max_body_size, "asgi")
+    lifespan_state: LifespanState = {}
+    lifespan = Lifespan(wrapped, config, lifespan_state)
+    context = WorkerContext(None)
+
+    async with trio.open_nursery() as lifespan_nursery:
+        await lifespan_nursery.start(lifespan.handle_lifespan)
+        await lifespan.wait_for_startup()
+
+        async with trio.open_nursery() as server_nursery:
+            sockets = config.create_sockets()
+            listeners: list[trio.abc.Listener[Any]] = []
+            binds: list[str] = []
+            for sock in sockets.insecure_sockets:
+                sock.listen(config.backlog)
+                listeners.append(
+                    guard.listener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+                )
+                binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
+            task_status.started(binds)
+            try:
+                async with trio.open_nursery(strict_exception_groups=True) as nursery:
+                    nursery.start_soon(raise_shutdown, shutdown_trigger)
+                    nursery.start_soon(raise_shutdown, context.terminate.wait)
+                    nursery.start_soon(
+                        partial(
+                            trio.serve_listeners,
+                            partial(
+                                TCPServer,
+                                wrapped,
+                                config,
+                                context,
+                                ConnectionState(lifespan_state.copy()),
+                            ),
+                            listeners,
+                            handler_nursery=server_nursery,
+                        )
+                    )
+                    await trio.sleep_forever()
+            except BaseExceptionGroup as error:
+                _, other = error.split((ShutdownError, KeyboardInterrupt))
+                if other is not None:
+                    raise other from None
+            finally:
+                await context.terminated.set()
+                server_nursery.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
+
+        await lifespan.wait_for_shutdown()
+        lifespan_nursery.cancel_scope.cancel()
