@@ -391,6 +391,11 @@ def run_claude(
             "CLAUDE_CONFIG_DIR": str(home / ".claude"),
             "ANTHROPIC_BASE_URL": base_url.rstrip("/"),
             "ANTHROPIC_API_KEY": api_key,
+            # An HTTP error fails the run at once instead of being retried
+            # with back-off (as Codex's request_max_retries = 0). It does not
+            # stop the stream retries and non-streaming fallback that follow
+            # a broken stream (tests/data/agents/README.md).
+            "CLAUDE_CODE_MAX_RETRIES": "0",
         }
         if quiet:
             env |= CLAUDE_QUIET_ENV

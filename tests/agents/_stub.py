@@ -54,13 +54,20 @@ class Variant:
     omit_output_item_done: bool = False
     # Send an SSE comment (``: ping``) before every event.
     comment_keepalives: bool = False
-    # Claude: write ``data:`` lines only, no ``event:`` lines.
+    # Write ``data:`` lines only, no ``event:`` lines.
     omit_event_lines: bool = False
     # Codex: leave out ``response.completed`` (the stream just ends).
     omit_completed: bool = False
     # Claude: an Anthropic ``ping`` event (``event: ping``) before every event
     # after ``message_start``, as Anthropic's keep-alive.
     ping_events: bool = False
+    # End the stream with an error instead of the answer: Codex gets
+    # ``response.failed`` after ``response.in_progress``, Claude an Anthropic
+    # ``error`` event (``overloaded_error``) after ``message_start``.
+    error_event: bool = False
+    # Answer every model request with this HTTP status and the API's error
+    # body instead (0: don't).
+    http_status: int = 0
 
 
 @dataclass
@@ -217,7 +224,10 @@ class _Handler(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         rec = self._record()
         path = rec.path
-        if path.endswith("/responses"):
+        status = self.owner.variant.http_status
+        if status and path.endswith(("/responses", "/messages")):
+            self._send(rec, status, "application/json", json.dumps(_error_body(path)).encode())
+        elif path.endswith("/responses"):
             self._send_stream(
                 rec, codex_stream(rec.json(), self.owner.scenario, self.owner.variant)
             )
@@ -243,6 +253,14 @@ class _Handler(BaseHTTPRequestHandler):
             }
         }
         self._send(rec, 404, "application/json", json.dumps(body).encode())
+
+
+def _error_body(path: str) -> dict[str, Any]:
+    if path.endswith("/messages"):
+        error = {"type": "overloaded_error", "message": "stub: overloaded"}
+        return {"type": "error", "error": error}
+    error = {"message": "stub: overloaded", "type": "server_error", "param": None, "code": None}
+    return {"error": error}
 
 
 def _sse(event: str | None, data: dict[str, Any], keepalive: bool) -> bytes:
@@ -299,12 +317,17 @@ def codex_stream(req: dict[str, Any], scenario: Scenario, variant: Variant) -> I
         }
 
     def ev(kind: str, **fields: Any) -> bytes:
-        return _sse(
-            kind, {"type": kind, "sequence_number": next(seq), **fields}, variant.comment_keepalives
-        )
+        name = None if variant.omit_event_lines else kind
+        data = {"type": kind, "sequence_number": next(seq), **fields}
+        return _sse(name, data, variant.comment_keepalives)
 
     yield ev("response.created", response=response("in_progress", []))
     yield ev("response.in_progress", response=response("in_progress", []))
+    if variant.error_event:
+        failed = response("failed", [])
+        failed["error"] = {"code": "server_error", "message": "stub: the backend failed"}
+        yield ev("response.failed", response=failed)
+        return
     tool_output = _responses_tool_output(req)
     if scenario == "tool" and tool_output is None and _offers_tool(req, SHELL_TOOL):
         args = json.dumps({"cmd": TOOL_COMMAND})
@@ -433,6 +456,10 @@ def claude_stream(req: dict[str, Any], scenario: Scenario, variant: Variant) -> 
             "usage": _usage(1),
         },
     )
+    if variant.error_event:
+        error = {"type": "overloaded_error", "message": "stub: overloaded"}
+        yield ev("error", error=error)
+        return
     for index, block in enumerate(blocks):
         if block["type"] == "text":
             yield ev("content_block_start", index=index, content_block={"type": "text", "text": ""})

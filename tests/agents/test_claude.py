@@ -149,3 +149,23 @@ def test_without_the_quiet_env_it_reaches_out(claude_bin: Path, workdir: Path) -
     titled = [b for b in posts if "format" in b.get("output_config", {})]
     assert len(titled) == 1
     assert titled[0]["output_config"]["format"]["type"] == "json_schema"
+
+
+def test_http_529_fails_the_turn_with_its_message(claude_bin: Path, workdir: Path) -> None:
+    result, requests = _run(claude_bin, workdir, "plain", Variant(http_status=529))
+    assert len(requests) == 1  # CLAUDE_CODE_MAX_RETRIES=0
+    assert result.returncode == 1, _explain(result)
+    # -p prints the API error on stdout.
+    assert "529 stub: overloaded" in result.stdout
+
+
+def test_error_event_mid_stream_retries_then_falls_back(claude_bin: Path, workdir: Path) -> None:
+    """An ``error`` event after ``message_start`` is retried as a stream,
+    then asked again without streaming (the stub's JSON answer succeeds)."""
+    result, requests = _run(claude_bin, workdir, "plain", Variant(error_event=True))
+    assert result.returncode == 0, _explain(result)
+    assert PLAIN_TEXT in result.stdout
+    streams = [r.json().get("stream") for r in requests]
+    assert streams[-1] is None
+    assert streams[:-1] == [True] * (len(streams) - 1)
+    assert len(streams) >= 2

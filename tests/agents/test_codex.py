@@ -128,3 +128,25 @@ def test_sse_comment_keepalives_are_accepted(
     assert result.returncode == 0, _explain(result)
     assert (PLAIN_TEXT if scenario == "plain" else AFTER_TOOL_TEXT) in result.stdout
     assert len(requests) == (1 if scenario == "plain" else 2)
+
+
+def test_event_lines_are_not_needed(codex_bin: Path, workdir: Path) -> None:
+    """It dispatches on the JSON ``type``; ``event:`` lines are optional."""
+    result, _ = _run(codex_bin, workdir, "tool", Variant(omit_event_lines=True))
+    assert result.returncode == 0, _explain(result)
+    assert AFTER_TOOL_TEXT in result.stdout
+
+
+def test_response_failed_fails_the_turn_with_its_message(codex_bin: Path, workdir: Path) -> None:
+    result, requests = _run(codex_bin, workdir, "plain", Variant(error_event=True))
+    assert len(requests) == 1
+    assert result.returncode == 1, _explain(result)
+    assert "stub: the backend failed" in result.stderr
+
+
+def test_http_500_fails_the_turn(codex_bin: Path, workdir: Path) -> None:
+    result, requests = _run(codex_bin, workdir, "plain", Variant(http_status=500))
+    assert len(requests) == 1  # request_max_retries = 0
+    assert result.returncode == 1, _explain(result)
+    # Codex shows its own words for a 5xx, not the body's message.
+    assert "stub: overloaded" not in result.stderr
