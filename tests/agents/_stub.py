@@ -295,26 +295,33 @@ def codex_stream(req: dict[str, Any], scenario: Scenario, variant: Variant) -> I
     created = CREATED_AT
 
     def response(status: str, output: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
+        # Every field OpenAI's schema (Response) requires; usage only at the end.
+        body: dict[str, Any] = {
             "id": resp_id,
             "object": "response",
             "created_at": created,
             "status": status,
             "model": model,
             "output": output,
+            "error": None,
+            "incomplete_details": None,
+            "instructions": None,
+            "metadata": {},
             "parallel_tool_calls": True,
+            "temperature": 1.0,
+            "top_p": 1.0,
             "tool_choice": "auto",
             "tools": [],
-            "usage": None
-            if status != "completed"
-            else {
+        }
+        if status == "completed":
+            body["usage"] = {
                 "input_tokens": 10,
-                "input_tokens_details": {"cached_tokens": 0},
+                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
                 "output_tokens": 5,
                 "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": 15,
-            },
-        }
+            }
+        return body
 
     def ev(kind: str, **fields: Any) -> bytes:
         name = None if variant.omit_event_lines else kind
@@ -351,11 +358,12 @@ def codex_stream(req: dict[str, Any], scenario: Scenario, variant: Variant) -> I
             "response.function_call_arguments.done",
             item_id=item["id"],
             output_index=0,
+            name=SHELL_TOOL,
             arguments=args,
         )
     else:
         text = PLAIN_TEXT if tool_output is None else f"{AFTER_TOOL_TEXT} (saw: {tool_output!r})"
-        part = {"type": "output_text", "text": text, "annotations": []}
+        part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
         item = {
             "id": "msg_stub0001",
             "type": "message",
