@@ -144,9 +144,11 @@ def _install(final: Path, run_install: Sequence[str], what: str) -> None:
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise AgentUnavailable(f"installing {what} failed: {exc}") from exc
         if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-5:]
+            # npm puts the cause first (code, then the message), pip last.
+            lines = (done.stderr or done.stdout).strip().splitlines()
+            said = lines if len(lines) <= 6 else [*lines[:4], "...", *lines[-2:]]
             raise AgentUnavailable(
-                f"installing {what} failed (exit {done.returncode}): " + " | ".join(tail)
+                f"installing {what} failed (exit {done.returncode}): " + " | ".join(said)
             )
         scratch.rename(final)
     finally:
