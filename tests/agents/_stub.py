@@ -36,6 +36,9 @@ from urllib.parse import urlsplit
 TOOL_COMMAND: Final = "echo iop-tool-ok"
 TOOL_MARKER: Final = "iop-tool-ok"
 PLAIN_TEXT: Final = "Hello from the IOP stub."
+REASONING_TEXT: Final = "The user wants the command run."
+# Stands for the opaque blob (Codex's encrypted_content, Claude's signature).
+REASONING_BLOB: Final = "iop-stub-opaque-reasoning"
 # The text the model "says" once it has seen the tool's output.
 AFTER_TOOL_TEXT: Final = "The command printed iop-tool-ok."
 SECRET_HEADERS: Final = frozenset({"authorization", "x-api-key", "proxy-authorization", "cookie"})
@@ -65,6 +68,10 @@ class Variant:
     # ``response.failed`` after ``response.in_progress``, Claude an Anthropic
     # ``error`` event (``overloaded_error``) after ``message_start``.
     error_event: bool = False
+    # Put a reasoning item (Codex: ``reasoning`` with a summary and
+    # ``encrypted_content``; Claude: a ``thinking`` block with a signature)
+    # before the answer, to see whether the agent passes it back.
+    reasoning: bool = False
     # Answer every model request with this HTTP status and the API's error
     # body instead (0: don't).
     http_status: int = 0
@@ -238,7 +245,7 @@ class _Handler(BaseHTTPRequestHandler):
             if req.get("stream"):
                 self._send_stream(rec, claude_stream(req, self.owner.scenario, self.owner.variant))
             else:
-                message = claude_message(req, self.owner.scenario)
+                message = claude_message(req, self.owner.scenario, self.owner.variant)
                 self._send(rec, 200, "application/json", json.dumps(message).encode())
         else:
             self._not_found(rec)
@@ -335,6 +342,25 @@ def codex_stream(req: dict[str, Any], scenario: Scenario, variant: Variant) -> I
         failed["error"] = {"code": "server_error", "message": "stub: the backend failed"}
         yield ev("response.failed", response=failed)
         return
+    output: list[dict[str, Any]] = []
+    if variant.reasoning:
+        summary = {"type": "summary_text", "text": REASONING_TEXT}
+        reasoning = {
+            "id": "rs_stub0001",
+            "type": "reasoning",
+            "summary": [summary],
+            "encrypted_content": REASONING_BLOB,
+        }
+        yield ev("response.output_item.added", output_index=0, item={**reasoning, "summary": []})
+        at = {"item_id": reasoning["id"], "output_index": 0, "summary_index": 0}
+        yield ev("response.reasoning_summary_part.added", **at, part={**summary, "text": ""})
+        yield ev("response.reasoning_summary_text.delta", **at, delta=REASONING_TEXT)
+        yield ev("response.reasoning_summary_text.done", **at, text=REASONING_TEXT)
+        yield ev("response.reasoning_summary_part.done", **at, part=summary)
+        if not variant.omit_output_item_done:
+            yield ev("response.output_item.done", output_index=0, item=reasoning)
+        output.append(reasoning)
+    index = len(output)
     tool_output = _responses_tool_output(req)
     if scenario == "tool" and tool_output is None and _offers_tool(req, SHELL_TOOL):
         args = json.dumps({"cmd": TOOL_COMMAND})
@@ -348,16 +374,19 @@ def codex_stream(req: dict[str, Any], scenario: Scenario, variant: Variant) -> I
         }
         yield ev(
             "response.output_item.added",
-            output_index=0,
+            output_index=index,
             item={**item, "status": "in_progress", "arguments": ""},
         )
         yield ev(
-            "response.function_call_arguments.delta", item_id=item["id"], output_index=0, delta=args
+            "response.function_call_arguments.delta",
+            item_id=item["id"],
+            output_index=index,
+            delta=args,
         )
         yield ev(
             "response.function_call_arguments.done",
             item_id=item["id"],
-            output_index=0,
+            output_index=index,
             name=SHELL_TOOL,
             arguments=args,
         )
@@ -373,18 +402,18 @@ def codex_stream(req: dict[str, Any], scenario: Scenario, variant: Variant) -> I
         }
         yield ev(
             "response.output_item.added",
-            output_index=0,
+            output_index=index,
             item={**item, "status": "in_progress", "content": []},
         )
-        common = {"item_id": item["id"], "output_index": 0, "content_index": 0}
+        common = {"item_id": item["id"], "output_index": index, "content_index": 0}
         yield ev("response.content_part.added", **common, part={**part, "text": ""})
         yield ev("response.output_text.delta", **common, delta=text, logprobs=[])
         yield ev("response.output_text.done", **common, text=text, logprobs=[])
         yield ev("response.content_part.done", **common, part=part)
     if not variant.omit_output_item_done:
-        yield ev("response.output_item.done", output_index=0, item=item)
+        yield ev("response.output_item.done", output_index=index, item=item)
     if not variant.omit_completed:
-        yield ev("response.completed", response=response("completed", [item]))
+        yield ev("response.completed", response=response("completed", [*output, item]))
 
 
 # ---------------------------------------------------------------- Claude Code (Messages)
@@ -404,19 +433,22 @@ def _messages_tool_result(req: dict[str, Any]) -> str | None:
     return None
 
 
-def _claude_blocks(req: dict[str, Any], scenario: Scenario) -> list[dict[str, Any]]:
+def _claude_blocks(
+    req: dict[str, Any], scenario: Scenario, variant: Variant
+) -> list[dict[str, Any]]:
+    thinking = {"type": "thinking", "thinking": REASONING_TEXT, "signature": REASONING_BLOB}
+    head = [thinking] if variant.reasoning else []
     result = _messages_tool_result(req)
     if scenario == "tool" and result is None and _offers_tool(req, "Bash"):
-        return [
-            {
-                "type": "tool_use",
-                "id": "toolu_stub0001",
-                "name": "Bash",
-                "input": {"command": TOOL_COMMAND, "description": "Print a marker"},
-            }
-        ]
+        use = {
+            "type": "tool_use",
+            "id": "toolu_stub0001",
+            "name": "Bash",
+            "input": {"command": TOOL_COMMAND, "description": "Print a marker"},
+        }
+        return [*head, use]
     text = PLAIN_TEXT if result is None else f"{AFTER_TOOL_TEXT} (saw: {result!r})"
-    return [{"type": "text", "text": text}]
+    return [*head, {"type": "text", "text": text}]
 
 
 def _usage(output: int) -> dict[str, int]:
@@ -428,22 +460,22 @@ def _usage(output: int) -> dict[str, int]:
     }
 
 
-def claude_message(req: dict[str, Any], scenario: Scenario) -> dict[str, Any]:
-    blocks = _claude_blocks(req, scenario)
+def claude_message(req: dict[str, Any], scenario: Scenario, variant: Variant) -> dict[str, Any]:
+    blocks = _claude_blocks(req, scenario, variant)
     return {
         "id": "msg_stub0001",
         "type": "message",
         "role": "assistant",
         "model": req.get("model", "stub-model"),
         "content": blocks,
-        "stop_reason": "tool_use" if blocks[0]["type"] == "tool_use" else "end_turn",
+        "stop_reason": "tool_use" if blocks[-1]["type"] == "tool_use" else "end_turn",
         "stop_sequence": None,
         "usage": _usage(5),
     }
 
 
 def claude_stream(req: dict[str, Any], scenario: Scenario, variant: Variant) -> Iterator[bytes]:
-    message = claude_message(req, scenario)
+    message = claude_message(req, scenario, variant)
     blocks = message.pop("content")
 
     def ev(kind: str, **fields: Any) -> bytes:
@@ -469,7 +501,14 @@ def claude_stream(req: dict[str, Any], scenario: Scenario, variant: Variant) -> 
         yield ev("error", error=error)
         return
     for index, block in enumerate(blocks):
-        if block["type"] == "text":
+        if block["type"] == "thinking":
+            start = {**block, "thinking": "", "signature": ""}
+            yield ev("content_block_start", index=index, content_block=start)
+            delta = {"type": "thinking_delta", "thinking": block["thinking"]}
+            yield ev("content_block_delta", index=index, delta=delta)
+            delta = {"type": "signature_delta", "signature": block["signature"]}
+            yield ev("content_block_delta", index=index, delta=delta)
+        elif block["type"] == "text":
             yield ev("content_block_start", index=index, content_block={"type": "text", "text": ""})
             yield ev(
                 "content_block_delta",

@@ -50,6 +50,13 @@ CAPTURES: Final = [
         "Codex CLI, one plain turn without the settings that stop background traffic",
         quiet=False,
     ),
+    Capture(
+        "codex-reasoning",
+        "codex",
+        "tool",
+        "Codex CLI, tool round trip where the model's answer starts with a reasoning item",
+        Variant(reasoning=True),
+    ),
     Capture("claude-plain", "claude", "plain", "Claude Code, one plain turn"),
     Capture("claude-tool", "claude", "tool", "Claude Code, a Bash tool round trip"),
     Capture(
@@ -59,6 +66,13 @@ CAPTURES: Final = [
         "Claude Code, tool round trip when the stream has no `event:` lines: "
         "each streamed request is followed by a non-streaming one",
         Variant(omit_event_lines=True),
+    ),
+    Capture(
+        "claude-thinking",
+        "claude",
+        "tool",
+        "Claude Code, tool round trip where the model's answer starts with a thinking block",
+        Variant(reasoning=True),
     ),
     Capture(
         "claude-default-env",

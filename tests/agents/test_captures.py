@@ -29,6 +29,8 @@ EXPECTED: Final = {
     "claude-tool",
     "claude-fallback",
     "claude-default-env",
+    "codex-reasoning",
+    "claude-thinking",
 }
 # Hop-by-hop and per-connection headers the replaying client sets itself.
 NOT_REPLAYED: Final = {"host", "content-length", "connection", "accept-encoding"}

@@ -16,6 +16,8 @@ from tests.agents._agents import PLAIN_PROMPT, TOOL_PROMPT, AgentResult, run_cod
 from tests.agents._stub import (
     AFTER_TOOL_TEXT,
     PLAIN_TEXT,
+    REASONING_BLOB,
+    REASONING_TEXT,
     SHELL_TOOL,
     TOOL_MARKER,
     Recorded,
@@ -150,3 +152,18 @@ def test_http_500_fails_the_turn(codex_bin: Path, workdir: Path) -> None:
     assert result.returncode == 1, _explain(result)
     # Codex shows its own words for a 5xx, not the body's message.
     assert "stub: overloaded" not in result.stderr
+
+
+def test_reasoning_item_is_passed_back(codex_bin: Path, workdir: Path) -> None:
+    """A reasoning item in the answer comes back, as received (plus
+    ``content: null``), before the function_call on the next request."""
+    result, requests = _run(codex_bin, workdir, "tool", Variant(reasoning=True))
+    assert result.returncode == 0, _explain(result)
+    assert AFTER_TOOL_TEXT in result.stdout
+    first, follow_up = (r.json() for r in requests)
+    reasoning, call, output = follow_up["input"][len(first["input"]) :]
+    assert reasoning["type"] == "reasoning"
+    assert reasoning["id"] == "rs_stub0001"
+    assert reasoning["encrypted_content"] == REASONING_BLOB
+    assert reasoning["summary"] == [{"type": "summary_text", "text": REASONING_TEXT}]
+    assert (call["type"], output["type"]) == ("function_call", "function_call_output")
