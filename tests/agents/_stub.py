@@ -72,6 +72,10 @@ class Variant:
     # ``encrypted_content``; Claude: a ``thinking`` block with a signature)
     # before the answer, to see whether the agent passes it back.
     reasoning: bool = False
+    # End the answer as cut off by the token limit: Codex gets
+    # ``response.incomplete`` (``max_output_tokens``) instead of
+    # ``response.completed``, Claude ``stop_reason: "max_tokens"``.
+    truncated: bool = False
     # Answer every model request with this HTTP status and the API's error
     # body instead (0: don't).
     http_status: int = 0
@@ -320,7 +324,7 @@ def codex_stream(req: dict[str, Any], scenario: Scenario, variant: Variant) -> I
             "tool_choice": "auto",
             "tools": [],
         }
-        if status == "completed":
+        if status in ("completed", "incomplete"):
             body["usage"] = {
                 "input_tokens": 10,
                 "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
@@ -412,7 +416,11 @@ def codex_stream(req: dict[str, Any], scenario: Scenario, variant: Variant) -> I
         yield ev("response.content_part.done", **common, part=part)
     if not variant.omit_output_item_done:
         yield ev("response.output_item.done", output_index=index, item=item)
-    if not variant.omit_completed:
+    if variant.truncated:
+        incomplete = response("incomplete", [*output, item])
+        incomplete["incomplete_details"] = {"reason": "max_output_tokens"}
+        yield ev("response.incomplete", response=incomplete)
+    elif not variant.omit_completed:
         yield ev("response.completed", response=response("completed", [*output, item]))
 
 
@@ -468,7 +476,9 @@ def claude_message(req: dict[str, Any], scenario: Scenario, variant: Variant) ->
         "role": "assistant",
         "model": req.get("model", "stub-model"),
         "content": blocks,
-        "stop_reason": "tool_use" if blocks[-1]["type"] == "tool_use" else "end_turn",
+        "stop_reason": "tool_use"
+        if blocks[-1]["type"] == "tool_use"
+        else ("max_tokens" if variant.truncated else "end_turn"),
         "stop_sequence": None,
         "usage": _usage(5),
     }

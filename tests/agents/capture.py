@@ -75,6 +75,13 @@ CAPTURES: Final = [
         Variant(reasoning=True),
     ),
     Capture(
+        "claude-max-tokens",
+        "claude",
+        "plain",
+        "Claude Code, plain turn whose every answer ends with stop_reason max_tokens",
+        Variant(truncated=True),
+    ),
+    Capture(
         "claude-default-env",
         "claude",
         "plain",

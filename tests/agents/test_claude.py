@@ -188,3 +188,21 @@ def test_thinking_block_is_passed_back(claude_bin: Path, workdir: Path) -> None:
         "signature": REASONING_BLOB,
     }
     assert assistant["content"][1]["type"] == "tool_use"
+
+
+def test_max_tokens_is_continued_three_times_then_fails(claude_bin: Path, workdir: Path) -> None:
+    """``stop_reason: "max_tokens"`` makes it ask the model to resume (the
+    cut answer, then a user message), three times, then give up."""
+    result, requests = _run(claude_bin, workdir, "plain", Variant(truncated=True))
+    assert result.returncode == 1, _explain(result)
+    assert "exceeded the 32000 output token maximum" in result.stdout
+    bodies = [r.json() for r in requests]
+    assert len(bodies) == 4
+    first = len(bodies[0]["messages"])
+    for turn, body in enumerate(bodies):
+        assert len(body["messages"]) == first + 2 * turn
+        assert body["max_tokens"] == bodies[0]["max_tokens"]
+    resumed = bodies[-1]["messages"][first:]
+    assert [m["role"] for m in resumed] == ["assistant", "user"] * 3
+    assert all(m["content"][0]["text"] == PLAIN_TEXT for m in resumed[::2])
+    assert "Output token limit hit" in str(resumed[1]["content"])

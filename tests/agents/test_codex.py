@@ -167,3 +167,11 @@ def test_reasoning_item_is_passed_back(codex_bin: Path, workdir: Path) -> None:
     assert reasoning["encrypted_content"] == REASONING_BLOB
     assert reasoning["summary"] == [{"type": "summary_text", "text": REASONING_TEXT}]
     assert (call["type"], output["type"]) == ("function_call", "function_call_output")
+
+
+def test_response_incomplete_fails_the_turn(codex_bin: Path, workdir: Path) -> None:
+    """``response.incomplete`` (the token limit) is a failed turn, not a short answer."""
+    result, requests = _run(codex_bin, workdir, "plain", Variant(truncated=True))
+    assert len(requests) == 1
+    assert result.returncode == 1, _explain(result)
+    assert "Incomplete response returned, reason: max_output_tokens" in result.stderr
