@@ -39,10 +39,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
+
+import pytest
 
 __all__ = [
     "API_KEY",
@@ -53,6 +55,7 @@ __all__ = [
     "TOOL_PROMPT",
     "AgentResult",
     "AgentUnavailable",
+    "agent_or_skip",
     "claude_binary",
     "claude_command",
     "codex_binary",
@@ -218,6 +221,17 @@ def claude_binary() -> Path:
             continue
         return binary
     raise AgentUnavailable("; ".join(errors) or f"no claude binary under {modules}")
+
+
+def agent_or_skip(locate: Callable[[], Path], what: str) -> Path:
+    """``locate()`` (``codex_binary``/``claude_binary``), or skip the test with
+    the reason; under ``IOP_REQUIRE_AGENTS=1`` (CI) fail it instead."""
+    try:
+        return locate()
+    except AgentUnavailable as exc:
+        if os.environ.get("IOP_REQUIRE_AGENTS") == "1":
+            pytest.fail(f"IOP_REQUIRE_AGENTS=1 but {what} cannot run: {exc}", pytrace=False)
+        pytest.skip(f"{what} is not available: {exc}")
 
 
 # ---------------------------------------------------------------- run
