@@ -276,7 +276,9 @@ async def serve_guarded(
                 listeners.append(
                     guard.listener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
                 )
-                binds.append(f"http://{repr_socket_addr(sock.family, sock.getsockname())}")
+                bind = repr_socket_addr(sock.family, sock.getsockname())
+                binds.append(f"http://{bind}")
+                await config.log.info(f"Running on http://{bind} (CTRL + C to quit)")
             task_status.started(binds)
             try:
                 async with trio.open_nursery(strict_exception_groups=True) as nursery:
