@@ -7,12 +7,12 @@ from dataclasses import dataclass
 from functools import partial
 
 import trio
-from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
 from iop.config import EdgeConfig
 from iop.edge._app import create_edge_app
 from iop.edge._core import EdgeCore, open_edge_core
+from iop.edge._http1 import EdgeHypercornConfig, install
 
 __all__ = ["EdgeHandle", "serve_edge"]
 
@@ -47,7 +47,9 @@ async def serve_edge(
     stop = shutdown if shutdown is not None else trio.Event()
     async with open_edge_core(config) as core:
         app = create_edge_app(core)
-        hc = HypercornConfig()
+        # Smuggling and header-size guards below the app (iop/edge/_http1.py).
+        install()
+        hc = EdgeHypercornConfig(max_header_bytes=config.server.max_header_bytes)
         hc.bind = [f"{config.server.host}:{config.server.port}"]
         hc.accesslog = None
         hc.graceful_timeout = 2.0
