@@ -208,3 +208,107 @@ async def _receive_or_eof(stream: trio.SocketStream) -> bytes:
         return await stream.receive_some(65536)
     except trio.BrokenResourceError:  # reset after close: as good as EOF
         return b""
+
+
+async def test_every_error_the_edge_sends_is_openais_error_response(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One of each error the edge can answer, each validated against OpenAI's
+    ``ErrorResponse`` schema (tests/data/openai-chat-schemas.json)."""
+    from iop.events import Error as RunError
+    from tests.edge.test_app import answer
+
+    got: dict[str, tuple[int, bytes]] = {}
+    key = {"authorization": "Bearer k", **JSON}
+    cfg = config(
+        api_keys=["k"], max_body_bytes=2000, max_header_bytes=4096, body_read_timeout_s=0.5
+    )
+    async with edge(cfg) as (handle, node, client), trio.open_nursery() as nursery:
+        assert node is not None
+
+        async def post(name: str, content: bytes, headers: dict[str, str] = key) -> None:
+            resp = await client.post("/v1/chat/completions", content=content, headers=headers)
+            got[name] = (resp.status_code, resp.content)
+
+        await post("400 invalid json", b"{")
+        await post("400 out of range", _chat(temperature=3))
+        await post("401", _chat(), JSON)
+        await post("404 model", json.dumps({**CHAT, "model": "nope"}).encode())
+        await post("413", b"x" * 5000)
+        await post("415", _chat(), {**key, "content-type": "text/plain"})
+        resp = await client.get("/v1/nope")
+        got["404 route"] = (resp.status_code, resp.content)
+        resp = await client.get("/v1/chat/completions")
+        got["405"] = (resp.status_code, resp.content)
+
+        # The backend's refusal before any output keeps its status (early failure).
+        nursery.start_soon(
+            answer, node, RunError(message="context too long", status=400, code="bad")
+        )
+        await post("400 from the backend", _chat())
+
+        # 429: the only slot busy, the queue (max_queue=1) full.
+        nursery.start_soon(post, "held", _chat())
+        held = await node.assigns.receive()
+        nursery.start_soon(post, "queued", _chat())
+        with trio.fail_after(5):
+            while not (await client.get("/admin/nodes", headers=key)).json()["queued"]:
+                await trio.sleep(0.01)
+        await post("429", _chat())
+        await node.send(
+            held.assign.run_id, RunError(message="boom", status=502, code="backend_error")
+        )
+        queued = await node.assigns.receive()
+        await node.send(queued.assign.run_id, RunError(message="timeout", status=504, code="t"))
+
+        # Framing errors, answered below the app.
+        for name, raw in {
+            "400 smuggling": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            "400 malformed": b"NOT HTTP AT ALL\r\n\r\n",
+            "431": b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 5000 + b"\r\n\r\n",
+            "408": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{",
+        }.items():
+            [(status, _, body)] = _responses(await _raw_exchange(handle.url, raw))
+            got[name] = (status, body)
+
+        # The 500 handler: a bug in the request path.
+        def broken(*_: object, **__: object) -> None:
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr("iop.edge._app.parse_chat_request", broken)
+        await post("500", _chat())
+        monkeypatch.undo()
+        nursery.cancel_scope.cancel()
+
+    async with edge(with_node=False) as (_, _, client):
+        resp = await client.post("/v1/chat/completions", content=_chat(), headers=JSON)
+        got["503"] = (resp.status_code, resp.content)
+
+    statuses = {name: status for name, (status, _) in got.items()}
+    assert statuses == {
+        "400 invalid json": 400,
+        "400 out of range": 400,
+        "401": 401,
+        "404 model": 404,
+        "413": 413,
+        "415": 415,
+        "404 route": 404,
+        "405": 405,
+        "400 from the backend": 400,
+        "held": 502,
+        "queued": 504,
+        "429": 429,
+        "400 smuggling": 400,
+        "400 malformed": 400,
+        "431": 431,
+        "408": 408,
+        "500": 500,
+        "503": 503,
+    }
+    for name, (_, body) in got.items():
+        try:
+            validate_error(json.loads(body))
+        except Exception as exc:
+            raise AssertionError(f"{name}: {body!r}") from exc
