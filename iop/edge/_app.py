@@ -289,7 +289,8 @@ def _unsupported_content_type(value: str | None) -> Response | None:
     raw bytes without one). Anything else is refused, with the fix in the
     message: ``curl -d`` sends ``application/x-www-form-urlencoded``, and a
     browser page may send ``text/plain`` or a form cross-origin without a
-    CORS preflight, which would otherwise run requests on an open edge.
+    CORS preflight, which would otherwise run requests on an open edge
+    (``docs/operations.md``, "HTTP input").
     """
     if value is None or not value.strip():
         return None

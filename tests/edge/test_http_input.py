@@ -155,6 +155,19 @@ async def test_too_large_headers_are_a_431_in_openais_body(split: bool) -> None:
     assert _responses(fine)[0][0] == 200
 
 
+async def test_a_too_large_body_is_a_413_and_the_connection_closed() -> None:
+    async with edge(config(max_body_bytes=1000)) as (handle, _, _):
+        got = await _raw_exchange(
+            handle.url,
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 99999999\r\n\r\n{",
+        )
+    [(status, headers, body)] = _responses(got)  # and then EOF, the body unread
+    assert status == 413
+    assert headers["connection"] == "close"
+    validate_error(json.loads(body))
+
+
 async def test_many_small_headers_count_against_the_same_limit() -> None:
     limit = 4096
     pads = b"".join(b"X-%d: y\r\n" % i for i in range(1000))
