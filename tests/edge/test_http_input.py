@@ -325,3 +325,30 @@ async def test_every_error_the_edge_sends_is_openais_error_response(
             validate_error(json.loads(body))
         except Exception as exc:
             raise AssertionError(f"{name}: {body!r}") from exc
+
+
+async def test_server_max_json_depth_is_the_limit_the_edge_applies() -> None:
+    nested = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "zz": [[[[1]]]]}'  # depth 5
+    async with edge(config(max_json_depth=4)) as (_, _, client):
+        resp = await client.post("/v1/chat/completions", content=nested, headers=JSON)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["code"] == "json_too_deep"
+    assert "more than 4 levels" in resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_json_depth": 0},
+        {"max_json_depth": 257},
+        {"max_header_bytes": 100},
+        {"body_read_timeout_s": 0},
+    ],
+)
+def test_http_input_limits_refuse_nonsense_values(bad: dict[str, object]) -> None:
+    import msgspec
+
+    from iop.config import EdgeServer
+
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert(bad, EdgeServer)
