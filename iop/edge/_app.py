@@ -159,11 +159,12 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
         message = {
             404: f"Unknown request URL: {request.method} {request.path}.",
             405: f"Method {request.method} is not allowed on {request.path}.",
-            408: (f"The request body did not arrive within {cfg.server.body_read_timeout_s:g} s."),
+            408: f"The request body did not arrive within {cfg.server.body_read_timeout_s:g} s.",
             413: f"Request body too large (limit {cfg.server.max_body_bytes} bytes).",
         }.get(status, exc.description or exc.name)
         # A body left unread (too slow, too large) must not stay on the
-        # connection: h11 closes it after a "Connection: close" response.
+        # connection: after a "Connection: close" response the connection is
+        # closed (from a shielded scope, _http1.py) and nothing more is read.
         headers = {"Connection": "close"} if status in (408, 413) else None
         return _error(status, message, code=exc.name.lower().replace(" ", "_"), headers=headers)
 
