@@ -411,6 +411,14 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
         host: Address to listen on.
         port: Port to listen on.
         max_body_bytes: Largest request body (413 above).
+        max_json_depth: Deepest JSON nesting of a request body (400 above;
+            the body object is level 1). At most 256: msgspec recurses on
+            the C stack up to Python's recursion limit (1000 frames, shared
+            with the server's own), on the edge and on the node.
+        max_header_bytes: Largest request head, request line and headers
+            together (431 and the connection closed above).
+        body_read_timeout_s: Longest time a request body may take to
+            arrive once its headers have (408 and the connection closed).
         keepalive_interval_s: SSE comment sent while a stream waits (queue,
             prefill) so proxies and clients do not time out.
         drain_timeout_s: On SIGINT/SIGTERM, how long in-flight runs may finish
@@ -431,6 +439,15 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8080
     max_body_bytes: int = 8 * 1024 * 1024
+    # iop.edge._request.DEFAULT_MAX_JSON_DEPTH, which says why 64.
+    max_json_depth: int = 64
+    # 16 KiB: hypercorn's and Node.js's default; a request with a long JWT
+    # bearer token and the usual headers needs 2-4 KiB.
+    max_header_bytes: int = 16 * 1024
+    # 10 s: a max-size 8 MiB body at 7 Mbit/s; a chat body is a few KiB and
+    # arrives in milliseconds. Quart's 60 s let a slow-loris client hold a
+    # connection and a task a minute per request.
+    body_read_timeout_s: float = 10.0
     keepalive_interval_s: float = 10.0
     drain_timeout_s: float = 10.0
     api_keys: list[str] = []
@@ -457,11 +474,20 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
             raise ValueError("api_keys and admin_keys must not contain an empty key")
         if self.write_stall_timeout_s < 0:
             raise ValueError("write_stall_timeout_s must be >= 0 (0 disables it)")
+        self._check_http_limits()
 
     @property
     def write_stall_timeout(self) -> float | None:
         """``write_stall_timeout_s``, or None when disabled (0)."""
         return self.write_stall_timeout_s or None
+
+    def _check_http_limits(self) -> None:
+        if not 1 <= self.max_json_depth <= 256:
+            raise ValueError("max_json_depth must be between 1 and 256")
+        if self.max_header_bytes < 1024:
+            raise ValueError("max_header_bytes must be >= 1024")
+        if self.body_read_timeout_s <= 0:
+            raise ValueError("body_read_timeout_s must be > 0")
 
 
 class LinkSettings(_Config, frozen=True, kw_only=True):

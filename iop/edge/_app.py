@@ -18,6 +18,14 @@ guard closed the connection, ``iop.edge._stall``); the run task, owned by the
 core's supervisor and not by the request, then tells the node from a
 shielded scope.
 
+Request input (``docs/operations.md`` "HTTP input"): a body must be JSON
+(``Content-Type: application/json`` or ``application/*+json``; no
+Content-Type at all is read as JSON) or the answer is 415; the body must
+arrive within ``server.body_read_timeout_s`` (408, and the connection is
+closed: the rest of a dribbled body is never read); its size, depth and
+values are checked by ``parse_chat_request``. Framing (smuggling, header
+size) is refused below the app, in ``_http1.py``.
+
 Headers are committed on the run's first output, or after
 ``keepalive_interval_s`` (then keep-alive comments follow while the run is
 queued or in prefill). A run that fails before any output therefore gets a
@@ -257,10 +265,11 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
     """The edge's ASGI app, serving ``core``."""
     cfg = core.config
     app = QuartTrio("iop.edge")
-    # Quart's 60 s defaults would cut long streams and slow uploads silently
-    # (trio-stack.md P1); runs have their own deadlines.
+    # Quart's 60 s response timeout would cut long streams silently
+    # (trio-stack.md P1); runs have their own deadlines. Its body timeout is
+    # the edge's, much shorter (config.EdgeServer says why).
     app.config["RESPONSE_TIMEOUT"] = None
-    app.config["BODY_TIMEOUT"] = 60
+    app.config["BODY_TIMEOUT"] = cfg.server.body_read_timeout_s
     app.config["MAX_CONTENT_LENGTH"] = cfg.server.max_body_bytes
     keys = [k.encode() for k in cfg.server.api_keys]
     gate = AdminGate(
@@ -288,9 +297,14 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
         message = {
             404: f"Unknown request URL: {request.method} {request.path}.",
             405: f"Method {request.method} is not allowed on {request.path}.",
+            408: f"The request body did not arrive within {cfg.server.body_read_timeout_s:g} s.",
             413: f"Request body too large (limit {cfg.server.max_body_bytes} bytes).",
         }.get(status, exc.description or exc.name)
-        return _error(status, message, code=exc.name.lower().replace(" ", "_"))
+        # A body left unread (too slow, too large) must not stay on the
+        # connection: after a "Connection: close" response the connection is
+        # closed (from a shielded scope, _http1.py) and nothing more is read.
+        headers = {"Connection": "close"} if status in (408, 413) else None
+        return _error(status, message, code=exc.name.lower().replace(" ", "_"), headers=headers)
 
     @app.errorhandler(Exception)
     async def crash(exc: Exception) -> Response:
@@ -401,10 +415,13 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
     async def chat_completions() -> Response:
         if not authorized():
             return _error(401, "Incorrect API key provided.", code="invalid_api_key")
+        unsupported = _unsupported_content_type(request.headers.get("Content-Type"))
+        if unsupported is not None:
+            return unsupported
         body = await request.get_data(cache=False)
         assert isinstance(body, bytes)
         try:
-            req = parse_chat_request(body)
+            req = parse_chat_request(body, max_depth=cfg.server.max_json_depth)
             spec = ExecutionSpec(run_id=new_run_id(), request=req, target=req.model)
             run = core.start_run(spec)
         except IopError as exc:
@@ -458,6 +475,30 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
         )
 
     return app
+
+
+def _unsupported_content_type(value: str | None) -> Response | None:
+    """A 415 for a body that does not say it is JSON, else None.
+
+    ``application/json`` and ``application/*+json`` (any parameters) are
+    JSON; so is a missing header (Python's ``requests`` and ``urllib`` send
+    raw bytes without one). Anything else is refused, with the fix in the
+    message: ``curl -d`` sends ``application/x-www-form-urlencoded``, and a
+    browser page may send ``text/plain`` or a form cross-origin without a
+    CORS preflight, which would otherwise run requests on an open edge
+    (``docs/operations.md``, "HTTP input").
+    """
+    if value is None or not value.strip():
+        return None
+    mime = value.split(";", 1)[0].strip().lower()
+    if mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json")):
+        return None
+    return _error(
+        415,
+        f"Unsupported Content-Type '{mime}': the request body must be JSON, sent with "
+        "'Content-Type: application/json' (curl: -H 'Content-Type: application/json').",
+        code="unsupported_media_type",
+    )
 
 
 class _RunBody:

@@ -7,11 +7,11 @@ from dataclasses import dataclass
 from functools import partial
 
 import trio
-from hypercorn.config import Config as HypercornConfig
 
 from iop.config import EdgeConfig
 from iop.edge._app import LINK_PATH, create_edge_app
 from iop.edge._core import EdgeCore, open_edge_core
+from iop.edge._http1 import EdgeHypercornConfig, install
 from iop.edge._link_guard import LinkFrameGuard
 from iop.edge._stall import StallGuard, serve_guarded
 from iop.errors import listen_error_from
@@ -57,7 +57,9 @@ async def serve_edge(
             hello_limit=config.link.max_hello_bytes,
             max_queued=config.link_queued_bytes,
         )
-        hc = HypercornConfig()
+        # Smuggling and header-size guards below the app (iop/edge/_http1.py).
+        install()
+        hc = EdgeHypercornConfig(max_header_bytes=config.server.max_header_bytes)
         hc.bind = [f"{config.server.host}:{config.server.port}"]
         hc.accesslog = None
         # hypercorn's own "-" logger prints in its own format; this one goes

@@ -415,3 +415,166 @@ def test_property_any_json_is_a_request_or_a_400(obj: Any) -> None:
 def test_property_any_bytes_is_a_request_or_a_400(raw: bytes) -> None:
     result = outcome(raw)
     assert isinstance(result, ChatRequest) or result.status == 400
+
+
+# --- hostile input: depth, encoding, integers the link cannot carry, ranges ----------------
+
+DEEP = 200  # far above the default limit, far below Python's recursion limit
+TOO_DEEP_BODIES = {
+    "known key": b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
+    b'"response_format": ' + b"[" * DEEP + b"]" * DEEP + b"}",
+    "unknown key": b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
+    b'"zz": ' + b'{"a":' * DEEP + b"1" + b"}" * DEEP + b"}",
+    "content": b'{"model": "m", "messages": [{"role": "user", "content": '
+    + b"[" * DEEP
+    + b"]" * DEEP
+    + b"}]}",
+    "messages": b'{"model": "m", "messages": ' + b"[" * DEEP + b"]" * DEEP + b"}",
+    # Beyond what msgspec's own recursion limit allows: its RecursionError is ours to map.
+    "recursion limit": b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], '
+    b'"zz": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+    "unclosed": b'{"model": "m", "zz": ' + b"[" * 100_000,
+}
+
+
+@pytest.mark.parametrize("where", sorted(TOO_DEEP_BODIES))
+def test_json_nested_too_deeply_is_a_400(where: str) -> None:
+    err = reject(TOO_DEEP_BODIES[where])
+    if where != "unclosed":  # truncated: "invalid JSON" is as true
+        assert err.code == "json_too_deep"
+        assert "nested too deeply" in err.message
+
+
+def test_nesting_up_to_the_limit_is_fine() -> None:
+    limit = 10
+    # The body object is level 1, "zz" 2: 8 more levels reach the limit exactly.
+    fits = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "zz": '
+    ok = parse_chat_request(fits + b"[" * 9 + b"]" * 9 + b"}", max_depth=limit)
+    assert ok.extra_body is not None
+    err = reject_with(fits + b"[" * 10 + b"]" * 10 + b"}", max_depth=limit)
+    assert err.code == "json_too_deep"
+    assert "10" in err.message
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting() -> None:
+    text = '[{"\\"[[[' * 500
+    req = parse_chat_request(body(messages=[{"role": "user", "content": text}]), max_depth=8)
+    assert req.messages[0].content == text
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"model": "m", "messages": [{"role": "user", "content": "h\xff\xfei"}]}',
+        b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "zz": "\xc3("}',
+        b'{"model": "m\xed\xa0\x80", "messages": [{"role": "user", "content": "hi"}]}',
+    ],
+)
+def test_invalid_utf8_inside_a_string_is_a_400(raw: bytes) -> None:
+    assert reject(raw).code == "invalid_json"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "code"),
+    [
+        ({"seed": -(2**63) - 1}, "seed", "integer_below_min_value"),
+        ({"seed": 2**63}, "seed", "integer_above_max_value"),
+        ({"max_tokens": 2**90}, "max_tokens", "integer_above_max_value"),
+        ({"max_completion_tokens": 2**64}, "max_completion_tokens", "integer_above_max_value"),
+        ({"top_k": -(2**70)}, "top_k", "integer_below_min_value"),
+        ({"zz": {"a": [1, {"b": 2**64}]}}, "zz.a[1].b", "integer_above_max_value"),
+        ({"extra_body": {"top_k": 2**64}}, "extra_body.top_k", "integer_above_max_value"),
+        (
+            {"tools": [{**TOOL, "function": {"name": "f", "parameters": {"maximum": 2**80}}}]},
+            "tools[0].function.parameters.maximum",
+            "integer_above_max_value",
+        ),
+        ({"options": {"num_ctx": 2**65}}, "options.num_ctx", "integer_above_max_value"),
+        ({"zz": [0] * 1000 + [2**64]}, "zz[1000]", "integer_above_max_value"),
+    ],
+)
+def test_integers_the_link_cannot_carry_are_a_400_naming_the_field(
+    fields: dict[str, Any], param: str, code: str
+) -> None:
+    err = reject(body(**fields))
+    assert (err.param, err.code) == (param, code)
+    assert f"'{param}'" in err.message
+
+
+def test_integers_at_the_links_bounds_are_carried() -> None:
+    req = parse_chat_request(body(seed=-(2**63), zz=2**64 - 1, max_tokens=2**63 - 1))
+    assert req.seed == -(2**63)
+    assert req.extra_body == {"zz": 2**64 - 1}
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "code", "message"),
+    [
+        (
+            {"temperature": 99},
+            "temperature",
+            "decimal_above_max_value",
+            "Invalid 'temperature': decimal above maximum value. Expected a value <= 2, "
+            "but got 99 instead.",
+        ),
+        ({"temperature": -0.5}, "temperature", "decimal_below_min_value", "but got -0.5 instead"),
+        ({"top_p": 5}, "top_p", "decimal_above_max_value", "Expected a value <= 1"),
+        ({"top_p": -1}, "top_p", "decimal_below_min_value", "Expected a value >= 0"),
+        ({"presence_penalty": 2.5}, "presence_penalty", "decimal_above_max_value", "<= 2"),
+        ({"presence_penalty": -3}, "presence_penalty", "decimal_below_min_value", ">= -2"),
+        ({"frequency_penalty": 7}, "frequency_penalty", "decimal_above_max_value", "<= 2"),
+        ({"frequency_penalty": -2.01}, "frequency_penalty", "decimal_below_min_value", ">= -2"),
+        ({"top_logprobs": 21}, "top_logprobs", "integer_above_max_value", "<= 20"),
+        ({"top_logprobs": -1}, "top_logprobs", "integer_below_min_value", ">= 0"),
+        ({"n": 0}, "n", "integer_below_min_value", ">= 1"),
+        ({"n": 129}, "n", "integer_above_max_value", "<= 128"),
+        ({"max_tokens": 0}, "max_tokens", "integer_below_min_value", ">= 1"),
+        ({"max_completion_tokens": -5}, "max_completion_tokens", "integer_below_min_value", ">= 1"),
+        ({"logit_bias": {"50256": 101}}, "logit_bias.50256", "decimal_above_max_value", "<= 100"),
+        ({"logit_bias": {"1": -100.5}}, "logit_bias.1", "decimal_below_min_value", ">= -100"),
+        ({"temperature": 1e308}, "temperature", "decimal_above_max_value", "<= 2"),
+    ],
+)
+def test_out_of_range_values_are_a_400_worded_like_openai(
+    fields: dict[str, Any], param: str, code: str, message: str
+) -> None:
+    err = reject(body(**fields))
+    assert (err.param, err.code) == (param, code)
+    assert message in err.message
+
+
+def test_a_number_beyond_a_double_is_a_400() -> None:
+    err = reject(body().replace(b'"model"', b'"temperature": 1e400, "model"'))
+    assert err.code == "invalid_value"
+    assert "out of range" in err.message
+
+
+def test_values_at_the_range_bounds_are_fine() -> None:
+    req = parse_chat_request(
+        body(
+            temperature=2,
+            top_p=0,
+            presence_penalty=-2,
+            frequency_penalty=2,
+            top_logprobs=20,
+            logprobs=True,
+            logit_bias={"1": -100, "2": 100},
+            max_tokens=1,
+            max_completion_tokens=1,
+            n=1,
+        )
+    )
+    assert (req.temperature, req.top_p, req.top_logprobs) == (2, 0, 20)
+
+
+def test_unknown_top_level_parameters_keep_passing_through() -> None:
+    # Range checks are for what OpenAI documents; extensions are the backend's to judge.
+    req = parse_chat_request(body(top_k=-1, min_p=7.5, repetition_penalty=99))
+    assert req.extra_body == {"top_k": -1, "min_p": 7.5, "repetition_penalty": 99}
+
+
+def reject_with(raw: bytes, **kw: Any) -> RequestError:
+    with pytest.raises(RequestError) as info:
+        parse_chat_request(raw, **kw)
+    assert info.value.status == 400
+    return info.value

@@ -1,0 +1,354 @@
+"""Hostile HTTP input against the edge on a real socket: bodies, content types,
+framing (smuggling, header size) and slow bodies. Every answer is a 4xx in
+OpenAI's error body; raw sockets check what reaches the wire and that the
+connection is closed when it must be."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import trio
+
+from tests.edge._openai_schema import validate_error
+from tests.edge.test_app import CHAT, config, edge
+from tests.edge.test_request import TOO_DEEP_BODIES
+
+pytestmark = pytest.mark.timeout(60)
+
+JSON = {"content-type": "application/json"}
+
+
+def _chat(**fields: object) -> bytes:
+    return json.dumps({**CHAT, **fields}).encode()
+
+
+HOSTILE = [
+    *((f"deep {where}", raw, None) for where, raw in sorted(TOO_DEEP_BODIES.items())),
+    ("invalid utf-8", _chat().replace(b'"hi"', b'"h\xff\xfei"'), None),
+    ("seed below int64", _chat(seed=-(2**63) - 1), "seed"),
+    ("max_tokens 2**90", _chat(max_tokens=2**90), "max_tokens"),
+    ("huge int in an unknown key", _chat(zz={"a": [2**70]}), "zz.a[0]"),
+    ("temperature 99", _chat(temperature=99), "temperature"),
+    ("top_p 5", _chat(top_p=5), "top_p"),
+    ("logit_bias 500", _chat(logit_bias={"7": 500}), "logit_bias.7"),
+]
+
+
+@pytest.mark.parametrize(
+    ("raw", "param"), [(r, p) for _, r, p in HOSTILE], ids=[n for n, _, _ in HOSTILE]
+)
+async def test_hostile_bodies_are_a_400_in_openais_body(raw: bytes, param: str | None) -> None:
+    async with edge() as (_, _, client):
+        resp = await client.post("/v1/chat/completions", content=raw, headers=JSON)
+        assert resp.status_code == 400, resp.text
+        obj = resp.json()
+        validate_error(obj)
+        assert obj["error"]["type"] == "invalid_request_error"
+        if param is not None:
+            assert obj["error"]["param"] == param
+
+
+@pytest.mark.parametrize(
+    "content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"]
+)
+async def test_a_body_that_is_not_json_is_a_415(content_type: str) -> None:
+    async with edge() as (_, node, client):
+        assert node is not None
+        resp = await client.post(
+            "/v1/chat/completions", content=_chat(), headers={"content-type": content_type}
+        )
+        assert resp.status_code == 415
+        obj = resp.json()
+        validate_error(obj)
+        assert obj["error"]["code"] == "unsupported_media_type"
+        assert "application/json" in obj["error"]["message"]
+        assert node.assigned == []
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},  # no Content-Type at all: read as JSON
+        {"content-type": "application/json; charset=utf-8"},
+        {"content-type": "Application/JSON"},
+        {"content-type": "application/vnd.api+json"},
+    ],
+)
+async def test_json_content_types_and_none_are_served(headers: dict[str, str]) -> None:
+    from iop.events import Complete, Delta, Start
+    from tests.edge.test_app import answer
+
+    async with edge() as (_, node, client), trio.open_nursery() as n:
+        assert node is not None
+        n.start_soon(answer, node, Start(), Delta("ok"), Complete())
+        resp = await client.post("/v1/chat/completions", content=_chat(), headers=headers)
+        assert resp.status_code == 200, resp.text
+
+
+async def _raw_exchange(url: str, data: bytes, *, pause_s: float = 0.0) -> bytes:
+    """Send ``data`` on a fresh connection and read until the edge closes it."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        await stream.send_all(data)
+        got = b""
+        with trio.fail_after(20):
+            while chunk := await stream.receive_some(65536):
+                got += chunk
+        return got
+
+
+def _responses(raw: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+    """The HTTP/1.1 responses in ``raw`` (Content-Length framed)."""
+    out = []
+    while raw:
+        head, _, rest = raw.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {k.strip().lower(): v.strip() for k, v in (h.split(":", 1) for h in lines[1:])}
+        size = int(headers.get("content-length", "0"))
+        out.append((status, headers, rest[:size]))
+        raw = rest[size:]
+    return out
+
+
+async def test_content_length_with_chunked_is_refused_and_the_connection_closed() -> None:
+    # The first request's chunked body ends at once; what a proxy would count
+    # as its Content-Length body is a second request, which must never run.
+    smuggled = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+    data = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n"
+        % (5 + len(smuggled))
+        + smuggled
+    )
+    async with edge(config(api_keys=["k"])) as (handle, _, _):
+        got = await _raw_exchange(handle.url, data)
+    responses = _responses(got)
+    assert len(responses) == 1, got  # then EOF: the smuggled request was not read
+    status, headers, body = responses[0]
+    assert status == 400
+    assert headers["connection"] == "close"
+    obj = json.loads(body)
+    validate_error(obj)
+    assert "Transfer-Encoding" in obj["error"]["message"]
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one read", "incomplete head"])
+async def test_too_large_headers_are_a_431_in_openais_body(split: bool) -> None:
+    limit = 4096
+    head = b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"X-Pad: " + b"a" * limit + b"\r\n"
+    async with edge(config(max_header_bytes=limit)) as (handle, _, _):
+        # Split: the head never completes, h11 refuses it past the limit.
+        got = await _raw_exchange(handle.url, head if split else head + b"\r\n")
+        fine = await _raw_exchange(
+            handle.url, b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        )
+    [(status, headers, body)] = _responses(got)
+    assert status == 431
+    assert headers["connection"] == "close"
+    obj = json.loads(body)
+    validate_error(obj)
+    assert obj["error"]["code"] == "request_header_fields_too_large"
+    assert str(limit) in obj["error"]["message"]
+    assert _responses(fine)[0][0] == 200
+
+
+async def test_a_too_large_body_is_a_413_and_the_connection_closed() -> None:
+    async with edge(config(max_body_bytes=1000)) as (handle, _, _):
+        got = await _raw_exchange(
+            handle.url,
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 99999999\r\n\r\n{",
+        )
+    [(status, headers, body)] = _responses(got)  # and then EOF, the body unread
+    assert status == 413
+    assert headers["connection"] == "close"
+    validate_error(json.loads(body))
+
+
+async def test_many_small_headers_count_against_the_same_limit() -> None:
+    limit = 4096
+    pads = b"".join(b"X-%d: y\r\n" % i for i in range(1000))
+    async with edge(config(max_header_bytes=limit)) as (handle, _, _):
+        got = await _raw_exchange(
+            handle.url, b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + pads + b"\r\n"
+        )
+    [(status, _, body)] = _responses(got)
+    assert status == 431
+    validate_error(json.loads(body))
+
+
+async def test_a_dribbled_body_gets_408_and_the_connection_is_closed() -> None:
+    async with edge(config(body_read_timeout_s=0.5)) as (handle, node, _):
+        assert node is not None
+        host, port = handle.url.removeprefix("http://").rsplit(":", 1)
+        stream = await trio.open_tcp_stream(host, int(port))
+        async with stream:
+            body = _chat()
+            await stream.send_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+            )
+            got = b""
+            with trio.fail_after(20):
+                # Keep dribbling one byte at a time, as a slow-loris client
+                # does, until the edge hangs up; then read what it said.
+                for byte in body:
+                    try:
+                        await stream.send_all(bytes([byte]))
+                    except trio.BrokenResourceError:
+                        break
+                    with trio.move_on_after(0.2):
+                        chunk = await stream.receive_some(65536)
+                        if not chunk:
+                            break
+                        got += chunk
+                else:
+                    pytest.fail(f"the edge read the whole dribbled body; got {got!r}")
+                while chunk := await _receive_or_eof(stream):
+                    got += chunk
+        [(status, headers, raw)] = _responses(got)
+        assert status == 408
+        assert headers["connection"] == "close"
+        validate_error(json.loads(raw))
+        assert node.assigned == []
+
+
+async def _receive_or_eof(stream: trio.SocketStream) -> bytes:
+    try:
+        return await stream.receive_some(65536)
+    except trio.BrokenResourceError:  # reset after close: as good as EOF
+        return b""
+
+
+async def test_every_error_the_edge_sends_is_openais_error_response(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One of each error the edge can answer, each validated against OpenAI's
+    ``ErrorResponse`` schema (tests/data/openai-chat-schemas.json)."""
+    from iop.events import Error as RunError
+    from tests.edge.test_app import answer
+
+    got: dict[str, tuple[int, bytes]] = {}
+    key = {"authorization": "Bearer k", **JSON}
+    cfg = config(
+        api_keys=["k"], max_body_bytes=2000, max_header_bytes=4096, body_read_timeout_s=0.5
+    )
+    async with edge(cfg) as (handle, node, client), trio.open_nursery() as nursery:
+        assert node is not None
+
+        async def post(name: str, content: bytes, headers: dict[str, str] = key) -> None:
+            resp = await client.post("/v1/chat/completions", content=content, headers=headers)
+            got[name] = (resp.status_code, resp.content)
+
+        await post("400 invalid json", b"{")
+        await post("400 out of range", _chat(temperature=3))
+        await post("401", _chat(), JSON)
+        await post("404 model", json.dumps({**CHAT, "model": "nope"}).encode())
+        await post("413", b"x" * 5000)
+        await post("415", _chat(), {**key, "content-type": "text/plain"})
+        resp = await client.get("/v1/nope")
+        got["404 route"] = (resp.status_code, resp.content)
+        resp = await client.get("/v1/chat/completions")
+        got["405"] = (resp.status_code, resp.content)
+
+        # The backend's refusal before any output keeps its status (early failure).
+        nursery.start_soon(
+            answer, node, RunError(message="context too long", status=400, code="bad")
+        )
+        await post("400 from the backend", _chat())
+
+        # 429: the only slot busy, the queue (max_queue=1) full.
+        nursery.start_soon(post, "held", _chat())
+        held = await node.assigns.receive()
+        nursery.start_soon(post, "queued", _chat())
+        with trio.fail_after(5):
+            while not (await client.get("/admin/nodes", headers=key)).json()["queued"]:
+                await trio.sleep(0.01)
+        await post("429", _chat())
+        await node.send(
+            held.assign.run_id, RunError(message="boom", status=502, code="backend_error")
+        )
+        queued = await node.assigns.receive()
+        await node.send(queued.assign.run_id, RunError(message="timeout", status=504, code="t"))
+
+        # Framing errors, answered below the app.
+        for name, raw in {
+            "400 smuggling": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+            "400 malformed": b"NOT HTTP AT ALL\r\n\r\n",
+            "431": b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Pad: " + b"a" * 5000 + b"\r\n\r\n",
+            "408": b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer k\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{",
+        }.items():
+            [(status, _, body)] = _responses(await _raw_exchange(handle.url, raw))
+            got[name] = (status, body)
+
+        # The 500 handler: a bug in the request path.
+        def broken(*_: object, **__: object) -> None:
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr("iop.edge._app.parse_chat_request", broken)
+        await post("500", _chat())
+        monkeypatch.undo()
+        nursery.cancel_scope.cancel()
+
+    async with edge(with_node=False) as (_, _, client):
+        resp = await client.post("/v1/chat/completions", content=_chat(), headers=JSON)
+        got["503"] = (resp.status_code, resp.content)
+
+    statuses = {name: status for name, (status, _) in got.items()}
+    assert statuses == {
+        "400 invalid json": 400,
+        "400 out of range": 400,
+        "401": 401,
+        "404 model": 404,
+        "413": 413,
+        "415": 415,
+        "404 route": 404,
+        "405": 405,
+        "400 from the backend": 400,
+        "held": 502,
+        "queued": 504,
+        "429": 429,
+        "400 smuggling": 400,
+        "400 malformed": 400,
+        "431": 431,
+        "408": 408,
+        "500": 500,
+        "503": 503,
+    }
+    for name, (_, body) in got.items():
+        try:
+            validate_error(json.loads(body))
+        except Exception as exc:
+            raise AssertionError(f"{name}: {body!r}") from exc
+
+
+async def test_server_max_json_depth_is_the_limit_the_edge_applies() -> None:
+    nested = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "zz": [[[[1]]]]}'  # depth 5
+    async with edge(config(max_json_depth=4)) as (_, _, client):
+        resp = await client.post("/v1/chat/completions", content=nested, headers=JSON)
+    assert resp.status_code == 400
+    assert resp.json()["error"]["code"] == "json_too_deep"
+    assert "more than 4 levels" in resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_json_depth": 0},
+        {"max_json_depth": 257},
+        {"max_header_bytes": 100},
+        {"body_read_timeout_s": 0},
+    ],
+)
+def test_http_input_limits_refuse_nonsense_values(bad: dict[str, object]) -> None:
+    import msgspec
+
+    from iop.config import EdgeServer
+
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.convert(bad, EdgeServer)
