@@ -100,10 +100,10 @@ class _ErrorObject(msgspec.Struct, frozen=True):
     message: str
 
 
-class _ErrorResponse(msgspec.Struct, frozen=True, omit_defaults=True):
-    error: _ErrorObject
+class _ErrorResponse(msgspec.Struct, frozen=True, kw_only=True):
     type: str = "error"
-    request_id: str | None = None
+    error: _ErrorObject
+    request_id: str | msgspec.UnsetType = msgspec.UNSET
 
 
 def _scrub(text: str) -> str:
@@ -113,7 +113,10 @@ def _scrub(text: str) -> str:
 
 def error_body(type: str, message: str, *, request_id: str | None = None) -> bytes:
     """Anthropic's error body ``{"type":"error","error":{"type","message"},"request_id"}``."""
-    body = _ErrorResponse(_ErrorObject(type, _scrub(message)), request_id=request_id)
+    body = _ErrorResponse(
+        error=_ErrorObject(type, _scrub(message)),
+        request_id=msgspec.UNSET if request_id is None else request_id,
+    )
     return msgspec.json.encode(body)
 
 

@@ -349,7 +349,7 @@ def _dotted(path: str) -> str:
 
 
 def _join(parent: str, field: str) -> str:
-    return f"{parent}.{field}" if parent else field
+    return f"{parent}.{field}" if parent and field else parent or field
 
 
 def _invalid(path: str, what: str, *, code: str = "invalid_request_error") -> RequestError:
@@ -511,7 +511,7 @@ def _assistant_turn(content: str | list[Block], path: str) -> list[Message]:
             )
         elif isinstance(block, ThinkingBlock):
             reasoning.append(block.thinking)
-        elif isinstance(block, RedactedThinkingBlock | _SERVER_BLOCKS):
+        elif isinstance(block, (RedactedThinkingBlock, *_SERVER_BLOCKS)):
             continue
         else:
             raise _invalid(
@@ -600,8 +600,9 @@ def _decode(body: bytes) -> MessagesRequest:
         raise _invalid("", "Input should be a valid dictionary", code="invalid_type") from exc
     except msgspec.DecodeError as exc:
         raise _invalid("", _INVALID_JSON, code="invalid_json") from exc
+    ignored = tuple(k for k in top if k not in _KNOWN)
     if "ignored" in top:  # our own bookkeeping field, never the client's
-        top.pop("ignored")
+        del top["ignored"]
         body = msgspec.json.encode(top)
     try:
         req = _TYPED.decode(body)
@@ -611,7 +612,6 @@ def _decode(body: bytes) -> MessagesRequest:
         raise _invalid("model", "Field required")
     if not req.messages:
         raise _invalid("messages", "at least one message is required")
-    ignored = tuple(k for k in top if k not in _KNOWN)
     return msgspec.structs.replace(req, ignored=ignored) if ignored else req
 
 
