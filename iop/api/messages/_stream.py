@@ -198,6 +198,8 @@ class MessagesStream:
         self._state = _State.FRESH
         self._index = -1  # of the last block started
         self._open: _Kind | None = None
+        self._had_text = False
+        self._delta_pre = b""  # the open block's delta framing (``_into``)
         self.outcome = "open"
         """``open``, ``complete`` or ``failed``: for the close log line."""
 
@@ -266,13 +268,30 @@ class MessagesStream:
         return self._stop()
 
     def _into(self, kind: _Kind) -> bytes:
-        """Bytes that leave the open block, if another kind, and open one of ``kind``."""
+        """Bytes that leave the open block, if another kind, and open one of ``kind``.
+
+        The delta's framing up to the text is built here, once per block, so
+        a text delta costs one JSON string encode and a join.
+        """
         if self._open is kind:
             return b""
         out = self._close()
         self._open = kind
-        start = b'{"type":"text","text":""}' if kind is _Kind.TEXT else _THINKING_START
-        return out + self._begin(start)
+        if kind is _Kind.TEXT:
+            self._had_text = True
+            out += self._begin(b'{"type":"text","text":""}')
+            field = b'{"type":"text_delta","text":'
+        else:
+            out += self._begin(_THINKING_START)
+            field = b'{"type":"thinking_delta","thinking":'
+        self._delta_pre = (
+            b'event: content_block_delta\ndata: {"type":"content_block_delta","index":%d,'
+            b'"delta":%s' % (self._index, field)
+        )
+        return out
+
+    def _text_delta(self, kind: _Kind, text: str) -> bytes:
+        return self._into(kind) + self._delta_pre + _text(text) + b"}}\n\n"
 
     def _tool_use(self, call: ToolCall) -> bytes:
         partial, _ = _input(call.arguments)
@@ -286,7 +305,7 @@ class MessagesStream:
 
     def _done(self, done: ShapedDone) -> bytes:
         out = self._close()
-        if self._index < 0 and not done.calls:
+        if not self._had_text and not done.calls:  # as the collector: content is never empty
             out += self._begin(b'{"type":"text","text":""}') + self._stop()
         for call in done.calls:
             out += self._tool_use(call)
@@ -319,18 +338,10 @@ class MessagesStream:
                 out.append(self.start())
             if isinstance(event, ShapedText):
                 if event.text:
-                    out.append(self._into(_Kind.TEXT))
-                    out.append(
-                        self._delta(b'{"type":"text_delta","text":' + _text(event.text) + b"}")
-                    )
+                    out.append(self._text_delta(_Kind.TEXT, event.text))
             elif isinstance(event, ShapedReasoning):
                 if event.text and self._thinking:
-                    out.append(self._into(_Kind.THINKING))
-                    out.append(
-                        self._delta(
-                            b'{"type":"thinking_delta","thinking":' + _text(event.text) + b"}"
-                        )
-                    )
+                    out.append(self._text_delta(_Kind.THINKING, event.text))
             elif isinstance(event, ShapedDone):
                 out.append(self._done(event))
             elif isinstance(event, ShapedFailed):

@@ -8,6 +8,7 @@ from typing import Any
 import anthropic
 import httpx2
 import msgspec
+import pydantic
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -39,6 +40,7 @@ from tests.api.messages._sdk import (
 )
 
 _CTX = RunContext(run_id="r1", created=1, policy=OutputPolicy())
+_EVENT: pydantic.TypeAdapter[Any] = pydantic.TypeAdapter(anthropic.types.RawMessageStreamEvent)
 
 
 def _call(**fields: Any) -> Any:
@@ -613,3 +615,72 @@ def test_sdk_count_tokens() -> None:
     )
     validate_count(count.model_dump())
     assert count.input_tokens == 10 + 4
+
+
+def test_reasoning_only_answer_has_an_empty_text_block_in_both_forms() -> None:
+    run = [ReasoningDelta("hmm"), Complete()]
+    names = _names(_run(_stream(), run))
+    assert names[1:6] == [
+        "content_block_start:thinking",
+        "content_block_delta:thinking_delta",
+        "content_block_stop:",
+        "content_block_start:text",
+        "content_block_stop:",
+    ]
+    _, body = _collect(run)
+    assert [b["type"] for b in body["content"]] == ["thinking", "text"]
+
+
+def _blocks(blocks: Sequence[Any]) -> list[tuple[Any, ...]]:
+    out: list[tuple[Any, ...]] = []
+    for b in blocks:
+        if b.type == "text":
+            out.append(("text", b.text))
+        elif b.type == "thinking":
+            out.append(("thinking", b.thinking, b.signature))
+        else:
+            out.append(("tool_use", b.id, b.name, b.input))
+    return out
+
+
+@given(body=_body_events, done=_done)
+def test_the_sdks_accumulated_stream_equals_the_collectors_message(
+    body: list[Shaped], done: ShapedDone
+) -> None:
+    # accumulate_event is the SDK's own stream accumulator (what
+    # MessageStream.get_final_message() returns), fed our events one by one.
+    from anthropic.lib.streaming._messages import accumulate_event
+
+    text = "".join(e.text for e in body if isinstance(e, ShapedText))
+    reasoning = "".join(e.text for e in body if isinstance(e, ShapedReasoning))
+    done = msgspec.structs.replace(done, content=text, reasoning=reasoning)
+    enc = _stream()
+    raw = enc.start() + enc.feed_shaped([*body, done])
+    snapshot: Any = None
+    json_bufs: dict[int, bytes] = {}
+    for name, data in _checked(raw):
+        if name == "ping":
+            continue
+        event = _EVENT.validate_python(data)
+        snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=json_bufs)
+    col = _collector()
+    col.feed_shaped([*body, done])
+    status, collected = col.result()
+    assert status == 200
+    message = validate_message(msgspec.json.decode(collected))
+    streamed_blocks = _blocks(snapshot.content)
+
+    # The stream may split text or thinking into several blocks (they
+    # alternate); the collector gives one of each. Joined, they agree.
+    def joined(blocks: list[tuple[Any, ...]], kind: str) -> str:
+        return "".join(b[1] for b in blocks if b[0] == kind)
+
+    mine = _blocks(message.content)
+    for kind in ("text", "thinking"):
+        assert joined(streamed_blocks, kind) == joined(mine, kind)
+    assert [b for b in streamed_blocks if b[0] == "tool_use"] == [
+        b for b in mine if b[0] == "tool_use"
+    ]
+    assert snapshot.stop_reason == message.stop_reason
+    assert snapshot.usage.model_dump() == message.usage.model_dump()
+    assert snapshot.id == message.id
