@@ -290,9 +290,6 @@ class MessagesStream:
         )
         return out
 
-    def _text_delta(self, kind: _Kind, text: str) -> bytes:
-        return self._into(kind) + self._delta_pre + _text(text) + b"}}\n\n"
-
     def _tool_use(self, call: ToolCall) -> bytes:
         partial, _ = _input(call.arguments)
         head = b'{"type":"tool_use","id":%s,"name":%s,"input":{}}' % (
@@ -333,15 +330,19 @@ class MessagesStream:
         """
         out: list[bytes] = []
         for event in events:
-            self._check_open(f"feed({type(event).__name__})")
-            if self._state is _State.FRESH:
+            if self._state is not _State.STREAMING:
+                self._check_open(f"feed({type(event).__name__})")
                 out.append(self.start())
             if isinstance(event, ShapedText):
-                if event.text:
-                    out.append(self._text_delta(_Kind.TEXT, event.text))
+                if not event.text:
+                    continue
+                if self._open is not _Kind.TEXT:  # the hot path is one join
+                    out.append(self._into(_Kind.TEXT))
+                out.append(self._delta_pre + _text(event.text) + b"}}\n\n")
             elif isinstance(event, ShapedReasoning):
                 if event.text and self._thinking:
-                    out.append(self._text_delta(_Kind.THINKING, event.text))
+                    out.append(self._into(_Kind.THINKING))
+                    out.append(self._delta_pre + _text(event.text) + b"}}\n\n")
             elif isinstance(event, ShapedDone):
                 out.append(self._done(event))
             elif isinstance(event, ShapedFailed):

@@ -203,3 +203,11 @@ def test_estimate_counts_system_tools_calls_and_images_not_their_base64() -> Non
     assert estimate_input_tokens(req) == (
         math.ceil(chars / CHARS_PER_TOKEN) + MESSAGE_TOKENS * messages + IMAGE_TOKENS
     )
+
+
+def test_public_surface_is_explicit() -> None:
+    import iop.api.messages as pkg
+
+    for name in pkg.__all__:
+        assert hasattr(pkg, name), name
+        assert not name.startswith("_")
