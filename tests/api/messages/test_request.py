@@ -482,3 +482,95 @@ def test_count_tokens_needs_no_max_tokens() -> None:
 def test_count_tokens_shares_the_checks() -> None:
     with pytest.raises(RequestError, match=r"^messages: Field required$"):
         parse_count_tokens(_body(messages=...))
+
+
+def test_a_claude_code_shaped_request() -> None:
+    # What Claude Code is known to send (docs/api.md): system blocks with
+    # cache_control, a system-role message, adaptive thinking,
+    # context_management and output_config, metadata.user_id, custom tools.
+    body = {
+        "model": "claude-sonnet-4-5",
+        "max_tokens": 32000,
+        "stream": True,
+        "system": [
+            {
+                "type": "text",
+                "text": "You are Claude Code.",
+                "cache_control": {"type": "ephemeral"},
+            },
+            {"type": "text", "text": "Be terse."},
+        ],
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "<system-reminder>ctx</system-reminder>"},
+                    {"type": "text", "text": "run ls", "cache_control": {"type": "ephemeral"}},
+                ],
+            },
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "thinking", "thinking": "need ls", "signature": ""},
+                    {
+                        "type": "tool_use",
+                        "id": "toolu_01",
+                        "name": "Bash",
+                        "input": {"command": "ls"},
+                    },
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_01", "content": "a.txt\nb.txt"},
+                    {"type": "text", "text": "<system-reminder>todo</system-reminder>"},
+                ],
+            },
+            {"role": "system", "content": "late reminder"},
+        ],
+        "tools": [
+            {
+                "name": "Bash",
+                "description": "Run a shell command",
+                "input_schema": {
+                    "type": "object",
+                    "properties": {"command": {"type": "string"}},
+                    "required": ["command"],
+                    "additionalProperties": False,
+                    "$schema": "http://json-schema.org/draft-07/schema#",
+                },
+            }
+        ],
+        "tool_choice": {"type": "auto"},
+        "thinking": {"type": "adaptive"},
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "medium"},
+        "metadata": {"user_id": "user_abc_account__session_123"},
+        "temperature": 1,
+    }
+    native, req = parse_messages_request(msgspec.json.encode(body))
+    assert native.ignored == ("context_management", "output_config")
+    assert [m.role for m in req.messages] == [
+        "system",
+        "user",
+        "assistant",
+        "tool",
+        "user",
+        "system",
+    ]
+    assert req.messages[0].content == "You are Claude Code.\nBe terse."
+    assert req.messages[3] == Message(role="tool", content="a.txt\nb.txt", tool_call_id="toolu_01")
+    assert req.messages[2].tool_calls == [
+        MessageToolCall(
+            id="toolu_01", function=FunctionCall(name="Bash", arguments='{"command":"ls"}')
+        )
+    ]
+    assert req.user == "user_abc_account__session_123"
+    assert (req.stream, req.max_tokens, req.tool_choice, req.reasoning_effort) == (
+        True,
+        32000,
+        "auto",
+        None,
+    )
+    assert req.temperature == 1.0
