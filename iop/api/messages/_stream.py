@@ -23,8 +23,9 @@ block (``text_delta``), reasoning to a ``thinking`` block
 (``thinking_delta``); a change of kind closes the open block and starts the
 next. At the end the tool calls follow as ``tool_use`` blocks, their
 arguments in one ``input_json_delta``; then ``message_delta`` with the stop
-reason and usage, and ``message_stop``. A run with no output gets one empty
-text block, so ``content`` is never empty (as a non-streaming Message).
+reason and usage, and ``message_stop``. An answer with neither text nor a
+tool call gets one empty text block, as its non-streaming ``Message`` does
+(whose ``content`` is never empty).
 
 A run that fails after the stream began ends with its open block stopped and
 one ``error`` event in Anthropic's shape (``_errors``: 529
