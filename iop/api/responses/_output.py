@@ -272,7 +272,8 @@ class _Response(msgspec.Struct, frozen=True, kw_only=True):
     tools: list[FunctionToolEcho]
     top_p: float | None
     truncation: str
-    usage: _Usage | None = None
+    # Absent until the run ends: OpenAI's schema has no null usage.
+    usage: _Usage | msgspec.UnsetType = msgspec.UNSET
     metadata: dict[str, str]
 
 
