@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from iop.api.responses import ResponsesCall, ResponseStore, ResponsesSurface
+from iop.api.responses import ResponsesCall, ResponsesSurface, ResponseStore
 from iop.errors import RequestError
 from iop.spec import (
     ChatRequest,
@@ -27,7 +27,9 @@ from iop.spec import (
 
 
 def _surface() -> ResponsesSurface:
-    return ResponsesSurface(ResponseStore(max_entries=8, max_bytes=1 << 20, ttl_s=60), clock=lambda: 0.0)
+    return ResponsesSurface(
+        ResponseStore(max_entries=8, max_bytes=1 << 20, ttl_s=60), clock=lambda: 0.0
+    )
 
 
 def _parse(**body: Any) -> ChatRequest:
@@ -61,9 +63,17 @@ def test_every_message_part_kind() -> None:
                 "role": "user",
                 "content": [
                     {"type": "input_text", "text": "look"},
-                    {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "low"},
+                    {
+                        "type": "input_image",
+                        "image_url": "data:image/png;base64,AAAA",
+                        "detail": "low",
+                    },
                     {"type": "input_image", "image_url": "https://x/y.png", "detail": "original"},
-                    {"type": "input_file", "file_data": "data:application/pdf;base64,AA", "filename": "a.pdf"},
+                    {
+                        "type": "input_file",
+                        "file_data": "data:application/pdf;base64,AA",
+                        "filename": "a.pdf",
+                    },
                 ],
             },
             {
@@ -85,7 +95,9 @@ def test_every_message_part_kind() -> None:
                 TextPart(text="look"),
                 ImagePart(image_url=ImageURL(url="data:image/png;base64,AAAA", detail="low")),
                 ImagePart(image_url=ImageURL(url="https://x/y.png")),
-                FilePart(file=FileRef(file_data="data:application/pdf;base64,AA", filename="a.pdf")),
+                FilePart(
+                    file=FileRef(file_data="data:application/pdf;base64,AA", filename="a.pdf")
+                ),
             ],
         ),
         Message(role="assistant", content="I see nothing"),
@@ -114,12 +126,31 @@ def test_function_calls_group_into_one_assistant_turn_and_outputs_become_tool_me
         tools=[SHELL],
         input=[
             {"role": "user", "content": "run two"},
-            {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "plan"}]},
-            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
-            {"type": "function_call", "call_id": "a", "name": "shell", "arguments": '{"c":1}', "id": "fc_1"},
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": "plan"}],
+            },
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": "ok"}],
+            },
+            {
+                "type": "function_call",
+                "call_id": "a",
+                "name": "shell",
+                "arguments": '{"c":1}',
+                "id": "fc_1",
+            },
             {"type": "function_call", "call_id": "b", "name": "shell", "arguments": '{"c":2}'},
             {"type": "function_call_output", "call_id": "a", "output": "one"},
-            {"type": "function_call_output", "call_id": "b", "output": [{"type": "input_text", "text": "two"}]},
+            {
+                "type": "function_call_output",
+                "call_id": "b",
+                "output": [{"type": "input_text", "text": "two"}],
+            },
             {"type": "function_call", "call_id": "c", "name": "shell", "arguments": "{}"},
             {"type": "function_call_output", "call_id": "c", "output": "three"},
         ],
@@ -145,7 +176,11 @@ def test_reasoning_passed_back_maps_to_the_next_turn_or_is_dropped() -> None:
         input=[
             {"role": "user", "content": "q"},
             # summary only: its text is the reasoning
-            {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "sum"}]},
+            {
+                "type": "reasoning",
+                "id": "rs_1",
+                "summary": [{"type": "summary_text", "text": "sum"}],
+            },
             {"type": "function_call", "call_id": "a", "name": "f", "arguments": "{}"},
             {"type": "function_call_output", "call_id": "a", "output": "r"},
             # encrypted only: nothing IOP can use
@@ -180,14 +215,21 @@ DROPPED_TOOLS = [
     {"type": "mcp", "server_label": "s"},
     {"type": "image_generation"},
     {"type": "code_interpreter", "container": {"type": "auto"}},
-    {"type": "computer_use_preview", "display_width": 1, "display_height": 1, "environment": "linux"},
+    {
+        "type": "computer_use_preview",
+        "display_width": 1,
+        "display_height": 1,
+        "environment": "linux",
+    },
     {"type": "tool_search"},
     {"type": "some_future_tool"},
 ]
 
 
 def test_tools_are_flattened_and_tools_iop_cannot_run_are_dropped() -> None:
-    req = _parse(input="hi", tools=[*DROPPED_TOOLS, SHELL], tool_choice="auto", parallel_tool_calls=False)
+    req = _parse(
+        input="hi", tools=[*DROPPED_TOOLS, SHELL], tool_choice="auto", parallel_tool_calls=False
+    )
     assert req.tools == [SHELL_TOOL]
     assert req.tool_choice == "auto"
     assert req.parallel_tool_calls is False
@@ -205,7 +247,10 @@ def test_only_dropped_tools_leave_no_tools_and_no_choice() -> None:
     [
         ("none", "none"),
         ("required", "required"),
-        ({"type": "function", "name": "shell"}, NamedToolChoice(function=NamedFunction(name="shell"))),
+        (
+            {"type": "function", "name": "shell"},
+            NamedToolChoice(function=NamedFunction(name="shell")),
+        ),
     ],
 )
 def test_tool_choice_maps_onto_chat(choice: Any, expected: Any) -> None:
@@ -217,7 +262,11 @@ def test_allowed_tools_keeps_the_listed_functions() -> None:
     req = _parse(
         input="hi",
         tools=[SHELL, other],
-        tool_choice={"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "shell"}]},
+        tool_choice={
+            "type": "allowed_tools",
+            "mode": "required",
+            "tools": [{"type": "function", "name": "shell"}],
+        },
     )
     assert req.tools == [SHELL_TOOL]
     assert req.tool_choice == "required"
@@ -234,12 +283,21 @@ def test_allowed_tools_keeps_the_listed_functions() -> None:
     ],
 )
 def test_a_choice_iop_cannot_honour_is_a_400_on_tool_choice(choice: Any) -> None:
-    err = _error({"model": "m", "input": "hi", "tools": [SHELL, {"type": "web_search"}], "tool_choice": choice})
+    err = _error(
+        {
+            "model": "m",
+            "input": "hi",
+            "tools": [SHELL, {"type": "web_search"}],
+            "tool_choice": choice,
+        }
+    )
     assert (err.status, err.param, err.code) == (400, "tool_choice", "invalid_value")
 
 
 def test_required_with_only_dropped_tools_is_a_400() -> None:
-    err = _error({"model": "m", "input": "hi", "tools": [{"type": "web_search"}], "tool_choice": "required"})
+    err = _error(
+        {"model": "m", "input": "hi", "tools": [{"type": "web_search"}], "tool_choice": "required"}
+    )
     assert err.param == "tool_choice"
     assert "function" in err.message
 
@@ -252,14 +310,22 @@ def test_sampling_reasoning_format_and_affinity_fields_map_onto_the_run() -> Non
         temperature=0.5,
         top_p=0.9,
         reasoning={"effort": "high", "summary": "auto"},
-        text={"format": {"type": "json_schema", "name": "out", "schema": schema, "strict": True}, "verbosity": "low"},
+        text={
+            "format": {"type": "json_schema", "name": "out", "schema": schema, "strict": True},
+            "verbosity": "low",
+        },
         user="u",
         prompt_cache_key="k",
         stream=True,
     )
     assert req.max_completion_tokens == 16
     assert req.max_tokens is None
-    assert (req.temperature, req.top_p, req.reasoning_effort, req.stream) == (0.5, 0.9, "high", True)
+    assert (req.temperature, req.top_p, req.reasoning_effort, req.stream) == (
+        0.5,
+        0.9,
+        "high",
+        True,
+    )
     assert req.response_format == {
         "type": "json_schema",
         "json_schema": {"name": "out", "schema": schema, "strict": True},
@@ -267,7 +333,9 @@ def test_sampling_reasoning_format_and_affinity_fields_map_onto_the_run() -> Non
     assert req.user == "k"
     assert _parse(input="hi", user="u").user == "u"
     assert _parse(input="hi", safety_identifier="s").user == "s"
-    assert _parse(input="hi", text={"format": {"type": "json_object"}}).response_format == {"type": "json_object"}
+    assert _parse(input="hi", text={"format": {"type": "json_object"}}).response_format == {
+        "type": "json_object"
+    }
     assert _parse(input="hi", text={"format": {"type": "text"}}).response_format is None
 
 
@@ -293,7 +361,9 @@ def test_accepted_keys_are_not_sent_but_unknown_keys_pass_through() -> None:
 
 
 def test_native_call_keeps_the_history_without_instructions() -> None:
-    call = _surface().parse(json.dumps({"model": "m", "input": "hi", "instructions": "sys"}).encode(), {})
+    call = _surface().parse(
+        json.dumps({"model": "m", "input": "hi", "instructions": "sys"}).encode(), {}
+    )
     assert isinstance(call.native, ResponsesCall)
     assert call.native.history == (Message(role="user", content="hi"),)
     assert call.native.echo.instructions == "sys"
@@ -310,14 +380,38 @@ def test_native_call_keeps_the_history_without_instructions() -> None:
         ({"model": "m"}, "input", "missing_required_parameter"),
         ({"model": "m", "input": []}, "input", "empty_array"),
         ({"model": "m", "input": 3}, "input", "invalid_type"),
-        ({"model": "m", "input": "hi", "temperature": 2.5}, "temperature", "decimal_above_max_value"),
-        ({"model": "m", "input": "hi", "temperature": -1}, "temperature", "decimal_below_min_value"),
+        (
+            {"model": "m", "input": "hi", "temperature": 2.5},
+            "temperature",
+            "decimal_above_max_value",
+        ),
+        (
+            {"model": "m", "input": "hi", "temperature": -1},
+            "temperature",
+            "decimal_below_min_value",
+        ),
         ({"model": "m", "input": "hi", "top_p": 1.5}, "top_p", "decimal_above_max_value"),
-        ({"model": "m", "input": "hi", "max_output_tokens": 15}, "max_output_tokens", "integer_below_min_value"),
-        ({"model": "m", "input": "hi", "top_logprobs": 21}, "top_logprobs", "integer_above_max_value"),
+        (
+            {"model": "m", "input": "hi", "max_output_tokens": 15},
+            "max_output_tokens",
+            "integer_below_min_value",
+        ),
+        (
+            {"model": "m", "input": "hi", "top_logprobs": 21},
+            "top_logprobs",
+            "integer_above_max_value",
+        ),
         ({"model": "m", "input": "hi", "stream": "yes"}, "stream", "invalid_type"),
-        ({"model": "m", "input": [{"role": "robot", "content": "x"}]}, "input[0].role", "invalid_value"),
-        ({"model": "m", "input": [{"role": "user", "content": 5}]}, "input[0].content", "invalid_type"),
+        (
+            {"model": "m", "input": [{"role": "robot", "content": "x"}]},
+            "input[0].role",
+            "invalid_value",
+        ),
+        (
+            {"model": "m", "input": [{"role": "user", "content": 5}]},
+            "input[0].content",
+            "invalid_type",
+        ),
         (
             {"model": "m", "input": [{"role": "user", "content": [{"type": "input_text"}]}]},
             "input[0].content[0].text",
@@ -334,20 +428,44 @@ def test_native_call_keeps_the_history_without_instructions() -> None:
             "missing_required_parameter",
         ),
         ({"model": "m", "input": [{"type": "bogus"}]}, "input[0].type", "invalid_value"),
-        ({"model": "m", "input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "unsupported_value"),
         (
-            {"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+            {"model": "m", "input": [{"type": "item_reference", "id": "msg_1"}]},
+            "input[0].type",
+            "unsupported_value",
+        ),
+        (
+            {
+                "model": "m",
+                "input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}],
+            },
             "input[0].content[0].image_url",
             "unsupported_value",
         ),
         (
-            {"model": "m", "input": [{"role": "user", "content": [{"type": "input_file", "file_url": "https://f"}]}]},
+            {
+                "model": "m",
+                "input": [
+                    {"role": "user", "content": [{"type": "input_file", "file_url": "https://f"}]}
+                ],
+            },
             "input[0].content[0].file_url",
             "unsupported_value",
         ),
-        ({"model": "m", "input": "hi", "tools": [{"type": "function"}]}, "tools[0].name", "missing_required_parameter"),
-        ({"model": "m", "input": "hi", "reasoning": {"effort": "huge"}}, "reasoning.effort", "invalid_value"),
-        ({"model": "m", "input": "hi", "text": {"format": {"type": "xml"}}}, "text.format.type", "invalid_value"),
+        (
+            {"model": "m", "input": "hi", "tools": [{"type": "function"}]},
+            "tools[0].name",
+            "missing_required_parameter",
+        ),
+        (
+            {"model": "m", "input": "hi", "reasoning": {"effort": "huge"}},
+            "reasoning.effort",
+            "invalid_value",
+        ),
+        (
+            {"model": "m", "input": "hi", "text": {"format": {"type": "xml"}}},
+            "text.format.type",
+            "invalid_value",
+        ),
         (
             {"model": "m", "input": "hi", "text": {"format": {"type": "json_schema", "name": "n"}}},
             "text.format.schema",
@@ -355,17 +473,27 @@ def test_native_call_keeps_the_history_without_instructions() -> None:
         ),
         ({"model": "m", "input": "hi", "truncation": "sometimes"}, "truncation", "invalid_value"),
         ({"model": "m", "input": "hi", "background": True}, "background", "unsupported_parameter"),
-        ({"model": "m", "input": "hi", "conversation": "conv_1"}, "conversation", "unsupported_parameter"),
+        (
+            {"model": "m", "input": "hi", "conversation": "conv_1"},
+            "conversation",
+            "unsupported_parameter",
+        ),
         ({"model": "m", "input": "hi", "prompt": {"id": "p"}}, "prompt", "unsupported_parameter"),
         (
             {"model": "m", "input": "hi", "metadata": {str(i): "v" for i in range(17)}},
             "metadata",
             "object_above_max_properties",
         ),
-        ({"model": "m", "input": "hi", "metadata": {"k": "v" * 513}}, "metadata.k", "string_above_max_length"),
+        (
+            {"model": "m", "input": "hi", "metadata": {"k": "v" * 513}},
+            "metadata.k",
+            "string_above_max_length",
+        ),
     ],
 )
-def test_invalid_requests_get_openai_400s_with_param(body: Any, param: str | None, code: str) -> None:
+def test_invalid_requests_get_openai_400s_with_param(
+    body: Any, param: str | None, code: str
+) -> None:
     err = _error(body)
     assert (err.status, err.param, err.code) == (400, param, code)
     assert err.message

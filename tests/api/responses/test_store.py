@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from iop.api import RunContext
-from iop.api.responses import PREVIOUS_NOT_FOUND_STATUS, ResponseStore, ResponsesSurface
+from iop.api.responses import PREVIOUS_NOT_FOUND_STATUS, ResponsesSurface, ResponseStore
 from iop.config import EdgeConfig, OutputPolicy, ResponsesSettings, decode_config
 from iop.errors import ConfigError, RequestError
 from iop.events import Complete, Delta, Error, ToolCall
@@ -49,7 +49,7 @@ def test_expired_entries_are_freed_by_any_later_call() -> None:
     assert "resp_a" not in store
     assert len(store) == 2
     assert store.get("unknown", now=15.0) is None  # b expired at 15
-    assert list(("resp_b" in store, "resp_c" in store)) == [False, True]
+    assert ["resp_b" in store, "resp_c" in store] == [False, True]
 
 
 def test_max_entries_evicts_the_least_recently_used() -> None:
@@ -106,15 +106,21 @@ def test_responses_config_keys_and_their_checks() -> None:
         EdgeConfig,
         source="edge.toml",
     )
-    assert cfg.responses == ResponsesSettings(store_max_entries=5, store_max_bytes=1000, store_ttl_s=30)
+    assert cfg.responses == ResponsesSettings(
+        store_max_entries=5, store_max_bytes=1000, store_ttl_s=30
+    )
     assert EdgeConfig().responses == ResponsesSettings()
     for key in ("store_max_entries", "store_max_bytes", "store_ttl_s"):
         with pytest.raises(ConfigError, match=key):
             decode_config({"responses": {key: 0}}, EdgeConfig, source="edge.toml")
-    with pytest.raises(ConfigError, match="unknown key 'responses.ttl'"):
+    with pytest.raises(ConfigError, match=r"unknown key 'responses\.ttl'"):
         decode_config({"responses": {"ttl": 1}}, EdgeConfig, source="edge.toml")
     surface = ResponsesSurface.from_settings(cfg.responses)
-    assert (surface.store.max_entries, surface.store.max_bytes, surface.store.ttl_s) == (5, 1000, 30)
+    assert (surface.store.max_entries, surface.store.max_bytes, surface.store.ttl_s) == (
+        5,
+        1000,
+        30,
+    )
 
 
 # --- through the surface ---------------------------------------------------------------
@@ -128,7 +134,9 @@ class _Clock:
         return self.now
 
 
-def _run(surface: ResponsesSurface, run_id: str, body: dict[str, Any], *events: Any, stream: bool) -> None:
+def _run(
+    surface: ResponsesSurface, run_id: str, body: dict[str, Any], *events: Any, stream: bool
+) -> None:
     call = surface.parse(json.dumps({"model": "m", "stream": stream, **body}).encode(), {})
     ctx = RunContext(run_id=run_id, created=1_700_000_000, policy=OutputPolicy())
     if stream:
@@ -144,9 +152,13 @@ def _run(surface: ResponsesSurface, run_id: str, body: dict[str, Any], *events: 
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_previous_response_id_expands_prior_input_and_output_before_the_new_input(stream: bool) -> None:
+def test_previous_response_id_expands_prior_input_and_output_before_the_new_input(
+    stream: bool,
+) -> None:
     clock = _Clock()
-    surface = ResponsesSurface(ResponseStore(max_entries=8, max_bytes=1 << 20, ttl_s=60), clock=clock)
+    surface = ResponsesSurface(
+        ResponseStore(max_entries=8, max_bytes=1 << 20, ttl_s=60), clock=clock
+    )
     call = ToolCall(id="call_1", name="shell", arguments='{"c":"ls"}')
     tools = [{"type": "function", "name": "shell", "parameters": {}, "strict": None}]
     _run(
@@ -169,7 +181,14 @@ def test_previous_response_id_expands_prior_input_and_output_before_the_new_inpu
         stream=stream,
     )
     third = surface.parse(
-        json.dumps({"model": "m", "input": "thanks", "previous_response_id": "resp_r2", "instructions": "new"}).encode(),
+        json.dumps(
+            {
+                "model": "m",
+                "input": "thanks",
+                "previous_response_id": "resp_r2",
+                "instructions": "new",
+            }
+        ).encode(),
         {},
     )
     assert third.request.messages == [
@@ -178,7 +197,11 @@ def test_previous_response_id_expands_prior_input_and_output_before_the_new_inpu
         Message(
             role="assistant",
             content="calling",
-            tool_calls=[MessageToolCall(id="call_1", function=FunctionCall(name="shell", arguments='{"c":"ls"}'))],
+            tool_calls=[
+                MessageToolCall(
+                    id="call_1", function=FunctionCall(name="shell", arguments='{"c":"ls"}')
+                )
+            ],
         ),
         Message(role="tool", tool_call_id="call_1", content="a.txt"),
         Message(role="assistant", content="there is a.txt"),
@@ -188,11 +211,15 @@ def test_previous_response_id_expands_prior_input_and_output_before_the_new_inpu
 
 def test_store_false_is_not_stored_and_an_unknown_id_is_openais_error() -> None:
     clock = _Clock()
-    surface = ResponsesSurface(ResponseStore(max_entries=8, max_bytes=1 << 20, ttl_s=60), clock=clock)
+    surface = ResponsesSurface(
+        ResponseStore(max_entries=8, max_bytes=1 << 20, ttl_s=60), clock=clock
+    )
     _run(surface, "r1", {"input": "x", "store": False}, Delta("y"), Complete(), stream=True)
     assert len(surface.store) == 0
     with pytest.raises(RequestError) as info:
-        surface.parse(json.dumps({"model": "m", "input": "z", "previous_response_id": "resp_r1"}).encode(), {})
+        surface.parse(
+            json.dumps({"model": "m", "input": "z", "previous_response_id": "resp_r1"}).encode(), {}
+        )
     err = info.value
     assert err.message == "Previous response with id 'resp_r1' not found."
     assert (err.status, err.param, err.code) == (
@@ -204,17 +231,25 @@ def test_store_false_is_not_stored_and_an_unknown_id_is_openais_error() -> None:
 
 def test_an_expired_response_is_not_found() -> None:
     clock = _Clock()
-    surface = ResponsesSurface(ResponseStore(max_entries=8, max_bytes=1 << 20, ttl_s=60), clock=clock)
+    surface = ResponsesSurface(
+        ResponseStore(max_entries=8, max_bytes=1 << 20, ttl_s=60), clock=clock
+    )
     _run(surface, "r1", {"input": "x"}, Delta("y"), Complete(), stream=False)
     clock.now += 59
-    surface.parse(json.dumps({"model": "m", "input": "z", "previous_response_id": "resp_r1"}).encode(), {})
+    surface.parse(
+        json.dumps({"model": "m", "input": "z", "previous_response_id": "resp_r1"}).encode(), {}
+    )
     clock.now += 1
     with pytest.raises(RequestError, match="not found"):
-        surface.parse(json.dumps({"model": "m", "input": "z", "previous_response_id": "resp_r1"}).encode(), {})
+        surface.parse(
+            json.dumps({"model": "m", "input": "z", "previous_response_id": "resp_r1"}).encode(), {}
+        )
 
 
 def test_a_failed_response_is_not_stored() -> None:
-    surface = ResponsesSurface(ResponseStore(max_entries=8, max_bytes=1 << 20, ttl_s=60), clock=_Clock())
+    surface = ResponsesSurface(
+        ResponseStore(max_entries=8, max_bytes=1 << 20, ttl_s=60), clock=_Clock()
+    )
     call = surface.parse(b'{"model": "m", "input": "x", "stream": true}', {})
     enc = surface.stream(call, RunContext(run_id="r1", created=1, policy=OutputPolicy()))
     enc.start()
