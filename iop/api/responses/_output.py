@@ -98,14 +98,6 @@ Keep = Callable[[str, tuple[Message, ...]], None]
 _encode: Final = msgspec.json.encode
 
 
-def _text(text: str) -> bytes:
-    """JSON string literal for ``text``; lone surrogates (not UTF-8) become ``?``."""
-    try:
-        return _encode(text)
-    except UnicodeEncodeError:
-        return _encode(scrub(text))
-
-
 def _scrubbed(node: Any) -> Any:
     if isinstance(node, str):
         return scrub(node)
@@ -122,6 +114,13 @@ def _json(obj: Any) -> bytes:
         return _encode(obj)
     except UnicodeEncodeError:
         return _encode(_scrubbed(msgspec.to_builtins(obj)))
+
+
+def _clean_call(call: ToolCall) -> ToolCall:
+    """``call`` with lone surrogates replaced: its fields are stored and resent."""
+    return ToolCall(
+        id=scrub(call.id), name=scrub(call.name), arguments=scrub(call.arguments), index=call.index
+    )
 
 
 # --- what the Response echoes of its request ------------------------------------------
@@ -532,8 +531,13 @@ class ResponsesStream:
                 out = self._close("completed") + self._open_item(reasoning=reasoning)
                 item = self._open
                 assert item is not None
-            literal = _text(event.text)
-            item.parts.append(event.text)
+            text = event.text
+            try:
+                literal = _encode(text)
+            except UnicodeEncodeError:  # a lone surrogate: not UTF-8, not storable
+                text = scrub(text)
+                literal = _encode(text)
+            item.parts.append(text)
             seq = b"%d" % self._next()
             return out + item.delta_pre + seq + item.delta_post + literal + item.delta_end
         if isinstance(event, ShapedDone):
@@ -624,6 +628,7 @@ class ResponsesStream:
         return self._sse(done) + self._sse(part_done) + self._sse(item_done)
 
     def _call(self, call: ToolCall) -> bytes:
+        call = _clean_call(call)
         index = len(self._output)
         item_id = f"fc_{self._run_id}_{index}"
         added = _FunctionCallItem(
@@ -791,13 +796,13 @@ class ResponsesCollector:
         output: list[_Item] = []
         if done.reasoning:
             item_id = f"rs_{self._run_id}_{len(output)}"
-            content = [_ReasoningText(done.reasoning)]
+            content = [_ReasoningText(scrub(done.reasoning))]
             output.append(_ReasoningItem(id=item_id, status=status, summary=[], content=content))
         if done.content:
             item_id = f"msg_{self._run_id}_{len(output)}"
-            text = [_OutputText(done.content)]
+            text = [_OutputText(scrub(done.content))]
             output.append(_MessageItem(id=item_id, status=status, role="assistant", content=text))
-        for call in done.calls:
+        for call in map(_clean_call, done.calls):
             item_id = f"fc_{self._run_id}_{len(output)}"
             output.append(
                 _FunctionCallItem(

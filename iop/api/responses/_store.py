@@ -88,12 +88,16 @@ class ResponseStore:
         """Store a response's conversation, evicting what the caps demand.
 
         Returns:
-            False when the conversation alone exceeds ``max_bytes`` (not stored).
+            False when it is not stored: alone it exceeds ``max_bytes``, or it
+            holds text that is not UTF-8 (a lone surrogate).
         """
         self._expire(now)
-        size = len(_encode(messages))
         if response_id in self._lru:
             self._drop(response_id)
+        try:
+            size = len(_encode(messages))
+        except UnicodeEncodeError:  # a lone surrogate: it could not be sent to a backend either
+            return False
         if size > self.max_bytes:
             return False
         while self._lru and (

@@ -548,3 +548,24 @@ def test_sdk_sees_a_failed_stream_as_response_failed() -> None:
     assert events[-1].type == "response.failed"
     assert events[-1].response.error is not None
     assert events[-1].response.error.message == "backend broke (backend_stream_error)"
+
+
+def test_lone_surrogates_from_a_backend_become_question_marks() -> None:
+    enc = _stream({"input": "hi"})
+    events = _events(enc.start() + enc.feed_many([Delta("a\ud800b"), Complete()]))
+    for event in events:
+        validate_event(event)
+    assert events[-1]["response"]["output"][0]["content"][0]["text"] == "a?b"
+
+
+def test_the_collector_refuses_events_after_its_terminal() -> None:
+    surface = _surface()
+    col = surface.collector(
+        surface.parse(b'{"model": "m", "input": "hi"}', {}),
+        RunContext(run_id="r1", created=CREATED, policy=OutputPolicy()),
+    )
+    with pytest.raises(InvariantError):
+        col.result()
+    col.feed(Complete())
+    with pytest.raises(InvariantError):
+        col.feed(Delta("late"))

@@ -508,3 +508,97 @@ def test_range_errors_read_like_openai() -> None:
     assert err.message == (
         "Invalid 'max_output_tokens': integer below minimum value. Expected a value >= 16, but got 1 instead."
     )
+
+
+def test_trailing_garbage_is_invalid_json() -> None:
+    err = _error(b'{"model": "m", "input": "hi"} x')
+    assert (err.status, err.code) == (400, "invalid_json")
+
+
+def test_a_codex_turn_and_its_follow_up() -> None:
+    """The shape Codex sends (issue 8): developer messages, namespace and
+    web_search tools beside functions, store false, include, prompt_cache_key,
+    client_metadata; later turns resend reasoning, calls and their outputs."""
+    tools = [
+        {
+            "type": "function",
+            "name": "exec_command",
+            "description": "Runs a command",
+            "strict": False,
+            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
+        },
+        {"type": "namespace", "name": "mcp__docs", "description": "docs", "tools": [SHELL]},
+        {"type": "web_search", "external_web_access": False},
+    ]
+    common = {
+        "model": "m",
+        "instructions": "You are Codex.",
+        "tools": tools,
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "reasoning": {"effort": "medium", "summary": "auto"},
+        "store": False,
+        "stream": True,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "thread-1",
+        "client_metadata": {"originator": "codex_exec"},
+        "text": {"verbosity": "low"},
+    }
+    first = [
+        {
+            "type": "message",
+            "role": "developer",
+            "content": [{"type": "input_text", "text": "<permissions/>"}],
+        },
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "<env/>"}]},
+        {
+            "type": "message",
+            "role": "user",
+            "content": [{"type": "input_text", "text": "list files"}],
+        },
+    ]
+    call = _surface().parse(json.dumps({**common, "input": first}).encode(), {})
+    req = call.request
+    assert req.messages[0] == Message(role="system", content="You are Codex.\n\n<permissions/>")
+    assert [m.role for m in req.messages] == ["system", "user", "user"]
+    assert req.tool_names() == ["exec_command"]
+    assert (req.tool_choice, req.parallel_tool_calls, req.reasoning_effort) == (
+        "auto",
+        False,
+        "medium",
+    )
+    assert (req.user, req.stream, req.extra_body) == ("thread-1", True, None)
+    assert isinstance(call.native, ResponsesCall)
+    assert call.native.echo.store is False
+
+    follow_up = [
+        *first,
+        {
+            "type": "reasoning",
+            "id": "rs_x",
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": "ls"}],
+        },
+        {
+            "type": "function_call",
+            "id": "fc_x",
+            "call_id": "call_1",
+            "name": "exec_command",
+            "arguments": '{"cmd":"ls"}',
+        },
+        {"type": "function_call_output", "call_id": "call_1", "output": "a.txt\n"},
+    ]
+    req = _surface().parse(json.dumps({**common, "input": follow_up}).encode(), {}).request
+    assert req.messages[3:] == [
+        Message(
+            role="assistant",
+            tool_calls=[
+                MessageToolCall(
+                    id="call_1",
+                    function=FunctionCall(name="exec_command", arguments='{"cmd":"ls"}'),
+                )
+            ],
+            reasoning_content="ls",
+        ),
+        Message(role="tool", tool_call_id="call_1", content="a.txt\n"),
+    ]

@@ -256,3 +256,9 @@ def test_a_failed_response_is_not_stored() -> None:
     enc.feed_many([Delta("part"), Error(message="boom")])
     assert enc.finished
     assert len(surface.store) == 0
+
+
+def test_a_conversation_that_is_not_utf8_is_not_stored() -> None:
+    store = ResponseStore(max_entries=2, max_bytes=10_000, ttl_s=100)
+    assert not store.put("resp_a", _conv("a\ud800"), now=0.0)
+    assert len(store) == 0
