@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Final
 
-from iop.api._surface import Call, RunContext
+from iop.api._surface import Call, RunContext, Surface
 from iop.api.responses._errors import clamp_status, error_body
 from iop.api.responses._output import (
     FunctionToolEcho,
@@ -160,3 +160,8 @@ class ResponsesSurface:
 
     def collector(self, call: Call, ctx: RunContext) -> ResponsesCollector:
         return ResponsesCollector(call, ctx, keep=self._keep, clock=self._clock)
+
+
+def _is_a_surface(surface: ResponsesSurface) -> Surface:
+    """Never called: mypy checks here that the class implements ``Surface``."""
+    return surface
