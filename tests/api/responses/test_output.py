@@ -468,9 +468,13 @@ def test_any_shaped_sequence_is_a_well_formed_stream(
 
 
 def _client(
-    surface: ResponsesSurface, events: Callable[[], Iterable[RuntimeEvent]]
+    surface: ResponsesSurface,
+    events: Callable[[], Iterable[RuntimeEvent]],
+    *,
+    byte_by_byte: bool = False,
 ) -> openai.OpenAI:
-    """An SDK client whose requests the surface answers in memory (no server)."""
+    """An SDK client whose requests the surface answers in memory (no server);
+    ``byte_by_byte`` hands the SDK a stream one byte at a time."""
     count = iter(range(1000))
 
     def handler(request: httpx.Request) -> httpx.Response:
@@ -488,7 +492,10 @@ def _client(
         if call.stream:
             enc = surface.stream(call, ctx)
             data = enc.start() + enc.feed_many(events())
-            return httpx.Response(200, content=data, headers={"content-type": "text/event-stream"})
+            content = (data[i : i + 1] for i in range(len(data))) if byte_by_byte else data
+            return httpx.Response(
+                200, content=content, headers={"content-type": "text/event-stream"}
+            )
         col = surface.collector(call, ctx)
         for event in events():
             col.feed(event)
@@ -531,7 +538,7 @@ def test_sdk_streams_parse_into_its_event_types() -> None:
 
 
 def test_sdk_stream_helper_accumulates_a_tool_call_turn() -> None:
-    client = _client(_surface(), lambda: RUNS["tools"])
+    client = _client(_surface(), lambda: RUNS["tools"], byte_by_byte=True)
     with client.responses.stream(model="m", input="hi", tools=[SHELL]) as stream:  # type: ignore[list-item]
         final = stream.get_final_response()
     assert final.output_text == "calling"
