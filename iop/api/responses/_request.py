@@ -293,6 +293,19 @@ def _type_phrase(spec: str) -> str:
     return "one of " + ", ".join(names[:-1]) + " or " + names[-1]
 
 
+def _json_type(value: object) -> str:
+    """OpenAI's name for the JSON type of a decoded value ("an array", "null", ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
+
+
 def _quote(items: tuple[str, ...]) -> str:
     return ", ".join(f"'{i}'" for i in items)
 
@@ -458,6 +471,12 @@ def decode_request(body: bytes) -> tuple[ResponsesRequest, dict[str, Any]]:
 def _convert_item(raw: dict[str, Any], param: str) -> Item | None:
     """One input item as its struct, or None for a dropped type."""
     kind = raw.get("type", "message")
+    if not isinstance(kind, str):
+        raise RequestError(
+            f"Invalid type for '{param}.type': expected a string, but got {_json_type(kind)} instead.",
+            param=f"{param}.type",
+            code="invalid_type",
+        )
     if kind == "item_reference":
         raise RequestError(
             "Item references are not supported by this server: send the item itself, or use "
@@ -654,10 +673,16 @@ def _tool_choice(
         return NamedToolChoice(function=NamedFunction(name=name)), tools
     if kind == "allowed_tools":
         mode = choice.get("mode", "auto")
+        listed = choice.get("tools")
+        if not isinstance(listed, list):
+            raise RequestError(
+                "Invalid type for 'tool_choice.tools': expected an array, but got "
+                f"{_json_type(listed)} instead.",
+                param="tool_choice.tools",
+                code="invalid_type",
+            )
         allowed = {
-            t.get("name")
-            for t in choice.get("tools") or ()
-            if isinstance(t, dict) and t.get("type") == "function"
+            t.get("name") for t in listed if isinstance(t, dict) and t.get("type") == "function"
         }
         kept = [t for t in tools if t.function.name in allowed]
         if mode not in ("auto", "required"):

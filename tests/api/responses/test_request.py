@@ -6,6 +6,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from iop.api.responses import ResponsesCall, ResponsesSurface, ResponseStore
 from iop.errors import RequestError
@@ -602,3 +604,100 @@ def test_a_codex_turn_and_its_follow_up() -> None:
         ),
         Message(role="tool", tool_call_id="call_1", content="a.txt\n"),
     ]
+
+
+_KEYS = st.sampled_from(
+    [
+        "type",
+        "content",
+        "text",
+        "name",
+        "call_id",
+        "output",
+        "arguments",
+        "tools",
+        "mode",
+        "role",
+        "schema",
+        "format",
+        "image_url",
+        "file_id",
+        "file_url",
+        "summary",
+        "detail",
+        "id",
+    ]
+)
+_WORDS = st.sampled_from(
+    [
+        "",
+        *[
+            "a",
+            "function",
+            "message",
+            "user",
+            "assistant",
+            "developer",
+            "auto",
+            "required",
+            "input_text",
+            "input_image",
+            "input_file",
+            "output_text",
+            "refusal",
+            "reasoning",
+            "function_call",
+            "function_call_output",
+            "allowed_tools",
+            "json_schema",
+            "web_search",
+        ],
+    ]
+)
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-3, 3) | st.floats(-3, 3) | _WORDS,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_KEYS, inner, max_size=4),
+    max_leaves=10,
+)
+_obj = st.dictionaries(_KEYS, _json, max_size=5)
+
+
+@given(
+    input=st.lists(_obj, max_size=4) | _json,
+    tools=st.lists(_obj, max_size=3) | _json,
+    tool_choice=_obj | _json,
+    text=st.fixed_dictionaries({"format": _obj}) | _json,
+    reasoning=_obj | _json,
+)
+@settings(max_examples=400, deadline=None)
+def test_any_json_is_a_request_or_a_400_never_a_crash(
+    input: Any, tools: Any, tool_choice: Any, text: Any, reasoning: Any
+) -> None:
+    body = {
+        "model": "m",
+        "input": input,
+        "tools": tools,
+        "tool_choice": tool_choice,
+        "text": text,
+        "reasoning": reasoning,
+    }
+    error: RequestError | None = None
+    try:
+        _surface().parse(json.dumps(body).encode(), {})
+    except RequestError as exc:
+        error = exc
+    assert error is None or (error.status == 400 and error.message)
+
+
+def test_non_string_types_are_400s() -> None:
+    err = _error({"model": "m", "input": [{"type": ["x"]}]})
+    assert (err.param, err.code) == ("input[0].type", "invalid_type")
+    err = _error(
+        {
+            "model": "m",
+            "input": "hi",
+            "tools": [SHELL],
+            "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": 5},
+        }
+    )
+    assert (err.param, err.code) == ("tool_choice.tools", "invalid_type")
