@@ -43,6 +43,7 @@ __all__ = [
     "NodeSection",
     "OpenAICompatInstance",
     "OutputPolicy",
+    "ResponsesSettings",
     "SchedulerSettings",
     "SimConfig",
     "SimInstance",
@@ -560,6 +561,42 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
     affinity_entries: int = 10_000
 
 
+class ResponsesSettings(_Config, frozen=True, kw_only=True):
+    """The OpenAI Responses surface: the store behind ``previous_response_id``.
+
+    Responses created with ``store`` not false are kept in the edge's memory
+    as the conversation they end (``iop.api.responses._store``), bounded by
+    all three keys; the least recently used go first.
+
+    Attributes:
+        store_max_entries: Responses kept at most.
+        store_max_bytes: Bytes of stored conversation (JSON size) at most;
+            a conversation larger than this is not stored.
+        store_ttl_s: Seconds a response is kept after it was created.
+    """
+
+    # Bounds the per-entry overhead of many small responses (a few hundred
+    # bytes each beyond their text): 10,000 is ~100 users' day of turns.
+    store_max_entries: int = 10_000
+    # 64 MiB: the edge is a small process; at ~100 KiB per long agent
+    # conversation that is ~650 live chains, and the cap holds whatever the
+    # clients send.
+    store_max_bytes: int = 64 * 1024 * 1024
+    # An hour: the next turn of a conversation comes within minutes; an
+    # abandoned chain should not hold memory for a day. OpenAI keeps
+    # responses 30 days, but clients that chain (not Codex: it sends
+    # store: false) resend the whole input when an id is gone.
+    store_ttl_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.store_max_entries < 1:
+            raise ValueError("store_max_entries must be >= 1")
+        if self.store_max_bytes < 1:
+            raise ValueError("store_max_bytes must be >= 1")
+        if self.store_ttl_s <= 0:
+            raise ValueError("store_ttl_s must be > 0")
+
+
 class EdgeConfig(_Config, frozen=True, kw_only=True):
     """The edge: HTTP server, node link, scheduler, wait timeouts, model policies.
 
@@ -571,6 +608,7 @@ class EdgeConfig(_Config, frozen=True, kw_only=True):
     link: LinkSettings = LinkSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
     deadlines: Deadlines = Deadlines()
+    responses: ResponsesSettings = ResponsesSettings()
     models: dict[str, OutputPolicy] = {}
 
     def policy_for(self, model: str) -> OutputPolicy:

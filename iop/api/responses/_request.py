@@ -1,0 +1,791 @@
+"""``POST /v1/responses`` bodies to a ``ChatRequest``, with OpenAI's 400s (sans-IO).
+
+A Responses request (OpenAI's ``CreateResponse``) is decoded into typed
+structs and translated into the ``iop.spec.ChatRequest`` a run executes, so
+the Responses surface rides the same run machinery as chat. docs/api.md
+("OpenAI Responses") is the user-facing table of this module; in short:
+
+* ``input``: a string is one user message. A list holds items, each
+  translated in order:
+
+  - ``message`` (``type`` may be omitted): roles ``user``, ``system``,
+    ``developer``, ``assistant``. ``input_text`` / ``output_text`` parts
+    become text, ``input_image`` an ``image_url`` part, ``input_file`` a
+    ``file`` part. ``system`` and ``developer`` messages become ``system``
+    messages (the chat templates of open models know no ``developer``
+    role); their text parts are joined. An assistant message's text parts
+    (and refusals) are joined into its content.
+  - ``function_call`` items become ``tool_calls`` of an assistant message;
+    consecutive calls, and calls right after an assistant message, share
+    that one message (chat templates expect the calls of one turn together).
+  - ``function_call_output`` items become ``tool`` messages.
+  - ``reasoning`` items passed back become the ``reasoning_content`` of the
+    assistant turn that follows them (their ``reasoning_text`` content, else
+    their summary); encrypted-only reasoning, or reasoning no assistant turn
+    follows, is dropped: IOP never produces encrypted content.
+  - items of the tools IOP cannot run (``web_search_call``,
+    ``local_shell_call``, ``custom_tool_call``, ``mcp_call``, ... every other
+    item type OpenAI defines) are dropped: their tools are never offered to
+    the model (below), so only a conversation begun elsewhere carries them.
+  - ``item_reference`` is a 400 (IOP keeps no item index).
+
+* ``instructions`` is a ``system`` message put first. With
+  ``previous_response_id`` the stored conversation (that response's input
+  and output, with its own history, but never its instructions, as OpenAI
+  specifies) goes before the new input. Leading ``system`` messages are then
+  merged into one, since many chat templates accept a single system message
+  only at the start.
+* ``tools``: ``function`` tools become chat tools (the flat Responses shape
+  ``{type, name, parameters, strict, description}`` nested under
+  ``function``). Every other tool type (``web_search``, ``namespace``,
+  ``custom``, ``local_shell``, ``file_search``, ``mcp``, ...) is dropped,
+  never a 400: clients such as Codex send them beside their functions.
+* ``tool_choice``: ``auto``, ``none``, ``required``, ``{"type": "function",
+  "name"}`` map onto chat's; ``allowed_tools`` keeps only the listed
+  functions and uses its ``mode``. A choice that forces a dropped tool
+  (``{"type": "web_search_preview"}``, ``{"type": "custom", ...}``, ...)
+  is a 400: IOP cannot honour it, and answering without it would be wrong.
+  With no function tool left, ``auto``/``none`` are dropped.
+* ``max_output_tokens`` -> ``max_completion_tokens`` (at least 16, as
+  OpenAI's schema says); ``temperature`` (0-2), ``top_p`` (0-1),
+  ``parallel_tool_calls`` as they are; ``reasoning.effort`` ->
+  ``reasoning_effort``; ``text.format`` -> ``response_format``;
+  ``prompt_cache_key`` (else ``user``, else ``safety_identifier``) ->
+  ``user``, the affinity key.
+* Accepted and not acted on (echoed where the Response has the field):
+  ``metadata``, ``store`` (used by the surface's store), ``include``,
+  ``client_metadata``, ``truncation``, ``service_tier``, ``stream_options``,
+  ``top_logprobs``, ``max_tool_calls``, ``prompt_cache_retention``,
+  ``prompt_cache_options``, ``context_management``, ``moderation``,
+  ``reasoning.summary``, ``text.verbosity``, ``background: false``.
+* A 400: ``background: true``, ``conversation``, ``prompt`` (IOP has no
+  background runs, Conversations or stored prompts).
+* Keys that are not Responses parameters at all go to the backend in
+  ``extra_body``, as on the chat surface (vLLM's ``top_k``, ...).
+
+Errors read like OpenAI's (``Invalid type for 'input[0].content': ...``,
+``param="input[0].content"``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Final, Literal
+
+import msgspec
+
+from iop.errors import RequestError
+from iop.spec import (
+    ChatRequest,
+    ContentPart,
+    FilePart,
+    FileRef,
+    FunctionCall,
+    FunctionDef,
+    ImagePart,
+    ImageURL,
+    Message,
+    MessageToolCall,
+    NamedFunction,
+    NamedToolChoice,
+    TextPart,
+    Tool,
+    ToolChoice,
+)
+
+__all__ = [
+    "MAX_OUTPUT_TOKENS_MIN",
+    "ResponsesRequest",
+    "decode_request",
+    "translate",
+]
+
+MAX_OUTPUT_TOKENS_MIN: Final = 16
+"""OpenAI's schema: ``max_output_tokens`` has ``minimum: 16``."""
+
+_METADATA_MAX_KEYS: Final = 16
+_METADATA_KEY_MAX: Final = 64
+_METADATA_VALUE_MAX: Final = 512
+"""OpenAI's ``metadata`` limits: 16 pairs, keys up to 64 and values up to 512 characters."""
+
+_INVALID_JSON: Final = (
+    "We could not parse the JSON body of your request. (HINT: This likely means you aren't "
+    "using your HTTP library correctly. The API expects a JSON payload, but what was sent "
+    "was not valid JSON.)"
+)
+
+_EFFORTS: Final = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+_ROLES: Final = ("user", "assistant", "system", "developer")
+_TOOL_CHOICES: Final = ("none", "auto", "required")
+
+# Item types OpenAI defines whose tools IOP cannot run: dropped from input.
+_DROPPED_ITEMS: Final = frozenset(
+    {
+        "file_search_call",
+        "computer_call",
+        "computer_call_output",
+        "web_search_call",
+        "tool_search_call",
+        "tool_search_output",
+        "additional_tools",
+        "compaction",
+        "compaction_summary",
+        "compaction_trigger",
+        "image_generation_call",
+        "code_interpreter_call",
+        "local_shell_call",
+        "local_shell_call_output",
+        "shell_call",
+        "shell_call_output",
+        "apply_patch_call",
+        "apply_patch_call_output",
+        "mcp_list_tools",
+        "mcp_approval_request",
+        "mcp_approval_response",
+        "mcp_call",
+        "custom_tool_call",
+        "custom_tool_call_output",
+        "program",
+        "program_output",
+    }
+)
+_ITEM_TYPES: Final = ("message", "function_call", "function_call_output", "reasoning")
+
+
+# --- the request, typed ----------------------------------------------------------------
+
+
+class _Struct(msgspec.Struct, frozen=True, kw_only=True):
+    pass
+
+
+class InputText(_Struct, frozen=True, tag="input_text", tag_field="type"):
+    text: str
+
+
+class OutputText(_Struct, frozen=True, tag="output_text", tag_field="type"):
+    text: str
+
+
+class InputImage(_Struct, frozen=True, tag="input_image", tag_field="type"):
+    image_url: str | None = None
+    file_id: str | None = None
+    detail: str | None = None
+
+
+class InputFile(_Struct, frozen=True, tag="input_file", tag_field="type"):
+    file_data: str | None = None
+    file_id: str | None = None
+    filename: str | None = None
+    file_url: str | None = None
+
+
+class Refusal(_Struct, frozen=True, tag="refusal", tag_field="type"):
+    refusal: str
+
+
+Part = InputText | OutputText | InputImage | InputFile | Refusal
+
+
+class MessageItem(_Struct, frozen=True, tag="message", tag_field="type"):
+    role: Literal["user", "assistant", "system", "developer"]
+    content: str | list[Part]
+
+
+class FunctionCallItem(_Struct, frozen=True, tag="function_call", tag_field="type"):
+    call_id: str
+    name: str
+    arguments: str = ""
+
+
+class FunctionCallOutputItem(_Struct, frozen=True, tag="function_call_output", tag_field="type"):
+    call_id: str
+    output: str | list[Part]
+
+
+class _ReasoningPart(_Struct, frozen=True):
+    text: str = ""
+
+
+class ReasoningItem(_Struct, frozen=True, tag="reasoning", tag_field="type"):
+    summary: list[_ReasoningPart] = []
+    content: list[_ReasoningPart] | None = None
+
+
+Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+
+
+class _Reasoning(_Struct, frozen=True):
+    effort: str | None = None
+    summary: str | None = None
+
+
+class _Text(_Struct, frozen=True):
+    format: dict[str, Any] | None = None
+    verbosity: str | None = None
+
+
+class ResponsesRequest(_Struct, frozen=True):
+    """The fields of ``CreateResponse`` IOP reads (module docstring)."""
+
+    model: str
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    reasoning: _Reasoning | None = None
+    text: _Text | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    stream: bool | None = None
+    user: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    truncation: Literal["auto", "disabled"] | None = None
+    background: bool | None = None
+    # Accepted, not acted on (module docstring).
+    include: list[str] | None = None
+    client_metadata: Any = None
+    service_tier: str | None = None
+    stream_options: Any = None
+    top_logprobs: int | None = None
+    max_tool_calls: int | None = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    context_management: Any = None
+    moderation: Any = None
+    # Refused with a 400.
+    conversation: Any = None
+    prompt: Any = None
+
+
+_TOP: Final = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_TYPED: Final = msgspec.json.Decoder(ResponsesRequest)
+_KNOWN: Final = frozenset(ResponsesRequest.__struct_fields__)
+
+
+# --- OpenAI's wording for msgspec's validation errors --------------------------------
+
+_AT: Final = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
+_MISSING: Final = re.compile(r"^Object missing required field `(?P<field>[^`]+)`$")
+_TYPE: Final = re.compile(r"^Expected `(?P<expected>[^`]+)`(?P<rest>.*?), got `(?P<got>[^`]+)`$")
+_VALUE: Final = re.compile(r"^Invalid (?:enum )?value (?P<value>.+)$")
+_TYPE_NAMES: Final[dict[str, str]] = {
+    "str": "a string",
+    "int": "an integer",
+    "float": "a number",
+    "bool": "a boolean",
+    "null": "null",
+    "array": "an array",
+    "object": "an object",
+}
+
+
+def _type_phrase(spec: str) -> str:
+    names = [_TYPE_NAMES.get(n.strip(), n.strip()) for n in spec.split("|")]
+    if len(names) == 1:
+        return names[0]
+    return "one of " + ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def _json_type(value: object) -> str:
+    """OpenAI's name for the JSON type of a decoded value ("an array", "null", ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
+
+
+def _quote(items: tuple[str, ...]) -> str:
+    return ", ".join(f"'{i}'" for i in items)
+
+
+def _from_validation(exc: msgspec.ValidationError, prefix: str = "") -> RequestError:
+    """A RequestError worded like OpenAI's for one of msgspec's messages.
+
+    ``prefix`` is the path of the converted value (``input[2]``), put before
+    msgspec's own path.
+    """
+    m = _AT.match(str(exc))
+    assert m is not None  # the pattern matches any string
+    path = (m["path"] or "").removeprefix(".")
+    if path.startswith("["):
+        param: str | None = prefix + path
+    else:
+        param = f"{prefix}.{path}" if prefix and path else (prefix or path or None)
+    msg = m["msg"]
+    if missing := _MISSING.match(msg):
+        field = missing["field"]
+        param = f"{param}.{field}" if param else field
+        return RequestError(
+            f"Missing required parameter: '{param}'.",
+            param=param,
+            code="missing_required_parameter",
+        )
+    if wrong := _TYPE.match(msg):
+        expected = _type_phrase(wrong["expected"]) + wrong["rest"]
+        got = _TYPE_NAMES.get(wrong["got"], wrong["got"])
+        where = f" for '{param}'" if param else ""
+        return RequestError(
+            f"Invalid type{where}: expected {expected}, but got {got} instead.",
+            param=param,
+            code="invalid_type",
+        )
+    if bad := _VALUE.match(msg):
+        text = f"Invalid value: {bad['value']}."
+        last = (param or "").rsplit(".", 1)[-1]
+        if last == "role":
+            text += f" Supported values are: {_quote(_ROLES)}."
+        elif last == "truncation":
+            text += " Supported values are: 'auto', 'disabled'."
+        return RequestError(text, param=param, code="invalid_value")
+    where = f" for '{param}'" if param else ""
+    return RequestError(f"Invalid value{where}: {msg}.", param=param, code="invalid_value")
+
+
+# --- checks --------------------------------------------------------------------------
+
+
+def _range(param: str, value: float | None, low: float, high: float | None) -> None:
+    """OpenAI's range errors (``decimal_above_max_value``, ``integer_below_min_value``)."""
+    if value is None:
+        return
+    kind = "integer" if isinstance(value, int) else "decimal"
+    if value < low:
+        raise RequestError(
+            f"Invalid '{param}': {kind} below minimum value. Expected a value >= {low:g}, "
+            f"but got {value} instead.",
+            param=param,
+            code=f"{kind}_below_min_value",
+        )
+    if high is not None and value > high:
+        raise RequestError(
+            f"Invalid '{param}': {kind} above maximum value. Expected a value <= {high:g}, "
+            f"but got {value} instead.",
+            param=param,
+            code=f"{kind}_above_max_value",
+        )
+
+
+def _unsupported(param: str, what: str) -> RequestError:
+    return RequestError(
+        f"'{param}' is not supported by this server: {what}.",
+        param=param,
+        code="unsupported_parameter",
+    )
+
+
+def _check(req: ResponsesRequest) -> None:
+    """The checks msgspec's types cannot express (module docstring)."""
+    if not req.model.strip():
+        raise RequestError(
+            "Missing required parameter: 'model'.", param="model", code="missing_required_parameter"
+        )
+    if req.input is None:
+        raise RequestError(
+            "Missing required parameter: 'input'.", param="input", code="missing_required_parameter"
+        )
+    _range("temperature", req.temperature, 0, 2)
+    _range("top_p", req.top_p, 0, 1)
+    _range("max_output_tokens", req.max_output_tokens, MAX_OUTPUT_TOKENS_MIN, None)
+    _range("top_logprobs", req.top_logprobs, 0, 20)
+    if req.background:
+        raise _unsupported("background", "responses run in the foreground only")
+    if req.conversation is not None:
+        raise _unsupported(
+            "conversation", "there is no Conversations API; use previous_response_id"
+        )
+    if req.prompt is not None:
+        raise _unsupported("prompt", "there are no stored prompts; send instructions and input")
+    effort = req.reasoning.effort if req.reasoning else None
+    if effort is not None and effort not in _EFFORTS:
+        raise RequestError(
+            f"Invalid value: '{effort}'. Supported values are: {_quote(_EFFORTS)}.",
+            param="reasoning.effort",
+            code="invalid_value",
+        )
+    if req.metadata is not None:
+        if len(req.metadata) > _METADATA_MAX_KEYS:
+            raise RequestError(
+                f"Invalid 'metadata': too many properties. Expected an object with at most "
+                f"{_METADATA_MAX_KEYS} properties, but got an object with {len(req.metadata)} "
+                "properties instead.",
+                param="metadata",
+                code="object_above_max_properties",
+            )
+        for key, value in req.metadata.items():
+            for what, text, limit in (
+                ("key", key, _METADATA_KEY_MAX),
+                ("value", value, _METADATA_VALUE_MAX),
+            ):
+                if len(text) > limit:
+                    raise RequestError(
+                        f"Invalid 'metadata': {what} of '{key[:_METADATA_KEY_MAX]}' too long. "
+                        f"Expected a string with maximum length {limit}, but got a string with "
+                        f"length {len(text)} instead.",
+                        param=f"metadata.{key[:_METADATA_KEY_MAX]}",
+                        code="string_above_max_length",
+                    )
+
+
+def decode_request(body: bytes) -> tuple[ResponsesRequest, dict[str, Any]]:
+    """Decode and check a Responses body.
+
+    Returns:
+        The typed request, and the keys that are no Responses parameter
+        (passed to the backend in ``extra_body``).
+
+    Raises:
+        RequestError: 400 in OpenAI's wording, with ``param``.
+    """
+    try:
+        top = _TOP.decode(body)
+    except msgspec.ValidationError as exc:
+        raise RequestError(
+            "Invalid request body: expected a JSON object.", code="invalid_type"
+        ) from exc
+    except msgspec.DecodeError as exc:
+        raise RequestError(_INVALID_JSON, code="invalid_json") from exc
+    try:
+        req = _TYPED.decode(body)
+    except msgspec.ValidationError as exc:
+        raise _from_validation(exc) from exc
+    _check(req)
+    extra = {k: msgspec.json.decode(raw) for k, raw in top.items() if k not in _KNOWN}
+    return req, extra
+
+
+# --- translation ------------------------------------------------------------------------
+
+
+def _convert_item(raw: dict[str, Any], param: str) -> Item | None:
+    """One input item as its struct, or None for a dropped type."""
+    kind = raw.get("type", "message")
+    if not isinstance(kind, str):
+        raise RequestError(
+            f"Invalid type for '{param}.type': expected a string, but got {_json_type(kind)} instead.",
+            param=f"{param}.type",
+            code="invalid_type",
+        )
+    if kind == "item_reference":
+        raise RequestError(
+            "Item references are not supported by this server: send the item itself, or use "
+            "previous_response_id.",
+            param=f"{param}.type",
+            code="unsupported_value",
+        )
+    if kind in _DROPPED_ITEMS:
+        return None
+    if kind not in _ITEM_TYPES:
+        raise RequestError(
+            f"Invalid value: '{kind}'. Supported values are: {_quote(_ITEM_TYPES)}.",
+            param=f"{param}.type",
+            code="invalid_value",
+        )
+    if "type" not in raw:
+        raw = {**raw, "type": "message"}
+    try:
+        item: Item = msgspec.convert(raw, Item)
+        return item
+    except msgspec.ValidationError as exc:
+        raise _from_validation(exc, param) from exc
+
+
+def _content_part(part: Part, param: str) -> ContentPart:
+    if isinstance(part, InputText | OutputText):
+        return TextPart(text=part.text)
+    if isinstance(part, Refusal):
+        return TextPart(text=part.refusal)
+    if isinstance(part, InputImage):
+        if part.image_url is None:
+            raise RequestError(
+                "Images by 'file_id' are not supported by this server: send 'image_url' "
+                "(an https URL or a data URL).",
+                param=f"{param}.image_url",
+                code="unsupported_value",
+            )
+        detail = part.detail if part.detail in ("low", "high", "auto") else None
+        return ImagePart(image_url=ImageURL(url=part.image_url, detail=detail))
+    if part.file_url is not None:
+        raise RequestError(
+            "Files by 'file_url' are not supported by this server: send 'file_data'.",
+            param=f"{param}.file_url",
+            code="unsupported_value",
+        )
+    return FilePart(
+        file=FileRef(file_data=part.file_data, file_id=part.file_id, filename=part.filename)
+    )
+
+
+def _text_of(parts: list[ContentPart]) -> str:
+    return "".join(p.text for p in parts if isinstance(p, TextPart))
+
+
+def _parts(content: str | list[Part], param: str) -> str | list[ContentPart]:
+    if isinstance(content, str):
+        return content
+    return [_content_part(p, f"{param}.content[{i}]") for i, p in enumerate(content)]
+
+
+class _Builder:
+    """Chat messages from Responses items, grouping an assistant turn's calls."""
+
+    __slots__ = ("messages", "open_turn", "reasoning")
+
+    def __init__(self) -> None:
+        self.messages: list[Message] = []
+        self.open_turn = False  # the last message is an assistant turn calls may join
+        self.reasoning: str | None = None  # passed-back reasoning awaiting its turn
+
+    def add(self, item: Item, param: str) -> None:
+        if isinstance(item, ReasoningItem):
+            parts = item.content if item.content else item.summary
+            text = "".join(p.text for p in parts)
+            self.reasoning = (self.reasoning or "") + text if text else self.reasoning
+            return
+        if isinstance(item, FunctionCallItem):
+            call = MessageToolCall(
+                id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments)
+            )
+            if self.open_turn and self.reasoning is None:
+                last = self.messages[-1]
+                calls = [*(last.tool_calls or ()), call]
+                self.messages[-1] = msgspec.structs.replace(last, tool_calls=calls)
+            else:
+                self._assistant(None, [call])
+            return
+        self.open_turn = False
+        if isinstance(item, FunctionCallOutputItem):
+            output = _parts(item.output, param)
+            self.messages.append(Message(role="tool", tool_call_id=item.call_id, content=output))
+            return
+        content = _parts(item.content, param)
+        if item.role == "assistant":
+            text = content if isinstance(content, str) else _text_of(content)
+            self._assistant(text, None)
+        elif item.role == "user":
+            self.messages.append(Message(role="user", content=content))
+        else:  # system, developer (module docstring)
+            text = content if isinstance(content, str) else _text_of(content)
+            self.messages.append(Message(role="system", content=text))
+
+    def _assistant(self, content: str | None, calls: list[MessageToolCall] | None) -> None:
+        self.messages.append(
+            Message(
+                role="assistant",
+                content=content,
+                tool_calls=calls,
+                reasoning_content=self.reasoning,
+            )
+        )
+        self.reasoning = None
+        self.open_turn = True
+
+
+def input_messages(value: str | list[dict[str, Any]]) -> list[Message]:
+    """The chat messages of a request's ``input`` (module docstring).
+
+    Raises:
+        RequestError: An item is invalid or unsupported.
+    """
+    if isinstance(value, str):
+        return [Message(role="user", content=value)]
+    builder = _Builder()
+    for i, raw in enumerate(value):
+        param = f"input[{i}]"
+        item = _convert_item(raw, param)
+        if item is not None:
+            builder.add(item, param)
+    return builder.messages
+
+
+class _FunctionTool(_Struct, frozen=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+def _function_tools(tools: list[dict[str, Any]] | None) -> list[Tool]:
+    out: list[Tool] = []
+    for i, raw in enumerate(tools or ()):
+        if raw.get("type") != "function":
+            continue  # a tool IOP cannot run: dropped (module docstring)
+        fields = {k: v for k, v in raw.items() if k in _FunctionTool.__struct_fields__}
+        try:
+            fn = msgspec.convert(fields, _FunctionTool)
+        except msgspec.ValidationError as exc:
+            raise _from_validation(exc, f"tools[{i}]") from exc
+        out.append(
+            Tool(
+                function=FunctionDef(
+                    name=fn.name,
+                    description=fn.description,
+                    parameters=fn.parameters,
+                    strict=fn.strict,
+                )
+            )
+        )
+    return out
+
+
+def _choice_error(message: str) -> RequestError:
+    return RequestError(message, param="tool_choice", code="invalid_value")
+
+
+def _tool_choice(
+    choice: str | dict[str, Any] | None, tools: list[Tool]
+) -> tuple[ToolChoice | None, list[Tool]]:
+    """Chat's tool choice for a Responses one, and the tools left to offer."""
+    names = [t.function.name for t in tools]
+    if choice is None:
+        return None, tools
+    if isinstance(choice, str):
+        if choice not in _TOOL_CHOICES:
+            raise _choice_error(
+                f"Invalid value: '{choice}'. Supported values are: {_quote(_TOOL_CHOICES)}, or an "
+                "object naming a function."
+            )
+        if choice == "required" and not tools:
+            raise _choice_error(
+                "Invalid value for 'tool_choice': 'required' needs at least one function in 'tools' "
+                "(tools of other types are not run by this server)."
+            )
+        return (choice if tools else None), tools
+    kind = choice.get("type")
+    if kind == "function":
+        name = choice.get("name")
+        if not isinstance(name, str) or name not in names:
+            raise _choice_error(
+                f"Invalid value for 'tool_choice': function '{name}' is not one of the functions "
+                "in 'tools'."
+            )
+        return NamedToolChoice(function=NamedFunction(name=name)), tools
+    if kind == "allowed_tools":
+        mode = choice.get("mode", "auto")
+        listed = choice.get("tools")
+        if not isinstance(listed, list):
+            raise RequestError(
+                "Invalid type for 'tool_choice.tools': expected an array, but got "
+                f"{_json_type(listed)} instead.",
+                param="tool_choice.tools",
+                code="invalid_type",
+            )
+        allowed = {
+            t.get("name") for t in listed if isinstance(t, dict) and t.get("type") == "function"
+        }
+        kept = [t for t in tools if t.function.name in allowed]
+        if mode not in ("auto", "required"):
+            raise _choice_error(
+                f"Invalid value: '{mode}'. Supported values for 'tool_choice.mode' are: 'auto', "
+                "'required'."
+            )
+        if mode == "required" and not kept:
+            raise _choice_error(
+                "Invalid value for 'tool_choice': none of the allowed tools is a function in 'tools' "
+                "(tools of other types are not run by this server)."
+            )
+        return (mode if kept else None), kept
+    raise _choice_error(
+        f"Invalid value for 'tool_choice': tools of type '{kind}' are not run by this server; "
+        "only function tools can be chosen."
+    )
+
+
+def _response_format(text: _Text | None) -> dict[str, Any] | None:
+    fmt = text.format if text else None
+    if not fmt:
+        return None
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("name"), str) or not isinstance(fmt.get("schema"), dict):
+            missing = "name" if not isinstance(fmt.get("name"), str) else "schema"
+            raise RequestError(
+                f"Missing required parameter: 'text.format.{missing}'.",
+                param=f"text.format.{missing}",
+                code="missing_required_parameter",
+            )
+        spec = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    raise RequestError(
+        f"Invalid value: '{kind}'. Supported values are: 'text', 'json_schema', 'json_object'.",
+        param="text.format.type",
+        code="invalid_value",
+    )
+
+
+def _merge_leading_system(messages: list[Message]) -> list[Message]:
+    """Leading system messages as one (module docstring)."""
+    n = 0
+    while n < len(messages) and messages[n].role == "system":
+        n += 1
+    if n < 2:
+        return messages
+    text = "\n\n".join(m.text() for m in messages[:n] if m.text())
+    return [Message(role="system", content=text), *messages[n:]]
+
+
+def translate(
+    req: ResponsesRequest,
+    extra: dict[str, Any],
+    prior: tuple[Message, ...] = (),
+) -> tuple[ChatRequest, tuple[Message, ...], list[Tool], ToolChoice | None]:
+    """The run's ``ChatRequest`` for a decoded Responses request.
+
+    Args:
+        req: The decoded, checked request.
+        extra: Keys that are no Responses parameter (for ``extra_body``).
+        prior: The stored conversation of ``previous_response_id``.
+
+    Returns:
+        The chat request; the conversation without instructions (``prior``
+        and the new input, what a stored response keeps); the function tools
+        and the tool choice that were offered (echoed in the Response).
+
+    Raises:
+        RequestError: An item, tool or choice is invalid or unsupported.
+    """
+    assert req.input is not None  # _check
+    history = (*prior, *input_messages(req.input))
+    if not history:
+        raise RequestError(
+            "Invalid 'input': empty array. Expected an array with minimum length 1, but got an "
+            "empty array instead.",
+            param="input",
+            code="empty_array",
+        )
+    messages = list(history)
+    if req.instructions:
+        messages.insert(0, Message(role="system", content=req.instructions))
+    tools = _function_tools(req.tools)
+    choice, tools = _tool_choice(req.tool_choice, tools)
+    chat = ChatRequest(
+        model=req.model,
+        messages=_merge_leading_system(messages),
+        stream=bool(req.stream),
+        tools=tools or None,
+        tool_choice=choice,
+        parallel_tool_calls=req.parallel_tool_calls if tools else None,
+        temperature=req.temperature,
+        top_p=req.top_p,
+        max_completion_tokens=req.max_output_tokens,
+        response_format=_response_format(req.text),
+        reasoning_effort=req.reasoning.effort if req.reasoning else None,
+        user=req.prompt_cache_key or req.user or req.safety_identifier,
+        extra_body=extra or None,
+    )
+    return chat, history, tools, choice

@@ -1,0 +1,167 @@
+"""The OpenAI Responses surface (``POST /v1/responses``) behind ``iop.api.Surface``.
+
+:class:`ResponsesSurface` holds the one piece of state the surface needs,
+the store of earlier responses for ``previous_response_id``
+(``_store.ResponseStore``), and a monotonic clock; the edge creates one per
+process with the store sized by ``[responses]`` (``iop.config``). Parsing is
+``_request``; output is ``_output``.
+
+An unknown or expired ``previous_response_id`` is a 400 with code
+``previous_response_not_found`` and OpenAI's message ``Previous response with
+id '...' not found.`` (``param: previous_response_id``): OpenAI answers 400,
+not 404, and clients (Codex, proxies in front of it) recognise the code to
+start the conversation over with its full input.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Final
+
+from iop.api._surface import Call, RunContext, Surface
+from iop.api.responses._errors import clamp_status, error_body
+from iop.api.responses._output import (
+    FunctionToolEcho,
+    ReasoningEcho,
+    ResponseEcho,
+    ResponsesCall,
+    ResponsesCollector,
+    ResponsesStream,
+    TextEcho,
+)
+from iop.api.responses._request import ResponsesRequest, decode_request, translate
+from iop.api.responses._store import ResponseStore
+from iop.config import ResponsesSettings
+from iop.errors import RequestError
+from iop.spec import Message, NamedToolChoice, Tool, ToolChoice
+
+__all__ = ["PREVIOUS_NOT_FOUND_STATUS", "ResponsesSurface"]
+
+PREVIOUS_NOT_FOUND_STATUS: Final = 400
+"""OpenAI's status for an unknown ``previous_response_id`` (module docstring)."""
+
+
+def _choice_echo(choice: ToolChoice | None) -> object:
+    if choice is None:
+        return "auto"
+    if isinstance(choice, NamedToolChoice):
+        return {"type": "function", "name": choice.function.name}
+    return choice
+
+
+def _format_echo(req: ResponsesRequest) -> TextEcho:
+    fmt = req.text.format if req.text else None
+    if not fmt or fmt.get("type") not in ("json_schema", "json_object"):
+        return TextEcho({"type": "text"})
+    keys = ("type", "name", "description", "schema", "strict")
+    return TextEcho({k: fmt[k] for k in keys if k in fmt})
+
+
+def _echo(req: ResponsesRequest, tools: list[Tool], choice: ToolChoice | None) -> ResponseEcho:
+    return ResponseEcho(
+        instructions=req.instructions,
+        max_output_tokens=req.max_output_tokens,
+        metadata=req.metadata or {},
+        parallel_tool_calls=req.parallel_tool_calls is not False,
+        previous_response_id=req.previous_response_id,
+        reasoning=ReasoningEcho(
+            effort=req.reasoning.effort if req.reasoning else None,
+            summary=req.reasoning.summary if req.reasoning else None,
+        ),
+        store=req.store is not False,
+        temperature=req.temperature,
+        text=_format_echo(req),
+        tool_choice=_choice_echo(choice),
+        tools=[
+            FunctionToolEcho(
+                name=t.function.name,
+                description=t.function.description,
+                parameters=t.function.parameters,
+                strict=t.function.strict,
+            )
+            for t in tools
+        ],
+        top_p=req.top_p,
+        truncation=req.truncation or "disabled",
+    )
+
+
+class ResponsesSurface:
+    """``POST /v1/responses`` (see the module docstring).
+
+    Args:
+        store: The stored responses (``ResponseStore.from_settings``).
+        clock: Monotonic seconds (the store's TTL, ``completed_at``).
+    """
+
+    def __init__(
+        self, store: ResponseStore, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._store = store
+        self._clock = clock
+
+    @classmethod
+    def from_settings(
+        cls, settings: ResponsesSettings, *, clock: Callable[[], float] = time.monotonic
+    ) -> ResponsesSurface:
+        """A surface with a store sized by the edge's ``[responses]`` section."""
+        store = ResponseStore(
+            max_entries=settings.store_max_entries,
+            max_bytes=settings.store_max_bytes,
+            ttl_s=settings.store_ttl_s,
+        )
+        return cls(store, clock=clock)
+
+    @property
+    def name(self) -> str:
+        return "responses"
+
+    @property
+    def store(self) -> ResponseStore:
+        return self._store
+
+    def parse(self, body: bytes, headers: Mapping[str, str]) -> Call:
+        """Decode, check and translate a request (``_request``).
+
+        Raises:
+            RequestError: 400 in OpenAI's wording; an unknown or expired
+                ``previous_response_id`` included (module docstring).
+        """
+        del headers  # nothing of the Responses API is in headers
+        req, extra = decode_request(body)
+        prior: tuple[Message, ...] = ()
+        if req.previous_response_id is not None:
+            found = self._store.get(req.previous_response_id, now=self._clock())
+            if found is None:
+                raise RequestError(
+                    f"Previous response with id '{req.previous_response_id}' not found.",
+                    status=PREVIOUS_NOT_FOUND_STATUS,
+                    code="previous_response_not_found",
+                    param="previous_response_id",
+                )
+            prior = found
+        chat, history, tools, choice = translate(req, extra, prior)
+        native = ResponsesCall(echo=_echo(req, tools, choice), history=history)
+        return Call(request=chat, stream=bool(req.stream), model=req.model, native=native)
+
+    def error_body(
+        self, status: int, message: str, *, code: str | None = None, param: str | None = None
+    ) -> tuple[int, bytes]:
+        """OpenAI's error body, with ``status`` as it is (an error status, else 500)."""
+        status = clamp_status(status)
+        return status, error_body(message, status=status, code=code, param=param)
+
+    def _keep(self, response_id: str, conversation: tuple[Message, ...]) -> None:
+        self._store.put(response_id, conversation, now=self._clock())
+
+    def stream(self, call: Call, ctx: RunContext) -> ResponsesStream:
+        return ResponsesStream(call, ctx, keep=self._keep, clock=self._clock)
+
+    def collector(self, call: Call, ctx: RunContext) -> ResponsesCollector:
+        return ResponsesCollector(call, ctx, keep=self._keep, clock=self._clock)
+
+
+def _is_a_surface(surface: ResponsesSurface) -> Surface:
+    """Never called: mypy checks here that the class implements ``Surface``."""
+    return surface
