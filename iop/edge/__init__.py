@@ -6,10 +6,10 @@
 validation in ``_request``.
 """
 
+from iop.api.chat._encode import ChatCompletionCollector, ChatCompletionStream, error_body
+from iop.api.chat._request import parse_chat_request
 from iop.edge._app import create_edge_app
 from iop.edge._core import EdgeCore, RemoteExecutor, open_edge_core
-from iop.edge._openai_out import ChatCompletionCollector, ChatCompletionStream, error_body
-from iop.edge._request import parse_chat_request
 from iop.edge._serve import EdgeHandle, serve_edge
 
 __all__ = [

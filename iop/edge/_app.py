@@ -48,12 +48,7 @@ from quart import Response, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from iop.edge._admin_auth import COOKIE_NAME, AdminGate, Verdict, key_matches
-from iop.edge._admin_page import render_admin_page, render_login_page
-from iop.edge._core import EdgeCore
-from iop.edge._link_guard import LINK_LIMITS_SCOPE_KEY, LinkFrameLimits
-from iop.edge._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from iop.edge._openai_out import (
+from iop.api.chat._encode import (
     ChatCompletionCollector,
     ChatCompletionStream,
     cancel_message,
@@ -61,7 +56,12 @@ from iop.edge._openai_out import (
     error_body,
     openai_error_type,
 )
-from iop.edge._request import parse_chat_request
+from iop.api.chat._request import parse_chat_request
+from iop.edge._admin_auth import COOKIE_NAME, AdminGate, Verdict, key_matches
+from iop.edge._admin_page import render_admin_page, render_login_page
+from iop.edge._core import EdgeCore
+from iop.edge._link_guard import LINK_LIMITS_SCOPE_KEY, LinkFrameLimits
+from iop.edge._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from iop.edge._stall import client_gone_reason
 from iop.errors import IopError, LinkLimitError, LinkProtocolError, RequestError
 from iop.events import Cancelled, Error, RuntimeEvent, Start, is_terminal

@@ -51,7 +51,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, Event
 from hypercorn.protocol.h11 import H11Protocol
 
-from iop.edge._openai_out import error_body, openai_error_type
+from iop.api.chat._encode import error_body, openai_error_type
 
 __all__ = ["EdgeH11Protocol", "EdgeHypercornConfig", "install"]
 

@@ -18,8 +18,8 @@ import pytest
 import trio
 from hypothesis import HealthCheck, example, given, settings
 
-from iop.edge._openai_out import error_body, openai_error_type
-from iop.edge._request import parse_chat_request
+from iop.api.chat._encode import error_body, openai_error_type
+from iop.api.chat._request import parse_chat_request
 from iop.errors import RequestError
 from iop.events import Complete, Delta, Start, Usage
 from iop.spec import ChatRequest, ExecutionSpec

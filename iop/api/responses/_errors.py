@@ -1,7 +1,7 @@
 """OpenAI's error vocabulary, as the Responses surface needs it (sans-IO).
 
 The body ``{"error": {"message", "type", "param", "code"}}`` and the status
-rules are the same as the chat surface's (``iop.edge._openai_out``), which
+rules are the same as the chat surface's (``iop.api.chat``), which
 ``iop.api._openai_errors`` is to hold for every OpenAI surface; until that
 module lands this is the Responses surface's copy, kept to the few functions
 it uses so the later switch is an import change.

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from iop.edge._openai_out import (
+from iop.api.chat._encode import (
     KEEPALIVE,
     PREVIEW_CHARS,
     ChatCompletionCollector,
@@ -1036,8 +1036,8 @@ def test_sdk_reads_reasoning_and_content() -> None:
 
 def test_module_is_sans_io() -> None:
     # Loaded by path, so the test holds whatever iop/edge/__init__.py imports.
-    import iop.edge._openai_out as out_module
-    import iop.edge._request as request_module
+    import iop.api.chat._encode as out_module
+    import iop.api.chat._request as request_module
 
     io = ["trio", "httpx", "httpcore", "quart", "quart_trio", "hypercorn", "anyio"]
     for module in (out_module, request_module):

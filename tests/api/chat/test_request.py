@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from iop.edge._openai_out import error_body, openai_error_type
-from iop.edge._request import parse_chat_request
+from iop.api.chat._encode import error_body, openai_error_type
+from iop.api.chat._request import parse_chat_request
 from iop.errors import RequestError
 from iop.spec import (
     ChatRequest,
