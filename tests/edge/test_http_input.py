@@ -10,9 +10,9 @@ import json
 import pytest
 import trio
 
+from tests.api.chat.test_request import TOO_DEEP_BODIES
 from tests.edge._openai_schema import validate_error
 from tests.edge.test_app import CHAT, config, edge
-from tests.edge.test_request import TOO_DEEP_BODIES
 
 pytestmark = pytest.mark.timeout(60)
 
