@@ -28,8 +28,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator
-from typing import Final
+from collections.abc import AsyncGenerator, Callable, Mapping
+from typing import Final, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 import msgspec
@@ -38,15 +38,8 @@ from quart import Response, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from iop.api.chat._encode import (
-    ChatCompletionCollector,
-    ChatCompletionStream,
-    cancel_message,
-    cancel_status,
-    error_body,
-    openai_error_type,
-)
-from iop.api.chat._request import parse_chat_request
+from iop.api import CHAT, Collector, RunContext, StreamEncoder, Surface
+from iop.api._output import shape_failure
 from iop.edge._admin_auth import COOKIE_NAME, AdminGate, Verdict, key_matches
 from iop.edge._admin_page import render_admin_page, render_login_page
 from iop.edge._core import EdgeCore
@@ -89,15 +82,41 @@ def _error(
     code: str | None = None,
     param: str | None = None,
     headers: dict[str, str] | None = None,
+    surface: Surface = CHAT,
 ) -> Response:
-    body = error_body(message, type=openai_error_type(status), code=code, param=param)
-    return _json_response(body, status, headers)
+    """An error response in ``surface``'s shape (OpenAI's unless a route says otherwise)."""
+    sent, body = surface.error_body(status, message, code=code, param=param)
+    return _json_response(body, sent, headers)
 
 
-def _from_exc(exc: IopError) -> Response:
+def _from_exc(exc: IopError, surface: Surface = CHAT) -> Response:
     headers = {"Retry-After": "1"} if exc.status == 429 else None
     param = exc.param if isinstance(exc, RequestError) else None
-    return _error(exc.status, exc.message, code=exc.code, param=param, headers=headers)
+    return _error(
+        exc.status, exc.message, code=exc.code, param=param, headers=headers, surface=surface
+    )
+
+
+KeyReader = Callable[[Mapping[str, str]], str]
+"""How a route finds the client's API key in the request's (lower-cased) headers."""
+
+
+def bearer_key(headers: Mapping[str, str]) -> str:
+    """The key of ``Authorization: Bearer <key>`` (OpenAI's way), or ``""``."""
+    auth = headers.get("authorization", "")
+    return auth[7:] if auth.startswith("Bearer ") else ""
+
+
+def _headers() -> dict[str, str]:
+    """The request's headers, names lower-cased (what ``Surface.parse`` gets)."""
+    return {name.lower(): value for name, value in request.headers.items()}
+
+
+@runtime_checkable
+class _Summarised(Protocol):
+    """An encoder or collector with a close-log summary (chat's ``StreamSummary``)."""
+
+    def summary(self) -> object: ...
 
 
 # --- /admin: see _admin_auth for the rules ---------------------------------------------
@@ -230,12 +249,12 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
         failures_per_minute=cfg.server.admin_login_failures_per_minute,
     )
 
-    def authorized() -> bool:
-        if not keys:
-            return True
-        auth = request.headers.get("Authorization", "")
-        token = auth[7:].encode() if auth.startswith("Bearer ") else b""
-        return key_matches(token, keys)
+    # The API surfaces by route: errors on their routes (401, 404, 413...) take
+    # their shape. Adding a surface is one ``serve_surface`` line below.
+    surfaces: dict[str, Surface] = {}
+
+    def authorized(key: str) -> bool:
+        return not keys or key_matches(key.encode(), keys)
 
     def admin_verdict() -> Verdict:
         verdict = gate.check(request.cookies.get(COOKIE_NAME), request.headers.get("Authorization"))
@@ -251,12 +270,14 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
             405: f"Method {request.method} is not allowed on {request.path}.",
             413: f"Request body too large (limit {cfg.server.max_body_bytes} bytes).",
         }.get(status, exc.description or exc.name)
-        return _error(status, message, code=exc.name.lower().replace(" ", "_"))
+        code = exc.name.lower().replace(" ", "_")
+        return _error(status, message, code=code, surface=surfaces.get(request.path, CHAT))
 
     @app.errorhandler(Exception)
     async def crash(exc: Exception) -> Response:
         log.error("unhandled error on %s %s", request.method, request.path, exc_info=exc)
-        return _error(500, "internal server error", code="internal_error")
+        surface = surfaces.get(request.path, CHAT)
+        return _error(500, "internal server error", code="internal_error", surface=surface)
 
     @app.get("/healthz")
     async def healthz() -> Response:
@@ -276,7 +297,7 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        if not authorized():
+        if not authorized(bearer_key(_headers())):
             return _error(401, "Incorrect API key provided.", code="invalid_api_key")
         created = int(core.started_at)
         data = [
@@ -358,43 +379,33 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
         )
         return resp
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions() -> Response:
-        if not authorized():
-            return _error(401, "Incorrect API key provided.", code="invalid_api_key")
+    async def serve(surface: Surface, key_of: KeyReader) -> Response:
+        """One request of ``surface``: parse, run, then stream or collect."""
+        headers = _headers()
+        if not authorized(key_of(headers)):
+            return _error(
+                401, "Incorrect API key provided.", code="invalid_api_key", surface=surface
+            )
         body = await request.get_data(cache=False)
         assert isinstance(body, bytes)
         try:
-            req = parse_chat_request(body)
-            spec = ExecutionSpec(run_id=new_run_id(), request=req, target=req.model)
+            call = surface.parse(body, headers)
+            spec = ExecutionSpec(
+                run_id=new_run_id(), request=call.request, target=call.request.model
+            )
             run = core.start_run(spec)
         except IopError as exc:
-            return _from_exc(exc)
-        policy = cfg.policy_for(req.model)
-        created = int(time.time())
-        completion_id = f"chatcmpl-{spec.run_id}"
-        if not req.stream:
-            return await _complete(
-                run,
-                ChatCompletionCollector(
-                    completion_id=completion_id,
-                    created=created,
-                    model=req.model,
-                    request=req,
-                    policy=policy,
-                ),
-            )
-        stream = ChatCompletionStream(
-            completion_id=completion_id,
-            created=created,
-            model=req.model,
-            request=req,
-            policy=policy,
+            return _from_exc(exc, surface)
+        ctx = RunContext(
+            run_id=spec.run_id, created=int(time.time()), policy=cfg.policy_for(call.request.model)
         )
+        if not call.stream:
+            return await _complete(run, surface.collector(call, ctx))
+        stream = surface.stream(call, ctx)
         handed_over = False
         try:
             first = await _first_output(run, cfg.server.keepalive_interval_s)
-            early = _early_failure(first)
+            early = _early_failure(first, surface)
             if early is not None:
                 run.events.close()
                 return early
@@ -404,6 +415,17 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
         finally:
             if not handed_over:
                 run.cancel(CancelReason.CLIENT_DISCONNECT, "client disconnected")
+
+    def serve_surface(path: str, surface: Surface, *, key_of: KeyReader = bearer_key) -> None:
+        """Route ``POST path`` to ``surface``, its API key read by ``key_of``."""
+
+        async def view() -> Response:
+            return await serve(surface, key_of)
+
+        surfaces[path] = surface
+        app.add_url_rule(path, endpoint=f"surface:{path}", view_func=view, methods=["POST"])
+
+    serve_surface("/v1/chat/completions", CHAT)
 
     @app.websocket("/v1/link")
     async def node_link() -> None:
@@ -435,20 +457,16 @@ class _RunBody:
         await self._gen.aclose()
 
 
-def _early_failure(first: list[RuntimeEvent]) -> Response | None:
+def _early_failure(first: list[RuntimeEvent], surface: Surface) -> Response | None:
     """An HTTP error for a run that ended before any output, else None."""
     if not first or any(not isinstance(e, Start) for e in first[:-1]):
         return None
     end = first[-1]
-    if isinstance(end, Error):
-        status, message, code = end.status, end.message, end.code
-    elif isinstance(end, Cancelled):
-        status, message, code = cancel_status(end.reason), cancel_message(end), end.reason.value
-    else:
+    if not isinstance(end, Error | Cancelled):
         return None
-    return _error(
-        status, message, code=code, headers={"Retry-After": "1"} if status == 429 else None
-    )
+    failed = shape_failure(end)
+    headers = {"Retry-After": "1"} if failed.status == 429 else None
+    return _error(failed.status, failed.message, code=failed.code, headers=headers, surface=surface)
 
 
 async def _first_output(run: Run, wait_s: float) -> list[RuntimeEvent]:
@@ -469,7 +487,7 @@ async def _first_output(run: Run, wait_s: float) -> list[RuntimeEvent]:
 
 
 async def _sse_body(
-    run: Run, stream: ChatCompletionStream, first: list[RuntimeEvent], keepalive_s: float
+    run: Run, stream: StreamEncoder, first: list[RuntimeEvent], keepalive_s: float
 ) -> AsyncGenerator[bytes, None]:
     """The SSE body: yields bytes only, never inside a cancel scope."""
     finished = False
@@ -512,10 +530,11 @@ async def _sse_body(
         if not finished:
             run.cancel(CancelReason.CLIENT_DISCONNECT, "client disconnected")
         run.events.close()
-        log.debug("stream %s closed: %s", run.run_id, stream.summary())
+        if isinstance(stream, _Summarised):
+            log.debug("stream %s closed: %s", run.run_id, stream.summary())
 
 
-async def _complete(run: Run, collector: ChatCompletionCollector) -> Response:
+async def _complete(run: Run, collector: Collector) -> Response:
     done = False
     try:
         async for ev in run.events:
