@@ -39,6 +39,7 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from iop.api import CHAT, Collector, RunContext, StreamEncoder, Surface
+from iop.api._models import model_list_body
 from iop.api._output import shape_failure
 from iop.edge._admin_auth import COOKIE_NAME, AdminGate, Verdict, key_matches
 from iop.edge._admin_page import render_admin_page, render_login_page
@@ -299,18 +300,8 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
     async def models() -> Response:
         if not authorized(bearer_key(_headers())):
             return _error(401, "Incorrect API key provided.", code="invalid_api_key")
-        created = int(core.started_at)
-        data = [
-            {
-                "id": m.id,
-                "object": "model",
-                "created": created,
-                "owned_by": "iop",
-                "nodes": list(m.nodes),
-            }
-            for m in core.models()
-        ]
-        return _json_response(msgspec.json.encode({"object": "list", "data": data}))
+        body = model_list_body(((m.id, m.nodes) for m in core.models()), int(core.started_at))
+        return _json_response(body)
 
     @app.get("/metrics")
     async def metrics() -> Response:
