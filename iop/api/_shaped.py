@@ -55,7 +55,10 @@ class ShapedDone(msgspec.Struct, frozen=True, kw_only=True):
         calls: The tool calls to send, normalised.
         usage: Token counts.
         content: The whole answer text as shaped (what the text events said).
-        reasoning: The whole reasoning as shaped.
+            Empty when the shaper was told not to keep the text
+            (``OutputShaper(keep_text=False)``, for streams that never
+            repeat it) and was not buffered.
+        reasoning: The whole reasoning as shaped (same rule).
     """
 
     finish_reason: FinishReason

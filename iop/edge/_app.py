@@ -1,12 +1,20 @@
 """The edge's HTTP face: a quart-trio app over an ``EdgeCore``.
 
-Routes: ``POST /v1/chat/completions`` (streaming and not), ``GET /v1/models``,
-``GET /healthz``, ``GET /readyz``, ``GET /metrics``, the admin pages
-(``GET /admin`` as HTML, or its login form; ``POST /admin/login`` and
-``/admin/logout``; ``GET /admin/nodes`` as JSON: ``_admin_auth`` says who may
-open them) and the node link WebSocket ``/v1/link``. Every error a client sees
-is OpenAI's error body with the right status; the one HTML answer to a
-refused request is ``/admin``'s login form, for people.
+Routes: the API surfaces (``POST /v1/chat/completions``, streaming and not:
+``iop.api.chat``), ``GET /v1/models``, ``GET /healthz``, ``GET /readyz``,
+``GET /metrics``, the admin pages (``GET /admin`` as HTML, or its login form;
+``POST /admin/login`` and ``/admin/logout``; ``GET /admin/nodes`` as JSON:
+``_admin_auth`` says who may open them) and the node link WebSocket
+``/v1/link``. Every error a client sees is its API's error body (OpenAI's,
+except on a surface route whose surface has its own) with the right status;
+the one HTML answer to a refused request is ``/admin``'s login form, for
+people.
+
+Every surface is served by one handler (``serve`` in ``create_edge_app``),
+so adding one is one ``serve_surface(path, surface, key_of=...)`` line: the
+surface (``iop.api.Surface``, sans-IO) parses the body and turns the run's
+events into bytes; this module only reads the body, checks the API key,
+starts the run and writes what comes back.
 
 Streaming (trio-stack.md §2): the response body is an async generator that
 only awaits the run's channel and yields bytes; no ``yield`` sits inside a
@@ -390,11 +398,13 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
         ctx = RunContext(
             run_id=spec.run_id, created=int(time.time()), policy=cfg.policy_for(call.request.model)
         )
-        if not call.stream:
-            return await _complete(run, surface.collector(call, ctx))
-        stream = surface.stream(call, ctx)
-        handed_over = False
+        handed_over = False  # until then, leaving here cancels the run
         try:
+            if not call.stream:
+                collector = surface.collector(call, ctx)
+                handed_over = True  # _complete owns the run
+                return await _complete(run, collector)
+            stream = surface.stream(call, ctx)
             first = await _first_output(run, cfg.server.keepalive_interval_s)
             early = _early_failure(first, surface)
             if early is not None:
