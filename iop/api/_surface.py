@@ -34,10 +34,10 @@ the status, code and message of ``iop.api._output.shape_failure``. An
 encoder or collector that also has a ``summary()`` method gets it logged
 (at debug) when the response closes.
 
-The edge routes a surface with one line in ``iop/edge/_app.py``::
+The edge routes a surface with one line in ``iop.edge._app.surface_routes``::
 
-    serve_surface("/v1/chat/completions", CHAT)                # Bearer key
-    serve_surface("/v1/messages", MESSAGES, key_of=some_reader) # e.g. x-api-key
+    SurfaceRoute("/v1/chat/completions", CHAT)                 # Bearer key
+    SurfaceRoute("/v1/messages", MESSAGES, key_of=some_reader)  # e.g. x-api-key
 
 where ``key_of`` reads the client's API key from the (lower-cased) headers.
 """

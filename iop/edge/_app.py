@@ -11,7 +11,8 @@ the one HTML answer to a refused request is ``/admin``'s login form, for
 people.
 
 Every surface is served by one handler (``serve`` in ``create_edge_app``),
-so adding one is one ``serve_surface(path, surface, key_of=...)`` line: the
+so adding one is one ``SurfaceRoute(path, surface, key_of)`` line in
+``surface_routes``: the
 surface (``iop.api.Surface``, sans-IO) parses the body and turns the run's
 events into bytes; this module only reads the body, checks the API key,
 starts the run and writes what comes back.
@@ -37,7 +38,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping
-from typing import Final, Protocol, runtime_checkable
+from typing import Final, NamedTuple, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 import msgspec
@@ -119,6 +120,20 @@ def bearer_key(headers: Mapping[str, str]) -> str:
 def _headers() -> dict[str, str]:
     """The request's headers, names lower-cased (what ``Surface.parse`` gets)."""
     return {name.lower(): value for name, value in request.headers.items()}
+
+
+class SurfaceRoute(NamedTuple):
+    """One API surface the edge serves: ``POST path``, the key read by ``key_of``."""
+
+    path: str
+    surface: Surface
+    key_of: KeyReader = bearer_key
+
+
+def surface_routes(core: EdgeCore) -> list[SurfaceRoute]:
+    """The API surfaces the edge serves. Adding one is one line here; a surface
+    that keeps state (a response store) is built here from ``core.config``."""
+    return [SurfaceRoute("/v1/chat/completions", CHAT)]
 
 
 @runtime_checkable
@@ -259,7 +274,7 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
     )
 
     # The API surfaces by route: errors on their routes (401, 404, 413...) take
-    # their shape. Adding a surface is one ``serve_surface`` line below.
+    # their shape. The routes themselves: ``surface_routes``.
     surfaces: dict[str, Surface] = {}
 
     def authorized(key: str) -> bool:
@@ -417,16 +432,19 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
             if not handed_over:
                 run.cancel(CancelReason.CLIENT_DISCONNECT, "client disconnected")
 
-    def serve_surface(path: str, surface: Surface, *, key_of: KeyReader = bearer_key) -> None:
-        """Route ``POST path`` to ``surface``, its API key read by ``key_of``."""
+    def serve_surface(route: SurfaceRoute) -> None:
+        """Route ``POST route.path`` to its surface."""
 
         async def view() -> Response:
-            return await serve(surface, key_of)
+            return await serve(route.surface, route.key_of)
 
-        surfaces[path] = surface
-        app.add_url_rule(path, endpoint=f"surface:{path}", view_func=view, methods=["POST"])
+        surfaces[route.path] = route.surface
+        app.add_url_rule(
+            route.path, endpoint=f"surface:{route.path}", view_func=view, methods=["POST"]
+        )
 
-    serve_surface("/v1/chat/completions", CHAT)
+    for route in surface_routes(core):
+        serve_surface(route)
 
     @app.websocket("/v1/link")
     async def node_link() -> None:

@@ -1016,7 +1016,7 @@ def test_sdk_reads_reasoning_and_content() -> None:
 
 
 def test_module_is_sans_io() -> None:
-    # Loaded by path, so the test holds whatever iop/edge/__init__.py imports.
+    # Loaded by path, so the test holds whatever iop/api/__init__.py imports.
     import iop.api.chat._encode as out_module
     import iop.api.chat._request as request_module
 
