@@ -6,7 +6,7 @@ say (request parsing, output, error bodies) is sans-IO in ``iop.api``; the
 app routes each surface's requests through one generic handler.
 """
 
-from iop.edge._app import create_edge_app
+from iop.edge._app import SurfaceRoute, bearer_key, create_edge_app
 from iop.edge._core import EdgeCore, RemoteExecutor, open_edge_core
 from iop.edge._serve import EdgeHandle, serve_edge
 
@@ -14,6 +14,8 @@ __all__ = [
     "EdgeCore",
     "EdgeHandle",
     "RemoteExecutor",
+    "SurfaceRoute",
+    "bearer_key",
     "create_edge_app",
     "open_edge_core",
     "serve_edge",

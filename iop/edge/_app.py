@@ -37,7 +37,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from typing import Final, NamedTuple, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
@@ -257,8 +257,13 @@ class _WebSocketChannel:
                 log.debug("closing node websocket: %r", exc)
 
 
-def create_edge_app(core: EdgeCore) -> QuartTrio:
-    """The edge's ASGI app, serving ``core``."""
+def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = None) -> QuartTrio:
+    """The edge's ASGI app, serving ``core``.
+
+    Args:
+        core: The edge's node links, scheduler and runs.
+        routes: The API surfaces to serve; ``surface_routes(core)`` when None.
+    """
     cfg = core.config
     app = QuartTrio("iop.edge")
     # Quart's 60 s defaults would cut long streams and slow uploads silently
@@ -443,7 +448,7 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
             route.path, endpoint=f"surface:{route.path}", view_func=view, methods=["POST"]
         )
 
-    for route in surface_routes(core):
+    for route in surface_routes(core) if routes is None else routes:
         serve_surface(route)
 
     @app.websocket("/v1/link")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -11,7 +12,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
 from iop.config import EdgeConfig
-from iop.edge._app import create_edge_app
+from iop.edge._app import SurfaceRoute, create_edge_app
 from iop.edge._core import EdgeCore, open_edge_core
 from iop.errors import listen_error_from
 
@@ -36,6 +37,7 @@ async def serve_edge(
     config: EdgeConfig,
     *,
     shutdown: trio.Event | None = None,
+    routes: Sequence[SurfaceRoute] | None = None,
     task_status: trio.TaskStatus[EdgeHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the edge until ``shutdown`` is set, then drain and return.
@@ -45,12 +47,15 @@ async def serve_edge(
     ``shutdown`` (their clients get a clean SSE error and ``[DONE]``), node
     links are closed with 1001, then hypercorn stops.
 
+    ``routes`` are the API surfaces to serve (``create_edge_app``'s default
+    when None).
+
     Raises:
         ListenError: ``server.host:server.port`` cannot be bound.
     """
     stop = shutdown if shutdown is not None else trio.Event()
     async with open_edge_core(config) as core:
-        app = create_edge_app(core)
+        app = create_edge_app(core, routes=routes)
         hc = HypercornConfig()
         hc.bind = [f"{config.server.host}:{config.server.port}"]
         hc.accesslog = None

@@ -6,13 +6,15 @@ its own shape, on a real socket with a hand-played node."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
+from contextlib import asynccontextmanager
+from functools import partial
 
+import httpx
 import msgspec
 import pytest
 import trio
 
-import iop.edge._app
 from iop.api import (
     CHAT,
     Call,
@@ -23,14 +25,16 @@ from iop.api import (
     ShapedReasoning,
     ShapedText,
 )
-from iop.config import Deadlines
-from iop.edge._app import SurfaceRoute, bearer_key
-from iop.edge._core import EdgeCore
+from iop.capabilities import Capabilities
+from iop.config import Deadlines, EdgeConfig
+from iop.edge import EdgeHandle, SurfaceRoute, bearer_key, serve_edge
 from iop.errors import RequestError
 from iop.events import Complete, Delta, RuntimeEvent, Start
 from iop.spec import ChatRequest, Message
+from iop.testing import memory_link_pair
 from tests.edge.test_app import CHAT as CHAT_BODY
-from tests.edge.test_app import answer, config, edge
+from tests.edge.test_app import answer, config
+from tests.edge.test_core import FakeNode
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -115,12 +119,28 @@ class ToySurface:
 TOY = ToySurface()
 
 
-@pytest.fixture(autouse=True)
-def toy_route(monkeypatch: pytest.MonkeyPatch) -> None:
-    def routes(core: EdgeCore) -> list[SurfaceRoute]:
-        return [SurfaceRoute("/v1/chat/completions", CHAT), SurfaceRoute("/toy", TOY, toy_key)]
+ROUTES = [SurfaceRoute("/v1/chat/completions", CHAT), SurfaceRoute("/toy", TOY, toy_key)]
 
-    monkeypatch.setattr(iop.edge._app, "surface_routes", routes)
+
+@asynccontextmanager
+async def edge(
+    cfg: EdgeConfig | None = None,
+) -> AsyncIterator[tuple[EdgeHandle, FakeNode, httpx.AsyncClient]]:
+    """The edge serving ``ROUTES``, one hand-played node serving model ``m``."""
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        serve = partial(serve_edge, cfg or config(), shutdown=stop, routes=ROUTES)
+        handle: EdgeHandle = await nursery.start(serve)
+        edge_end, node_end = memory_link_pair()
+        nursery.start_soon(handle.core.handle_link, edge_end, "test")
+        node = FakeNode(node_end)
+        await node.hello(
+            [Capabilities(adapter="sim", instance="i0", targets=("m",), max_concurrency=1)]
+        )
+        nursery.start_soon(node.serve)
+        async with httpx.AsyncClient(base_url=handle.url, timeout=10) as client:
+            yield handle, node, client
+        stop.set()
 
 
 def toy_error(body: bytes) -> dict[str, object]:
@@ -130,7 +150,6 @@ def toy_error(body: bytes) -> dict[str, object]:
 
 async def test_streaming_through_the_generic_handler() -> None:
     async with edge() as (_, node, client), trio.open_nursery() as n:
-        assert node is not None
         n.start_soon(answer, node, Start(), Delta("Hel"), Delta("lo"), Complete())
         resp = await client.post("/toy", content=b"!hi", headers={"Toy-Version": "7"})
         assert resp.status_code == 200
@@ -145,24 +164,22 @@ async def test_streaming_through_the_generic_handler() -> None:
 
 
 async def test_the_surfaces_keepalive_while_waiting() -> None:
-    async with edge() as (_, node, client), trio.open_nursery() as n:
-        assert node is not None
-
-        async def slow() -> None:
-            assign = await node.assigns.receive()
-            await trio.sleep(0.5)  # keepalive_interval_s is 0.2
-            await node.send(assign.assign.run_id, Start(), Delta("x"), Complete())
-
-        n.start_soon(slow)
-        resp = await client.post("/toy", content=b"!hi")
-        assert resp.status_code == 200
-        assert b"event: ping\n\n" in resp.content
-        assert resp.content.endswith(b"event: text\ndata: x\n\nevent: done\n\n")
+    async with edge() as (_, node, client):
+        # The node answers only once the client has seen a keep-alive.
+        async with client.stream("POST", "/toy", content=b"!hi") as resp:
+            assert resp.status_code == 200
+            run_id = (await node.assigns.receive()).assign.run_id
+            seen = b""
+            async for chunk in resp.aiter_bytes():
+                if b"event: ping" not in seen and b"event: ping" in seen + chunk:
+                    await node.send(run_id, Start(), Delta("x"), Complete())
+                seen += chunk
+        assert seen.startswith(b"event: start\ndata: None\n\nevent: ping\n\n")
+        assert seen.endswith(b"event: text\ndata: x\n\nevent: done\n\n")
 
 
 async def test_collecting_through_the_generic_handler() -> None:
     async with edge() as (_, node, client), trio.open_nursery() as n:
-        assert node is not None
         n.start_soon(answer, node, Start(), Delta("a"), Delta("b"), Complete())
         resp = await client.post("/toy", content=b"hi")
         assert (resp.status_code, resp.json()) == (200, {"toy": "ab"})
@@ -187,7 +204,6 @@ async def test_every_error_takes_the_surfaces_shape() -> None:
 
 async def test_queue_full_is_the_surfaces_status_with_retry_after() -> None:
     async with edge() as (_, node, client), trio.open_nursery() as n:
-        assert node is not None
 
         async def call() -> None:
             await client.post("/toy", content=b"hi")
@@ -210,8 +226,7 @@ async def test_a_run_that_fails_before_output_gets_the_surfaces_error() -> None:
         config(),
         deadlines=Deadlines(first_token_timeout_s=0.05, idle_timeout_s=5, request_timeout_s=30),
     )
-    async with edge(cfg) as (_, node, client):
-        assert node is not None
+    async with edge(cfg) as (_, _, client):
         resp = await client.post("/toy", content=b"!hi")
         assert resp.status_code == 504
         assert toy_error(resp.content) == {
