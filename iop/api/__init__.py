@@ -5,10 +5,12 @@
 * ``_output``: ``OutputShaper``, the output policy applied once for every
   surface, into the shaped events of ``_shaped``;
 * ``_openai_errors``: OpenAI's error body and IOP's failure statuses;
+* ``_models``: ``GET /v1/models``' body;
 * ``chat``: OpenAI Chat Completions (``CHAT``).
 """
 
-from iop.api._output import OutputShaper
+from iop.api._models import model_list_body
+from iop.api._output import OutputShaper, shape_failure
 from iop.api._shaped import Shaped, ShapedDone, ShapedFailed, ShapedReasoning, ShapedText
 from iop.api._surface import Call, Collector, RunContext, StreamEncoder, Surface
 from iop.api.chat import CHAT
@@ -26,4 +28,6 @@ __all__ = [
     "ShapedText",
     "StreamEncoder",
     "Surface",
+    "model_list_body",
+    "shape_failure",
 ]

@@ -47,9 +47,15 @@ from quart import Response, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from iop.api import CHAT, Collector, RunContext, StreamEncoder, Surface
-from iop.api._models import model_list_body
-from iop.api._output import shape_failure
+from iop.api import (
+    CHAT,
+    Collector,
+    RunContext,
+    StreamEncoder,
+    Surface,
+    model_list_body,
+    shape_failure,
+)
 from iop.edge._admin_auth import COOKIE_NAME, AdminGate, Verdict, key_matches
 from iop.edge._admin_page import render_admin_page, render_login_page
 from iop.edge._core import EdgeCore
