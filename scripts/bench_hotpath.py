@@ -1,4 +1,5 @@
-"""Benchmark the node-side hot path: backend bytes in -> RuntimeEvents out.
+"""Benchmark the hot paths: backend bytes in -> RuntimeEvents out (node),
+RuntimeEvents in -> client bytes out (edge).
 
 Measures, in CPU time per chunk:
 
@@ -6,7 +7,12 @@ Measures, in CPU time per chunk:
 2. ``parser``   ChatStreamParser (SSE + typed msgspec decode + events);
 3. ``runtime``  a full run through the runtime: an adapter replaying the
                 parser's output pushes events through the run's bounded
-                channel to a consumer (task switches included, no sockets).
+                channel to a consumer (task switches included, no sockets);
+4. ``edge``     the edge's chat-completions stream encoder, content deltas
+                fed in batches of 16 as the HTTP layer coalesces them, with
+                the default output policy; ``edge_tools`` the same for a
+                request with tools (the tool-text hold-back on), and
+                ``edge_strict`` under ``strict`` (``<think>`` stripping on).
 
 Run:  python scripts/bench_hotpath.py [--chunks 20000] [--repeat 5]
 Prints one JSON object per line; docs/benchmarks.md quotes the medians.
@@ -22,10 +28,11 @@ from importlib.resources import files
 
 import trio
 
-from iop.config import Deadlines
-from iop.events import Complete, Delta, Start
+from iop.api.chat._encode import ChatCompletionStream
+from iop.config import Deadlines, OutputPolicy
+from iop.events import Complete, Delta, RuntimeEvent, Start
 from iop.runtime import EventSender, open_run_supervisor
-from iop.spec import ChatRequest, ExecutionSpec, Message
+from iop.spec import ChatRequest, ExecutionSpec, FunctionDef, Message, Tool
 from iop.wire import ChatStreamParser, SSEDecoder
 
 
@@ -83,6 +90,37 @@ def bench_runtime(n: int) -> float:
     return trio.run(main)
 
 
+_EDGE_BATCH = 16
+_MESSAGES = [Message(role="user", content="x")]
+
+
+def _bench_edge(n: int, request: ChatRequest, policy: OutputPolicy) -> float:
+    events: list[RuntimeEvent] = [Delta(f" tok{i % 10}") for i in range(n)]
+    batches = [events[i : i + _EDGE_BATCH] for i in range(0, n, _EDGE_BATCH)]
+    stream = ChatCompletionStream("chatcmpl-b", 1_700_000_000, "m", request, policy)
+    t0 = time.process_time()
+    stream.start()
+    for batch in batches:
+        stream.feed_many(batch)
+    stream.feed(Complete())
+    elapsed = time.process_time() - t0
+    assert stream.finished
+    return elapsed / n
+
+
+def bench_edge(n: int) -> float:
+    return _bench_edge(n, ChatRequest(model="m", messages=_MESSAGES), OutputPolicy())
+
+
+def bench_edge_tools(n: int) -> float:
+    tools = [Tool(function=FunctionDef(name="get_time"))]
+    return _bench_edge(n, ChatRequest(model="m", messages=_MESSAGES, tools=tools), OutputPolicy())
+
+
+def bench_edge_strict(n: int) -> float:
+    return _bench_edge(n, ChatRequest(model="m", messages=_MESSAGES), OutputPolicy(strict=True))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -90,7 +128,15 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=20000)
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args()
-    for name, fn in (("sse", bench_sse), ("parser", bench_parser), ("runtime", bench_runtime)):
+    benches = (
+        ("sse", bench_sse),
+        ("parser", bench_parser),
+        ("runtime", bench_runtime),
+        ("edge", bench_edge),
+        ("edge_tools", bench_edge_tools),
+        ("edge_strict", bench_edge_strict),
+    )
+    for name, fn in benches:
         samples = [fn(args.chunks) * 1e6 for _ in range(args.repeat)]
         print(
             json.dumps(

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
 import pkgutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +21,7 @@ SANS_IO_MODULES = [
     "iop.wire._sse",
     "iop.wire._chunks",
     "iop.wire._errors",
+    "iop.wire._holdback",
     "iop.wire._openai_stream",
     "iop.wire._toolcalls",
     "iop.wire._tooltext",
@@ -74,3 +77,17 @@ def test_public_surface_is_explicit(package: str) -> None:
     for name in exported:
         assert hasattr(mod, name), f"{package}.__all__ names missing {name}"
         assert not name.startswith("_") or name == "__version__"
+
+
+def test_the_edge_reaches_the_api_surfaces_only_through_iop_api() -> None:
+    """Protocol lives in iop.api; iop.edge (routing, HTTP, the link) uses only its
+    public names, so no request parsing, encoder or error vocabulary creeps back."""
+    edge_dir = Path(importlib.import_module("iop.edge").__file__ or "").parent
+    bad = []
+    for path in sorted(edge_dir.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            bad += [f"{path.name}: {n}" for n in names if n.startswith("iop.api.")]
+    assert bad == []

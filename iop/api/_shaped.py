@@ -55,7 +55,10 @@ class ShapedDone(msgspec.Struct, frozen=True, kw_only=True):
         calls: The tool calls to send, normalised.
         usage: Token counts.
         content: The whole answer text as shaped (what the text events said).
-        reasoning: The whole reasoning as shaped.
+            Empty when the shaper was told not to keep the text
+            (``OutputShaper(keep_text=False)``, for streams that never
+            repeat it) and was not buffered.
+        reasoning: The whole reasoning as shaped (same rule).
     """
 
     finish_reason: FinishReason
@@ -74,6 +77,8 @@ class ShapedFailed(msgspec.Struct, frozen=True, kw_only=True):
         message: Safe to show a client.
         reason: The cancel reason, when the run was cancelled.
         usage: What the run had produced (estimated when cancelled).
+        param: The request parameter at fault, when the backend named one
+            (a context overflow is ``messages``).
     """
 
     status: int
@@ -81,6 +86,7 @@ class ShapedFailed(msgspec.Struct, frozen=True, kw_only=True):
     message: str
     reason: CancelReason | None = None
     usage: Usage = Usage()
+    param: str | None = None
 
 
 Shaped = ShapedText | ShapedReasoning | ShapedDone | ShapedFailed

@@ -29,7 +29,17 @@ Lifecycle, as the HTTP layer drives it::
         col.feed(event) ...; status, body = col.result()
 
 A run that ends before any output gets a real HTTP status from
-``error_body`` (the edge commits headers only with the first output).
+``error_body`` (the edge commits headers only with the first output), with
+the status, code and message of ``iop.api._output.shape_failure``. An
+encoder or collector that also has a ``summary()`` method gets it logged
+(at debug) when the response closes.
+
+The edge routes a surface with one line in ``iop.edge._app.surface_routes``::
+
+    SurfaceRoute("/v1/chat/completions", CHAT)                 # Bearer key
+    SurfaceRoute("/v1/messages", MESSAGES, key_of=some_reader)  # e.g. x-api-key
+
+where ``key_of`` reads the client's API key from the (lower-cased) headers.
 """
 
 from __future__ import annotations
@@ -122,6 +132,10 @@ class Surface(Protocol):
 
     def parse(self, body: bytes, headers: Mapping[str, str]) -> Call:
         """Decode and check a request body.
+
+        ``headers`` are the request's headers, names lower-cased
+        (``anthropic-version``, ``anthropic-beta``...). The API key was
+        checked before (the route's key reader, ``iop.edge._app``).
 
         Raises:
             RequestError: A 4xx with the surface's wording and ``param``.

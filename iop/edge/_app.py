@@ -1,12 +1,21 @@
 """The edge's HTTP face: a quart-trio app over an ``EdgeCore``.
 
-Routes: ``POST /v1/chat/completions`` (streaming and not), ``GET /v1/models``,
-``GET /healthz``, ``GET /readyz``, ``GET /metrics``, the admin pages
-(``GET /admin`` as HTML, or its login form; ``POST /admin/login`` and
-``/admin/logout``; ``GET /admin/nodes`` as JSON: ``_admin_auth`` says who may
-open them) and the node link WebSocket ``/v1/link``. Every error a client sees
-is OpenAI's error body with the right status; the one HTML answer to a
-refused request is ``/admin``'s login form, for people.
+Routes: the API surfaces (``POST /v1/chat/completions``, streaming and not:
+``iop.api.chat``), ``GET /v1/models``, ``GET /healthz``, ``GET /readyz``,
+``GET /metrics``, the admin pages (``GET /admin`` as HTML, or its login form;
+``POST /admin/login`` and ``/admin/logout``; ``GET /admin/nodes`` as JSON:
+``_admin_auth`` says who may open them) and the node link WebSocket
+``/v1/link``. Every error a client sees is its API's error body (OpenAI's,
+except on a surface route whose surface has its own) with the right status;
+the one HTML answer to a refused request is ``/admin``'s login form, for
+people.
+
+Every surface is served by one handler (``serve`` in ``create_edge_app``),
+so adding one is one ``SurfaceRoute(path, surface, key_of)`` line in
+``surface_routes``: the
+surface (``iop.api.Surface``, sans-IO) parses the body and turns the run's
+events into bytes; this module only reads the body, checks the API key,
+starts the run and writes what comes back.
 
 Streaming (trio-stack.md §2): the response body is an async generator that
 only awaits the run's channel and yields bytes; no ``yield`` sits inside a
@@ -38,8 +47,8 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import AsyncGenerator
-from typing import Final
+from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from typing import Final, NamedTuple, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
 import msgspec
@@ -48,15 +57,16 @@ from quart import Response, request, websocket
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
-from iop.api.chat._encode import (
-    ChatCompletionCollector,
-    ChatCompletionStream,
-    cancel_message,
-    cancel_status,
-    error_body,
-    openai_error_type,
+from iop.api import (
+    CHAT,
+    ChatSurface,
+    Collector,
+    RunContext,
+    StreamEncoder,
+    Surface,
+    model_list_body,
+    shape_failure,
 )
-from iop.api.chat._request import parse_chat_request
 from iop.edge._admin_auth import COOKIE_NAME, AdminGate, Verdict, key_matches
 from iop.edge._admin_page import render_admin_page, render_login_page
 from iop.edge._core import EdgeCore
@@ -104,15 +114,56 @@ def _error(
     code: str | None = None,
     param: str | None = None,
     headers: dict[str, str] | None = None,
+    surface: Surface = CHAT,
 ) -> Response:
-    body = error_body(message, type=openai_error_type(status), code=code, param=param)
-    return _json_response(body, status, headers)
+    """An error response in ``surface``'s shape (OpenAI's unless a route says otherwise)."""
+    sent, body = surface.error_body(status, message, code=code, param=param)
+    return _json_response(body, sent, headers)
 
 
-def _from_exc(exc: IopError) -> Response:
+def _from_exc(exc: IopError, surface: Surface = CHAT) -> Response:
     headers = {"Retry-After": "1"} if exc.status == 429 else None
     param = exc.param if isinstance(exc, RequestError) else None
-    return _error(exc.status, exc.message, code=exc.code, param=param, headers=headers)
+    return _error(
+        exc.status, exc.message, code=exc.code, param=param, headers=headers, surface=surface
+    )
+
+
+KeyReader = Callable[[Mapping[str, str]], str]
+"""How a route finds the client's API key in the request's (lower-cased) headers."""
+
+
+def bearer_key(headers: Mapping[str, str]) -> str:
+    """The key of ``Authorization: Bearer <key>`` (OpenAI's way), or ``""``."""
+    auth = headers.get("authorization", "")
+    return auth[7:] if auth.startswith("Bearer ") else ""
+
+
+def _headers() -> dict[str, str]:
+    """The request's headers, names lower-cased (what ``Surface.parse`` gets)."""
+    return {name.lower(): value for name, value in request.headers.items()}
+
+
+class SurfaceRoute(NamedTuple):
+    """One API surface the edge serves: ``POST path``, the key read by ``key_of``."""
+
+    path: str
+    surface: Surface
+    key_of: KeyReader = bearer_key
+
+
+def surface_routes(core: EdgeCore) -> list[SurfaceRoute]:
+    """The API surfaces the edge serves. Adding one is one line here; a surface
+    that keeps state (a response store) is built here from ``core.config``."""
+    server = core.config.server
+    return [SurfaceRoute("/v1/chat/completions", ChatSurface(max_depth=server.max_json_depth))]
+
+
+@runtime_checkable
+class _Summarised(Protocol):
+    """An encoder or collector with a close-log summary (chat's ``StreamSummary``)."""
+
+    def summary(self) -> object: ...
 
 
 # --- /admin: see _admin_auth for the rules ---------------------------------------------
@@ -261,8 +312,13 @@ class _WebSocketChannel:
                 log.debug("closing node websocket: %r", exc)
 
 
-def create_edge_app(core: EdgeCore) -> QuartTrio:
-    """The edge's ASGI app, serving ``core``."""
+def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = None) -> QuartTrio:
+    """The edge's ASGI app, serving ``core``.
+
+    Args:
+        core: The edge's node links, scheduler and runs.
+        routes: The API surfaces to serve; ``surface_routes(core)`` when None.
+    """
     cfg = core.config
     app = QuartTrio("iop.edge")
     # Quart's 60 s response timeout would cut long streams silently
@@ -278,12 +334,12 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
         failures_per_minute=cfg.server.admin_login_failures_per_minute,
     )
 
-    def authorized() -> bool:
-        if not keys:
-            return True
-        auth = request.headers.get("Authorization", "")
-        token = auth[7:].encode() if auth.startswith("Bearer ") else b""
-        return key_matches(token, keys)
+    # The API surfaces by route: errors on their routes (401, 404, 413...) take
+    # their shape. The routes themselves: ``surface_routes``.
+    surfaces: dict[str, Surface] = {}
+
+    def authorized(key: str) -> bool:
+        return not keys or key_matches(key.encode(), keys)
 
     def admin_verdict() -> Verdict:
         verdict = gate.check(request.cookies.get(COOKIE_NAME), request.headers.get("Authorization"))
@@ -304,12 +360,15 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
         # connection: after a "Connection: close" response the connection is
         # closed (from a shielded scope, _http1.py) and nothing more is read.
         headers = {"Connection": "close"} if status in (408, 413) else None
-        return _error(status, message, code=exc.name.lower().replace(" ", "_"), headers=headers)
+        code = exc.name.lower().replace(" ", "_")
+        surface = surfaces.get(request.path, CHAT)
+        return _error(status, message, code=code, headers=headers, surface=surface)
 
     @app.errorhandler(Exception)
     async def crash(exc: Exception) -> Response:
         log.error("unhandled error on %s %s", request.method, request.path, exc_info=exc)
-        return _error(500, "internal server error", code="internal_error")
+        surface = surfaces.get(request.path, CHAT)
+        return _error(500, "internal server error", code="internal_error", surface=surface)
 
     @app.get("/healthz")
     async def healthz() -> Response:
@@ -329,20 +388,10 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
 
     @app.get("/v1/models")
     async def models() -> Response:
-        if not authorized():
+        if not authorized(bearer_key(_headers())):
             return _error(401, "Incorrect API key provided.", code="invalid_api_key")
-        created = int(core.started_at)
-        data = [
-            {
-                "id": m.id,
-                "object": "model",
-                "created": created,
-                "owned_by": "iop",
-                "nodes": list(m.nodes),
-            }
-            for m in core.models()
-        ]
-        return _json_response(msgspec.json.encode({"object": "list", "data": data}))
+        body = model_list_body(((m.id, m.nodes) for m in core.models()), int(core.started_at))
+        return _json_response(body)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -411,46 +460,38 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
         )
         return resp
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions() -> Response:
-        if not authorized():
-            return _error(401, "Incorrect API key provided.", code="invalid_api_key")
-        unsupported = _unsupported_content_type(request.headers.get("Content-Type"))
+    async def serve(surface: Surface, key_of: KeyReader) -> Response:
+        """One request of ``surface``: parse, run, then stream or collect."""
+        headers = _headers()
+        if not authorized(key_of(headers)):
+            return _error(
+                401, "Incorrect API key provided.", code="invalid_api_key", surface=surface
+            )
+        unsupported = _unsupported_content_type(headers.get("content-type"))
         if unsupported is not None:
-            return unsupported
+            return _error(415, unsupported, code="unsupported_media_type", surface=surface)
         body = await request.get_data(cache=False)
         assert isinstance(body, bytes)
         try:
-            req = parse_chat_request(body, max_depth=cfg.server.max_json_depth)
-            spec = ExecutionSpec(run_id=new_run_id(), request=req, target=req.model)
+            call = surface.parse(body, headers)
+            spec = ExecutionSpec(
+                run_id=new_run_id(), request=call.request, target=call.request.model
+            )
             run = core.start_run(spec)
         except IopError as exc:
-            return _from_exc(exc)
-        policy = cfg.policy_for(req.model)
-        created = int(time.time())
-        completion_id = f"chatcmpl-{spec.run_id}"
-        if not req.stream:
-            return await _complete(
-                run,
-                ChatCompletionCollector(
-                    completion_id=completion_id,
-                    created=created,
-                    model=req.model,
-                    request=req,
-                    policy=policy,
-                ),
-            )
-        stream = ChatCompletionStream(
-            completion_id=completion_id,
-            created=created,
-            model=req.model,
-            request=req,
-            policy=policy,
+            return _from_exc(exc, surface)
+        ctx = RunContext(
+            run_id=spec.run_id, created=int(time.time()), policy=cfg.policy_for(call.request.model)
         )
-        handed_over = False
+        handed_over = False  # until then, leaving here cancels the run
         try:
+            if not call.stream:
+                collector = surface.collector(call, ctx)
+                handed_over = True  # _complete owns the run
+                return await _complete(run, collector)
+            stream = surface.stream(call, ctx)
             first = await _first_output(run, cfg.server.keepalive_interval_s)
-            early = _early_failure(first)
+            early = _early_failure(first, surface)
             if early is not None:
                 run.events.close()
                 return early
@@ -460,6 +501,20 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
         finally:
             if not handed_over:
                 run.cancel(*client_gone_reason())
+
+    def serve_surface(route: SurfaceRoute) -> None:
+        """Route ``POST route.path`` to its surface."""
+
+        async def view() -> Response:
+            return await serve(route.surface, route.key_of)
+
+        surfaces[route.path] = route.surface
+        app.add_url_rule(
+            route.path, endpoint=f"surface:{route.path}", view_func=view, methods=["POST"]
+        )
+
+    for route in surface_routes(core) if routes is None else routes:
+        serve_surface(route)
 
     @app.websocket(LINK_PATH)
     async def node_link() -> None:
@@ -477,8 +532,8 @@ def create_edge_app(core: EdgeCore) -> QuartTrio:
     return app
 
 
-def _unsupported_content_type(value: str | None) -> Response | None:
-    """A 415 for a body that does not say it is JSON, else None.
+def _unsupported_content_type(value: str | None) -> str | None:
+    """The message of a 415 for a body that does not say it is JSON, else None.
 
     ``application/json`` and ``application/*+json`` (any parameters) are
     JSON; so is a missing header (Python's ``requests`` and ``urllib`` send
@@ -493,11 +548,9 @@ def _unsupported_content_type(value: str | None) -> Response | None:
     mime = value.split(";", 1)[0].strip().lower()
     if mime == "application/json" or (mime.startswith("application/") and mime.endswith("+json")):
         return None
-    return _error(
-        415,
+    return (
         f"Unsupported Content-Type '{mime}': the request body must be JSON, sent with "
-        "'Content-Type: application/json' (curl: -H 'Content-Type: application/json').",
-        code="unsupported_media_type",
+        "'Content-Type: application/json' (curl: -H 'Content-Type: application/json')."
     )
 
 
@@ -522,24 +575,22 @@ class _RunBody:
         await self._gen.aclose()
 
 
-def _early_failure(first: list[RuntimeEvent]) -> Response | None:
+def _early_failure(first: list[RuntimeEvent], surface: Surface) -> Response | None:
     """An HTTP error for a run that ended before any output, else None."""
     if not first or any(not isinstance(e, Start) for e in first[:-1]):
         return None
     end = first[-1]
-    param = None
-    if isinstance(end, Error):
-        status, message, code, param = end.status, end.message, end.code, end.param
-    elif isinstance(end, Cancelled):
-        status, message, code = cancel_status(end.reason), cancel_message(end), end.reason.value
-    else:
+    if not isinstance(end, Error | Cancelled):
         return None
+    failed = shape_failure(end)
+    headers = {"Retry-After": "1"} if failed.status == 429 else None
     return _error(
-        status,
-        message,
-        code=code,
-        param=param,
-        headers={"Retry-After": "1"} if status == 429 else None,
+        failed.status,
+        failed.message,
+        code=failed.code,
+        param=failed.param,
+        headers=headers,
+        surface=surface,
     )
 
 
@@ -561,7 +612,7 @@ async def _first_output(run: Run, wait_s: float) -> list[RuntimeEvent]:
 
 
 async def _sse_body(
-    run: Run, stream: ChatCompletionStream, first: list[RuntimeEvent], keepalive_s: float
+    run: Run, stream: StreamEncoder, first: list[RuntimeEvent], keepalive_s: float
 ) -> AsyncGenerator[bytes, None]:
     """The SSE body: yields bytes only, never inside a cancel scope."""
     finished = False
@@ -604,10 +655,11 @@ async def _sse_body(
         if not finished:
             run.cancel(*client_gone_reason())
         run.events.close()
-        log.debug("stream %s closed: %s", run.run_id, stream.summary())
+        if isinstance(stream, _Summarised):
+            log.debug("stream %s closed: %s", run.run_id, stream.summary())
 
 
-async def _complete(run: Run, collector: ChatCompletionCollector) -> Response:
+async def _complete(run: Run, collector: Collector) -> Response:
     done = False
     try:
         async for ev in run.events:

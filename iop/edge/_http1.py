@@ -51,7 +51,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.events import Closed, Event
 from hypercorn.protocol.h11 import H11Protocol
 
-from iop.api.chat._encode import error_body, openai_error_type
+from iop.api import CHAT
 
 __all__ = ["EdgeH11Protocol", "EdgeHypercornConfig", "install"]
 
@@ -154,7 +154,7 @@ class EdgeH11Protocol(H11Protocol):
 
     async def _send_openai_error(self, status: int, message: str, code: str) -> None:
         """A complete response in OpenAI's error body, with ``Connection: close``."""
-        body = error_body(message, type=openai_error_type(status), code=code)
+        _, body = CHAT.error_body(status, message, code=code)
         headers = [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode()),

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 
 import trio
 
 from iop.config import EdgeConfig
-from iop.edge._app import LINK_PATH, create_edge_app
+from iop.edge._app import LINK_PATH, SurfaceRoute, create_edge_app
 from iop.edge._core import EdgeCore, open_edge_core
 from iop.edge._http1 import EdgeHypercornConfig, install
 from iop.edge._link_guard import LinkFrameGuard
@@ -37,6 +38,7 @@ async def serve_edge(
     config: EdgeConfig,
     *,
     shutdown: trio.Event | None = None,
+    routes: Sequence[SurfaceRoute] | None = None,
     task_status: trio.TaskStatus[EdgeHandle] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the edge until ``shutdown`` is set, then drain and return.
@@ -46,13 +48,16 @@ async def serve_edge(
     ``shutdown`` (their clients get a clean SSE error and ``[DONE]``), node
     links are closed with 1001, then hypercorn stops.
 
+    ``routes`` are the API surfaces to serve (``create_edge_app``'s default
+    when None).
+
     Raises:
         ListenError: ``server.host:server.port`` cannot be bound.
     """
     stop = shutdown if shutdown is not None else trio.Event()
     async with open_edge_core(config) as core:
         app = LinkFrameGuard(
-            create_edge_app(core),
+            create_edge_app(core, routes=routes),
             path=LINK_PATH,
             hello_limit=config.link.max_hello_bytes,
             max_queued=config.link_queued_bytes,

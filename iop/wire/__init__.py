@@ -2,12 +2,15 @@
 
 Nothing in this package does I/O or imports trio, httpx or quart
 (``tests/test_layers.py`` checks it). It is where SSE is framed, where OpenAI
-chat streams become RuntimeEvents, where backend error bodies are normalised
-and where tool calls are accumulated from deltas or parsed out of text.
+chat streams become RuntimeEvents, where backend error bodies are normalised,
+where tool calls are accumulated from deltas or parsed out of text, and where
+streamed text is held back until it is known not to be a tag (``<think>``, a
+tool-call opener).
 """
 
 from iop.wire._chunks import ChatChunk, ChunkToolCall
 from iop.wire._errors import ERROR_EXCERPT_BYTES, BackendErrorInfo, parse_error_body
+from iop.wire._holdback import HoldBack, Tags
 from iop.wire._openai_stream import ChatStreamParser, map_finish_reason
 from iop.wire._sse import (
     DEFAULT_MAX_LINE_BYTES,
@@ -35,9 +38,11 @@ __all__ = [
     "ChatChunk",
     "ChatStreamParser",
     "ChunkToolCall",
+    "HoldBack",
     "ParsedToolText",
     "SSEDecoder",
     "SSEEvent",
+    "Tags",
     "ToolCallAccumulator",
     "ToolTextFilter",
     "encode_comment",

@@ -4,7 +4,7 @@ When a backend has no tool-call parser (or the run uses the text-tool
 fallback), the model's tool calls arrive as plain ``content``. This module
 turns such text into ``ToolCall``s (``parse_tool_calls``) and, while the text
 streams, holds back anything that may be tool-call syntax so the client never
-sees it (``ToolTextFilter``). It is a port of seed 001's
+sees it (``ToolTextFilter``, on the shared hold-back of ``_holdback``). It is a port of seed 001's
 ``streamToolTextFilter``/``unstreamedCleanedText`` plus a parser for the
 formats vLLM's tool parsers recognise (protocols.md §1.9). Sans-IO: stdlib,
 msgspec and IOP's own types only.
@@ -76,7 +76,6 @@ from __future__ import annotations
 import enum
 import json
 import re
-import string
 from collections.abc import Sequence
 from typing import Any, Final, NamedTuple
 
@@ -84,6 +83,7 @@ import msgspec
 
 from iop.events import ToolCall
 from iop.spec import Tool
+from iop.wire._holdback import HoldBack, Tags
 
 __all__ = [
     "TOOL_CALL_OPENERS",
@@ -98,56 +98,12 @@ TOOL_CALL_OPENERS: Final[tuple[str, ...]] = ("<tool_call", "{{tool_call", "<func
 matched ASCII case-insensitively, ``{{tool_call`` exactly."""
 
 _CASE_INSENSITIVE_OPENERS: Final = frozenset({"<tool_call", "<function="})
-_LONGEST_OPENER: Final = max(len(o) for o in TOOL_CALL_OPENERS)
-# ASCII-only lower-casing keeps indexes aligned (str.lower() can change length:
-# "İ".lower() is two characters) and matches the parser's re.ASCII rules.
-_ASCII_LOWER: Final = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
-
-
-def _fold(s: str) -> str:
-    return s.translate(_ASCII_LOWER)
-
-
-def _first_opener_index(s: str) -> int:
-    """Index of the first opener occurring in ``s``, or -1."""
-    folded = _fold(s)
-    best = -1
-    for opener in TOOL_CALL_OPENERS:
-        hay = folded if opener in _CASE_INSENSITIVE_OPENERS else s
-        idx = hay.find(opener)
-        if idx >= 0 and (best < 0 or idx < best):
-            best = idx
-    return best
-
-
-def _is_opener_prefix(s: str) -> bool:
-    """True when ``s`` is a non-empty proper prefix of an opener."""
-    if not s:
-        return False
-    folded = _fold(s)
-    for opener in TOOL_CALL_OPENERS:
-        hay = folded if opener in _CASE_INSENSITIVE_OPENERS else s
-        if len(hay) < len(opener) and opener.startswith(hay):
-            return True
-    return False
-
-
-def _safe_release_len(s: str) -> int:
-    """Length of the head of ``s`` that is not the start of a possible opener.
-
-    Port of seed 001's ``streamToolTextSafeFlushLen``: the earliest suffix of
-    ``s`` that is a proper prefix of an opener is held back.
-    """
-    start = max(0, len(s) - _LONGEST_OPENER + 1)
-    # Hot path: every opener starts with "<" or "{"; a tail without either
-    # cannot hold an opener's prefix.
-    tail = s[start:]
-    if "<" not in tail and "{" not in tail:
-        return len(s)
-    for i in range(start, len(s)):
-        if _is_opener_prefix(s[i:]):
-            return i
-    return len(s)
+# The filter's hold-back: the one of ``iop.wire._holdback``, which ``<think>``
+# stripping uses too.
+_OPENER_TAGS: Final = Tags(
+    folded=_CASE_INSENSITIVE_OPENERS,
+    exact=[o for o in TOOL_CALL_OPENERS if o not in _CASE_INSENSITIVE_OPENERS],
+)
 
 
 # --- the streaming hold-back filter --------------------------------------------
@@ -182,16 +138,19 @@ class ToolTextFilter:
     The filter keeps no limit of its own on held text: the caller keeps the
     whole content anyway, to parse the calls out of it at the end, and bounds
     that (the edge's ``OutputPolicy.max_tool_text_chars``: past it, it
-    ``flush()``es and stops using the filter).
+    ``flush()``es and stops using the filter). Finding openers and holding a
+    possible opener prefix is ``iop.wire.HoldBack``'s job (the mechanism
+    ``<think>`` stripping shares); this class adds the whitespace rule and
+    holding everything after an opener.
     """
 
     def __init__(self) -> None:
         self._state = _FilterState.SCANNING
-        # SCANNING: held text is _space (whitespace only) then _tail (a proper
-        # opener prefix, or ""). Kept apart so that a long run of whitespace
-        # deltas costs linear, not quadratic, time.
+        # SCANNING: held text is _space (whitespace only) then what the
+        # hold-back keeps (a proper opener prefix, or ""). Kept apart so that a
+        # long run of whitespace deltas costs linear, not quadratic, time.
         self._space: list[str] = []
-        self._tail = ""
+        self._hold = HoldBack(_OPENER_TAGS)
         # HOLDING: everything from the whitespace before the opener on.
         self._held: list[str] = []
 
@@ -200,7 +159,7 @@ class ToolTextFilter:
         """The text held back so far."""
         if self._state is _FilterState.HOLDING:
             return "".join(self._held)
-        return "".join(self._space) + self._tail
+        return "".join(self._space) + self._hold.held
 
     @property
     def holding_call(self) -> bool:
@@ -213,30 +172,29 @@ class ToolTextFilter:
             if delta:
                 self._held.append(delta)
             return ""
-        # Openers hold no whitespace, so only _tail + delta can contain one.
-        core = self._tail + delta
-        idx = _first_opener_index(core)
-        cut = idx if idx >= 0 else _safe_release_len(core)
-        out = core[:cut].rstrip()
+        # [text, opener, rest...]: only the text before the first opener is
+        # released; openers hold no whitespace, so _space is never part of one.
+        parts = self._hold.split(delta)
+        text = parts[0]
+        out = text.rstrip()
         released = ""
         if out:
             released = "".join(self._space) + out
             self._space = []
-        if space := core[len(out) : cut]:
+        if space := text[len(out) :]:
             self._space.append(space)
-        if idx >= 0:
+        if len(parts) > 1:
             self._state = _FilterState.HOLDING
-            self._held = [*self._space, core[cut:]]
-            self._space, self._tail = [], ""
-        else:
-            self._tail = core[cut:]
+            self._held = [*self._space, *parts[1:], self._hold.flush()]
+            self._space = []
         return released
 
     def flush(self) -> str:
         """Return everything held back and reset the filter."""
         out = self.held
         self._state = _FilterState.SCANNING
-        self._space, self._tail, self._held = [], "", []
+        self._space, self._held = [], []
+        self._hold.flush()
         return out
 
 
@@ -295,7 +253,7 @@ class ParsedToolText(msgspec.Struct, frozen=True):
 
 
 # Every pattern is compiled with re.ASCII: case-insensitive matching and \s
-# then mean ASCII only, exactly like the filter's _fold. No pattern has anchors
+# then mean ASCII only, exactly like the filter's hold-back. No pattern has anchors
 # or look-behinds, so whether one matches at a position does not depend on where
 # the search started: that is what makes _Searcher's memo sound.
 _FLAGS: Final = re.ASCII

@@ -10,6 +10,7 @@ import json
 import pytest
 import trio
 
+from iop.api import ChatSurface
 from tests.api.chat.test_request import TOO_DEEP_BODIES
 from tests.edge._openai_schema import validate_error
 from tests.edge.test_app import CHAT, config, edge
@@ -290,7 +291,7 @@ async def test_every_error_the_edge_sends_is_openais_error_response(
         def broken(*_: object, **__: object) -> None:
             raise RuntimeError("a bug")
 
-        monkeypatch.setattr("iop.edge._app.parse_chat_request", broken)
+        monkeypatch.setattr(ChatSurface, "parse", broken)
         await post("500", _chat())
         monkeypatch.undo()
         nursery.cancel_scope.cancel()

@@ -18,7 +18,7 @@ import pytest
 import trio
 from hypothesis import HealthCheck, example, given, settings
 
-from iop.api.chat._encode import error_body, openai_error_type
+from iop.api._openai_errors import error_body, openai_error_type
 from iop.api.chat._request import parse_chat_request
 from iop.errors import RequestError
 from iop.events import Complete, Delta, Start, Usage

@@ -30,20 +30,16 @@ from hypothesis import strategies as st
 from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from iop.api.chat._encode import (
-    KEEPALIVE,
+from iop.api._openai_errors import cancel_status, error_body, openai_error_type
+from iop.api._output import (
     PREVIEW_CHARS,
-    ChatCompletionCollector,
-    ChatCompletionStream,
-    OutputPolicy,
-    cancel_status,
-    error_body,
     has_xml_tool_call,
     normalize_tool_calls,
-    openai_error_type,
     strip_think,
     wrap_xml_completion,
 )
+from iop.api.chat._encode import KEEPALIVE, ChatCompletionCollector, ChatCompletionStream
+from iop.config import OutputPolicy
 from iop.errors import InvariantError
 from iop.events import (
     Cancelled,
@@ -1035,7 +1031,7 @@ def test_sdk_reads_reasoning_and_content() -> None:
 
 
 def test_module_is_sans_io() -> None:
-    # Loaded by path, so the test holds whatever iop/edge/__init__.py imports.
+    # Loaded by path, so the test holds whatever iop/api/__init__.py imports.
     import iop.api.chat._encode as out_module
     import iop.api.chat._request as request_module
 

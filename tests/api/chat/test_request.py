@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from iop.api.chat._encode import error_body, openai_error_type
+from iop.api._openai_errors import error_body, openai_error_type
 from iop.api.chat._request import parse_chat_request
 from iop.errors import RequestError
 from iop.spec import (
