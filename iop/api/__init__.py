@@ -6,7 +6,9 @@
   surface, into the shaped events of ``_shaped``;
 * ``_openai_errors``: OpenAI's error body and IOP's failure statuses;
 * ``_models``: ``GET /v1/models``' body;
-* ``chat``: OpenAI Chat Completions (``CHAT``).
+* ``chat``: OpenAI Chat Completions (``CHAT``);
+* ``responses``: OpenAI Responses (``ResponsesSurface``, over a response store);
+* ``messages``: Anthropic Messages and count_tokens (``MESSAGES``).
 """
 
 from iop.api._models import model_list_body
@@ -14,13 +16,21 @@ from iop.api._output import OutputShaper, shape_failure
 from iop.api._shaped import Shaped, ShapedDone, ShapedFailed, ShapedReasoning, ShapedText
 from iop.api._surface import Call, Collector, RunContext, StreamEncoder, Surface
 from iop.api.chat import CHAT, ChatSurface
+from iop.api.messages import AUTH_FAILED as ANTHROPIC_AUTH_FAILED
+from iop.api.messages import MESSAGES, MessagesSurface
+from iop.api.messages import api_key as anthropic_api_key
+from iop.api.responses import ResponsesSurface
 
 __all__ = [
+    "ANTHROPIC_AUTH_FAILED",
     "CHAT",
+    "MESSAGES",
     "Call",
     "ChatSurface",
     "Collector",
+    "MessagesSurface",
     "OutputShaper",
+    "ResponsesSurface",
     "RunContext",
     "Shaped",
     "ShapedDone",
@@ -29,6 +39,7 @@ __all__ = [
     "ShapedText",
     "StreamEncoder",
     "Surface",
+    "anthropic_api_key",
     "model_list_body",
     "shape_failure",
 ]

@@ -58,12 +58,16 @@ from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
 from iop.api import (
+    ANTHROPIC_AUTH_FAILED,
     CHAT,
+    MESSAGES,
     ChatSurface,
     Collector,
+    ResponsesSurface,
     RunContext,
     StreamEncoder,
     Surface,
+    anthropic_api_key,
     model_list_body,
     shape_failure,
 )
@@ -83,6 +87,8 @@ __all__ = ["LINK_PATH", "create_edge_app"]
 
 # The node link's WebSocket endpoint.
 LINK_PATH: Final = "/v1/link"
+# Anthropic's token counting, beside its Messages route.
+COUNT_TOKENS_PATH: Final = "/v1/messages/count_tokens"
 
 _NO_OUTCOME: Final = Error(
     message="run ended without an outcome", status=500, code="internal_error"
@@ -144,19 +150,30 @@ def _headers() -> dict[str, str]:
     return {name.lower(): value for name, value in request.headers.items()}
 
 
+def anthropic_key(headers: Mapping[str, str]) -> str:
+    """The key of ``x-api-key`` (Anthropic's way) or a Bearer token, or ``""``."""
+    return anthropic_api_key(headers) or ""
+
+
 class SurfaceRoute(NamedTuple):
-    """One API surface the edge serves: ``POST path``, the key read by ``key_of``."""
+    """One API surface the edge serves: ``POST path``, the key read by ``key_of``,
+    and the message a missing or wrong key gets (in the surface's error body)."""
 
     path: str
     surface: Surface
     key_of: KeyReader = bearer_key
+    auth_failed: str = "Incorrect API key provided."
 
 
 def surface_routes(core: EdgeCore) -> list[SurfaceRoute]:
     """The API surfaces the edge serves. Adding one is one line here; a surface
     that keeps state (a response store) is built here from ``core.config``."""
     server = core.config.server
-    return [SurfaceRoute("/v1/chat/completions", ChatSurface(max_depth=server.max_json_depth))]
+    return [
+        SurfaceRoute("/v1/chat/completions", ChatSurface(max_depth=server.max_json_depth)),
+        SurfaceRoute("/v1/responses", ResponsesSurface.from_settings(core.config.responses)),
+        SurfaceRoute("/v1/messages", MESSAGES, anthropic_key, ANTHROPIC_AUTH_FAILED),
+    ]
 
 
 @runtime_checkable
@@ -460,13 +477,12 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         )
         return resp
 
-    async def serve(surface: Surface, key_of: KeyReader) -> Response:
-        """One request of ``surface``: parse, run, then stream or collect."""
+    async def serve(route: SurfaceRoute) -> Response:
+        """One request of ``route.surface``: parse, run, then stream or collect."""
+        surface = route.surface
         headers = _headers()
-        if not authorized(key_of(headers)):
-            return _error(
-                401, "Incorrect API key provided.", code="invalid_api_key", surface=surface
-            )
+        if not authorized(route.key_of(headers)):
+            return _error(401, route.auth_failed, code="invalid_api_key", surface=surface)
         unsupported = _unsupported_content_type(headers.get("content-type"))
         if unsupported is not None:
             return _error(415, unsupported, code="unsupported_media_type", surface=surface)
@@ -506,7 +522,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         """Route ``POST route.path`` to its surface."""
 
         async def view() -> Response:
-            return await serve(route.surface, route.key_of)
+            return await serve(route)
 
         surfaces[route.path] = route.surface
         app.add_url_rule(
@@ -515,6 +531,26 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
 
     for route in surface_routes(core) if routes is None else routes:
         serve_surface(route)
+
+    @app.post(COUNT_TOKENS_PATH)
+    async def count_tokens() -> Response:
+        """Anthropic's count_tokens: not a run; an estimate (``iop.api.messages``)."""
+        headers = _headers()
+        if not authorized(anthropic_key(headers)):
+            return _error(401, ANTHROPIC_AUTH_FAILED, code="invalid_api_key", surface=MESSAGES)
+        unsupported = _unsupported_content_type(headers.get("content-type"))
+        if unsupported is not None:
+            return _error(415, unsupported, code="unsupported_media_type", surface=MESSAGES)
+        body = await request.get_data(cache=False)
+        assert isinstance(body, bytes)
+        try:
+            counted = MESSAGES.parse_count_tokens(body)
+        except RequestError as exc:
+            return _from_exc(exc, MESSAGES)
+        status, out, extra = MESSAGES.count_tokens(counted)
+        return _json_response(out, status, extra)
+
+    surfaces[COUNT_TOKENS_PATH] = MESSAGES
 
     @app.websocket(LINK_PATH)
     async def node_link() -> None:

@@ -6,7 +6,6 @@
 * ``_errors``: Anthropic's error bodies and the status mapping.
 * ``_tokens``: count_tokens answers and the estimate.
 * ``_surface``: :data:`MESSAGES`, the ``iop.api.Surface``; auth and headers.
-* ``_shaping``: a stand-in for ``iop.api._output.OutputShaper`` (to go).
 
 ``docs/api.md``, "Anthropic Messages", says what is supported and how.
 """

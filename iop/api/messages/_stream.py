@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-A run's ``RuntimeEvent`` s go through the shaper (``_shaping.new_shaper``,
+A run's ``RuntimeEvent`` s go through the shaper (``iop.api.OutputShaper``,
 the output policy) and come out as shaped events (``iop.api._shaped``);
 :class:`MessagesStream` formats those as Anthropic's SSE stream and
 :class:`MessagesCollector` as one ``Message`` body. ``feed_many`` takes
@@ -63,10 +63,10 @@ from typing import Any, Final, assert_never
 
 import msgspec
 
+from iop.api._output import OutputShaper
 from iop.api._shaped import Shaped, ShapedDone, ShapedFailed, ShapedReasoning, ShapedText
 from iop.api.messages._errors import anthropic_error, error_body, error_event
 from iop.api.messages._request import MessagesRequest, ThinkingDisabled
-from iop.api.messages._shaping import new_shaper
 from iop.config import OutputPolicy
 from iop.errors import InvariantError
 from iop.events import FinishReason, RuntimeEvent, ToolCall, Usage
@@ -194,7 +194,7 @@ class MessagesStream:
     ) -> None:
         self._run_id = run_id
         self._model = model
-        self._shaper = new_shaper(request, policy, run_id)
+        self._shaper = OutputShaper(request, policy, run_id, keep_text=False)
         self._thinking = not isinstance(native.thinking, ThinkingDisabled)
         self._state = _State.FRESH
         self._index = -1  # of the last block started
@@ -382,7 +382,7 @@ class MessagesCollector:
     ) -> None:
         self._run_id = run_id
         self._model = model
-        self._shaper = new_shaper(request, policy, run_id)
+        self._shaper = OutputShaper(request, policy, run_id, buffered=True)
         self._thinking = not isinstance(native.thinking, ThinkingDisabled)
         self._result: tuple[int, bytes] | None = None
 

@@ -9,7 +9,7 @@ A run's output arrives as shaped events (``iop.api._shaped``)::
 :class:`ResponsesStream` formats them as OpenAI's Responses stream and
 :class:`ResponsesCollector` as one ``Response`` object. Both also take the
 run's ``RuntimeEvent`` s (the ``StreamEncoder`` / ``Collector`` interface of
-``iop.api._surface``), shaping them first with ``_shaping.make_shaper``.
+``iop.api._surface``), shaping them first with ``iop.api.OutputShaper``.
 
 The stream (every event is ``event: <type>`` + ``data: <json>``, each JSON
 carrying ``sequence_number``, 0, 1, 2, ... in order)::
@@ -72,10 +72,10 @@ from typing import Any, Final, Literal
 
 import msgspec
 
+from iop.api._openai_errors import error_body, openai_error_type, scrub
+from iop.api._output import OutputShaper
 from iop.api._shaped import Shaped, ShapedDone, ShapedFailed, ShapedReasoning, ShapedText
 from iop.api._surface import Call, RunContext
-from iop.api.responses._errors import error_body, scrub
-from iop.api.responses._shaping import make_shaper
 from iop.errors import InvariantError
 from iop.events import FinishReason, RuntimeEvent, ToolCall, Usage
 from iop.spec import FunctionCall, Message, MessageToolCall
@@ -439,7 +439,7 @@ class ResponsesStream:
         self._keep = keep if self._response.store else None
         self._clock = clock
         self._t0 = clock() if clock is not None else 0.0
-        self._shaper = make_shaper(call.request, ctx.policy, ctx.run_id)
+        self._shaper = OutputShaper(call.request, ctx.policy, ctx.run_id)
         self._state = _State.FRESH
         self._seq = 0
         self._output: list[_Item] = []
@@ -757,7 +757,9 @@ class ResponsesCollector:
         self._keep = keep if self._response.store else None
         self._clock = clock
         self._t0 = clock() if clock is not None else 0.0
-        self._shaper = make_shaper(call.request, ctx.policy, ctx.run_id)
+        # Buffered: a collector wants the whole policy applied at the end
+        # (XML completion wrapping), as chat's does.
+        self._shaper = OutputShaper(call.request, ctx.policy, ctx.run_id, buffered=True)
         self._result: tuple[int, bytes] | None = None
 
     @property
@@ -787,7 +789,12 @@ class ResponsesCollector:
         elif isinstance(event, ShapedFailed):
             self._result = (
                 event.status,
-                error_body(event.message, status=event.status, code=event.code),
+                error_body(
+                    event.message,
+                    type=openai_error_type(event.status),
+                    code=event.code,
+                    param=event.param,
+                ),
             )
 
     def _body(self, done: ShapedDone) -> bytes:

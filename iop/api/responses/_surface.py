@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Final
 
+from iop.api._openai_errors import error_status, openai_error
 from iop.api._surface import Call, RunContext, Surface
-from iop.api.responses._errors import clamp_status, error_body
 from iop.api.responses._output import (
     FunctionToolEcho,
     ReasoningEcho,
@@ -149,8 +149,7 @@ class ResponsesSurface:
         self, status: int, message: str, *, code: str | None = None, param: str | None = None
     ) -> tuple[int, bytes]:
         """OpenAI's error body, with ``status`` as it is (an error status, else 500)."""
-        status = clamp_status(status)
-        return status, error_body(message, status=status, code=code, param=param)
+        return openai_error(error_status(status), message, code=code, param=param)
 
     def _keep(self, response_id: str, conversation: tuple[Message, ...]) -> None:
         self._store.put(response_id, conversation, now=self._clock())
