@@ -110,11 +110,13 @@ from iop.events import (
     CancelReason,
     Complete,
     Delta,
+    EmbeddingData,
     Error,
     FinishReason,
     ReasoningDelta,
     RuntimeEvent,
     Start,
+    TokenCount,
     ToolCall,
     Usage,
 )
@@ -865,8 +867,8 @@ class ChatCompletionStream:
                 event.reason.value,
                 "cancelled",
             )
-        if isinstance(event, Start):
-            return b""
+        if isinstance(event, Start | EmbeddingData | TokenCount):
+            return b""  # a chat run has no other operation's output
         assert_never(event)
 
     def _abandon_tool_text(self) -> str:
