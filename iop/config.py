@@ -624,6 +624,8 @@ class EmbeddedBackend(_Config, frozen=True, kw_only=True):
         threads: llama.cpp threads (1 keeps it fast on a shared machine).
         parallel: llama.cpp slots (concurrent runs).
         ctx: Total context, split across slots.
+        embeddings: Also serve ``/v1/embeddings`` from llama.cpp (its
+            ``--embeddings``, mean pooling) and advertise the operation.
         sim: The simulated backend's settings (``kind = "sim"``, or the
             fallback), e.g. its scripted tool mode for agent tests.
     """
@@ -632,6 +634,8 @@ class EmbeddedBackend(_Config, frozen=True, kw_only=True):
     threads: int = 1
     parallel: int = 2
     ctx: int = 4096
+    # Off by default: most clients of `iop up` chat, and the model is a chat model.
+    embeddings: bool = False
     # A human-watchable pace for a demo: 50 tokens/s after 50 ms.
     sim: SimConfig = SimConfig(tokens_per_s=50.0, ttft_s=0.05)
 
