@@ -233,11 +233,33 @@ async def test_embeddings_count_mismatch_is_a_protocol_error() -> None:
     assert "1 embeddings for 2 inputs" in end.message
 
 
-async def test_embeddings_run_cancelled_while_waiting_closes_the_backend_socket() -> None:
+_STALLED_PATHS = {
+    "embedding": ("/v1/embeddings", Reply.json({"data": []}, stall_before_headers=True)),
+    "tokenize": ("/tokenize", Reply.json({"tokens": []}, stall_before_headers=True)),
+    # Text streams, then the server stalls mid-stream.
+    "completion": (
+        "/v1/completions",
+        Reply.sse(
+            b'data: {"choices":[{"index":0,"text":"a","finish_reason":null}]}\n\n' * 3,
+            stall_after_bytes=60,
+        ),
+    ),
+}
+_REQUESTS: dict[str, OperationRequest] = {
+    "embedding": EmbeddingRequest(model="m", inputs=["x"]),
+    "tokenize": TokenizeRequest(model="m", prompt="x"),
+    "completion": CompletionRequest(model="m", prompt="x", max_tokens=50),
+}
+
+
+@pytest.mark.parametrize("make", [vllm, compat])
+@pytest.mark.parametrize("operation", sorted(_REQUESTS))
+async def test_cancelled_run_closes_the_backend_socket(make: object, operation: str) -> None:
+    path, reply = _STALLED_PATHS[operation]
     async with open_fake_backend() as fb:
-        fb.script("/v1/embeddings", Reply.json({"data": []}, stall_before_headers=True))
-        adapter = vllm(fb.url)
-        spec = ExecutionSpec(run_id="r1", request=EmbeddingRequest(model="m", inputs=["x"]))
+        fb.script(path, reply)
+        adapter = make(fb.url)  # type: ignore[operator]
+        spec = ExecutionSpec(run_id="r1", request=_REQUESTS[operation])
         events: list[RuntimeEvent] = []
         async with open_run_supervisor() as sup:
             handle = sup.start_run(adapter, spec, DEADLINES)
