@@ -71,6 +71,7 @@ from iop.spec import (
     Message,
     Operation,
     TokenizeRequest,
+    Tool,
 )
 from iop.wire._errors import ERROR_EXCERPT_BYTES, excerpt, openai_error_code, parse_error_body
 from iop.wire._openai_stream import ChatStreamParser
@@ -591,7 +592,8 @@ class HTTPBackend:
     async def execute_completion(self, spec: ExecutionSpec, send: EventSender) -> None:
         """A legacy completion: ``POST /v1/completions``, streamed as deltas."""
         request = spec.request
-        assert isinstance(request, CompletionRequest)
+        if not isinstance(request, CompletionRequest):
+            raise InvariantError(f"completion executed for a {spec.operation} run")
         model = require_model(self.kind, spec)
         await send.send(Start(target=model))
         body = build_completion_body(request, model=model)
@@ -606,7 +608,8 @@ class HTTPBackend:
     async def execute_embedding(self, spec: ExecutionSpec, send: EventSender) -> None:
         """Embeddings: ``POST /v1/embeddings`` (bounded read), one event per input."""
         request = spec.request
-        assert isinstance(request, EmbeddingRequest)
+        if not isinstance(request, EmbeddingRequest):
+            raise InvariantError(f"embedding executed for a {spec.operation} run")
         model = require_model(self.kind, spec)
         if not request.inputs:
             raise RequestError("`input` must not be empty", param="input")
@@ -651,7 +654,8 @@ class HTTPBackend:
         ``openai_compat``, see the module docstring); the estimate where the
         server has no such endpoint."""
         request = spec.request
-        assert isinstance(request, TokenizeRequest)
+        if not isinstance(request, TokenizeRequest):
+            raise InvariantError(f"tokenize executed for a {spec.operation} run")
         model = require_model(self.kind, spec)
         if (request.prompt is None) == (request.messages is None):
             raise RequestError("a token count needs exactly one of prompt and messages")
@@ -669,17 +673,16 @@ class HTTPBackend:
         else:
             text = request.prompt
             if request.messages is not None:
-                text = await self._apply_template(model, request.messages)
+                text = await self._apply_template(model, request.messages, request.tools)
             count = (
                 None
                 if text is None
                 else await self._tokenize({"model": model, "content": text, "prompt": text})
             )
-        if count is None:
-            await send.send(TokenCount(count=estimate_tokens(request), estimated=True))
-        else:
-            await send.send(TokenCount(count=count))
-        await send.send(Complete(usage=Usage(input_tokens=count or 0, estimated=count is None)))
+        estimated = count is None
+        tokens = estimate_tokens(request) if count is None else count
+        await send.send(TokenCount(count=tokens, estimated=estimated))
+        await send.send(Complete(usage=Usage(input_tokens=tokens, estimated=estimated)))
 
     async def _post_small(self, path: str, body: Mapping[str, Any]) -> bytes | None:
         """POST ``body``; the 2xx body (bounded), None for "no such endpoint"."""
@@ -709,8 +712,13 @@ class HTTPBackend:
             return len(answer.tokens)
         raise BackendProtocolError(f"{self.kind} /tokenize answer has neither count nor tokens")
 
-    async def _apply_template(self, model: str, messages: list[Message]) -> str | None:
-        raw = await self._post_small("/apply-template", {"model": model, "messages": messages})
+    async def _apply_template(
+        self, model: str, messages: list[Message], tools: list[Tool] | None
+    ) -> str | None:
+        body: dict[str, Any] = {"model": model, "messages": messages}
+        if tools:
+            body["tools"] = tools  # llama.cpp renders them as its chat endpoint does
+        raw = await self._post_small("/apply-template", body)
         if raw is None:
             return None
         try:

@@ -50,9 +50,11 @@ from iop.spec import (
     CompletionRequest,
     EmbeddingRequest,
     ExecutionSpec,
+    FunctionDef,
     Message,
     OperationRequest,
     TokenizeRequest,
+    Tool,
 )
 from iop.testing import Reply, Split, open_fake_backend
 
@@ -303,10 +305,13 @@ async def test_openai_compat_tokenize_llamacpp_dialect() -> None:
     async with open_fake_backend() as fb:
         fb.script("/apply-template", Reply.json({"prompt": "<|user|>hi<|assistant|>"}))
         fb.script("/tokenize", Reply.json({"tokens": [1, 2, 3, 4, 5]}))
-        events = await run(compat(fb.url), TokenizeRequest(model="m", messages=MESSAGES))
+        tools = [Tool(function=FunctionDef(name="f", parameters={"type": "object"}))]
+        request = TokenizeRequest(model="m", messages=MESSAGES, tools=tools)
+        events = await run(compat(fb.url), request)
         template, tok = await fb.wait_requests(2, 5.0)
     assert template.path == "/apply-template"
     assert template.json["messages"] == msgspec.to_builtins(MESSAGES)
+    assert template.json["tools"] == msgspec.to_builtins(tools)
     assert tok.path == "/tokenize"
     assert tok.json["content"] == "<|user|>hi<|assistant|>"
     assert events[1] == TokenCount(count=5)
@@ -316,7 +321,7 @@ async def test_openai_compat_without_tokenizer_endpoints_estimates() -> None:
     async with open_fake_backend() as fb:  # every path is a 404
         events = await run(compat(fb.url), TokenizeRequest(model="m", prompt="x" * 40))
     assert events[1] == TokenCount(count=10, estimated=True)
-    assert events[-1] == Complete(usage=Usage(estimated=True))
+    assert events[-1] == Complete(usage=Usage(input_tokens=10, estimated=True))
 
 
 async def test_openai_compat_tokenize_against_a_vllm_style_server() -> None:
