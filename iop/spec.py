@@ -31,6 +31,7 @@ __all__ = [
     "ChatRequest",
     "CompletionRequest",
     "ContentPart",
+    "EmbeddingInput",
     "EmbeddingRequest",
     "ExecutionSpec",
     "FilePart",
@@ -43,6 +44,7 @@ __all__ = [
     "NamedToolChoice",
     "Operation",
     "OperationRequest",
+    "Prompt",
     "RefusalPart",
     "StreamOptions",
     "TextPart",
@@ -181,8 +183,9 @@ class StreamOptions(_Base, frozen=True):
 class ChatRequest(_Base, frozen=True, tag="chat", tag_field="op"):
     """An OpenAI chat-completions request, plus Ollama-style extensions.
 
-    Tagged ``"op": "chat"`` on the link; decoded on its own (a client's
-    body) the tag may be absent.
+    Tagged ``"op": "chat"`` on the link. Decoded on its own (a client's
+    body) the tag may be absent; a client body whose ``op`` is not ``"chat"``
+    does not decode (a 400 naming ``op``).
     """
 
     model: str
