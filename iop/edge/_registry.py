@@ -36,7 +36,7 @@ from iop.config import SchedulerSettings
 from iop.errors import IopError, RunAborted
 from iop.events import CancelReason, RuntimeEvent
 from iop.protocol import Credit, EdgeSession, encode
-from iop.spec import ChatRequest, OperationRequest
+from iop.spec import ChatRequest, CompletionRequest, OperationRequest
 
 __all__ = ["Lease", "NodeConnection", "NodeRegistry", "RemoteRun", "Scheduler", "affinity_key"]
 
@@ -203,18 +203,34 @@ class NodeRegistry:
 # prompt and the first user turn. Agent loops and chats resend them on every
 # turn, and they are what a backend's prefix cache holds.
 AFFINITY_HEAD_MESSAGES: Final = 2
+# The head of a legacy completion's prompt that makes its key: 2048
+# characters (or 512 token ids) hold a shared instruction or few-shot
+# preamble, what a prefix cache would reuse, and prompts that differ there
+# spread across instances like unrelated conversations.
+AFFINITY_PROMPT_HEAD_CHARS: Final = 2048
+AFFINITY_PROMPT_HEAD_IDS: Final = 512
 
 
 def affinity_key(request: OperationRequest) -> str | None:
     """A stable key for the conversation ``request`` belongs to.
 
-    The client's ``user`` field when set (an explicit session), else for chat
-    a hash of the model and the conversation's head messages. Other
-    operations without ``user`` have no conversation: None.
+    The client's ``user`` field when set (an explicit session), else a hash
+    of the model and the conversation's head messages (chat) or the prompt's
+    head (legacy completions). Embeddings and token counts without ``user``
+    have no conversation and no prefix to reuse: None.
     """
     user = getattr(request, "user", None)
     if user:
         return f"user:{request.model}:{user}"
+    if isinstance(request, CompletionRequest):
+        prompt = request.prompt
+        cut = (
+            prompt[:AFFINITY_PROMPT_HEAD_CHARS]
+            if isinstance(prompt, str)
+            else prompt[:AFFINITY_PROMPT_HEAD_IDS]
+        )
+        digest = hashlib.blake2b(msgspec.json.encode([request.model, cut]), digest_size=16)
+        return "prompt:" + digest.hexdigest()
     if not isinstance(request, ChatRequest):
         return None
     head = msgspec.json.encode([request.model, request.messages[:AFFINITY_HEAD_MESSAGES]])

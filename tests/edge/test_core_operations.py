@@ -17,7 +17,7 @@ from iop.capabilities import Capabilities, ProviderStatus
 from iop.edge import open_edge_core
 from iop.errors import RequestError
 from iop.events import Complete, EmbeddingData, Start, TokenCount, Usage
-from iop.spec import EmbeddingRequest, ExecutionSpec, TokenizeRequest
+from iop.spec import CompletionRequest, EmbeddingRequest, ExecutionSpec, TokenizeRequest
 from tests.edge.test_core import caps, config, connect, drain_events
 
 
@@ -118,3 +118,19 @@ async def test_embedding_failover_before_the_first_vector(
         assert events[-1] == Complete()
         assert len([e for e in events if isinstance(e, EmbeddingData)]) == 2
         nursery.cancel_scope.cancel()
+
+
+def test_affinity_keys_of_the_other_operations() -> None:
+    from iop.edge._registry import AFFINITY_PROMPT_HEAD_CHARS, affinity_key
+
+    head = "x" * AFFINITY_PROMPT_HEAD_CHARS
+    key = affinity_key(CompletionRequest(model="m", prompt=head + "tail one"))
+    assert key is not None
+    assert key.startswith("prompt:")
+    assert affinity_key(CompletionRequest(model="m", prompt=head + "tail two")) == key
+    assert affinity_key(CompletionRequest(model="m", prompt="y" + head)) != key
+    assert affinity_key(CompletionRequest(model="m", prompt=[1, 2])) != key
+    assert affinity_key(CompletionRequest(model="m", prompt="p", user="bob")) == "user:m:bob"
+    assert affinity_key(EmbeddingRequest(model="m", inputs=["a"])) is None
+    assert affinity_key(EmbeddingRequest(model="m", inputs=["a"], user="u")) == "user:m:u"
+    assert affinity_key(TokenizeRequest(model="m", prompt="a")) is None
