@@ -13,6 +13,8 @@ import struct
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from iop.api import Surface
 from iop.api._surface import Call, RunContext
@@ -178,3 +180,23 @@ def test_missing_or_misordered_vectors_are_a_502() -> None:
 def test_embeddings_have_no_stream() -> None:
     with pytest.raises(InvariantError):
         SURFACE.stream(parse(), CTX)
+
+
+_VECTORS = st.lists(
+    st.lists(st.floats(width=32, allow_nan=False, allow_infinity=False), min_size=1, max_size=6),
+    min_size=1,
+    max_size=5,
+)
+
+
+@given(_VECTORS)
+def test_any_vectors_give_a_valid_body_and_base64_equals_float(vectors: list[list[float]]) -> None:
+    events: list[RuntimeEvent] = [Start(), *(EmbeddingData.of(i, v) for i, v in enumerate(vectors))]
+    events.append(Complete(usage=Usage(input_tokens=len(vectors))))
+    inputs = [f"t{i}" for i in range(len(vectors))]
+    _, as_floats = collect(parse(input=inputs), events)
+    _, as_base64 = collect(parse(input=inputs, encoding_format="base64"), events)
+    validate_embeddings(as_floats)
+    for f, b, v in zip(as_floats["data"], as_base64["data"], vectors, strict=True):
+        raw = base64.b64decode(b["embedding"])
+        assert list(struct.unpack(f"<{len(v)}f", raw)) == f["embedding"] == v
