@@ -76,6 +76,10 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
             secret-free: host and port, never URL paths, headers or
             bodies. Added after the first release; a peer that predates it
             decodes without it (and sends none: "").
+        operations: The operations the instance serves
+            (``iop.spec.OPERATIONS``: ``chat``, ``completion``,
+            ``embedding``, ``tokenize``). A peer that predates the field
+            decodes as chat-only, the only operation it had.
     """
 
     adapter: str
@@ -88,6 +92,11 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     request_timeout_s: float = 0.0
     provider_status: ProviderStatus = ProviderStatus.UNKNOWN
     provider_detail: str = ""
+    operations: tuple[str, ...] = ("chat",)
+
+    def serves(self, operation: str) -> bool:
+        """Whether the instance serves ``operation``."""
+        return operation in self.operations
 
 
 # Longest provider_detail a node sends: a status line, not a log excerpt.

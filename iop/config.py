@@ -24,10 +24,13 @@ from typing import Any, Final, Literal, TypeVar
 import msgspec
 
 from iop.errors import ConfigError
+from iop.spec import OPERATIONS
 
 __all__ = [
     "DEFAULT_MAX_CONCURRENCY",
+    "DEFAULT_MAX_EMBEDDING_BODY_BYTES",
     "DEFAULT_MAX_LINE_BYTES",
+    "DEFAULT_MAX_TOKENIZE_BODY_BYTES",
     "DEFAULT_MAX_TOOL_CALL_BYTES",
     "DEFAULT_PROBE_MAX_BODY_BYTES",
     "Deadlines",
@@ -74,6 +77,26 @@ DEFAULT_MAX_TOOL_CALL_BYTES: Final = 16 * 1024 * 1024
 # a broken or hostile server can make the node buffer each time.
 DEFAULT_PROBE_MAX_BODY_BYTES: Final = 4 * 1024 * 1024
 
+# 64 MiB: an /v1/embeddings answer is JSON floats, about 20 bytes each, so this
+# holds about 3.3M components: 800 inputs of 4096 dimensions, or 2048 inputs of
+# 1536. The whole body is decoded before its vectors are sent on, so the limit
+# bounds what one run can make the node buffer; bigger batches need a bigger
+# limit (or several requests).
+DEFAULT_MAX_EMBEDDING_BODY_BYTES: Final = 64 * 1024 * 1024
+# 1 MiB: a /tokenize answer lists every token id (about 7 bytes each), so this
+# counts prompts of about 150k tokens; the ids are read only to be counted.
+DEFAULT_MAX_TOKENIZE_BODY_BYTES: Final = 1024 * 1024
+
+
+def _check_operations(ops: list[str] | None) -> None:
+    if ops is None:
+        return
+    bad = [op for op in ops if op not in OPERATIONS]
+    if bad:
+        raise ValueError(f"unknown operations {bad}: expected some of {list(OPERATIONS)}")
+    if not ops:
+        raise ValueError("operations must not be empty (omit it for the adapter's default)")
+
 
 class _Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     pass
@@ -108,6 +131,10 @@ class InstanceBase(_Config, frozen=True, kw_only=True, tag_field="adapter"):
         queue_timeout_s: How long a run may wait for a slot.
         deadlines: Per-phase run deadlines.
         targets: Models to advertise when the backend cannot list them.
+        operations: The operations the instance serves (``chat``,
+            ``completion``, ``embedding``, ``tokenize``); None is the
+            adapter's default (``docs/configuration.md``). The edge places a
+            run only on an instance that lists its operation.
     """
 
     name: str
@@ -116,10 +143,12 @@ class InstanceBase(_Config, frozen=True, kw_only=True, tag_field="adapter"):
     queue_timeout_s: float = 30.0
     deadlines: Deadlines = Deadlines()
     targets: list[str] = []
+    operations: list[str] | None = None
 
     def __post_init__(self) -> None:
         if not self.name.strip():
             raise ValueError("name must not be empty")
+        _check_operations(self.operations)
         if self.max_concurrency <= 0:
             # Seed 003: a capacity <= 0 means "use the default".
             msgspec.structs.force_setattr(self, "max_concurrency", DEFAULT_MAX_CONCURRENCY)
@@ -144,6 +173,10 @@ class HTTPInstance(InstanceBase, frozen=True, kw_only=True):
             calls (ids, names, arguments) before the run fails.
         malformed_chunk_limit: Undecodable chunks tolerated (counted and
             reported) before the run fails.
+        max_embedding_body_bytes: Largest ``/v1/embeddings`` response read
+            from the backend; a bigger one fails the run (502).
+        max_tokenize_body_bytes: Largest ``/tokenize`` (or
+            ``/apply-template``) response read from the backend.
     """
 
     endpoint: str
@@ -154,9 +187,15 @@ class HTTPInstance(InstanceBase, frozen=True, kw_only=True):
     max_line_bytes: int = DEFAULT_MAX_LINE_BYTES
     max_tool_call_bytes: int = DEFAULT_MAX_TOOL_CALL_BYTES
     malformed_chunk_limit: int = 8
+    max_embedding_body_bytes: int = DEFAULT_MAX_EMBEDDING_BODY_BYTES
+    max_tokenize_body_bytes: int = DEFAULT_MAX_TOKENIZE_BODY_BYTES
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.max_embedding_body_bytes < 1:
+            raise ValueError("max_embedding_body_bytes must be >= 1")
+        if self.max_tokenize_body_bytes < 1:
+            raise ValueError("max_tokenize_body_bytes must be >= 1")
         # Seed 000/003 failed every run with "endpoint is required"; failing
         # at start-up names the key instead.
         if not self.endpoint.strip():
@@ -649,6 +688,8 @@ class EmbeddedBackend(_Config, frozen=True, kw_only=True):
         threads: llama.cpp threads (1 keeps it fast on a shared machine).
         parallel: llama.cpp slots (concurrent runs).
         ctx: Total context, split across slots.
+        embeddings: Also serve ``/v1/embeddings`` from llama.cpp (its
+            ``--embeddings``, mean pooling) and advertise the operation.
         sim: The simulated backend's settings (``kind = "sim"``, or the
             fallback), e.g. its scripted tool mode for agent tests.
     """
@@ -657,6 +698,8 @@ class EmbeddedBackend(_Config, frozen=True, kw_only=True):
     threads: int = 1
     parallel: int = 2
     ctx: int = 4096
+    # Off by default: most clients of `iop up` chat, and the model is a chat model.
+    embeddings: bool = False
     # A human-watchable pace for a demo: 50 tokens/s after 50 ms.
     sim: SimConfig = SimConfig(tokens_per_s=50.0, ttft_s=0.05)
 

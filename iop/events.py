@@ -2,12 +2,27 @@
 
 A run emits, in order::
 
-    Start  (Delta | ReasoningDelta)*  Terminal
+    Start  Output*  Terminal
 
 where Terminal is exactly one of ``Complete``, ``Error`` or ``Cancelled``. The
 runtime (``iop.runtime``) enforces that grammar; adapters only push events.
 An ``Error`` may also come without a ``Start`` when a run fails before the
-adapter reached its backend.
+adapter reached its backend. What the output is depends on the run's
+operation (``iop.spec.Operation``):
+
+=============  ==============================================================
+``chat``       ``(Delta | ReasoningDelta)*``
+``completion``  ``Delta*`` (the completion's text)
+``embedding``  ``EmbeddingData*``: one per input, in input order (``index``
+               0..n-1), then ``Complete`` with the prompt tokens in usage
+``tokenize``   ``TokenCount`` once, then ``Complete``
+=============  ==============================================================
+
+Every output event is one unit of the link's credit (``docs/protocol.md``),
+and the first one ends the run's first-token phase and forbids failover,
+whatever its type. An embedding is one event per input so that no frame
+grows with the batch: 2048 inputs of 4096 dimensions are 32 MiB of float32,
+one input's vector 16 KiB (the node cuts batches into frames that fit).
 
 Events are frozen ``msgspec.Struct``s forming one tagged union (tag field
 ``"type"``), so they cross the edge-node link as they are and are dispatched
@@ -17,6 +32,8 @@ by type, never by string keys. Don't subclass them.
 from __future__ import annotations
 
 import enum
+import struct
+from collections.abc import Sequence
 from typing import Final
 
 import msgspec
@@ -27,12 +44,15 @@ __all__ = [
     "Cancelled",
     "Complete",
     "Delta",
+    "EmbeddingData",
     "Error",
     "FinishReason",
+    "OutputEvent",
     "ReasoningDelta",
     "RuntimeEvent",
     "Start",
     "TerminalEvent",
+    "TokenCount",
     "ToolCall",
     "Usage",
     "is_terminal",
@@ -125,6 +145,43 @@ class ReasoningDelta(msgspec.Struct, frozen=True, tag="reasoning_delta", tag_fie
     text: str
 
 
+class EmbeddingData(msgspec.Struct, frozen=True, kw_only=True, tag="embedding", tag_field="type"):
+    """The vector of one input of an embedding run.
+
+    Attributes:
+        index: The input's position in the request (0..n-1, sent in order).
+        vector: The components as little-endian float32 bytes (4 per
+            component): exact for the float32 a model computes, a quarter
+            of a JSON or float64 msgpack encoding, and already what
+            OpenAI's ``encoding_format: "base64"`` sends.
+    """
+
+    index: int
+    vector: bytes
+
+    @classmethod
+    def of(cls, index: int, floats: Sequence[float]) -> EmbeddingData:
+        """The event for ``floats`` (rounded to float32)."""
+        return cls(index=index, vector=struct.pack(f"<{len(floats)}f", *floats))
+
+    def floats(self) -> list[float]:
+        """The components as Python floats (float32 values)."""
+        return list(struct.unpack(f"<{len(self.vector) // 4}f", self.vector))
+
+
+class TokenCount(msgspec.Struct, frozen=True, kw_only=True, tag="token_count", tag_field="type"):
+    """The answer of a tokenize run.
+
+    Attributes:
+        count: Tokens of the prompt or messages.
+        estimated: True when the backend has no tokenizer endpoint and the
+            count is IOP's estimate (about 4 characters per token).
+    """
+
+    count: int
+    estimated: bool = False
+
+
 class Complete(msgspec.Struct, frozen=True, kw_only=True, tag="complete", tag_field="type"):
     """The run finished successfully (terminal).
 
@@ -176,7 +233,11 @@ class Cancelled(msgspec.Struct, frozen=True, kw_only=True, tag="cancelled", tag_
     usage: Usage = Usage()
 
 
-RuntimeEvent = Start | Delta | ReasoningDelta | Complete | Error | Cancelled
+RuntimeEvent = (
+    Start | Delta | ReasoningDelta | EmbeddingData | TokenCount | Complete | Error | Cancelled
+)
+OutputEvent = Delta | ReasoningDelta | EmbeddingData | TokenCount
+"""The events between ``Start`` and the terminal one."""
 TerminalEvent = Complete | Error | Cancelled
 
 TERMINAL_EVENT_TYPES: Final = (Complete, Error, Cancelled)

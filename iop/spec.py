@@ -8,20 +8,31 @@ nothing the client sent is flattened away before it reaches the backend (seed
 keys IOP does not know are kept in ``extra_body`` and passed through to the
 backend (vLLM's ``top_k``, ``chat_template_kwargs``, ...).
 
+A run is one *operation* (``Operation``): a chat completion
+(``ChatRequest``), a legacy text completion (``CompletionRequest``), an
+embedding of inputs (``EmbeddingRequest``) or a token count
+(``TokenizeRequest``, for Anthropic's ``count_tokens``).
+``ExecutionSpec.request`` is one of them: a tagged union on the link (tag
+field ``"op"``, see ``docs/protocol.md``).
+
 All structs are frozen and use ``omit_defaults`` so that what goes to a
 backend is exactly what was set.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import msgspec
 
 __all__ = [
+    "OPERATIONS",
     "AudioPart",
     "ChatRequest",
+    "CompletionRequest",
     "ContentPart",
+    "EmbeddingInput",
+    "EmbeddingRequest",
     "ExecutionSpec",
     "FilePart",
     "FunctionCall",
@@ -31,11 +42,16 @@ __all__ = [
     "MessageToolCall",
     "NamedFunction",
     "NamedToolChoice",
+    "Operation",
+    "OperationRequest",
+    "Prompt",
     "RefusalPart",
     "StreamOptions",
     "TextPart",
+    "TokenizeRequest",
     "Tool",
     "ToolChoice",
+    "operation_of",
 ]
 
 
@@ -164,8 +180,13 @@ class StreamOptions(_Base, frozen=True):
 # --- the request ----------------------------------------------------------------
 
 
-class ChatRequest(_Base, frozen=True):
-    """An OpenAI chat-completions request, plus Ollama-style extensions."""
+class ChatRequest(_Base, frozen=True, tag="chat", tag_field="op"):
+    """An OpenAI chat-completions request, plus Ollama-style extensions.
+
+    Tagged ``"op": "chat"`` on the link. Decoded on its own (a client's
+    body) the tag may be absent; a client body whose ``op`` is not ``"chat"``
+    does not decode (a 400 naming ``op``).
+    """
 
     model: str
     messages: list[Message]
@@ -201,18 +222,112 @@ class ChatRequest(_Base, frozen=True):
         return [t.function.name for t in self.tools or ()]
 
 
+# A legacy completions prompt: text, or token ids (OpenAI's
+# CreateCompletionRequest also takes lists of them: the surface sends one
+# prompt per run, see ``iop.api.completions``).
+Prompt = str | list[int]
+
+
+class CompletionRequest(_Base, frozen=True, tag="completion", tag_field="op"):
+    """A legacy ``/v1/completions`` request: one prompt in, text out.
+
+    Streams like chat: ``Start Delta* Complete``. ``echo`` and ``logprobs``
+    are passed to the backend, which may refuse them; ``extra_body`` holds
+    the keys IOP does not model (vLLM's ``top_k``...), passed through.
+    """
+
+    model: str
+    prompt: Prompt
+    stream: bool = False
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int | None = None
+    echo: bool | None = None
+    logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    user: str | None = None
+    extra_body: dict[str, Any] | None = None
+
+
+# One ``/v1/embeddings`` input: text or token ids.
+EmbeddingInput = str | list[int]
+
+
+class EmbeddingRequest(_Base, frozen=True, tag="embedding", tag_field="op"):
+    """An ``/v1/embeddings`` request: each input becomes one vector.
+
+    ``inputs`` is always a list (OpenAI's single string or single id list is
+    one input). The node always asks its backend for floats; the edge
+    encodes them as the client asked (``encoding_format``), so the event
+    carries float32 bytes either way.
+    """
+
+    model: str
+    inputs: list[EmbeddingInput]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+    extra_body: dict[str, Any] | None = None
+
+
+class TokenizeRequest(_Base, frozen=True, tag="tokenize", tag_field="op"):
+    """Count the tokens of a prompt or of chat messages (Anthropic's
+    ``count_tokens``). Exactly one of ``prompt`` and ``messages`` is set;
+    ``tools`` are counted with the messages where the backend can.
+
+    Answered ``Start TokenCount Complete``.
+    """
+
+    model: str
+    prompt: str | None = None
+    messages: list[Message] | None = None
+    tools: list[Tool] | None = None
+
+
+OperationRequest = ChatRequest | CompletionRequest | EmbeddingRequest | TokenizeRequest
+"""What a run executes: one of the operations."""
+
+Operation = Literal["chat", "completion", "embedding", "tokenize"]
+"""An operation's name: its request's tag, and what ``Capabilities.operations`` lists."""
+
+OPERATIONS: Final[tuple[Operation, ...]] = ("chat", "completion", "embedding", "tokenize")
+
+
+def operation_of(request: OperationRequest) -> Operation:
+    """The operation ``request`` asks for (its tag)."""
+    if isinstance(request, CompletionRequest):
+        return "completion"
+    if isinstance(request, EmbeddingRequest):
+        return "embedding"
+    if isinstance(request, TokenizeRequest):
+        return "tokenize"
+    return "chat"
+
+
 class ExecutionSpec(_Base, frozen=True):
     """One run, as a node receives it.
 
     Attributes:
         run_id: Unique id of the run (also the completion id's suffix).
         target: The backend model to run on; empty means ``request.model``.
-        request: The client's request.
+        request: The operation and its request (a tagged union: ``"op"``).
     """
 
     run_id: str
-    request: ChatRequest
+    request: OperationRequest
     target: str = ""
+
+    @property
+    def operation(self) -> Operation:
+        """Which operation the run is (``chat``, ``completion``...)."""
+        return operation_of(self.request)
 
     @property
     def model(self) -> str:

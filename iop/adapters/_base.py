@@ -14,11 +14,11 @@ from __future__ import annotations
 from typing import ClassVar, Protocol
 
 from iop.capabilities import Capabilities, ProbeResult
-from iop.errors import RequestError
+from iop.errors import InvariantError, RequestError
 from iop.runtime import EventSender
-from iop.spec import ExecutionSpec
+from iop.spec import ChatRequest, ExecutionSpec
 
-__all__ = ["Adapter", "require_model_and_messages"]
+__all__ = ["Adapter", "require_model", "require_model_and_messages"]
 
 
 class Adapter(Protocol):
@@ -48,15 +48,27 @@ class Adapter(Protocol):
         ...
 
 
+def require_model(kind: str, spec: ExecutionSpec) -> str:
+    """The model to ask the backend for (any operation).
+
+    Raises:
+        RequestError: The run names no target or model.
+    """
+    model = spec.model
+    if not model:
+        raise RequestError(f"{kind} adapter: target/model is required", param="model")
+    return model
+
+
 def require_model_and_messages(kind: str, spec: ExecutionSpec) -> str:
     """Validate what every backend needs; return the model to ask for.
 
     Raises:
         RequestError: No target/model, or no messages (seed 000/003 order).
     """
-    model = spec.model
-    if not model:
-        raise RequestError(f"{kind} adapter: target/model is required", param="model")
+    model = require_model(kind, spec)
+    if not isinstance(spec.request, ChatRequest):
+        raise InvariantError(f"{kind} adapter: a {spec.operation} run is not chat")
     if not spec.request.messages:
         raise RequestError(f"{kind} adapter: messages are required", param="messages")
     return model

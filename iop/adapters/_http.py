@@ -1,5 +1,28 @@
 """HTTP plumbing shared by the adapters that speak OpenAI's wire format.
 
+Besides chat, every operation but chat is executed here, the same way for
+vLLM and any OpenAI-compatible server (``HTTPAdapter.execute`` dispatches on
+``spec.operation``):
+
+* ``completion``: ``POST /v1/completions``, streamed; the ``choices[0].text``
+  chunks go through the chat stream parser (``iop.wire._openai_stream``), so
+  framing, in-stream errors, usage and ``[DONE]`` are handled as for chat,
+  and non-2xx answers are mapped as for chat.
+* ``embedding``: ``POST /v1/embeddings``, not streamed; the body is read up
+  to ``max_embedding_body_bytes``, then one ``EmbeddingData`` per input.
+* ``tokenize``: ``POST /tokenize``. vLLM takes ``{"model", "prompt"}`` or
+  ``{"model", "messages"}`` and answers ``{"count", "tokens", ...}``;
+  llama.cpp takes ``{"content"}`` and answers ``{"tokens"}``, and renders
+  messages with ``POST /apply-template`` (``{"messages"}`` ->
+  ``{"prompt"}``). The ``openai_compat`` dialect sends ``content`` and
+  ``prompt`` both (each server ignores the key it does not know) and
+  counts ``count`` or else ``tokens``; a server with neither endpoint (404,
+  405, 501) gets IOP's estimate, flagged ``estimated``.
+
+Each request is made inside the run's cancel scope with the response in an
+``async with``: a cancelled run closes its connection, whatever it was
+waiting for.
+
 This is the boundary where httpx lives: every ``httpx`` exception is mapped
 here to the project's error tree (``raise ... from exc``) and nothing of
 httpx escapes to the runtime.
@@ -12,6 +35,7 @@ apply, as typed cancel reasons. Connect and write keep a transport timeout.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import logging
 import socket
@@ -24,6 +48,7 @@ import httpx
 import msgspec
 import trio
 
+from iop.adapters._base import require_model
 from iop.capabilities import Capabilities, ProbeResult, ProviderStatus, provider_detail
 from iop.config import HTTPInstance
 from iop.errors import (
@@ -33,19 +58,44 @@ from iop.errors import (
     BackendStreamError,
     BackendTimeout,
     BackendUnavailable,
+    InvariantError,
+    RequestError,
 )
+from iop.events import Complete, EmbeddingData, Start, TokenCount, Usage
 from iop.runtime import EventSender
-from iop.spec import ExecutionSpec
+from iop.spec import (
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    ExecutionSpec,
+    Message,
+    Operation,
+    TokenizeRequest,
+    Tool,
+)
 from iop.wire._errors import ERROR_EXCERPT_BYTES, excerpt, openai_error_code, parse_error_body
 from iop.wire._openai_stream import ChatStreamParser
 
 __all__ = [
+    "HTTP_OPERATIONS",
     "HTTPAdapter",
     "HTTPBackend",
     "build_chat_body",
+    "build_completion_body",
+    "estimate_tokens",
     "join_openai_path",
     "map_transport_error",
 ]
+
+# What an HTTP instance serves when its config lists no ``operations``:
+# every OpenAI-compatible server streams chat and legacy completions, and a
+# token count always has an answer (the estimate, without /tokenize).
+# Embeddings are opt-in: vLLM serves them only for pooling models, llama.cpp
+# only with --embeddings, and neither says so in /v1/models.
+HTTP_OPERATIONS: Final[tuple[Operation, ...]] = ("chat", "completion", "tokenize")
+
+# Statuses meaning "this server has no such endpoint": the tokenize estimate.
+_NO_ENDPOINT: Final = frozenset({404, 405, 501})
 
 log = logging.getLogger("iop.adapters")
 
@@ -112,6 +162,8 @@ def build_chat_body(
     adapter-owned fields, which always win.
     """
     req = spec.request
+    if not isinstance(req, ChatRequest):
+        raise InvariantError(f"chat body for a {spec.operation} run")
     body: dict[str, Any] = {}
     if req.options:
         body.update(req.options)
@@ -131,6 +183,58 @@ def build_chat_body(
     # Ask for the usage chunk: every backend here honours it (protocols.md §5).
     body["stream_options"] = {"include_usage": True}
     return body
+
+
+_COMPLETION_FIELDS: Final = (
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "stop",
+    "seed",
+    "n",
+    "echo",
+    "logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "suffix",
+    "best_of",
+    "user",
+)
+
+
+def build_completion_body(request: CompletionRequest, *, model: str) -> dict[str, Any]:
+    """The JSON body of an upstream streaming ``/v1/completions`` request.
+
+    Same precedence as chat: ``extra_body``, then the modelled fields, then
+    the adapter's own (model, prompt, stream, stream_options), which win.
+    """
+    body: dict[str, Any] = dict(request.extra_body or {})
+    for name in _COMPLETION_FIELDS:
+        value = getattr(request, name)
+        if value is not None:
+            body[name] = value
+    body["model"] = model
+    body["prompt"] = request.prompt
+    body["stream"] = True
+    body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def estimate_tokens(request: TokenizeRequest) -> int:
+    """IOP's token estimate, for backends without a tokenizer endpoint: about
+    4 characters per token (English BPE vocabularies) plus 4 tokens of
+    template per message, and the tools' JSON."""
+    chars = len(request.prompt or "")
+    extra = 0
+    for m in request.messages or ():
+        chars += len(m.text()) + len(m.role)
+        extra += 4
+        if m.tool_calls:
+            chars += len(msgspec.json.encode(m.tool_calls))
+    if request.tools:
+        chars += len(msgspec.json.encode(request.tools))
+    return (chars + 3) // 4 + extra
 
 
 def _os_error_under(exc: BaseException) -> OSError | None:
@@ -343,15 +447,22 @@ class HTTPBackend:
             request_timeout_s=self.cfg.deadlines.request_timeout_s or 0.0,
             provider_status=probe.status,
             provider_detail=provider_detail(probe.detail),
+            operations=tuple(self.cfg.operations or HTTP_OPERATIONS),
         )
 
     # --- chat ---------------------------------------------------------------
 
-    @asynccontextmanager
-    async def post_chat(
+    def post_chat(
         self, body: Mapping[str, Any], *, what: str
+    ) -> contextlib.AbstractAsyncContextManager[httpx.Response]:
+        """POST a streaming chat request (``post_json`` to ``/v1/chat/completions``)."""
+        return self.post_json("/v1/chat/completions", body, what=what)
+
+    @asynccontextmanager
+    async def post_json(
+        self, path: str, body: Mapping[str, Any], *, what: str
     ) -> AsyncIterator[httpx.Response]:
-        """POST a streaming chat request; yield the response with its body unread.
+        """POST a JSON request; yield the response with its body unread.
 
         Leaving the context closes the response, and with it the TCP
         connection if the body was not read to the end: that is what makes
@@ -364,7 +475,7 @@ class HTTPBackend:
         content = msgspec.json.encode(body)
         request = self._client.build_request(
             "POST",
-            self.url("/v1/chat/completions"),
+            self.url(path),
             content=content,
             headers=self.headers(json_body=True),
         )
@@ -455,6 +566,181 @@ class HTTPBackend:
             await send.send(parser.complete(text_tool_fallback=text_tool_fallback))
             await _drain(chunks)
 
+    # --- other operations ---------------------------------------------------
+
+    async def read_limited(self, response: httpx.Response, limit: int, key: str) -> bytes:
+        """A 2xx body, whole, or an error past ``limit`` bytes (decoded).
+
+        Raises:
+            BackendProtocolError: The body is bigger than ``limit`` (``key``
+                names the config key that sets it).
+            BackendStreamError: The body broke off.
+        """
+        buf = bytearray()
+        try:
+            async for piece in response.aiter_bytes():
+                buf += piece
+                if len(buf) > limit:
+                    # Leaving the response's context closes the connection unread.
+                    raise BackendProtocolError(
+                        f"{self.kind} response body exceeds {key}={limit} bytes"
+                    )
+        except httpx.HTTPError as exc:
+            raise map_transport_error(exc, f"{self.kind} response read failed") from exc
+        return bytes(buf)
+
+    async def execute_completion(self, spec: ExecutionSpec, send: EventSender) -> None:
+        """A legacy completion: ``POST /v1/completions``, streamed as deltas."""
+        request = spec.request
+        if not isinstance(request, CompletionRequest):
+            raise InvariantError(f"completion executed for a {spec.operation} run")
+        model = require_model(self.kind, spec)
+        await send.send(Start(target=model))
+        body = build_completion_body(request, model=model)
+        log.info("%s executing completion run_id=%s target=%s", self.kind, spec.run_id, model)
+        async with self.post_json(
+            "/v1/completions", body, what=f"{self.kind} request failed"
+        ) as response:
+            if not response.is_success:
+                raise self.http_error(response, await self.read_error_body(response))
+            await self.pump(response, send, run_id=spec.run_id)
+
+    async def execute_embedding(self, spec: ExecutionSpec, send: EventSender) -> None:
+        """Embeddings: ``POST /v1/embeddings`` (bounded read), one event per input."""
+        request = spec.request
+        if not isinstance(request, EmbeddingRequest):
+            raise InvariantError(f"embedding executed for a {spec.operation} run")
+        model = require_model(self.kind, spec)
+        if not request.inputs:
+            raise RequestError("`input` must not be empty", param="input")
+        await send.send(Start(target=model))
+        body: dict[str, Any] = dict(request.extra_body or {})
+        if request.dimensions is not None:
+            body["dimensions"] = request.dimensions
+        if request.user is not None:
+            body["user"] = request.user
+        body["model"] = model
+        body["input"] = request.inputs
+        # Floats always: the edge encodes what the client asked for.
+        body["encoding_format"] = "float"
+        limit = self.cfg.max_embedding_body_bytes
+        async with self.post_json(
+            "/v1/embeddings", body, what=f"{self.kind} request failed"
+        ) as response:
+            if not response.is_success:
+                raise self.http_error(response, await self.read_error_body(response))
+            raw = await self.read_limited(response, limit, "max_embedding_body_bytes")
+        try:
+            answer = msgspec.json.decode(raw, type=_EmbeddingList)
+        except msgspec.DecodeError as exc:
+            raise BackendProtocolError(
+                f"{self.kind} sent an invalid embeddings body: {exc}"
+            ) from exc
+        vectors = sorted(answer.data, key=lambda d: d.index)
+        if [d.index for d in vectors] != list(range(len(request.inputs))):
+            raise BackendProtocolError(
+                f"{self.kind} sent {len(vectors)} embeddings for {len(request.inputs)} inputs"
+            )
+        for item in vectors:
+            await send.send(_embedding_event(item))
+        prompt = answer.usage.prompt_tokens if answer.usage else None
+        usage = Usage(input_tokens=prompt or 0, estimated=prompt is None)
+        await send.send(Complete(usage=usage))
+
+    async def execute_tokenize(
+        self, spec: ExecutionSpec, send: EventSender, *, dialect: str
+    ) -> None:
+        """A token count: ``/tokenize`` in ``dialect`` (``vllm`` or
+        ``openai_compat``, see the module docstring); the estimate where the
+        server has no such endpoint."""
+        request = spec.request
+        if not isinstance(request, TokenizeRequest):
+            raise InvariantError(f"tokenize executed for a {spec.operation} run")
+        model = require_model(self.kind, spec)
+        if (request.prompt is None) == (request.messages is None):
+            raise RequestError("a token count needs exactly one of prompt and messages")
+        await send.send(Start(target=model))
+        count: int | None
+        if dialect == "vllm":
+            body: dict[str, Any] = {"model": model}
+            if request.messages is not None:
+                body["messages"] = request.messages
+                if request.tools:
+                    body["tools"] = request.tools
+            else:
+                body["prompt"] = request.prompt
+            count = await self._tokenize(body)
+        else:
+            text = request.prompt
+            if request.messages is not None:
+                text = await self._apply_template(model, request.messages, request.tools)
+            count = (
+                None
+                if text is None
+                else await self._tokenize({"model": model, "content": text, "prompt": text})
+            )
+        estimated = count is None
+        tokens = estimate_tokens(request) if count is None else count
+        await send.send(TokenCount(count=tokens, estimated=estimated))
+        await send.send(Complete(usage=Usage(input_tokens=tokens, estimated=estimated)))
+
+    async def _post_small(self, path: str, body: Mapping[str, Any]) -> bytes | None:
+        """POST ``body``; the 2xx body (bounded), None for "no such endpoint"."""
+        async with self.post_json(path, body, what=f"{self.kind} {path} failed") as response:
+            if response.status_code in _NO_ENDPOINT:
+                await self.read_error_body(response)
+                return None
+            if not response.is_success:
+                raise self.http_error(response, await self.read_error_body(response))
+            return await self.read_limited(
+                response, self.cfg.max_tokenize_body_bytes, "max_tokenize_body_bytes"
+            )
+
+    async def _tokenize(self, body: Mapping[str, Any]) -> int | None:
+        raw = await self._post_small("/tokenize", body)
+        if raw is None:
+            return None
+        try:
+            answer = msgspec.json.decode(raw, type=_TokenizeAnswer)
+        except msgspec.DecodeError as exc:
+            raise BackendProtocolError(
+                f"{self.kind} sent an invalid /tokenize body: {exc}"
+            ) from exc
+        if answer.count is not None:
+            return answer.count
+        if answer.tokens is not None:
+            return len(answer.tokens)
+        raise BackendProtocolError(f"{self.kind} /tokenize answer has neither count nor tokens")
+
+    async def _apply_template(
+        self, model: str, messages: list[Message], tools: list[Tool] | None
+    ) -> str | None:
+        body: dict[str, Any] = {"model": model, "messages": messages}
+        if tools:
+            body["tools"] = tools  # llama.cpp renders them as its chat endpoint does
+        raw = await self._post_small("/apply-template", body)
+        if raw is None:
+            return None
+        try:
+            return msgspec.json.decode(raw, type=_Rendered).prompt
+        except msgspec.DecodeError as exc:
+            raise BackendProtocolError(
+                f"{self.kind} sent an invalid /apply-template body: {exc}"
+            ) from exc
+
+
+def _embedding_event(item: _Embedding) -> EmbeddingData:
+    vector = item.embedding
+    if isinstance(vector, str):  # a server that sends base64 anyway
+        try:
+            data = base64.b64decode(vector, validate=True)
+        except ValueError as exc:
+            raise BackendProtocolError(f"embedding {item.index} is not base64: {exc}") from exc
+        if len(data) % 4:
+            raise BackendProtocolError(f"embedding {item.index} is not float32 data")
+        return EmbeddingData(index=item.index, vector=data)
+    return EmbeddingData.of(item.index, vector)
+
 
 async def _drain(chunks: AsyncIterator[bytes]) -> None:
     """Read what follows ``[DONE]`` (the chunked body's end) so the connection
@@ -491,6 +777,21 @@ class HTTPAdapter:
     async def capabilities(self) -> Capabilities:
         return await self._http.capabilities()
 
+    async def execute(self, spec: ExecutionSpec, send: EventSender) -> None:
+        """Run ``spec``: chat by the subclass, the other operations here."""
+        match spec.operation:
+            case "chat":
+                await self.execute_chat(spec, send)
+            case "completion":
+                await self._http.execute_completion(spec, send)
+            case "embedding":
+                await self._http.execute_embedding(spec, send)
+            case "tokenize":
+                await self._http.execute_tokenize(spec, send, dialect=self.kind)
+
+    async def execute_chat(self, spec: ExecutionSpec, send: EventSender) -> None:
+        raise NotImplementedError
+
     async def probe(self, target: str = "") -> ProbeResult:
         return await self._http.probe(target)
 
@@ -504,3 +805,26 @@ class _Model(msgspec.Struct, frozen=True):
 
 class _ModelList(msgspec.Struct, frozen=True):
     data: list[_Model] | None = None
+
+
+class _Embedding(msgspec.Struct, frozen=True):
+    index: int
+    embedding: list[float] | str
+
+
+class _EmbeddingUsage(msgspec.Struct, frozen=True):
+    prompt_tokens: int | None = None
+
+
+class _EmbeddingList(msgspec.Struct, frozen=True):
+    data: list[_Embedding]
+    usage: _EmbeddingUsage | None = None
+
+
+class _TokenizeAnswer(msgspec.Struct, frozen=True):
+    count: int | None = None
+    tokens: list[Any] | None = None
+
+
+class _Rendered(msgspec.Struct, frozen=True):
+    prompt: str

@@ -39,7 +39,7 @@ class OpenAICompatAdapter(HTTPAdapter):
         super().__init__(cfg, provider=cfg.provider, transport=transport)
         self.cfg = cfg
 
-    async def execute(self, spec: ExecutionSpec, send: EventSender) -> None:
+    async def execute_chat(self, spec: ExecutionSpec, send: EventSender) -> None:
         model = require_model_and_messages(self.kind, spec)
         await send.send(Start(target=model))
         body = build_chat_body(spec, model=model)

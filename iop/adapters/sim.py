@@ -19,6 +19,13 @@ same backend behaviour:
 ``malformed_chunk``          counted in ``Complete.malformed_chunks``
 ===========================  ====================================================
 
+Every operation is served (``Capabilities.operations`` lists them all, or the
+instance's ``operations``): ``completion`` plays the sim's completions script
+(``build_completion_script``: the same timing, stops, ``echo``, failures as
+the HTTP server's ``/v1/completions``), ``embedding`` sleeps the TTFT then
+sends ``embedding_vector`` of each input, ``tokenize`` counts with the toy
+tokenizer (``tokenize`` / ``tokenize_chat``, as the server's ``/tokenize``).
+
 A request the simulated vLLM refuses (its 400s: ``auto`` tool choice without
 a tool parser, invalid ``iop_sim`` overrides...) is a ``BackendHTTPError``
 too, as the vLLM adapter would report it. Unlike the HTTP server, the
@@ -32,22 +39,43 @@ from typing import ClassVar
 
 import trio
 
-from iop.adapters._base import require_model_and_messages
+from iop.adapters._base import require_model, require_model_and_messages
 from iop.capabilities import Capabilities, ProbeResult, ProviderStatus
 from iop.config import SimConfig, SimInstance
 from iop.errors import BackendHTTPError, BackendStreamError, RequestError
-from iop.events import Complete, Delta, FinishReason, ReasoningDelta, Start, ToolCall, Usage
+from iop.events import (
+    Complete,
+    Delta,
+    EmbeddingData,
+    FinishReason,
+    ReasoningDelta,
+    Start,
+    TokenCount,
+    ToolCall,
+    Usage,
+)
 from iop.runtime import EventSender
+from iop.sim import _completions as sim_completions
+from iop.sim import _embeddings as sim_embeddings
 from iop.sim._script import (
     ContentToken,
     ReasoningToken,
     SimScript,
     ToolArgs,
     ToolCallBegin,
+    apply_overrides,
     build_script,
 )
+from iop.sim._tokenizer import tokenize, tokenize_chat
 from iop.sim._vllm_wire import error_body, injected_http_error
-from iop.spec import ExecutionSpec
+from iop.spec import (
+    OPERATIONS,
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    ExecutionSpec,
+    TokenizeRequest,
+)
 from iop.wire._errors import excerpt, openai_error_code, parse_error_body
 
 __all__ = ["SimAdapter"]
@@ -87,6 +115,7 @@ class SimAdapter:
             queue_timeout_s=self.cfg.queue_timeout_s,
             request_timeout_s=self.cfg.deadlines.request_timeout_s or 0.0,
             provider_status=ProviderStatus.AVAILABLE,
+            operations=tuple(self.cfg.operations or OPERATIONS),
         )
 
     async def probe(self, target: str = "") -> ProbeResult:
@@ -105,18 +134,104 @@ class SimAdapter:
         return None
 
     async def execute(self, spec: ExecutionSpec, send: EventSender) -> None:
-        model = require_model_and_messages(self.kind, spec)
+        request = spec.request
+        model = (
+            require_model_and_messages(self.kind, spec)
+            if isinstance(request, ChatRequest)
+            else require_model(self.kind, spec)
+        )
         self.active_runs += 1
         try:
             await send.send(Start(target=model))
             try:
-                script = build_script(spec.request, self.cfg.sim)
+                if isinstance(request, ChatRequest):
+                    await self._play(build_script(request, self.cfg.sim), send)
+                elif isinstance(request, CompletionRequest):
+                    await self._complete(request, model, send)
+                elif isinstance(request, EmbeddingRequest):
+                    await self._embed(request, send)
+                else:
+                    await self._tokenize(request, send)
             except RequestError as exc:
                 body = error_body(exc.message, status=exc.status, param=exc.param)
                 raise _http_error(exc.status, exc.message, body) from exc
-            await self._play(script, send)
         finally:
             self.active_runs -= 1
+
+    async def _complete(self, request: CompletionRequest, model: str, send: EventSender) -> None:
+        """A legacy completion, as the sim server's ``/v1/completions`` plays it."""
+        extra = dict(request.extra_body or {})
+        sim_request = sim_completions.CompletionRequest(
+            model=model,
+            prompt=request.prompt,
+            max_tokens=(
+                sim_completions.DEFAULT_MAX_TOKENS
+                if request.max_tokens is None
+                else request.max_tokens
+            ),
+            stop=request.stop,
+            echo=bool(request.echo),
+            extra_body=extra or None,
+        )
+        script = sim_completions.build_completion_script(sim_request, self.cfg.sim)
+        cfg = script.config
+        injected = injected_http_error(cfg)
+        if injected is not None:
+            status, body = injected
+            await _sleep(cfg.ttft_s)
+            raise _http_error(status, f"sim: injected failure ({cfg.failure})", body)
+        if cfg.failure == "stall_before_first_byte":
+            await trio.sleep_forever()
+        (choice,) = script.choices  # one prompt per run
+        fail_at = min(max(cfg.fail_after_tokens, 0), len(choice.pieces) - 1)
+        malformed = 0
+        for i, piece in enumerate(choice.pieces):
+            if i == fail_at:
+                malformed += await _fail(cfg, piece.delay_s)
+            await _sleep(piece.delay_s)
+            if piece.text:
+                await send.send(Delta(piece.text))
+        await send.send(
+            Complete(
+                finish_reason=(
+                    FinishReason.LENGTH if choice.finish_reason == "length" else FinishReason.STOP
+                ),
+                usage=Usage(
+                    input_tokens=choice.prompt_tokens, output_tokens=choice.completion_tokens
+                ),
+                malformed_chunks=malformed,
+            )
+        )
+
+    async def _embed(self, request: EmbeddingRequest, send: EventSender) -> None:
+        """Embeddings: the TTFT, then ``embedding_vector`` of each input."""
+        cfg = apply_overrides(request.extra_body, self.cfg.sim)
+        sim_request = sim_embeddings.EmbeddingRequest(
+            model=request.model, input=list(request.inputs), dimensions=request.dimensions
+        )
+        inputs = sim_embeddings.check_embedding_request(sim_request, cfg)
+        injected = injected_http_error(cfg)
+        await _sleep(cfg.ttft_s)
+        if injected is not None:
+            status, body = injected
+            raise _http_error(status, f"sim: injected failure ({cfg.failure})", body)
+        if cfg.failure in ("stall_before_first_byte", "stall_mid_stream"):
+            await trio.sleep_forever()
+        for index, (text, _) in enumerate(inputs):
+            vector = sim_embeddings.embedding_vector(
+                text, dim=cfg.embedding_dim, seed=cfg.seed, dimensions=request.dimensions
+            )
+            await send.send(EmbeddingData.of(index, vector))
+        await send.send(Complete(usage=Usage(input_tokens=sum(n for _, n in inputs))))
+
+    async def _tokenize(self, request: TokenizeRequest, send: EventSender) -> None:
+        """A token count with the toy tokenizer (the server's ``/tokenize``)."""
+        if request.messages is not None:
+            ids = tokenize_chat(request.messages, tools=request.tools or ())
+        else:
+            ids = tokenize(request.prompt or "")
+        await send.send(TokenCount(count=len(ids)))
+        await send.send(Complete(usage=Usage(input_tokens=len(ids))))
 
     async def _play(self, script: SimScript, send: EventSender) -> None:
         cfg = script.config

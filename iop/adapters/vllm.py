@@ -29,7 +29,7 @@ from iop.adapters._http import HTTPAdapter, build_chat_body
 from iop.config import VllmInstance
 from iop.events import Start
 from iop.runtime import EventSender
-from iop.spec import ExecutionSpec
+from iop.spec import ChatRequest, ExecutionSpec
 from iop.wire._errors import parse_error_body
 from iop.wire._tool_prompt import (
     fallback_messages,
@@ -58,7 +58,7 @@ class VllmAdapter(HTTPAdapter):
         super().__init__(cfg, provider="vllm", transport=transport)
         self.cfg = cfg
 
-    async def execute(self, spec: ExecutionSpec, send: EventSender) -> None:
+    async def execute_chat(self, spec: ExecutionSpec, send: EventSender) -> None:
         model = require_model_and_messages(self.kind, spec)
         await send.send(Start(target=model))
         body = build_chat_body(spec, model=model, passthrough=_VLLM_PASSTHROUGH)
@@ -88,7 +88,9 @@ class VllmAdapter(HTTPAdapter):
             return response, False
         message = parse_error_body(error).message
 
-        tools = spec.request.tools
+        request = spec.request
+        assert isinstance(request, ChatRequest)
+        tools = request.tools
         if is_auto_tool_choice_error(message):
             forced = forced_tool_choice(tools)
             if forced is not None:
@@ -110,9 +112,7 @@ class VllmAdapter(HTTPAdapter):
                 for k, v in body.items()
                 if k not in ("tools", "tool_choice", "parallel_tool_calls")
             }
-            fallback["messages"] = fallback_messages(
-                spec.request.messages, tools, spec.request.tool_choice
-            )
+            fallback["messages"] = fallback_messages(request.messages, tools, request.tool_choice)
             response, error = await self._send(
                 stack, fallback, "vllm text tool fallback request failed"
             )

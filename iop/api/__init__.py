@@ -8,7 +8,9 @@
 * ``_models``: ``GET /v1/models``' body;
 * ``chat``: OpenAI Chat Completions (``CHAT``);
 * ``responses``: OpenAI Responses (``ResponsesSurface``, over a response store);
-* ``messages``: Anthropic Messages and count_tokens (``MESSAGES``).
+* ``messages``: Anthropic Messages and count_tokens (``MESSAGES``);
+* ``completions``, ``embeddings``: legacy completions and embeddings
+  (``COMPLETIONS``, ``EMBEDDINGS``), their own run operations.
 """
 
 from iop.api._models import model_list_body
@@ -16,6 +18,8 @@ from iop.api._output import OutputShaper, shape_failure
 from iop.api._shaped import Shaped, ShapedDone, ShapedFailed, ShapedReasoning, ShapedText
 from iop.api._surface import Call, Collector, RunContext, StreamEncoder, Surface
 from iop.api.chat import CHAT, ChatSurface
+from iop.api.completions import COMPLETIONS
+from iop.api.embeddings import EMBEDDINGS
 from iop.api.messages import AUTH_FAILED as ANTHROPIC_AUTH_FAILED
 from iop.api.messages import MESSAGES, MessagesSurface
 from iop.api.messages import api_key as anthropic_api_key
@@ -24,6 +28,8 @@ from iop.api.responses import ResponsesSurface
 __all__ = [
     "ANTHROPIC_AUTH_FAILED",
     "CHAT",
+    "COMPLETIONS",
+    "EMBEDDINGS",
     "MESSAGES",
     "Call",
     "ChatSurface",

@@ -106,11 +106,13 @@ from iop.events import (
     Cancelled,
     Complete,
     Delta,
+    EmbeddingData,
     Error,
     FinishReason,
     ReasoningDelta,
     RuntimeEvent,
     Start,
+    TokenCount,
     ToolCall,
 )
 from iop.spec import ChatRequest, Tool
@@ -586,8 +588,8 @@ class OutputShaper:
         if isinstance(event, Error | Cancelled):
             self._finished = True
             return [shape_failure(event)]
-        if isinstance(event, Start):
-            return []
+        if isinstance(event, Start | EmbeddingData | TokenCount):
+            return []  # a chat-like run has no other operation's output
         assert_never(event)
 
     def feed_many(self, events: Iterable[RuntimeEvent]) -> list[Shaped]:

@@ -50,8 +50,9 @@ from typing import Protocol
 import msgspec
 
 from iop.config import OutputPolicy
+from iop.errors import InvariantError
 from iop.events import RuntimeEvent
-from iop.spec import ChatRequest
+from iop.spec import ChatRequest, OperationRequest
 
 __all__ = ["Call", "Collector", "RunContext", "StreamEncoder", "Surface"]
 
@@ -60,18 +61,31 @@ class Call(msgspec.Struct, frozen=True, kw_only=True):
     """A parsed, valid request of some surface.
 
     Attributes:
-        request: What the run executes (for chat-like surfaces, the request
-            translated to a ``ChatRequest``).
+        request: What the run executes: for chat-like surfaces the request
+            translated to a ``ChatRequest``; legacy completions,
+            embeddings and token counts have their own operation requests
+            (``iop.spec.OperationRequest``).
         stream: The client asked for a streaming response.
         model: The model name the client asked for (shown back to it).
         native: The surface's own typed request, for its encoder and
             collector (e.g. the Responses ``input`` items to store).
     """
 
-    request: ChatRequest
+    request: OperationRequest
     stream: bool
     model: str
     native: object = None
+
+    @property
+    def chat(self) -> ChatRequest:
+        """``request`` of a chat-like surface (chat, Responses, Messages).
+
+        Raises:
+            InvariantError: The call carries another operation's request.
+        """
+        if not isinstance(self.request, ChatRequest):
+            raise InvariantError(f"a {type(self.request).__name__} is not a chat request")
+        return self.request
 
 
 class RunContext(msgspec.Struct, frozen=True, kw_only=True):

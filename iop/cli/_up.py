@@ -26,6 +26,7 @@ from iop._secrets import register_secrets, up_secrets
 from iop.cli._edge import describe_edge
 from iop.cli._signals import open_stop_signals
 from iop.config import (
+    EmbeddedBackend,
     InstanceConfig,
     NodeConfig,
     NodeEdge,
@@ -116,6 +117,28 @@ def _cmd_up(args: argparse.Namespace) -> int:
     return trio.run(_up, cfg)
 
 
+def llamacpp_settings(emb: EmbeddedBackend) -> LlamaCppSettings:
+    """How ``iop up`` runs the embedded llama.cpp server."""
+    return LlamaCppSettings(
+        threads=emb.threads, parallel=emb.parallel, ctx=emb.ctx, embeddings=emb.embeddings
+    )
+
+
+def llamacpp_instance(emb: EmbeddedBackend, url: str, alias: str) -> OpenAICompatInstance:
+    """The node's instance for the embedded llama.cpp server at ``url``."""
+    operations = ["chat", "completion", "tokenize"]
+    if emb.embeddings:
+        operations.insert(2, "embedding")
+    return OpenAICompatInstance(
+        name="llamacpp",
+        provider="llama.cpp",
+        endpoint=url,
+        max_concurrency=emb.parallel,
+        targets=[alias],
+        operations=operations,
+    )
+
+
 async def _embedded_instances(
     cfg: UpConfig, stack: AsyncExitStack, nursery: trio.Nursery
 ) -> list[InstanceConfig]:
@@ -124,18 +147,9 @@ async def _embedded_instances(
         reason = llamacpp_available()
         if reason is None:
             log.info("starting llama.cpp (SmolLM2-135M-Instruct) ...")
-            settings = LlamaCppSettings(threads=emb.threads, parallel=emb.parallel, ctx=emb.ctx)
-            endpoint = await nursery.start(serve_llamacpp, settings)
+            endpoint = await nursery.start(serve_llamacpp, llamacpp_settings(emb))
             log.info("llama.cpp ready at %s (model loaded in %.1fs)", endpoint.url, endpoint.load_s)
-            return [
-                OpenAICompatInstance(
-                    name="llamacpp",
-                    provider="llama.cpp",
-                    endpoint=endpoint.url,
-                    max_concurrency=emb.parallel,
-                    targets=[endpoint.alias],
-                )
-            ]
+            return [llamacpp_instance(emb, endpoint.url, endpoint.alias)]
         log.warning(
             "the embedded llama.cpp backend is unavailable (%s); "
             "serving the simulated backend 'iop-sim' instead",

@@ -60,6 +60,8 @@ from werkzeug.exceptions import HTTPException
 from iop.api import (
     ANTHROPIC_AUTH_FAILED,
     CHAT,
+    COMPLETIONS,
+    EMBEDDINGS,
     MESSAGES,
     ChatSurface,
     Collector,
@@ -78,10 +80,10 @@ from iop.edge._link_guard import LINK_LIMITS_SCOPE_KEY, LinkFrameLimits
 from iop.edge._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from iop.edge._stall import client_gone_reason
 from iop.errors import IopError, LinkLimitError, LinkProtocolError, RequestError
-from iop.events import Cancelled, Error, RuntimeEvent, Start, is_terminal
+from iop.events import Cancelled, Error, RuntimeEvent, Start, TokenCount, is_terminal
 from iop.protocol import CLOSE_NORMAL, CLOSE_RATE, CLOSE_TOO_BIG, LinkClosed
 from iop.runtime import Run, new_run_id
-from iop.spec import ExecutionSpec
+from iop.spec import ExecutionSpec, TokenizeRequest
 
 __all__ = ["LINK_PATH", "create_edge_app"]
 
@@ -173,6 +175,8 @@ def surface_routes(core: EdgeCore) -> list[SurfaceRoute]:
         SurfaceRoute("/v1/chat/completions", ChatSurface(max_depth=server.max_json_depth)),
         SurfaceRoute("/v1/responses", ResponsesSurface.from_settings(core.config.responses)),
         SurfaceRoute("/v1/messages", MESSAGES, anthropic_key, ANTHROPIC_AUTH_FAILED),
+        SurfaceRoute("/v1/completions", COMPLETIONS),
+        SurfaceRoute("/v1/embeddings", EMBEDDINGS),
     ]
 
 
@@ -534,7 +538,8 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
 
     @app.post(COUNT_TOKENS_PATH)
     async def count_tokens() -> Response:
-        """Anthropic's count_tokens: not a run; an estimate (``iop.api.messages``)."""
+        """Anthropic's count_tokens: a tokenize run on the model's backend; IOP's
+        estimate (said so in a header) when the backend has no tokenizer."""
         headers = _headers()
         if not authorized(anthropic_key(headers)):
             return _error(401, ANTHROPIC_AUTH_FAILED, code="invalid_api_key", surface=MESSAGES)
@@ -547,7 +552,35 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             counted = MESSAGES.parse_count_tokens(body)
         except RequestError as exc:
             return _from_exc(exc, MESSAGES)
-        status, out, extra = MESSAGES.count_tokens(counted)
+        tokenize = TokenizeRequest(
+            model=counted.model, messages=counted.messages, tools=counted.tools
+        )
+        spec = ExecutionSpec(run_id=new_run_id(), request=tokenize, target=counted.model)
+        try:
+            run = core.start_run(spec)
+        except IopError as exc:
+            if exc.code != "operation_not_supported":
+                return _from_exc(exc, MESSAGES)
+            run = None  # no instance of the model counts tokens: estimate here
+        exact: int | None = None
+        if run is not None:
+            end: RuntimeEvent | None = None
+            try:
+                async for ev in run.events:
+                    if isinstance(ev, TokenCount) and not ev.estimated:
+                        exact = ev.count
+                    if is_terminal(ev):
+                        end = ev
+                        break
+                end = end or run.outcome
+            finally:
+                if end is None:
+                    run.cancel(*client_gone_reason())
+                run.events.close()
+            if isinstance(end, Error | Cancelled):
+                failed = shape_failure(end)
+                return _error(failed.status, failed.message, code=failed.code, surface=MESSAGES)
+        status, out, extra = MESSAGES.count_tokens(counted, exact=exact)
         return _json_response(out, status, extra)
 
     surfaces[COUNT_TOKENS_PATH] = MESSAGES

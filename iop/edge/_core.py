@@ -103,6 +103,15 @@ _RETRYABLE_CODES: Final = frozenset(
 )
 
 
+# How a 400 names an operation a model does not serve.
+_OP_NOUNS: Final = {
+    "chat": "chat completions",
+    "completion": "text completions",
+    "embedding": "embeddings",
+    "tokenize": "token counts",
+}
+
+
 class _NodeIdInUse(LinkError):
     """A second connection presented the id of a node whose link is alive."""
 
@@ -146,18 +155,18 @@ class RemoteExecutor:
 
     async def execute(self, spec: ExecutionSpec, send: RunSink) -> None:
         core = self._core
-        model = spec.model
+        model, op = spec.model, spec.operation
         excluded: set[str] = set()
         last: _Retry | None = None
         affinity = affinity_key(spec.request) if core.config.scheduler.affinity else None
         attempts = MAX_ATTEMPTS if core.config.scheduler.failover else 1
         for attempt in range(attempts):
-            if last is not None and not core.scheduler.could_serve(model, frozenset(excluded)):
+            if last is not None and not core.scheduler.could_serve(model, frozenset(excluded), op):
                 break  # no other node to fail over to: report what happened
             try:
                 with send.queued():  # the queue wait is not the node's latency
                     lease = await core.scheduler.acquire(
-                        model, exclude=frozenset(excluded), affinity=affinity
+                        model, exclude=frozenset(excluded), affinity=affinity, operation=op
                     )
             except RunAborted:
                 if last is not None and last.error is not None:
@@ -283,8 +292,17 @@ class EdgeCore:
         """
         if self.draining:
             raise RequestError("the server is shutting down", status=503, code="draining")
-        model = spec.model
-        if not self.scheduler.serves(model):
+        model, op = spec.model, spec.operation
+        if not self.scheduler.serves(model, op):
+            if self._advertised(model) and not self._advertised(model, op):
+                # Listed, but by no instance for this operation (a chat model
+                # asked for embeddings): the client's mistake, said as such.
+                raise RequestError(
+                    f"The model `{model}` does not serve {_OP_NOUNS.get(op, op)}.",
+                    status=400,
+                    code="operation_not_supported",
+                    param="model",
+                )
             if not self.registry.nodes:
                 raise RequestError("no inference node is connected", status=503, code="no_nodes")
             blocked = self._why_unavailable(model)
@@ -304,13 +322,20 @@ class EdgeCore:
                 code="model_not_found",
                 param="model",
             )
-        self.scheduler.admit(model)
+        self.scheduler.admit(model, op)
         self.runs_started += 1
         return self.supervisor.start_run(
             RemoteExecutor(self),
             spec,
             self.config.deadlines,
             write_stall_timeout_s=self.config.server.write_stall_timeout,
+        )
+
+    def _advertised(self, model: str, operation: str | None = None) -> bool:
+        """Whether a connected instance lists ``model`` (for ``operation``), up or not."""
+        return any(
+            model in inst.caps.targets and (operation is None or inst.caps.serves(operation))
+            for _, inst in self.registry.instances()
         )
 
     def _why_unavailable(self, model: str) -> list[str]:

@@ -6,7 +6,8 @@ one is never taken over) and, for each, the instances
 it advertised with the edge's own count of runs in flight on them.
 
 ``Scheduler`` places a run on the least-loaded instance that serves its model
-and has a free slot (``in_flight < max_concurrency``), unless the run's
+and its operation (``Capabilities.operations``: chat, completion, embedding,
+tokenize) and has a free slot (``in_flight < max_concurrency``), unless the run's
 conversation was served before by an instance that still has a free slot:
 then it goes there again (session affinity, so the backend's prefix cache
 holds the prompt's head; see ``affinity_key``). When none has, the run
@@ -35,7 +36,7 @@ from iop.config import SchedulerSettings
 from iop.errors import IopError, RunAborted
 from iop.events import CancelReason, RuntimeEvent
 from iop.protocol import Credit, EdgeSession, encode
-from iop.spec import ChatRequest
+from iop.spec import ChatRequest, CompletionRequest, OperationRequest
 
 __all__ = ["Lease", "NodeConnection", "NodeRegistry", "RemoteRun", "Scheduler", "affinity_key"]
 
@@ -202,16 +203,36 @@ class NodeRegistry:
 # prompt and the first user turn. Agent loops and chats resend them on every
 # turn, and they are what a backend's prefix cache holds.
 AFFINITY_HEAD_MESSAGES: Final = 2
+# The head of a legacy completion's prompt that makes its key: 2048
+# characters (or 512 token ids) hold a shared instruction or few-shot
+# preamble, what a prefix cache would reuse, and prompts that differ there
+# spread across instances like unrelated conversations.
+AFFINITY_PROMPT_HEAD_CHARS: Final = 2048
+AFFINITY_PROMPT_HEAD_IDS: Final = 512
 
 
-def affinity_key(request: ChatRequest) -> str:
+def affinity_key(request: OperationRequest) -> str | None:
     """A stable key for the conversation ``request`` belongs to.
 
-    The client's ``user`` field when set (an explicit session), else a hash of
-    the model and the conversation's head messages.
+    The client's ``user`` field when set (an explicit session), else a hash
+    of the model and the conversation's head messages (chat) or the prompt's
+    head (legacy completions). Embeddings and token counts without ``user``
+    have no conversation and no prefix to reuse: None.
     """
-    if request.user:
-        return f"user:{request.model}:{request.user}"
+    user = getattr(request, "user", None)
+    if user:
+        return f"user:{request.model}:{user}"
+    if isinstance(request, CompletionRequest):
+        prompt = request.prompt
+        cut = (
+            prompt[:AFFINITY_PROMPT_HEAD_CHARS]
+            if isinstance(prompt, str)
+            else prompt[:AFFINITY_PROMPT_HEAD_IDS]
+        )
+        digest = hashlib.blake2b(msgspec.json.encode([request.model, cut]), digest_size=16)
+        return "prompt:" + digest.hexdigest()
+    if not isinstance(request, ChatRequest):
+        return None
     head = msgspec.json.encode([request.model, request.messages[:AFFINITY_HEAD_MESSAGES]])
     return "head:" + hashlib.blake2b(head, digest_size=16).hexdigest()
 
@@ -237,6 +258,7 @@ class _Waiter:
     model: str
     exclude: frozenset[str]
     affinity: str | None = None
+    operation: str = "chat"
     event: trio.Event = field(default_factory=trio.Event)
     lease: Lease | None = None
 
@@ -256,24 +278,29 @@ class Scheduler:
         return len(self._waiters)
 
     def _candidates(
-        self, model: str, exclude: frozenset[str] = frozenset()
+        self, model: str, exclude: frozenset[str] = frozenset(), operation: str = "chat"
     ) -> Iterator[tuple[NodeConnection, InstanceState]]:
-        """Instances that may run ``model``: live, not draining, not excluded, up."""
+        """Instances that may run ``operation`` on ``model``: live, not
+        draining, not excluded, up, and advertising the operation."""
         for conn, inst in self.registry.instances():
             if conn.draining or conn.node_id in exclude or not inst.usable:
                 continue
-            if model in inst.caps.targets:
+            if model in inst.caps.targets and inst.caps.serves(operation):
                 yield conn, inst
 
-    def serves(self, model: str) -> bool:
-        return self.could_serve(model, frozenset())
+    def serves(self, model: str, operation: str = "chat") -> bool:
+        return self.could_serve(model, frozenset(), operation)
 
     def _pick(
-        self, model: str, exclude: frozenset[str], affinity: str | None = None
+        self,
+        model: str,
+        exclude: frozenset[str],
+        affinity: str | None = None,
+        operation: str = "chat",
     ) -> Lease | None:
         best: tuple[float, NodeConnection, InstanceState] | None = None
         preferred = self._affinity.get(affinity) if affinity is not None else None
-        for conn, inst in self._candidates(model, exclude):
+        for conn, inst in self._candidates(model, exclude, operation):
             if inst.free <= 0:
                 continue
             if preferred == (conn.node_id, inst.caps.instance):
@@ -298,17 +325,18 @@ class Scheduler:
         while len(self._affinity) > self.settings.affinity_entries:
             self._affinity.popitem(last=False)
 
-    def could_serve(self, model: str, exclude: frozenset[str]) -> bool:
-        """Whether any node outside ``exclude`` serves ``model`` (free or busy)."""
-        return any(True for _ in self._candidates(model, exclude))
+    def could_serve(self, model: str, exclude: frozenset[str], operation: str = "chat") -> bool:
+        """Whether any node outside ``exclude`` serves ``operation`` on ``model``
+        (free or busy)."""
+        return any(True for _ in self._candidates(model, exclude, operation))
 
-    def admit(self, model: str) -> None:
+    def admit(self, model: str, operation: str = "chat") -> None:
         """Refuse a run up front when it could only wait and the queue is full.
 
         Raises:
             IopError: 429 ``queue_full`` (the HTTP layer adds Retry-After).
         """
-        if self.queued >= self.settings.max_queue and not self._has_room(model):
+        if self.queued >= self.settings.max_queue and not self._has_room(model, operation):
             raise IopError(
                 f"all nodes serving {model!r} are busy and the queue is full "
                 f"({self.settings.max_queue} waiting)",
@@ -316,8 +344,8 @@ class Scheduler:
                 code="queue_full",
             )
 
-    def _has_room(self, model: str) -> bool:
-        return any(inst.free > 0 for _, inst in self._candidates(model))
+    def _has_room(self, model: str, operation: str = "chat") -> bool:
+        return any(inst.free > 0 for _, inst in self._candidates(model, operation=operation))
 
     async def acquire(
         self,
@@ -325,15 +353,16 @@ class Scheduler:
         *,
         exclude: frozenset[str] = frozenset(),
         affinity: str | None = None,
+        operation: str = "chat",
     ) -> Lease:
-        """A slot for ``model``, waiting in the queue if needed.
+        """A slot for ``operation`` on ``model``, waiting in the queue if needed.
 
         Raises:
             IopError: 429 when the queue is full.
             RunAborted: ``queue_timeout`` when no slot came in time.
         """
         if not self._waiters:
-            lease = self._pick(model, exclude, affinity)
+            lease = self._pick(model, exclude, affinity, operation)
             if lease is not None:
                 return lease
         if self.queued >= self.settings.max_queue:
@@ -342,7 +371,7 @@ class Scheduler:
                 status=429,
                 code="queue_full",
             )
-        waiter = _Waiter(model, exclude, affinity)
+        waiter = _Waiter(model, exclude, affinity, operation)
         self._waiters.append(waiter)
         self.dispatch()
         try:
@@ -374,7 +403,7 @@ class Scheduler:
         if not self._waiters:
             return
         for waiter in list(self._waiters):
-            lease = self._pick(waiter.model, waiter.exclude, waiter.affinity)
+            lease = self._pick(waiter.model, waiter.exclude, waiter.affinity, waiter.operation)
             if lease is None:
                 continue
             self._waiters.remove(waiter)

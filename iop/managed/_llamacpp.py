@@ -122,6 +122,9 @@ class LlamaCppSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             (real-backend.md §5).
         chat_template_file: Jinja template to use instead of the model's own
             (e.g. a Hermes-style one with tool calls).
+        embeddings: Also serve ``/v1/embeddings`` (llama.cpp's
+            ``--embeddings``); chat and completions keep working
+            (``docs/operations.md``).
         log_file: Append the server's log to this file instead of the logger.
         ready_timeout_s: From spawning to the launcher's ready line (model load;
             1.5 s warm, 6.4 s from a cold page cache were measured).
@@ -137,6 +140,7 @@ class LlamaCppSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     parallel: int = 2
     threads: int = 1
     chat_template_file: str | None = None
+    embeddings: bool = False
     log_file: str | None = None
     ready_timeout_s: float = 60.0
     health_timeout_s: float = 10.0
@@ -224,6 +228,8 @@ def launcher_command(settings: LlamaCppSettings) -> list[str]:
         cmd += ["--model", s.model]
     if s.chat_template_file is not None:
         cmd += ["--chat-template-file", s.chat_template_file]
+    if s.embeddings:
+        cmd += ["--embeddings"]
     return cmd
 
 

@@ -224,6 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="Jinja chat template to use instead of the model's own (e.g. one with tool support)",
     )
     ap.add_argument(
+        "--embeddings",
+        action="store_true",
+        help="also serve /v1/embeddings (llama.cpp's --embeddings; mean pooling)",
+    )
+    ap.add_argument(
         "--stop-on-stdin-eof",
         action="store_true",
         help="also stop when stdin reaches end of file (the parent died or closed the pipe)",
@@ -353,4 +358,9 @@ def _params(xlc: Any, args: argparse.Namespace, model_path: str, template: str |
         p.endpoint_slots = True  # /slots: per-slot is_processing
     if template is not None:
         p.chat_template = template
+    if args.embeddings:
+        p.embedding = True
+        # A chat model has no pooling of its own ("none" is not OpenAI-
+        # compatible: a 400): mean pooling, one vector per input.
+        p.pooling_type = xlc.llama_pooling_type.LLAMA_POOLING_TYPE_MEAN
     return p

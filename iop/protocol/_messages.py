@@ -52,7 +52,12 @@ __all__ = [
     "encode",
 ]
 
-PROTOCOL_VERSION: Final = 1
+# 2: ``ExecutionSpec.request`` became a tagged union of operations (``"op"``:
+# chat, completion, embedding, tokenize) and runs gained ``EmbeddingData`` and
+# ``TokenCount`` events. A version-1 edge's Assign has no ``"op"``, which a
+# version-2 node cannot decode, so peers of different versions refuse each
+# other at the Hello instead of failing every run.
+PROTOCOL_VERSION: Final = 2
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="t"):

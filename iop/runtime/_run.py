@@ -5,7 +5,7 @@ Theory of operation
 A run is one task in a ``RunSupervisor``'s nursery. The task calls the
 adapter's ``execute(spec, sink)`` inside the run's own cancel scope. The
 adapter pushes events into ``sink``; the sink checks the event grammar
-(``Start``, then deltas, then at most one terminal), forwards each event into a
+(``Start``, then output events, then at most one terminal), forwards each event into a
 bounded memory channel (``RUN_EVENT_BUFFER``) read by the run's consumer, and
 re-arms the run's deadline:
 
@@ -76,11 +76,13 @@ from iop.events import (
     CancelReason,
     Complete,
     Delta,
+    EmbeddingData,
     Error,
     ReasoningDelta,
     RuntimeEvent,
     Start,
     TerminalEvent,
+    TokenCount,
     Usage,
 )
 from iop.spec import ExecutionSpec
@@ -265,8 +267,9 @@ class _RunSink:
             run.state = RunState.STARTED
         elif state is RunState.PENDING and not isinstance(event, Error):
             raise InvariantError(f"run {run.run_id}: {type(event).__name__} before start")
-        elif isinstance(event, Delta | ReasoningDelta):
-            self.output_chunks += 1
+        elif isinstance(event, Delta | ReasoningDelta | EmbeddingData | TokenCount):
+            if isinstance(event, Delta | ReasoningDelta):
+                self.output_chunks += 1  # about one token each (partial usage)
             if state is RunState.STARTED:
                 run.state = RunState.STREAMING
                 run.first_output_at = trio.current_time()

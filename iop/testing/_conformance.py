@@ -1143,6 +1143,7 @@ class SimHarness:
             settings.update(output_tokens=10_000, tokens_per_s=500.0)
         sim = msgspec.convert(settings, SimConfig)
         spec = self._spec(with_tools=with_tools)
+        assert isinstance(spec.request, ChatRequest)
         script = build_script(spec.request, msgspec.structs.replace(sim, failure="none"))
         text = "".join(s.text for s in script.steps if isinstance(s, ContentToken))
         reasoning = "".join(s.text for s in script.steps if isinstance(s, ReasoningToken))

@@ -60,6 +60,8 @@ class ChunkChoice(msgspec.Struct, frozen=True):
     index: int = 0
     delta: ChunkDelta | None = None
     finish_reason: str | None = None
+    # A legacy ``/v1/completions`` chunk's text (``text_completion``).
+    text: str | None = None
 
 
 class PromptTokensDetails(msgspec.Struct, frozen=True):
@@ -81,7 +83,8 @@ class ChunkUsage(msgspec.Struct, frozen=True):
 
 
 class ChatChunk(msgspec.Struct, frozen=True):
-    """A ``chat.completion.chunk``, or an in-stream error object.
+    """A ``chat.completion.chunk`` (or a ``text_completion`` chunk), or an
+    in-stream error object.
 
     vLLM, SGLang, new llama.cpp and Lemonade report mid-stream failures as
     ``data: {"error": ...}`` (protocols.md §4), so ``error`` is checked before

@@ -1,5 +1,9 @@
 """OpenAI-compatible chat streams to RuntimeEvents (sans-IO).
 
+Legacy ``/v1/completions`` streams parse the same way: a ``text_completion``
+chunk's ``choices[0].text`` is a ``Delta`` (the rest of the stream, usage,
+errors and ``[DONE]``, is the same as chat's).
+
 ``ChatStreamParser`` takes the bytes of a ``/v1/chat/completions`` streaming
 response body as they arrive and returns typed events. It is the shared core
 of every adapter that talks to an OpenAI-compatible server (seeds 000 and 003
@@ -205,6 +209,9 @@ class ChatStreamParser:
             self._finish_raw = choice.finish_reason
         delta = choice.delta
         if delta is None:
+            if choice.text:  # a legacy completions chunk
+                self.content_chunks += 1
+                out.append(Delta(choice.text))
             return
         if delta.tool_calls:
             self._tools.add(delta.tool_calls)

@@ -94,3 +94,24 @@ def test_up_help_says_the_tiny_model_cannot_call_tools() -> None:
     text = " ".join(iop("up", "--help").stdout.split())
     assert "tool calls" in text
     assert "--backend sim" in text
+
+
+def test_up_serves_embeddings_from_llamacpp_only_when_asked() -> None:
+    from iop.cli._up import llamacpp_instance, llamacpp_settings
+    from iop.config import EmbeddedBackend, UpConfig, decode_config
+
+    plain = EmbeddedBackend()
+    assert not llamacpp_settings(plain).embeddings
+    assert llamacpp_instance(plain, "http://127.0.0.1:1", "a").operations == [
+        "chat",
+        "completion",
+        "tokenize",
+    ]
+    cfg = decode_config({"embedded": {"embeddings": True}}, UpConfig, source="up.toml")
+    assert llamacpp_settings(cfg.embedded).embeddings
+    assert llamacpp_instance(cfg.embedded, "http://127.0.0.1:1", "a").operations == [
+        "chat",
+        "completion",
+        "embedding",
+        "tokenize",
+    ]

@@ -12,6 +12,7 @@ When the backend cannot run here the tests skip, unless
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import signal
@@ -35,11 +36,14 @@ from iop.events import (
     CancelReason,
     Complete,
     Delta,
+    EmbeddingData,
     Error,
     FinishReason,
     ReasoningDelta,
     RuntimeEvent,
     Start,
+    TokenCount,
+    Usage,
 )
 from iop.managed import (
     LlamaCppEndpoint,
@@ -52,7 +56,15 @@ from iop.managed import (
 )
 from iop.managed._llamacpp_server import build_parser
 from iop.runtime import collect_run, new_run_id, open_run_supervisor
-from iop.spec import ChatRequest, ExecutionSpec, Message
+from iop.spec import (
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    ExecutionSpec,
+    Message,
+    OperationRequest,
+    TokenizeRequest,
+)
 
 pytestmark = pytest.mark.real_backend
 
@@ -195,6 +207,101 @@ async def test_prompt_over_the_context_is_a_400_with_the_servers_message(
     assert last.param == "messages"
     assert "exceeds the available context size" in last.message
     assert "400" in last.message
+
+
+# --- other operations: completions, token counts, embeddings ---------------------
+
+
+def _op(request: OperationRequest) -> ExecutionSpec:
+    return ExecutionSpec(run_id=new_run_id(), request=request)
+
+
+async def test_legacy_completion_streams_text(adapter: OpenAICompatAdapter) -> None:
+    request = CompletionRequest(
+        model=ALIAS, prompt="Once upon a time", max_tokens=4, extra_body={"ignore_eos": True}
+    )
+    events = await collect_run(adapter, _op(request), DEADLINES)
+
+    assert events[0] == Start(target=ALIAS)
+    assert all(isinstance(e, Delta) for e in events[1:-1])
+    assert "".join(e.text for e in events if isinstance(e, Delta))
+    last = events[-1]
+    assert isinstance(last, Complete), last
+    assert last.finish_reason is FinishReason.LENGTH
+    assert last.usage.output_tokens == 4
+    assert last.usage.input_tokens > 0
+    assert not last.usage.estimated
+
+
+async def test_token_count_of_a_prompt_is_the_servers_tokenizer(
+    adapter: OpenAICompatAdapter, http: httpx.AsyncClient
+) -> None:
+    text = "Hello, world: how many tokens is this?"
+    direct = (await http.post("/tokenize", json={"content": text})).json()["tokens"]
+    events = await collect_run(adapter, _op(TokenizeRequest(model=ALIAS, prompt=text)), DEADLINES)
+
+    assert events[1] == TokenCount(count=len(direct))
+    assert events[-1] == Complete(usage=Usage(input_tokens=len(direct)))
+
+
+async def test_token_count_of_messages_renders_the_chat_template(
+    adapter: OpenAICompatAdapter, http: httpx.AsyncClient
+) -> None:
+    messages = [Message(role="user", content="hi")]
+    rendered = (
+        await http.post("/apply-template", json={"messages": msgspec.to_builtins(messages)})
+    ).json()["prompt"]
+    direct = (await http.post("/tokenize", json={"content": rendered})).json()["tokens"]
+    request = TokenizeRequest(model=ALIAS, messages=messages)
+    events = await collect_run(adapter, _op(request), DEADLINES)
+
+    assert events[1] == TokenCount(count=len(direct))
+    # The template's own tokens (SmolLM2's default system prompt, role markers).
+    assert len(direct) > 10
+
+
+async def test_embeddings_without_the_flag_are_the_servers_501(
+    adapter: OpenAICompatAdapter,
+) -> None:
+    events = await collect_run(
+        adapter, _op(EmbeddingRequest(model=ALIAS, inputs=["hi"])), DEADLINES
+    )
+    last = events[-1]
+    assert isinstance(last, Error), last
+    assert last.status == 501
+    assert "Start it with `--embeddings`" in last.message
+
+
+@pytest.mark.usefixtures("backend")
+async def test_embeddings_server_serves_vectors_and_still_chats() -> None:
+    settings = LlamaCppSettings(ctx=512, parallel=1, threads=1, embeddings=True)
+    async with open_llamacpp(settings) as endpoint:
+        cfg = OpenAICompatInstance(
+            name="llama",
+            endpoint=endpoint.url,
+            provider="llama.cpp",
+            operations=["chat", "completion", "embedding", "tokenize"],
+        )
+        a = OpenAICompatAdapter(cfg)
+        try:
+            assert (await a.capabilities()).operations == tuple(cfg.operations or ())
+            request = EmbeddingRequest(model=ALIAS, inputs=["red apple", "red apple", "tax law"])
+            events = await collect_run(a, _op(request), DEADLINES)
+            chat = await collect_run(a, _spec("Say hi.", max_tokens=3), DEADLINES)
+        finally:
+            await a.aclose()
+
+    vectors = [e.floats() for e in events if isinstance(e, EmbeddingData)]
+    assert [e.index for e in events if isinstance(e, EmbeddingData)] == [0, 1, 2]
+    assert len(vectors[0]) == 576  # SmolLM2-135M's hidden size
+    assert vectors[0] == vectors[1]  # deterministic
+    assert vectors[0] != vectors[2]
+    norm = math.sqrt(sum(v * v for v in vectors[0]))
+    assert norm == pytest.approx(1.0, abs=1e-3)  # llama.cpp normalises (L2)
+    last = events[-1]
+    assert isinstance(last, Complete), last
+    assert last.usage.input_tokens > 0
+    assert isinstance(chat[-1], Complete), chat[-1]
 
 
 # --- probes and capabilities ---------------------------------------------------
@@ -405,6 +512,9 @@ def test_launcher_command_carries_the_settings() -> None:
     assert (args.parallel, args.threads, args.alias) == (2, 1, ALIAS)
     assert args.chat_template_file == "/t.j2"
     assert args.stop_on_stdin_eof
+    assert not args.embeddings
+    with_embeddings = launcher_command(msgspec.structs.replace(settings, embeddings=True))
+    assert build_parser().parse_args(with_embeddings[3:]).embeddings
 
 
 def test_settings_reject_typos_and_nonsense() -> None:

@@ -17,10 +17,12 @@ from iop.events import (
     CancelReason,
     Complete,
     Delta,
+    EmbeddingData,
     Error,
     ReasoningDelta,
     RuntimeEvent,
     Start,
+    TokenCount,
     is_terminal,
 )
 from iop.runtime import EventSender, RunState, collect_run, open_run_supervisor
@@ -461,6 +463,8 @@ ACTIONS = st.lists(
             "start",
             "delta",
             "reasoning",
+            "embedding",
+            "token_count",
             "complete",
             "error",
             "sleep",
@@ -502,6 +506,10 @@ def test_exactly_one_terminal_event_property(
                 await send.send(Delta("d"))
             elif a == "reasoning":
                 await send.send(ReasoningDelta("r"))
+            elif a == "embedding":
+                await send.send(EmbeddingData.of(0, [0.5]))
+            elif a == "token_count":
+                await send.send(TokenCount(count=3))
             elif a == "complete":
                 await send.send(Complete())
             elif a == "error":
@@ -565,6 +573,19 @@ def test_exactly_one_terminal_event_property(
     assert starts in ([], [0])
     if not starts:
         assert len(got) == 1
+
+
+async def test_embedding_and_token_count_are_output(autojump_clock: trio.testing.MockClock) -> None:
+    """They end the first-token phase like a delta does, and pass in order."""
+    adapter = script(
+        Start(), EmbeddingData.of(0, [1.0]), TokenCount(count=2), Complete(), pause=3.0
+    )
+    d = Deadlines(first_token_timeout_s=7.0, idle_timeout_s=4.0, request_timeout_s=None)
+    events = await collect_run(adapter, SPEC, d)
+    # An event every 3 s: the embedding (6 s) is inside the first-token
+    # deadline, and from then on only the idle one applies (the token count
+    # at 9 s would be past the first-token deadline).
+    assert events == [Start(), EmbeddingData.of(0, [1.0]), TokenCount(count=2), Complete()]
 
 
 async def test_queue_wait_does_not_count_towards_first_token(

@@ -50,12 +50,12 @@ class ChatSurface:
 
     def stream(self, call: Call, ctx: RunContext) -> ChatCompletionStream:
         return ChatCompletionStream(
-            completion_id(ctx.run_id), ctx.created, call.model, call.request, ctx.policy
+            completion_id(ctx.run_id), ctx.created, call.model, call.chat, ctx.policy
         )
 
     def collector(self, call: Call, ctx: RunContext) -> ChatCompletionCollector:
         return ChatCompletionCollector(
-            completion_id(ctx.run_id), ctx.created, call.model, call.request, ctx.policy
+            completion_id(ctx.run_id), ctx.created, call.model, call.chat, ctx.policy
         )
 
 

@@ -113,10 +113,10 @@ class MessagesSurface:
         return status, error_body(etype, message)
 
     def stream(self, call: Call, ctx: RunContext) -> MessagesStream:
-        return MessagesStream(ctx.run_id, call.model, call.request, _native(call), ctx.policy)
+        return MessagesStream(ctx.run_id, call.model, call.chat, _native(call), ctx.policy)
 
     def collector(self, call: Call, ctx: RunContext) -> MessagesCollector:
-        return MessagesCollector(ctx.run_id, call.model, call.request, _native(call), ctx.policy)
+        return MessagesCollector(ctx.run_id, call.model, call.chat, _native(call), ctx.policy)
 
     # -- count_tokens --------------------------------------------------------------------
 

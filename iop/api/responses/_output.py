@@ -439,7 +439,7 @@ class ResponsesStream:
         self._keep = keep if self._response.store else None
         self._clock = clock
         self._t0 = clock() if clock is not None else 0.0
-        self._shaper = OutputShaper(call.request, ctx.policy, ctx.run_id)
+        self._shaper = OutputShaper(call.chat, ctx.policy, ctx.run_id)
         self._state = _State.FRESH
         self._seq = 0
         self._output: list[_Item] = []
@@ -759,7 +759,7 @@ class ResponsesCollector:
         self._t0 = clock() if clock is not None else 0.0
         # Buffered: a collector wants the whole policy applied at the end
         # (XML completion wrapping), as chat's does.
-        self._shaper = OutputShaper(call.request, ctx.policy, ctx.run_id, buffered=True)
+        self._shaper = OutputShaper(call.chat, ctx.policy, ctx.run_id, buffered=True)
         self._result: tuple[int, bytes] | None = None
 
     @property
