@@ -459,6 +459,9 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
             together (431 and the connection closed above).
         body_read_timeout_s: Longest time a request body may take to
             arrive once its headers have (408 and the connection closed).
+        keep_alive_timeout_s: Longest wait for a request head, and longest
+            idle time of a keep-alive connection between requests (then the
+            connection is closed).
         keepalive_interval_s: SSE comment sent while a stream waits (queue,
             prefill) so proxies and clients do not time out.
         drain_timeout_s: On SIGINT/SIGTERM, how long in-flight runs may finish
@@ -488,6 +491,9 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
     # arrives in milliseconds. Quart's 60 s let a slow-loris client hold a
     # connection and a task a minute per request.
     body_read_timeout_s: float = 10.0
+    # 5 s: hypercorn's default. A client's request head arrives in one round
+    # trip; an idle keep-alive connection costs a socket and a task.
+    keep_alive_timeout_s: float = 5.0
     keepalive_interval_s: float = 10.0
     drain_timeout_s: float = 10.0
     api_keys: list[str] = []
@@ -522,6 +528,8 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
         return self.write_stall_timeout_s or None
 
     def _check_http_limits(self) -> None:
+        if not self.keep_alive_timeout_s > 0:
+            raise ValueError("keep_alive_timeout_s must be > 0")
         if not 1 <= self.max_json_depth <= 256:
             raise ValueError("max_json_depth must be between 1 and 256")
         if self.max_header_bytes < 1024:
@@ -551,6 +559,9 @@ class LinkSettings(_Config, frozen=True, kw_only=True):
         max_queued_bytes: Bytes of a node's complete frames that may wait
             unread between the server and the link handler (4429 above). 0:
             twice the frame limit (``EdgeConfig.link_queued_bytes``).
+        hello_timeout_s: How soon after connecting a node must say hello
+            (4400 "no hello" after it): how long an unauthenticated
+            connection may hold a handler.
     """
 
     node_tokens: list[str] = []
@@ -563,8 +574,14 @@ class LinkSettings(_Config, frozen=True, kw_only=True):
     control_rate_per_s: float = 50.0
     control_burst: int = 1000
     max_queued_bytes: int = 0
+    # 5 s: a node sends its hello in the first round trip after the
+    # WebSocket upgrade; even a node behind a slow NAT link is done in well
+    # under a second, and a silent connection holds a handler meanwhile.
+    hello_timeout_s: float = 5.0
 
     def __post_init__(self) -> None:
+        if not self.hello_timeout_s > 0:
+            raise ValueError("hello_timeout_s must be > 0")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
         if self.run_window < 1:

@@ -88,8 +88,6 @@ __all__ = ["EdgeCore", "RemoteExecutor", "open_edge_core"]
 
 log = logging.getLogger("iop.edge")
 
-# A node must say hello this soon after connecting.
-HELLO_TIMEOUT_S: Final = 5.0
 # How long a Cancel may take to reach the outbox from a cancelled run.
 CANCEL_SEND_TIMEOUT_S: Final = 1.0
 # Our side of closing a link (shielded cleanup, so it must be short): a peer
@@ -424,7 +422,9 @@ class EdgeCore:
             await _close(chan, CLOSE_PROTOCOL, exc.message)
             return
         if opened is None:
-            log.warning("node link from %s: no hello within %gs", who, HELLO_TIMEOUT_S)
+            log.warning(
+                "node link from %s: no hello within %gs", who, self.config.link.hello_timeout_s
+            )
             await _close(chan, CLOSE_PROTOCOL, "no hello")
             return
         conn, outbox_receive = opened
@@ -446,7 +446,7 @@ class EdgeCore:
         peer: str,
         on_open: Callable[[int], None] | None,
     ) -> tuple[NodeConnection, trio.MemoryReceiveChannel[bytes]] | None:
-        with trio.move_on_after(HELLO_TIMEOUT_S):
+        with trio.move_on_after(self.config.link.hello_timeout_s):
             frame = await chan.receive()
             event, reply = session.receive(frame, trio.current_time())
             assert isinstance(event, NodeJoined)

@@ -65,6 +65,7 @@ async def serve_edge(
         # Smuggling and header-size guards below the app (iop/edge/_http1.py).
         install()
         hc = EdgeHypercornConfig(max_header_bytes=config.server.max_header_bytes)
+        hc.keep_alive_timeout = config.server.keep_alive_timeout_s
         hc.bind = [f"{config.server.host}:{config.server.port}"]
         hc.accesslog = None
         # hypercorn's own "-" logger prints in its own format; this one goes

@@ -181,6 +181,19 @@ async def test_many_small_headers_count_against_the_same_limit() -> None:
     validate_error(json.loads(body))
 
 
+async def test_a_head_that_never_ends_is_closed_after_keep_alive_timeout_s() -> None:
+    async with edge(config(keep_alive_timeout_s=0.5)) as (handle, _, _):
+        host, port = handle.url.removeprefix("http://").rsplit(":", 1)
+        stream = await trio.open_tcp_stream(host, int(port))
+        async with stream:
+            # Half a request head, then nothing: a slow-loris client.
+            await stream.send_all(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            # 6x the limit, and below hypercorn's own 5 s default: this fails
+            # if the key is not what the edge applies.
+            with trio.fail_after(3):
+                assert await _receive_or_eof(stream) == b""
+
+
 async def test_a_dribbled_body_gets_408_and_the_connection_is_closed() -> None:
     async with edge(config(body_read_timeout_s=0.5)) as (handle, node, _):
         assert node is not None

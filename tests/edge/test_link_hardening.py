@@ -316,3 +316,22 @@ async def test_two_newcomers_with_one_id_get_one_registration(
         live = core.registry.nodes["n1"]
         assert live.close_code is None
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("hello_timeout_s", [0.5, 7.0])
+async def test_a_connection_that_never_says_hello_is_closed_after_hello_timeout_s(
+    autojump_clock: trio.testing.MockClock,
+    caplog: pytest.LogCaptureFixture,
+    hello_timeout_s: float,
+) -> None:
+    link = msgspec.structs.replace(config().link, hello_timeout_s=hello_timeout_s)
+    async with open_edge_core(config(link=link)) as core:
+        edge_end, node_end = memory_link_pair()
+        t0 = trio.current_time()
+        await core.handle_link(edge_end, peer="10.9.8.7:4242")
+        assert trio.current_time() - t0 == pytest.approx(hello_timeout_s)
+        with pytest.raises(LinkClosed):
+            await node_end.receive()
+        assert node_end.close_code == CLOSE_PROTOCOL
+        assert f"no hello within {hello_timeout_s:g}s" in caplog.text
+        assert core.registry.nodes == {}
