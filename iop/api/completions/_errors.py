@@ -1,10 +1,8 @@
-"""OpenAI's error vocabulary for the completions and embeddings surfaces (sans-IO).
+"""OpenAI's errors for the completions and embeddings surfaces (sans-IO).
 
-The same body, types and statuses as chat's (``iop.edge._openai_out`` until
-the chat refactor moves them to ``iop.api``; this module is then to be folded
-into the shared one): ``{"error": {"message", "type", "param", "code"}}``,
-``rate_limit_error`` for 429, ``invalid_request_error`` for any other 4xx,
-``server_error`` for the rest, and one status per cancel reason.
+The body, types and statuses are every OpenAI surface's
+(``iop.api._openai_errors``); here are what these two surfaces add: the
+error of a failed run, and request-validation 400s worded like OpenAI's.
 """
 
 from __future__ import annotations
@@ -14,8 +12,16 @@ from typing import Any, Final
 
 import msgspec
 
+from iop.api._openai_errors import (
+    cancel_message,
+    cancel_status,
+    error_body,
+    error_status,
+    openai_error,
+    openai_error_type,
+)
 from iop.errors import RequestError
-from iop.events import Cancelled, CancelReason, Error
+from iop.events import Cancelled, Error
 
 __all__ = [
     "cancel_message",
@@ -30,85 +36,11 @@ __all__ = [
 ]
 
 
-class _ErrorInfo(msgspec.Struct, frozen=True):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class _ErrorResponse(msgspec.Struct, frozen=True):
-    error: _ErrorInfo
-
-
-_encode: Final = msgspec.json.encode
-
-
-def openai_error_type(status: int) -> str:
-    """OpenAI's error ``type`` for an HTTP status."""
-    if status == 429:
-        return "rate_limit_error"
-    if 400 <= status <= 499:
-        return "invalid_request_error"
-    return "server_error"
-
-
-def error_body(
-    message: str, *, type: str, code: str | None = None, param: str | None = None
-) -> bytes:
-    """OpenAI's error body; lone surrogates in ``message`` become ``?``."""
-    text = message.encode("utf-8", "replace").decode("utf-8")
-    return _encode(_ErrorResponse(_ErrorInfo(text, type, param, code)))
-
-
-def _status(status: int) -> int:
-    return status if 400 <= status <= 599 else 500
-
-
 def error_response(
     status: int, message: str, *, code: str | None = None, param: str | None = None
 ) -> tuple[int, bytes]:
     """``Surface.error_body`` for OpenAI's surfaces: the status, clamped to 4xx/5xx."""
-    status = _status(status)
-    return status, error_body(message, type=openai_error_type(status), code=code, param=param)
-
-
-_TIMEOUT_REASONS: Final = frozenset(
-    {
-        CancelReason.FIRST_TOKEN_TIMEOUT,
-        CancelReason.IDLE_TIMEOUT,
-        CancelReason.TOTAL_TIMEOUT,
-        CancelReason.QUEUE_TIMEOUT,
-    }
-)
-
-_CANCEL_MESSAGES: Final[dict[CancelReason, str]] = {
-    CancelReason.CLIENT_DISCONNECT: "the client disconnected",
-    CancelReason.NODE_LOST: "node disconnected",
-    CancelReason.FIRST_TOKEN_TIMEOUT: "timed out waiting for the first token",
-    CancelReason.IDLE_TIMEOUT: "timed out waiting for the next token",
-    CancelReason.TOTAL_TIMEOUT: "the run exceeded its total time limit",
-    CancelReason.QUEUE_TIMEOUT: "timed out waiting for capacity",
-    CancelReason.EXPLICIT: "the run was cancelled",
-    CancelReason.SHUTDOWN: "the server is shutting down",
-    CancelReason.SLOW_CLIENT: "the client stopped reading its response",
-}
-
-
-def cancel_status(reason: CancelReason) -> int:
-    """503 node lost, 504 every timeout, 408 slow client, 500 the rest (as chat)."""
-    if reason is CancelReason.NODE_LOST:
-        return 503
-    if reason in _TIMEOUT_REASONS:
-        return 504
-    if reason is CancelReason.SLOW_CLIENT:
-        return 408
-    return 500
-
-
-def cancel_message(event: Cancelled) -> str:
-    """The client-facing message of a cancelled run: the event's, or its reason's."""
-    return event.message or _CANCEL_MESSAGES.get(event.reason, f"run cancelled: {event.reason}")
+    return openai_error(error_status(status), message, code=code, param=param)
 
 
 def event_error(event: Error | Cancelled) -> tuple[int, bytes]:
