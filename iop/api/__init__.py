@@ -5,13 +5,20 @@
 * ``_output``: ``OutputShaper``, the output policy applied once for every
   surface, into the shaped events of ``_shaped``;
 * ``_openai_errors``: OpenAI's error body and IOP's failure statuses;
-* ``_models``: ``GET /v1/models``' body;
+* ``_json_guard``: the body-level input guards every surface's parser runs first;
+* ``_models``: the bodies of ``GET /v1/models`` and ``/v1/models/{id}``;
 * ``chat``: OpenAI Chat Completions (``CHAT``);
 * ``responses``: OpenAI Responses (``ResponsesSurface``, over a response store);
 * ``messages``: Anthropic Messages and count_tokens (``MESSAGES``).
 """
 
-from iop.api._models import model_list_body
+from iop.api._models import (
+    anthropic_model_body,
+    anthropic_model_list_body,
+    model_body,
+    model_list_body,
+    wants_anthropic,
+)
 from iop.api._output import OutputShaper, shape_failure
 from iop.api._shaped import Shaped, ShapedDone, ShapedFailed, ShapedReasoning, ShapedText
 from iop.api._surface import Call, Collector, RunContext, StreamEncoder, Surface
@@ -40,6 +47,10 @@ __all__ = [
     "StreamEncoder",
     "Surface",
     "anthropic_api_key",
+    "anthropic_model_body",
+    "anthropic_model_list_body",
+    "model_body",
     "model_list_body",
     "shape_failure",
+    "wants_anthropic",
 ]

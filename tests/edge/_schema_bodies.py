@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from tests.edge._openai_schema import SCHEMA_PATH, rewrite_nullable
 
-__all__ = ["Body", "chat_bodies", "request_objects", "schema_value"]
+__all__ = ["Body", "Schemas", "chat_bodies", "mutated", "request_objects", "schema_value"]
 
 _DOC = rewrite_nullable(json.loads(SCHEMA_PATH.read_text(encoding="utf-8")))
 _SCHEMAS: dict[str, Any] = _DOC["components"]["schemas"]
@@ -41,18 +41,22 @@ _json_value = st.recursive(
 )
 
 
-def _resolve(schema: dict[str, Any]) -> dict[str, Any]:
+Schemas = dict[str, Any]
+"""A document's ``components.schemas``, where ``$ref`` s resolve."""
+
+
+def _resolve(schema: dict[str, Any], schemas: Schemas) -> dict[str, Any]:
     name = schema["$ref"].rsplit("/", 1)[-1]
-    resolved: dict[str, Any] = _SCHEMAS[name]
+    resolved: dict[str, Any] = schemas[name]
     return resolved
 
 
-def _merge_all_of(schema: dict[str, Any]) -> dict[str, Any]:
+def _merge_all_of(schema: dict[str, Any], schemas: Schemas) -> dict[str, Any]:
     merged: dict[str, Any] = {"type": "object", "properties": {}, "required": []}
     for part in schema["allOf"]:
-        part = _resolve(part) if "$ref" in part else part
+        part = _resolve(part, schemas) if "$ref" in part else part
         if "allOf" in part:
-            part = _merge_all_of(part)
+            part = _merge_all_of(part, schemas)
         merged["properties"].update(part.get("properties", {}))
         merged["required"] += part.get("required", [])
     return merged
@@ -67,24 +71,29 @@ def _number(schema: dict[str, Any], integer: bool) -> st.SearchStrategy[Any]:
     return st.floats(low, high, allow_nan=False, allow_infinity=False)
 
 
-def schema_value(schema: dict[str, Any], depth: int = 0) -> st.SearchStrategy[Any]:
-    """A strategy for values of ``schema`` (module docstring)."""
+def schema_value(
+    schema: dict[str, Any], depth: int = 0, schemas: Schemas | None = None
+) -> st.SearchStrategy[Any]:
+    """A strategy for values of ``schema`` (module docstring), its ``$ref`` s
+    resolved in ``schemas`` (the chat document's when None)."""
+    schemas = _SCHEMAS if schemas is None else schemas
     if "$ref" in schema:
         if depth >= _MAX_REF_DEPTH:
             return _json_scalar
-        return st.deferred(lambda: schema_value(_resolve(schema), depth + 1))
+        found = _resolve(schema, schemas)
+        return st.deferred(lambda: schema_value(found, depth + 1, schemas))
     if "allOf" in schema:
-        return schema_value(_merge_all_of(schema), depth)
+        return schema_value(_merge_all_of(schema, schemas), depth, schemas)
     for key in ("anyOf", "oneOf"):
         if key in schema:
-            return st.one_of([schema_value(s, depth) for s in schema[key]])
+            return st.one_of([schema_value(s, depth, schemas) for s in schema[key]])
     if "enum" in schema:
         return st.sampled_from(schema["enum"])
     types = schema.get("type")
     if types is None:
         return _json_value
     if isinstance(types, list):
-        return st.one_of([schema_value({**schema, "type": t}, depth) for t in types])
+        return st.one_of([schema_value({**schema, "type": t}, depth, schemas) for t in types])
     if types == "null":
         return st.none()
     if types == "boolean":
@@ -97,18 +106,20 @@ def schema_value(schema: dict[str, Any], depth: int = 0) -> st.SearchStrategy[An
         low = schema.get("minItems", 0)
         high = max(low, min(schema.get("maxItems", 3), 3))
         return st.lists(
-            schema_value(schema.get("items", {}), depth + 1), min_size=low, max_size=high
+            schema_value(schema.get("items", {}), depth + 1, schemas), min_size=low, max_size=high
         )
-    return _object(schema, depth)
+    return _object(schema, depth, schemas)
 
 
-def _object(schema: dict[str, Any], depth: int) -> st.SearchStrategy[dict[str, Any]]:
+def _object(
+    schema: dict[str, Any], depth: int, schemas: Schemas
+) -> st.SearchStrategy[dict[str, Any]]:
     props: dict[str, Any] = schema.get("properties", {})
     required = [k for k in schema.get("required", []) if k in props]
     optional = [k for k in props if k not in required]
     extra = schema.get("additionalProperties")
     extras = (
-        st.dictionaries(_text, schema_value(extra, depth + 1), max_size=2)
+        st.dictionaries(_text, schema_value(extra, depth + 1, schemas), max_size=2)
         if isinstance(extra, dict)
         else st.just({})
     )
@@ -118,7 +129,7 @@ def _object(schema: dict[str, Any], depth: int) -> st.SearchStrategy[dict[str, A
         out: dict[str, Any] = dict(d(extras))
         chosen = d(st.lists(st.sampled_from(optional), unique=True, max_size=4)) if optional else []
         for key in [*required, *chosen]:
-            out[key] = d(schema_value(props[key], depth + 1))
+            out[key] = d(schema_value(props[key], depth + 1, schemas))
         return out
 
     return draw()
@@ -170,7 +181,15 @@ class Body(bytes):
 @st.composite
 def chat_bodies(draw: st.DrawFn, model: str = "m") -> Body:
     """A request body: schema-described, or one hostile mutation of it."""
-    obj = draw(request_objects(model))
+    return draw(mutated(request_objects(model)))
+
+
+@st.composite
+def mutated(draw: st.DrawFn, objects: st.SearchStrategy[dict[str, Any]]) -> Body:
+    """A body of one of ``objects`` (any surface's), as is or with one hostile
+    mutation: deep nesting, an integer beyond 64 bits, a value of the wrong
+    type, invalid UTF-8 in a string, truncation, or an unknown key."""
+    obj = draw(objects)
     mutation = draw(st.sampled_from(["none", "deep", "huge", "wrong", "utf8", "truncate", "key"]))
     if mutation in ("deep", "huge", "wrong"):
         path = draw(st.sampled_from(_paths(obj)))
