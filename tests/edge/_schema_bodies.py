@@ -1,5 +1,5 @@
-"""Hypothesis strategies for chat bodies: what OpenAI's request schema describes,
-and hostile mutations of them (test helper).
+"""Hypothesis strategies for request bodies of every surface: what the API's
+request schema describes, and hostile mutations of them (test helper).
 
 ``schema_value`` draws a value for a JSON Schema of the subset OpenAI's
 document uses (``$ref``, ``type`` and type lists, ``enum``, ``properties`` /
@@ -11,7 +11,9 @@ whose 0.23.1 fails on current hypothesis (``'many' object has no attribute
 drawn as ``anyOf``, ``allOf`` objects are merged): the property under test
 is "never a 5xx", not "always a 200".
 
-``chat_bodies`` draws whole request bodies as bytes: a schema-described
+``chat_bodies``, ``responses_bodies`` (OpenAI's ``CreateResponse``) and
+``messages_bodies`` (Anthropic's Messages request, hand-described: Anthropic
+publishes no schema) draw whole request bodies as bytes: a schema-described
 request (``model`` pinned to the served one most of the time, so runs start),
 or one mutated by deep nesting, an integer beyond 64 bits, a value of the
 wrong type, invalid UTF-8 in a string, or truncation.
@@ -26,7 +28,18 @@ from hypothesis import strategies as st
 
 from tests.edge._openai_schema import SCHEMA_PATH, rewrite_nullable
 
-__all__ = ["Body", "Schemas", "chat_bodies", "mutated", "request_objects", "schema_value"]
+__all__ = [
+    "Body",
+    "Schemas",
+    "chat_bodies",
+    "messages_bodies",
+    "messages_objects",
+    "mutated",
+    "request_objects",
+    "responses_bodies",
+    "responses_objects",
+    "schema_value",
+]
 
 _DOC = rewrite_nullable(json.loads(SCHEMA_PATH.read_text(encoding="utf-8")))
 _SCHEMAS: dict[str, Any] = _DOC["components"]["schemas"]
@@ -213,3 +226,111 @@ def mutated(draw: st.DrawFn, objects: st.SearchStrategy[dict[str, Any]]) -> Body
     elif mutation == "truncate":
         raw = raw[: draw(st.integers(0, len(raw) - 1))]
     return Body(raw)
+
+
+# --- the other surfaces' bodies -------------------------------------------------------
+
+_RESPONSES_DOC = rewrite_nullable(
+    json.loads((SCHEMA_PATH.parent / "openai-schemas.json").read_text(encoding="utf-8"))
+)
+_RESPONSES_SCHEMAS: Schemas = _RESPONSES_DOC["components"]["schemas"]
+
+
+@st.composite
+def responses_objects(draw: st.DrawFn, model: str = "m") -> dict[str, Any]:
+    """A ``CreateResponse`` as OpenAI's schema describes it; ``model`` and
+    ``input`` present most of the time (the schema requires neither)."""
+    obj: dict[str, Any] = draw(
+        schema_value({"$ref": "#/components/schemas/CreateResponse"}, schemas=_RESPONSES_SCHEMAS)
+    )
+    if draw(st.integers(0, 4)):
+        obj["model"] = model
+    if "input" not in obj and draw(st.integers(0, 3)):
+        obj["input"] = draw(
+            st.text(max_size=12)
+            | schema_value({"$ref": "#/components/schemas/InputParam"}, schemas=_RESPONSES_SCHEMAS)
+        )
+    return obj
+
+
+def responses_bodies(model: str = "m") -> st.SearchStrategy[Body]:
+    """A ``POST /v1/responses`` body: schema-described, or one hostile mutation of it."""
+    return mutated(responses_objects(model))
+
+
+# Anthropic publishes no JSON Schema of its request; these follow its
+# Messages API reference, with each field sometimes of a wrong shape.
+_image_source = st.fixed_dictionaries(
+    {"type": st.just("base64"), "media_type": st.just("image/png"), "data": st.just("iVBORw0KGgo=")}
+) | st.fixed_dictionaries({"type": st.just("url"), "url": st.just("https://example.com/a.png")})
+_text_block = st.fixed_dictionaries({"type": st.just("text"), "text": _text})
+_tool_input = st.dictionaries(_text, _json_value, max_size=2)
+_blocks = st.one_of(
+    _text_block,
+    st.fixed_dictionaries({"type": st.just("image"), "source": _image_source}),
+    st.fixed_dictionaries(
+        {"type": st.just("tool_use"), "id": st.just("toolu_1"), "name": _text, "input": _tool_input}
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("tool_result"), "tool_use_id": st.just("toolu_1")},
+        optional={
+            "content": _text | st.lists(_text_block, max_size=2),
+            "is_error": st.booleans(),
+        },
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("thinking"), "thinking": _text, "signature": st.just("sig")}
+    ),
+    st.fixed_dictionaries({"type": st.just("redacted_thinking"), "data": _text}),
+    st.fixed_dictionaries({"type": _text}),
+)
+_anthropic_message = st.fixed_dictionaries(
+    {
+        "role": st.sampled_from(["user", "assistant", "system", "tool"]),
+        "content": _text | st.lists(_blocks, max_size=3),
+    }
+)
+_anthropic_tool = st.fixed_dictionaries(
+    {"name": _text, "input_schema": st.just({"type": "object", "properties": {}})},
+    optional={"description": _text, "type": st.sampled_from(["custom", "web_search_20250305"])},
+)
+_anthropic_fields: dict[str, st.SearchStrategy[Any]] = {
+    "system": _text | st.lists(_text_block, max_size=2),
+    "max_tokens": st.integers(-2, 5000),
+    "stream": st.booleans(),
+    "temperature": st.floats(-1, 3, allow_nan=False),
+    "top_p": st.floats(-1, 2, allow_nan=False),
+    "top_k": st.integers(-1, 500),
+    "stop_sequences": st.lists(_text, max_size=3),
+    "tools": st.lists(_anthropic_tool, max_size=2),
+    "tool_choice": st.fixed_dictionaries(
+        {"type": st.sampled_from(["auto", "any", "tool", "none", "other"])},
+        optional={"name": _text, "disable_parallel_tool_use": st.booleans()},
+    ),
+    "thinking": st.fixed_dictionaries(
+        {"type": st.sampled_from(["enabled", "adaptive", "disabled"])},
+        optional={"budget_tokens": st.integers(0, 40_000)},
+    ),
+    "metadata": st.fixed_dictionaries({}, optional={"user_id": _text | st.none()}),
+    "context_management": _json_value,
+    "output_config": _json_value,
+}
+
+
+@st.composite
+def messages_objects(draw: st.DrawFn, model: str = "m") -> dict[str, Any]:
+    """An Anthropic Messages request, near valid (``max_tokens`` most of the time)."""
+    obj: dict[str, Any] = {
+        "model": model if draw(st.integers(0, 4)) else draw(_text),
+        "messages": draw(st.lists(_anthropic_message, max_size=3)),
+    }
+    if draw(st.integers(0, 4)):
+        obj["max_tokens"] = draw(st.integers(1, 64))
+    for key in draw(st.lists(st.sampled_from(sorted(_anthropic_fields)), unique=True, max_size=5)):
+        obj[key] = draw(_anthropic_fields[key])
+    return obj
+
+
+def messages_bodies(model: str = "m") -> st.SearchStrategy[Body]:
+    """A ``POST /v1/messages`` body: near valid, or one hostile mutation of it."""
+    return mutated(messages_objects(model))
