@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any, Final
 
 import anthropic
@@ -376,18 +375,3 @@ def test_no_node_is_529_overloaded(empty_edge: Edge) -> None:
         oai.responses.create(model=MODEL, input="hi")
     assert failed.value.status_code == 503
     validate_error(failed.value.response.json())
-
-
-def test_the_readme_curl_bodies(edge: Edge) -> None:
-    """The Responses and Messages one-liners of README "Try it" (with this edge's key)."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    for path in ("/v1/responses", "/v1/messages"):
-        line = next(line for line in readme.splitlines() if path in line and "curl" in line)
-        body = json.loads(line.split("-d '", 1)[1].rsplit("'", 1)[0])
-        headers = {"Authorization": f"Bearer {KEY}", "anthropic-version": "2023-06-01"}
-        resp = httpx.post(f"{edge.url}{path}", json=body, headers=headers, timeout=30)
-        assert resp.status_code == 200, resp.text
-        if path == "/v1/responses":
-            validate_response(resp.json())
-        else:
-            validate_message(resp.json())
