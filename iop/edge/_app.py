@@ -422,8 +422,9 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         the key is missing or wrong (``iop.api._models``: Anthropic's shapes
         for a request with ``anthropic-version``, else OpenAI's). Either key
         header is accepted on either shape: both carry a key of the same
-        ``api_keys``, and neither can be set by a cross-origin page without a
-        CORS preflight, which the edge never answers."""
+        ``api_keys``, and a cross-origin page can set neither without a CORS
+        preflight, which the edge never grants (it sends no
+        ``Access-Control-Allow-*`` header)."""
         headers = _headers()
         surface = messages if wants_anthropic(headers) else CHAT
         if authorized(anthropic_key(headers)):

@@ -130,3 +130,22 @@ async def test_model_routes_take_either_key_header(path: str) -> None:
             resp = await http.get(path, headers=headers)
             assert resp.status_code == 200, resp.text
             assert "object" in resp.json()  # OpenAI's shape without anthropic-version
+
+
+async def test_no_cross_origin_page_may_send_a_key_header() -> None:
+    """Why accepting ``x-api-key`` on the model routes is safe: a browser asks
+    first (a CORS preflight) and the edge never allows either key header."""
+    async with (
+        edge_with(config(api_keys=["sk-1"])) as handle,
+        httpx.AsyncClient(base_url=handle.url) as http,
+    ):
+        for header in ("x-api-key", "authorization"):
+            resp = await http.options(
+                "/v1/models",
+                headers={
+                    "Origin": "https://elsewhere.example",
+                    "Access-Control-Request-Method": "GET",
+                    "Access-Control-Request-Headers": header,
+                },
+            )
+            assert not [h for h in resp.headers if h.startswith("access-control-allow-")]
