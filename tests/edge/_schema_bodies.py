@@ -220,8 +220,9 @@ def mutated(draw: st.DrawFn, objects: st.SearchStrategy[dict[str, Any]]) -> Body
         opener, closer = nest[:-1], nest[-1:]
         raw = raw.replace(json.dumps(_DEEP).encode(), opener * levels + b"1" + closer * levels)
     if mutation == "utf8":
-        quotes = [i for i, b in enumerate(raw) if b == ord('"')]
-        at = draw(st.sampled_from(quotes)) + 1
+        # Inside a string, or (a body with none, such as ``{}``) before the body.
+        quotes = [i + 1 for i, b in enumerate(raw) if b == ord('"')] or [0]
+        at = draw(st.sampled_from(quotes))
         raw = raw[:at] + draw(st.sampled_from([b"\xff", b"\xc3(", b"\xed\xa0\x80"])) + raw[at:]
     elif mutation == "truncate":
         raw = raw[: draw(st.integers(0, len(raw) - 1))]
