@@ -482,7 +482,7 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
     host: str = "127.0.0.1"
     port: int = 8080
     max_body_bytes: int = 8 * 1024 * 1024
-    # iop.api.chat._request.DEFAULT_MAX_JSON_DEPTH, which says why 64.
+    # iop.api._json_guard.DEFAULT_MAX_JSON_DEPTH, which says why 64.
     max_json_depth: int = 64
     # 16 KiB: hypercorn's and Node.js's default; a request with a long JWT
     # bearer token and the usual headers needs 2-4 KiB.

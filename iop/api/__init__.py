@@ -5,7 +5,8 @@
 * ``_output``: ``OutputShaper``, the output policy applied once for every
   surface, into the shaped events of ``_shaped``;
 * ``_openai_errors``: OpenAI's error body and IOP's failure statuses;
-* ``_models``: ``GET /v1/models``' body;
+* ``_json_guard``: the body-level input guards every surface's parser runs first;
+* ``_models``: the bodies of ``GET /v1/models`` and ``/v1/models/{id}``;
 * ``chat``: OpenAI Chat Completions (``CHAT``);
 * ``responses``: OpenAI Responses (``ResponsesSurface``, over a response store);
 * ``messages``: Anthropic Messages and count_tokens (``MESSAGES``);
@@ -13,13 +14,19 @@
   (``COMPLETIONS``, ``EMBEDDINGS``), their own run operations.
 """
 
-from iop.api._models import model_list_body
+from iop.api._models import (
+    anthropic_model_body,
+    anthropic_model_list_body,
+    model_body,
+    model_list_body,
+    wants_anthropic,
+)
 from iop.api._output import OutputShaper, shape_failure
 from iop.api._shaped import Shaped, ShapedDone, ShapedFailed, ShapedReasoning, ShapedText
 from iop.api._surface import Call, Collector, RunContext, StreamEncoder, Surface
 from iop.api.chat import CHAT, ChatSurface
-from iop.api.completions import COMPLETIONS
-from iop.api.embeddings import EMBEDDINGS
+from iop.api.completions import COMPLETIONS, CompletionsSurface
+from iop.api.embeddings import EMBEDDINGS, EmbeddingsSurface
 from iop.api.messages import AUTH_FAILED as ANTHROPIC_AUTH_FAILED
 from iop.api.messages import MESSAGES, MessagesSurface
 from iop.api.messages import api_key as anthropic_api_key
@@ -34,6 +41,8 @@ __all__ = [
     "Call",
     "ChatSurface",
     "Collector",
+    "CompletionsSurface",
+    "EmbeddingsSurface",
     "MessagesSurface",
     "OutputShaper",
     "ResponsesSurface",
@@ -46,6 +55,10 @@ __all__ = [
     "StreamEncoder",
     "Surface",
     "anthropic_api_key",
+    "anthropic_model_body",
+    "anthropic_model_list_body",
+    "model_body",
     "model_list_body",
     "shape_failure",
+    "wants_anthropic",
 ]

@@ -83,7 +83,8 @@ def _cmd_edge(args: argparse.Namespace) -> int:
 def describe_edge(handle: EdgeHandle) -> str:
     return (
         f"iop edge: OpenAI API on {handle.url}/v1 "
-        f"(chat/completions, responses, models; Anthropic messages), nodes dial {handle.link_url}"
+        f"(chat/completions, completions, embeddings, responses, messages, models), "
+        f"nodes dial {handle.link_url}"
     )
 
 

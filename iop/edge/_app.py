@@ -1,7 +1,9 @@
 """The edge's HTTP face: a quart-trio app over an ``EdgeCore``.
 
-Routes: the API surfaces (``POST /v1/chat/completions``, streaming and not:
-``iop.api.chat``), ``GET /v1/models``, ``GET /healthz``, ``GET /readyz``,
+Routes: the API surfaces (``POST /v1/chat/completions``, ``/v1/responses``,
+``/v1/messages``, streaming and not, and ``/v1/messages/count_tokens``:
+``iop.api``), ``GET /v1/models`` and ``GET /v1/models/{id}`` (OpenAI's or
+Anthropic's shapes, ``iop.api._models``), ``GET /healthz``, ``GET /readyz``,
 ``GET /metrics``, the admin pages (``GET /admin`` as HTML, or its login form;
 ``POST /admin/login`` and ``/admin/logout``; ``GET /admin/nodes`` as JSON:
 ``_admin_auth`` says who may open them) and the node link WebSocket
@@ -32,7 +34,8 @@ Request input (``docs/operations.md`` "HTTP input"): a body must be JSON
 Content-Type at all is read as JSON) or the answer is 415; the body must
 arrive within ``server.body_read_timeout_s`` (408, and the connection is
 closed: the rest of a dribbled body is never read); its size, depth and
-values are checked by ``parse_chat_request``. Framing (smuggling, header
+values are checked by each surface's parser (``iop.api._json_guard`` first,
+the same guards for every surface). Framing (smuggling, header
 size) is refused below the app, in ``_http1.py``.
 
 Headers are committed on the run's first output, or after
@@ -60,18 +63,22 @@ from werkzeug.exceptions import HTTPException
 from iop.api import (
     ANTHROPIC_AUTH_FAILED,
     CHAT,
-    COMPLETIONS,
-    EMBEDDINGS,
-    MESSAGES,
     ChatSurface,
     Collector,
+    CompletionsSurface,
+    EmbeddingsSurface,
+    MessagesSurface,
     ResponsesSurface,
     RunContext,
     StreamEncoder,
     Surface,
     anthropic_api_key,
+    anthropic_model_body,
+    anthropic_model_list_body,
+    model_body,
     model_list_body,
     shape_failure,
+    wants_anthropic,
 )
 from iop.edge._admin_auth import COOKIE_NAME, AdminGate, Verdict, key_matches
 from iop.edge._admin_page import render_admin_page, render_login_page
@@ -170,13 +177,18 @@ class SurfaceRoute(NamedTuple):
 def surface_routes(core: EdgeCore) -> list[SurfaceRoute]:
     """The API surfaces the edge serves. Adding one is one line here; a surface
     that keeps state (a response store) is built here from ``core.config``."""
-    server = core.config.server
+    depth = core.config.server.max_json_depth
     return [
-        SurfaceRoute("/v1/chat/completions", ChatSurface(max_depth=server.max_json_depth)),
-        SurfaceRoute("/v1/responses", ResponsesSurface.from_settings(core.config.responses)),
-        SurfaceRoute("/v1/messages", MESSAGES, anthropic_key, ANTHROPIC_AUTH_FAILED),
-        SurfaceRoute("/v1/completions", COMPLETIONS),
-        SurfaceRoute("/v1/embeddings", EMBEDDINGS),
+        SurfaceRoute("/v1/chat/completions", ChatSurface(max_depth=depth)),
+        SurfaceRoute(
+            "/v1/responses",
+            ResponsesSurface.from_settings(core.config.responses, max_depth=depth),
+        ),
+        SurfaceRoute(
+            "/v1/messages", MessagesSurface(max_depth=depth), anthropic_key, ANTHROPIC_AUTH_FAILED
+        ),
+        SurfaceRoute("/v1/completions", CompletionsSurface(max_depth=depth)),
+        SurfaceRoute("/v1/embeddings", EmbeddingsSurface(max_depth=depth)),
     ]
 
 
@@ -358,6 +370,8 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
     # The API surfaces by route: errors on their routes (401, 404, 413...) take
     # their shape. The routes themselves: ``surface_routes``.
     surfaces: dict[str, Surface] = {}
+    # count_tokens and Anthropic's model routes: the Messages surface's parser and errors.
+    messages = MessagesSurface(max_depth=cfg.server.max_json_depth)
 
     def authorized(key: str) -> bool:
         return not keys or key_matches(key.encode(), keys)
@@ -407,11 +421,53 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             msgspec.json.encode({"status": "ready", "nodes": len(core.registry.nodes)})
         )
 
+    def model_reader() -> tuple[Surface, Response | None]:
+        """The surface whose shapes a model route answers in, and its 401 if
+        the key is missing or wrong (``iop.api._models``: Anthropic's shapes
+        for a request with ``anthropic-version``, else OpenAI's). Either key
+        header is accepted on either shape: both carry a key of the same
+        ``api_keys``, and a cross-origin page can set neither without a CORS
+        preflight, which the edge never grants (it sends no
+        ``Access-Control-Allow-*`` header)."""
+        headers = _headers()
+        surface = messages if wants_anthropic(headers) else CHAT
+        if authorized(anthropic_key(headers)):
+            return surface, None
+        if surface is messages:
+            return surface, _error(
+                401, ANTHROPIC_AUTH_FAILED, code="invalid_api_key", surface=messages
+            )
+        return surface, _error(401, "Incorrect API key provided.", code="invalid_api_key")
+
     @app.get("/v1/models")
     async def models() -> Response:
-        if not authorized(bearer_key(_headers())):
-            return _error(401, "Incorrect API key provided.", code="invalid_api_key")
-        body = model_list_body(((m.id, m.nodes) for m in core.models()), int(core.started_at))
+        surface, refused = model_reader()
+        if refused is not None:
+            return refused
+        served = [(m.id, m.nodes) for m in core.models()]
+        if surface is messages:
+            return _json_response(anthropic_model_list_body(served, int(core.started_at)))
+        return _json_response(model_list_body(served, int(core.started_at)))
+
+    # ``path``: model ids may hold ``/`` (``Qwen/Qwen3-8B``), sent as is or as %2F.
+    @app.get("/v1/models/<path:model_id>")
+    async def model(model_id: str) -> Response:
+        surface, refused = model_reader()
+        if refused is not None:
+            return refused
+        found = next((m for m in core.models() if m.id == model_id), None)
+        if found is None:
+            return _error(
+                404,
+                f"The model '{model_id}' does not exist",
+                code="model_not_found",
+                param="model",
+                surface=surface,
+            )
+        if surface is messages:
+            body = anthropic_model_body(found.id, found.nodes, int(core.started_at))
+        else:
+            body = model_body(found.id, found.nodes, int(core.started_at))
         return _json_response(body)
 
     @app.get("/metrics")
@@ -542,16 +598,16 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         estimate (said so in a header) when the backend has no tokenizer."""
         headers = _headers()
         if not authorized(anthropic_key(headers)):
-            return _error(401, ANTHROPIC_AUTH_FAILED, code="invalid_api_key", surface=MESSAGES)
+            return _error(401, ANTHROPIC_AUTH_FAILED, code="invalid_api_key", surface=messages)
         unsupported = _unsupported_content_type(headers.get("content-type"))
         if unsupported is not None:
-            return _error(415, unsupported, code="unsupported_media_type", surface=MESSAGES)
+            return _error(415, unsupported, code="unsupported_media_type", surface=messages)
         body = await request.get_data(cache=False)
         assert isinstance(body, bytes)
         try:
-            counted = MESSAGES.parse_count_tokens(body)
+            counted = messages.parse_count_tokens(body)
         except RequestError as exc:
-            return _from_exc(exc, MESSAGES)
+            return _from_exc(exc, messages)
         tokenize = TokenizeRequest(
             model=counted.model, messages=counted.messages, tools=counted.tools
         )
@@ -560,7 +616,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             run = core.start_run(spec)
         except IopError as exc:
             if exc.code != "operation_not_supported":
-                return _from_exc(exc, MESSAGES)
+                return _from_exc(exc, messages)
             run = None  # no instance of the model counts tokens: estimate here
         exact: int | None = None
         if run is not None:
@@ -579,11 +635,11 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
                 run.events.close()
             if isinstance(end, Error | Cancelled):
                 failed = shape_failure(end)
-                return _error(failed.status, failed.message, code=failed.code, surface=MESSAGES)
-        status, out, extra = MESSAGES.count_tokens(counted, exact=exact)
+                return _error(failed.status, failed.message, code=failed.code, surface=messages)
+        status, out, extra = messages.count_tokens(counted, exact=exact)
         return _json_response(out, status, extra)
 
-    surfaces[COUNT_TOKENS_PATH] = MESSAGES
+    surfaces[COUNT_TOKENS_PATH] = messages
 
     @app.websocket(LINK_PATH)
     async def node_link() -> None:

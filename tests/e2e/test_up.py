@@ -8,6 +8,7 @@ words. When the real backend cannot run here the tests skip, unless
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -22,6 +23,8 @@ import openai
 import pytest
 
 from iop.managed import llamacpp_available
+from tests.api.messages._sdk import validate_message
+from tests.api.responses._schema import validate_response
 from tests.e2e._platform import LOG_LINE, Proc, poll, read_stream, validated_completion
 
 pytestmark = pytest.mark.real_backend
@@ -128,12 +131,32 @@ def test_readme_installs_what_its_sdk_example_imports() -> None:
 
 
 def test_readme_curl_example(up: Up) -> None:
-    (curl,) = [b for b in _readme_blocks("bash") if b.startswith("curl ")]
+    (curl,) = [b for b in _readme_blocks("bash") if b.startswith("curl ") and "/chat/" in b]
     out = subprocess.run(
         ["bash", "-c", _on(up, curl)], capture_output=True, text=True, timeout=120, check=False
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.rstrip().endswith("data: [DONE]"), out.stdout
+
+
+def test_readme_responses_and_messages_curl_lines(up: Up) -> None:
+    """README "Try it": one curl line each for Responses and Messages, run as written."""
+    (block,) = [b for b in _readme_blocks("bash") if "/v1/responses" in b]
+    responses, messages = block.strip().splitlines()
+    for line, path in ((responses, "/v1/responses"), (messages, "/v1/messages")):
+        assert line.startswith(f"curl http://127.0.0.1:8080{path} ")
+        out = subprocess.run(
+            ["bash", "-c", _on(up, line)], capture_output=True, text=True, timeout=120, check=False
+        )
+        assert out.returncode == 0, out.stderr
+        body = json.loads(out.stdout)
+        if path == "/v1/responses":
+            validate_response(body)
+            assert body["status"] in ("completed", "incomplete")
+        else:
+            validate_message(body)
+            assert body["stop_reason"] in ("end_turn", "max_tokens")
+        assert body["model"] == ALIAS
 
 
 def test_readme_sdk_example(up: Up) -> None:

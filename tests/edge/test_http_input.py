@@ -341,13 +341,30 @@ async def test_every_error_the_edge_sends_is_openais_error_response(
             raise AssertionError(f"{name}: {body!r}") from exc
 
 
-async def test_server_max_json_depth_is_the_limit_the_edge_applies() -> None:
-    nested = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "zz": [[[[1]]]]}'  # depth 5
+@pytest.mark.parametrize(
+    ("path", "head"),
+    [
+        ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]'),
+        ("/v1/responses", b'{"model": "m", "input": "hi"'),
+        ("/v1/messages", b'{"model": "m", "max_tokens": 8, "messages": []'),
+        ("/v1/messages/count_tokens", b'{"model": "m", "messages": []'),
+        ("/v1/completions", b'{"model": "m", "prompt": "hi"'),
+        ("/v1/embeddings", b'{"model": "m", "input": "hi"'),
+    ],
+)
+async def test_server_max_json_depth_is_the_limit_every_surface_applies(
+    path: str, head: bytes
+) -> None:
+    nested = head + b', "zz": [[[[1]]]]}'  # depth 5
     async with edge(config(max_json_depth=4)) as (_, _, client):
-        resp = await client.post("/v1/chat/completions", content=nested, headers=JSON)
+        resp = await client.post(path, content=nested, headers=JSON)
     assert resp.status_code == 400
-    assert resp.json()["error"]["code"] == "json_too_deep"
-    assert "more than 4 levels" in resp.json()["error"]["message"]
+    error = resp.json()["error"]
+    if path.startswith("/v1/messages"):
+        assert error["type"] == "invalid_request_error"
+    else:
+        assert error["code"] == "json_too_deep"
+    assert "more than 4 levels" in error["message"]
 
 
 @pytest.mark.parametrize(
@@ -357,6 +374,7 @@ async def test_server_max_json_depth_is_the_limit_the_edge_applies() -> None:
         {"max_json_depth": 257},
         {"max_header_bytes": 100},
         {"body_read_timeout_s": 0},
+        {"keep_alive_timeout_s": 0},
     ],
 )
 def test_http_input_limits_refuse_nonsense_values(bad: dict[str, object]) -> None:

@@ -7,25 +7,12 @@ OpenAI's own (``"Invalid type for 'messages[0].content': ..."``,
 ``param="messages[0].content"``, ``code="invalid_type"``), so clients and
 SDKs show something actionable.
 
-Hostile input is refused before any typed decoding, in this order (each a
-400, ``docs/operations.md`` "HTTP input"):
-
-* **nesting** deeper than ``max_depth`` levels (the body object is level 1),
-  measured on the raw bytes with C-speed bytes operations
-  (``json_nesting_depth``). msgspec recurses on the C stack and raises
-  ``RecursionError`` at Python's recursion limit, which depends on how deep
-  the caller's stack already is: a body just under it on the edge could fail
-  to decode on the node and take its link down. An explicit limit far below
-  it makes the answer the same everywhere; the ``RecursionError`` is still
-  mapped, for bodies the byte scan cannot judge (unbalanced, truncated).
-* **invalid JSON**, including invalid UTF-8 inside a string, and numbers
-  beyond a 64-bit float: one generic decode of the whole body, which also
-  yields the values of the keys IOP does not model.
-* **integers the link cannot carry**: msgpack holds integers in
-  ``[-2**63, 2**64 - 1]``; one larger anywhere in the body (a known field, an
-  unknown key, a tool's JSON Schema) would fail the run's ``Assign`` frame.
-  The check is one msgpack encode (C); only when it fails is the value
-  searched for, by bisection, so ``param`` can name it (``zz.a[1].b``).
+Hostile input (nesting deeper than ``max_depth``, invalid JSON or UTF-8,
+numbers beyond a 64-bit float, integers the link's msgpack cannot carry) is
+refused before any typed decoding by ``iop.api._json_guard.guarded_decode``,
+which every surface shares (``docs/operations.md`` "HTTP input"); its one
+generic decode of the whole body also yields the values of the keys IOP does
+not model.
 
 Then the typed decode (a second msgspec pass, in C), whose validation errors
 read like OpenAI's. Unknown keys' values, already decoded, go into
@@ -55,36 +42,18 @@ from __future__ import annotations
 
 import re
 import typing
-from itertools import accumulate
 from typing import Any, Final
 
 import msgspec
 
+from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH, guarded_decode, json_nesting_depth
 from iop.errors import RequestError
 from iop.spec import ChatRequest, Message, NamedToolChoice
 
 __all__ = ["DEFAULT_MAX_JSON_DEPTH", "json_nesting_depth", "parse_chat_request"]
 
-# 64 levels: a chat request needs about 5 (body, messages, a message, its
-# content parts, a part) plus its tools' JSON Schemas, which OpenAI's
-# structured outputs cap at 10 levels of nesting (about 20 JSON levels). Far
-# below Python's recursion limit (1000 frames, shared with the server's own
-# stack, on the edge and on the node), half of serde_json's default of 128.
-DEFAULT_MAX_JSON_DEPTH: Final = 64
-
-# What the link's msgpack can carry (msgspec raises OverflowError beyond).
-LINK_INT_MIN: Final = -(2**63)
-LINK_INT_MAX: Final = 2**64 - 1
-
-_GENERIC: Final = msgspec.json.Decoder()
 _TYPED: Final = msgspec.json.Decoder(ChatRequest)
 _KNOWN: Final = frozenset(ChatRequest.__struct_fields__)
-
-_INVALID_JSON: Final = (
-    "We could not parse the JSON body of your request. (HINT: This likely means you aren't "
-    "using your HTTP library correctly. The API expects a JSON payload, but what was sent "
-    "was not valid JSON.)"
-)
 
 _TOOL_CHOICES: Final = frozenset({"none", "auto", "required"})
 _ROLES: Final[tuple[str, ...]] = typing.get_args(typing.get_type_hints(Message)["role"])
@@ -163,86 +132,6 @@ def _from_validation(exc: msgspec.ValidationError) -> RequestError:
         return RequestError(text, param=param, code="invalid_value")
     where = f" for '{param}'" if param else ""
     return RequestError(f"Invalid value{where}: {msg}.", param=param, code="invalid_value")
-
-
-# Bytes ops for json_nesting_depth: openers become "(", closers ")", all
-# else is deleted; runs of either, once leaves are peeled.
-_BRACKETS: Final = bytes.maketrans(b"[{]}", b"(())")
-_NOT_BRACKETS: Final = bytes(b for b in range(256) if b not in b"[]{}")
-_RUNS: Final = re.compile(rb"\(+|\)+")
-
-
-def json_nesting_depth(body: bytes) -> int:
-    """How deeply ``body``'s JSON nests (``{}`` is 1, a bare scalar 0).
-
-    Exact for valid JSON; for invalid JSON, not deeper than what a decoder
-    reaches before it fails, so a check on it still bounds the decoder's
-    recursion. Only bytes operations run over the whole body (C speed; well
-    under a second for 8 MiB of adversarial brackets, about 10 ms for a
-    typical 1 MiB chat): escaped backslashes and quotes are removed, the
-    text between quotes is dropped, the brackets kept. Leaf pairs ``()`` are
-    then peeled while that shrinks the text much (each pass is one level),
-    and the rest is walked run by run.
-    """
-    s = body.replace(b"\\\\", b"").replace(b'\\"', b"")
-    s = b"".join(s.split(b'"')[0::2]).translate(_BRACKETS, _NOT_BRACKETS)
-    peeled = 0
-    while s:
-        shorter = s.replace(b"()", b"")
-        if len(shorter) == len(s):
-            break
-        peeled += 1
-        shrunk_little = len(shorter) * 8 > len(s) * 7
-        s = shorter
-        if shrunk_little:
-            break
-    if not s:
-        return peeled
-    rest = max(accumulate(len(r) if r[0] == ord("(") else -len(r) for r in _RUNS.findall(s)))
-    return peeled + max(rest, 0)
-
-
-def _too_deep(limit: int) -> RequestError:
-    return RequestError(
-        f"Invalid request body: JSON nested too deeply (more than {limit} levels).",
-        code="json_too_deep",
-    )
-
-
-def _fits_link(value: object) -> bool:
-    try:
-        msgspec.msgpack.encode(value)
-    except OverflowError:
-        return False
-    return True
-
-
-def _first_unfit(items: list[Any]) -> int:
-    """Index of the first item the link cannot carry (one is known to exist),
-    by bisection: log2(n) msgpack encodes, no Python loop over the items."""
-    lo, hi = 0, len(items)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if _fits_link(items[lo:mid]):
-            lo = mid
-        else:
-            hi = mid
-    return lo
-
-
-def _unfit_int(value: Any, path: str) -> tuple[str, int]:
-    """The path and value of the first integer in ``value`` the link cannot carry."""
-    while True:
-        if isinstance(value, dict):
-            keys = list(value)
-            i = _first_unfit(list(value.values()))
-            path, value = _join(path, str(keys[i])), value[keys[i]]
-        elif isinstance(value, list):
-            i = _first_unfit(value)
-            path, value = f"{path}[{i}]", value[i]
-        else:
-            assert isinstance(value, int), value
-            return path, value
 
 
 def _int_out_of_range(param: str, value: int, low: float, high: float | None) -> RequestError:
@@ -389,24 +278,7 @@ def parse_chat_request(body: bytes, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) 
         RequestError: Status 400, with OpenAI-style ``message``, ``param`` and
             ``code``, for anything that is not a valid request.
     """
-    if json_nesting_depth(body) > max_depth:
-        raise _too_deep(max_depth)
-    try:
-        top = _GENERIC.decode(body)
-    except RecursionError as exc:
-        raise _too_deep(max_depth) from exc
-    except msgspec.ValidationError as exc:  # msgspec: "Number out of range"
-        raise RequestError(
-            f"Invalid request body: {exc}: numbers must fit a 64-bit float.",
-            code="invalid_value",
-        ) from exc
-    except msgspec.DecodeError as exc:
-        raise RequestError(_INVALID_JSON, code="invalid_json") from exc
-    if not isinstance(top, dict):
-        raise RequestError("Invalid request body: expected a JSON object.", code="invalid_type")
-    if not _fits_link(top):
-        param, value = _unfit_int(top, "")
-        raise _int_out_of_range(param, value, LINK_INT_MIN, LINK_INT_MAX)
+    top = guarded_decode(body, max_depth=max_depth)
     try:
         req = _TYPED.decode(body)
     except msgspec.ValidationError as exc:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH
 from iop.api._surface import Call, RunContext
 from iop.api.completions._errors import error_response
 from iop.api.completions._output import CompletionCollector, CompletionStream
@@ -29,12 +30,15 @@ __all__ = [
 class CompletionsSurface:
     """``POST /v1/completions`` as a ``Surface``."""
 
+    def __init__(self, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> None:
+        self._max_depth = max_depth
+
     @property
     def name(self) -> str:
         return "completions"
 
     def parse(self, body: bytes, headers: Mapping[str, str]) -> Call:
-        parsed = parse_completion(body)
+        parsed = parse_completion(body, max_depth=self._max_depth)
         return Call(
             request=parsed.request,
             stream=parsed.stream,

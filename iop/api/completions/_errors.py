@@ -12,6 +12,7 @@ from typing import Any, Final
 
 import msgspec
 
+from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH, guarded_decode
 from iop.api._openai_errors import (
     cancel_message,
     cancel_status,
@@ -70,19 +71,14 @@ _MISSING: Final = re.compile(r"^Object missing required field `(?P<field>[^`]+)`
 _TYPE: Final = re.compile(r"^Expected `(?P<expected>[^`]+)`(?P<rest>.*?), got `(?P<got>[^`]+)`$")
 
 
-def decode_object(body: bytes) -> dict[str, Any]:
-    """A request body as a JSON object.
+def decode_object(body: bytes, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> dict[str, Any]:
+    """A request body as a JSON object, after the guards every surface applies
+    (``iop.api._json_guard``: nesting, encoding, numbers the link can carry).
 
     Raises:
-        RequestError: Not JSON (``invalid_json``), or not an object.
+        RequestError: 400 (``invalid_json``, ``json_too_deep``, ...).
     """
-    try:
-        value = msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
-        raise RequestError(_INVALID_JSON, code="invalid_json") from exc
-    if not isinstance(value, dict):
-        raise RequestError("Invalid request body: expected a JSON object.", code="invalid_type")
-    return value
+    return guarded_decode(body, max_depth=max_depth)
 
 
 def from_validation(exc: msgspec.ValidationError) -> RequestError:

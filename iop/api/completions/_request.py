@@ -25,6 +25,7 @@ from typing import Any, Final
 
 import msgspec
 
+from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH
 from iop.api.completions._errors import decode_object, from_validation, invalid
 from iop.errors import RequestError
 from iop.spec import CompletionRequest, StreamOptions
@@ -118,13 +119,13 @@ def _range(name: str, value: float | None, low: float, high: float) -> None:
         )
 
 
-def parse_completion(body: bytes) -> ParsedCompletion:
+def parse_completion(body: bytes, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> ParsedCompletion:
     """Decode and check a ``/v1/completions`` body.
 
     Raises:
         RequestError: A 400 with OpenAI's wording and ``param``.
     """
-    top = decode_object(body)
+    top = decode_object(body, max_depth=max_depth)
     known = {k: v for k, v in top.items() if k in _KNOWN}
     extra: dict[str, Any] = {k: v for k, v in top.items() if k not in _KNOWN}
     if "prompt" not in known:

@@ -28,6 +28,7 @@ from typing import Any, Final, Literal, NoReturn
 
 import msgspec
 
+from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH
 from iop.api._surface import Call, RunContext
 from iop.api.completions._errors import (
     decode_object,
@@ -98,13 +99,13 @@ def _inputs(value: str | list[Any]) -> list[EmbeddingInput]:
     return items
 
 
-def parse_embeddings(body: bytes) -> EmbeddingRequest:
+def parse_embeddings(body: bytes, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> EmbeddingRequest:
     """Decode and check a ``/v1/embeddings`` body.
 
     Raises:
         RequestError: A 400 with OpenAI's wording and ``param``.
     """
-    top = decode_object(body)
+    top = decode_object(body, max_depth=max_depth)
     if "stream" in top:
         raise invalid("Embeddings are not streamed: 'stream' is not supported.", "stream")
     for name in ("model", "input"):
@@ -231,12 +232,15 @@ class EmbeddingsCollector:
 class EmbeddingsSurface:
     """``POST /v1/embeddings`` as a ``Surface`` (never streamed)."""
 
+    def __init__(self, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> None:
+        self._max_depth = max_depth
+
     @property
     def name(self) -> str:
         return "embeddings"
 
     def parse(self, body: bytes, headers: Mapping[str, str]) -> Call:
-        request = parse_embeddings(body)
+        request = parse_embeddings(body, max_depth=self._max_depth)
         return Call(request=request, stream=False, model=request.model, native=request)
 
     def error_body(

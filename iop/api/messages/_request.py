@@ -48,6 +48,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 
+from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH, Style, guarded_decode
 from iop.errors import RequestError
 from iop.spec import (
     ChatRequest,
@@ -308,13 +309,10 @@ IGNORED_FIELDS: Final = frozenset(
 """Top-level keys Anthropic documents that IOP accepts and ignores by name
 (any other unknown key is ignored too, see the module docstring)."""
 
-_TOP: Final = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _TYPED: Final = msgspec.json.Decoder(MessagesRequest)
 _TOOL_HEAD: Final = msgspec.json.Decoder(ToolHead)
 _CUSTOM_TOOL: Final = msgspec.json.Decoder(CustomTool)
 _KNOWN: Final = frozenset(MessagesRequest.__struct_fields__) - {"ignored"}
-
-_INVALID_JSON: Final = "There was an error parsing the body of your request as JSON."
 
 # --- errors worded like Anthropic's (pydantic-style: "<dotted.path>: <what>") -------
 
@@ -593,13 +591,9 @@ def _messages(req: MessagesRequest) -> list[Message]:
     return out
 
 
-def _decode(body: bytes) -> MessagesRequest:
-    try:
-        top = _TOP.decode(body)
-    except msgspec.ValidationError as exc:
-        raise _invalid("", "Input should be a valid dictionary", code="invalid_type") from exc
-    except msgspec.DecodeError as exc:
-        raise _invalid("", _INVALID_JSON, code="invalid_json") from exc
+def _decode(body: bytes, max_depth: int) -> MessagesRequest:
+    # The body-level guards every surface shares (depth, JSON and UTF-8, numbers).
+    top = guarded_decode(body, max_depth=max_depth, style=Style.ANTHROPIC)
     ignored = tuple(k for k in top if k not in _KNOWN)
     if "ignored" in top:  # our own bookkeeping field, never the client's
         del top["ignored"]
@@ -635,8 +629,13 @@ def _translate(req: MessagesRequest) -> ChatRequest:
     )
 
 
-def parse_messages_request(body: bytes) -> tuple[MessagesRequest, ChatRequest]:
+def parse_messages_request(
+    body: bytes, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH
+) -> tuple[MessagesRequest, ChatRequest]:
     """Decode, check and translate a ``POST /v1/messages`` body.
+
+    ``max_depth`` is the deepest JSON nesting accepted (``server.max_json_depth``;
+    ``iop.api._json_guard`` runs first, as on every surface).
 
     Returns:
         Anthropic's typed request (for the encoder: ``thinking``, ``ignored``)
@@ -645,7 +644,7 @@ def parse_messages_request(body: bytes) -> tuple[MessagesRequest, ChatRequest]:
     Raises:
         RequestError: 400, worded like Anthropic's (module docstring).
     """
-    req = _decode(body)
+    req = _decode(body, max_depth)
     if req.max_tokens is None:
         raise _invalid("max_tokens", "Field required")
     if req.max_tokens < 1:
@@ -653,7 +652,9 @@ def parse_messages_request(body: bytes) -> tuple[MessagesRequest, ChatRequest]:
     return req, _translate(req)
 
 
-def parse_count_tokens(body: bytes) -> tuple[MessagesRequest, ChatRequest]:
+def parse_count_tokens(
+    body: bytes, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH
+) -> tuple[MessagesRequest, ChatRequest]:
     """Like :func:`parse_messages_request` for ``count_tokens`` (no ``max_tokens`` needed)."""
-    req = _decode(body)
+    req = _decode(body, max_depth)
     return req, _translate(req)

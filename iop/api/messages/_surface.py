@@ -23,6 +23,7 @@ from collections.abc import Mapping
 
 import msgspec
 
+from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH
 from iop.api._surface import Call, RunContext
 from iop.api.messages._errors import anthropic_error, error_body
 from iop.api.messages._request import MessagesRequest, parse_count_tokens, parse_messages_request
@@ -85,7 +86,14 @@ def _native(call: Call) -> MessagesRequest:
 
 
 class MessagesSurface:
-    """Anthropic Messages as an ``iop.api.Surface`` (stateless: one instance serves all)."""
+    """Anthropic Messages as an ``iop.api.Surface`` (stateless: one instance serves all).
+
+    Args:
+        max_depth: Deepest JSON nesting a body may have (``server.max_json_depth``).
+    """
+
+    def __init__(self, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> None:
+        self._max_depth = max_depth
 
     @property
     def name(self) -> str:
@@ -97,7 +105,7 @@ class MessagesSurface:
         Raises:
             RequestError: 400, worded like Anthropic's.
         """
-        native, request = parse_messages_request(body)
+        native, request = parse_messages_request(body, max_depth=self._max_depth)
         return Call(request=request, stream=native.stream, model=native.model, native=native)
 
     def error_body(
@@ -126,7 +134,7 @@ class MessagesSurface:
         Raises:
             RequestError: 400, worded like Anthropic's.
         """
-        return parse_count_tokens(body)[1]
+        return parse_count_tokens(body, max_depth=self._max_depth)[1]
 
     def count_tokens(
         self, request: ChatRequest, exact: int | None = None

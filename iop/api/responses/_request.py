@@ -74,6 +74,7 @@ from typing import Any, Final, Literal
 
 import msgspec
 
+from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH, guarded_decode
 from iop.errors import RequestError
 from iop.spec import (
     ChatRequest,
@@ -107,12 +108,6 @@ _METADATA_MAX_KEYS: Final = 16
 _METADATA_KEY_MAX: Final = 64
 _METADATA_VALUE_MAX: Final = 512
 """OpenAI's ``metadata`` limits: 16 pairs, keys up to 64 and values up to 512 characters."""
-
-_INVALID_JSON: Final = (
-    "We could not parse the JSON body of your request. (HINT: This likely means you aren't "
-    "using your HTTP library correctly. The API expects a JSON payload, but what was sent "
-    "was not valid JSON.)"
-)
 
 _EFFORTS: Final = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 _ROLES: Final = ("user", "assistant", "system", "developer")
@@ -264,7 +259,6 @@ class ResponsesRequest(_Struct, frozen=True):
     prompt: Any = None
 
 
-_TOP: Final = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _TYPED: Final = msgspec.json.Decoder(ResponsesRequest)
 _KNOWN: Final = frozenset(ResponsesRequest.__struct_fields__)
 
@@ -438,8 +432,15 @@ def _check(req: ResponsesRequest) -> None:
                     )
 
 
-def decode_request(body: bytes) -> tuple[ResponsesRequest, dict[str, Any]]:
-    """Decode and check a Responses body.
+def decode_request(
+    body: bytes, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH
+) -> tuple[ResponsesRequest, dict[str, Any]]:
+    """Decode and check a Responses body, after the body-level guards every
+    surface shares (``iop.api._json_guard``: depth, JSON and UTF-8, numbers).
+
+    Args:
+        body: The raw HTTP request body.
+        max_depth: Deepest JSON nesting accepted (``server.max_json_depth``).
 
     Returns:
         The typed request, and the keys that are no Responses parameter
@@ -448,20 +449,13 @@ def decode_request(body: bytes) -> tuple[ResponsesRequest, dict[str, Any]]:
     Raises:
         RequestError: 400 in OpenAI's wording, with ``param``.
     """
-    try:
-        top = _TOP.decode(body)
-    except msgspec.ValidationError as exc:
-        raise RequestError(
-            "Invalid request body: expected a JSON object.", code="invalid_type"
-        ) from exc
-    except msgspec.DecodeError as exc:
-        raise RequestError(_INVALID_JSON, code="invalid_json") from exc
+    top = guarded_decode(body, max_depth=max_depth)
     try:
         req = _TYPED.decode(body)
     except msgspec.ValidationError as exc:
         raise _from_validation(exc) from exc
     _check(req)
-    extra = {k: msgspec.json.decode(raw) for k, raw in top.items() if k not in _KNOWN}
+    extra = {k: value for k, value in top.items() if k not in _KNOWN}
     return req, extra
 
 

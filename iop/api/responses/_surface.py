@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Final
 
+from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH
 from iop.api._openai_errors import error_status, openai_error
 from iop.api._surface import Call, RunContext, Surface
 from iop.api.responses._output import (
@@ -92,26 +93,37 @@ class ResponsesSurface:
 
     Args:
         store: The stored responses (``ResponseStore.from_settings``).
+        max_depth: Deepest JSON nesting a body may have (``server.max_json_depth``).
         clock: Monotonic seconds (the store's TTL, ``completed_at``).
     """
 
     def __init__(
-        self, store: ResponseStore, *, clock: Callable[[], float] = time.monotonic
+        self,
+        store: ResponseStore,
+        *,
+        max_depth: int = DEFAULT_MAX_JSON_DEPTH,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._store = store
+        self._max_depth = max_depth
         self._clock = clock
 
     @classmethod
     def from_settings(
-        cls, settings: ResponsesSettings, *, clock: Callable[[], float] = time.monotonic
+        cls,
+        settings: ResponsesSettings,
+        *,
+        max_depth: int = DEFAULT_MAX_JSON_DEPTH,
+        clock: Callable[[], float] = time.monotonic,
     ) -> ResponsesSurface:
-        """A surface with a store sized by the edge's ``[responses]`` section."""
+        """A surface with a store sized by the edge's ``[responses]`` section,
+        refusing bodies nested deeper than ``max_depth`` (``server.max_json_depth``)."""
         store = ResponseStore(
             max_entries=settings.store_max_entries,
             max_bytes=settings.store_max_bytes,
             ttl_s=settings.store_ttl_s,
         )
-        return cls(store, clock=clock)
+        return cls(store, max_depth=max_depth, clock=clock)
 
     @property
     def name(self) -> str:
@@ -129,7 +141,7 @@ class ResponsesSurface:
                 ``previous_response_id`` included (module docstring).
         """
         del headers  # nothing of the Responses API is in headers
-        req, extra = decode_request(body)
+        req, extra = decode_request(body, max_depth=self._max_depth)
         prior: tuple[Message, ...] = ()
         if req.previous_response_id is not None:
             found = self._store.get(req.previous_response_id, now=self._clock())
