@@ -327,7 +327,9 @@ def codex_command(binary: Path, prompt: str, workdir: Path) -> list[str]:
 def _run(
     command: Sequence[str], workdir: Path, env: Mapping[str, str], timeout: float, config: str = ""
 ) -> AgentResult:
-    shown = {k: ("<masked>" if k.endswith("_API_KEY") else v) for k, v in env.items()}
+    shown = {
+        k: ("<masked>" if k.endswith(("_API_KEY", "_AUTH_TOKEN")) else v) for k, v in env.items()
+    }
     try:
         done = subprocess.run(
             list(command),
@@ -398,15 +400,20 @@ def run_claude(
     api_key: str = API_KEY,
     proxy: str = DEAD_PROXY,
     quiet: bool = True,
+    key_variable: str = "ANTHROPIC_API_KEY",
 ) -> AgentResult:
-    """``claude -p PROMPT`` in ``workdir`` against ``base_url`` (``/v1/messages``)."""
+    """``claude -p PROMPT`` in ``workdir`` against ``base_url`` (``/v1/messages``).
+
+    The key goes in ``key_variable``: ``ANTHROPIC_API_KEY`` (sent as
+    ``x-api-key``) or ``ANTHROPIC_AUTH_TOKEN`` (sent as ``Authorization: Bearer``).
+    """
     binary = binary or claude_binary()
     with tempfile.TemporaryDirectory(prefix="iop-claude-home-") as scratch:
         home = Path(scratch)
         env = _base_env(home, proxy) | {
             "CLAUDE_CONFIG_DIR": str(home / ".claude"),
             "ANTHROPIC_BASE_URL": base_url.rstrip("/"),
-            "ANTHROPIC_API_KEY": api_key,
+            key_variable: api_key,
             # An HTTP error fails the run at once instead of being retried
             # with back-off (as Codex's request_max_retries = 0). It does not
             # stop the stream retries and non-streaming fallback that follow
