@@ -63,6 +63,11 @@ SHELL_ARGUMENTS: Final = {
 TOOL_MARKER: Final = "iop-tool-ok"
 # Words in a plain answer: short enough for one line, long enough not to be luck.
 PLAIN_TOKENS: Final = 24
+# A first token this late (a queue, a long prefill), keep-alives this often,
+# and a Codex that gives up after this long without an SSE event.
+SLOW_TTFT_S: Final = 4.0
+KEEPALIVE_S: Final = 0.25
+CODEX_IDLE_MS: Final = 1500
 # iop up starting the edge, the node and the sim on a loaded 2-core machine.
 READY_TIMEOUT_S: Final = 60.0
 # The edge logs a run's line as the run ends, around the time the agent exits.
@@ -112,18 +117,25 @@ class Platform:
         return found
 
 
-def _start_up(log_dir: Path, name: str, sim: dict[str, object]) -> Iterator[Platform]:
-    """``iop up --backend sim`` with ``[embedded.sim]`` = ``sim`` and one API key."""
+def _start_up(
+    log_dir: Path, name: str, sim: dict[str, object], server: dict[str, object] | None = None
+) -> Iterator[Platform]:
+    """``iop up --backend sim`` with ``[embedded.sim]`` = ``sim`` and one API key
+    (and ``[edge.server]`` keys ``server``)."""
     lines = [
         "[edge.server]",
         f"api_keys = [{json.dumps(API_KEY)}]",
+        *(f"{key} = {json.dumps(value)}" for key, value in (server or {}).items()),
         "",
         "[embedded]",
         'kind = "sim"',
         "",
         "[embedded.sim]",
-        "ttft_s = 0.0",
-        *(f"{key} = {json.dumps(value)}" for key, value in sim.items() if key != "by_tool"),
+        *(
+            f"{key} = {json.dumps(value)}"
+            for key, value in ({"ttft_s": 0.0} | sim).items()
+            if key != "by_tool"
+        ),
     ]
     by_tool = sim.get("by_tool")
     if isinstance(by_tool, dict):
@@ -245,6 +257,38 @@ def test_codex_tool_round_trip_through_edge_node_and_sim(
 ) -> None:
     result = _codex(split, TOOL_PROMPT, workdir, codex_bin)
     _assert_codex_tool_round_trip(result, split)
+
+
+@pytest.fixture(scope="module")
+def up_slow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    """``iop up --backend sim`` whose model takes ``SLOW_TTFT_S`` to its first token
+    (a queue or a long prefill), with keep-alives every ``KEEPALIVE_S``."""
+    yield from _start_up(
+        tmp_path_factory.mktemp("up-slow"),
+        "iop-up-slow",
+        {"tool_mode": "none", "output_tokens": PLAIN_TOKENS, "ttft_s": SLOW_TTFT_S},
+        {"keepalive_interval_s": KEEPALIVE_S},
+    )
+
+
+def test_codex_waits_out_a_first_token_slower_than_its_idle_timeout(
+    up_slow: Platform, codex_bin: Path, workdir: Path
+) -> None:
+    # Codex gives a turn up after stream_idle_timeout_ms without an SSE
+    # event (default 300 s; comments do not count: "idle timeout waiting
+    # for SSE"). The edge's keep-alives must be events it reads and ignores.
+    up_slow.mark()
+    result = run_codex(
+        up_slow.url,
+        PLAIN_PROMPT,
+        workdir,
+        binary=codex_bin,
+        model=MODEL,
+        stream_idle_timeout_ms=CODEX_IDLE_MS,
+    )
+    assert result.returncode == 0, _explain(result, up_slow)
+    _assert_sim_text(result.stdout.strip(), result, up_slow)
+    assert up_slow.runs_since_mark(1) == ["stop"], _explain(result, up_slow)
 
 
 def test_codex_with_a_wrong_key_gets_the_edges_401(
