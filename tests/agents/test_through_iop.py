@@ -342,6 +342,18 @@ def test_claude_tool_round_trip_through_edge_node_and_sim(
     _assert_claude_tool_round_trip(result, split)
 
 
+def test_claude_waits_out_a_slow_first_token(
+    up_slow: Platform, claude_bin: Path, workdir: Path
+) -> None:
+    # The Messages surface's keep-alives are Anthropic's ping events.
+    result = _claude(up_slow, PLAIN_PROMPT, workdir, claude_bin)
+    assert result.returncode == 0, _explain(result, up_slow)
+    _assert_sim_text(result.stdout.strip(), result, up_slow)
+    # One streamed request: the stream was read, not abandoned for the
+    # non-streaming fallback.
+    assert up_slow.runs_since_mark(1) == ["stop"], _explain(result, up_slow)
+
+
 def test_claude_with_a_wrong_key_gets_the_edges_401(
     up_plain: Platform, claude_bin: Path, workdir: Path
 ) -> None:
