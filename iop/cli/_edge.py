@@ -83,7 +83,7 @@ def _cmd_edge(args: argparse.Namespace) -> int:
 def describe_edge(handle: EdgeHandle) -> str:
     return (
         f"iop edge: OpenAI API on {handle.url}/v1 "
-        f"(chat/completions, models), nodes dial {handle.link_url}"
+        f"(chat/completions, responses, messages, models), nodes dial {handle.link_url}"
     )
 
 
