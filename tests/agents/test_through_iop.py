@@ -23,11 +23,15 @@ decides what the model does:
   in ``Process exited with code 0 ... Output:``; Claude's answer has the
   marker without the ``echo``) proves the model saw it.
 
-The tool round trip runs once more through a separate ``iop edge`` +
-``iop node`` + ``iop sim`` (the node's ``vllm`` adapter over HTTP, tool-call
-deltas parsed from vLLM's wire format), and a wrong key is refused on both
-surfaces. After every run the edge's log must hold one line per run with the
-expected finish, and no warning or error.
+The tool round trip runs again with reasoning before the call (``reasoning``
+items, ``thinking`` blocks, which the agents pass back) and through a
+separate ``iop edge`` + ``iop node`` + ``iop sim`` (the node's ``vllm``
+adapter over HTTP, tool-call deltas parsed from vLLM's wire format). A
+first token slower than the agent's idle timeout is waited out on the
+edge's keep-alives, a wrong key is refused on both surfaces, and Claude
+Code's ``ANTHROPIC_AUTH_TOKEN`` (Bearer) gets in. After every run the edge's
+log must hold one line per run with the expected finish, and no process a
+warning or an error.
 """
 
 from __future__ import annotations
@@ -63,6 +67,9 @@ SHELL_ARGUMENTS: Final = {
 TOOL_MARKER: Final = "iop-tool-ok"
 # Words in a plain answer: short enough for one line, long enough not to be luck.
 PLAIN_TOKENS: Final = 24
+# Where the tool round trips run: iop up (without and with reasoning before
+# the call) and the separate edge + node + sim.
+TOOL_PLATFORMS: Final = ["up_tools", "up_reasoning", "split"]
 # A first token this late (a queue, a long prefill), keep-alives this often,
 # and a Codex that gives up after this long without an SSE event.
 SLOW_TTFT_S: Final = 4.0
@@ -175,6 +182,33 @@ def up_tools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
 
 
 @pytest.fixture(scope="module")
+def up_reasoning(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    """``up_tools`` whose model reasons first: Responses ``reasoning`` items and
+    Anthropic ``thinking`` blocks, which the agents pass back on the next turn."""
+    yield from _start_up(
+        tmp_path_factory.mktemp("up-reasoning"),
+        "iop-up-reasoning",
+        {
+            "reasoning_tokens": 6,
+            "tool_call_names": list(SHELL_ARGUMENTS),
+            "by_tool": SHELL_ARGUMENTS,
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def up_slow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    """``iop up --backend sim`` whose model takes ``SLOW_TTFT_S`` to its first token
+    (a queue or a long prefill), with keep-alives every ``KEEPALIVE_S``."""
+    yield from _start_up(
+        tmp_path_factory.mktemp("up-slow"),
+        "iop-up-slow",
+        {"tool_mode": "none", "output_tokens": PLAIN_TOKENS, "ttft_s": SLOW_TTFT_S},
+        {"keepalive_interval_s": KEEPALIVE_S},
+    )
+
+
+@pytest.fixture(scope="module")
 def split(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     """``iop sim`` (scripted tool mode, vLLM's wire format) + ``iop edge`` + ``iop node``."""
     log_dir = tmp_path_factory.mktemp("split")
@@ -247,28 +281,13 @@ def test_codex_plain_turn(up_plain: Platform, codex_bin: Path, workdir: Path) ->
     assert up_plain.runs_since_mark(1) == ["stop"], _explain(result, up_plain)
 
 
-def test_codex_tool_round_trip(up_tools: Platform, codex_bin: Path, workdir: Path) -> None:
-    result = _codex(up_tools, TOOL_PROMPT, workdir, codex_bin)
-    _assert_codex_tool_round_trip(result, up_tools)
-
-
-def test_codex_tool_round_trip_through_edge_node_and_sim(
-    split: Platform, codex_bin: Path, workdir: Path
+@pytest.mark.parametrize("where", TOOL_PLATFORMS)
+def test_codex_tool_round_trip(
+    where: str, request: pytest.FixtureRequest, codex_bin: Path, workdir: Path
 ) -> None:
-    result = _codex(split, TOOL_PROMPT, workdir, codex_bin)
-    _assert_codex_tool_round_trip(result, split)
-
-
-@pytest.fixture(scope="module")
-def up_slow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
-    """``iop up --backend sim`` whose model takes ``SLOW_TTFT_S`` to its first token
-    (a queue or a long prefill), with keep-alives every ``KEEPALIVE_S``."""
-    yield from _start_up(
-        tmp_path_factory.mktemp("up-slow"),
-        "iop-up-slow",
-        {"tool_mode": "none", "output_tokens": PLAIN_TOKENS, "ttft_s": SLOW_TTFT_S},
-        {"keepalive_interval_s": KEEPALIVE_S},
-    )
+    platform: Platform = request.getfixturevalue(where)
+    result = _codex(platform, TOOL_PROMPT, workdir, codex_bin)
+    _assert_codex_tool_round_trip(result, platform)
 
 
 def test_codex_waits_out_a_first_token_slower_than_its_idle_timeout(
@@ -330,16 +349,13 @@ def test_claude_plain_turn(up_plain: Platform, claude_bin: Path, workdir: Path) 
     assert up_plain.runs_since_mark(1) == ["stop"], _explain(result, up_plain)
 
 
-def test_claude_tool_round_trip(up_tools: Platform, claude_bin: Path, workdir: Path) -> None:
-    result = _claude(up_tools, TOOL_PROMPT, workdir, claude_bin)
-    _assert_claude_tool_round_trip(result, up_tools)
-
-
-def test_claude_tool_round_trip_through_edge_node_and_sim(
-    split: Platform, claude_bin: Path, workdir: Path
+@pytest.mark.parametrize("where", TOOL_PLATFORMS)
+def test_claude_tool_round_trip(
+    where: str, request: pytest.FixtureRequest, claude_bin: Path, workdir: Path
 ) -> None:
-    result = _claude(split, TOOL_PROMPT, workdir, claude_bin)
-    _assert_claude_tool_round_trip(result, split)
+    platform: Platform = request.getfixturevalue(where)
+    result = _claude(platform, TOOL_PROMPT, workdir, claude_bin)
+    _assert_claude_tool_round_trip(result, platform)
 
 
 def test_claude_waits_out_a_slow_first_token(
