@@ -184,7 +184,8 @@ def up_tools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
 @pytest.fixture(scope="module")
 def up_reasoning(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     """``up_tools`` whose model reasons first: Responses ``reasoning`` items and
-    Anthropic ``thinking`` blocks, which the agents pass back on the next turn."""
+    Anthropic ``thinking`` blocks in the answer, which the agents pass back
+    on the next turn (as they do the stub's: tests/data/agents/README.md)."""
     yield from _start_up(
         tmp_path_factory.mktemp("up-reasoning"),
         "iop-up-reasoning",
