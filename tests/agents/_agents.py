@@ -259,11 +259,15 @@ def _toml_value(value: object) -> str:
     return json.dumps(value)
 
 
-def codex_config(base_url: str, model: str, *, quiet: bool = True) -> str:
+def codex_config(
+    base_url: str, model: str, *, quiet: bool = True, stream_idle_timeout_ms: int = 30_000
+) -> str:
     """``config.toml`` for one run: the provider at ``base_url``, nothing else reached.
 
     ``quiet=False`` leaves out the settings that stop background traffic (to
-    see what a default install tries to reach).
+    see what a default install tries to reach). ``stream_idle_timeout_ms``:
+    how long Codex waits for the next SSE event before it gives the turn up
+    (SSE comments do not count).
     """
     provider = {
         "name": "IOP",
@@ -274,7 +278,7 @@ def codex_config(base_url: str, model: str, *, quiet: bool = True) -> str:
         # retried with back-off: tests see the failure, not a slow pass.
         "request_max_retries": 0,
         "stream_max_retries": 0,
-        "stream_idle_timeout_ms": 30_000,
+        "stream_idle_timeout_ms": stream_idle_timeout_ms,
     }
     head = [f"model = {_toml_value(model)}", 'model_provider = "iop"', ""]
     quiet_lines = [
@@ -327,7 +331,9 @@ def codex_command(binary: Path, prompt: str, workdir: Path) -> list[str]:
 def _run(
     command: Sequence[str], workdir: Path, env: Mapping[str, str], timeout: float, config: str = ""
 ) -> AgentResult:
-    shown = {k: ("<masked>" if k.endswith("_API_KEY") else v) for k, v in env.items()}
+    shown = {
+        k: ("<masked>" if k.endswith(("_API_KEY", "_AUTH_TOKEN")) else v) for k, v in env.items()
+    }
     try:
         done = subprocess.run(
             list(command),
@@ -359,6 +365,7 @@ def run_codex(
     api_key: str = API_KEY,
     proxy: str = DEAD_PROXY,
     quiet: bool = True,
+    stream_idle_timeout_ms: int = 30_000,
 ) -> AgentResult:
     """``codex exec PROMPT`` in ``workdir`` against ``base_url`` (``/v1/responses``)."""
     binary = binary or codex_binary()
@@ -366,7 +373,9 @@ def run_codex(
         home = Path(scratch)
         codex_home = home / ".codex"
         codex_home.mkdir()
-        config = codex_config(base_url, model, quiet=quiet)
+        config = codex_config(
+            base_url, model, quiet=quiet, stream_idle_timeout_ms=stream_idle_timeout_ms
+        )
         (codex_home / "config.toml").write_text(config)
         env = _base_env(home, proxy) | {"CODEX_HOME": str(codex_home), "IOP_API_KEY": api_key}
         return _run(codex_command(binary, prompt, workdir), workdir, env, timeout, config)
@@ -398,15 +407,20 @@ def run_claude(
     api_key: str = API_KEY,
     proxy: str = DEAD_PROXY,
     quiet: bool = True,
+    key_variable: str = "ANTHROPIC_API_KEY",
 ) -> AgentResult:
-    """``claude -p PROMPT`` in ``workdir`` against ``base_url`` (``/v1/messages``)."""
+    """``claude -p PROMPT`` in ``workdir`` against ``base_url`` (``/v1/messages``).
+
+    The key goes in ``key_variable``: ``ANTHROPIC_API_KEY`` (sent as
+    ``x-api-key``) or ``ANTHROPIC_AUTH_TOKEN`` (sent as ``Authorization: Bearer``).
+    """
     binary = binary or claude_binary()
     with tempfile.TemporaryDirectory(prefix="iop-claude-home-") as scratch:
         home = Path(scratch)
         env = _base_env(home, proxy) | {
             "CLAUDE_CONFIG_DIR": str(home / ".claude"),
             "ANTHROPIC_BASE_URL": base_url.rstrip("/"),
-            "ANTHROPIC_API_KEY": api_key,
+            key_variable: api_key,
             # An HTTP error fails the run at once instead of being retried
             # with back-off (as Codex's request_max_retries = 0). It does not
             # stop the stream retries and non-streaming fallback that follow

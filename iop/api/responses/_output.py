@@ -51,7 +51,12 @@ a failure after the headers is ``response.failed`` (its ``error.code`` is
 codes OpenAI's schema allows; IOP's own code is in the message), and a
 failure before them is an HTTP error from ``Surface.error_body``. The
 stream ends after its terminal event; the Responses API has no ``[DONE]``.
-``keepalive()`` is an SSE comment.
+``keepalive()`` is OpenAI's ``keepalive`` event (``{"type": "keepalive",
+"sequence_number": N}``, which OpenAI sends on long streams but leaves out
+of its schema; the SDKs pass it through) once the stream has started, an SSE
+comment before: Codex ends a turn after ``stream_idle_timeout_ms`` without an
+*event* (comments do not count), so a long queue wait or prefill needs real
+events.
 
 Ids: the response is ``resp_<run id>``; items ``msg_<run id>_<n>``,
 ``rs_<run id>_<n>`` and ``fc_<run id>_<n>`` with ``n`` the output index.
@@ -90,7 +95,11 @@ __all__ = [
 ]
 
 KEEPALIVE: Final[bytes] = b": keep-alive\n\n"
-"""An SSE comment: clients ignore it, proxies and idle timers see traffic."""
+"""An SSE comment, the keep-alive before ``response.created``: clients ignore
+it, proxies see traffic."""
+_KEEPALIVE_EVENT: Final = b'event: keepalive\ndata: {"type":"keepalive","sequence_number":%d}\n\n'
+"""OpenAI's ``keepalive`` event, the keep-alive once the stream started: an
+event, so clients' idle timers (Codex's) see it too."""
 
 Keep = Callable[[str, tuple[Message, ...]], None]
 """Stores a finished response's conversation under its id (``_store``)."""
@@ -488,13 +497,16 @@ class ResponsesStream:
         return self._sse(created) + self._sse(progress)
 
     def keepalive(self) -> bytes:
-        """An SSE comment (queue, prefill, a buffered run).
+        """A ``keepalive`` event (queue, prefill, a buffered run); an SSE comment
+        before ``start()``.
 
         Raises:
             InvariantError: If the stream finished.
         """
         self._check_open("keepalive()")
-        return KEEPALIVE
+        if self._state is _State.FRESH:
+            return KEEPALIVE
+        return _KEEPALIVE_EVENT % self._next()
 
     def feed_many(self, events: Iterable[RuntimeEvent]) -> bytes:
         """The bytes of a run's events, shaped, joined (for one coalesced send)."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from functools import cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from jsonschema import Draft202012Validator
 from referencing import Registry, Resource
@@ -61,8 +61,25 @@ def validator(name: str) -> Draft202012Validator:
     return Draft202012Validator(schema, registry=_registry())
 
 
+# OpenAI's keep-alive on long streams, absent from its schema (docs/api.md):
+# exactly these two keys.
+_KEEPALIVE_EVENT: Final[dict[str, Any]] = {
+    "type": "object",
+    "properties": {
+        "type": {"const": "keepalive"},
+        "sequence_number": {"type": "integer", "minimum": 0},
+    },
+    "required": ["type", "sequence_number"],
+    "additionalProperties": False,
+}
+
+
 def validate_event(obj: Any) -> None:
-    """Validate one stream event: by its own schema, and as a ``ResponseStreamEvent``."""
+    """Validate one stream event: by its own schema, and as a ``ResponseStreamEvent``
+    (a ``keepalive`` event, which OpenAI's schema leaves out, by its known shape)."""
+    if obj.get("type") == "keepalive":
+        Draft202012Validator(_KEEPALIVE_EVENT).validate(obj)
+        return
     validator(_EVENT_SCHEMAS[obj["type"]]).validate(obj)
     validator("ResponseStreamEvent").validate(obj)
 

@@ -133,44 +133,45 @@ def test_a_text_run_byte_for_byte() -> None:
                 "response.in_progress",
                 f'{{"type":"response.in_progress","sequence_number":1,"response":{_resp("in_progress")}}}',
             ),
-            ": keep-alive\n\n",
+            # OpenAI's keepalive event, numbered in the stream's sequence.
+            _sse("keepalive", '{"type":"keepalive","sequence_number":2}'),
             _sse(
                 "response.output_item.added",
-                '{"type":"response.output_item.added","sequence_number":2,"output_index":0,"item":'
+                '{"type":"response.output_item.added","sequence_number":3,"output_index":0,"item":'
                 + msg.replace("STATUS", "in_progress").replace("CONTENT", "[]")
                 + "}",
             ),
             _sse(
                 "response.content_part.added",
-                f'{{"type":"response.content_part.added","sequence_number":3,{ids},"part":'
+                f'{{"type":"response.content_part.added","sequence_number":4,{ids},"part":'
                 + part.replace("TEXT", "")
                 + "}",
             ),
             _sse(
                 "response.output_text.delta",
-                f'{{"type":"response.output_text.delta","sequence_number":4,{ids},"delta":"Hel","logprobs":[]}}',
+                f'{{"type":"response.output_text.delta","sequence_number":5,{ids},"delta":"Hel","logprobs":[]}}',
             ),
             _sse(
                 "response.output_text.delta",
-                f'{{"type":"response.output_text.delta","sequence_number":5,{ids},"delta":"lo","logprobs":[]}}',
+                f'{{"type":"response.output_text.delta","sequence_number":6,{ids},"delta":"lo","logprobs":[]}}',
             ),
             _sse(
                 "response.output_text.done",
-                f'{{"type":"response.output_text.done","sequence_number":6,{ids},"text":"Hello","logprobs":[]}}',
+                f'{{"type":"response.output_text.done","sequence_number":7,{ids},"text":"Hello","logprobs":[]}}',
             ),
             _sse(
                 "response.content_part.done",
-                f'{{"type":"response.content_part.done","sequence_number":7,{ids},"part":'
+                f'{{"type":"response.content_part.done","sequence_number":8,{ids},"part":'
                 + part.replace("TEXT", "Hello")
                 + "}",
             ),
             _sse(
                 "response.output_item.done",
-                f'{{"type":"response.output_item.done","sequence_number":8,"output_index":0,"item":{done_item}}}',
+                f'{{"type":"response.output_item.done","sequence_number":9,"output_index":0,"item":{done_item}}}',
             ),
             _sse(
                 "response.completed",
-                '{"type":"response.completed","sequence_number":9,"response":'
+                '{"type":"response.completed","sequence_number":10,"response":'
                 + _resp("completed", output=f"[{done_item}]", usage=USAGE, done_at="1700000000")
                 + "}",
             ),
@@ -358,7 +359,40 @@ def test_the_stream_refuses_use_after_its_end() -> None:
         enc.keepalive()
     with pytest.raises(InvariantError):
         enc.start()
-    assert KEEPALIVE == b": keep-alive\n\n"
+
+
+def test_a_keepalive_before_the_start_is_a_comment_after_it_an_event() -> None:
+    # Before response.created there is no sequence to number an event in;
+    # after it, Codex's idle timer only sees events (tests/agents/test_through_iop.py).
+    enc = _stream({"input": "hi"})
+    assert enc.keepalive() == KEEPALIVE == b": keep-alive\n\n"
+    enc.start()  # sequence numbers 0 and 1
+    first = enc.keepalive()
+    assert first == b'event: keepalive\ndata: {"type":"keepalive","sequence_number":2}\n\n'
+    (event,) = _events(first + enc.keepalive())[:1]
+    validate_event(event)
+    out = enc.feed_many([Complete()]).decode()
+    assert '"type":"response.completed","sequence_number":4,' in out
+
+
+def test_the_sdk_stream_helper_reads_through_keepalive_events() -> None:
+    surface = _surface()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        call = surface.parse(request.content, dict(request.headers))
+        enc = surface.stream(call, RunContext(run_id="r1", created=CREATED, policy=OutputPolicy()))
+        data = enc.start() + enc.keepalive() + enc.feed_many([Delta("Hel")])
+        data += enc.keepalive() + enc.feed_many([Delta("lo"), Complete()])
+        return httpx.Response(200, content=data, headers={"content-type": "text/event-stream"})
+
+    http = httpx.Client(transport=httpx.MockTransport(handler))
+    client = openai.OpenAI(api_key="k", base_url="http://iop.test/v1", http_client=http)
+    with client.responses.stream(model="m", input="hi") as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds.count("keepalive") == 2
+    assert kinds[-1] == "response.completed"
+    assert final.output_text == "Hello"
 
 
 def test_fail_ends_the_stream_for_the_http_layer() -> None:
