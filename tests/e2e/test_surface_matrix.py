@@ -37,6 +37,7 @@ mid-request): the SDKs retry and hide when things happen.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import socket
@@ -535,17 +536,23 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Matrix]:
             for m, flags in SIM_FLAGS.items()
         }
         procs.extend(sim_procs.values())
-        sims: dict[str, Sim] = {}
-        for m, proc in sim_procs.items():
-            url = proc.wait_stdout(r"on (http://\S+)/v1").group(1)
-            sims[m] = Sim(proc, url)
-            closers.append(sims[m])
-        main = start_edge(log_dir, MAIN_CONFIG, name="edge-main")
-        procs.append(main.proc)
-        closers.append(main)
-        patient = start_edge(log_dir, PATIENT_CONFIG, name="edge-patient")
-        procs.append(patient.proc)
-        closers.append(patient)
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            edges = [
+                pool.submit(start_edge, log_dir, config, name=name)
+                for name, config in (("edge-main", MAIN_CONFIG), ("edge-patient", PATIENT_CONFIG))
+            ]
+            sims: dict[str, Sim] = {}
+            try:
+                for m, proc in sim_procs.items():
+                    url = proc.wait_stdout(r"on (http://\S+)/v1").group(1)
+                    sims[m] = Sim(proc, url)
+                    closers.append(sims[m])
+            finally:
+                for started in edges:  # owned here even if a sim failed to start
+                    if started.exception() is None:
+                        procs.append(started.result().proc)
+                        closers.append(started.result())
+        main, patient = (started.result() for started in edges)
         shared = Matrix(sims, main, patient, log_dir)
         try:
             shared.ensure_nodes(1)
@@ -975,6 +982,30 @@ def test_node_lost_after_output_is_the_surface_error(mx: Matrix, surface: str) -
     s.check_failed(r.events)
     if s is not MESSAGES:  # Anthropic's error message is IOP's, but not checked here
         assert f"node {victim.node_id}" in failure.message, failure
+    mx.sims[LONG].wait_disconnects(before[LONG])
+    assert outcome_delta(mx.main, outcomes) == {"cancelled:node_lost": 1}
+    mx.ensure_nodes(1)
+    released(mx, LONG, before)
+
+
+@pytest.mark.parametrize("surface", ALL)
+def test_node_lost_non_streaming_while_generating(mx: Matrix, surface: str) -> None:
+    """No failover once the run had output: the one body is the surface's
+    error for a lost node (OpenAI 503 ``node_lost``, Anthropic 529)."""
+    s = SURFACES[surface]
+    before, outcomes = mx.disconnects(), mx.main.admin()["outcomes"]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(post, mx.main, s, LONG)
+        mx.sims[LONG].wait_open()
+        # The edge's run has seen output: no failover from here.
+        poll(
+            lambda: [r["state"] for r in mx.main.admin()["runs"]] == ["streaming"],
+            timeout=PROMPT_S,
+            what="the edge's run to have output",
+        )
+        _kill_holder(mx)
+        resp = answer.result(timeout=READ_TIMEOUT_S)
+    check_http_failure(s, s.http_failure(resp), "node_lost")
     mx.sims[LONG].wait_disconnects(before[LONG])
     assert outcome_delta(mx.main, outcomes) == {"cancelled:node_lost": 1}
     mx.ensure_nodes(1)
