@@ -317,13 +317,14 @@ def test_messages_stream_tool_use_round_trip(edge: Edge, claude: anthropic.Anthr
     assert second.stop_reason == "end_turn"
 
 
-def test_count_tokens_is_an_estimate_and_says_so(claude: anthropic.Anthropic) -> None:
+def test_count_tokens_is_the_backends_tokenizer(claude: anthropic.Anthropic) -> None:
+    # A tokenize run: the node asks the backend's POST /tokenize (the sim's).
     raw = claude.messages.with_raw_response.count_tokens(
         model=MODEL, messages=HI, system="Be brief.", tools=ANTHROPIC_TOOLS
     )
     counted = raw.parse()
     assert counted.input_tokens > 0
-    assert raw.http_response.headers["x-iop-token-count"] == "estimated"
+    assert raw.http_response.headers["x-iop-token-count"] == "exact"
     bare = claude.messages.count_tokens(model=MODEL, messages=HI)
     assert 0 < bare.input_tokens < counted.input_tokens
 

@@ -384,3 +384,15 @@ def test_http_input_limits_refuse_nonsense_values(bad: dict[str, object]) -> Non
 
     with pytest.raises(msgspec.ValidationError):
         msgspec.convert(bad, EdgeServer)
+
+
+async def test_count_tokens_estimates_and_says_so_when_no_instance_tokenizes() -> None:
+    # The test node's instance serves chat only: no tokenize run is possible.
+    async with edge() as (_, _, client):
+        resp = await client.post(
+            "/v1/messages/count_tokens",
+            json={"model": "m", "messages": [{"role": "user", "content": "hello there"}]},
+        )
+    assert resp.status_code == 200
+    assert resp.headers["x-iop-token-count"] == "estimated"
+    assert resp.json()["input_tokens"] > 0
