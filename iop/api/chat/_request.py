@@ -40,13 +40,13 @@ Checks after decoding (OpenAI's and vLLM's validators):
 
 from __future__ import annotations
 
-import re
 import typing
 from typing import Any, Final
 
 import msgspec
 
 from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH, guarded_decode, json_nesting_depth
+from iop.api._openai_validation import from_validation
 from iop.errors import RequestError
 from iop.spec import ChatRequest, Message, NamedToolChoice
 
@@ -59,79 +59,27 @@ _TOOL_CHOICES: Final = frozenset({"none", "auto", "required"})
 _ROLES: Final[tuple[str, ...]] = typing.get_args(typing.get_type_hints(Message)["role"])
 _PART_TYPES: Final = ("text", "image_url", "input_audio", "file", "refusal")
 
-# msgspec's ValidationError messages (msgspec/_core.c), each optionally
-# followed by " - at `$.path`".
-_AT: Final = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
-_MISSING: Final = re.compile(r"^Object missing required field `(?P<field>[^`]+)`$")
-_TYPE: Final = re.compile(r"^Expected `(?P<expected>[^`]+)`(?P<rest>.*?), got `(?P<got>[^`]+)`$")
-_VALUE: Final = re.compile(r"^Invalid (?:enum )?value (?P<value>.+)$")
-
-_TYPE_NAMES: Final[dict[str, str]] = {
-    "str": "a string",
-    "int": "an integer",
-    "float": "a number",
-    "bool": "a boolean",
-    "null": "null",
-    "array": "an array",
-    "object": "an object",
-}
-
 
 def _quote(items: tuple[str, ...]) -> str:
     quoted = [f"'{i}'" for i in items]
     return ", ".join(quoted[:-1]) + f", and {quoted[-1]}" if len(quoted) > 1 else quoted[0]
 
 
-def _type_phrase(spec: str) -> str:
-    names = [_TYPE_NAMES.get(n.strip(), n.strip()) for n in spec.split("|")]
-    if len(names) == 1:
-        return names[0]
-    return "one of " + ", ".join(names[:-1]) + " or " + names[-1]
-
-
-def _param(path: str) -> str | None:
-    """msgspec's ``$.messages[0].role`` path as OpenAI's ``messages[0].role``."""
-    path = path.removeprefix(".")
-    return path or None
-
-
-def _join(parent: str | None, field: str) -> str:
-    return f"{parent}.{field}" if parent else field
+def _hint(param: str | None) -> str:
+    """What chat's enums accept, after OpenAI's ``Invalid value: X.``."""
+    last = (param or "").rsplit(".", 1)[-1]
+    if last == "role":
+        return f" Supported values are: {_quote(_ROLES)}."
+    if last == "type" and param and ".content[" in param:
+        return f" Supported values are: {_quote(_PART_TYPES)}."
+    if last == "type":
+        return " Supported values are: 'function'."
+    return ""
 
 
 def _from_validation(exc: msgspec.ValidationError) -> RequestError:
     """A RequestError worded like OpenAI's for one of msgspec's messages."""
-    m = _AT.match(str(exc))
-    assert m is not None  # the pattern matches any string
-    msg, param = m["msg"], _param(m["path"] or "")
-    if missing := _MISSING.match(msg):
-        param = _join(param, missing["field"])
-        return RequestError(
-            f"Missing required parameter: '{param}'.",
-            param=param,
-            code="missing_required_parameter",
-        )
-    if wrong := _TYPE.match(msg):
-        expected = _type_phrase(wrong["expected"]) + wrong["rest"]
-        got = _TYPE_NAMES.get(wrong["got"], wrong["got"])
-        where = f" for '{param}'" if param else ""
-        return RequestError(
-            f"Invalid type{where}: expected {expected}, but got {got} instead.",
-            param=param,
-            code="invalid_type",
-        )
-    if bad := _VALUE.match(msg):
-        text = f"Invalid value: {bad['value']}."
-        last = (param or "").rsplit(".", 1)[-1]
-        if last == "role":
-            text += f" Supported values are: {_quote(_ROLES)}."
-        elif last == "type" and param and ".content[" in param:
-            text += f" Supported values are: {_quote(_PART_TYPES)}."
-        elif last == "type":
-            text += " Supported values are: 'function'."
-        return RequestError(text, param=param, code="invalid_value")
-    where = f" for '{param}'" if param else ""
-    return RequestError(f"Invalid value{where}: {msg}.", param=param, code="invalid_value")
+    return from_validation(exc, hint=_hint)
 
 
 def _int_out_of_range(param: str, value: int, low: float, high: float | None) -> RequestError:

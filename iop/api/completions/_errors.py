@@ -7,7 +7,6 @@ error of a failed run, and request-validation 400s worded like OpenAI's.
 
 from __future__ import annotations
 
-import re
 from typing import Any, Final
 
 import msgspec
@@ -21,6 +20,7 @@ from iop.api._openai_errors import (
     openai_error,
     openai_error_type,
 )
+from iop.api._openai_validation import from_validation as openai_from_validation
 from iop.errors import RequestError
 from iop.events import Cancelled, Error
 
@@ -65,10 +65,6 @@ _INVALID_JSON: Final = (
     "using your HTTP library correctly. The API expects a JSON payload, but what was sent "
     "was not valid JSON.)"
 )
-# msgspec's ValidationError messages, each optionally followed by " - at `$.path`".
-_AT: Final = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
-_MISSING: Final = re.compile(r"^Object missing required field `(?P<field>[^`]+)`$")
-_TYPE: Final = re.compile(r"^Expected `(?P<expected>[^`]+)`(?P<rest>.*?), got `(?P<got>[^`]+)`$")
 
 
 def decode_object(body: bytes, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> dict[str, Any]:
@@ -83,22 +79,4 @@ def decode_object(body: bytes, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> di
 
 def from_validation(exc: msgspec.ValidationError) -> RequestError:
     """A 400 worded like OpenAI's for one of msgspec's messages, ``param`` set."""
-    m = _AT.match(str(exc))
-    assert m is not None  # the pattern matches any string
-    msg, param = m["msg"], (m["path"] or "").removeprefix(".") or None
-    if missing := _MISSING.match(msg):
-        param = f"{param}.{missing['field']}" if param else missing["field"]
-        return RequestError(
-            f"Missing required parameter: '{param}'.",
-            param=param,
-            code="missing_required_parameter",
-        )
-    where = f" for '{param}'" if param else ""
-    if wrong := _TYPE.match(msg):
-        return RequestError(
-            f"Invalid type{where}: expected {wrong['expected']}{wrong['rest']}, "
-            f"but got {wrong['got']} instead.",
-            param=param,
-            code="invalid_type",
-        )
-    return RequestError(f"Invalid value{where}: {msg}.", param=param, code="invalid_value")
+    return openai_from_validation(exc)

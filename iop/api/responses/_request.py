@@ -69,12 +69,12 @@ Errors read like OpenAI's (``Invalid type for 'input[0].content': ...``,
 
 from __future__ import annotations
 
-import re
 from typing import Any, Final, Literal
 
 import msgspec
 
 from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH, guarded_decode
+from iop.api._openai_validation import from_validation
 from iop.errors import RequestError
 from iop.spec import (
     ChatRequest,
@@ -265,27 +265,6 @@ _KNOWN: Final = frozenset(ResponsesRequest.__struct_fields__)
 
 # --- OpenAI's wording for msgspec's validation errors --------------------------------
 
-_AT: Final = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
-_MISSING: Final = re.compile(r"^Object missing required field `(?P<field>[^`]+)`$")
-_TYPE: Final = re.compile(r"^Expected `(?P<expected>[^`]+)`(?P<rest>.*?), got `(?P<got>[^`]+)`$")
-_VALUE: Final = re.compile(r"^Invalid (?:enum )?value (?P<value>.+)$")
-_TYPE_NAMES: Final[dict[str, str]] = {
-    "str": "a string",
-    "int": "an integer",
-    "float": "a number",
-    "bool": "a boolean",
-    "null": "null",
-    "array": "an array",
-    "object": "an object",
-}
-
-
-def _type_phrase(spec: str) -> str:
-    names = [_TYPE_NAMES.get(n.strip(), n.strip()) for n in spec.split("|")]
-    if len(names) == 1:
-        return names[0]
-    return "one of " + ", ".join(names[:-1]) + " or " + names[-1]
-
 
 def _json_type(value: object) -> str:
     """OpenAI's name for the JSON type of a decoded value ("an array", "null", ...)."""
@@ -304,47 +283,23 @@ def _quote(items: tuple[str, ...]) -> str:
     return ", ".join(f"'{i}'" for i in items)
 
 
+def _hint(param: str | None) -> str:
+    """What the Responses enums accept, after OpenAI's ``Invalid value: X.``."""
+    last = (param or "").rsplit(".", 1)[-1]
+    if last == "role":
+        return f" Supported values are: {_quote(_ROLES)}."
+    if last == "truncation":
+        return " Supported values are: 'auto', 'disabled'."
+    return ""
+
+
 def _from_validation(exc: msgspec.ValidationError, prefix: str = "") -> RequestError:
     """A RequestError worded like OpenAI's for one of msgspec's messages.
 
     ``prefix`` is the path of the converted value (``input[2]``), put before
     msgspec's own path.
     """
-    m = _AT.match(str(exc))
-    assert m is not None  # the pattern matches any string
-    path = (m["path"] or "").removeprefix(".")
-    if path.startswith("["):
-        param: str | None = prefix + path
-    else:
-        param = f"{prefix}.{path}" if prefix and path else (prefix or path or None)
-    msg = m["msg"]
-    if missing := _MISSING.match(msg):
-        field = missing["field"]
-        param = f"{param}.{field}" if param else field
-        return RequestError(
-            f"Missing required parameter: '{param}'.",
-            param=param,
-            code="missing_required_parameter",
-        )
-    if wrong := _TYPE.match(msg):
-        expected = _type_phrase(wrong["expected"]) + wrong["rest"]
-        got = _TYPE_NAMES.get(wrong["got"], wrong["got"])
-        where = f" for '{param}'" if param else ""
-        return RequestError(
-            f"Invalid type{where}: expected {expected}, but got {got} instead.",
-            param=param,
-            code="invalid_type",
-        )
-    if bad := _VALUE.match(msg):
-        text = f"Invalid value: {bad['value']}."
-        last = (param or "").rsplit(".", 1)[-1]
-        if last == "role":
-            text += f" Supported values are: {_quote(_ROLES)}."
-        elif last == "truncation":
-            text += " Supported values are: 'auto', 'disabled'."
-        return RequestError(text, param=param, code="invalid_value")
-    where = f" for '{param}'" if param else ""
-    return RequestError(f"Invalid value{where}: {msg}.", param=param, code="invalid_value")
+    return from_validation(exc, prefix=prefix, hint=_hint)
 
 
 # --- checks --------------------------------------------------------------------------
