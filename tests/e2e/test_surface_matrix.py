@@ -380,7 +380,9 @@ RESPONSES = SurfaceCase(
     headers={},
     validate=_responses_validate,
     token=_responses_token,
-    is_keepalive=lambda ev: ev.comment is not None,
+    # docs/api.md: an SSE comment before response.created, OpenAI's
+    # `keepalive` event once the stream started.
+    is_keepalive=lambda ev: ev.comment is not None or ev.event == "keepalive",
     is_done=lambda ev: ev.event == "response.completed",
     stream_failure=_responses_failure,
     check_failed=_responses_failed,
