@@ -7,8 +7,12 @@ bytes differ. Each test here is one *window* (when the failure strikes),
 parametrized over ``SURFACES``, a table with one row per surface: how to build
 its request body, how to read its stream (tokens, keep-alives, the terminal
 event, the in-stream error) and its HTTP error body, and which status and
-error kind it documents for each IOP outcome. A new surface (legacy
-completions) is one more row. ``docs/testing.md`` has the matrix as a table.
+error kind it documents for each IOP outcome. ``docs/testing.md`` has the
+matrix as a table. Embeddings are not streamed: their row serves only the
+windows of a non-streamed run (``NON_STREAMED``); the backend "works" for
+``ttft_s`` on an embeddings request (``docs/testing.md``, "The simulated
+backend"), so their long run is ``m-prefill``'s 3 s, not ``m-long``'s
+instant vector.
 
 Behaviour is chosen by **model name**, the one field every surface has: each
 model is its own ``iop sim`` process with that behaviour built in (a long
@@ -58,6 +62,8 @@ from tests.api.responses._schema import validate_event as validate_responses_eve
 from tests.api.responses._schema import validate_response
 from tests.e2e._platform import Edge, Node, Proc, Sim, poll, start_edge, start_node
 from tests.edge._openai_schema import validate_chunk, validate_completion, validate_error
+from tests.sim._schemas import validate_completion as validate_text_completion
+from tests.sim._schemas import validate_completion_chunk, validate_embeddings
 
 # --- the backends: one sim per behaviour, named by model ---------------------------------
 
@@ -78,6 +84,9 @@ SIM_FLAGS: Final[dict[str, list[str]]] = {
     STALL_FIRST: ["--failure", "stall_before_first_byte"],
     STALL_MID: ["--failure", "stall_mid_stream", "--fail-after-tokens", str(STALL_TOKENS)],
 }
+# Every instance serves embeddings too (opt-in for the vllm adapter,
+# docs/configuration.md): the sim answers them after ttft_s.
+OPERATIONS: Final = ["chat", "completion", "embedding", "tokenize"]
 INSTANCE: Final[dict[str, dict[str, Any]]] = {
     STEADY: {},
     PREFILL: {},
@@ -199,6 +208,12 @@ class SurfaceCase:
     expect_http: Callable[[str], tuple[int, str]]
     # ... and the kind its in-stream failure carries.
     expect_stream: Callable[[str], str]
+    # Whether anything follows the in-stream failure ([DONE] on chat's wire).
+    done_after_failure: bool = False
+    # Whether the surface streams at all (embeddings do not).
+    streams: bool = True
+    # A model whose non-streamed run keeps its backend working for seconds.
+    busy_model: str = LONG
 
 
 # OpenAI's statuses for IOP outcomes (docs/operations.md, "Errors clients see").
@@ -296,6 +311,7 @@ CHAT = SurfaceCase(
     http_failure=_openai_http_failure,
     expect_http=lambda reason: (OPENAI_STATUS[reason], reason),
     expect_stream=lambda reason: reason,
+    done_after_failure=True,
 )
 
 
@@ -364,7 +380,9 @@ RESPONSES = SurfaceCase(
     headers={},
     validate=_responses_validate,
     token=_responses_token,
-    is_keepalive=lambda ev: ev.comment is not None,
+    # docs/api.md: an SSE comment before response.created, OpenAI's
+    # `keepalive` event once the stream started.
+    is_keepalive=lambda ev: ev.comment is not None or ev.event == "keepalive",
     is_done=lambda ev: ev.event == "response.completed",
     stream_failure=_responses_failure,
     check_failed=_responses_failed,
@@ -451,8 +469,101 @@ MESSAGES = SurfaceCase(
     expect_stream=lambda reason: ANTHROPIC[reason][1],
 )
 
-SURFACES: Final = {s.name: s for s in (CHAT, RESPONSES, MESSAGES)}
-ALL: Final = list(SURFACES)
+
+# completions ----------------------------------------------------------------------------
+
+
+def _completions_body(model: str, stream: bool) -> dict[str, Any]:
+    # max_tokens defaults to 16 (docs/api.md): the long runs need more.
+    return {"model": model, "prompt": PROMPT, "max_tokens": 2000, "stream": stream}
+
+
+def _completions_validate(ev: Sse) -> None:
+    if ev.data is None or ev.data == "[DONE]":
+        return
+    obj = ev.json()
+    if "error" in obj:
+        validate_error(obj)
+    else:
+        assert obj["object"] == "text_completion", obj
+        validate_completion_chunk(obj)
+
+
+def _completions_token(ev: Sse) -> str | None:
+    if ev.data is None or ev.data == "[DONE]":
+        return None
+    for choice in ev.json().get("choices") or ():
+        if choice.get("text"):
+            return str(choice["text"])
+    return None
+
+
+def _completions_answer(body: dict[str, Any]) -> str:
+    validate_text_completion(body)
+    assert body["choices"][0]["finish_reason"] == "stop"
+    return str(body["choices"][0]["text"])
+
+
+COMPLETIONS = SurfaceCase(
+    name="completions",
+    path="/v1/completions",
+    body=_completions_body,
+    headers={},
+    validate=_completions_validate,
+    token=_completions_token,
+    is_keepalive=lambda ev: ev.comment is not None,
+    is_done=_chat_done,
+    # docs/api.md, "Completions": chat's wire, `data: {"error"}` then [DONE].
+    stream_failure=_chat_failure,
+    check_failed=_chat_failed,
+    answer_text=_completions_answer,
+    http_failure=_openai_http_failure,
+    expect_http=lambda reason: (OPENAI_STATUS[reason], reason),
+    expect_stream=lambda reason: reason,
+    done_after_failure=True,
+)
+
+
+# embeddings -----------------------------------------------------------------------------
+
+
+def _embeddings_body(model: str, stream: bool) -> dict[str, Any]:
+    return {"model": model, "input": PROMPT}  # never streamed (a 400)
+
+
+def _no_stream(*_args: object) -> Any:
+    raise AssertionError("embeddings are not streamed")
+
+
+def _embeddings_answer(body: dict[str, Any]) -> str:
+    validate_embeddings(body)
+    assert len(body["data"]) == 1, body
+    return ""  # a vector, no text
+
+
+EMBEDDINGS = SurfaceCase(
+    name="embeddings",
+    path="/v1/embeddings",
+    body=_embeddings_body,
+    headers={},
+    validate=_no_stream,
+    token=_no_stream,
+    is_keepalive=_no_stream,
+    is_done=_no_stream,
+    stream_failure=_no_stream,
+    check_failed=_no_stream,
+    answer_text=_embeddings_answer,
+    http_failure=_openai_http_failure,
+    expect_http=lambda reason: (OPENAI_STATUS[reason], reason),
+    expect_stream=_no_stream,
+    streams=False,
+    busy_model=PREFILL,
+)
+
+SURFACES: Final = {s.name: s for s in (CHAT, RESPONSES, MESSAGES, COMPLETIONS, EMBEDDINGS)}
+# The streaming surfaces: every window. Embeddings only where a run is not streamed.
+ALL: Final = [name for name, s in SURFACES.items() if s.streams]
+NON_STREAMED: Final = list(SURFACES)
 
 
 # --- the processes -----------------------------------------------------------------------
@@ -482,9 +593,15 @@ class Matrix:
             self.sims[first].url,
             name=f"node-{self.started}",
             node_id=f"n{self.started}",
-            instance={"name": first, **INSTANCE[first]},
+            instance={"name": first, "operations": OPERATIONS, **INSTANCE[first]},
             more_instances=[
-                {"adapter": "vllm", "name": m, "endpoint": self.sims[m].url, **INSTANCE[m]}
+                {
+                    "adapter": "vllm",
+                    "name": m,
+                    "endpoint": self.sims[m].url,
+                    "operations": OPERATIONS,
+                    **INSTANCE[m],
+                }
                 for m in more
             ],
         )
@@ -672,18 +789,20 @@ def check_http_failure(s: SurfaceCase, failure: Failure | None, reason: str) -> 
 
 
 def check_full_answer(s: SurfaceCase, r: _Validating, n_tokens: int) -> None:
-    assert r.s.is_done(r.events[-1]) or (s is CHAT and r.events[-1].data == "[DONE]")
+    assert r.s.is_done(r.events[-1])
     assert not any(s.stream_failure(e) for e in r.events), r.events
     assert len(r.tokens()) == n_tokens, r.tokens()
 
 
 @contextlib.contextmanager
 def bystander(mx: Matrix, s: SurfaceCase) -> Iterator[None]:
-    """A healthy stream of the same surface, open across the cell's failure.
+    """A healthy stream of the same surface (chat for embeddings), open across
+    the cell's failure.
 
     Once the cell's run is gone, the bystander's backend connection is still
     open and its stream goes on: it reads more tokens, then leaves (its own
     client disconnect, which the cell counts)."""
+    s = s if s.streams else CHAT
     steady = mx.sims[STEADY]
     before = steady.stats()["client_disconnects"]
     with open_stream(mx.main, s, STEADY) as opened:
@@ -768,17 +887,17 @@ def test_disconnect_mid_stream(mx: Matrix, surface: str) -> None:
     _bystander_left(mx, outcomes)
 
 
-@pytest.mark.parametrize("surface", ALL)
+@pytest.mark.parametrize("surface", NON_STREAMED)
 def test_disconnect_non_streaming_while_generating(mx: Matrix, surface: str) -> None:
     s = SURFACES[surface]
     before, outcomes = mx.disconnects(), mx.main.admin()["outcomes"]
     with bystander(mx, s):
-        sock = raw_request(mx.main, s, LONG, stream=False)
+        sock = raw_request(mx.main, s, s.busy_model, stream=False)
         try:
-            mx.sims[LONG].wait_open()
+            mx.sims[s.busy_model].wait_open()
         finally:
             sock.close()
-        _victim_released(mx, LONG, before, outcomes)
+        _victim_released(mx, s.busy_model, before, outcomes)
     _bystander_left(mx, outcomes)
 
 
@@ -818,7 +937,7 @@ def _timeout_cell(
         else:
             r = reader(opened)
             failure, rest = stream_failure(r)
-            assert rest == [] or s is CHAT, rest
+            assert rest == [] or s.done_after_failure, rest
             check_stream_failure(s, failure, reason)
             s.check_failed(r.events)
             assert bool(r.tokens()) is output, r.tokens()
@@ -854,20 +973,27 @@ def test_total_timeout_after_output(mx: Matrix, surface: str) -> None:
     _timeout_cell(mx, mx.patient, SURFACES[surface], LONG, "total_timeout", output=True)
 
 
-NON_STREAMING: Final = {
-    # reason: (edge, model)
-    "first_token_timeout": ("patient", STALL_FIRST),
-    "idle_timeout": ("patient", STALL_MID),
-    "total_timeout": ("patient", LONG),
+NON_STREAMING: Final[dict[str, Callable[[SurfaceCase], str]]] = {
+    # reason: the model (on the patient edge)
+    "first_token_timeout": lambda s: STALL_FIRST,
+    "idle_timeout": lambda s: STALL_MID,
+    "total_timeout": lambda s: s.busy_model,
 }
 
 
-@pytest.mark.parametrize("reason", list(NON_STREAMING))
-@pytest.mark.parametrize("surface", ALL)
+@pytest.mark.parametrize(
+    ("surface", "reason"),
+    [
+        (surface, reason)
+        for surface in NON_STREAMED
+        for reason in NON_STREAMING
+        # One vector is one piece of output: no idle gap to time out.
+        if SURFACES[surface].streams or reason != "idle_timeout"
+    ],
+)
 def test_non_streaming_timeout(mx: Matrix, surface: str, reason: str) -> None:
     s = SURFACES[surface]
-    edge_name, model = NON_STREAMING[reason]
-    edge = getattr(mx, edge_name)
+    edge, model = mx.patient, NON_STREAMING[reason](s)
     before, outcomes = mx.disconnects(), edge.admin()["outcomes"]
     check_http_failure(s, s.http_failure(post(edge, s, model)), reason)
     released(mx, model, before)
@@ -877,16 +1003,18 @@ def test_non_streaming_timeout(mx: Matrix, surface: str, reason: str) -> None:
 # --- the queue ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("surface", ALL)
+@pytest.mark.parametrize("surface", NON_STREAMED)
 def test_queue_timeout_and_queue_full(mx: Matrix, surface: str) -> None:
-    """The 1-slot instance busy: a second run waits in the patient edge's
-    1-place queue until queue_timeout; a third, while it waits, is refused."""
+    """The 1-slot instance busy (a stream of the same surface, chat for
+    embeddings): a second run waits in the patient edge's 1-place queue until
+    queue_timeout; a third, while it waits, is refused."""
     s = SURFACES[surface]
+    hs = s if s.streams else CHAT
     mx.ensure_nodes(1, exactly=True)
     outcomes = mx.patient.admin()["outcomes"]
-    with open_stream(mx.patient, s, LONG) as holder_opened:
+    with open_stream(mx.patient, hs, LONG) as holder_opened:
         holder = reader(holder_opened)
-        holder.until(lambda e: s.token(e) is not None)
+        holder.until(lambda e: hs.token(e) is not None)
         waiting = raw_request(mx.patient, s, LONG, stream=True)
         try:
             poll(
@@ -978,7 +1106,7 @@ def test_node_lost_after_output_is_the_surface_error(mx: Matrix, surface: str) -
         took = time.monotonic() - t0
     assert took < PROMPT_S, took
     check_stream_failure(s, failure, "node_lost")
-    assert rest == [] or s is CHAT, rest
+    assert rest == [] or s.done_after_failure, rest
     s.check_failed(r.events)
     if s is not MESSAGES:  # Anthropic's error message is IOP's, but not checked here
         assert f"node {victim.node_id}" in failure.message, failure
@@ -1010,3 +1138,42 @@ def test_node_lost_non_streaming_while_generating(mx: Matrix, surface: str) -> N
     assert outcome_delta(mx.main, outcomes) == {"cancelled:node_lost": 1}
     mx.ensure_nodes(1)
     released(mx, LONG, before)
+
+
+# An embeddings run has no output before its one answer: a node lost while
+# the backend works is always "before output".
+
+
+def _post_then_kill_holder(mx: Matrix, s: SurfaceCase) -> httpx.Response:
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(post, mx.main, s, s.busy_model)
+        mx.sims[s.busy_model].wait_open()
+        _kill_holder(mx)
+        return answer.result(timeout=READ_TIMEOUT_S)
+
+
+def test_embeddings_node_lost_while_working(mx: Matrix) -> None:
+    """No other node to fail over to: 503 ``node_lost``."""
+    s = EMBEDDINGS
+    mx.ensure_nodes(1, exactly=True)
+    before, outcomes = mx.disconnects(), mx.main.admin()["outcomes"]
+    resp = _post_then_kill_holder(mx, s)
+    check_http_failure(s, s.http_failure(resp), "node_lost")
+    mx.sims[s.busy_model].wait_disconnects(before[s.busy_model])
+    assert outcome_delta(mx.main, outcomes) == {"cancelled:node_lost": 1}
+    mx.ensure_nodes(1)
+    released(mx, s.busy_model, before)
+
+
+def test_embeddings_node_lost_fails_over(mx: Matrix) -> None:
+    """A second node up: the run is retried there and answers normally."""
+    s = EMBEDDINGS
+    mx.ensure_nodes(2)
+    before, outcomes = mx.disconnects(), mx.main.admin()["outcomes"]
+    resp = _post_then_kill_holder(mx, s)
+    assert resp.status_code == 200, resp.text
+    s.answer_text(resp.json())
+    mx.sims[s.busy_model].wait_disconnects(before[s.busy_model])
+    mx.ensure_nodes(1)
+    released(mx, s.busy_model, before)
+    assert outcome_delta(mx.main, outcomes) == {"complete": 1}
