@@ -182,10 +182,6 @@ class NodeRegistry:
             for inst in conn.instances.values():
                 yield conn, inst
 
-    def known_models(self) -> set[str]:
-        """Every model any connected node advertises, usable or not."""
-        return {t for _, inst in self.instances() for t in inst.caps.targets}
-
     def models(self) -> dict[str, list[str]]:
         """Model -> node ids serving it (usable instances of live nodes)."""
         out: dict[str, list[str]] = {}
