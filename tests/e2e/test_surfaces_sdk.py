@@ -1,4 +1,4 @@
-"""The Responses and Messages surfaces through the official SDKs, against real
+"""The Responses, Messages, completions and embeddings surfaces through the official SDKs, against real
 processes: ``iop sim`` (in its scripted tool mode: a request offering
 ``Bash`` is answered by a call of it, then by ``The tool said: <result>``
 once the result comes back), ``iop edge`` with an API key, ``iop node``; and
@@ -13,7 +13,9 @@ through the SDK's stream helpers (what clients use)."""
 
 from __future__ import annotations
 
+import base64
 import json
+import struct
 from collections.abc import Iterator
 from typing import Any, Final
 
@@ -64,7 +66,15 @@ def sim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sim]:
 def edge(sim: Sim, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Edge]:
     config = {"server": {"api_keys": [KEY], "keepalive_interval_s": 0.5}}
     e = start_edge(tmp_path_factory.mktemp("edge"), config)
-    node = start_node(tmp_path_factory.mktemp("node"), [e.link_url], sim.url)
+    # The sim serves every operation; a vllm instance advertises embeddings
+    # only when told (docs/configuration.md, `operations`).
+    operations = ["chat", "completion", "embedding", "tokenize"]
+    node = start_node(
+        tmp_path_factory.mktemp("node"),
+        [e.link_url],
+        sim.url,
+        instance={"operations": operations},
+    )
     try:
         e.wait_ready(node_id=node.node_id)
         yield e
@@ -376,3 +386,46 @@ def test_no_node_is_529_overloaded(empty_edge: Edge) -> None:
         oai.responses.create(model=MODEL, input="hi")
     assert failed.value.status_code == 503
     validate_error(failed.value.response.json())
+
+
+# --- OpenAI legacy completions and embeddings --------------------------------------------
+
+
+def test_completions_create_streamed_and_not(oai: openai.OpenAI) -> None:
+    whole = oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6)
+    assert whole.object == "text_completion"
+    [choice] = whole.choices
+    assert choice.text.strip()
+    assert choice.finish_reason == "length"
+    assert whole.usage is not None
+    assert whole.usage.completion_tokens == 6
+    chunks = list(
+        oai.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=6, stream=True)
+    )
+    assert all(c.object == "text_completion" for c in chunks)
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == choice.text  # the sim is deterministic: the same prompt, the same text
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_embeddings_create_float_and_base64(oai: openai.OpenAI) -> None:
+    floats = oai.embeddings.create(model=MODEL, input=["a cat", "a dog", "a cat"])
+    assert [d.index for d in floats.data] == [0, 1, 2]
+    cat, dog, cat_again = (d.embedding for d in floats.data)
+    assert cat == cat_again != dog
+    assert sum(x * x for x in cat) == pytest.approx(1.0, abs=1e-5)  # unit length
+    assert floats.usage.prompt_tokens > 0
+    # base64 of little-endian float32: the same numbers, as OpenAI sends them.
+    b64 = oai.embeddings.create(model=MODEL, input="a cat", encoding_format="base64")
+    raw = base64.b64decode(str(b64.data[0].embedding))
+    assert list(struct.unpack(f"<{len(raw) // 4}f", raw)) == pytest.approx(cat, abs=1e-6)
+
+
+def test_embeddings_with_no_node_is_a_503_in_openais_body(empty_edge: Edge) -> None:
+    with (
+        openai.OpenAI(base_url=f"{empty_edge.url}/v1", api_key="x", max_retries=0) as client,
+        pytest.raises(openai.APIStatusError) as caught,
+    ):
+        client.embeddings.create(model=MODEL, input="a cat")
+    assert caught.value.status_code == 503
+    validate_error(caught.value.response.json())
