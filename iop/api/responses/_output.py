@@ -424,6 +424,32 @@ class _OpenItem:
         self.delta_end = b"}\n\n" if reasoning else b',"logprobs":[]}\n\n'
 
 
+class _Record:
+    """What a stream and a collector share: the response's template, the
+    conversation it continues, where a finished one is stored, and the clock
+    of ``completed_at``."""
+
+    __slots__ = ("_clock", "_history", "_keep", "_t0", "response")
+
+    def __init__(
+        self, call: Call, ctx: RunContext, keep: Keep | None, clock: Callable[[], float] | None
+    ) -> None:
+        self.response = _template(call, ctx)
+        self._history = _history(call)
+        self._keep = keep if self.response.store else None
+        self._clock = clock
+        self._t0 = clock() if clock is not None else 0.0
+
+    def completed_at(self) -> int:
+        elapsed = self._clock() - self._t0 if self._clock is not None else 0.0
+        return self.response.created_at + int(elapsed)
+
+    def keep(self, response: _Response, output: list[_Item]) -> None:
+        """Store a finished ``response`` (when ``store`` and a store allow)."""
+        if self._keep is not None and self._history is not None:
+            self._keep(response.id, _conversation(self._history, output))
+
+
 class ResponsesStream:
     """One streaming response: events in, SSE bytes out (module docstring).
 
@@ -443,11 +469,8 @@ class ResponsesStream:
         clock: Callable[[], float] | None = None,
     ) -> None:
         self._run_id = ctx.run_id
-        self._response = _template(call, ctx)
-        self._history = _history(call)
-        self._keep = keep if self._response.store else None
-        self._clock = clock
-        self._t0 = clock() if clock is not None else 0.0
+        self._record = _Record(call, ctx, keep, clock)
+        self._response = self._record.response
         self._shaper = OutputShaper(call.chat, ctx.policy, ctx.run_id)
         self._state = _State.FRESH
         self._seq = 0
@@ -715,16 +738,14 @@ class ResponsesStream:
                 usage=_usage(done.usage),
             )
             kind = "response.completed"
-        if self._keep is not None and self._history is not None:
-            self._keep(response.id, _conversation(self._history, self._output))
+        self._record.keep(response, self._output)
         out.append(
             self._sse(_ResponseEvent(type=kind, sequence_number=self._next(), response=response))
         )
         return b"".join(out)
 
     def _completed_at(self) -> int:
-        elapsed = self._clock() - self._t0 if self._clock is not None else 0.0
-        return self._response.created_at + int(elapsed)
+        return self._record.completed_at()
 
     def _failed(self, failed: ShapedFailed) -> bytes:
         out = self._close("incomplete")
@@ -764,11 +785,8 @@ class ResponsesCollector:
         clock: Callable[[], float] | None = None,
     ) -> None:
         self._run_id = ctx.run_id
-        self._response = _template(call, ctx)
-        self._history = _history(call)
-        self._keep = keep if self._response.store else None
-        self._clock = clock
-        self._t0 = clock() if clock is not None else 0.0
+        self._record = _Record(call, ctx, keep, clock)
+        self._response = self._record.response
         # Buffered: a collector wants the whole policy applied at the end
         # (XML completion wrapping), as chat's does.
         self._shaper = OutputShaper(call.chat, ctx.policy, ctx.run_id, buffered=True)
@@ -832,17 +850,15 @@ class ResponsesCollector:
                     arguments=call.arguments,
                 )
             )
-        elapsed = self._clock() - self._t0 if self._clock is not None else 0.0
         response = msgspec.structs.replace(
             self._response,
             status=status,
-            completed_at=None if incomplete else self._response.created_at + int(elapsed),
+            completed_at=None if incomplete else self._record.completed_at(),
             incomplete_details=_Incomplete(incomplete) if incomplete else None,
             output=output,
             usage=_usage(done.usage),
         )
-        if self._keep is not None and self._history is not None:
-            self._keep(response.id, _conversation(self._history, output))
+        self._record.keep(response, output)
         return _json(response)
 
     def result(self) -> tuple[int, bytes]:
