@@ -41,7 +41,7 @@ from iop.config import SimConfig
 from iop.errors import RequestError
 from iop.events import FinishReason
 from iop.sim._script import ContentToken, apply_overrides, build_script
-from iop.sim._tokenizer import detokenize, is_token_ids, tokenize
+from iop.sim._tokenizer import is_token_ids, texts_with_counts
 from iop.sim._vllm_wire import DONE, Ending, Frame, StreamPlan, inject_failure
 from iop.spec import ChatRequest, Message, StreamOptions
 
@@ -137,19 +137,7 @@ def completion_prompts(request: CompletionRequest, cfg: SimConfig) -> list[tuple
             f"of {cfg.max_inputs}",
             param="prompt",
         )
-    out: list[tuple[str, int]] = []
-    for item in items:
-        if isinstance(item, str):
-            out.append((item, len(tokenize(item))))
-        elif is_token_ids(item) and item:
-            out.append((detokenize(item), len(item)))
-        else:
-            raise RequestError(
-                "`prompt` must be a string, a list of strings, a list of token ids "
-                "or a list of lists of token ids",
-                param="prompt",
-            )
-    return out
+    return texts_with_counts(items, "prompt")
 
 
 class Piece(msgspec.Struct, frozen=True):

@@ -35,7 +35,7 @@ import msgspec
 from iop.config import SimConfig
 from iop.errors import RequestError
 from iop.sim._script import _Rng
-from iop.sim._tokenizer import detokenize, is_token_ids, tokenize
+from iop.sim._tokenizer import is_token_ids, texts_with_counts
 
 __all__ = [
     "EmbeddingRequest",
@@ -109,19 +109,7 @@ def embedding_inputs(request: EmbeddingRequest, cfg: SimConfig) -> list[tuple[st
             f"`input` has {len(items)} items, more than the {cfg.max_inputs} allowed",
             param="input",
         )
-    out: list[tuple[str, int]] = []
-    for item in items:
-        if isinstance(item, str):
-            out.append((item, len(tokenize(item))))
-        elif is_token_ids(item) and item:
-            out.append((detokenize(item), len(item)))
-        else:
-            raise RequestError(
-                "`input` must be a string, a list of strings, a list of token ids "
-                "or a list of lists of token ids",
-                param="input",
-            )
-    return out
+    return texts_with_counts(items, "input")
 
 
 def _unit(values: list[float]) -> list[float]:

@@ -37,6 +37,7 @@ __all__ = [
     "detokenize",
     "is_token_ids",
     "render_chat",
+    "texts_with_counts",
     "token_strs",
     "tokenize",
     "tokenize_chat",
@@ -77,6 +78,29 @@ def is_token_ids(value: Any) -> bool:
     return isinstance(value, list) and all(
         isinstance(i, int) and not isinstance(i, bool) for i in value
     )
+
+
+def texts_with_counts(items: Iterable[Any], param: str) -> list[tuple[str, int]]:
+    """Each of a request's prompts or inputs as ``(text, tokens)``: a string is
+    tokenized, a list of token ids read back to text (vLLM's ``prompt`` and
+    ``input`` forms).
+
+    Raises:
+        RequestError: An item is neither (``param`` names the field).
+    """
+    out: list[tuple[str, int]] = []
+    for item in items:
+        if isinstance(item, str):
+            out.append((item, len(tokenize(item))))
+        elif is_token_ids(item) and item:
+            out.append((detokenize(item), len(item)))
+        else:
+            raise RequestError(
+                f"`{param}` must be a string, a list of strings, a list of token ids "
+                "or a list of lists of token ids",
+                param=param,
+            )
+    return out
 
 
 def _piece(token_id: int) -> bytes:
