@@ -1,8 +1,13 @@
 """Edge <-> node link messages and their codec.
 
-One WebSocket binary frame carries one message, msgpack-encoded. Messages are
-a tagged union (tag field ``"t"``); each direction has its own union so a peer
-that sends the other side's message is a protocol error, not a silent no-op.
+Each direction's messages are a tagged union (tag field ``"t"``), msgpack-encoded;
+each direction has its own union so a peer that sends the other side's
+message is a protocol error, not a silent no-op. The two handshake frames
+(``Hello``, ``Welcome``) carry one message each; every frame after them is a
+msgpack **array** of one or more messages (``encode_batch``), so a link
+driver sends everything queued for all runs in one frame: the per-frame
+costs (WebSocket framing, the server's per-message machinery, the reader's
+wake-up) are spread over many events.
 New fields are always added with defaults, so an older peer still decodes a
 newer one's messages; incompatible changes bump ``PROTOCOL_VERSION``, which is
 checked in the ``Hello``.
@@ -17,7 +22,7 @@ checked in the ``Hello``.
      |  RunEvents(run, seq, [events]) ----> |  at most `credit` non-terminal events
      |  <----------------- Credit(run, n)    |  as the client consumes them
      |  <----------------- Cancel(run, reason)
-     |  <----------------- Ping(nonce)       |  every heartbeat_interval_s
+     |  <----------------- Ping(nonce)       |  node silent for heartbeat_interval_s
      |  Pong(nonce) ----------------------> |  any frame proves liveness
      |  CapabilitiesUpdate(instances) ----> |  when a probe changes something
 """
@@ -47,17 +52,22 @@ __all__ = [
     "Pong",
     "RunEvents",
     "Welcome",
+    "array_header",
+    "decode_edge_batch",
     "decode_edge_message",
+    "decode_node_batch",
     "decode_node_message",
     "encode",
+    "encode_batch",
 ]
 
+# 3: frames after the handshake are arrays of messages (``encode_batch``).
 # 2: ``ExecutionSpec.request`` became a tagged union of operations (``"op"``:
 # chat, completion, embedding, tokenize) and runs gained ``EmbeddingData`` and
 # ``TokenCount`` events. A version-1 edge's Assign has no ``"op"``, which a
 # version-2 node cannot decode, so peers of different versions refuse each
 # other at the Hello instead of failing every run.
-PROTOCOL_VERSION: Final = 2
+PROTOCOL_VERSION: Final = 3
 
 
 class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="t"):
@@ -95,7 +105,15 @@ class RunEvents(_Msg, frozen=True, kw_only=True, tag="events"):
     events: list[RuntimeEvent]
 
 
+class Ping(_Msg, frozen=True, kw_only=True, tag="ping"):
+    """Heartbeat (either direction): sent on a link the peer was silent on."""
+
+    nonce: int
+
+
 class Pong(_Msg, frozen=True, kw_only=True, tag="pong"):
+    """Answer to a ``Ping`` (either direction)."""
+
     nonce: int
 
 
@@ -105,7 +123,7 @@ class Goodbye(_Msg, frozen=True, kw_only=True, tag="bye"):
     reason: str = ""
 
 
-NodeMessage = Hello | CapabilitiesUpdate | RunEvents | Pong | Goodbye
+NodeMessage = Hello | CapabilitiesUpdate | RunEvents | Ping | Pong | Goodbye
 
 
 # --- edge -> node -------------------------------------------------------------
@@ -145,20 +163,36 @@ class Cancel(_Msg, frozen=True, kw_only=True, tag="cancel"):
     message: str = ""
 
 
-class Ping(_Msg, frozen=True, kw_only=True, tag="ping"):
-    nonce: int
-
-
-EdgeMessage = Welcome | Assign | Credit | Cancel | Ping
+EdgeMessage = Welcome | Assign | Credit | Cancel | Ping | Pong
 
 _ENCODER: Final = msgspec.msgpack.Encoder()
 _NODE_DECODER: Final = msgspec.msgpack.Decoder(NodeMessage)
 _EDGE_DECODER: Final = msgspec.msgpack.Decoder(EdgeMessage)
+_NODE_BATCH_DECODER: Final = msgspec.msgpack.Decoder(list[NodeMessage])
+_EDGE_BATCH_DECODER: Final = msgspec.msgpack.Decoder(list[EdgeMessage])
 
 
 def encode(message: NodeMessage | EdgeMessage) -> bytes:
-    """Encode a message as one frame's payload."""
+    """Encode one message (a handshake frame, or an element of ``encode_batch``)."""
     return _ENCODER.encode(message)
+
+
+def array_header(n: int) -> bytes:
+    """The msgpack header of an array of ``n`` elements (msgpack spec, "array format")."""
+    if n < 16:
+        return bytes((0x90 | n,))
+    if n < 0x10000:
+        return b"\xdc" + n.to_bytes(2, "big")
+    return b"\xdd" + n.to_bytes(4, "big")
+
+
+def encode_batch(encoded: list[bytes]) -> bytes:
+    """One frame of already encoded messages: a msgpack array of them.
+
+    Each message is encoded once (``encode``); the frame is the array header
+    and their bytes, so a driver can size frames without encoding twice.
+    """
+    return array_header(len(encoded)) + b"".join(encoded)
 
 
 def decode_node_message(frame: bytes) -> NodeMessage:
@@ -171,6 +205,36 @@ def decode_node_message(frame: bytes) -> NodeMessage:
         return _NODE_DECODER.decode(frame)
     except msgspec.DecodeError as exc:
         raise LinkProtocolError(f"bad frame from node: {exc}") from exc
+
+
+def decode_node_batch(frame: bytes) -> list[NodeMessage]:
+    """Decode a frame of node messages (after the handshake).
+
+    Raises:
+        LinkProtocolError: Not a non-empty array of node messages.
+    """
+    try:
+        batch = _NODE_BATCH_DECODER.decode(frame)
+    except msgspec.DecodeError as exc:
+        raise LinkProtocolError(f"bad frame from node: {exc}") from exc
+    if not batch:
+        raise LinkProtocolError("a frame with no messages")
+    return batch
+
+
+def decode_edge_batch(frame: bytes) -> list[EdgeMessage]:
+    """Decode a frame of edge messages (after the handshake).
+
+    Raises:
+        LinkProtocolError: Not a non-empty array of edge messages.
+    """
+    try:
+        batch = _EDGE_BATCH_DECODER.decode(frame)
+    except msgspec.DecodeError as exc:
+        raise LinkProtocolError(f"bad frame from edge: {exc}") from exc
+    if not batch:
+        raise LinkProtocolError("a frame with no messages")
+    return batch
 
 
 def decode_edge_message(frame: bytes) -> EdgeMessage:

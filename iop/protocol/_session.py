@@ -1,21 +1,50 @@
 """The two ends of a link as sans-IO state machines.
 
 ``EdgeSession`` is the edge's view of one node connection, ``NodeSession``
-the node's view of its connection to an edge. They take frames (bytes) and the
-current time, and return typed link events; they produce the frames to send.
-They do no I/O and never sleep: the drivers in ``iop.edge`` and ``iop.node``
-own the WebSocket and the clock.
+the node's view of its connection to an edge. They take frames (bytes) and
+the current time and return typed link events; whatever they have to say
+they queue, and ``data_to_send`` packs it into frames. They do no I/O and
+never sleep: the one link driver (``iop.runtime.drive_link``) owns the
+socket and the clock, for both sides.
 
-Flow control
-------------
-Each run has a credit window counted in *non-terminal* events. ``Assign``
-carries the initial credit; the edge returns credit with ``Credit`` as the
-run's consumer takes events. A node must not send more non-terminal events
-than it holds credit for (the edge treats it as a protocol error), so the edge
-can buffer a run's events in a fixed-size queue (window + 1 for the terminal
-event, which needs no credit: a cancelled run must always be able to end).
-A slow client therefore stops only its own run's credit; the link, and every
-other run on it, keep flowing: no head-of-line blocking.
+A run's link state lives here and only here, in one ``RunPhase`` per run
+(``RunLink``), on both ends::
+
+    ASSIGNED ──first event──► STREAMING ──terminal──► DONE (forgotten)
+        │                         │
+        └────── edge cancels ─────┴──► ENDING ──terminal──► DONE
+
+============  ======================================================================
+phase         what holds
+============  ======================================================================
+ASSIGNED      The edge sent ``Assign`` with ``credit``; nothing came back yet.
+              A retryable error now may fail over to another node.
+STREAMING     Events flow. The node sends at most ``credit`` non-terminal events
+              (the edge checks, and a node that sends more broke the protocol);
+              the edge returns credit with ``Credit`` as the run's consumer takes
+              events, half a window at a time.
+ENDING        The edge sent ``Cancel``. The node drops the run's queued and
+              future non-terminal events and sends the terminal event without
+              credit; the edge still checks ``seq`` and credit of the late events
+              already on the way, and drops them. The edge remembers the last
+              ``RELEASED_RUNS_REMEMBERED`` ending runs.
+DONE          The terminal event went (node) or came (edge): exactly one per
+              run. Any event for the run after it is a protocol error.
+============  ======================================================================
+
+The terminal event never needs credit, so a cancelled or failed run can
+always end. A node that has no credit left for a run queues its events
+(``NodeSession.backlog``; the driver stops the run's producer at
+``RUN_BACKLOG`` events), which is the end-to-end backpressure: a slow client
+stops only its own run's credit, and every other run on the link keeps
+flowing (no head-of-line blocking).
+
+Batching
+--------
+Frames after the handshake are arrays of messages (``encode_batch``).
+``data_to_send`` takes everything queued, for every run, and packs it into as
+few frames as ``peer_max_frame_bytes`` allows: a burst of tokens across many
+runs costs one WebSocket frame, one server message and one reader wake-up.
 
 Limits
 ------
@@ -24,25 +53,27 @@ A peer that has not said hello may send one frame of at most
 frame above the limit raises ``LinkLimitError`` with ``CLOSE_TOO_BIG``
 (1009). Each side tells the other what it accepts (``Hello.max_frame_bytes``,
 ``Welcome.max_frame_bytes``), and neither sends a bigger frame: the edge
-refuses a run whose ``Assign`` would not fit with a 413 for that run alone.
+refuses a run whose ``Assign`` would not fit with a 413 for that run alone,
+and the node ends a run whose single event would not fit with ``Error``
+``event_too_large`` (``NodeSession.take_cut_off``).
 
-Event frames are bounded by credit and terminal frames by assigns, so the
+Event messages are bounded by credit and terminal ones by assigns, so the
 only messages a node could flood the edge with are the ones that cost no
-credit (``pong``, ``caps``, ``bye``): those draw from a token bucket
+credit (``ping``, ``pong``, ``caps``, ``bye``): those draw from a token bucket
 (``control_rate_per_s``, ``control_burst``) and an empty bucket raises
-``LinkLimitError`` with ``CLOSE_RATE``. Events for a run that was never
-assigned on the link are a protocol error; events for a run the edge
-cancelled recently are late, legitimate, and dropped (the session remembers
-the last ``RELEASED_RUNS_REMEMBERED`` released runs, with their credit).
+``LinkLimitError`` with ``CLOSE_RATE``.
 
 Liveness
 --------
-Any frame proves the peer alive. The edge pings every
-``heartbeat_interval_s``; a peer silent for ``heartbeat_timeout_s`` is lost
-(``liveness_deadline``), which detects frozen or partitioned peers that TCP
-alone would not report for minutes.
+Any frame proves the peer alive; a peer silent for ``heartbeat_timeout_s``
+is lost (``liveness_deadline``), which detects frozen or partitioned peers
+that TCP alone would not report for minutes. Only a link that carried
+nothing recently pays for heartbeats: the edge pings a node it has not
+heard from for ``heartbeat_interval_s``, the node pings an edge it has not
+heard from for 1.5 times that (so on an idle link the edge's ping and the
+node's pong are the only frames), and each answers a ping with a pong.
 
-States::
+Link states::
 
     EdgeSession:  AWAIT_HELLO --Hello ok--> OPEN --close()--> CLOSED
     NodeSession:  AWAIT_WELCOME --Welcome--> OPEN --close()--> CLOSED
@@ -52,7 +83,7 @@ from __future__ import annotations
 
 import enum
 import hmac
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from typing import Final
 
@@ -66,7 +97,7 @@ from iop.errors import (
     LinkProtocolError,
     RequestError,
 )
-from iop.events import CancelReason, RuntimeEvent, is_terminal
+from iop.events import Cancelled, CancelReason, Error, RuntimeEvent, is_terminal
 from iop.protocol._messages import (
     PROTOCOL_VERSION,
     Assign,
@@ -75,12 +106,14 @@ from iop.protocol._messages import (
     Credit,
     Goodbye,
     Hello,
-    NodeMessage,
     Ping,
     Pong,
     RunEvents,
     Welcome,
+    array_header,
+    decode_edge_batch,
     decode_edge_message,
+    decode_node_batch,
     decode_node_message,
     encode,
 )
@@ -94,7 +127,9 @@ __all__ = [
     "DEFAULT_MAX_HELLO_BYTES",
     "DEFAULT_RUN_WINDOW",
     "LEGACY_MAX_FRAME_BYTES",
+    "NODE_PING_FACTOR",
     "RELEASED_RUNS_REMEMBERED",
+    "RUN_BACKLOG",
     "AssignReceived",
     "CancelReceived",
     "CapabilitiesChanged",
@@ -104,8 +139,9 @@ __all__ = [
     "NodeDraining",
     "NodeJoined",
     "NodeSession",
-    "PingReceived",
     "RunEventsReceived",
+    "RunLink",
+    "RunPhase",
     "Welcomed",
 ]
 
@@ -114,6 +150,9 @@ __all__ = [
 # edge returns credit every half window), small enough to bound a run's memory
 # on the edge: at most this many events are buffered per run.
 DEFAULT_RUN_WINDOW: Final = 64
+# Events a node queues for a run beyond its credit before the run's producer
+# (the adapter) is made to wait, which stops it reading its backend.
+RUN_BACKLOG: Final = 16
 # The hello is the only frame a peer may send before it is authenticated, so
 # this is all an anonymous connection can make the edge hold. A hello lists
 # the node's instances: one ``Capabilities`` is ~200 bytes plus its targets,
@@ -128,17 +167,24 @@ DEFAULT_MAX_FRAME_BYTES: Final = 17 * 1024 * 1024
 # What a peer that sent no limit accepts: trio-websocket's max_message_size
 # of nodes before ``Hello.max_frame_bytes`` existed.
 LEGACY_MAX_FRAME_BYTES: Final = 16 * 1024 * 1024
-# Messages that cost no credit (pong, caps, bye) a node may send. A node
-# sends one pong per ping (2/s at the default heartbeat), a caps update at
-# most once per probe (10 s) and one bye: 50/s is 25x that, and a burst of
-# 1000 absorbs the pongs of a link that stalled for minutes. A flood of
-# 100,000 such messages is cut off after ~1000.
+# Messages that cost no credit (ping, pong, caps, bye) a node may send. A node
+# sends at most one pong per ping and one ping per 1.5 heartbeat intervals,
+# a caps update at most once per probe (10 s) and one bye: 50/s is 25x that,
+# and a burst of 1000 absorbs the heartbeats of a link that stalled for
+# minutes. A flood of 100,000 such messages is cut off after ~1000.
 DEFAULT_CONTROL_RATE_PER_S: Final = 50.0
 DEFAULT_CONTROL_BURST: Final = 1000
 # Runs the edge cancelled whose late events are still accepted (and
 # dropped). Late events arrive within a round trip of the cancel; 4096 covers
 # a drain that cancels thousands of runs at once, at ~100 bytes an entry.
 RELEASED_RUNS_REMEMBERED: Final = 4096
+# The node pings an edge it has not heard from for this many heartbeat
+# intervals: later than the edge would, so that on an idle link only the
+# edge pings (and the node pongs).
+NODE_PING_FACTOR: Final = 1.5
+# The largest msgpack array header (``array_header``): a frame's bytes are
+# this plus its messages'.
+_BATCH_HEADER_MAX: Final = 5
 
 
 class LinkState(enum.Enum):
@@ -146,6 +192,40 @@ class LinkState(enum.Enum):
     AWAIT_WELCOME = "await_welcome"
     OPEN = "open"
     CLOSED = "closed"
+
+
+class RunPhase(enum.Enum):
+    """Where a run is on the link (the module's table says what each allows)."""
+
+    ASSIGNED = "assigned"
+    STREAMING = "streaming"
+    ENDING = "ending"
+    DONE = "done"
+
+
+class RunLink:
+    """One run's link state, on either end.
+
+    Attributes:
+        phase: Where the run is.
+        credit: Non-terminal events the node may still send.
+        window: The credit the run was assigned with.
+        seq: Event messages of the run so far (sent by the node, or
+            received by the edge); each carries its number.
+        queued: (node) Events not sent yet, in order.
+        consumed: (edge) Events the consumer took that were not yet
+            returned as credit.
+    """
+
+    __slots__ = ("consumed", "credit", "phase", "queued", "seq", "window")
+
+    def __init__(self, credit: int) -> None:
+        self.phase = RunPhase.ASSIGNED
+        self.credit = credit
+        self.window = credit
+        self.seq = 0
+        self.queued: deque[RuntimeEvent] = deque()
+        self.consumed = 0
 
 
 # --- link events ----------------------------------------------------------------
@@ -160,6 +240,8 @@ class CapabilitiesChanged(msgspec.Struct, frozen=True):
 
 
 class RunEventsReceived(msgspec.Struct, frozen=True):
+    """Events of a run the edge still wants (``finished``: the last is its terminal)."""
+
     run_id: str
     events: list[RuntimeEvent]
     finished: bool
@@ -186,20 +268,8 @@ class CancelReceived(msgspec.Struct, frozen=True):
     cancel: Cancel
 
 
-class PingReceived(msgspec.Struct, frozen=True):
-    reply: bytes
-
-
 EdgeLinkEvent = NodeJoined | CapabilitiesChanged | RunEventsReceived | NodeDraining
-NodeLinkEvent = Welcomed | AssignReceived | CreditReceived | CancelReceived | PingReceived
-
-
-class _EdgeRun:
-    __slots__ = ("credit", "seq")
-
-    def __init__(self, credit: int) -> None:
-        self.credit = credit
-        self.seq = 0
+NodeLinkEvent = Welcomed | AssignReceived | CreditReceived | CancelReceived
 
 
 class _TokenBucket:
@@ -223,12 +293,42 @@ class _TokenBucket:
         return True
 
 
+class _Outgoing:
+    """Encoded messages waiting for the next frame, and when anything last went."""
+
+    __slots__ = ("last_sent", "messages")
+
+    def __init__(self, now: float) -> None:
+        self.messages: list[bytes] = []
+        self.last_sent = now
+
+    def frames(self, limit: int, now: float) -> list[bytes]:
+        """Everything queued, packed into frames of at most ``limit`` bytes."""
+        messages = self.messages
+        if not messages:
+            return []
+        self.messages = []
+        self.last_sent = now
+        room = limit - _BATCH_HEADER_MAX
+        frames: list[bytes] = []
+        current: list[bytes] = []
+        used = 0
+        for m in messages:
+            if current and used + len(m) > room:
+                frames.append(array_header(len(current)) + b"".join(current))
+                current, used = [], 0
+            current.append(m)
+            used += len(m)
+        frames.append(array_header(len(current)) + b"".join(current))
+        return frames
+
+
 class EdgeSession:
     """The edge's end of one node link.
 
     Args:
         tokens: Node tokens accepted (compared in constant time).
-        heartbeat_interval_s: How often the edge pings.
+        heartbeat_interval_s: Silence of the node after which the edge pings.
         heartbeat_timeout_s: Silence after which the node is lost.
         now: The current time.
         max_hello_bytes: Largest frame before the hello is accepted.
@@ -259,10 +359,16 @@ class EdgeSession:
         self.state = LinkState.AWAIT_HELLO
         self.node_id = ""
         self.last_seen = now
-        self._runs: dict[str, _EdgeRun] = {}
-        self._released: OrderedDict[str, _EdgeRun] = OrderedDict()
+        self._last_ping = now
+        # Runs the edge still wants (ASSIGNED, STREAMING), and the ENDING
+        # ones whose late events are still expected, oldest first.
+        self._runs: dict[str, RunLink] = {}
+        self._ending: OrderedDict[str, RunLink] = OrderedDict()
         self._control = _TokenBucket(control_rate_per_s, control_burst, now)
+        self._out = _Outgoing(now)
         self._nonce = 0
+
+    # --- state --------------------------------------------------------------
 
     @property
     def frame_limit(self) -> int:
@@ -276,11 +382,27 @@ class EdgeSession:
         return self.last_seen + self.heartbeat_timeout_s
 
     @property
+    def next_ping_at(self) -> float:
+        """When ``tick`` will next queue a ping (if nothing is heard meanwhile)."""
+        return max(self.last_seen, self._last_ping) + self.heartbeat_interval_s
+
+    @property
     def runs(self) -> frozenset[str]:
+        """Runs the edge still wants (assigned or streaming)."""
         return frozenset(self._runs)
 
-    def receive(self, frame: bytes, now: float) -> tuple[EdgeLinkEvent | None, bytes | None]:
-        """Process one frame; return the link event and a frame to send back.
+    def run(self, run_id: str) -> RunLink | None:
+        """A run's link state (None: not on the link, or done)."""
+        return self._runs.get(run_id) or self._ending.get(run_id)
+
+    @property
+    def has_data_to_send(self) -> bool:
+        return bool(self._out.messages)
+
+    # --- input --------------------------------------------------------------
+
+    def receive(self, frame: bytes, now: float) -> list[EdgeLinkEvent]:
+        """Process one frame; return its link events (possibly none).
 
         Raises:
             LinkAuthError: Bad token or protocol version (close the link).
@@ -296,30 +418,38 @@ class EdgeSession:
             raise LinkLimitError(
                 f"frame of {len(frame)} bytes {when} (limit {limit})", close_code=CLOSE_TOO_BIG
             )
-        msg = decode_node_message(frame)
-        self.last_seen = now
         if self.state is LinkState.AWAIT_HELLO:
-            if not isinstance(msg, Hello):
-                raise LinkProtocolError(f"expected hello, got {type(msg).__name__}")
-            return NodeJoined(self._accept(msg)), encode(
-                Welcome(
-                    protocol_version=PROTOCOL_VERSION,
-                    node_id=msg.node_id,
-                    heartbeat_interval_s=self.heartbeat_interval_s,
-                    heartbeat_timeout_s=self.heartbeat_timeout_s,
-                    max_frame_bytes=self.max_frame_bytes,
+            hello = decode_node_message(frame)
+            self.last_seen = now
+            if not isinstance(hello, Hello):
+                raise LinkProtocolError(f"expected hello, got {type(hello).__name__}")
+            return [NodeJoined(self._accept(hello))]
+        batch = decode_node_batch(frame)
+        self.last_seen = now
+        events: list[EdgeLinkEvent] = []
+        for msg in batch:
+            if isinstance(msg, RunEvents):
+                received = self._run_events(msg)
+                if received is not None:
+                    events.append(received)
+                continue
+            if not self._control.take(now):
+                raise LinkLimitError(
+                    f"node {self.node_id!r} exceeds the link's message rate "
+                    f"({type(msg).__name__} after the burst was spent)",
+                    close_code=CLOSE_RATE,
                 )
-            )
-        if isinstance(msg, RunEvents):
-            return self._run_events(msg), None
-        self._spend_control(msg, now)
-        if isinstance(msg, Pong):
-            return None, None
-        if isinstance(msg, CapabilitiesUpdate):
-            return CapabilitiesChanged(msg.instances), None
-        if isinstance(msg, Goodbye):
-            return NodeDraining(msg.reason), None
-        raise LinkProtocolError(f"unexpected {type(msg).__name__} on an open link")
+            if isinstance(msg, Pong):
+                continue
+            if isinstance(msg, Ping):
+                self._out.messages.append(encode(Pong(nonce=msg.nonce)))
+            elif isinstance(msg, CapabilitiesUpdate):
+                events.append(CapabilitiesChanged(msg.instances))
+            elif isinstance(msg, Goodbye):
+                events.append(NodeDraining(msg.reason))
+            else:
+                raise LinkProtocolError(f"unexpected {type(msg).__name__} on an open link")
+        return events
 
     def _accept(self, hello: Hello) -> Hello:
         if hello.protocol_version != PROTOCOL_VERSION:
@@ -344,108 +474,137 @@ class EdgeSession:
         self.state = LinkState.OPEN
         return hello
 
-    def _spend_control(self, msg: NodeMessage, now: float) -> None:
-        if not self._control.take(now):
-            raise LinkLimitError(
-                f"node {self.node_id!r} exceeds the link's message rate "
-                f"({type(msg).__name__} after the burst was spent)",
-                close_code=CLOSE_RATE,
+    def welcome(self) -> bytes:
+        """The welcome frame answering the accepted hello."""
+        if self.state is not LinkState.OPEN:
+            raise InvariantError(f"welcome on a link that is {self.state.value}")
+        return encode(
+            Welcome(
+                protocol_version=PROTOCOL_VERSION,
+                node_id=self.node_id,
+                heartbeat_interval_s=self.heartbeat_interval_s,
+                heartbeat_timeout_s=self.heartbeat_timeout_s,
+                max_frame_bytes=self.max_frame_bytes,
             )
+        )
 
-    def _run_events(self, msg: RunEvents) -> RunEventsReceived:
+    def _run_events(self, msg: RunEvents) -> RunEventsReceived | None:
+        run_id = msg.run_id
         if not msg.events:
-            raise LinkProtocolError(f"run {msg.run_id}: an events frame with no events")
-        released = False
-        run = self._runs.get(msg.run_id)
+            raise LinkProtocolError(f"run {run_id}: an events message with no events")
+        run = self._runs.get(run_id)
+        ending = run is None
         if run is None:
-            # A run the edge let go of (cancelled) recently: its late events
-            # are dropped, but they must still respect the protocol.
-            run = self._released.get(msg.run_id)
+            run = self._ending.get(run_id)
             if run is None:
                 raise LinkProtocolError(
-                    f"events for run {msg.run_id!r}, which is not assigned on this link"
+                    f"events for run {run_id!r}, which is not assigned on this link"
                 )
-            released = True
         if msg.seq != run.seq:
-            raise LinkProtocolError(f"run {msg.run_id}: frame {msg.seq}, expected {run.seq}")
+            raise LinkProtocolError(f"run {run_id}: message {msg.seq}, expected {run.seq}")
         run.seq += 1
         finished = False
         used = 0
+        last = len(msg.events) - 1
         for i, ev in enumerate(msg.events):
             if is_terminal(ev):
-                if i != len(msg.events) - 1:
-                    raise LinkProtocolError(f"run {msg.run_id}: events after the terminal event")
+                if i != last:
+                    raise LinkProtocolError(f"run {run_id}: events after the terminal event")
                 finished = True
             else:
                 used += 1
         if used > run.credit:
-            raise LinkProtocolError(
-                f"run {msg.run_id}: {used} events sent with {run.credit} credit"
-            )
+            raise LinkProtocolError(f"run {run_id}: {used} events sent with {run.credit} credit")
         run.credit -= used
-        if released:
-            if finished:
-                del self._released[msg.run_id]
-            return RunEventsReceived(msg.run_id, [], finished=True)
         if finished:
-            del self._runs[msg.run_id]
-        return RunEventsReceived(msg.run_id, msg.events, finished)
+            run.phase = RunPhase.DONE
+            if ending:
+                del self._ending[run_id]
+            else:
+                del self._runs[run_id]
+        elif run.phase is RunPhase.ASSIGNED:
+            run.phase = RunPhase.STREAMING
+        if ending:
+            return None  # late events of a cancelled run: checked, and dropped
+        return RunEventsReceived(run_id, msg.events, finished)
+
+    # --- output -------------------------------------------------------------
 
     def assign(
         self, run_id: str, instance: str, spec: ExecutionSpec, credit: int = DEFAULT_RUN_WINDOW
-    ) -> bytes:
-        """The frame that assigns a run to the node.
+    ) -> None:
+        """Queue the assignment of a run to the node.
 
         Raises:
-            RequestError: 413: the frame is larger than the node accepts
+            RequestError: 413: the message is larger than the node accepts
                 (the run is not assigned; the link is untouched).
         """
         self._require_open()
-        if run_id in self._runs or run_id in self._released:
+        if run_id in self._runs or run_id in self._ending:
             raise InvariantError(f"run {run_id} is already assigned on this link")
-        frame = encode(Assign(run_id=run_id, instance=instance, spec=spec, credit=credit))
-        if len(frame) > self.peer_max_frame_bytes:
+        message = encode(Assign(run_id=run_id, instance=instance, spec=spec, credit=credit))
+        if len(message) + _BATCH_HEADER_MAX > self.peer_max_frame_bytes:
             raise RequestError(
                 f"the request is too large for node {self.node_id!r}: it takes "
-                f"{len(frame)} bytes on the node link, the node accepts "
+                f"{len(message)} bytes on the node link, the node accepts "
                 f"{self.peer_max_frame_bytes}",
                 status=413,
                 code="request_too_large",
             )
-        self._runs[run_id] = _EdgeRun(credit)
-        return frame
+        self._runs[run_id] = RunLink(credit)
+        self._out.messages.append(message)
 
-    def grant(self, run_id: str, credit: int) -> bytes | None:
-        """The frame that returns ``credit`` to a run (None if the run is over)."""
+    def consumed(self, run_id: str, events: int) -> bool:
+        """The run's consumer took ``events`` non-terminal events.
+
+        Credit goes back to the node half a window at a time (one ``Credit``
+        per half window, in the next frame). Returns whether a message was
+        queued.
+        """
         run = self._runs.get(run_id)
-        if run is None or credit <= 0:
-            return None
+        if run is None or events <= 0 or self.state is not LinkState.OPEN:
+            return False
+        run.consumed += events
+        if run.consumed * 2 < run.window:
+            return False
+        credit, run.consumed = run.consumed, 0
         run.credit += credit
-        return encode(Credit(run_id=run_id, credit=credit))
+        self._out.messages.append(encode(Credit(run_id=run_id, credit=credit)))
+        return True
 
-    def cancel(self, run_id: str, reason: CancelReason, message: str = "") -> bytes | None:
-        """The frame that cancels a run; the edge stops tracking it.
+    def cancel(self, run_id: str, reason: CancelReason, message: str = "") -> bool:
+        """Queue the cancel of a run: it is ENDING, its late events are dropped.
 
-        Its late events (already on the way) are still accepted and dropped.
+        Returns whether a message was queued (not for a run that is over).
         """
         run = self._runs.pop(run_id, None)
         if run is None or self.state is not LinkState.OPEN:
-            return None
-        self._released[run_id] = run
-        while len(self._released) > RELEASED_RUNS_REMEMBERED:
-            self._released.popitem(last=False)
-        return encode(Cancel(run_id=run_id, reason=reason, message=message))
+            return False
+        run.phase = RunPhase.ENDING
+        self._ending[run_id] = run
+        while len(self._ending) > RELEASED_RUNS_REMEMBERED:
+            self._ending.popitem(last=False)
+        self._out.messages.append(encode(Cancel(run_id=run_id, reason=reason, message=message)))
+        return True
 
-    def ping(self) -> bytes:
-        self._nonce += 1
-        return encode(Ping(nonce=self._nonce))
+    def tick(self, now: float) -> None:
+        """Queue a ping if the node has been silent for ``heartbeat_interval_s``."""
+        if self.state is LinkState.OPEN and now >= self.next_ping_at:
+            self._nonce += 1
+            self._last_ping = now
+            self._out.messages.append(encode(Ping(nonce=self._nonce)))
+
+    def data_to_send(self, now: float) -> list[bytes]:
+        """Everything queued, in as few frames as the node accepts."""
+        return self._out.frames(self.peer_max_frame_bytes, now)
 
     def close(self) -> frozenset[str]:
-        """Mark the link closed; return the runs that were still on it."""
+        """Mark the link closed; return the runs the edge still wanted."""
         self.state = LinkState.CLOSED
         lost = frozenset(self._runs)
         self._runs.clear()
-        self._released.clear()
+        self._ending.clear()
+        self._out.messages.clear()
         return lost
 
     def _require_open(self) -> None:
@@ -453,12 +612,10 @@ class EdgeSession:
             raise InvariantError(f"link is {self.state.value}")
 
 
-class _NodeRun:
-    __slots__ = ("credit", "seq")
-
-    def __init__(self, credit: int) -> None:
-        self.credit = credit
-        self.seq = 0
+# msgpack envelope of an events message besides its events and run id (tag,
+# keys, seq, array header), generously.
+_EVENTS_MESSAGE_OVERHEAD: Final = 64
+_EVENT_ENCODER: Final = msgspec.msgpack.Encoder()
 
 
 class NodeSession:
@@ -491,12 +648,46 @@ class NodeSession:
         self._token = token
         self.state = LinkState.AWAIT_WELCOME
         self.last_seen = now
+        self._last_ping = now
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self._runs: dict[str, _NodeRun] = {}
+        self.heartbeat_interval_s = heartbeat_timeout_s / 2
+        self._runs: dict[str, RunLink] = {}
+        # Runs with events to send, in the order they became ready.
+        self._ready: dict[str, None] = {}
+        self._cut_off: list[str] = []
+        self._out = _Outgoing(now)
+        self._nonce = 0
+
+    # --- state --------------------------------------------------------------
 
     @property
     def liveness_deadline(self) -> float:
         return self.last_seen + self.heartbeat_timeout_s
+
+    @property
+    def next_ping_at(self) -> float:
+        interval = self.heartbeat_interval_s * NODE_PING_FACTOR
+        return max(self.last_seen, self._last_ping) + interval
+
+    @property
+    def has_data_to_send(self) -> bool:
+        return bool(self._out.messages) or bool(self._ready)
+
+    def run(self, run_id: str) -> RunLink | None:
+        """A run's link state (None: not on the link, or done)."""
+        return self._runs.get(run_id)
+
+    def credit(self, run_id: str) -> int:
+        """Non-terminal events the run may send now."""
+        run = self._runs.get(run_id)
+        return 0 if run is None else run.credit
+
+    def backlog(self, run_id: str) -> int:
+        """Events queued for the run beyond what its credit lets go out."""
+        run = self._runs.get(run_id)
+        return 0 if run is None else max(0, len(run.queued) - run.credit)
+
+    # --- input --------------------------------------------------------------
 
     def hello(self, instances: list[Capabilities], software: str = "") -> bytes:
         return encode(
@@ -510,8 +701,8 @@ class NodeSession:
             )
         )
 
-    def receive(self, frame: bytes, now: float) -> NodeLinkEvent:
-        """Process one frame from the edge.
+    def receive(self, frame: bytes, now: float) -> list[NodeLinkEvent]:
+        """Process one frame from the edge; return its link events.
 
         Raises:
             LinkProtocolError: The edge broke the protocol (``LinkLimitError``:
@@ -524,71 +715,212 @@ class NodeSession:
                 f"frame of {len(frame)} bytes from the edge (limit {self.max_frame_bytes})",
                 close_code=CLOSE_TOO_BIG,
             )
-        msg = decode_edge_message(frame)
-        self.last_seen = now
         if self.state is LinkState.AWAIT_WELCOME:
-            if not isinstance(msg, Welcome):
-                raise LinkProtocolError(f"expected welcome, got {type(msg).__name__}")
-            if msg.max_frame_bytes < 0 or not msg.heartbeat_timeout_s > 0:
+            welcome = decode_edge_message(frame)
+            self.last_seen = now
+            if not isinstance(welcome, Welcome):
+                raise LinkProtocolError(f"expected welcome, got {type(welcome).__name__}")
+            if (
+                welcome.max_frame_bytes < 0
+                or not welcome.heartbeat_timeout_s > 0
+                or not 0 < welcome.heartbeat_interval_s < welcome.heartbeat_timeout_s
+            ):
                 raise LinkProtocolError("welcome with a negative limit or timeout")
             self.state = LinkState.OPEN
-            self.heartbeat_timeout_s = msg.heartbeat_timeout_s
-            if msg.max_frame_bytes:
-                self.peer_max_frame_bytes = msg.max_frame_bytes
-            return Welcomed(msg)
-        if isinstance(msg, Ping):
-            return PingReceived(encode(Pong(nonce=msg.nonce)))
-        if isinstance(msg, Assign):
-            if msg.run_id in self._runs:
-                raise LinkProtocolError(f"run {msg.run_id} assigned twice")
-            if msg.credit < 0:
-                raise LinkProtocolError(f"run {msg.run_id}: negative credit")
-            self._runs[msg.run_id] = _NodeRun(msg.credit)
-            return AssignReceived(msg)
-        if isinstance(msg, Credit):
-            run = self._runs.get(msg.run_id)
-            if msg.credit <= 0:
-                raise LinkProtocolError(f"run {msg.run_id}: credit {msg.credit}")
-            if run is not None:
-                run.credit += msg.credit
-            return CreditReceived(msg.run_id, msg.credit)
-        if isinstance(msg, Cancel):
-            return CancelReceived(msg)
-        raise LinkProtocolError(f"unexpected {type(msg).__name__} on an open link")
+            self.heartbeat_timeout_s = welcome.heartbeat_timeout_s
+            self.heartbeat_interval_s = welcome.heartbeat_interval_s
+            if welcome.max_frame_bytes:
+                self.peer_max_frame_bytes = welcome.max_frame_bytes
+            return [Welcomed(welcome)]
+        batch = decode_edge_batch(frame)
+        self.last_seen = now
+        events: list[NodeLinkEvent] = []
+        for msg in batch:
+            if isinstance(msg, Credit):
+                events.append(self._credit(msg))
+            elif isinstance(msg, Assign):
+                events.append(self._assign(msg))
+            elif isinstance(msg, Cancel):
+                self._cancel(msg.run_id)
+                events.append(CancelReceived(msg))
+            elif isinstance(msg, Ping):
+                self._out.messages.append(encode(Pong(nonce=msg.nonce)))
+            elif isinstance(msg, Pong):
+                pass
+            else:
+                raise LinkProtocolError(f"unexpected {type(msg).__name__} on an open link")
+        return events
 
-    def credit(self, run_id: str) -> int:
-        """Non-terminal events the run may send now."""
+    def _assign(self, msg: Assign) -> AssignReceived:
+        if msg.run_id in self._runs:
+            raise LinkProtocolError(f"run {msg.run_id} assigned twice")
+        if msg.credit < 0:
+            raise LinkProtocolError(f"run {msg.run_id}: negative credit")
+        self._runs[msg.run_id] = RunLink(msg.credit)
+        return AssignReceived(msg)
+
+    def _credit(self, msg: Credit) -> CreditReceived:
+        if msg.credit <= 0:
+            raise LinkProtocolError(f"run {msg.run_id}: credit {msg.credit}")
+        run = self._runs.get(msg.run_id)
+        if run is not None:
+            # Credit for a run that ended here meanwhile is late, not wrong.
+            run.credit += msg.credit
+            if run.queued:
+                self._ready[msg.run_id] = None
+        return CreditReceived(msg.run_id, msg.credit)
+
+    def _cancel(self, run_id: str) -> None:
         run = self._runs.get(run_id)
-        return 0 if run is None else run.credit
+        if run is None or run.phase is RunPhase.ENDING:
+            return  # ended here meanwhile; its terminal is on the way
+        run.phase = RunPhase.ENDING
+        kept = [ev for ev in run.queued if is_terminal(ev)]
+        run.queued = deque(kept)
 
-    def run_events(self, run_id: str, events: list[RuntimeEvent]) -> bytes:
-        """The frame carrying ``events``; consumes credit.
+    # --- output -------------------------------------------------------------
+
+    def push(self, run_id: str, event: RuntimeEvent) -> None:
+        """Queue one of the run's events for the edge.
+
+        An ENDING run's non-terminal events are dropped. A terminal
+        ``Cancelled`` drops the run's events its credit does not cover: the
+        run was cancelled, nobody waits for them, and the terminal must not
+        wait for credit behind them.
 
         Raises:
-            InvariantError: More non-terminal events than credit, or an
-                unknown run (a bug in the node's forwarder).
+            InvariantError: The run is not on the link, or its terminal
+                event was queued already (a bug in the node's driver).
         """
         run = self._runs.get(run_id)
         if run is None:
             raise InvariantError(f"run {run_id} is not on this link")
-        used = sum(1 for e in events if not is_terminal(e))
-        if used > run.credit:
-            raise InvariantError(f"run {run_id}: {used} events with {run.credit} credit")
-        run.credit -= used
-        frame = encode(RunEvents(run_id=run_id, seq=run.seq, events=events))
+        queued = run.queued
+        if queued and is_terminal(queued[-1]):
+            raise InvariantError(f"run {run_id}: {type(event).__name__} after its terminal")
+        if is_terminal(event):
+            if isinstance(event, Cancelled) and len(queued) > run.credit:
+                run.queued = queued = deque(list(queued)[: run.credit])
+            queued.append(event)
+            self._ready[run_id] = None
+            return
+        if run.phase is RunPhase.ENDING:
+            return
+        queued.append(event)
+        if run.credit >= len(queued):
+            self._ready[run_id] = None
+
+    def reject(self, run_id: str, error: Error) -> None:
+        """End an assigned run that never started, with ``error``."""
+        self.push(run_id, error)
+
+    def capabilities(self, instances: list[Capabilities]) -> None:
+        self._out.messages.append(encode(CapabilitiesUpdate(instances=instances)))
+
+    def goodbye(self, reason: str = "") -> None:
+        self._out.messages.append(encode(Goodbye(reason=reason)))
+
+    def tick(self, now: float) -> None:
+        """Queue a ping if the edge has been silent for a while (``next_ping_at``)."""
+        if self.state is LinkState.OPEN and now >= self.next_ping_at:
+            self._nonce += 1
+            self._last_ping = now
+            self._out.messages.append(encode(Ping(nonce=self._nonce)))
+
+    def take_cut_off(self) -> list[str]:
+        """Runs ended with ``event_too_large`` by ``data_to_send`` since the last call."""
+        cut, self._cut_off = self._cut_off, []
+        return cut
+
+    def data_to_send(self, now: float) -> list[bytes]:
+        """Every run's sendable events and the queued messages, in few frames.
+
+        A run sends what its credit covers, and its terminal event whenever
+        it is next. A run whose terminal went out is DONE and forgotten.
+        """
+        limit = self.peer_max_frame_bytes
+        ready, self._ready = self._ready, {}
+        out = self._out.messages
+        for run_id in ready:
+            run = self._runs.get(run_id)
+            if run is None:
+                continue
+            batch = self._take(run)
+            if not batch:
+                continue
+            for message in self._messages(run_id, run, batch, limit):
+                out.append(message)
+            if is_terminal(batch[-1]) or run.phase is RunPhase.DONE:
+                run.phase = RunPhase.DONE
+                del self._runs[run_id]
+            elif run.phase is RunPhase.ASSIGNED:
+                run.phase = RunPhase.STREAMING
+        return self._out.frames(limit, now)
+
+    @staticmethod
+    def _take(run: RunLink) -> list[RuntimeEvent]:
+        queued = run.queued
+        batch: list[RuntimeEvent] = []
+        credit = run.credit
+        while queued:
+            ev = queued[0]
+            if not is_terminal(ev):
+                if credit == 0:
+                    break
+                credit -= 1
+            batch.append(queued.popleft())
+        run.credit = credit
+        return batch
+
+    def _messages(
+        self, run_id: str, run: RunLink, batch: list[RuntimeEvent], limit: int
+    ) -> list[bytes]:
+        """``batch`` as events messages, each fitting a frame of ``limit`` bytes."""
+        message = encode(RunEvents(run_id=run_id, seq=run.seq, events=batch))
+        if len(message) + _BATCH_HEADER_MAX <= limit:
+            run.seq += 1
+            return [message]
+        # Rare: cut the batch by its events' sizes.
+        room = limit - _BATCH_HEADER_MAX - _EVENTS_MESSAGE_OVERHEAD - len(run_id.encode())
+        messages: list[bytes] = []
+        current: list[RuntimeEvent] = []
+        used = 0
+        for ev in batch:
+            size = len(_EVENT_ENCODER.encode(ev))
+            if size > room:
+                # One event larger than the edge accepts: sending it would
+                # close the link under every other run. This run alone ends.
+                if current:
+                    messages.append(self._events_message(run_id, run, current))
+                error = Error(
+                    message=f"run {run_id}: the backend produced an event larger than the "
+                    f"edge accepts on the link ({limit} bytes)",
+                    status=502,
+                    code="event_too_large",
+                )
+                messages.append(self._events_message(run_id, run, [error]))
+                run.queued.clear()
+                run.phase = RunPhase.DONE
+                self._cut_off.append(run_id)
+                return messages
+            if current and used + size > room:
+                messages.append(self._events_message(run_id, run, current))
+                current, used = [], 0
+            current.append(ev)
+            used += size
+        messages.append(self._events_message(run_id, run, current))
+        return messages
+
+    @staticmethod
+    def _events_message(run_id: str, run: RunLink, events: list[RuntimeEvent]) -> bytes:
+        message = encode(RunEvents(run_id=run_id, seq=run.seq, events=events))
         run.seq += 1
-        if events and is_terminal(events[-1]):
-            del self._runs[run_id]
-        return frame
-
-    def capabilities(self, instances: list[Capabilities]) -> bytes:
-        return encode(CapabilitiesUpdate(instances=instances))
-
-    def goodbye(self, reason: str = "") -> bytes:
-        return encode(Goodbye(reason=reason))
+        return message
 
     def close(self) -> frozenset[str]:
         self.state = LinkState.CLOSED
         runs = frozenset(self._runs)
         self._runs.clear()
+        self._ready.clear()
+        self._out.messages.clear()
         return runs
