@@ -3,43 +3,48 @@
 Theory of operation
 -------------------
 An edge run is an ordinary ``iop.runtime`` run whose executor is remote:
-``RemoteExecutor.execute`` asks the scheduler for a slot, sends ``Assign``
-over the chosen node's link, and then forwards the event batches that the
-link handler drops into the run's bounded inbox into the run's sink. So the
-edge gets the runtime's guarantees for free: one terminal event per run, the
-wait timeouts (first token, idle, total) as typed cancel reasons, and
-cancellation as structured scope cancellation.
+``RemoteExecutor.execute`` asks the scheduler for a slot, queues ``Assign``
+on the chosen node's link session, and waits. The node's events do not pass
+through it: the link reader delivers each run's events straight into the
+run's consumer channel (``RemoteRun.deliver`` → ``RunSink.push_nowait``,
+which checks the event grammar and arms the run's deadlines; credit keeps
+the channel, ``run_window + 2`` events, from ever filling), and the
+consumer's reads return the credit. So the edge gets the runtime's
+guarantees for free: one terminal event per run, the wait timeouts (first
+token, idle, total) as typed cancel reasons, and cancellation as structured
+scope cancellation.
 
 ::
 
     HTTP handler ──start_run──► RunSupervisor task: RemoteExecutor.execute
                                    │ scheduler.acquire ─► Lease(node, instance)
-                                   │ Assign ──► outbox ──► link writer ──► node
-    node ──► link reader ──► EdgeSession.receive ──► RemoteRun.inbox (bounded)
-                                   │ inbox ──► sink.send ──► run.events ──► HTTP
-                                   │ every half window consumed: Credit ──► node
+                                   │ session.assign ──► link writer ──► node
+                                   │ waits on RemoteRun.done
+    node ──► link reader ──► EdgeSession.receive ──► RemoteRun.deliver
+                                   │ push_nowait ──► run.events ──► HTTP handler
+                                   │ each event taken ──► session.consumed ──► Credit
 
 When the edge run ends early (client gone, wait timeout, shutdown), the
-executor's ``finally`` sends ``Cancel`` from a shielded scope with a short
-deadline; the node cancels its run and closing the backend response makes
-the backend stop. When a node's link dies, the handler puts ``LinkLost`` in
-every inbox of that node: a run that has produced nothing yet is retried on
-another node (failover); one that has is ended with ``Cancelled(node_lost)``.
+executor's ``finally`` queues ``Cancel`` (nothing to wait for: the writer
+sends it with the next frame); the node cancels its run and closing the
+backend response makes the backend stop. When a node's link dies, every run
+on it is told (``RemoteRun.lose``): a run that has produced nothing yet is
+retried on another node (failover); one that has is ended with
+``Cancelled(node_lost)``.
 
-The link handler is written against ``FrameChannel`` (WebSocket in
-production, ``iop.testing.memory_link_pair`` in tests). Per link there is one
-reader (the handler itself: it never blocks on a run), one writer draining
-a bounded outbox, a pinger and a liveness watchdog.
+The link is driven by ``iop.runtime.LinkDriver`` over a ``FrameChannel``
+(WebSocket in production, ``iop.testing.memory_link_pair`` in tests): one
+reader, one writer, no other task per link.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Final
 
 import msgspec
@@ -49,14 +54,14 @@ from iop._secrets import SecretMasker, edge_secrets, mask_event
 from iop.config import EdgeConfig
 from iop.edge._metrics import EdgeMetrics
 from iop.edge._registry import (
-    LINK_OUTBOX,
-    LinkLost,
     NodeConnection,
     NodeRegistry,
+    RemoteRun,
     Scheduler,
     affinity_key,
 )
 from iop.errors import (
+    InvariantError,
     LinkAuthError,
     LinkError,
     LinkLimitError,
@@ -64,7 +69,7 @@ from iop.errors import (
     RequestError,
     RunAborted,
 )
-from iop.events import Cancelled, CancelReason, Error, Start, is_terminal
+from iop.events import Cancelled, CancelReason, Error
 from iop.protocol import (
     CLOSE_BAD_TOKEN,
     CLOSE_GOING_AWAY,
@@ -74,6 +79,7 @@ from iop.protocol import (
     CLOSE_PROTOCOL,
     CLOSE_REPLACED,
     CapabilitiesChanged,
+    EdgeLinkEvent,
     EdgeSession,
     FrameChannel,
     LinkClosed,
@@ -81,24 +87,27 @@ from iop.protocol import (
     NodeJoined,
     RunEventsReceived,
 )
-from iop.runtime import Run, RunSink, RunSupervisor, open_run_supervisor
+from iop.runtime import (
+    LinkDriver,
+    PeerSilent,
+    Run,
+    RunSink,
+    RunSupervisor,
+    open_run_supervisor,
+)
 from iop.spec import ExecutionSpec
 
 __all__ = ["EdgeCore", "RemoteExecutor", "open_edge_core"]
 
 log = logging.getLogger("iop.edge")
 
-# How long a Cancel may take to reach the outbox from a cancelled run.
+# How long cancelled runs may take to end on a drain.
 CANCEL_SEND_TIMEOUT_S: Final = 1.0
 # Our side of closing a link (shielded cleanup, so it must be short): a peer
 # that stopped reading must not keep a handler, or a drain, waiting.
 CLOSE_TIMEOUT_S: Final = 1.0
 # Attempts of one run across nodes (the first try plus failovers).
 MAX_ATTEMPTS: Final = 3
-# Node errors before Start that another node may not have.
-_RETRYABLE_CODES: Final = frozenset(
-    {"queue_full", "node_draining", "unknown_instance", "backend_unavailable"}
-)
 
 
 # How a 400 names an operation a model does not serve.
@@ -108,6 +117,10 @@ _OP_NOUNS: Final = {
     "embedding": "embeddings",
     "tokenize": "token counts",
 }
+
+
+def _nothing() -> None:
+    pass
 
 
 class _NodeIdInUse(LinkError):
@@ -149,7 +162,7 @@ class RemoteExecutor:
         self._core = core
         # Start reached the run's sink (from the first attempt that sent one);
         # a failover attempt's own Start is then not forwarded again.
-        self._started = False
+        self._started = [False]
 
     async def execute(self, spec: ExecutionSpec, send: RunSink) -> None:
         core = self._core
@@ -196,62 +209,39 @@ class RemoteExecutor:
         self, conn: NodeConnection, instance: str, spec: ExecutionSpec, send: RunSink
     ) -> None:
         window = self._core.config.link.run_window
-        # What a node sends is masked with the edge's secrets before a client
-        # (or the admin views) can see it: a node or its backend may echo one.
-        masker = self._core.masker
         run_id = spec.run_id
-        rr = conn.open_run(run_id, window)
-        finished = False
-        output = False  # content, reasoning or a terminal reached the sink
+        rr = RemoteRun(run_id, send, self._core.masker, self._started)
+        ended = False  # the node is done with the run: nothing to cancel
         try:
             try:
-                await conn.outbox.send(conn.session.assign(run_id, instance, spec, window))
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                conn.assign(rr, instance, spec, window)
+            except InvariantError as exc:
                 raise _Retry(conn.node_id, "link closed before assign") from exc
-            consumed = 0
-            while True:
-                batch = await rr.receive.receive()
-                if isinstance(batch, LinkLost):
-                    raise self._lost(conn, batch.message, output)
-                for ev in batch:
-                    if isinstance(ev, Start):
-                        consumed += 1  # it used credit even when not forwarded
-                        if not self._started:
-                            self._started = True
-                            await send.send(ev)
-                        continue
-                    if not output and isinstance(ev, Error) and ev.code in _RETRYABLE_CODES:
-                        finished = True  # the node is done with it
-                        raise _Retry(conn.node_id, ev.message, ev)
-                    output = True
-                    await send.send(mask_event(ev, masker))
-                    if is_terminal(ev):
-                        finished = True
-                        return
-                    consumed += 1
-                if consumed * 2 >= window:
-                    # Never blocks: a run must not wait on the link to give
-                    # credit back (a full outbox queues it on the connection).
-                    if not conn.return_credit(run_id, consumed):
-                        raise self._lost(conn, f"node {conn.node_id} lost: link closed", output)
-                    consumed = 0
+            send.on_consumed(partial(conn.consume, run_id))
+            await rr.done.wait()
+            if rr.lost is not None:
+                raise self._lost(conn, rr.lost, rr.output)
+            ended = True
+            if rr.retry is not None:
+                raise _Retry(conn.node_id, rr.retry.message, rr.retry)
+            if rr.violation is not None:
+                ended = False
+                log.warning("node %s broke run %s: %s", conn.node_id, run_id, rr.violation)
+                raise RequestError(
+                    f"node {conn.node_id} sent an invalid event sequence",
+                    status=502,
+                    code="bad_node_events",
+                )
         finally:
-            conn.close_run(run_id)
-            if not finished:
+            reason: CancelReason | None = None
+            if not ended:
                 reason = send.cancel_reason
                 if reason is CancelReason.SLOW_CLIENT:
                     # Nodes older than slow_client cannot decode it (a link
                     # protocol error would drop every run of the node); for
                     # the node it is a client that went away.
                     reason = CancelReason.CLIENT_DISCONNECT
-                frame = conn.session.cancel(run_id, reason, "edge gave up on the run")
-                if frame is not None:
-                    with trio.move_on_after(CANCEL_SEND_TIMEOUT_S, shield=True):
-                        # A gone link is fine: the node cancels its runs itself.
-                        with contextlib.suppress(
-                            trio.BrokenResourceError, trio.ClosedResourceError
-                        ):
-                            await conn.outbox.send(frame)
+            conn.close_run(run_id, reason)
 
     def _lost(self, conn: NodeConnection, message: str, output: bool) -> Exception:
         """What a run does when its node's link is gone: fail over, or end node_lost."""
@@ -322,10 +312,15 @@ class EdgeCore:
             )
         self.scheduler.admit(model, op)
         self.runs_started += 1
+        window = self.config.link.run_window
         return self.supervisor.start_run(
             RemoteExecutor(self),
             spec,
             self.config.deadlines,
+            # The link reader delivers without waiting: room for a whole
+            # window of credit, the terminal, and a failover's Start.
+            buffer=window + 2,
+            stall_at=window,
             write_stall_timeout_s=self.config.server.write_stall_timeout,
         )
 
@@ -427,7 +422,7 @@ class EdgeCore:
             )
             await _close(chan, CLOSE_PROTOCOL, "no hello")
             return
-        conn, outbox_receive = opened
+        conn = opened
         conn.peer = who
         try:
             # Again, with no wait before the registration: two newcomers
@@ -437,7 +432,7 @@ class EdgeCore:
             log.warning("refusing node from %s: %s", who, exc)
             await _close(chan, CLOSE_ID_IN_USE, exc.message)
             return
-        await self._serve_connection(chan, session, conn, outbox_receive)
+        await self._serve_connection(chan, session, conn)
 
     async def _handshake(
         self,
@@ -445,29 +440,26 @@ class EdgeCore:
         session: EdgeSession,
         peer: str,
         on_open: Callable[[int], None] | None,
-    ) -> tuple[NodeConnection, trio.MemoryReceiveChannel[bytes]] | None:
+    ) -> NodeConnection | None:
         with trio.move_on_after(self.config.link.hello_timeout_s):
             frame = await chan.receive()
-            event, reply = session.receive(frame, trio.current_time())
+            (event,) = session.receive(frame, trio.current_time())
             assert isinstance(event, NodeJoined)
-            assert reply is not None
             hello = event.hello
             self._check_id_free(hello.node_id, peer)
             if on_open is not None:
                 # Before the welcome: the node may answer it with a big frame at once.
                 on_open(session.max_frame_bytes)
-            await chan.send(reply)
-            outbox_send, outbox_receive = trio.open_memory_channel[bytes](LINK_OUTBOX)
+            await chan.send(session.welcome())
             conn = NodeConnection(
                 node_id=hello.node_id,
                 session=session,
-                outbox=outbox_send,
                 instances={},
                 connected_at=time.time(),
                 software=hello.software,
             )
             conn.update_instances(hello.instances)
-            return conn, outbox_receive
+            return conn
         return None
 
     def _check_id_free(self, node_id: str, peer: str) -> None:
@@ -494,11 +486,7 @@ class EdgeCore:
             )
 
     async def _serve_connection(
-        self,
-        chan: FrameChannel,
-        session: EdgeSession,
-        conn: NodeConnection,
-        outbox_receive: trio.MemoryReceiveChannel[bytes],
+        self, chan: FrameChannel, session: EdgeSession, conn: NodeConnection
     ) -> None:
         old = self.registry.add(conn)
         if old is not None:
@@ -522,36 +510,37 @@ class EdgeCore:
             )
             or "no instances",
         )
+        driver = LinkDriver(
+            chan, session, partial(self._on_link_events, conn), peer=f"node {conn.node_id}"
+        )
+        conn.wake = driver.wake
         self.scheduler.dispatch()
         try:
             with conn.cancel_scope:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._writer, chan, conn, outbox_receive)
-                    nursery.start_soon(self._pinger, session, conn)
-                    nursery.start_soon(self._watchdog, session, conn)
-                    await self._reader(chan, session, conn)
-        except* LinkClosed as group:
-            closed = group.exceptions[0]
-            assert isinstance(closed, LinkClosed)
+                await driver.run()
+        except PeerSilent:
+            log.warning(
+                "node %s silent for %.1fs: declaring it lost",
+                conn.node_id,
+                trio.current_time() - session.last_seen,
+            )
+            if conn.close_code is None:
+                conn.close_code, conn.close_reason = CLOSE_HEARTBEAT, "heartbeat timeout"
+        except LinkClosed as closed:
             if conn.close_code is None:
                 conn.close_code, conn.close_reason = closed.close_code, closed.reason or str(closed)
-        except* LinkProtocolError as group:
-            exc = group.exceptions[0]
+        except LinkProtocolError as exc:
             code = exc.close_code if isinstance(exc, LinkLimitError) else CLOSE_PROTOCOL
             log.warning("node %s broke the protocol: %s (close %d)", conn.node_id, exc, code)
             conn.close_code, conn.close_reason = code, _close_reason(str(exc))
         finally:
             self.registry.remove(conn)
             session.close()
+            conn.wake = _nothing
             reason = conn.close_reason or "link closed"
             affected = len(conn.runs)
             for rr in list(conn.runs.values()):
-                with contextlib.suppress(
-                    trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError
-                ):
-                    rr.send.send_nowait(LinkLost(f"node {conn.node_id} lost: {reason}"))
-            outbox_receive.close()
-            conn.outbox.close()
+                rr.lose(f"node {conn.node_id} lost: {reason}")
             await _close(chan, conn.close_code or CLOSE_NORMAL, conn.close_reason)
             self._log_disconnect(conn, affected)
             self.scheduler.dispatch()
@@ -577,21 +566,12 @@ class EdgeCore:
             affected,
         )
 
-    async def _reader(self, chan: FrameChannel, session: EdgeSession, conn: NodeConnection) -> None:
-        while True:
-            frame = await chan.receive()
-            event, _ = session.receive(frame, trio.current_time())
+    def _on_link_events(self, conn: NodeConnection, events: list[EdgeLinkEvent]) -> None:
+        """A frame's events (the link reader: never blocks)."""
+        runs: list[RunEventsReceived] = []
+        for event in events:
             if isinstance(event, RunEventsReceived):
-                rr = conn.runs.get(event.run_id)
-                if rr is not None and event.events:
-                    # Never blocks: credit bounds what the node may send, and
-                    # the inbox holds a full window.
-                    try:
-                        rr.send.send_nowait(event.events)
-                    except trio.WouldBlock:
-                        raise LinkProtocolError(f"run {event.run_id}: inbox overflow") from None
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):
-                        pass  # the run ended on our side meanwhile
+                runs.append(event)
             elif isinstance(event, CapabilitiesChanged):
                 conn.update_instances(event.instances)
                 log.info("node %s updated its capabilities", conn.node_id)
@@ -600,37 +580,8 @@ class EdgeCore:
                 conn.draining = True
                 conn.goodbye = event.reason
                 log.info("node %s is draining: %s", conn.node_id, event.reason)
-
-    async def _writer(
-        self,
-        chan: FrameChannel,
-        conn: NodeConnection,
-        outbox: trio.MemoryReceiveChannel[bytes],
-    ) -> None:
-        async for frame in outbox:
-            await chan.send(frame)
-            # Credit that found the outbox full (see return_credit): the
-            # outbox was not empty then, so this loop gets here soon.
-            for credit in conn.take_pending_credit():
-                await chan.send(credit)
-
-    async def _pinger(self, session: EdgeSession, conn: NodeConnection) -> None:
-        while True:
-            await trio.sleep(session.heartbeat_interval_s)
-            await conn.outbox.send(session.ping())
-
-    async def _watchdog(self, session: EdgeSession, conn: NodeConnection) -> None:
-        while True:
-            deadline = session.liveness_deadline
-            await trio.sleep_until(deadline)
-            if session.liveness_deadline <= trio.current_time():
-                log.warning(
-                    "node %s silent for %.1fs: declaring it lost",
-                    conn.node_id,
-                    trio.current_time() - session.last_seen,
-                )
-                conn.close(CLOSE_HEARTBEAT, "heartbeat timeout")
-                return
+        if runs:
+            conn.on_events(runs)
 
     # --- admin / lifecycle --------------------------------------------------------
 

@@ -24,44 +24,123 @@ import contextlib
 import hashlib
 import logging
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Final
 
 import msgspec
 import trio
 
+from iop._secrets import SecretMasker, mask_event
 from iop.capabilities import Capabilities, ProviderStatus
 from iop.config import SchedulerSettings
-from iop.errors import IopError, RunAborted
-from iop.events import CancelReason, RuntimeEvent
-from iop.protocol import Credit, EdgeSession, encode
-from iop.spec import ChatRequest, CompletionRequest, OperationRequest
+from iop.errors import InvariantError, IopError, RunAborted
+from iop.events import CancelReason, Error, RuntimeEvent, Start, is_terminal
+from iop.protocol import EdgeSession, RunEventsReceived
+from iop.runtime import RunSink
+from iop.spec import ChatRequest, CompletionRequest, ExecutionSpec, OperationRequest
 
-__all__ = ["Lease", "NodeConnection", "NodeRegistry", "RemoteRun", "Scheduler", "affinity_key"]
+__all__ = [
+    "RETRYABLE_CODES",
+    "Lease",
+    "NodeConnection",
+    "NodeRegistry",
+    "RemoteRun",
+    "Scheduler",
+    "affinity_key",
+]
 
 log = logging.getLogger("iop.edge.scheduler")
 
-# Frames queued for one node's link writer. The writer drains it as fast as
-# the socket allows; a full outbox means the node's TCP window is closed, and
-# senders wait (link-level backpressure) rather than buffer without bound.
-LINK_OUTBOX: Final = 256
+# Node errors before any output that another node may not have: the run
+# fails over instead of ending.
+RETRYABLE_CODES: Final = frozenset(
+    {"queue_full", "node_draining", "unknown_instance", "backend_unavailable"}
+)
 
 
-class LinkLost:
-    """Marker put in a run's inbox when its node's link ends."""
+def _nothing() -> None:
+    pass
 
-    def __init__(self, message: str) -> None:
-        self.message = message
-
-
-@dataclass(eq=False)
 class RemoteRun:
-    """The edge's end of one run on a node: its bounded inbox of event batches."""
+    """The edge's end of one attempt of a run on a node.
 
-    run_id: str
-    send: trio.MemorySendChannel[list[RuntimeEvent] | LinkLost]
-    receive: trio.MemoryReceiveChannel[list[RuntimeEvent] | LinkLost]
+    The link reader delivers the node's events straight into the run's
+    consumer channel (``deliver``, through the run's sink, never waiting:
+    credit keeps the channel from filling), and wakes the run's executor,
+    which only waits on ``done``, when the attempt is over: its terminal
+    event went to the consumer, it failed in a way another node may not
+    (``retry``), it broke the event grammar (``violation``) or the link was
+    lost (``lost``).
+    """
+
+    __slots__ = (
+        "done",
+        "lost",
+        "masker",
+        "output",
+        "retry",
+        "run_id",
+        "sink",
+        "started",
+        "violation",
+    )
+
+    def __init__(
+        self, run_id: str, sink: RunSink, masker: SecretMasker, started: list[bool]
+    ) -> None:
+        self.run_id = run_id
+        self.sink = sink
+        self.masker = masker
+        # Shared by the run's attempts: whether a Start reached the consumer
+        # (a failover attempt's own Start is not forwarded again).
+        self.started = started
+        self.done = trio.Event()
+        self.output = False  # content, reasoning or a terminal reached the consumer
+        self.retry: Error | None = None
+        self.violation: str | None = None
+        self.lost: str | None = None
+
+    def deliver(self, events: list[RuntimeEvent]) -> int:
+        """Hand the node's events to the run; return the credit to give back at once.
+
+        A Start that is not forwarded (a failover attempt's) is not consumed
+        by anyone, so its credit is returned here.
+        """
+        if self.done.is_set():
+            return 0
+        unconsumed = 0
+        for ev in events:
+            if isinstance(ev, Start):
+                if self.started[0]:
+                    unconsumed += 1
+                    continue
+                self.started[0] = True
+            elif not self.output and isinstance(ev, Error) and ev.code in RETRYABLE_CODES:
+                self.retry = ev
+                self.done.set()
+                return unconsumed
+            else:
+                self.output = True
+                # What a node sends is masked with the edge's secrets before
+                # a client (or the admin views) can see it: a node or its
+                # backend may echo one.
+                ev = mask_event(ev, self.masker)
+            try:
+                self.sink.push_nowait(ev)
+            except InvariantError as exc:
+                self.violation = exc.message
+                self.done.set()
+                return unconsumed
+            if is_terminal(ev):
+                self.done.set()
+        return unconsumed
+
+    def lose(self, message: str) -> None:
+        """The node's link is gone."""
+        if not self.done.is_set():
+            self.lost = message
+            self.done.set()
 
 
 @dataclass(eq=False)
@@ -81,11 +160,10 @@ class InstanceState:
 
 @dataclass(eq=False)
 class NodeConnection:
-    """One live link to a node."""
+    """One live link to a node: its session, driver, instances and runs."""
 
     node_id: str
     session: EdgeSession
-    outbox: trio.MemorySendChannel[bytes]
     instances: dict[str, InstanceState]
     connected_at: float
     software: str = ""
@@ -96,34 +174,8 @@ class NodeConnection:
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     close_code: int | None = None
     close_reason: str = ""
-    # Credit granted while the outbox was full, by run; the writer sends it.
-    # At most one entry per run, each at most the run's window.
-    pending_credit: dict[str, int] = field(default_factory=dict)
-
-    def return_credit(self, run_id: str, credit: int) -> bool:
-        """Give ``credit`` back to a run, without waiting; False if the link is closed."""
-        frame = self.session.grant(run_id, credit)
-        if frame is None:
-            return True  # the run is over on the link: nothing to give back
-        try:
-            self.outbox.send_nowait(frame)
-        except trio.WouldBlock:
-            self.pending_credit[run_id] = self.pending_credit.get(run_id, 0) + credit
-        except (trio.BrokenResourceError, trio.ClosedResourceError):
-            return False
-        return True
-
-    def take_pending_credit(self) -> list[bytes]:
-        """Credit frames queued by ``return_credit`` (for the link writer)."""
-        if not self.pending_credit:
-            return []
-        frames = [
-            encode(Credit(run_id=run_id, credit=n))
-            for run_id, n in self.pending_credit.items()
-            if run_id in self.runs
-        ]
-        self.pending_credit.clear()
-        return frames
+    # Set once the link's driver runs; wakes its writer.
+    wake: Callable[[], None] = _nothing
 
     def update_instances(self, caps: list[Capabilities]) -> None:
         old = self.instances
@@ -134,20 +186,35 @@ class NodeConnection:
             for c in caps
         }
 
-    def open_run(self, run_id: str, window: int) -> RemoteRun:
-        # Batches in flight are at most one per credited event, plus the
-        # terminal batch and the link-lost marker.
-        send, receive = trio.open_memory_channel[list[RuntimeEvent] | LinkLost](window + 2)
-        rr = RemoteRun(run_id, send, receive)
-        self.runs[run_id] = rr
-        return rr
+    def assign(self, rr: RemoteRun, instance: str, spec: ExecutionSpec, credit: int) -> None:
+        """Put ``rr`` on the link and queue its ``Assign``.
 
-    def close_run(self, run_id: str) -> None:
-        rr = self.runs.pop(run_id, None)
-        self.pending_credit.pop(run_id, None)
-        if rr is not None:
-            rr.send.close()
-            rr.receive.close()
+        Raises:
+            RequestError: 413, the request does not fit the node's frames.
+            InvariantError: The link is not open.
+        """
+        self.session.assign(rr.run_id, instance, spec, credit)
+        self.runs[rr.run_id] = rr
+        self.wake()
+
+    def consume(self, run_id: str, events: int) -> None:
+        """The run's consumer took ``events``: credit goes back (half a window at a time)."""
+        if self.session.consumed(run_id, events):
+            self.wake()
+
+    def close_run(self, run_id: str, reason: CancelReason | None) -> None:
+        """Take the run off the link; cancel it on the node unless it ended (``reason`` None)."""
+        self.runs.pop(run_id, None)
+        if reason is not None and self.session.cancel(run_id, reason, "edge gave up on the run"):
+            self.wake()
+
+    def on_events(self, events: list[RunEventsReceived]) -> None:
+        for event in events:
+            rr = self.runs.get(event.run_id)
+            if rr is not None:
+                back = rr.deliver(event.events)
+                if back:
+                    self.consume(event.run_id, back)
 
     def close(self, code: int, reason: str) -> None:
         """Ask the link's handler to close the link with ``code``."""

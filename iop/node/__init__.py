@@ -2,7 +2,7 @@
 
 ``open_node_agent`` opens a ``NodeAgent``; ``NodeAgent.serve`` dials the
 configured edges (``open_ws_link``, a WebSocket) and keeps them dialled;
-``NodeAgent.serve_link`` drives one link; ``InstanceSlots`` is the
+``NodeAgent.serve_link`` drives one link (``iop.node._link``); ``InstanceSlots`` is the
 per-instance capacity limiter. See ``iop.node._agent`` for the theory of
 operation.
 """
@@ -11,7 +11,6 @@ from iop.node._agent import (
     CLOSE_TIMEOUT_S,
     DRAIN_FLUSH_TIMEOUT_S,
     MIN_RECONNECT_DELAY_S,
-    OUTBOX_CAPACITY,
     PROBE_GUARD_S,
     STABLE_LINK_S,
     WELCOME_TIMEOUT_S,
@@ -39,7 +38,6 @@ __all__ = [
     "DRAIN_FLUSH_TIMEOUT_S",
     "MAX_FRAME_BYTES",
     "MIN_RECONNECT_DELAY_S",
-    "OUTBOX_CAPACITY",
     "PROBE_GUARD_S",
     "STABLE_LINK_S",
     "WELCOME_TIMEOUT_S",

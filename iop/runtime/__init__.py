@@ -1,13 +1,18 @@
-"""The Trio core: runs as supervised tasks, bounded channels, per-phase deadlines.
+"""The Trio core: runs as supervised tasks, bounded channels, per-phase deadlines,
+and the one driver of the edge <-> node link.
 
-See ``iop.runtime._run`` for the theory of operation.
+See ``iop.runtime._run`` for the theory of operation of runs and
+``iop.runtime._link`` for the link driver.
 """
 
+from iop.runtime._link import LinkDriver, LinkSession, PeerSilent, Wakeup
 from iop.runtime._run import (
     RUN_EVENT_BUFFER,
     EventSender,
     Executor,
+    Outlet,
     Run,
+    RunEvents,
     RunSink,
     RunState,
     RunSupervisor,
@@ -20,10 +25,16 @@ __all__ = [
     "RUN_EVENT_BUFFER",
     "EventSender",
     "Executor",
+    "LinkDriver",
+    "LinkSession",
+    "Outlet",
+    "PeerSilent",
     "Run",
+    "RunEvents",
     "RunSink",
     "RunState",
     "RunSupervisor",
+    "Wakeup",
     "collect_run",
     "new_run_id",
     "open_run_supervisor",

@@ -84,6 +84,7 @@ from iop.events import (
     TerminalEvent,
     TokenCount,
     Usage,
+    is_terminal,
 )
 from iop.spec import ExecutionSpec
 
@@ -91,7 +92,9 @@ __all__ = [
     "RUN_EVENT_BUFFER",
     "EventSender",
     "Executor",
+    "Outlet",
     "Run",
+    "RunEvents",
     "RunSink",
     "RunState",
     "RunSupervisor",
@@ -130,6 +133,87 @@ class RunSink(EventSender, Protocol):
 
     def queued(self) -> contextlib.AbstractContextManager[None]: ...
 
+    def push_nowait(self, event: RuntimeEvent) -> None:
+        """``send`` for a producer that must never wait (the edge's link reader).
+
+        The run's consumer channel must have room: its producer's credit
+        guarantees it (``start_run(buffer=...)``).
+        """
+        ...
+
+    def on_consumed(self, callback: Callable[[int], None]) -> None:
+        """Call ``callback(n)`` whenever the consumer takes ``n`` non-terminal events."""
+        ...
+
+
+class Outlet(Protocol):
+    """Where a run's events go when its consumer is not a memory channel.
+
+    ``trio.MemorySendChannel`` is one; the node's link is another (each
+    event is queued in the link session, the producer waits while the run's
+    backlog is full).
+    """
+
+    def send_nowait(self, event: RuntimeEvent) -> None:
+        """Raises ``trio.WouldBlock`` when full, ``trio.BrokenResourceError`` when gone."""
+        ...
+
+    async def send(self, event: RuntimeEvent) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class RunEvents:
+    """The consumer's end of a run: its events, in order, ending after the terminal.
+
+    A ``trio.MemoryReceiveChannel`` that also tells the run what was taken,
+    so a remote producer's credit comes back as the consumer reads
+    (``RunSink.on_consumed``) and a consumer that stalls is noticed.
+    """
+
+    __slots__ = ("_receive", "_taken")
+
+    def __init__(self, receive: trio.MemoryReceiveChannel[RuntimeEvent]) -> None:
+        self._receive = receive
+        self._taken: Callable[[RuntimeEvent], None] | None = None
+
+    async def receive(self) -> RuntimeEvent:
+        ev = await self._receive.receive()
+        if self._taken is not None:
+            self._taken(ev)
+        return ev
+
+    def receive_nowait(self) -> RuntimeEvent:
+        ev = self._receive.receive_nowait()
+        if self._taken is not None:
+            self._taken(ev)
+        return ev
+
+    def close(self) -> None:
+        self._receive.close()
+
+    async def aclose(self) -> None:
+        self._receive.close()
+        await trio.lowlevel.checkpoint()
+
+    def statistics(self) -> trio.MemoryChannelStatistics:
+        return self._receive.statistics()
+
+    def __aiter__(self) -> RunEvents:
+        return self
+
+    async def __anext__(self) -> RuntimeEvent:
+        try:
+            return await self.receive()
+        except trio.EndOfChannel:
+            raise StopAsyncIteration from None
+
+    async def __aenter__(self) -> RunEvents:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
 
 class Executor(Protocol):
     """The part of an adapter the runtime needs (adapters take any EventSender)."""
@@ -150,6 +234,8 @@ class _Phase(enum.Enum):
     FIRST_TOKEN = CancelReason.FIRST_TOKEN_TIMEOUT
     IDLE = CancelReason.IDLE_TIMEOUT
     TOTAL = CancelReason.TOTAL_TIMEOUT
+    # The consumer holds a full window and takes nothing (push_nowait runs).
+    STALLED = CancelReason.SLOW_CLIENT
 
 
 def _after(t: float, delay: float | None) -> float:
@@ -169,14 +255,14 @@ class Run:
         self,
         spec: ExecutionSpec,
         deadlines: Deadlines,
-        events: trio.MemoryReceiveChannel[RuntimeEvent],
+        events: RunEvents | None,
         *,
         write_stall_timeout_s: float | None = None,
     ) -> None:
         self.spec = spec
         self.deadlines = deadlines
         self.write_stall_timeout_s = write_stall_timeout_s
-        self.events = events
+        self._events = events
         self.state = RunState.PENDING
         self.outcome: TerminalEvent | None = None
         self.started_at = trio.current_time()
@@ -189,6 +275,13 @@ class Run:
     @property
     def run_id(self) -> str:
         return self.spec.run_id
+
+    @property
+    def events(self) -> RunEvents:
+        """The run's events (not for a run started with an ``outlet``)."""
+        if self._events is None:
+            raise InvariantError(f"run {self.run_id} delivers to an outlet, not to run.events")
+        return self._events
 
     def cancel(self, reason: CancelReason, message: str = "") -> None:
         """Cancel the run. The first reason given wins; a finished run ignores it."""
@@ -210,7 +303,7 @@ class Run:
 class _RunSink:
     """The ``EventSender`` handed to an adapter: checks grammar, arms deadlines."""
 
-    def __init__(self, run: Run, send: trio.MemorySendChannel[RuntimeEvent]) -> None:
+    def __init__(self, run: Run, send: Outlet, *, stall_at: int | None = None) -> None:
         self._run = run
         self._send = send
         self._phase = _Phase.FIRST_TOKEN
@@ -218,7 +311,14 @@ class _RunSink:
         self.pending_terminal: TerminalEvent | None = None
         self.total_deadline = _after(run.started_at, run.deadlines.request_timeout_s)
         self._first_token_from = run.started_at
+        # push_nowait's consumer: events it holds, and at how many it counts
+        # as stalled (its producer is out of credit).
+        self._stall_at = stall_at
+        self._held = 0
+        self._consumed: Callable[[int], None] | None = None
         self._arm(_after(run.started_at, run.deadlines.first_token_timeout_s), _Phase.FIRST_TOKEN)
+        if run._events is not None and stall_at is not None:
+            run._events._taken = self._taken
 
     @property
     def phase_reason(self) -> CancelReason:
@@ -256,7 +356,8 @@ class _RunSink:
             self._phase = _Phase.TOTAL
             self._run._scope.deadline = self.total_deadline
 
-    async def send(self, event: RuntimeEvent) -> None:
+    def _admit(self, event: RuntimeEvent) -> None:
+        """Check ``event`` against the grammar and move the run's state."""
         run = self._run
         state = run.state
         if state is RunState.DONE or self.pending_terminal is not None:
@@ -275,6 +376,22 @@ class _RunSink:
                 run.first_output_at = trio.current_time()
         else:  # terminal: the run is DONE only once the consumer has it
             self.pending_terminal = event
+
+    def _sent(self) -> None:
+        """The event reached the consumer's side: re-arm the phase's deadline."""
+        run = self._run
+        if self.pending_terminal is not None:
+            run.state = RunState.DONE
+            run.outcome = self.pending_terminal
+        elif run.state is RunState.STREAMING:
+            self._arm(_after(trio.current_time(), run.deadlines.idle_timeout_s), _Phase.IDLE)
+        elif run.state is RunState.STARTED:
+            first = _after(self._first_token_from, run.deadlines.first_token_timeout_s)
+            self._arm(first, _Phase.FIRST_TOKEN)
+
+    async def send(self, event: RuntimeEvent) -> None:
+        run = self._run
+        self._admit(event)
         try:
             # Still a cancellation point, but no schedule point while the
             # channel has room: the producer keeps going and the consumer
@@ -304,14 +421,46 @@ class _RunSink:
                 run.cancel(CancelReason.CLIENT_DISCONNECT, "the run's consumer went away")
                 await trio.lowlevel.checkpoint()  # raises Cancelled: the run scope is cancelled
                 raise
-        if self.pending_terminal is not None:
-            run.state = RunState.DONE
-            run.outcome = self.pending_terminal
-        elif run.state is RunState.STREAMING:
+        self._sent()
+
+    def push_nowait(self, event: RuntimeEvent) -> None:
+        run = self._run
+        self._admit(event)
+        try:
+            self._send.send_nowait(event)
+        except trio.WouldBlock:
+            raise InvariantError(
+                f"run {run.run_id}: the consumer's channel is full (its producer "
+                "sent more than its credit)"
+            ) from None
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            if self.pending_terminal is None:
+                run.cancel(CancelReason.CLIENT_DISCONNECT, "the run's consumer went away")
+            return
+        self._sent()
+        if is_terminal(event):
+            return
+        self._held += 1
+        if self._stall_at is not None and self._held >= self._stall_at:
+            # The consumer holds a whole window: the producer is out of
+            # credit. Backpressure, not an idle backend: only the total
+            # deadline and the write-stall bound apply until it reads.
+            stall = run.write_stall_timeout_s
+            self._arm(_after(trio.current_time(), stall), _Phase.STALLED)
+
+    def on_consumed(self, callback: Callable[[int], None]) -> None:
+        self._consumed = callback
+
+    def _taken(self, event: RuntimeEvent) -> None:
+        """The consumer took ``event`` (``RunEvents`` calls this)."""
+        if is_terminal(event):
+            return
+        self._held -= 1
+        if self._phase is _Phase.STALLED and self.pending_terminal is None:
+            run = self._run
             self._arm(_after(trio.current_time(), run.deadlines.idle_timeout_s), _Phase.IDLE)
-        elif run.state is RunState.STARTED:
-            first = _after(self._first_token_from, run.deadlines.first_token_timeout_s)
-            self._arm(first, _Phase.FIRST_TOKEN)
+        if self._consumed is not None:
+            self._consumed(1)
 
     def partial_usage(self) -> Usage:
         return Usage(output_tokens=self.output_chunks, estimated=True)
@@ -332,11 +481,13 @@ def _error_from(exc: BaseException) -> Error:
 async def _drive(
     run: Run,
     executor: Executor,
-    send: trio.MemorySendChannel[RuntimeEvent],
+    send: Outlet,
     logger: logging.Logger = log,
+    *,
+    stall_at: int | None = None,
 ) -> None:
     """Execute one run to its single terminal event. Never raises (but Cancelled)."""
-    sink = _RunSink(run, send)
+    sink = _RunSink(run, send, stall_at=stall_at)
     terminal: TerminalEvent | None = None
     aborted: Cancelled | None = None
     failure: BaseException | None = None
@@ -420,7 +571,7 @@ def _decide(
                 exc_info=None if isinstance(failure, IopError) else failure,
             )
         reason = run._cancel_reason or sink.phase_reason
-        message = run._cancel_message or _default_cancel_message(reason, run.deadlines)
+        message = run._cancel_message or _default_cancel_message(reason, run)
         return Cancelled(reason=reason, message=message, usage=sink.partial_usage())
     if failure is not None:
         if not isinstance(failure, IopError):
@@ -443,7 +594,10 @@ _CANCEL_MESSAGES: Final = {
 }
 
 
-def _default_cancel_message(reason: CancelReason, d: Deadlines) -> str:
+def _default_cancel_message(reason: CancelReason, run: Run) -> str:
+    d = run.deadlines
+    if reason is CancelReason.SLOW_CLIENT and run.write_stall_timeout_s is not None:
+        return f"the client accepted no data for write_stall_timeout_s={run.write_stall_timeout_s:g}"
     if reason is CancelReason.FIRST_TOKEN_TIMEOUT:
         return f"no output within first_token_timeout_s={d.first_token_timeout_s}"
     if reason is CancelReason.IDLE_TIMEOUT:
@@ -501,29 +655,42 @@ class RunSupervisor:
         *,
         buffer: int = RUN_EVENT_BUFFER,
         write_stall_timeout_s: float | None = None,
+        outlet: Outlet | None = None,
+        stall_at: int | None = None,
     ) -> Run:
         """Start a run as a task of the supervisor's nursery and return its handle.
 
         Args:
+            buffer: Capacity of the run's event channel (``run.events``).
             write_stall_timeout_s: Longest wait of the run's sink on a consumer
                 that takes nothing; then the run is cancelled with
                 ``slow_client``. None: no bound (the total deadline applies).
+            outlet: Deliver the events there instead of to ``run.events``.
+            stall_at: For a producer that uses ``push_nowait`` (and so never
+                waits): with this many events unread the consumer counts as
+                stalled (only the total deadline and ``write_stall_timeout_s``
+                apply until it reads).
         """
         if spec.run_id in self.runs:
             raise InvariantError(f"run id {spec.run_id} is already running")
-        send, receive = trio.open_memory_channel[RuntimeEvent](buffer)
-        run = Run(spec, deadlines, receive, write_stall_timeout_s=write_stall_timeout_s)
+        events: RunEvents | None = None
+        if outlet is None:
+            send, receive = trio.open_memory_channel[RuntimeEvent](buffer)
+            outlet, events = send, RunEvents(receive)
+        run = Run(spec, deadlines, events, write_stall_timeout_s=write_stall_timeout_s)
         self.runs[spec.run_id] = run
         if self._idle.is_set():
             self._idle = trio.Event()
-        self._nursery.start_soon(self._supervise, run, executor, send, name=f"run:{spec.run_id}")
+        self._nursery.start_soon(
+            self._supervise, run, executor, outlet, stall_at, name=f"run:{spec.run_id}"
+        )
         return run
 
     async def _supervise(
-        self, run: Run, executor: Executor, send: trio.MemorySendChannel[RuntimeEvent]
+        self, run: Run, executor: Executor, send: Outlet, stall_at: int | None
     ) -> None:
         try:
-            await _drive(run, executor, send, self._log)
+            await _drive(run, executor, send, self._log, stall_at=stall_at)
         finally:
             self.runs.pop(run.run_id, None)
             if not self.runs:

@@ -1,0 +1,227 @@
+"""One link of the node to an edge, and the node's end of each run on it.
+
+``NodeLink`` pairs the sans-IO ``NodeSession`` with the one link driver
+(``iop.runtime.LinkDriver``: a reader and a writer task, nothing else). A run
+assigned on the link is started in the agent's supervisor with a
+``NodeRun`` as its **outlet**: every event the adapter produces is queued in
+the session (``NodeSession.push``) and the writer is woken; the writer sends
+everything queued, for every run, in one frame. There is no forwarder task
+per run and no outbox: one token costs the adapter's task and the writer's
+wake-up, and a burst across runs costs one frame.
+
+Backpressure: a run whose credit is spent queues up to ``RUN_BACKLOG``
+events in the session; the next ``send`` waits (``NodeRun.space``) until
+``Credit`` arrives, so the adapter stops reading its backend's socket. A
+cancel from the edge drops what is queued (``RunPhase.ENDING``) and wakes it.
+
+Every way a run ends produces exactly one terminal event on the link:
+
+==========================  =================================================
+``Cancel`` from the edge    ``run.cancel(reason)``; queued events are dropped
+                            (the edge forgot the run) and the ``Cancelled``
+                            goes without credit
+link lost                   each run on it is cancelled with ``node_lost``
+                            (the adapter stops at once); its outlet is broken
+drain                       new assigns get ``Error`` 503 ``node_draining``;
+                            in-flight runs may finish until the timeout, then
+                            are cancelled with ``shutdown``
+an event too large          the run alone ends with ``Error``
+                            ``event_too_large`` (``NodeSession.take_cut_off``)
+==========================  =================================================
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import TYPE_CHECKING
+
+import trio
+
+from iop._secrets import SecretMasker, mask_event
+from iop.config import NodeEdge
+from iop.errors import LinkError, LinkLimitError, LinkProtocolError
+from iop.events import CancelReason, Error, RuntimeEvent, is_terminal
+from iop.protocol import (
+    CLOSE_NORMAL,
+    CLOSE_PROTOCOL,
+    RUN_BACKLOG,
+    AssignReceived,
+    CancelReceived,
+    CreditReceived,
+    FrameChannel,
+    NodeLinkEvent,
+    NodeSession,
+    Welcomed,
+)
+from iop.runtime import LinkDriver, Run, Wakeup
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = ["NodeLink", "NodeRun", "close_code", "close_reason"]
+
+log = logging.getLogger("iop.node")
+
+
+def close_reason(text: str) -> str:
+    # A WebSocket close reason is at most 123 bytes of UTF-8 (RFC 6455 §5.5).
+    data = text.encode()
+    return text if len(data) <= 120 else data[:120].decode(errors="ignore")
+
+
+def close_code(exc: LinkProtocolError) -> int:
+    """The close code for a protocol error: a crossed limit carries its own."""
+    return exc.close_code if isinstance(exc, LinkLimitError) else CLOSE_PROTOCOL
+
+
+class NodeRun:
+    """A run as its link sees it, and the runtime's ``Outlet`` of its events."""
+
+    __slots__ = ("assigned_at", "instance", "link", "run", "run_id", "space")
+
+    def __init__(self, link: NodeLink, run_id: str, instance: str) -> None:
+        self.link = link
+        self.run_id = run_id
+        self.instance = instance
+        self.assigned_at = trio.current_time()
+        # Set when the run may queue again: credit came, or it was cancelled.
+        self.space = Wakeup()
+        self.run: Run | None = None
+
+    def send_nowait(self, event: RuntimeEvent) -> None:
+        link = self.link
+        session = link.session
+        if link.closed or session.run(self.run_id) is None:
+            # The link is gone, or the session ended the run (cut off).
+            raise trio.BrokenResourceError
+        if is_terminal(event):
+            # The node is the only process that knows its instances' header
+            # values: whatever a backend echoed is masked before it leaves.
+            event = mask_event(event, link.masker)
+        elif session.backlog(self.run_id) >= RUN_BACKLOG:
+            raise trio.WouldBlock
+        session.push(self.run_id, event)
+        link.driver.wake()
+
+    async def send(self, event: RuntimeEvent) -> None:
+        while True:
+            try:
+                self.send_nowait(event)
+            except trio.WouldBlock:
+                await self.space.wait()
+            else:
+                await trio.lowlevel.checkpoint_if_cancelled()
+                return
+
+    def close(self) -> None:
+        """The run is over (the runtime closes its outlet last)."""
+        self.link.run_closed(self)
+
+    def cut_off(self, reason: CancelReason, message: str) -> None:
+        """Cancel the run; only its terminal event will still be sent."""
+        if self.run is not None:
+            self.run.cancel(reason, message)
+        self.space.set()
+
+
+class NodeLink:
+    """State of one link: its session, driver, runs and how it ended.
+
+    Args:
+        edge: The edge at the other end.
+        chan: The connected channel.
+        session: The link's session.
+        masker: Masks the node's secrets in what it sends.
+        on_assign: Called with each assign (must not block).
+        on_run_closed: Called when a run's outlet closes.
+    """
+
+    def __init__(
+        self,
+        edge: NodeEdge,
+        chan: FrameChannel,
+        session: NodeSession,
+        masker: SecretMasker,
+        *,
+        on_assign: Callable[[NodeLink, AssignReceived], None],
+        on_run_closed: Callable[[NodeRun], None],
+    ) -> None:
+        self.edge = edge
+        self.chan = chan
+        self.session = session
+        self.masker = masker
+        self.runs: dict[str, NodeRun] = {}
+        self._on_assign = on_assign
+        self._on_run_closed = on_run_closed
+        self.driver = LinkDriver(
+            chan, session, self._on_events, after_send=self._after_send, peer=f"edge {edge.url}"
+        )
+        self.scope = trio.CancelScope()
+        self.welcomed_at = math.inf
+        self.caps_version = 0
+        self.closed = False
+        # Why the link ended (None: closed by us on drain), and how we close it.
+        self.end: LinkError | None = None
+        self.close_code = CLOSE_NORMAL
+        self.close_reason = ""
+        self._close_when_flushed: tuple[int, str] | None = None
+        self.ended = trio.Event()
+
+    def fail(self, exc: LinkError | None, code: int | None = None, reason: str = "") -> None:
+        """Record why the link ends (first cause wins) and stop its tasks."""
+        if self.end is None and exc is not None:
+            self.end = exc
+        if code is not None and not self.scope.cancel_called:
+            self.close_code, self.close_reason = code, close_reason(reason)
+        self.scope.cancel()
+
+    def close_when_flushed(self, code: int, reason: str) -> None:
+        """Close the link once everything queued before this call is sent."""
+        self._close_when_flushed = (code, reason)
+        self.driver.wake()
+
+    def reject(self, run_id: str, error: Error) -> None:
+        """End an assign that starts no run with ``error``."""
+        masked = mask_event(error, self.masker)
+        assert isinstance(masked, Error)
+        self.session.reject(run_id, masked)
+        self.driver.wake()
+
+    def _on_events(self, events: list[NodeLinkEvent]) -> None:
+        """A frame's events: never blocks (the reader must not wait on a run)."""
+        for event in events:
+            if isinstance(event, AssignReceived):
+                self._on_assign(self, event)
+            elif isinstance(event, CreditReceived):
+                nr = self.runs.get(event.run_id)
+                if nr is not None:
+                    nr.space.set()
+            elif isinstance(event, CancelReceived):
+                nr = self.runs.get(event.cancel.run_id)
+                if nr is not None:
+                    nr.cut_off(event.cancel.reason, event.cancel.message)
+            elif isinstance(event, Welcomed):
+                raise LinkProtocolError("second welcome on an open link")
+
+    def _after_send(self) -> None:
+        for run_id in self.session.take_cut_off():
+            nr = self.runs.get(run_id)
+            if nr is not None:
+                nr.cut_off(CancelReason.EXPLICIT, "event too large for the link")
+        if self._close_when_flushed is not None and not self.session.has_data_to_send:
+            code, reason = self._close_when_flushed
+            self.fail(None, code, reason)
+
+    def run_closed(self, nr: NodeRun) -> None:
+        if self.runs.get(nr.run_id) is nr:
+            del self.runs[nr.run_id]
+        self._on_run_closed(nr)
+
+    def shut(self) -> None:
+        """The link is gone: every run still on it stops now."""
+        self.closed = True
+        for nr in list(self.runs.values()):
+            if nr.run is not None:
+                nr.run.cancel(CancelReason.NODE_LOST, "link to edge lost")
+            nr.space.set()
