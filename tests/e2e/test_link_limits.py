@@ -30,6 +30,7 @@ from iop.protocol import (
     Pong,
     RunEvents,
     encode,
+    encode_batch,
 )
 from tests.e2e._platform import MODEL, TOKEN, Procs, Sim, StreamResult, read_stream
 
@@ -171,7 +172,7 @@ def _cpu_s(pid: int) -> float:
 async def _flood(url: str, count: int) -> tuple[int, int | None, str]:
     """Say hello as a valid node, then send ``count`` pongs; (sent, close code, reason)."""
     session = NodeSession(node_id="flooder", token=TOKEN, now=0.0)
-    pong = encode(Pong(nonce=1))
+    pong = encode_batch([encode(Pong(nonce=1))])
     sent = 0
     async with open_ws_link(url) as chan:
         try:
@@ -220,7 +221,7 @@ def test_after_the_hello_the_frame_limit_is_raised(procs: Procs) -> None:
     """A 1 MiB frame is over the pre-hello limit but fine after it: the edge
     reads it (and closes 4400 because no such run is assigned, not 1009)."""
     edge = procs.edge({})
-    frame = encode(RunEvents(run_id="nope", seq=0, events=[Delta("x" * (1 << 20))]))
+    frame = encode_batch([encode(RunEvents(run_id="nope", seq=0, events=[Delta("x" * (1 << 20))]))])
     code, reason = trio.run(_hello_then, edge.link_url, frame)
     assert code == CLOSE_PROTOCOL, reason
     assert "not assigned on this link" in reason

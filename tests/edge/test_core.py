@@ -25,9 +25,11 @@ from iop.protocol import (
     CancelReceived,
     CreditReceived,
     LinkClosed,
+    NodeMessage,
     NodeSession,
-    PingReceived,
     Welcomed,
+    encode,
+    encode_batch,
 )
 from iop.runtime import Run
 from iop.spec import ChatRequest, ExecutionSpec, Message
@@ -65,6 +67,11 @@ def caps(
     )
 
 
+def frame(*messages: NodeMessage) -> bytes:
+    """One link frame of ``messages``, written by hand (bypassing a session)."""
+    return encode_batch([encode(m) for m in messages])
+
+
 class FakeNode:
     """A node played by hand: a NodeSession over one end of a memory link."""
 
@@ -82,29 +89,35 @@ class FakeNode:
 
     async def hello(self, instances: list[Capabilities]) -> None:
         await self.chan.send(self.session.hello(instances))
-        assert isinstance(
-            self.session.receive(await self.chan.receive(), trio.current_time()), Welcomed
-        )
+        (welcomed,) = self.session.receive(await self.chan.receive(), trio.current_time())
+        assert isinstance(welcomed, Welcomed)
 
     async def serve(self) -> None:
         try:
             while True:
-                ev = self.session.receive(await self.chan.receive(), trio.current_time())
-                if isinstance(ev, PingReceived):
-                    if self.answer_pings:
-                        await self.chan.send(ev.reply)
-                elif isinstance(ev, AssignReceived):
-                    self.assigned.append(ev.assign.run_id)
-                    self.inbox.send_nowait(ev)
-                elif isinstance(ev, CancelReceived):
-                    self.cancels.append(ev)
-                elif isinstance(ev, CreditReceived):
-                    self.credits.append(ev)
+                frame = await self.chan.receive()
+                for ev in self.session.receive(frame, trio.current_time()):
+                    if isinstance(ev, AssignReceived):
+                        self.assigned.append(ev.assign.run_id)
+                        self.inbox.send_nowait(ev)
+                    elif isinstance(ev, CancelReceived):
+                        self.cancels.append(ev)
+                    elif isinstance(ev, CreditReceived):
+                        self.credits.append(ev)
+                # Pongs to the edge's pings (dropped when told not to answer).
+                pongs = self.session.data_to_send(trio.current_time())
+                if self.answer_pings:
+                    for out in pongs:
+                        await self.chan.send(out)
         except LinkClosed as exc:
             self.closed = exc
 
     async def send(self, run_id: str, *events: RuntimeEvent) -> None:
-        await self.chan.send(self.session.run_events(run_id, list(events)))
+        """Queue ``events`` and send what the run's credit lets go."""
+        for ev in events:
+            self.session.push(run_id, ev)
+        for frame in self.session.data_to_send(trio.current_time()):
+            await self.chan.send(frame)
 
 
 @asynccontextmanager

@@ -18,24 +18,33 @@ import trio.testing
 
 from iop.config import EdgeConfig
 from iop.edge import EdgeCore, open_edge_core
-from iop.edge._registry import LINK_OUTBOX
 from iop.events import Cancelled, CancelReason, Complete, Delta, Error, Start
 from iop.protocol import (
     CLOSE_GOING_AWAY,
     CLOSE_PROTOCOL,
     CLOSE_RATE,
     CLOSE_TOO_BIG,
+    Goodbye,
     Hello,
     LinkClosed,
     NodeSession,
-    Pong,
+    Ping,
     RunEvents,
     encode,
 )
 from iop.runtime import Run
 from iop.spec import ChatRequest, ExecutionSpec, Message
 from iop.testing import MemoryFrameChannel, memory_link_pair
-from tests.edge.test_core import TOKEN, FakeNode, caps, config, connect, drain_events, spec
+from tests.edge.test_core import (
+    TOKEN,
+    FakeNode,
+    caps,
+    config,
+    connect,
+    drain_events,
+    frame,
+    spec,
+)
 
 
 async def test_events_for_a_run_never_assigned_close_the_link_at_once(
@@ -43,9 +52,10 @@ async def test_events_for_a_run_never_assigned_close_the_link_at_once(
 ) -> None:
     async with open_edge_core(config()) as core, trio.open_nursery() as nursery:
         node = await connect(core, nursery, [caps()], "n1")
-        frame = encode(RunEvents(run_id="nobody-assigned-me", seq=0, events=[Delta("x")]))
         t0 = trio.current_time()
-        await node.chan.send(frame)
+        await node.chan.send(
+            frame(RunEvents(run_id="nobody-assigned-me", seq=0, events=[Delta("x")]))
+        )
         await trio.testing.wait_all_tasks_blocked()
         assert node.closed is not None
         assert node.chan.close_code == CLOSE_PROTOCOL
@@ -67,9 +77,11 @@ async def test_late_events_of_a_cancelled_run_keep_the_link(
         await drain_events(run)
         await trio.testing.wait_all_tasks_blocked()
         assert [c.cancel.run_id for c in node.cancels] == ["r1"]
-        # What the node had in flight when the cancel crossed it.
-        await node.send("r1", Start(), Delta("late"))
-        await node.send("r1", Cancelled(reason=CancelReason.CLIENT_DISCONNECT))
+        # What the node had in flight when the cancel crossed it (sent by
+        # hand: the node's own session drops what it still holds).
+        await node.chan.send(frame(RunEvents(run_id="r1", seq=0, events=[Start(), Delta("late")])))
+        end = Cancelled(reason=CancelReason.CLIENT_DISCONNECT)
+        await node.chan.send(frame(RunEvents(run_id="r1", seq=1, events=[end])))
         await trio.testing.wait_all_tasks_blocked()
         assert node.closed is None
         assert "n1" in core.registry.nodes
@@ -91,7 +103,7 @@ async def test_a_control_message_flood_is_cut_off(
         closed: LinkClosed | None = None
         while sent < 10_000 and closed is None:
             try:
-                await node.chan.send(node.session.goodbye("spam"))  # costs no credit
+                await node.chan.send(frame(Goodbye(reason="spam")))  # costs no credit
             except LinkClosed as exc:
                 closed = exc
             sent += 1
@@ -132,7 +144,7 @@ async def test_a_frame_too_big_after_the_hello_is_closed_1009(
         assert node.session.peer_max_frame_bytes == 1024 * 1024  # told in the welcome
         run = core.start_run(spec())
         await node.assigns.receive()
-        await node.chan.send(encode(RunEvents(run_id="r1", seq=0, events=[Delta("x" * 2**20)])))
+        await node.chan.send(frame(RunEvents(run_id="r1", seq=0, events=[Delta("x" * 2**20)])))
         await trio.testing.wait_all_tasks_blocked()
         assert node.chan.close_code == CLOSE_TOO_BIG
         assert "frame of 10" in caplog.text
@@ -174,44 +186,44 @@ async def test_a_request_too_big_for_the_node_is_refused_alone(
         nursery.cancel_scope.cancel()
 
 
-async def _run_with_a_full_outbox(
+async def _run_on_a_stalled_link(
     core: EdgeCore, nursery: trio.Nursery
 ) -> tuple[Run, MemoryFrameChannel, FakeNode]:
-    """A run whose node stopped reading: the link's outbox is full (pings
-    piled up behind a blocked writer) when the run consumes half its window."""
+    """A run whose node stopped reading: the link writer is blocked in a send
+    (pings piled up in a one-frame memory link) when the run's consumer
+    takes its events."""
     edge_end, node_end = memory_link_pair(buffer=1)
     nursery.start_soon(core.handle_link, edge_end, "test")
     node = FakeNode(node_end, "n1")
     await node.hello([caps()])
     await trio.testing.wait_all_tasks_blocked()
     run = core.start_run(spec())
-    conn = core.registry.nodes["n1"]
+    await trio.testing.wait_all_tasks_blocked()
 
     async def keep_alive() -> None:  # the node still sends; it just does not read
         with contextlib.suppress(LinkClosed):
             while True:
-                await node_end.send(encode(Pong(nonce=0)))
+                await node_end.send(frame(Ping(nonce=0)))
                 await trio.sleep(0.2)
 
     nursery.start_soon(keep_alive)
-    while conn.outbox.statistics().current_buffer_used < LINK_OUTBOX:
-        await trio.sleep(0.05)
-    frame = encode(RunEvents(run_id="r1", seq=0, events=[Start(), *[Delta("t")] * 40]))
-    await node_end.send(frame)
+    await trio.sleep(1.0)  # pongs and pings fill the link
+    await node_end.send(frame(RunEvents(run_id="r1", seq=0, events=[Start(), *[Delta("t")] * 40])))
     return run, node_end, node
 
 
-async def test_returning_credit_never_waits_on_a_full_outbox(
+async def test_returning_credit_never_waits_on_a_stalled_link(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """The run gives credit back while the outbox is full; the link then
-    closes. The run ends node_lost (not a 500 from a closed outbox)."""
+    """The consumer takes its events (credit is due) while the link writer is
+    stuck; the link then closes. The run ends node_lost, and no read waited."""
     async with open_edge_core(_fast_pings()) as core, trio.open_nursery() as nursery:
-        run, node_end, _ = await _run_with_a_full_outbox(core, nursery)
+        run, node_end, _ = await _run_on_a_stalled_link(core, nursery)
+        t0 = trio.current_time()
         got = [await run.events.receive() for _ in range(41)]  # a half window and more
         assert len(got) == 41
-        await trio.testing.wait_all_tasks_blocked()
-        assert core.registry.nodes["n1"].pending_credit == {"r1": 41}
+        assert trio.current_time() == t0
+        assert core.registry.nodes["n1"].session.has_data_to_send  # the credit, queued
         await node_end.aclose(CLOSE_GOING_AWAY, "node restarting")
         events = await drain_events(run)
         end = events[-1]
@@ -221,20 +233,18 @@ async def test_returning_credit_never_waits_on_a_full_outbox(
         nursery.cancel_scope.cancel()
 
 
-async def test_credit_that_found_the_outbox_full_is_sent_later(
+async def test_credit_queued_behind_a_stalled_link_is_sent_later(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     async with open_edge_core(_fast_pings()) as core, trio.open_nursery() as nursery:
-        run, _, node = await _run_with_a_full_outbox(core, nursery)
+        run, _, node = await _run_on_a_stalled_link(core, nursery)
         for _ in range(41):
             await run.events.receive()
         await trio.testing.wait_all_tasks_blocked()
-        node.session.receive(await node.chan.receive(), trio.current_time())  # the assign
         nursery.start_soon(node.serve)  # the node reads again
         while not node.credits:
             await trio.sleep(0.05)
-        assert [(c.run_id, c.credit) for c in node.credits] == [("r1", 41)]
-        assert core.registry.nodes["n1"].pending_credit == {}
+        assert [(c.run_id, c.credit) for c in node.credits] == [("r1", 32)]  # half the window
         run.cancel(CancelReason.CLIENT_DISCONNECT)
         nursery.cancel_scope.cancel()
 
@@ -280,7 +290,7 @@ async def test_a_clean_goodbye_is_info_and_a_heartbeat_loss_a_warning(
     caplog.set_level(logging.INFO, "iop.edge")
     async with open_edge_core(config()) as core, trio.open_nursery() as nursery:
         node = await connect(core, nursery, [caps()], "n1")
-        await node.chan.send(node.session.goodbye("node draining"))
+        await node.chan.send(frame(Goodbye(reason="node draining")))
         await node.chan.aclose(CLOSE_GOING_AWAY, "node draining")
         await trio.testing.wait_all_tasks_blocked()
         (line,) = [r for r in caplog.records if "node n1 disconnected" in r.getMessage()]

@@ -11,7 +11,7 @@ from iop.adapters.sim import SimAdapter
 from iop.errors import LinkError
 from iop.events import Complete, Delta, EmbeddingData, Start, TokenCount, is_terminal
 from iop.node import NodeAgent
-from iop.protocol import EdgeSession, RunEvents, decode_node_message
+from iop.protocol import EdgeSession, RunEvents, decode_node_batch
 from iop.sim import embedding_vector, tokenize
 from iop.spec import CompletionRequest, EmbeddingRequest, ExecutionSpec, TokenizeRequest
 from iop.testing._memory_link import memory_link_pair
@@ -75,14 +75,15 @@ async def test_embeddings_of_a_large_batch_cross_in_frames_that_fit(
         async def measuring_receive() -> bytes:
             nonlocal largest
             frame = await original()
-            if isinstance(decode_node_message(frame), RunEvents):
+            if any(isinstance(m, RunEvents) for m in decode_node_batch(frame)):
                 largest = max(largest, len(frame))
             return frame
 
         edge.chan.receive = measuring_receive  # type: ignore[method-assign]
         texts = [f"input {i}" for i in range(inputs)]
         spec = ExecutionSpec(run_id="e1", request=EmbeddingRequest(model="iop-sim", inputs=texts))
-        await edge.chan.send(edge.session.assign("e1", "sim", spec, credit=128))
+        edge.session.assign("e1", "sim", spec, credit=128)
+        await edge.flush()
         seen = 0
         while not edge._finished("e1").is_set():
             await edge.wait_events("e1", seen + 1)
@@ -113,7 +114,8 @@ async def test_token_count_and_completion_runs(autojump_clock: trio.abc.Clock) -
         assert hello is not None
         assert hello.instances[0].operations == ("chat", "completion", "embedding", "tokenize")
         count = ExecutionSpec(run_id="t1", request=TokenizeRequest(model="iop-sim", prompt="a b c"))
-        await edge.chan.send(edge.session.assign("t1", "sim", count, credit=8))
+        edge.session.assign("t1", "sim", count, credit=8)
+        await edge.flush()
         assert await edge.wait_finished("t1") == [
             Start(target="iop-sim"),
             TokenCount(count=len(tokenize("a b c"))),
@@ -122,7 +124,8 @@ async def test_token_count_and_completion_runs(autojump_clock: trio.abc.Clock) -
         completion = ExecutionSpec(
             run_id="c1", request=CompletionRequest(model="iop-sim", prompt="Once", max_tokens=4)
         )
-        await edge.chan.send(edge.session.assign("c1", "sim", completion, credit=64))
+        edge.session.assign("c1", "sim", completion, credit=64)
+        await edge.flush()
         events = await edge.wait_finished("c1")
         await edge.close()
     assert_grammar(events)

@@ -100,23 +100,25 @@ async def test_node_process_serves_then_drains_on_sigterm(tmp_path: Path) -> Non
             now=trio.current_time(),
         )
         try:
-            joined, welcome = session.receive(await ws.get_message(), trio.current_time())  # type: ignore[arg-type]
+            (joined,) = session.receive(await ws.get_message(), trio.current_time())  # type: ignore[arg-type]
             assert isinstance(joined, NodeJoined)
-            assert welcome is not None
-            await ws.send_message(welcome)
+            await ws.send_message(session.welcome())
             spec = ExecutionSpec(
                 run_id="r1",
                 request=ChatRequest(model="iop-sim", messages=[Message(role="user", content="hi")]),
             )
-            await ws.send_message(session.assign("r1", "sim", spec, credit=64))
+            session.assign("r1", "sim", spec, credit=64)
+            for frame in session.data_to_send(trio.current_time()):
+                await ws.send_message(frame)
             while True:
-                event, _ = session.receive(await ws.get_message(), trio.current_time())  # type: ignore[arg-type]
-                if isinstance(event, RunEventsReceived):
-                    events.extend(event.events)
-                    if is_terminal(events[-1]):
-                        run_done.set()
-                elif isinstance(event, NodeDraining):
-                    saw["goodbye"] = True
+                frame = await ws.get_message()
+                for event in session.receive(frame, trio.current_time()):  # type: ignore[arg-type]
+                    if isinstance(event, RunEventsReceived):
+                        events.extend(event.events)
+                        if is_terminal(events[-1]):
+                            run_done.set()
+                    elif isinstance(event, NodeDraining):
+                        saw["goodbye"] = True
         except Exception:
             saw["close"] = ws.closed.code if ws.closed else None
         edge_done.set()

@@ -131,19 +131,21 @@ async def test_node_agent_serves_a_run_over_a_real_websocket() -> None:
             heartbeat_timeout_s=5.0,
             now=trio.current_time(),
         )
-        joined, welcome = session.receive(await ws.get_message(), trio.current_time())  # type: ignore[arg-type]
+        (joined,) = session.receive(await ws.get_message(), trio.current_time())  # type: ignore[arg-type]
         assert isinstance(joined, NodeJoined)
-        assert welcome is not None
-        await ws.send_message(welcome)
+        await ws.send_message(session.welcome())
         spec = ExecutionSpec(
             run_id="r1",
             request=ChatRequest(model="iop-sim", messages=[Message(role="user", content="hi")]),
         )
-        await ws.send_message(session.assign("r1", "sim", spec, credit=64))
+        session.assign("r1", "sim", spec, credit=64)
+        for frame in session.data_to_send(trio.current_time()):
+            await ws.send_message(frame)
         while not received or not is_terminal(received[-1]):
-            event, _ = session.receive(await ws.get_message(), trio.current_time())  # type: ignore[arg-type]
-            if isinstance(event, RunEventsReceived):
-                received.extend(event.events)
+            frame = await ws.get_message()
+            for event in session.receive(frame, trio.current_time()):  # type: ignore[arg-type]
+                if isinstance(event, RunEventsReceived):
+                    received.extend(event.events)
         await ws.aclose(CLOSE_GOING_AWAY, "edge restarting")
         done.set()
 
