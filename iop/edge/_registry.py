@@ -62,6 +62,7 @@ RETRYABLE_CODES: Final = frozenset(
 def _nothing() -> None:
     pass
 
+
 class RemoteRun:
     """The edge's end of one attempt of a run on a node.
 

@@ -35,6 +35,7 @@ __all__ = ["LinkDriver", "LinkSession", "PeerSilent", "Wakeup"]
 
 E = TypeVar("E")
 
+
 class PeerSilent(LinkClosed):
     """The peer sent nothing for the session's heartbeat timeout: it is lost."""
 

@@ -597,7 +597,9 @@ _CANCEL_MESSAGES: Final = {
 def _default_cancel_message(reason: CancelReason, run: Run) -> str:
     d = run.deadlines
     if reason is CancelReason.SLOW_CLIENT and run.write_stall_timeout_s is not None:
-        return f"the client accepted no data for write_stall_timeout_s={run.write_stall_timeout_s:g}"
+        return (
+            f"the client accepted no data for write_stall_timeout_s={run.write_stall_timeout_s:g}"
+        )
     if reason is CancelReason.FIRST_TOKEN_TIMEOUT:
         return f"no output within first_token_timeout_s={d.first_token_timeout_s}"
     if reason is CancelReason.IDLE_TIMEOUT:
