@@ -57,6 +57,8 @@ from iop.edge._registry import (
     affinity_key,
 )
 from iop.errors import (
+    RETRYABLE_CODES,
+    ErrorCode,
     LinkAuthError,
     LinkError,
     LinkLimitError,
@@ -95,10 +97,6 @@ CANCEL_SEND_TIMEOUT_S: Final = 1.0
 CLOSE_TIMEOUT_S: Final = 1.0
 # Attempts of one run across nodes (the first try plus failovers).
 MAX_ATTEMPTS: Final = 3
-# Node errors before Start that another node may not have.
-_RETRYABLE_CODES: Final = frozenset(
-    {"queue_full", "node_draining", "unknown_instance", "backend_unavailable"}
-)
 
 
 # How a 400 names an operation a model does not serve.
@@ -220,7 +218,7 @@ class RemoteExecutor:
                             self._started = True
                             await send.send(ev)
                         continue
-                    if not output and isinstance(ev, Error) and ev.code in _RETRYABLE_CODES:
+                    if not output and isinstance(ev, Error) and ev.code in RETRYABLE_CODES:
                         finished = True  # the node is done with it
                         raise _Retry(conn.node_id, ev.message, ev)
                     output = True
@@ -289,7 +287,7 @@ class EdgeCore:
             RequestError: 404 unknown model, 503 draining or no node, 429 queue full.
         """
         if self.draining:
-            raise RequestError("the server is shutting down", status=503, code="draining")
+            raise RequestError("the server is shutting down", status=503, code=ErrorCode.DRAINING)
         model, op = spec.model, spec.operation
         if not self.scheduler.serves(model, op):
             if self._advertised(model) and not self._advertised(model, op):
@@ -298,11 +296,13 @@ class EdgeCore:
                 raise RequestError(
                     f"The model `{model}` does not serve {_OP_NOUNS.get(op, op)}.",
                     status=400,
-                    code="operation_not_supported",
+                    code=ErrorCode.OPERATION_NOT_SUPPORTED,
                     param="model",
                 )
             if not self.registry.nodes:
-                raise RequestError("no inference node is connected", status=503, code="no_nodes")
+                raise RequestError(
+                    "no inference node is connected", status=503, code=ErrorCode.NO_NODES
+                )
             blocked = self._why_unavailable(model)
             if blocked:
                 # Known (or maybe served by a backend that is down and never
@@ -311,13 +311,13 @@ class EdgeCore:
                 raise RequestError(
                     f"model `{model}` is temporarily unavailable: {'; '.join(blocked)}",
                     status=503,
-                    code="model_unavailable",
+                    code=ErrorCode.MODEL_UNAVAILABLE,
                     param="model",
                 )
             raise RequestError(
                 f"The model `{model}` does not exist or no node serves it.",
                 status=404,
-                code="model_not_found",
+                code=ErrorCode.MODEL_NOT_FOUND,
                 param="model",
             )
         self.scheduler.admit(model, op)

@@ -33,7 +33,7 @@ import trio
 
 from iop.capabilities import Capabilities, ProviderStatus
 from iop.config import SchedulerSettings
-from iop.errors import IopError, RunAborted
+from iop.errors import ErrorCode, IopError, RunAborted
 from iop.events import CancelReason, RuntimeEvent
 from iop.protocol import Credit, EdgeSession, encode
 from iop.spec import ChatRequest, CompletionRequest, OperationRequest
@@ -337,7 +337,7 @@ class Scheduler:
                 f"all nodes serving {model!r} are busy and the queue is full "
                 f"({self.settings.max_queue} waiting)",
                 status=429,
-                code="queue_full",
+                code=ErrorCode.QUEUE_FULL,
             )
 
     def _has_room(self, model: str, operation: str = "chat") -> bool:
@@ -365,7 +365,7 @@ class Scheduler:
             raise IopError(
                 f"the queue is full ({self.settings.max_queue} runs waiting)",
                 status=429,
-                code="queue_full",
+                code=ErrorCode.QUEUE_FULL,
             )
         waiter = _Waiter(model, exclude, affinity, operation)
         self._waiters.append(waiter)

@@ -85,6 +85,7 @@ from iop.capabilities import Capabilities, ProviderStatus, provider_detail
 from iop.config import Deadlines, InstanceConfig, NodeConfig, NodeEdge
 from iop.errors import (
     ConfigError,
+    ErrorCode,
     InvariantError,
     IopError,
     LinkAuthError,
@@ -768,7 +769,9 @@ class NodeAgent:
         run_id = assign.run_id
         inst = self._instances.get(assign.instance)
         if self._draining:
-            self._reject(link, run_id, 503, "node_draining", f"node {self.node_id} is draining")
+            self._reject(
+                link, run_id, 503, ErrorCode.NODE_DRAINING, f"node {self.node_id} is draining"
+            )
             return
         if inst is None:
             known = ", ".join(self._instances) or "none"
@@ -776,7 +779,7 @@ class NodeAgent:
                 link,
                 run_id,
                 404,
-                "unknown_instance",
+                ErrorCode.UNKNOWN_INSTANCE,
                 f"node {self.node_id} has no instance {assign.instance!r} (has: {known})",
             )
             return
@@ -788,7 +791,9 @@ class NodeAgent:
         try:
             run = self._supervisor.start_run(_RunExecutor(inst, wake), spec, inst.deadlines)
         except InvariantError:
-            self._reject(link, run_id, 409, "run_id_in_use", f"run {run_id} is already running")
+            self._reject(
+                link, run_id, 409, ErrorCode.RUN_ID_IN_USE, f"run {run_id} is already running"
+            )
             return
         lr = _LinkRun(run, inst.name, wake)
         link.runs[run_id] = lr
@@ -798,7 +803,7 @@ class NodeAgent:
         assert link.nursery is not None
         link.nursery.start_soon(self._run_task, link, lr, name=f"forward {run_id}")
 
-    def _reject(self, link: _Link, run_id: str, status: int, code: str, message: str) -> None:
+    def _reject(self, link: _Link, run_id: str, status: int, code: ErrorCode, message: str) -> None:
         log.info("run %s refused: %s (%s)", run_id, message, code)
         error = Error(message=self._masker.mask(message), status=status, code=code)
         frame = link.session.run_events(run_id, [error])
@@ -893,7 +898,7 @@ class NodeAgent:
                             f"than the edge accepts on the link "
                             f"({session.peer_max_frame_bytes} bytes)",
                             status=502,
-                            code="event_too_large",
+                            code=ErrorCode.EVENT_TOO_LARGE,
                         )
                     ]
                 await link.outbox_send.send(session.run_events(run_id, part))
@@ -1059,7 +1064,9 @@ def _outcome(run: Run) -> RuntimeEvent:
     """The terminal event of a run whose channel ended without delivering it."""
     if run.state is RunState.DONE and run.outcome is not None:
         return run.outcome
-    return Error(message="run ended without a terminal event", status=500, code="internal_error")
+    return Error(
+        message="run ended without a terminal event", status=500, code=ErrorCode.INTERNAL_ERROR
+    )
 
 
 @asynccontextmanager

@@ -60,6 +60,7 @@ import msgspec
 
 from iop.capabilities import Capabilities
 from iop.errors import (
+    ErrorCode,
     InvariantError,
     LinkAuthError,
     LinkLimitError,
@@ -410,7 +411,7 @@ class EdgeSession:
                 f"{len(frame)} bytes on the node link, the node accepts "
                 f"{self.peer_max_frame_bytes}",
                 status=413,
-                code="request_too_large",
+                code=ErrorCode.REQUEST_TOO_LARGE,
             )
         self._runs[run_id] = _EdgeRun(credit)
         return frame
