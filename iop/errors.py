@@ -29,15 +29,29 @@ in IOP), or the backend (``BackendError`` and its children)::
         └── BackendProtocolError    the backend sent malformed data: oversize
                                     line, bad JSON beyond the tolerance         -> 502
 
-Each class carries a stable ``code`` (a snake_case string that ends up in
-``Error.code`` events and OpenAI error bodies) and an HTTP ``status``.
+Each class carries a stable ``code`` and an HTTP ``status``. Every code IOP
+produces is a member of ``ErrorCode``, one enum for every module: failover
+and the error mapping compare against its members, never against a string
+written somewhere else. It is a ``StrEnum``, so a member *is* its snake_case
+wire string: it ends up unchanged in ``Error.code`` events, OpenAI error
+bodies and metrics labels. ``Error.code`` itself stays a ``str`` on the wire,
+because a backend's code (or a newer node's) must still decode; comparing it
+with a member works because a member equals, and hashes as, its value.
+docs/api.md ("Error codes") lists them all, with status and meaning
+(tests/test_errors.py checks it stays complete).
 """
 
 from __future__ import annotations
 
+import enum
 import errno
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from iop.events import CancelReason
 
 __all__ = [
+    "RETRYABLE_CODES",
     "BackendError",
     "BackendHTTPError",
     "BackendProtocolError",
@@ -45,6 +59,7 @@ __all__ = [
     "BackendTimeout",
     "BackendUnavailable",
     "ConfigError",
+    "ErrorCode",
     "InvariantError",
     "IopError",
     "LinkAuthError",
@@ -59,6 +74,99 @@ __all__ = [
 ]
 
 
+class ErrorCode(enum.StrEnum):
+    """Every error code IOP produces (docs/api.md, "Error codes").
+
+    Codes a backend sends are relayed as they are and are not listed here;
+    cancel reasons (``iop.events.CancelReason``) are codes of their own.
+    """
+
+    # --- the exception tree (each class's default) ---------------------------
+    IOP_ERROR = "iop_error"  # an IopError no subclass describes
+    CONFIG_ERROR = "config_error"  # a config file or value is wrong
+    LISTEN_ERROR = "listen_error"  # a server cannot listen on its address
+    INVALID_REQUEST_ERROR = "invalid_request_error"  # the client's request is invalid
+    INTERNAL_ERROR = "internal_error"  # a bug in IOP: a broken internal contract, a crash
+    RUN_CANCELLED = "run_cancelled"  # an executor ended its run as cancelled
+    LINK_ERROR = "link_error"  # the edge<->node link failed
+    LINK_AUTH_ERROR = "link_auth_error"  # a node was refused: bad token or version
+    LINK_PROTOCOL_ERROR = "link_protocol_error"  # a peer broke the link protocol
+    LINK_LIMIT_EXCEEDED = "link_limit_exceeded"  # a peer crossed a link limit
+    LINK_CLOSED = "link_closed"  # the link closed
+    BACKEND_ERROR = "backend_error"  # the backend failed (no finer code applies)
+    BACKEND_UNAVAILABLE = "backend_unavailable"  # the backend cannot be reached
+    BACKEND_TIMEOUT = "backend_timeout"  # a read or write to the backend timed out
+    BACKEND_HTTP_ERROR = "backend_http_error"  # the backend answered non-2xx
+    BACKEND_STREAM_ERROR = "backend_stream_error"  # the backend's stream broke
+    BACKEND_PROTOCOL_ERROR = "backend_protocol_error"  # the backend sent malformed data
+    SSE_LINE_TOO_LONG = "sse_line_too_long"  # a backend SSE line or event over the limit
+    TOOL_CALLS_TOO_LARGE = "tool_calls_too_large"  # a backend's tool calls over the limit
+    EVENT_TOO_LARGE = "event_too_large"  # one event larger than the link's frame limit
+
+    # --- admission at the edge ---------------------------------------------------
+    DRAINING = "draining"  # the edge is shutting down
+    NO_NODES = "no_nodes"  # no inference node is connected
+    MODEL_NOT_FOUND = "model_not_found"  # no node serves the model (or the backend's 404)
+    MODEL_UNAVAILABLE = "model_unavailable"  # the model is known, but no instance is up
+    OPERATION_NOT_SUPPORTED = "operation_not_supported"  # the model does not serve the operation
+    QUEUE_FULL = "queue_full"  # every slot busy and the queue full (edge or node)
+    REQUEST_TOO_LARGE = "request_too_large"  # the run does not fit a frame the node takes
+
+    # --- a node refusing an assigned run -------------------------------------------
+    NODE_DRAINING = "node_draining"  # the node is draining
+    UNKNOWN_INSTANCE = "unknown_instance"  # the node has no such instance
+    RUN_ID_IN_USE = "run_id_in_use"  # the node already runs a run with that id
+    BAD_NODE_EVENTS = "bad_node_events"  # a node sent a run's events out of order
+
+    # --- HTTP, before a request reaches a surface -----------------------------------
+    BAD_REQUEST = "bad_request"  # malformed HTTP/1.1
+    INVALID_REQUEST = "invalid_request"  # both Content-Length and Transfer-Encoding
+    REQUEST_HEADER_FIELDS_TOO_LARGE = "request_header_fields_too_large"  # head over the limit
+    NOT_FOUND = "not_found"  # no such route
+    METHOD_NOT_ALLOWED = "method_not_allowed"  # the route does not take the method
+    REQUEST_TIMEOUT = "request_timeout"  # the body did not arrive in time
+    REQUEST_ENTITY_TOO_LARGE = "request_entity_too_large"  # the body over the limit
+    UNSUPPORTED_MEDIA_TYPE = "unsupported_media_type"  # a body that is not JSON
+    INVALID_API_KEY = "invalid_api_key"  # the API key (or admin key) is missing or wrong
+    TOO_MANY_WRONG_KEYS = "too_many_wrong_keys"  # admin logins are braked
+    CROSS_ORIGIN = "cross_origin"  # an admin form posted from another site
+
+    # --- a request body OpenAI would refuse (OpenAI's codes) -------------------------
+    INVALID_JSON = "invalid_json"  # the body is not JSON
+    JSON_TOO_DEEP = "json_too_deep"  # the body nests too deeply
+    INVALID_TYPE = "invalid_type"  # a value of the wrong type
+    INVALID_VALUE = "invalid_value"  # a value that is not allowed
+    MISSING_REQUIRED_PARAMETER = "missing_required_parameter"  # a required field is missing
+    EMPTY_ARRAY = "empty_array"  # an array that must not be empty is
+    UNSUPPORTED_VALUE = "unsupported_value"  # a value this server does not support
+    UNSUPPORTED_PARAMETER = "unsupported_parameter"  # a parameter this server does not support
+    INTEGER_BELOW_MIN_VALUE = "integer_below_min_value"  # an integer below its range
+    INTEGER_ABOVE_MAX_VALUE = "integer_above_max_value"  # an integer above its range
+    DECIMAL_BELOW_MIN_VALUE = "decimal_below_min_value"  # a number below its range
+    DECIMAL_ABOVE_MAX_VALUE = "decimal_above_max_value"  # a number above its range
+    OBJECT_ABOVE_MAX_PROPERTIES = "object_above_max_properties"  # an object with too many keys
+    STRING_ABOVE_MAX_LENGTH = "string_above_max_length"  # a string over its length limit
+    PREVIOUS_RESPONSE_NOT_FOUND = "previous_response_not_found"  # not in the Responses store
+
+    # --- a backend's error, in OpenAI's words ---------------------------------------
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the prompt exceeds the context
+    RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"  # the backend answered 429
+    SERVER_ERROR = "server_error"  # a failed Responses stream, any other cause
+
+
+# A node's error before Start that another node may not have: the edge fails
+# the run over (iop/edge/_core.py). ``Error.code`` is a ``str``: test it with
+# ``code in RETRYABLE_CODES``, which also holds for codes that are no member.
+RETRYABLE_CODES: Final[frozenset[str]] = frozenset(
+    {
+        ErrorCode.QUEUE_FULL,
+        ErrorCode.NODE_DRAINING,
+        ErrorCode.UNKNOWN_INSTANCE,
+        ErrorCode.BACKEND_UNAVAILABLE,
+    }
+)
+
+
 class IopError(Exception):
     """Base of every IOP error.
 
@@ -69,11 +177,13 @@ class IopError(Exception):
         param: The request parameter OpenAI's error body names, if any.
     """
 
-    code: str = "iop_error"
+    code: ErrorCode = ErrorCode.IOP_ERROR
     status: int = 500
     param: str | None = None
 
-    def __init__(self, message: str, *, status: int | None = None, code: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, status: int | None = None, code: ErrorCode | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         if status is not None:
@@ -88,7 +198,7 @@ class IopError(Exception):
 class ConfigError(IopError):
     """A configuration file or value is invalid; the message names key and file."""
 
-    code = "config_error"
+    code = ErrorCode.CONFIG_ERROR
     status = 500
 
 
@@ -100,7 +210,7 @@ class ListenError(IopError):
         in_use: The port is held by another process (``EADDRINUSE``).
     """
 
-    code = "listen_error"
+    code = ErrorCode.LISTEN_ERROR
 
     def __init__(self, address: str, why: str, *, in_use: bool = False) -> None:
         super().__init__(f"cannot listen on {address}: {why}")
@@ -135,7 +245,7 @@ class RequestError(IopError):
         param: The request parameter at fault, if one is known.
     """
 
-    code = "invalid_request_error"
+    code = ErrorCode.INVALID_REQUEST_ERROR
     status = 400
 
     def __init__(
@@ -143,7 +253,7 @@ class RequestError(IopError):
         message: str,
         *,
         status: int | None = None,
-        code: str | None = None,
+        code: ErrorCode | None = None,
         param: str | None = None,
     ) -> None:
         super().__init__(message, status=status, code=code)
@@ -153,7 +263,7 @@ class RequestError(IopError):
 class InvariantError(IopError):
     """An internal contract was broken, e.g. an adapter emitted two terminal events."""
 
-    code = "internal_error"
+    code = ErrorCode.INTERNAL_ERROR
     status = 500
 
 
@@ -164,13 +274,13 @@ class RunAborted(IopError):
     a run's node is lost, so the client learns the run was cut off.
 
     Attributes:
-        reason: A ``CancelReason`` value.
+        reason: Why the run was cancelled.
     """
 
-    code = "run_cancelled"
+    code = ErrorCode.RUN_CANCELLED
     status = 503
 
-    def __init__(self, message: str, *, reason: str) -> None:
+    def __init__(self, message: str, *, reason: CancelReason) -> None:
         super().__init__(message)
         self.reason = reason
 
@@ -178,21 +288,21 @@ class RunAborted(IopError):
 class LinkError(IopError):
     """The edge<->node link failed."""
 
-    code = "link_error"
+    code = ErrorCode.LINK_ERROR
     status = 503
 
 
 class LinkAuthError(LinkError):
     """A node was refused: bad token or unsupported protocol version."""
 
-    code = "link_auth_error"
+    code = ErrorCode.LINK_AUTH_ERROR
     status = 401
 
 
 class LinkProtocolError(LinkError):
     """A peer sent a frame that breaks the link protocol."""
 
-    code = "link_protocol_error"
+    code = ErrorCode.LINK_PROTOCOL_ERROR
     status = 502
 
 
@@ -203,7 +313,7 @@ class LinkLimitError(LinkProtocolError):
         close_code: The WebSocket close code the link is closed with.
     """
 
-    code = "link_limit_exceeded"
+    code = ErrorCode.LINK_LIMIT_EXCEEDED
 
     def __init__(self, message: str, *, close_code: int) -> None:
         super().__init__(message)
@@ -213,7 +323,7 @@ class LinkLimitError(LinkProtocolError):
 class LinkClosed(LinkError):
     """The link is closed; ``close_code``/``reason`` say why (when known)."""
 
-    code = "link_closed"
+    code = ErrorCode.LINK_CLOSED
 
     def __init__(self, message: str, *, close_code: int | None = None, reason: str = "") -> None:
         super().__init__(message)
@@ -224,21 +334,21 @@ class LinkClosed(LinkError):
 class BackendError(IopError):
     """The inference backend failed."""
 
-    code = "backend_error"
+    code = ErrorCode.BACKEND_ERROR
     status = 502
 
 
 class BackendUnavailable(BackendError):
     """The backend could not be reached (refused, DNS, connect timeout)."""
 
-    code = "backend_unavailable"
+    code = ErrorCode.BACKEND_UNAVAILABLE
     status = 503
 
 
 class BackendTimeout(BackendError):
     """A transport-level read or write to the backend timed out."""
 
-    code = "backend_timeout"
+    code = ErrorCode.BACKEND_TIMEOUT
     status = 504
 
 
@@ -250,7 +360,7 @@ class BackendHTTPError(BackendError):
         body_excerpt: At most a few KiB of the response body, for diagnosis.
     """
 
-    code = "backend_http_error"
+    code = ErrorCode.BACKEND_HTTP_ERROR
 
     def __init__(
         self,
@@ -258,7 +368,7 @@ class BackendHTTPError(BackendError):
         *,
         backend_status: int,
         body_excerpt: str = "",
-        code: str | None = None,
+        code: ErrorCode | None = None,
         param: str | None = None,
     ) -> None:
         # A backend's 4xx is usually the client's fault (bad params, context
@@ -275,12 +385,12 @@ class BackendHTTPError(BackendError):
 class BackendStreamError(BackendError):
     """The response stream broke: reset, truncated, or an error event inside it."""
 
-    code = "backend_stream_error"
+    code = ErrorCode.BACKEND_STREAM_ERROR
     status = 502
 
 
 class BackendProtocolError(BackendError):
     """The backend sent data we cannot accept (oversize line, malformed chunks)."""
 
-    code = "backend_protocol_error"
+    code = ErrorCode.BACKEND_PROTOCOL_ERROR
     status = 502

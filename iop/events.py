@@ -38,6 +38,8 @@ from typing import Final
 
 import msgspec
 
+from iop.errors import ErrorCode
+
 __all__ = [
     "TERMINAL_EVENT_TYPES",
     "CancelReason",
@@ -208,14 +210,17 @@ class Error(msgspec.Struct, frozen=True, kw_only=True, tag="error", tag_field="t
     Attributes:
         message: Human readable, safe for clients.
         status: The HTTP status that describes the failure.
-        code: Stable machine-readable code (see ``iop.errors``), OpenAI's
-            where the backend's error has one (``context_length_exceeded``).
+        code: Stable machine-readable code: an ``iop.errors.ErrorCode``
+            where IOP produces it, OpenAI's where the backend's error has
+            one (``context_length_exceeded``). A plain ``str`` on the wire, so
+            a code this version does not know (a backend's, a newer node's)
+            still decodes; compare it with ``ErrorCode`` members.
         param: The request parameter at fault, for OpenAI's error body.
     """
 
     message: str
     status: int = 502
-    code: str = "backend_error"
+    code: str = ErrorCode.BACKEND_ERROR
     param: str | None = None
 
 

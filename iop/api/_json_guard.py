@@ -44,7 +44,7 @@ from typing import Any, Final
 
 import msgspec
 
-from iop.errors import RequestError
+from iop.errors import ErrorCode, RequestError
 
 __all__ = [
     "DEFAULT_MAX_JSON_DEPTH",
@@ -126,7 +126,9 @@ def json_nesting_depth(body: bytes) -> int:
     return peeled + max(rest, 0)
 
 
-def _fail(style: Style, param: str | None, openai: str, anthropic: str, code: str) -> RequestError:
+def _fail(
+    style: Style, param: str | None, openai: str, anthropic: str, code: ErrorCode
+) -> RequestError:
     if style is Style.OPENAI:
         return RequestError(openai, param=param, code=code)
     return RequestError(f"{param}: {anthropic}" if param else anthropic, param=param, code=code)
@@ -138,7 +140,7 @@ def _too_deep(limit: int, style: Style) -> RequestError:
         None,
         f"Invalid request body: JSON nested too deeply (more than {limit} levels).",
         f"Request body nested too deeply (more than {limit} levels of JSON)",
-        "json_too_deep",
+        ErrorCode.JSON_TOO_DEEP,
     )
 
 
@@ -185,10 +187,10 @@ def _unfit_int(value: Any, style: Style) -> tuple[str, int]:
 def _unfit(top: dict[str, Any], style: Style) -> RequestError:
     param, value = _unfit_int(top, style)
     if value < LINK_INT_MIN:
-        kind, bound, code = "below minimum", f">= {LINK_INT_MIN}", "integer_below_min_value"
+        kind, bound, code = "below minimum", f">= {LINK_INT_MIN}", ErrorCode.INTEGER_BELOW_MIN_VALUE
         anthropic = f"Input should be greater than or equal to {LINK_INT_MIN}"
     else:
-        kind, bound, code = "above maximum", f"<= {LINK_INT_MAX}", "integer_above_max_value"
+        kind, bound, code = "above maximum", f"<= {LINK_INT_MAX}", ErrorCode.INTEGER_ABOVE_MAX_VALUE
         anthropic = f"Input should be less than or equal to {LINK_INT_MAX}"
     return _fail(
         style,
@@ -229,11 +231,11 @@ def guarded_decode(
             None,
             f"Invalid request body: {exc}: numbers must fit a 64-bit float.",
             f"{exc}: numbers must fit a 64-bit float",
-            "invalid_value",
+            ErrorCode.INVALID_VALUE,
         ) from exc
     except msgspec.DecodeError as exc:
         raise _fail(
-            style, None, _OPENAI_INVALID_JSON, _ANTHROPIC_INVALID_JSON, "invalid_json"
+            style, None, _OPENAI_INVALID_JSON, _ANTHROPIC_INVALID_JSON, ErrorCode.INVALID_JSON
         ) from exc
     if not isinstance(top, dict):
         raise _fail(
@@ -241,7 +243,7 @@ def guarded_decode(
             None,
             "Invalid request body: expected a JSON object.",
             "Input should be a valid dictionary",
-            "invalid_type",
+            ErrorCode.INVALID_TYPE,
         )
     if not fits_link(top):
         raise _unfit(top, style)

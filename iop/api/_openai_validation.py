@@ -19,7 +19,7 @@ from typing import Final
 
 import msgspec
 
-from iop.errors import RequestError
+from iop.errors import ErrorCode, RequestError
 
 __all__ = ["Hint", "from_validation", "type_phrase"]
 
@@ -80,7 +80,7 @@ def from_validation(
         return RequestError(
             f"Missing required parameter: '{param}'.",
             param=param,
-            code="missing_required_parameter",
+            code=ErrorCode.MISSING_REQUIRED_PARAMETER,
         )
     where = f" for '{param}'" if param else ""
     if wrong := _TYPE.match(msg):
@@ -89,9 +89,9 @@ def from_validation(
         return RequestError(
             f"Invalid type{where}: expected {expected}, but got {got} instead.",
             param=param,
-            code="invalid_type",
+            code=ErrorCode.INVALID_TYPE,
         )
     if bad := _VALUE.match(msg):
         text = f"Invalid value: {bad['value']}." + (hint(param) if hint else "")
-        return RequestError(text, param=param, code="invalid_value")
-    return RequestError(f"Invalid value{where}: {msg}.", param=param, code="invalid_value")
+        return RequestError(text, param=param, code=ErrorCode.INVALID_VALUE)
+    return RequestError(f"Invalid value{where}: {msg}.", param=param, code=ErrorCode.INVALID_VALUE)

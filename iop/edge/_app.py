@@ -86,7 +86,7 @@ from iop.edge._core import EdgeCore
 from iop.edge._link_guard import LINK_LIMITS_SCOPE_KEY, LinkFrameLimits
 from iop.edge._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from iop.edge._stall import client_gone_reason
-from iop.errors import IopError, LinkLimitError, LinkProtocolError, RequestError
+from iop.errors import ErrorCode, IopError, LinkLimitError, LinkProtocolError, RequestError
 from iop.events import Cancelled, Error, RuntimeEvent, Start, TokenCount, is_terminal
 from iop.protocol import CLOSE_NORMAL, CLOSE_RATE, CLOSE_TOO_BIG, LinkClosed
 from iop.runtime import Run, new_run_id
@@ -100,7 +100,7 @@ LINK_PATH: Final = "/v1/link"
 COUNT_TOKENS_PATH: Final = "/v1/messages/count_tokens"
 
 _NO_OUTCOME: Final = Error(
-    message="run ended without an outcome", status=500, code="internal_error"
+    message="run ended without an outcome", status=500, code=ErrorCode.INTERNAL_ERROR
 )
 
 log = logging.getLogger("iop.edge.http")
@@ -275,7 +275,7 @@ def _same_origin() -> bool:
 
 def _cross_origin_refused() -> Response:
     log.warning("cross-origin admin form refused from %s", request.remote_addr)
-    return _error(403, "Cross-origin admin request refused.", code="cross_origin")
+    return _error(403, "Cross-origin admin request refused.", code=ErrorCode.CROSS_ORIGIN)
 
 
 def _over_https() -> bool:
@@ -385,17 +385,32 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
     @app.errorhandler(HTTPException)
     async def http_error(exc: HTTPException) -> Response:
         status = exc.code or 500
-        message = {
-            404: f"Unknown request URL: {request.method} {request.path}.",
-            405: f"Method {request.method} is not allowed on {request.path}.",
-            408: f"The request body did not arrive within {cfg.server.body_read_timeout_s:g} s.",
-            413: f"Request body too large (limit {cfg.server.max_body_bytes} bytes).",
-        }.get(status, exc.description or exc.name)
+        message, code = {
+            404: (f"Unknown request URL: {request.method} {request.path}.", ErrorCode.NOT_FOUND),
+            405: (
+                f"Method {request.method} is not allowed on {request.path}.",
+                ErrorCode.METHOD_NOT_ALLOWED,
+            ),
+            408: (
+                f"The request body did not arrive within {cfg.server.body_read_timeout_s:g} s.",
+                ErrorCode.REQUEST_TIMEOUT,
+            ),
+            413: (
+                f"Request body too large (limit {cfg.server.max_body_bytes} bytes).",
+                ErrorCode.REQUEST_ENTITY_TOO_LARGE,
+            ),
+        }.get(
+            # Quart raises no other HTTPException on the edge's routes today.
+            status,
+            (
+                exc.description or exc.name,
+                ErrorCode.BAD_REQUEST if status < 500 else ErrorCode.INTERNAL_ERROR,
+            ),
+        )
         # A body left unread (too slow, too large) must not stay on the
         # connection: after a "Connection: close" response the connection is
         # closed (from a shielded scope, _http1.py) and nothing more is read.
         headers = {"Connection": "close"} if status in (408, 413) else None
-        code = exc.name.lower().replace(" ", "_")
         surface = surfaces.get(request.path, CHAT)
         return _error(status, message, code=code, headers=headers, surface=surface)
 
@@ -403,7 +418,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
     async def crash(exc: Exception) -> Response:
         log.error("unhandled error on %s %s", request.method, request.path, exc_info=exc)
         surface = surfaces.get(request.path, CHAT)
-        return _error(500, "internal server error", code="internal_error", surface=surface)
+        return _error(500, "internal server error", code=ErrorCode.INTERNAL_ERROR, surface=surface)
 
     @app.get("/healthz")
     async def healthz() -> Response:
@@ -435,9 +450,9 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             return surface, None
         if surface is messages:
             return surface, _error(
-                401, ANTHROPIC_AUTH_FAILED, code="invalid_api_key", surface=messages
+                401, ANTHROPIC_AUTH_FAILED, code=ErrorCode.INVALID_API_KEY, surface=messages
             )
-        return surface, _error(401, "Incorrect API key provided.", code="invalid_api_key")
+        return surface, _error(401, "Incorrect API key provided.", code=ErrorCode.INVALID_API_KEY)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -460,7 +475,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             return _error(
                 404,
                 f"The model '{model_id}' does not exist",
-                code="model_not_found",
+                code=ErrorCode.MODEL_NOT_FOUND,
                 param="model",
                 surface=surface,
             )
@@ -490,11 +505,11 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             return _error(
                 429,
                 _throttled_message(gate),
-                code="too_many_wrong_keys",
+                code=ErrorCode.TOO_MANY_WRONG_KEYS,
                 headers=_retry_after(gate),
             )
         if verdict is Verdict.DENIED:
-            return _error(401, "Incorrect API key provided.", code="invalid_api_key")
+            return _error(401, "Incorrect API key provided.", code=ErrorCode.INVALID_API_KEY)
         return _json_response(msgspec.json.encode(core.snapshot()))
 
     @app.get("/admin/login")
@@ -542,10 +557,10 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         surface = route.surface
         headers = _headers()
         if not authorized(route.key_of(headers)):
-            return _error(401, route.auth_failed, code="invalid_api_key", surface=surface)
+            return _error(401, route.auth_failed, code=ErrorCode.INVALID_API_KEY, surface=surface)
         unsupported = _unsupported_content_type(headers.get("content-type"))
         if unsupported is not None:
-            return _error(415, unsupported, code="unsupported_media_type", surface=surface)
+            return _error(415, unsupported, code=ErrorCode.UNSUPPORTED_MEDIA_TYPE, surface=surface)
         body = await request.get_data(cache=False)
         assert isinstance(body, bytes)
         try:
@@ -598,10 +613,12 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         estimate (said so in a header) when the backend has no tokenizer."""
         headers = _headers()
         if not authorized(anthropic_key(headers)):
-            return _error(401, ANTHROPIC_AUTH_FAILED, code="invalid_api_key", surface=messages)
+            return _error(
+                401, ANTHROPIC_AUTH_FAILED, code=ErrorCode.INVALID_API_KEY, surface=messages
+            )
         unsupported = _unsupported_content_type(headers.get("content-type"))
         if unsupported is not None:
-            return _error(415, unsupported, code="unsupported_media_type", surface=messages)
+            return _error(415, unsupported, code=ErrorCode.UNSUPPORTED_MEDIA_TYPE, surface=messages)
         body = await request.get_data(cache=False)
         assert isinstance(body, bytes)
         try:
@@ -615,7 +632,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         try:
             run = core.start_run(spec)
         except IopError as exc:
-            if exc.code != "operation_not_supported":
+            if exc.code != ErrorCode.OPERATION_NOT_SUPPORTED:
                 return _from_exc(exc, messages)
             run = None  # no instance of the model counts tokens: estimate here
         exact: int | None = None

@@ -61,6 +61,7 @@ from iop.edge._registry import (
     affinity_key,
 )
 from iop.errors import (
+    ErrorCode,
     InvariantError,
     LinkAuthError,
     LinkError,
@@ -230,7 +231,7 @@ class RemoteExecutor:
                 raise RequestError(
                     f"node {conn.node_id} sent an invalid event sequence",
                     status=502,
-                    code="bad_node_events",
+                    code=ErrorCode.BAD_NODE_EVENTS,
                 )
         finally:
             reason: CancelReason | None = None
@@ -279,7 +280,7 @@ class EdgeCore:
             RequestError: 404 unknown model, 503 draining or no node, 429 queue full.
         """
         if self.draining:
-            raise RequestError("the server is shutting down", status=503, code="draining")
+            raise RequestError("the server is shutting down", status=503, code=ErrorCode.DRAINING)
         model, op = spec.model, spec.operation
         if not self.scheduler.serves(model, op):
             if self._advertised(model) and not self._advertised(model, op):
@@ -288,11 +289,13 @@ class EdgeCore:
                 raise RequestError(
                     f"The model `{model}` does not serve {_OP_NOUNS.get(op, op)}.",
                     status=400,
-                    code="operation_not_supported",
+                    code=ErrorCode.OPERATION_NOT_SUPPORTED,
                     param="model",
                 )
             if not self.registry.nodes:
-                raise RequestError("no inference node is connected", status=503, code="no_nodes")
+                raise RequestError(
+                    "no inference node is connected", status=503, code=ErrorCode.NO_NODES
+                )
             blocked = self._why_unavailable(model)
             if blocked:
                 # Known (or maybe served by a backend that is down and never
@@ -301,13 +304,13 @@ class EdgeCore:
                 raise RequestError(
                     f"model `{model}` is temporarily unavailable: {'; '.join(blocked)}",
                     status=503,
-                    code="model_unavailable",
+                    code=ErrorCode.MODEL_UNAVAILABLE,
                     param="model",
                 )
             raise RequestError(
                 f"The model `{model}` does not exist or no node serves it.",
                 status=404,
-                code="model_not_found",
+                code=ErrorCode.MODEL_NOT_FOUND,
                 param="model",
             )
         self.scheduler.admit(model, op)

@@ -52,13 +52,14 @@ from hypercorn.events import Closed, Event
 from hypercorn.protocol.h11 import H11Protocol
 
 from iop.api import CHAT
+from iop.errors import ErrorCode
 
 __all__ = ["EdgeH11Protocol", "EdgeHypercornConfig", "install"]
 
 # h11's error_status_hint -> message and code, for the heads it refuses.
-_H11_ERRORS: Final[dict[int, tuple[str, str]]] = {
-    400: ("Malformed HTTP request.", "bad_request"),
-    431: ("Request header fields too large.", "request_header_fields_too_large"),
+_H11_ERRORS: Final[dict[int, tuple[str, ErrorCode]]] = {
+    400: ("Malformed HTTP request.", ErrorCode.BAD_REQUEST),
+    431: ("Request header fields too large.", ErrorCode.REQUEST_HEADER_FIELDS_TOO_LARGE),
 }
 
 
@@ -87,7 +88,7 @@ def _head_size(request: h11.Request) -> int:
     return line + sum(len(n) + len(v) + 4 for n, v in request.headers) + 2
 
 
-def refusal(request: h11.Request, max_header_bytes: int) -> tuple[int, str, str] | None:
+def refusal(request: h11.Request, max_header_bytes: int) -> tuple[int, str, ErrorCode] | None:
     """Why the edge refuses ``request`` at the framing level, if it does.
 
     Returns:
@@ -97,7 +98,7 @@ def refusal(request: h11.Request, max_header_bytes: int) -> tuple[int, str, str]
         return (
             431,
             f"Request header fields too large (limit {max_header_bytes} bytes).",
-            "request_header_fields_too_large",
+            ErrorCode.REQUEST_HEADER_FIELDS_TOO_LARGE,
         )
     names = {name for name, _ in request.headers}
     if b"transfer-encoding" in names and b"content-length" in names:
@@ -105,7 +106,7 @@ def refusal(request: h11.Request, max_header_bytes: int) -> tuple[int, str, str]
             400,
             "A request must not have both Content-Length and Transfer-Encoding "
             "(RFC 9112 section 6.1); the connection is closed.",
-            "invalid_request",
+            ErrorCode.INVALID_REQUEST,
         )
     return None
 
@@ -147,12 +148,14 @@ class EdgeH11Protocol(H11Protocol):
         if self._edge_limit() is None:
             await super()._send_error_response(status_code)
             return
-        message, code = _H11_ERRORS.get(status_code, ("Malformed HTTP request.", "bad_request"))
+        message, code = _H11_ERRORS.get(
+            status_code, ("Malformed HTTP request.", ErrorCode.BAD_REQUEST)
+        )
         if status_code == 431:
             message = f"Request header fields too large (limit {self._edge_limit()} bytes)."
         await self._send_openai_error(status_code, message, code)
 
-    async def _send_openai_error(self, status: int, message: str, code: str) -> None:
+    async def _send_openai_error(self, status: int, message: str, code: ErrorCode) -> None:
         """A complete response in OpenAI's error body, with ``Connection: close``."""
         _, body = CHAT.error_body(status, message, code=code)
         headers = [

@@ -34,14 +34,13 @@ import trio
 from iop._secrets import SecretMasker, mask_event
 from iop.capabilities import Capabilities, ProviderStatus
 from iop.config import SchedulerSettings
-from iop.errors import InvariantError, IopError, RunAborted
+from iop.errors import RETRYABLE_CODES, ErrorCode, InvariantError, IopError, RunAborted
 from iop.events import CancelReason, Error, RuntimeEvent, Start, is_terminal
 from iop.protocol import EdgeSession, RunEventsReceived
 from iop.runtime import RunSink
 from iop.spec import ChatRequest, CompletionRequest, ExecutionSpec, OperationRequest
 
 __all__ = [
-    "RETRYABLE_CODES",
     "Lease",
     "NodeConnection",
     "NodeRegistry",
@@ -51,12 +50,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("iop.edge.scheduler")
-
-# Node errors before any output that another node may not have: the run
-# fails over instead of ending.
-RETRYABLE_CODES: Final = frozenset(
-    {"queue_full", "node_draining", "unknown_instance", "backend_unavailable"}
-)
 
 
 def _nothing() -> None:
@@ -405,7 +398,7 @@ class Scheduler:
                 f"all nodes serving {model!r} are busy and the queue is full "
                 f"({self.settings.max_queue} waiting)",
                 status=429,
-                code="queue_full",
+                code=ErrorCode.QUEUE_FULL,
             )
 
     def _has_room(self, model: str, operation: str = "chat") -> bool:
@@ -433,7 +426,7 @@ class Scheduler:
             raise IopError(
                 f"the queue is full ({self.settings.max_queue} runs waiting)",
                 status=429,
-                code="queue_full",
+                code=ErrorCode.QUEUE_FULL,
             )
         waiter = _Waiter(model, exclude, affinity, operation)
         self._waiters.append(waiter)

@@ -42,6 +42,7 @@ from iop.capabilities import Capabilities, ProviderStatus
 from iop.config import NodeConfig, NodeEdge
 from iop.errors import (
     ConfigError,
+    ErrorCode,
     InvariantError,
     IopError,
     LinkClosed,
@@ -409,7 +410,9 @@ class NodeAgent:
         run_id = assign.run_id
         inst = self._instances.get(assign.instance)
         if self._draining:
-            self._reject(link, run_id, 503, "node_draining", f"node {self.node_id} is draining")
+            self._reject(
+                link, run_id, 503, ErrorCode.NODE_DRAINING, f"node {self.node_id} is draining"
+            )
             return
         if inst is None:
             known = ", ".join(self._instances) or "none"
@@ -417,7 +420,7 @@ class NodeAgent:
                 link,
                 run_id,
                 404,
-                "unknown_instance",
+                ErrorCode.UNKNOWN_INSTANCE,
                 f"node {self.node_id} has no instance {assign.instance!r} (has: {known})",
             )
             return
@@ -429,7 +432,9 @@ class NodeAgent:
         try:
             nr.run = self._supervisor.start_run(RunExecutor(inst), spec, inst.deadlines, outlet=nr)
         except InvariantError:
-            self._reject(link, run_id, 409, "run_id_in_use", f"run {run_id} is already running")
+            self._reject(
+                link, run_id, 409, ErrorCode.RUN_ID_IN_USE, f"run {run_id} is already running"
+            )
             return
         link.runs[run_id] = nr
         self._link_runs += 1
@@ -441,7 +446,9 @@ class NodeAgent:
         if self._link_runs == 0:
             self._idle.set()
 
-    def _reject(self, link: NodeLink, run_id: str, status: int, code: str, message: str) -> None:
+    def _reject(
+        self, link: NodeLink, run_id: str, status: int, code: ErrorCode, message: str
+    ) -> None:
         log.info("run %s refused: %s (%s)", run_id, message, code)
         link.reject(run_id, Error(message=message, status=status, code=code))
 

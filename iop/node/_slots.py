@@ -4,9 +4,9 @@ An instance executes at most ``max_concurrency`` runs at once. A run that
 finds every slot taken waits in a FIFO queue of at most ``max_queue`` runs,
 for at most ``queue_timeout_s``:
 
-* queue full: ``IopError(status=429, code="queue_full")``; the runtime turns
+* queue full: ``IopError(status=429, code=ErrorCode.QUEUE_FULL)``; the runtime turns
   it into the run's ``Error`` event, and the edge answers 429;
-* waited too long: ``RunAborted(reason="queue_timeout")``; the runtime turns
+* waited too long: ``RunAborted(reason=CancelReason.QUEUE_TIMEOUT)``; the runtime turns
   it into ``Cancelled(queue_timeout)``.
 
 A released slot is *handed over* to the first waiter (``in_flight`` does not
@@ -23,7 +23,7 @@ from contextlib import asynccontextmanager
 
 import trio
 
-from iop.errors import IopError, RunAborted
+from iop.errors import ErrorCode, IopError, RunAborted
 from iop.events import CancelReason
 
 __all__ = ["InstanceSlots"]
@@ -93,7 +93,7 @@ class InstanceSlots:
                 f"instance busy: {self.in_flight} runs in flight and "
                 f"{len(self._waiters)} queued (max_queue={self.max_queue})",
                 status=429,
-                code="queue_full",
+                code=ErrorCode.QUEUE_FULL,
             )
         waiter = _Waiter()
         self._waiters[waiter] = None

@@ -91,6 +91,7 @@ import msgspec
 
 from iop.capabilities import Capabilities
 from iop.errors import (
+    ErrorCode,
     InvariantError,
     LinkAuthError,
     LinkLimitError,
@@ -551,7 +552,7 @@ class EdgeSession:
                 f"{len(message)} bytes on the node link, the node accepts "
                 f"{self.peer_max_frame_bytes}",
                 status=413,
-                code="request_too_large",
+                code=ErrorCode.REQUEST_TOO_LARGE,
             )
         self._runs[run_id] = RunLink(credit)
         self._out.messages.append(message)
@@ -898,7 +899,7 @@ class NodeSession:
                     message=f"run {run_id}: the backend produced an event larger than the "
                     f"edge accepts on the link ({limit} bytes)",
                     status=502,
-                    code="event_too_large",
+                    code=ErrorCode.EVENT_TOO_LARGE,
                 )
                 messages.append(self._events_message(run_id, run, [error]))
                 run.queued.clear()

@@ -70,7 +70,7 @@ from typing import Final, Protocol
 import trio
 
 from iop.config import Deadlines
-from iop.errors import InvariantError, IopError, RunAborted
+from iop.errors import ErrorCode, InvariantError, IopError, RunAborted
 from iop.events import (
     Cancelled,
     CancelReason,
@@ -474,7 +474,7 @@ def _error_from(exc: BaseException) -> Error:
     if isinstance(leaf, IopError):
         return Error(message=leaf.message, status=leaf.status, code=leaf.code, param=leaf.param)
     return Error(
-        message=f"internal error: {type(leaf).__name__}", status=500, code="internal_error"
+        message=f"internal error: {type(leaf).__name__}", status=500, code=ErrorCode.INTERNAL_ERROR
     )
 
 
@@ -499,7 +499,7 @@ async def _drive(
                     await executor.execute(run.spec, sink)
                 except RunAborted as exc:
                     aborted = Cancelled(
-                        reason=CancelReason(exc.reason),
+                        reason=exc.reason,
                         message=exc.message,
                         usage=sink.partial_usage(),
                     )
@@ -580,7 +580,7 @@ def _decide(
     return Error(
         message="adapter returned without a terminal event",
         status=500,
-        code="internal_error",
+        code=ErrorCode.INTERNAL_ERROR,
     )
 
 

@@ -36,7 +36,7 @@ from typing import Any, Final
 import msgspec
 
 from iop.config import SimConfig
-from iop.errors import RequestError
+from iop.errors import ErrorCode, RequestError
 from iop.sim._script import (
     ContentToken,
     ReasoningToken,
@@ -149,7 +149,10 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
 def model_not_found(model: str) -> RequestError:
     """vLLM's 404 for a model it does not serve."""
     return RequestError(
-        f"The model `{model}` does not exist.", status=404, code="model_not_found", param="model"
+        f"The model `{model}` does not exist.",
+        status=404,
+        code=ErrorCode.MODEL_NOT_FOUND,
+        param="model",
     )
 
 

@@ -48,6 +48,7 @@ import msgspec
 import trio
 
 from iop.config import DEFAULT_MAX_LINE_BYTES, Deadlines, OpenAICompatInstance, VllmInstance
+from iop.errors import ErrorCode
 from iop.events import (
     Cancelled,
     CancelReason,
@@ -122,7 +123,9 @@ UPSTREAM_CLOSE_BOUND_S: Final = 2.0
 MAX_ERROR_MESSAGE_BYTES: Final = 4608
 # A BackendProtocolError's codes: the class's own and the SSE decoder's
 # more specific one for an oversize line.
-PROTOCOL_ERROR_CODES: Final = frozenset({"backend_protocol_error", "sse_line_too_long"})
+PROTOCOL_ERROR_CODES: Final = frozenset(
+    {ErrorCode.BACKEND_PROTOCOL_ERROR, ErrorCode.SSE_LINE_TOO_LONG}
+)
 # Deltas the cancellation check reads before cancelling.
 CANCEL_AFTER_DELTAS: Final = 2
 
@@ -447,7 +450,10 @@ async def check_connection_refused(harness: Harness) -> None:
         events = await _run(case)
     error = _as_error(_terminal(events, start_required=False))
     _expect(error.status == 503, f"status {error.status} != 503")
-    _expect(error.code == "backend_unavailable", f"code {error.code!r} != 'backend_unavailable'")
+    _expect(
+        error.code == ErrorCode.BACKEND_UNAVAILABLE,
+        f"code {error.code!r} != {ErrorCode.BACKEND_UNAVAILABLE.value!r}",
+    )
 
 
 async def _upstream_close_latency(case: ScenarioCase, since: float) -> float | None:
@@ -517,7 +523,10 @@ async def check_truncated_stream(harness: Harness) -> None:
     async with _open_case(harness, Scenario.TRUNCATED_STREAM) as case:
         events = await _run(case)
     error = _as_error(_terminal(events))
-    _expect(error.code == "backend_stream_error", f"code {error.code!r} != 'backend_stream_error'")
+    _expect(
+        error.code == ErrorCode.BACKEND_STREAM_ERROR,
+        f"code {error.code!r} != {ErrorCode.BACKEND_STREAM_ERROR.value!r}",
+    )
     _expect(error.status == 502, f"status {error.status} != 502")
     deltas = [e for e in events if isinstance(e, Delta)]
     _expect(
@@ -532,7 +541,10 @@ async def check_missing_done(harness: Harness) -> None:
         events = await _run(case)
     error = _as_error(_terminal(events))
     _expect("[DONE]" in error.message, f"error does not mention [DONE]: {error.message!r}")
-    _expect(error.code == "backend_stream_error", f"code {error.code!r} != 'backend_stream_error'")
+    _expect(
+        error.code == ErrorCode.BACKEND_STREAM_ERROR,
+        f"code {error.code!r} != {ErrorCode.BACKEND_STREAM_ERROR.value!r}",
+    )
 
 
 async def check_malformed_chunk(harness: Harness) -> None:
@@ -551,7 +563,7 @@ async def check_malformed_chunk_over_limit(harness: Harness) -> None:
     async with _open_case(harness, Scenario.MALFORMED_CHUNK_OVER_LIMIT) as case:
         events = await _run(case)
     error = _as_error(_terminal(events))
-    _expect(error.code == "backend_protocol_error", f"code {error.code!r}")
+    _expect(error.code == ErrorCode.BACKEND_PROTOCOL_ERROR, f"code {error.code!r}")
 
 
 async def check_oversize_line(harness: Harness) -> None:

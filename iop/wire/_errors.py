@@ -35,6 +35,8 @@ from typing import Any, Final
 
 import msgspec
 
+from iop.errors import ErrorCode
+
 __all__ = [
     "ERROR_EXCERPT_BYTES",
     "BackendErrorInfo",
@@ -120,18 +122,18 @@ def parse_error_body(body: bytes) -> BackendErrorInfo:
 class OpenAIErrorCode(msgspec.Struct, frozen=True):
     """An OpenAI error ``code`` (and the ``param`` OpenAI names with it)."""
 
-    code: str
+    code: ErrorCode
     param: str | None = None
 
 
-CONTEXT_LENGTH_EXCEEDED: Final = OpenAIErrorCode("context_length_exceeded", "messages")
-RATE_LIMIT_EXCEEDED: Final = OpenAIErrorCode("rate_limit_exceeded")
-MODEL_NOT_FOUND: Final = OpenAIErrorCode("model_not_found")
+CONTEXT_LENGTH_EXCEEDED: Final = OpenAIErrorCode(ErrorCode.CONTEXT_LENGTH_EXCEEDED, "messages")
+RATE_LIMIT_EXCEEDED: Final = OpenAIErrorCode(ErrorCode.RATE_LIMIT_EXCEEDED)
+MODEL_NOT_FOUND: Final = OpenAIErrorCode(ErrorCode.MODEL_NOT_FOUND)
 
 # llama.cpp's error type for a prompt over the context (its
 # ``format_error_response``, docs/architecture.md "Backend errors"); OpenAI's
 # own code, which some servers (llama-cpp-python) already send.
-_CONTEXT_TYPES: Final = frozenset({"exceed_context_size_error", "context_length_exceeded"})
+_CONTEXT_TYPES: Final = frozenset({"exceed_context_size_error", ErrorCode.CONTEXT_LENGTH_EXCEEDED})
 # vLLM: "This model's maximum context length is 2048 tokens. However, you
 # requested ..."; SGLang words it the same way.
 _CONTEXT_MESSAGE: Final = re.compile(r"maximum context length", re.IGNORECASE)

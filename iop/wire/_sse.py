@@ -59,7 +59,7 @@ from typing import Final
 
 import msgspec
 
-from iop.errors import BackendProtocolError, InvariantError
+from iop.errors import BackendProtocolError, ErrorCode, InvariantError
 
 __all__ = [
     "DEFAULT_MAX_LINE_BYTES",
@@ -80,7 +80,6 @@ DEFAULT_MAX_LINE_BYTES: Final[int] = 16 * 1024 * 1024
 DONE: Final[bytes] = b"data: [DONE]\n\n"
 
 _BOM: Final[bytes] = b"\xef\xbb\xbf"
-_ERROR_CODE: Final[str] = "sse_line_too_long"
 _STANDARD_FIELDS: Final = frozenset({"data", "event", "id", "retry"})
 
 
@@ -327,7 +326,7 @@ class SSEDecoder:
         self._reset()
         raise BackendProtocolError(
             f"SSE line exceeds {self._max} bytes",
-            code=_ERROR_CODE,
+            code=ErrorCode.SSE_LINE_TOO_LONG,
         )
 
     def _reset(self) -> None:

@@ -38,13 +38,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Final
 
-from iop.errors import BackendProtocolError
+from iop.errors import BackendProtocolError, ErrorCode
 from iop.events import ToolCall
 from iop.wire._chunks import ChunkToolCall
 
-__all__ = ["TOOL_CALLS_TOO_LARGE", "ToolCallAccumulator"]
+__all__ = ["ToolCallAccumulator"]
 
-TOOL_CALLS_TOO_LARGE: Final = "tool_calls_too_large"
 # What one call costs beyond its strings, counted so that a backend opening
 # endless empty calls (a new index or id per delta) reaches the limit too.
 SLOT_COST_BYTES: Final = 64
@@ -104,7 +103,7 @@ class ToolCallAccumulator:
         if self._max_bytes is not None and self.size_bytes > self._max_bytes:
             raise BackendProtocolError(
                 f"tool calls exceed {self._max_bytes} bytes ({len(self._slots)} call(s) so far)",
-                code=TOOL_CALLS_TOO_LARGE,
+                code=ErrorCode.TOOL_CALLS_TOO_LARGE,
             )
 
     def add(self, deltas: Sequence[ChunkToolCall]) -> None:

@@ -221,8 +221,8 @@ def test_real_vllm_hermes_transcript() -> None:
 def test_arguments_past_the_limit_raise_a_protocol_error() -> None:
     import pytest
 
-    from iop.errors import BackendProtocolError
-    from iop.wire._toolcalls import SLOT_COST_BYTES, TOOL_CALLS_TOO_LARGE
+    from iop.errors import BackendProtocolError, ErrorCode
+    from iop.wire._toolcalls import SLOT_COST_BYTES
 
     limit = SLOT_COST_BYTES + len("a") + len("f") + 100
     acc = ToolCallAccumulator(max_bytes=limit)
@@ -231,7 +231,7 @@ def test_arguments_past_the_limit_raise_a_protocol_error() -> None:
     assert acc.size_bytes == limit
     with pytest.raises(BackendProtocolError) as info:
         acc.add([tc(0, arguments="x")])
-    assert info.value.code == TOOL_CALLS_TOO_LARGE
+    assert info.value.code == ErrorCode.TOOL_CALLS_TOO_LARGE
     assert str(info.value) == f"tool calls exceed {limit} bytes (1 call(s) so far)"
 
 

@@ -47,7 +47,7 @@ import msgspec
 
 from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH, guarded_decode, json_nesting_depth
 from iop.api._openai_validation import from_validation
-from iop.errors import RequestError
+from iop.errors import ErrorCode, RequestError
 from iop.spec import ChatRequest, Message, NamedToolChoice
 
 __all__ = ["DEFAULT_MAX_JSON_DEPTH", "json_nesting_depth", "parse_chat_request"]
@@ -86,10 +86,10 @@ def _int_out_of_range(param: str, value: int, low: float, high: float | None) ->
     """OpenAI's error for an integer below ``low`` or above ``high``."""
     if value < low:
         kind, bound = "below minimum", f">= {_number(low)}"
-        code = "integer_below_min_value"
+        code = ErrorCode.INTEGER_BELOW_MIN_VALUE
     else:
         kind, bound = "above maximum", f"<= {_number(high or 0)}"
-        code = "integer_above_max_value"
+        code = ErrorCode.INTEGER_ABOVE_MAX_VALUE
     return RequestError(
         f"Invalid '{param}': integer {kind} value. Expected a value {bound}, "
         f"but got {value} instead.",
@@ -116,9 +116,13 @@ def _check_range(param: str, value: float | None, low: float, high: float | None
             raise _int_out_of_range(param, value, low, high)
         return
     if value < low:
-        kind, bound, code = "below minimum", f">= {_number(low)}", "decimal_below_min_value"
+        kind, bound, code = "below minimum", f">= {_number(low)}", ErrorCode.DECIMAL_BELOW_MIN_VALUE
     elif high is not None and value > high:
-        kind, bound, code = "above maximum", f"<= {_number(high)}", "decimal_above_max_value"
+        kind, bound, code = (
+            "above maximum",
+            f"<= {_number(high)}",
+            ErrorCode.DECIMAL_ABOVE_MAX_VALUE,
+        )
     else:
         return
     raise RequestError(
@@ -159,20 +163,20 @@ def _check(req: ChatRequest) -> None:
         raise RequestError(
             "Missing required parameter: 'model'.",
             param="model",
-            code="missing_required_parameter",
+            code=ErrorCode.MISSING_REQUIRED_PARAMETER,
         )
     if not req.messages:
         raise RequestError(
             "Invalid 'messages': empty array. Expected an array with minimum length 1, "
             "but got an empty array instead.",
             param="messages",
-            code="empty_array",
+            code=ErrorCode.EMPTY_ARRAY,
         )
     if req.stream_options is not None and not req.stream:
         raise RequestError(
             "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
             param="stream_options",
-            code="invalid_value",
+            code=ErrorCode.INVALID_VALUE,
         )
     if req.n is not None:
         _check_range("n", req.n, 1, 128)
@@ -180,7 +184,7 @@ def _check(req: ChatRequest) -> None:
             raise RequestError(
                 f"Invalid 'n': only one choice per request is supported, but got {req.n}.",
                 param="n",
-                code="unsupported_value",
+                code=ErrorCode.UNSUPPORTED_VALUE,
             )
     choice = req.tool_choice
     if choice is None:
@@ -191,7 +195,7 @@ def _check(req: ChatRequest) -> None:
                 f"Invalid value for 'tool_choice': '{choice}'. Supported values are: "
                 "'none', 'auto', 'required', or an object naming a function.",
                 param="tool_choice",
-                code="invalid_value",
+                code=ErrorCode.INVALID_VALUE,
             )
         if choice != "required":
             return
@@ -200,14 +204,14 @@ def _check(req: ChatRequest) -> None:
             "Invalid value for 'tool_choice': 'tool_choice' is only allowed when 'tools' "
             "are specified.",
             param="tool_choice",
-            code="invalid_value",
+            code=ErrorCode.INVALID_VALUE,
         )
     if isinstance(choice, NamedToolChoice) and choice.function.name not in req.tool_names():
         raise RequestError(
             f"Invalid value for 'tool_choice': function '{choice.function.name}' is not "
             "one of the functions in 'tools'.",
             param="tool_choice",
-            code="invalid_value",
+            code=ErrorCode.INVALID_VALUE,
         )
 
 

@@ -21,7 +21,7 @@ from iop.api._openai_errors import (
     openai_error_type,
 )
 from iop.api._openai_validation import from_validation as openai_from_validation
-from iop.errors import RequestError
+from iop.errors import ErrorCode, RequestError
 from iop.events import Cancelled, Error
 
 __all__ = [
@@ -57,7 +57,7 @@ def event_error(event: Error | Cancelled) -> tuple[int, bytes]:
 
 def invalid(message: str, param: str | None = None) -> RequestError:
     """A 400 ``invalid_value`` for ``param``."""
-    return RequestError(message, param=param, code="invalid_value")
+    return RequestError(message, param=param, code=ErrorCode.INVALID_VALUE)
 
 
 _INVALID_JSON: Final = (

@@ -27,7 +27,7 @@ import msgspec
 
 from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH
 from iop.api.completions._errors import decode_object, from_validation, invalid
-from iop.errors import RequestError
+from iop.errors import ErrorCode, RequestError
 from iop.spec import CompletionRequest, StreamOptions
 
 __all__ = ["DEFAULT_MAX_TOKENS", "MAX_STOP_SEQUENCES", "ParsedCompletion", "parse_completion"]
@@ -89,7 +89,7 @@ def _prompt(value: str | list[Any] | None) -> str | list[int]:
         raise RequestError(
             "Missing required parameter: 'prompt'.",
             param="prompt",
-            code="missing_required_parameter",
+            code=ErrorCode.MISSING_REQUIRED_PARAMETER,
         )
     if isinstance(value, str):
         return value
@@ -132,7 +132,7 @@ def parse_completion(body: bytes, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) ->
         raise RequestError(
             "Missing required parameter: 'prompt'.",
             param="prompt",
-            code="missing_required_parameter",
+            code=ErrorCode.MISSING_REQUIRED_PARAMETER,
         )
     try:
         req = msgspec.convert(known, _Body)
@@ -142,7 +142,7 @@ def parse_completion(body: bytes, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) ->
         raise RequestError(
             "Missing required parameter: 'model'.",
             param="model",
-            code="missing_required_parameter",
+            code=ErrorCode.MISSING_REQUIRED_PARAMETER,
         )
     prompt = _prompt(req.prompt)
     stream = bool(req.stream)

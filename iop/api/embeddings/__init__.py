@@ -37,7 +37,7 @@ from iop.api.completions._errors import (
     from_validation,
     invalid,
 )
-from iop.errors import InvariantError, RequestError
+from iop.errors import ErrorCode, InvariantError, RequestError
 from iop.events import Cancelled, Complete, EmbeddingData, Error, RuntimeEvent
 from iop.spec import EmbeddingInput, EmbeddingRequest
 
@@ -113,7 +113,7 @@ def parse_embeddings(body: bytes, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) ->
             raise RequestError(
                 f"Missing required parameter: '{name}'.",
                 param=name,
-                code="missing_required_parameter",
+                code=ErrorCode.MISSING_REQUIRED_PARAMETER,
             )
     try:
         req = msgspec.convert({k: v for k, v in top.items() if k in _KNOWN}, _Body)
@@ -123,7 +123,7 @@ def parse_embeddings(body: bytes, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) ->
         raise RequestError(
             "Missing required parameter: 'model'.",
             param="model",
-            code="missing_required_parameter",
+            code=ErrorCode.MISSING_REQUIRED_PARAMETER,
         )
     if req.dimensions is not None and req.dimensions < 1:
         raise invalid(
@@ -179,7 +179,7 @@ class EmbeddingsCollector:
             self._broken = error_response(
                 502,
                 f"the backend sent embedding {event.index} out of order or malformed",
-                code="backend_protocol_error",
+                code=ErrorCode.BACKEND_PROTOCOL_ERROR,
             )
             return
         vector: bytes
@@ -203,7 +203,7 @@ class EmbeddingsCollector:
             self._result = error_response(
                 502,
                 f"the backend sent {len(self._parts)} embeddings for {self._inputs} inputs",
-                code="backend_protocol_error",
+                code=ErrorCode.BACKEND_PROTOCOL_ERROR,
             )
             return
         tokens = event.usage.input_tokens

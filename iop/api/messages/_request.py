@@ -49,7 +49,7 @@ from typing import Any, Final, Literal
 import msgspec
 
 from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH, Style, guarded_decode
-from iop.errors import RequestError
+from iop.errors import ErrorCode, RequestError
 from iop.spec import (
     ChatRequest,
     ContentPart,
@@ -350,7 +350,9 @@ def _join(parent: str, field: str) -> str:
     return f"{parent}.{field}" if parent and field else parent or field
 
 
-def _invalid(path: str, what: str, *, code: str = "invalid_request_error") -> RequestError:
+def _invalid(
+    path: str, what: str, *, code: ErrorCode = ErrorCode.INVALID_REQUEST_ERROR
+) -> RequestError:
     return RequestError(f"{path}: {what}" if path else what, param=path or None, code=code)
 
 
@@ -458,7 +460,9 @@ def _system_text(content: str | list[TextBlock] | list[Block], path: str) -> str
     for i, block in enumerate(content):
         if not isinstance(block, TextBlock):
             raise _invalid(
-                f"{path}.{i}.type", "system content must be text blocks", code="invalid_value"
+                f"{path}.{i}.type",
+                "system content must be text blocks",
+                code=ErrorCode.INVALID_VALUE,
             )
         texts.append(block.text)
     return "\n".join(texts)
@@ -481,7 +485,7 @@ def _user_turn(content: str | list[Block], path: str) -> list[Message]:
             raise _invalid(
                 f"{path}.{i}.type",
                 f"'{block.__struct_config__.tag}' blocks are only allowed in assistant messages",
-                code="invalid_value",
+                code=ErrorCode.INVALID_VALUE,
             )
     rest = images + parts
     return tools + ([Message(role="user", content=_content(rest))] if rest else [])
@@ -515,7 +519,7 @@ def _assistant_turn(content: str | list[Block], path: str) -> list[Message]:
             raise _invalid(
                 f"{path}.{i}.type",
                 f"'{block.__struct_config__.tag}' blocks are only allowed in user messages",
-                code="invalid_value",
+                code=ErrorCode.INVALID_VALUE,
             )
     if not texts and not calls and not reasoning:
         return []

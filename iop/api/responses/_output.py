@@ -81,7 +81,7 @@ from iop.api._openai_errors import error_body, openai_error_type, scrub
 from iop.api._output import OutputShaper
 from iop.api._shaped import Shaped, ShapedDone, ShapedFailed, ShapedReasoning, ShapedText
 from iop.api._surface import Call, RunContext
-from iop.errors import InvariantError
+from iop.errors import ErrorCode, InvariantError
 from iop.events import FinishReason, RuntimeEvent, ToolCall, Usage
 from iop.spec import FunctionCall, Message, MessageToolCall
 
@@ -318,7 +318,7 @@ _INCOMPLETE: Final[dict[FinishReason, str]] = {
 
 def _failure(failed: ShapedFailed) -> _Error:
     """``Response.error`` for a failure: codes limited to OpenAI's ``ResponseErrorCode``."""
-    code = "rate_limit_exceeded" if failed.status == 429 else "server_error"
+    code = ErrorCode.RATE_LIMIT_EXCEEDED if failed.status == 429 else ErrorCode.SERVER_ERROR
     return _Error(code=code, message=f"{failed.message} ({failed.code})")
 
 
@@ -539,7 +539,7 @@ class ResponsesStream:
         """The bytes of shaped events, joined."""
         return b"".join([self.feed(event) for event in events])
 
-    def fail(self, message: str, *, status: int = 500, code: str = "server_error") -> bytes:
+    def fail(self, message: str, *, status: int = 500, code: str = ErrorCode.SERVER_ERROR) -> bytes:
         """End the stream as failed (e.g. a wait timeout at the HTTP layer).
 
         Raises:

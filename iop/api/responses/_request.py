@@ -75,7 +75,7 @@ import msgspec
 
 from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH, guarded_decode
 from iop.api._openai_validation import from_validation
-from iop.errors import RequestError
+from iop.errors import ErrorCode, RequestError
 from iop.spec import (
     ChatRequest,
     ContentPart,
@@ -304,6 +304,15 @@ def _from_validation(exc: msgspec.ValidationError, prefix: str = "") -> RequestE
 
 # --- checks --------------------------------------------------------------------------
 
+_BELOW_MIN: Final = {
+    "integer": ErrorCode.INTEGER_BELOW_MIN_VALUE,
+    "decimal": ErrorCode.DECIMAL_BELOW_MIN_VALUE,
+}
+_ABOVE_MAX: Final = {
+    "integer": ErrorCode.INTEGER_ABOVE_MAX_VALUE,
+    "decimal": ErrorCode.DECIMAL_ABOVE_MAX_VALUE,
+}
+
 
 def _range(param: str, value: float | None, low: float, high: float | None) -> None:
     """OpenAI's range errors (``decimal_above_max_value``, ``integer_below_min_value``)."""
@@ -315,14 +324,14 @@ def _range(param: str, value: float | None, low: float, high: float | None) -> N
             f"Invalid '{param}': {kind} below minimum value. Expected a value >= {low:g}, "
             f"but got {value} instead.",
             param=param,
-            code=f"{kind}_below_min_value",
+            code=_BELOW_MIN[kind],
         )
     if high is not None and value > high:
         raise RequestError(
             f"Invalid '{param}': {kind} above maximum value. Expected a value <= {high:g}, "
             f"but got {value} instead.",
             param=param,
-            code=f"{kind}_above_max_value",
+            code=_ABOVE_MAX[kind],
         )
 
 
@@ -330,7 +339,7 @@ def _unsupported(param: str, what: str) -> RequestError:
     return RequestError(
         f"'{param}' is not supported by this server: {what}.",
         param=param,
-        code="unsupported_parameter",
+        code=ErrorCode.UNSUPPORTED_PARAMETER,
     )
 
 
@@ -338,11 +347,15 @@ def _check(req: ResponsesRequest) -> None:
     """The checks msgspec's types cannot express (module docstring)."""
     if not req.model.strip():
         raise RequestError(
-            "Missing required parameter: 'model'.", param="model", code="missing_required_parameter"
+            "Missing required parameter: 'model'.",
+            param="model",
+            code=ErrorCode.MISSING_REQUIRED_PARAMETER,
         )
     if req.input is None:
         raise RequestError(
-            "Missing required parameter: 'input'.", param="input", code="missing_required_parameter"
+            "Missing required parameter: 'input'.",
+            param="input",
+            code=ErrorCode.MISSING_REQUIRED_PARAMETER,
         )
     _range("temperature", req.temperature, 0, 2)
     _range("top_p", req.top_p, 0, 1)
@@ -361,7 +374,7 @@ def _check(req: ResponsesRequest) -> None:
         raise RequestError(
             f"Invalid value: '{effort}'. Supported values are: {_quote(_EFFORTS)}.",
             param="reasoning.effort",
-            code="invalid_value",
+            code=ErrorCode.INVALID_VALUE,
         )
     if req.metadata is not None:
         if len(req.metadata) > _METADATA_MAX_KEYS:
@@ -370,7 +383,7 @@ def _check(req: ResponsesRequest) -> None:
                 f"{_METADATA_MAX_KEYS} properties, but got an object with {len(req.metadata)} "
                 "properties instead.",
                 param="metadata",
-                code="object_above_max_properties",
+                code=ErrorCode.OBJECT_ABOVE_MAX_PROPERTIES,
             )
         for key, value in req.metadata.items():
             for what, text, limit in (
@@ -383,7 +396,7 @@ def _check(req: ResponsesRequest) -> None:
                         f"Expected a string with maximum length {limit}, but got a string with "
                         f"length {len(text)} instead.",
                         param=f"metadata.{key[:_METADATA_KEY_MAX]}",
-                        code="string_above_max_length",
+                        code=ErrorCode.STRING_ABOVE_MAX_LENGTH,
                     )
 
 
@@ -424,14 +437,14 @@ def _convert_item(raw: dict[str, Any], param: str) -> Item | None:
         raise RequestError(
             f"Invalid type for '{param}.type': expected a string, but got {_json_type(kind)} instead.",
             param=f"{param}.type",
-            code="invalid_type",
+            code=ErrorCode.INVALID_TYPE,
         )
     if kind == "item_reference":
         raise RequestError(
             "Item references are not supported by this server: send the item itself, or use "
             "previous_response_id.",
             param=f"{param}.type",
-            code="unsupported_value",
+            code=ErrorCode.UNSUPPORTED_VALUE,
         )
     if kind in _DROPPED_ITEMS:
         return None
@@ -439,7 +452,7 @@ def _convert_item(raw: dict[str, Any], param: str) -> Item | None:
         raise RequestError(
             f"Invalid value: '{kind}'. Supported values are: {_quote(_ITEM_TYPES)}.",
             param=f"{param}.type",
-            code="invalid_value",
+            code=ErrorCode.INVALID_VALUE,
         )
     if "type" not in raw:
         raw = {**raw, "type": "message"}
@@ -461,7 +474,7 @@ def _content_part(part: Part, param: str) -> ContentPart:
                 "Images by 'file_id' are not supported by this server: send 'image_url' "
                 "(an https URL or a data URL).",
                 param=f"{param}.image_url",
-                code="unsupported_value",
+                code=ErrorCode.UNSUPPORTED_VALUE,
             )
         detail = part.detail if part.detail in ("low", "high", "auto") else None
         return ImagePart(image_url=ImageURL(url=part.image_url, detail=detail))
@@ -469,7 +482,7 @@ def _content_part(part: Part, param: str) -> ContentPart:
         raise RequestError(
             "Files by 'file_url' are not supported by this server: send 'file_data'.",
             param=f"{param}.file_url",
-            code="unsupported_value",
+            code=ErrorCode.UNSUPPORTED_VALUE,
         )
     return FilePart(
         file=FileRef(file_data=part.file_data, file_id=part.file_id, filename=part.filename)
@@ -589,7 +602,7 @@ def _function_tools(tools: list[dict[str, Any]] | None) -> list[Tool]:
 
 
 def _choice_error(message: str) -> RequestError:
-    return RequestError(message, param="tool_choice", code="invalid_value")
+    return RequestError(message, param="tool_choice", code=ErrorCode.INVALID_VALUE)
 
 
 def _tool_choice(
@@ -628,7 +641,7 @@ def _tool_choice(
                 "Invalid type for 'tool_choice.tools': expected an array, but got "
                 f"{_json_type(listed)} instead.",
                 param="tool_choice.tools",
-                code="invalid_type",
+                code=ErrorCode.INVALID_TYPE,
             )
         allowed = {
             t.get("name") for t in listed if isinstance(t, dict) and t.get("type") == "function"
@@ -666,14 +679,14 @@ def _response_format(text: _Text | None) -> dict[str, Any] | None:
             raise RequestError(
                 f"Missing required parameter: 'text.format.{missing}'.",
                 param=f"text.format.{missing}",
-                code="missing_required_parameter",
+                code=ErrorCode.MISSING_REQUIRED_PARAMETER,
             )
         spec = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
         return {"type": "json_schema", "json_schema": spec}
     raise RequestError(
         f"Invalid value: '{kind}'. Supported values are: 'text', 'json_schema', 'json_object'.",
         param="text.format.type",
-        code="invalid_value",
+        code=ErrorCode.INVALID_VALUE,
     )
 
 
@@ -715,7 +728,7 @@ def translate(
             "Invalid 'input': empty array. Expected an array with minimum length 1, but got an "
             "empty array instead.",
             param="input",
-            code="empty_array",
+            code=ErrorCode.EMPTY_ARRAY,
         )
     messages = list(history)
     if req.instructions:

@@ -34,7 +34,7 @@ from iop.api.responses._output import (
 from iop.api.responses._request import ResponsesRequest, decode_request, translate
 from iop.api.responses._store import ResponseStore
 from iop.config import ResponsesSettings
-from iop.errors import RequestError
+from iop.errors import ErrorCode, RequestError
 from iop.spec import Message, NamedToolChoice, Tool, ToolChoice
 
 __all__ = ["PREVIOUS_NOT_FOUND_STATUS", "ResponsesSurface"]
@@ -149,7 +149,7 @@ class ResponsesSurface:
                 raise RequestError(
                     f"Previous response with id '{req.previous_response_id}' not found.",
                     status=PREVIOUS_NOT_FOUND_STATUS,
-                    code="previous_response_not_found",
+                    code=ErrorCode.PREVIOUS_RESPONSE_NOT_FOUND,
                     param="previous_response_id",
                 )
             prior = found
