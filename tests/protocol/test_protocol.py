@@ -281,7 +281,7 @@ def test_batch_array_header_forms(n: int, header: bytes) -> None:
 
 
 def test_data_to_send_frames_are_arrays_of_messages() -> None:
-    edge, node = assigned()
+    _, node = assigned()
     node.push("r1", Delta("x"))
     node.capabilities([CAPS])
     [frame] = node.data_to_send(0)
@@ -1027,7 +1027,11 @@ def test_edge_control_messages_of_many_runs_share_one_frame() -> None:
 def test_a_batch_larger_than_a_frame_is_split_in_order() -> None:
     node = NodeSession(node_id="n1", token="t0k", now=0)
     edge = EdgeSession(
-        tokens=["t0k"], heartbeat_interval_s=0.5, heartbeat_timeout_s=1.5, now=0, max_frame_bytes=600
+        tokens=["t0k"],
+        heartbeat_interval_s=0.5,
+        heartbeat_timeout_s=1.5,
+        now=0,
+        max_frame_bytes=600,
     )
     open_pair(edge, node)
     edge.assign("r1", "sim", SPEC, credit=100)
@@ -1087,9 +1091,7 @@ def test_an_event_too_large_for_the_edge_ends_its_run_alone() -> None:
 @settings(max_examples=150, deadline=None)
 @given(
     limit=st.integers(400, 5000),
-    pushes=st.lists(
-        st.tuples(st.integers(0, 2), st.integers(0, 1500), st.booleans()), max_size=40
-    ),
+    pushes=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 1500), st.booleans()), max_size=40),
 )
 def test_frames_never_exceed_the_peer_limit_and_keep_each_runs_order(
     limit: int, pushes: list[tuple[int, int, bool]]
@@ -1270,3 +1272,42 @@ def test_capabilities_update_and_goodbye() -> None:
     assert to_edge(node, edge) == [CapabilitiesChanged([CAPS])]
     node.goodbye("draining")
     assert to_edge(node, edge) == [NodeDraining("draining")]
+
+
+def test_a_node_streaming_to_a_silent_edge_pings_before_its_deadline() -> None:
+    """The edge pings only a node it does not hear from, so a node that streams
+    while the edge has nothing to say must ping the edge itself, before its
+    liveness deadline: with a valid configuration of ``heartbeat_timeout_s``
+    below 1.5 intervals too (``LinkSettings`` only requires it above one)."""
+    edge = EdgeSession(tokens=["t0k"], heartbeat_interval_s=0.5, heartbeat_timeout_s=0.7, now=0)
+    node = NodeSession(node_id="n1", token="t0k", now=0)
+    open_pair(edge, node)
+    edge.assign("r1", "sim", SPEC, credit=10_000)
+    to_node(edge, node)
+    for step in range(1, 101):
+        t = step / 20
+        node.push("r1", Delta("x"))
+        edge.tick(t)
+        node.tick(t)
+        to_node(edge, node, now=t)
+        to_edge(node, edge, now=t)
+        to_node(edge, node, now=t)  # the pong
+        assert t < node.liveness_deadline
+        assert t < edge.liveness_deadline
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    interval=st.floats(0.01, 100.0),
+    factor=st.floats(1.001, 10.0),
+)
+def test_the_node_pings_before_its_liveness_deadline(interval: float, factor: float) -> None:
+    node = NodeSession(node_id="n1", token="t0k", now=0)
+    welcome = Welcome(
+        protocol_version=PROTOCOL_VERSION,
+        node_id="n1",
+        heartbeat_interval_s=interval,
+        heartbeat_timeout_s=interval * factor,
+    )
+    node.receive(encode(welcome), now=0)
+    assert interval <= node.next_ping_at < node.liveness_deadline
