@@ -786,6 +786,9 @@ class NodeSession:
         run.phase = RunPhase.ENDING
         kept = [ev for ev in run.queued if is_terminal(ev)]
         run.queued = deque(kept)
+        if kept:
+            # It may have waited for credit behind the events just dropped.
+            self._ready[run_id] = None
 
     # --- output -------------------------------------------------------------
 

@@ -918,6 +918,24 @@ def test_cancel_drops_queued_non_terminals_but_keeps_the_terminal() -> None:
     assert edge.receive(frame, now=0) == []
 
 
+def test_a_terminal_waiting_for_credit_goes_once_cancel_drops_the_events_before_it() -> None:
+    """The node ended the run while its last events waited for credit; the
+    cancel drops those events, so the terminal is next and must go out (or
+    the run is never DONE on either end)."""
+    edge, node = assigned(credit=1)
+    for ev in (Start(), Delta("waits for credit"), Complete()):
+        node.push("r1", ev)
+    to_edge(node, edge)
+    edge.cancel("r1", CancelReason.CLIENT_DISCONNECT)
+    to_node(edge, node)
+    assert node.has_data_to_send
+    [frame] = node.data_to_send(0)
+    assert decode_node_batch(frame) == [RunEvents(run_id="r1", seq=1, events=[Complete()])]
+    assert node.run("r1") is None
+    assert edge.receive(frame, now=0) == []
+    assert edge.run("r1") is None
+
+
 def test_cancel_drops_queued_events_beyond_credit_too() -> None:
     edge, node = assigned(credit=0)
     node.push("r1", Start())
