@@ -70,7 +70,8 @@ is lost (``liveness_deadline``), which detects frozen or partitioned peers
 that TCP alone would not report for minutes. Only a link that carried
 nothing recently pays for heartbeats: the edge pings a node it has not
 heard from for ``heartbeat_interval_s``, the node pings an edge it has not
-heard from for 1.5 times that (so on an idle link the edge's ping and the
+heard from for 1.5 times that, or halfway between the interval and its
+timeout if that is sooner (so on an idle link the edge's ping and the
 node's pong are the only frames), and each answers a ping with a pong.
 
 Link states::
@@ -669,7 +670,15 @@ class NodeSession:
 
     @property
     def next_ping_at(self) -> float:
-        interval = self.heartbeat_interval_s * NODE_PING_FACTOR
+        # Never as late as the deadline: a timeout below 1.5 intervals is a
+        # valid configuration, and an edge that hears the node streaming
+        # does not ping it, so the node's own ping is all that proves the
+        # edge alive. Halfway between the edge's interval and the timeout
+        # leaves the pong as much time as the edge's ping gets.
+        interval = min(
+            self.heartbeat_interval_s * NODE_PING_FACTOR,
+            (self.heartbeat_interval_s + self.heartbeat_timeout_s) / 2,
+        )
         return max(self.last_seen, self._last_ping) + interval
 
     @property
@@ -780,6 +789,9 @@ class NodeSession:
         run.phase = RunPhase.ENDING
         kept = [ev for ev in run.queued if is_terminal(ev)]
         run.queued = deque(kept)
+        if kept:
+            # It may have waited for credit behind the events just dropped.
+            self._ready[run_id] = None
 
     # --- output -------------------------------------------------------------
 

@@ -12,9 +12,11 @@ from iop.protocol import (
     PROTOCOL_VERSION,
     Assign,
     RunEvents,
+    decode_edge_batch,
     decode_edge_message,
     decode_node_message,
     encode,
+    encode_batch,
 )
 from iop.spec import (
     ChatRequest,
@@ -43,6 +45,7 @@ def test_every_operation_round_trips_in_an_assign(request_: OperationRequest) ->
     )
     got = decode_edge_message(encode(assign))
     assert got == assign
+    assert decode_edge_batch(encode_batch([encode(assign)])) == [assign]
     assert isinstance(got, Assign)
     assert type(got.spec.request) is type(request_)
 
@@ -54,8 +57,8 @@ def test_operation_names() -> None:
 
 def test_a_version_1_assign_without_op_is_a_protocol_error() -> None:
     # What a version-1 edge sent: the chat request without its "op" tag. The
-    # version check in the Hello keeps such peers apart (PROTOCOL_VERSION 2).
-    assert PROTOCOL_VERSION == 2
+    # version check in the Hello keeps such peers apart (since version 2).
+    assert PROTOCOL_VERSION >= 2
     spec = {"run_id": "r1", "request": {"model": "m", "messages": []}}
     frame = msgspec.msgpack.encode(
         {"t": "assign", "run_id": "r1", "instance": "i0", "spec": spec, "credit": 4}
