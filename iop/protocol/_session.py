@@ -129,6 +129,7 @@ __all__ = [
     "DEFAULT_MAX_HELLO_BYTES",
     "DEFAULT_RUN_WINDOW",
     "LEGACY_MAX_FRAME_BYTES",
+    "MIN_PEER_FRAME_BYTES",
     "NODE_PING_FACTOR",
     "RELEASED_RUNS_REMEMBERED",
     "RUN_BACKLOG",
@@ -186,6 +187,11 @@ RELEASED_RUNS_REMEMBERED: Final = 4096
 # intervals: later than the edge would, so that on an idle link only the
 # edge pings (and the node pongs).
 NODE_PING_FACTOR: Final = 1.5
+# The smallest frame limit a peer may announce (0 means "the legacy 16 MiB"):
+# below the edge's own config minimum (``link.max_hello_bytes`` >= 1024),
+# with room for the ``event_too_large`` error (~250 bytes with its envelope)
+# that ends a run whose event would not fit.
+MIN_PEER_FRAME_BYTES: Final = 512
 # The largest msgpack array header (``array_header``): a frame's bytes are
 # this plus its messages'.
 _BATCH_HEADER_MAX: Final = 5
@@ -298,21 +304,19 @@ class _TokenBucket:
 
 
 class _Outgoing:
-    """Encoded messages waiting for the next frame, and when anything last went."""
+    """Encoded messages waiting for the next frame."""
 
-    __slots__ = ("last_sent", "messages")
+    __slots__ = ("messages",)
 
-    def __init__(self, now: float) -> None:
+    def __init__(self) -> None:
         self.messages: list[bytes] = []
-        self.last_sent = now
 
-    def frames(self, limit: int, now: float) -> list[bytes]:
+    def frames(self, limit: int) -> list[bytes]:
         """Everything queued, packed into frames of at most ``limit`` bytes."""
         messages = self.messages
         if not messages:
             return []
         self.messages = []
-        self.last_sent = now
         room = limit - _BATCH_HEADER_MAX
         frames: list[bytes] = []
         current: list[bytes] = []
@@ -369,7 +373,7 @@ class EdgeSession:
         self._runs: dict[str, RunLink] = {}
         self._ending: OrderedDict[str, RunLink] = OrderedDict()
         self._control = _TokenBucket(control_rate_per_s, control_burst, now)
-        self._out = _Outgoing(now)
+        self._out = _Outgoing()
         self._nonce = 0
 
     # --- state --------------------------------------------------------------
@@ -470,7 +474,7 @@ class EdgeSession:
             raise LinkAuthError(f"node {hello.node_id!r} presented a bad token")
         if not hello.node_id:
             raise LinkProtocolError("hello without a node id")
-        if hello.max_frame_bytes < 0:
+        if hello.max_frame_bytes < 0 or 0 < hello.max_frame_bytes < MIN_PEER_FRAME_BYTES:
             raise LinkProtocolError(f"hello with max_frame_bytes {hello.max_frame_bytes}")
         self.node_id = hello.node_id
         if hello.max_frame_bytes:
@@ -546,6 +550,9 @@ class EdgeSession:
         self._require_open()
         if run_id in self._runs or run_id in self._ending:
             raise InvariantError(f"run {run_id} is already assigned on this link")
+        if credit < 0:
+            # The node would close the link under every run on it.
+            raise InvariantError(f"run {run_id}: negative credit {credit}")
         message = encode(Assign(run_id=run_id, instance=instance, spec=spec, credit=credit))
         if len(message) + _BATCH_HEADER_MAX > self.peer_max_frame_bytes:
             raise RequestError(
@@ -600,7 +607,7 @@ class EdgeSession:
 
     def data_to_send(self, now: float) -> list[bytes]:
         """Everything queued, in as few frames as the node accepts."""
-        return self._out.frames(self.peer_max_frame_bytes, now)
+        return self._out.frames(self.peer_max_frame_bytes)
 
     def close(self) -> frozenset[str]:
         """Mark the link closed; return the runs the edge still wanted."""
@@ -659,7 +666,7 @@ class NodeSession:
         # Runs with events to send, in the order they became ready.
         self._ready: dict[str, None] = {}
         self._cut_off: list[str] = []
-        self._out = _Outgoing(now)
+        self._out = _Outgoing()
         self._nonce = 0
 
     # --- state --------------------------------------------------------------
@@ -734,6 +741,7 @@ class NodeSession:
                 raise LinkProtocolError(f"expected welcome, got {type(welcome).__name__}")
             if (
                 welcome.max_frame_bytes < 0
+                or 0 < welcome.max_frame_bytes < MIN_PEER_FRAME_BYTES
                 or not welcome.heartbeat_timeout_s > 0
                 or not 0 < welcome.heartbeat_interval_s < welcome.heartbeat_timeout_s
             ):
@@ -870,7 +878,7 @@ class NodeSession:
                 del self._runs[run_id]
             elif run.phase is RunPhase.ASSIGNED:
                 run.phase = RunPhase.STREAMING
-        return self._out.frames(limit, now)
+        return self._out.frames(limit)
 
     @staticmethod
     def _take(run: RunLink) -> list[RuntimeEvent]:

@@ -976,7 +976,7 @@ async def test_frames_stay_within_what_the_edge_accepts(autojump_clock: trio.abc
     async with running_node(sim(output_tokens=60)) as agent, trio.open_nursery() as nursery:
         edge_chan, node_chan = memory_link_pair()
         edge = FakeEdge(edge_chan)
-        edge.session.max_frame_bytes = 400  # the welcome tells the node
+        edge.session.max_frame_bytes = 512  # the welcome tells the node
 
         async def serve() -> None:
             with contextlib.suppress(LinkError):

@@ -69,7 +69,7 @@ from iop.protocol import (
     encode_batch,
 )
 from iop.protocol._messages import array_header
-from iop.protocol._session import EdgeLinkEvent, NodeLinkEvent
+from iop.protocol._session import MIN_PEER_FRAME_BYTES, EdgeLinkEvent, NodeLinkEvent
 from iop.spec import ChatRequest, ExecutionSpec, Message
 
 SPEC = ExecutionSpec(
@@ -1108,7 +1108,7 @@ def test_an_event_too_large_for_the_edge_ends_its_run_alone() -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(
-    limit=st.integers(400, 5000),
+    limit=st.integers(MIN_PEER_FRAME_BYTES, 5000),
     pushes=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 1500), st.booleans()), max_size=40),
 )
 def test_frames_never_exceed_the_peer_limit_and_keep_each_runs_order(
@@ -1331,3 +1331,30 @@ def test_the_node_pings_before_its_liveness_deadline(interval: float, factor: fl
     )
     node.receive(encode(welcome), now=0)
     assert interval <= node.next_ping_at < node.liveness_deadline
+
+
+@pytest.mark.parametrize("limit", [-1, 1, MIN_PEER_FRAME_BYTES - 1])
+def test_a_peer_announcing_a_frame_limit_too_small_to_end_a_run_is_refused(limit: int) -> None:
+    """Below ``MIN_PEER_FRAME_BYTES`` not even the ``event_too_large`` error fits."""
+    edge = EdgeSession(tokens=["t0k"], heartbeat_interval_s=0.5, heartbeat_timeout_s=1.5, now=0.0)
+    node = NodeSession(node_id="n1", token="t0k", now=0.0, max_frame_bytes=limit)
+    with pytest.raises(LinkProtocolError, match="max_frame_bytes"):
+        edge.receive(node.hello([]), now=0.0)
+    node = NodeSession(node_id="n1", token="t0k", now=0.0)
+    welcome = Welcome(
+        protocol_version=PROTOCOL_VERSION,
+        node_id="n1",
+        heartbeat_interval_s=0.5,
+        heartbeat_timeout_s=1.5,
+        max_frame_bytes=limit,
+    )
+    with pytest.raises(LinkProtocolError, match="negative limit"):
+        node.receive(encode(welcome), now=0.0)
+
+
+def test_an_assign_with_negative_credit_is_a_bug_of_the_caller() -> None:
+    """The node would close the whole link for it: the edge refuses to send it."""
+    edge, _ = open_pair()
+    with pytest.raises(InvariantError, match="negative credit"):
+        edge.assign("r1", "sim", SPEC, credit=-1)
+    assert not edge.has_data_to_send
