@@ -568,7 +568,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             spec = ExecutionSpec(
                 run_id=new_run_id(), request=call.request, target=call.request.model
             )
-            run = core.start_run(spec)
+            run = core.start_run(spec, collect=not call.stream)
         except IopError as exc:
             return _from_exc(exc, surface)
         ctx = RunContext(
@@ -630,7 +630,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         )
         spec = ExecutionSpec(run_id=new_run_id(), request=tokenize, target=counted.model)
         try:
-            run = core.start_run(spec)
+            run = core.start_run(spec, collect=True)
         except IopError as exc:
             if exc.code != ErrorCode.OPERATION_NOT_SUPPORTED:
                 return _from_exc(exc, messages)

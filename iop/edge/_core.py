@@ -159,8 +159,10 @@ class ModelEntry:
 class RemoteExecutor:
     """Executes one run on whichever node the scheduler picks."""
 
-    def __init__(self, core: EdgeCore) -> None:
+    def __init__(self, core: EdgeCore, *, collect: bool = False) -> None:
         self._core = core
+        # Nobody reads the events as they come (``Assign.collect``).
+        self._collect = collect
         # Start reached the run's sink (from the first attempt that sent one);
         # a failover attempt's own Start is then not forwarded again.
         self._started = [False]
@@ -215,7 +217,7 @@ class RemoteExecutor:
         ended = False  # the node is done with the run: nothing to cancel
         try:
             try:
-                conn.assign(rr, instance, spec, window)
+                conn.assign(rr, instance, spec, window, collect=self._collect)
             except InvariantError as exc:
                 raise _Retry(conn.node_id, "link closed before assign") from exc
             send.on_consumed(partial(conn.consume, run_id))
@@ -273,8 +275,14 @@ class EdgeCore:
     def models(self) -> list[ModelEntry]:
         return [ModelEntry(m, tuple(nodes)) for m, nodes in sorted(self.registry.models().items())]
 
-    def start_run(self, spec: ExecutionSpec) -> Run:
+    def start_run(self, spec: ExecutionSpec, *, collect: bool = False) -> Run:
         """Admit and start a run on the cluster.
+
+        Args:
+            spec: The run.
+            collect: The caller reads the events only to build one answer
+                (a non-streaming request): the node may send them in a few
+                merged messages instead of one per token (``Assign.collect``).
 
         Raises:
             RequestError: 404 unknown model, 503 draining or no node, 429 queue full.
@@ -317,7 +325,7 @@ class EdgeCore:
         self.runs_started += 1
         window = self.config.link.run_window
         return self.supervisor.start_run(
-            RemoteExecutor(self),
+            RemoteExecutor(self, collect=collect),
             spec,
             self.config.deadlines,
             # The link reader delivers without waiting: room for a whole

@@ -180,14 +180,22 @@ class NodeConnection:
             for c in caps
         }
 
-    def assign(self, rr: RemoteRun, instance: str, spec: ExecutionSpec, credit: int) -> None:
+    def assign(
+        self,
+        rr: RemoteRun,
+        instance: str,
+        spec: ExecutionSpec,
+        credit: int,
+        *,
+        collect: bool = False,
+    ) -> None:
         """Put ``rr`` on the link and queue its ``Assign``.
 
         Raises:
             RequestError: 413, the request does not fit the node's frames.
             InvariantError: The link is not open.
         """
-        self.session.assign(rr.run_id, instance, spec, credit)
+        self.session.assign(rr.run_id, instance, spec, credit, collect=collect)
         self.runs[rr.run_id] = rr
         self.wake()
 

@@ -142,12 +142,19 @@ class Welcome(_Msg, frozen=True, kw_only=True, tag="welcome"):
 
 
 class Assign(_Msg, frozen=True, kw_only=True, tag="assign"):
-    """Run ``spec`` on ``instance``; send at most ``credit`` non-terminal events."""
+    """Run ``spec`` on ``instance``; send at most ``credit`` non-terminal events.
+
+    ``collect``: nobody reads the run's events as they come (a non-streaming
+    request): the node may hold them and merge consecutive text deltas,
+    sending what it holds every second or so and at the end, so the result
+    costs a few messages instead of one per token.
+    """
 
     run_id: str
     instance: str
     spec: ExecutionSpec
     credit: int
+    collect: bool = False
 
 
 class Credit(_Msg, frozen=True, kw_only=True, tag="credit"):

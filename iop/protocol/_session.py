@@ -99,7 +99,15 @@ from iop.errors import (
     LinkProtocolError,
     RequestError,
 )
-from iop.events import Cancelled, CancelReason, Error, RuntimeEvent, is_terminal
+from iop.events import (
+    Cancelled,
+    CancelReason,
+    Delta,
+    Error,
+    ReasoningDelta,
+    RuntimeEvent,
+    is_terminal,
+)
 from iop.protocol._messages import (
     PROTOCOL_VERSION,
     Assign,
@@ -123,6 +131,8 @@ from iop.protocol._transport import CLOSE_RATE, CLOSE_TOO_BIG
 from iop.spec import ExecutionSpec
 
 __all__ = [
+    "COLLECT_FLUSH_S",
+    "COLLECT_MERGE_CHARS",
     "DEFAULT_CONTROL_BURST",
     "DEFAULT_CONTROL_RATE_PER_S",
     "DEFAULT_MAX_FRAME_BYTES",
@@ -192,6 +202,13 @@ NODE_PING_FACTOR: Final = 1.5
 # with room for the ``event_too_large`` error (~250 bytes with its envelope)
 # that ends a run whose event would not fit.
 MIN_PEER_FRAME_BYTES: Final = 512
+# How long a node holds a collected run's events (``Assign.collect``) before
+# it sends what it has: between one and two of these. Well below the edge's
+# first-token and idle deadlines, which must still see the run progress.
+COLLECT_FLUSH_S: Final = 1.0
+# A collected run's consecutive text deltas are merged up to this many
+# characters per event (a bound on the copying each merge costs).
+COLLECT_MERGE_CHARS: Final = 2048
 # The largest msgpack array header (``array_header``): a frame's bytes are
 # this plus its messages'.
 _BATCH_HEADER_MAX: Final = 5
@@ -225,17 +242,20 @@ class RunLink:
         queued: (node) Events not sent yet, in order.
         consumed: (edge) Events the consumer took that were not yet
             returned as credit.
+        collect: The run's events are collected, not streamed
+            (``Assign.collect``): the node holds and merges them.
     """
 
-    __slots__ = ("consumed", "credit", "phase", "queued", "seq", "window")
+    __slots__ = ("collect", "consumed", "credit", "phase", "queued", "seq", "window")
 
-    def __init__(self, credit: int) -> None:
+    def __init__(self, credit: int, *, collect: bool = False) -> None:
         self.phase = RunPhase.ASSIGNED
         self.credit = credit
         self.window = credit
         self.seq = 0
         self.queued: deque[RuntimeEvent] = deque()
         self.consumed = 0
+        self.collect = collect
 
 
 # --- link events ----------------------------------------------------------------
@@ -395,6 +415,11 @@ class EdgeSession:
         return max(self.last_seen, self._last_ping) + self.heartbeat_interval_s
 
     @property
+    def next_tick_at(self) -> float:
+        """When ``tick`` next has something to do."""
+        return self.next_ping_at
+
+    @property
     def runs(self) -> frozenset[str]:
         """Runs the edge still wants (assigned or streaming)."""
         return frozenset(self._runs)
@@ -539,7 +564,13 @@ class EdgeSession:
     # --- output -------------------------------------------------------------
 
     def assign(
-        self, run_id: str, instance: str, spec: ExecutionSpec, credit: int = DEFAULT_RUN_WINDOW
+        self,
+        run_id: str,
+        instance: str,
+        spec: ExecutionSpec,
+        credit: int = DEFAULT_RUN_WINDOW,
+        *,
+        collect: bool = False,
     ) -> None:
         """Queue the assignment of a run to the node.
 
@@ -553,7 +584,9 @@ class EdgeSession:
         if credit < 0:
             # The node would close the link under every run on it.
             raise InvariantError(f"run {run_id}: negative credit {credit}")
-        message = encode(Assign(run_id=run_id, instance=instance, spec=spec, credit=credit))
+        message = encode(
+            Assign(run_id=run_id, instance=instance, spec=spec, credit=credit, collect=collect)
+        )
         if len(message) + _BATCH_HEADER_MAX > self.peer_max_frame_bytes:
             raise RequestError(
                 f"the request is too large for node {self.node_id!r}: it takes "
@@ -562,7 +595,7 @@ class EdgeSession:
                 status=413,
                 code=ErrorCode.REQUEST_TOO_LARGE,
             )
-        self._runs[run_id] = RunLink(credit)
+        self._runs[run_id] = RunLink(credit, collect=collect)
         self._out.messages.append(message)
 
     def consumed(self, run_id: str, events: int) -> bool:
@@ -665,6 +698,11 @@ class NodeSession:
         self._runs: dict[str, RunLink] = {}
         # Runs with events to send, in the order they became ready.
         self._ready: dict[str, None] = {}
+        # Collected runs holding events: since before the last flush check
+        # (sent at the next), and since it.
+        self._held_old: dict[str, None] = {}
+        self._held_new: dict[str, None] = {}
+        self._flush_check_at = now
         self._cut_off: list[str] = []
         self._out = _Outgoing()
         self._nonce = 0
@@ -687,6 +725,13 @@ class NodeSession:
             (self.heartbeat_interval_s + self.heartbeat_timeout_s) / 2,
         )
         return max(self.last_seen, self._last_ping) + interval
+
+    @property
+    def next_tick_at(self) -> float:
+        """When ``tick`` next has something to do: a ping, or held events to flush."""
+        if self._held_old or self._held_new:
+            return min(self.next_ping_at, self._flush_check_at)
+        return self.next_ping_at
 
     @property
     def has_data_to_send(self) -> bool:
@@ -776,7 +821,7 @@ class NodeSession:
             raise LinkProtocolError(f"run {msg.run_id} assigned twice")
         if msg.credit < 0:
             raise LinkProtocolError(f"run {msg.run_id}: negative credit")
-        self._runs[msg.run_id] = RunLink(msg.credit)
+        self._runs[msg.run_id] = RunLink(msg.credit, collect=msg.collect)
         return AssignReceived(msg)
 
     def _credit(self, msg: Credit) -> CreditReceived:
@@ -829,9 +874,29 @@ class NodeSession:
             return
         if run.phase is RunPhase.ENDING:
             return
+        if run.collect:
+            self._hold(run_id, run, event)
+            return
         queued.append(event)
         if run.credit >= len(queued):
             self._ready[run_id] = None
+
+    def _hold(self, run_id: str, run: RunLink, event: RuntimeEvent) -> None:
+        """Queue a collected run's event, merged into the text before it when it can be."""
+        queued = run.queued
+        last = queued[-1] if queued else None
+        if (
+            isinstance(event, Delta | ReasoningDelta)
+            and type(last) is type(event)
+            and len(last.text) < COLLECT_MERGE_CHARS
+        ):
+            queued[-1] = type(event)(last.text + event.text)
+        else:
+            queued.append(event)
+        if len(queued) >= run.credit:
+            self._ready[run_id] = None  # as much as its credit: send it
+        elif run_id not in self._held_old:
+            self._held_new[run_id] = None
 
     def reject(self, run_id: str, error: Error) -> None:
         """End an assigned run that never started, with ``error``."""
@@ -844,11 +909,21 @@ class NodeSession:
         self._out.messages.append(encode(Goodbye(reason=reason)))
 
     def tick(self, now: float) -> None:
-        """Queue a ping if the edge has been silent for a while (``next_ping_at``)."""
-        if self.state is LinkState.OPEN and now >= self.next_ping_at:
+        """Queue a ping if the edge has been silent for a while (``next_ping_at``);
+        make the events collected runs held since before the last check sendable."""
+        if self.state is not LinkState.OPEN:
+            return
+        if now >= self.next_ping_at:
             self._nonce += 1
             self._last_ping = now
             self._out.messages.append(encode(Ping(nonce=self._nonce)))
+        if now >= self._flush_check_at:
+            for run_id in self._held_old:
+                run = self._runs.get(run_id)
+                if run is not None and run.queued:
+                    self._ready[run_id] = None
+            self._held_old, self._held_new = self._held_new, {}
+            self._flush_check_at = now + COLLECT_FLUSH_S
 
     def take_cut_off(self) -> list[str]:
         """Runs ended with ``event_too_large`` by ``data_to_send`` since the last call."""

@@ -10,8 +10,9 @@ between them is only what the session's events mean to the caller
   block: it delivers into bounded queues that credit keeps from filling), and
   wakes the writer if the session now has something to say. It reads under
   one cancel scope whose deadline is the earlier of the session's liveness
-  deadline and its next heartbeat: at the first the peer is lost (``LinkClosed``
-  with ``CLOSE_HEARTBEAT``), at the second the session queues a ping.
+  deadline and its next tick: at the first the peer is lost (``PeerSilent``,
+  a ``LinkClosed`` with ``CLOSE_HEARTBEAT``), at the second the session
+  queues a ping, or makes the events it held for collected runs sendable.
 * the **writer**: sleeps until woken (``wake``), then sends everything the
   session has queued, for every run, in as few frames as the peer accepts
   (``data_to_send``). Nothing else ever calls ``chan.send``.
@@ -47,7 +48,7 @@ class LinkSession(Protocol[E]):
     def liveness_deadline(self) -> float: ...
 
     @property
-    def next_ping_at(self) -> float: ...
+    def next_tick_at(self) -> float: ...
 
     @property
     def has_data_to_send(self) -> bool: ...
@@ -133,13 +134,13 @@ class LinkDriver(Generic[E]):
             self._wake.set()
         while True:
             with trio.CancelScope(
-                deadline=min(session.liveness_deadline, session.next_ping_at)
+                deadline=min(session.liveness_deadline, session.next_tick_at)
             ) as scope:
                 while True:
                     frame = await chan.receive()
                     self.frames_received += 1
                     events = session.receive(frame, trio.current_time())
-                    scope.deadline = min(session.liveness_deadline, session.next_ping_at)
+                    scope.deadline = min(session.liveness_deadline, session.next_tick_at)
                     if events:
                         self._on_events(events)
                     if session.has_data_to_send:

@@ -181,9 +181,15 @@ class FakeEdge:
         return self.finished.setdefault(run_id, trio.Event())
 
     async def assign(
-        self, run_id: str, instance: str = "sim", credit: int = 64, **request: object
+        self,
+        run_id: str,
+        instance: str = "sim",
+        credit: int = 64,
+        *,
+        collect: bool = False,
+        **request: object,
     ) -> None:
-        self.session.assign(run_id, instance, spec(run_id, **request), credit)
+        self.session.assign(run_id, instance, spec(run_id, **request), credit, collect=collect)
         await self.flush()
 
     async def grant(self, run_id: str, credit: int) -> None:
@@ -277,6 +283,26 @@ async def test_hello_then_a_run_streams_in_batches(autojump_clock: trio.abc.Cloc
         await edge.close()
     assert edge.node_error is not None
     assert adapter.active_runs == 0
+
+
+async def test_a_collected_run_reaches_the_edge_as_one_merged_result(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A non-streaming request pays for its answer once on the link, not per token."""
+    async with running_node(sim(output_tokens=40)) as agent, trio.open_nursery() as nursery:
+        edge = await link(nursery, agent)
+        await edge.assign("r1", collect=True)
+        events = await edge.wait_finished("r1")
+        assert_grammar(events)
+        assert edge.frames["r1"] == 1
+        assert [type(e) for e in events] == [Start, Delta, Complete]
+        merged = events[1]
+        assert isinstance(merged, Delta)
+        await edge.assign("r2")  # a request of the same length, streamed
+        streamed = [e for e in await edge.wait_finished("r2") if isinstance(e, Delta)]
+        assert len(streamed) == 40
+        assert len(merged.text.split()) == len("".join(e.text for e in streamed).split())
+        await edge.close()
 
 
 async def test_a_burst_after_a_credit_stall_goes_out_in_few_frames(

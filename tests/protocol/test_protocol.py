@@ -24,6 +24,7 @@ from iop.events import (
     CancelReason,
     Complete,
     Delta,
+    EmbeddingData,
     Error,
     ReasoningDelta,
     RuntimeEvent,
@@ -69,7 +70,13 @@ from iop.protocol import (
     encode_batch,
 )
 from iop.protocol._messages import array_header
-from iop.protocol._session import MIN_PEER_FRAME_BYTES, EdgeLinkEvent, NodeLinkEvent
+from iop.protocol._session import (
+    COLLECT_FLUSH_S,
+    COLLECT_MERGE_CHARS,
+    MIN_PEER_FRAME_BYTES,
+    EdgeLinkEvent,
+    NodeLinkEvent,
+)
 from iop.spec import ChatRequest, ExecutionSpec, Message
 
 SPEC = ExecutionSpec(
@@ -1358,3 +1365,95 @@ def test_an_assign_with_negative_credit_is_a_bug_of_the_caller() -> None:
     with pytest.raises(InvariantError, match="negative credit"):
         edge.assign("r1", "sim", SPEC, credit=-1)
     assert not edge.has_data_to_send
+
+
+# --- collected runs (Assign.collect) ----------------------------------------------
+
+
+def collected(credit: int = 64) -> tuple[EdgeSession, NodeSession]:
+    edge, node = open_pair()
+    edge.assign("r1", "sim", SPEC, credit=credit, collect=True)
+    [ev] = to_node(edge, node)
+    assert isinstance(ev, AssignReceived)
+    assert ev.assign.collect
+    return edge, node
+
+
+def test_a_collected_run_goes_out_whole_at_its_end_with_its_text_merged() -> None:
+    edge, node = collected()
+    node.push("r1", Start())
+    for i in range(50):
+        node.push("r1", Delta(f"t{i} "))
+    assert not node.has_data_to_send  # held: nobody reads it before the end
+    node.push("r1", Complete(finish_reason="stop"))
+    frames = node.data_to_send(0.0)
+    assert len(frames) == 1
+    [got] = to_edge_frames(frames, edge)
+    assert got.finished
+    assert got.events == [
+        Start(),
+        Delta("".join(f"t{i} " for i in range(50))),
+        Complete(finish_reason="stop"),
+    ]
+    assert node.run("r1") is None
+    assert edge.run("r1") is None
+
+
+def test_a_collected_run_flushes_what_it_holds_between_one_and_two_seconds() -> None:
+    """The edge's first-token and idle deadlines must still see the run progress."""
+    edge, node = collected()
+    node.tick(0.0)  # a flush check: nothing held yet
+    node.push("r1", Start())
+    node.push("r1", Delta("a"))
+    assert node.next_tick_at == min(node.next_ping_at, COLLECT_FLUSH_S)
+    node.tick(COLLECT_FLUSH_S)  # held since after the last check: not yet
+    assert run_events(to_edge(node, edge, COLLECT_FLUSH_S)) == []  # (a ping, maybe)
+    node.tick(2 * COLLECT_FLUSH_S)
+    [got] = run_events(to_edge(node, edge, 2 * COLLECT_FLUSH_S))
+    assert got.events == [Start(), Delta("a")]
+    assert node.next_tick_at == node.next_ping_at  # nothing held any more
+
+
+def test_collected_text_is_merged_up_to_a_bound_and_never_across_kinds() -> None:
+    edge, node = collected()
+    node.push("r1", Start())
+    piece = "x" * 1000
+    for _ in range(5):
+        node.push("r1", Delta(piece))
+    node.push("r1", ReasoningDelta("why"))
+    node.push("r1", ReasoningDelta(" so"))
+    node.push("r1", Delta("end"))
+    node.push("r1", Complete())
+    [got] = to_edge(node, edge)
+    assert isinstance(got, RunEventsReceived)
+    deltas = [e for e in got.events if isinstance(e, Delta)]
+    assert "".join(d.text for d in deltas[:-1]) == piece * 5
+    assert all(len(d.text) < COLLECT_MERGE_CHARS + len(piece) for d in deltas)
+    # Merged while under the bound: 3000 chars, then 2000; "end" comes after
+    # the reasoning, so it is not merged into the text before it.
+    assert [len(d.text) for d in deltas] == [3000, 2000, 3]
+    assert [e for e in got.events if isinstance(e, ReasoningDelta)] == [ReasoningDelta("why so")]
+
+
+def test_a_collected_run_sends_at_once_what_fills_its_credit() -> None:
+    """Held events never wait for a flush when they could not all be held
+    within the run's credit (embeddings: one event per input)."""
+    edge, node = collected(credit=3)
+    node.push("r1", Start())
+    node.push("r1", EmbeddingData(index=0, vector=b"\0\0\0\0"))
+    assert not node.has_data_to_send
+    node.push("r1", EmbeddingData(index=1, vector=b"\0\0\0\0"))
+    [got] = to_edge(node, edge)
+    assert isinstance(got, RunEventsReceived)
+    assert len(got.events) == 3
+
+
+def to_edge_frames(frames: list[bytes], edge: EdgeSession) -> list[RunEventsReceived]:
+    got: list[RunEventsReceived] = []
+    for frame in frames:
+        got += [e for e in edge.receive(frame, 0.0) if isinstance(e, RunEventsReceived)]
+    return got
+
+
+def run_events(events: list[EdgeLinkEvent]) -> list[RunEventsReceived]:
+    return [e for e in events if isinstance(e, RunEventsReceived)]
