@@ -10,7 +10,8 @@ bounded memory channel (``RUN_EVENT_BUFFER``) read by the run's consumer, and
 re-arms the run's deadline:
 
 * before the first output, the deadline is ``start + first_token_timeout``;
-* after it, ``last output + idle_timeout``;
+* after it, ``last output + idle_timeout`` (moved at most every
+  ``REARM_GRANULARITY_S``, so it may fire up to that much early);
 * while the sink is blocked because the *consumer* is slow, only the total
   deadline applies: a slow reader is backpressure, not an idle backend;
 * ``start + request_timeout`` caps all of them.
@@ -109,6 +110,11 @@ log = logging.getLogger("iop.run")
 # hold whatever the backend's speed. A full channel blocks the adapter, which
 # stops reading its socket: end-to-end backpressure.
 RUN_EVENT_BUFFER: Final = 16
+
+# A phase deadline that would move later by less than this is left where it
+# is: a stream's idle deadline then moves about once per this interval, not
+# on every token, and fires at most this much early.
+REARM_GRANULARITY_S: Final = 0.05
 
 # How long the terminal event of a run cancelled by shutdown may take to reach
 # its consumer. Shielded, so it must be short.
@@ -350,8 +356,16 @@ class _RunSink:
 
     def _arm(self, phase_deadline: float, phase: _Phase) -> None:
         if phase_deadline < self.total_deadline:
+            scope = self._run._scope
+            if (
+                phase is self._phase
+                and 0.0 <= phase_deadline - scope.deadline < REARM_GRANULARITY_S
+            ):
+                # The idle deadline of a stream moves with every token; moving
+                # it by less than this is not worth trio's deadline bookkeeping.
+                return
             self._phase = phase
-            self._run._scope.deadline = phase_deadline
+            scope.deadline = phase_deadline
         else:
             self._phase = _Phase.TOTAL
             self._run._scope.deadline = self.total_deadline
