@@ -38,6 +38,7 @@ import contextvars
 import errno
 import fcntl
 import logging
+import os
 import sys
 import termios
 from collections.abc import Awaitable, Callable
@@ -162,6 +163,18 @@ def _send_queue(sock: trio.socket.SocketType) -> int | None:
     return int.from_bytes(buf, sys.byteorder, signed=True)
 
 
+def _write_now(sock: trio.socket.SocketType, view: memoryview) -> int:
+    """Write what the socket takes without waiting (it is non-blocking); bytes written."""
+    try:
+        return os.write(sock.fileno(), view)
+    except (BlockingIOError, InterruptedError):
+        return 0
+    except OSError as exc:
+        if exc.errno == errno.EBADF:
+            raise trio.ClosedResourceError("the connection was closed") from exc
+        raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+
+
 def _peer_text(peer: _Peer | None) -> str:
     return "?" if peer is None else ":".join(str(p) for p in peer)
 
@@ -205,8 +218,15 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
         if not data:
             await trio.lowlevel.checkpoint()
             return
+        # A cancellation point, but no schedule point when the kernel takes
+        # the whole write at once (nearly every SSE write): no cancel scope,
+        # no send-queue ioctl and no task switch per token. Only a write the
+        # kernel cannot take whole is watched below.
+        await trio.lowlevel.checkpoint_if_cancelled()
         with memoryview(data) as view:
-            total = 0
+            total = _write_now(sock, view)
+            if total == len(view):
+                return
             queued = _send_queue(sock)
             progress_at = trio.current_time()
             while total < len(view):
