@@ -148,7 +148,8 @@ class RunSink(EventSender, Protocol):
         ...
 
     def on_consumed(self, callback: Callable[[int], None]) -> None:
-        """Call ``callback(n)`` whenever the consumer takes ``n`` non-terminal events."""
+        """Call ``callback(n)`` as the consumer takes non-terminal events (``n`` at a time:
+        half the ``stall_at`` window, when credit is due)."""
         ...
 
 
@@ -322,6 +323,10 @@ class _RunSink:
         self._stall_at = stall_at
         self._held = 0
         self._consumed: Callable[[int], None] | None = None
+        # Taken events not yet reported to ``on_consumed``'s callback: it is
+        # told half a window at a time (when credit goes back), not per event.
+        self._unreported = 0
+        self._report_every = max(1, (stall_at or 2) // 2)
         self._arm(_after(run.started_at, run.deadlines.first_token_timeout_s), _Phase.FIRST_TOKEN)
         if run._events is not None and stall_at is not None:
             run._events._taken = self._taken
@@ -464,6 +469,7 @@ class _RunSink:
 
     def on_consumed(self, callback: Callable[[int], None]) -> None:
         self._consumed = callback
+        self._unreported = 0  # a new attempt: what was taken before was the old one's
 
     def _taken(self, event: RuntimeEvent) -> None:
         """The consumer took ``event`` (``RunEvents`` calls this)."""
@@ -473,8 +479,10 @@ class _RunSink:
         if self._phase is _Phase.STALLED and self.pending_terminal is None:
             run = self._run
             self._arm(_after(trio.current_time(), run.deadlines.idle_timeout_s), _Phase.IDLE)
-        if self._consumed is not None:
-            self._consumed(1)
+        self._unreported += 1
+        if self._unreported >= self._report_every and self._consumed is not None:
+            self._consumed(self._unreported)
+            self._unreported = 0
 
     def partial_usage(self) -> Usage:
         return Usage(output_tokens=self.output_chunks, estimated=True)
