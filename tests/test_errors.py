@@ -18,7 +18,6 @@ IOP_DIR = Path(importlib.import_module("iop").__file__ or "").parent
 API_DOC = ROOT / "docs" / "api.md"
 
 
-
 def _documented() -> dict[str, str]:
     """The "Error codes" table of docs/api.md: code -> its "fails over" cell."""
     text = API_DOC.read_text()
