@@ -38,17 +38,15 @@ bodies and metrics labels. ``Error.code`` itself stays a ``str`` on the wire,
 because a backend's code (or a newer node's) must still decode; comparing it
 with a member works because a member equals, and hashes as, its value.
 docs/api.md ("Error codes") lists them all, with status and meaning
-(tests/test_errors.py checks it stays complete).
+(tests/test_errors.py checks it stays complete). ``CancelReason``, the code
+of a cancelled run, lives here too, so this module imports nothing of IOP's.
 """
 
 from __future__ import annotations
 
 import enum
 import errno
-from typing import TYPE_CHECKING, Final
-
-if TYPE_CHECKING:
-    from iop.events import CancelReason
+from typing import Final
 
 __all__ = [
     "RETRYABLE_CODES",
@@ -58,6 +56,7 @@ __all__ = [
     "BackendStreamError",
     "BackendTimeout",
     "BackendUnavailable",
+    "CancelReason",
     "ConfigError",
     "ErrorCode",
     "InvariantError",
@@ -154,9 +153,29 @@ class ErrorCode(enum.StrEnum):
     SERVER_ERROR = "server_error"  # a failed Responses stream, any other cause
 
 
+class CancelReason(enum.StrEnum):
+    """Why a run was cancelled. Each cause has its own reason (DESIGN §2).
+
+    The code of a cancelled run (``Cancelled.reason``, ``RunAborted.reason``,
+    the ``code`` of its error body); ``iop.events`` re-exports it.
+    """
+
+    CLIENT_DISCONNECT = "client_disconnect"
+    NODE_LOST = "node_lost"
+    FIRST_TOKEN_TIMEOUT = "first_token_timeout"
+    IDLE_TIMEOUT = "idle_timeout"
+    TOTAL_TIMEOUT = "total_timeout"
+    QUEUE_TIMEOUT = "queue_timeout"
+    EXPLICIT = "explicit"
+    SHUTDOWN = "shutdown"
+    # The client accepted nothing for ``server.write_stall_timeout_s`` (edge).
+    SLOW_CLIENT = "slow_client"
+
+
 # A node's error before Start that another node may not have: the edge fails
 # the run over (iop/edge/_core.py). ``Error.code`` is a ``str``: test it with
-# ``code in RETRYABLE_CODES``, which also holds for codes that are no member.
+# ``code in RETRYABLE_CODES`` (a member hashes as its value; a code that is no
+# member is simply not in the set).
 RETRYABLE_CODES: Final[frozenset[str]] = frozenset(
     {
         ErrorCode.QUEUE_FULL,

@@ -38,7 +38,9 @@ from typing import Final
 
 import msgspec
 
-from iop.errors import ErrorCode
+# CancelReason lives beside ErrorCode (both are codes of how a run ended) and
+# is part of this module's vocabulary: ``Cancelled.reason``.
+from iop.errors import CancelReason, ErrorCode
 
 __all__ = [
     "TERMINAL_EVENT_TYPES",
@@ -69,21 +71,6 @@ class FinishReason(enum.StrEnum):
     TOOL_CALLS = "tool_calls"
     CONTENT_FILTER = "content_filter"
     FUNCTION_CALL = "function_call"
-
-
-class CancelReason(enum.StrEnum):
-    """Why a run was cancelled. Each cause has its own reason (DESIGN §2)."""
-
-    CLIENT_DISCONNECT = "client_disconnect"
-    NODE_LOST = "node_lost"
-    FIRST_TOKEN_TIMEOUT = "first_token_timeout"
-    IDLE_TIMEOUT = "idle_timeout"
-    TOTAL_TIMEOUT = "total_timeout"
-    QUEUE_TIMEOUT = "queue_timeout"
-    EXPLICIT = "explicit"
-    SHUTDOWN = "shutdown"
-    # The client accepted nothing for ``server.write_stall_timeout_s`` (edge).
-    SLOW_CLIENT = "slow_client"
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -91,3 +91,75 @@ def test_the_edge_reaches_the_api_surfaces_only_through_iop_api() -> None:
                 names = [alias.name for alias in node.names]
             bad += [f"{path.name}: {n}" for n in names if n.startswith("iop.api.")]
     assert bad == []
+
+
+def _imports_of_each_module() -> dict[str, set[str]]:
+    """Module -> the iop modules it imports, ``if TYPE_CHECKING:`` imports included.
+
+    An import of a module's own parent package (``from iop.cli import _edge``
+    in ``iop.cli._main``) is how a package reaches its submodules, not a
+    dependency on the package's ``__init__``; it is left out.
+    """
+    iop_dir = Path(importlib.import_module("iop").__file__ or "").parent
+    paths = {}
+    for path in iop_dir.rglob("*.py"):
+        parts = path.relative_to(iop_dir.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        paths[name] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*up, base] if base else up)
+                found |= {base, *(f"{base}.{alias.name}" for alias in node.names)}
+            elif isinstance(node, ast.Import):
+                found |= {alias.name for alias in node.names}
+        ancestors = {name.rsplit(".", i)[0] for i in range(1, name.count(".") + 1)}
+        graph[name] = {m for m in found if m in paths and m != name and m not in ancestors}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while (w := stack.pop()) != v:
+                component.append(w)
+            if component:
+                found.append(sorted([v, *component]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_loop() -> None:
+    loop = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(loop) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_modules_import_each_other() -> None:
+    """A module that needs another's caller takes what it needs as arguments (or
+    a Protocol), as iop.edge._metrics takes the registry, scheduler and runs."""
+    assert _cycles(_imports_of_each_module()) == []

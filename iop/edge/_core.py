@@ -70,7 +70,7 @@ from iop.errors import (
     RequestError,
     RunAborted,
 )
-from iop.events import Cancelled, CancelReason, Error
+from iop.events import CancelReason, Error
 from iop.protocol import (
     CLOSE_BAD_TOKEN,
     CLOSE_GOING_AWAY,
@@ -264,11 +264,10 @@ class EdgeCore:
         self.draining = False
         self.started_at = time.time()
         self.runs_started = 0
-        self.outcomes: dict[str, int] = {}
         # Client API keys and node tokens: masked in whatever the edge relays
         # from nodes to clients, /admin, /admin/nodes and /metrics.
         self.masker = SecretMasker(value for value, _ in edge_secrets(config))
-        self.metrics = EdgeMetrics(self)
+        self.metrics = EdgeMetrics(self.registry, self.scheduler, supervisor, self.masker)
 
     # --- runs -----------------------------------------------------------------
 
@@ -365,15 +364,7 @@ class EdgeCore:
         return list(dict.fromkeys(why))  # one "node X is draining" per node
 
     def record_outcome(self, run: Run) -> None:
-        """Count a finished run by outcome (``complete``, ``error:<code>``, ``cancelled:<reason>``)."""
-        o = run.outcome
-        if isinstance(o, Cancelled):
-            key = f"cancelled:{o.reason.value}"
-        elif isinstance(o, Error):
-            key = f"error:{o.code}"
-        else:
-            key = "complete"
-        self.outcomes[key] = self.outcomes.get(key, 0) + 1
+        """Count a finished run (the metrics' run counter, which /admin reads too)."""
         self.metrics.record(run, trio.current_time())
 
     # --- node links -------------------------------------------------------------
@@ -634,7 +625,7 @@ class EdgeCore:
                 "queued": self.scheduler.queued,
                 "runs": runs,
                 "runs_started": self.runs_started,
-                "outcomes": dict(self.outcomes),
+                "outcomes": self.metrics.outcomes(),
             }
         )
 

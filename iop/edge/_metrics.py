@@ -2,10 +2,13 @@
 
 Run metrics are recorded once per run when it ends (``EdgeMetrics.record``,
 called from the run supervisor's ``on_finished``), so the hot path (chunk in,
-chunk out) pays nothing for them. Gauges (queue depth, runs in flight, nodes,
-per-instance load) are read from the core at scrape time by a collector.
-Each edge has its own registry: several edges in one process (tests) do not
-share counters.
+chunk out) pays nothing for them. The run counter is the edge's one count of
+outcomes: the admin view reads it too (``EdgeMetrics.outcomes``). Gauges
+(queue depth, runs in flight, nodes, per-instance load) are read at scrape
+time by a collector from the node registry, the scheduler and the run
+supervisor it is given, so this module knows nothing of ``EdgeCore``. Each
+edge has its own registry: several edges in one process (tests) do not share
+counters.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from prometheus_client.registry import Collector
 from iop.events import Cancelled, Complete, Error
 
 if TYPE_CHECKING:
-    from iop.edge._core import EdgeCore
-    from iop.runtime import Run
+    from iop._secrets import SecretMasker
+    from iop.edge._registry import NodeRegistry, Scheduler
+    from iop.runtime import Run, RunSupervisor
 
 __all__ = ["CONTENT_TYPE", "EdgeMetrics"]
 
@@ -34,21 +38,24 @@ _DURATION_BUCKETS: Final = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600
 
 
 class _LiveCollector(Collector):
-    """Gauges read from the core when Prometheus scrapes."""
+    """Gauges read from the edge's registry, scheduler and runs when Prometheus scrapes."""
 
-    def __init__(self, core: EdgeCore) -> None:
-        self._core = core
+    def __init__(
+        self, registry: NodeRegistry, scheduler: Scheduler, supervisor: RunSupervisor
+    ) -> None:
+        self._registry = registry
+        self._scheduler = scheduler
+        self._supervisor = supervisor
 
     def collect(self) -> Iterator[Metric]:
-        core = self._core
         yield GaugeMetricFamily(
-            "iop_nodes_connected", "Nodes with a live link.", value=len(core.registry.nodes)
+            "iop_nodes_connected", "Nodes with a live link.", value=len(self._registry.nodes)
         )
         yield GaugeMetricFamily(
-            "iop_runs_in_flight", "Runs started and not ended.", value=len(core.supervisor.runs)
+            "iop_runs_in_flight", "Runs started and not ended.", value=len(self._supervisor.runs)
         )
         yield GaugeMetricFamily(
-            "iop_queue_depth", "Runs waiting for capacity.", value=core.scheduler.queued
+            "iop_queue_depth", "Runs waiting for capacity.", value=self._scheduler.queued
         )
         in_flight = GaugeMetricFamily(
             "iop_instance_in_flight",
@@ -65,7 +72,7 @@ class _LiveCollector(Collector):
             "1 when the instance's provider status is not unavailable.",
             labels=["node", "instance"],
         )
-        for conn, inst in core.registry.instances():
+        for conn, inst in self._registry.instances():
             labels = [conn.node_id, inst.caps.instance]
             in_flight.add_metric(labels, inst.in_flight)
             slots.add_metric(labels, inst.caps.max_concurrency)
@@ -76,10 +83,23 @@ class _LiveCollector(Collector):
 
 
 class EdgeMetrics:
-    """The edge's metrics registry and its run counters."""
+    """The edge's metrics registry and its run counters.
 
-    def __init__(self, core: EdgeCore) -> None:
-        self._masker = core.masker
+    Args:
+        nodes: The edge's nodes and instances (gauges).
+        scheduler: Its queue (``iop_queue_depth``).
+        supervisor: Its runs in flight.
+        masker: The edge's secrets, masked in what ``render`` returns.
+    """
+
+    def __init__(
+        self,
+        nodes: NodeRegistry,
+        scheduler: Scheduler,
+        supervisor: RunSupervisor,
+        masker: SecretMasker,
+    ) -> None:
+        self._masker = masker
         self.registry = CollectorRegistry(auto_describe=True)
         self.runs = Counter(
             "iop_runs",
@@ -108,7 +128,7 @@ class EdgeMetrics:
             ["model", "kind"],
             registry=self.registry,
         )
-        self.registry.register(_LiveCollector(core))
+        self.registry.register(_LiveCollector(nodes, scheduler, supervisor))
 
     def record(self, run: Run, now: float) -> None:
         """Count one ended run (called once per run, off the hot path)."""
@@ -135,6 +155,23 @@ class EdgeMetrics:
         self.duration.labels(model, outcome).observe(max(0.0, now - run.started_at))
         if run.first_output_at is not None:
             self.ttft.labels(model).observe(max(0.0, run.first_output_at - run.started_at))
+
+    def outcomes(self) -> dict[str, int]:
+        """Ended runs by outcome, over all models, for the admin view.
+
+        Keys: ``complete``, ``error:<code>``, ``cancelled:<reason>``, in the
+        order each first happened (the counter keeps its label sets in that
+        order).
+        """
+        counts: dict[str, int] = {}
+        for metric in self.runs.collect():
+            for sample in metric.samples:
+                if not sample.name.endswith("_total"):
+                    continue  # the counter's _created timestamps
+                outcome, reason = sample.labels["outcome"], sample.labels["reason"]
+                key = outcome if outcome == "complete" or not reason else f"{outcome}:{reason}"
+                counts[key] = counts.get(key, 0) + int(sample.value)
+        return counts
 
     def render(self) -> bytes:
         """The registry in Prometheus' text format, the edge's secrets masked.

@@ -10,7 +10,6 @@ from iop.managed._llamacpp import (
     LlamaCppSettings,
     launcher_command,
     llamacpp_available,
-    llamacpp_subprocess,
     open_llamacpp,
     serve_llamacpp,
 )
@@ -20,7 +19,6 @@ __all__ = [
     "LlamaCppSettings",
     "launcher_command",
     "llamacpp_available",
-    "llamacpp_subprocess",
     "open_llamacpp",
     "serve_llamacpp",
 ]

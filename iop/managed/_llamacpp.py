@@ -29,9 +29,10 @@ configured, or else through a pipe that is read continuously, line by line
 the last ``LOG_TAIL_LINES`` lines are kept for error messages either way.
 No pipe is ever left unread.
 
-``open_llamacpp`` wraps the service as an async context manager, and
-``llamacpp_subprocess`` is the same life cycle for synchronous code (test
-fixtures that outlive one Trio run), built on the same helpers.
+``open_llamacpp`` wraps the service as an async context manager. There is
+one implementation of the life cycle: code that cannot hold a Trio run open
+(a test fixture shared by several Trio runs) runs ``open_llamacpp`` in a
+Trio run of its own thread (``tests/e2e/test_real_llamacpp.py``, ``llama``).
 """
 
 from __future__ import annotations
@@ -42,14 +43,10 @@ import enum
 import logging
 import os
 import re
-import selectors
 import signal
 import subprocess
 import sys
-import tempfile
-import threading
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import IO, Final, NoReturn, TypeAlias
 
@@ -71,7 +68,6 @@ __all__ = [
     "LlamaCppSettings",
     "launcher_command",
     "llamacpp_available",
-    "llamacpp_subprocess",
     "open_llamacpp",
     "serve_llamacpp",
 ]
@@ -103,7 +99,6 @@ _LLAMA_LOG_LEVEL: Final = re.compile(r"^\d+\.\d+\.\d+\.\d+ ([A-Z]) ")
 _LEVELS: Final = {"E": logging.WARNING, "W": logging.INFO}
 
 _LineHandler: TypeAlias = Callable[[str], None]
-_Fail: TypeAlias = Callable[[str], BackendUnavailable]
 
 
 class LlamaCppSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -327,17 +322,10 @@ def _exit_message(returncode: int, *, pid: int, phase: str) -> str:
     return f"{what} with code {returncode}"
 
 
-def _read_file_tail(path: str | None, handle: IO[bytes] | None = None) -> list[str]:
-    """The last lines of a log file (by path, or through an open handle)."""
+def _read_file_tail(path: str) -> list[str]:
+    """The last lines of a log file."""
     try:
-        if handle is not None:
-            handle.flush()
-            fd = os.dup(handle.fileno())
-        elif path is not None:
-            fd = os.open(path, os.O_RDONLY)
-        else:
-            return []
-        with open(fd, "rb") as f:
+        with open(path, "rb") as f:
             size = f.seek(0, os.SEEK_END)
             f.seek(max(0, size - LOG_FILE_TAIL_BYTES))
             data = f.read()
@@ -346,10 +334,8 @@ def _read_file_tail(path: str | None, handle: IO[bytes] | None = None) -> list[s
     return [_decode(line) for line in data.splitlines()][-LOG_TAIL_LINES:]
 
 
-def _open_log(path: str | None) -> IO[bytes]:
-    """The log file to give the server as stderr; a temporary one for None."""
-    if path is None:
-        return tempfile.TemporaryFile(prefix="iop-llamacpp-", suffix=".log")
+def _open_log(path: str) -> IO[bytes]:
+    """The log file to give the server as stderr."""
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     return open(path, "ab")  # owned by the caller, closed when the server stops
 
@@ -695,159 +681,3 @@ def _raise_sole(group: BaseExceptionGroup[BaseException]) -> NoReturn:
         leaf = leaves[0]
         raise leaf from leaf.__cause__
     raise group
-
-
-# --- the same life cycle for synchronous code ------------------------------------
-
-
-@contextlib.contextmanager
-def llamacpp_subprocess(settings: LlamaCppSettings | None = None) -> Iterator[LlamaCppEndpoint]:
-    """Run the embedded llama.cpp server for the duration of a ``with`` (no Trio).
-
-    For code that cannot hold a Trio run open, such as session-scoped test
-    fixtures. The server's log goes to ``settings.log_file``, or to a
-    temporary file when there is none (quoted in errors either way).
-
-    Yields:
-        The running server's endpoint.
-
-    Raises:
-        BackendUnavailable: As ``serve_llamacpp``.
-    """
-    settings = settings or LlamaCppSettings()
-    reason = llamacpp_available(settings.model)
-    if reason is not None:
-        raise BackendUnavailable(f"cannot start the embedded llama.cpp server: {reason}")
-    with contextlib.ExitStack() as stack:
-        log_handle = stack.enter_context(_open_log(settings.log_file))
-        log.info("starting the embedded llama.cpp server (blocking helper)")
-        started = time.monotonic()
-        proc = subprocess.Popen(
-            launcher_command(settings),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=log_handle,
-            env=_launcher_env(),
-            start_new_session=True,
-        )
-        drain: threading.Thread | None = None
-
-        def fail(message: str) -> BackendUnavailable:
-            return BackendUnavailable(_with_tail(message, _read_file_tail(None, log_handle)))
-
-        try:
-            ready = _read_ready_blocking(proc, settings, fail)
-            # Keep stdout read (the launcher writes nothing more, but a pipe
-            # nobody reads would block it if it ever did).
-            drain = threading.Thread(target=_drain, args=(proc,), daemon=True)
-            drain.start()
-            _wait_healthy_blocking(proc, ready.url, settings, fail)
-            endpoint = LlamaCppEndpoint(
-                url=ready.url,
-                model=ready.model,
-                alias=ready.alias,
-                pid=proc.pid,
-                load_s=ready.load_s,
-                startup_s=time.monotonic() - started,
-            )
-            log.info(
-                "the embedded llama.cpp server is ready at %s in %.2fs (pid %d)",
-                endpoint.url,
-                endpoint.startup_s,
-                proc.pid,
-            )
-            yield endpoint
-        finally:
-            _stop_blocking(proc, settings.stop_grace_s)
-            if drain is not None:
-                drain.join(PIPE_DRAIN_TIMEOUT_S)
-            if proc.stdout is not None:
-                proc.stdout.close()
-
-
-def _read_ready_blocking(
-    proc: subprocess.Popen[bytes], settings: LlamaCppSettings, fail: _Fail
-) -> _ReadyLine:
-    assert proc.stdout is not None
-    deadline = time.monotonic() + settings.ready_timeout_s
-    splitter = _LineSplitter()
-    fd = proc.stdout.fileno()
-    with selectors.DefaultSelector() as sel:
-        sel.register(fd, selectors.EVENT_READ)
-        while (left := deadline - time.monotonic()) > 0:
-            if not sel.select(left):
-                continue
-            data = os.read(fd, PIPE_READ_BYTES)
-            for line in splitter.feed(data) if data else splitter.flush():
-                if line.startswith(READY_PREFIX):
-                    return _parse_ready(line)
-            if not data:
-                try:
-                    rc = proc.wait(PIPE_DRAIN_TIMEOUT_S)
-                except subprocess.TimeoutExpired:
-                    raise fail(
-                        f"the embedded llama.cpp server (pid {proc.pid}) closed its stdout"
-                    ) from None
-                raise fail(_exit_message(rc, pid=proc.pid, phase="before it was ready"))
-    raise fail(
-        f"the embedded llama.cpp server (pid {proc.pid}) was not ready "
-        f"within ready_timeout_s={settings.ready_timeout_s:g}"
-    )
-
-
-def _wait_healthy_blocking(
-    proc: subprocess.Popen[bytes], url: str, settings: LlamaCppSettings, fail: _Fail
-) -> None:
-    deadline = time.monotonic() + settings.health_timeout_s
-    last = "no answer"
-    with httpx.Client(timeout=HEALTH_REQUEST_TIMEOUT_S, trust_env=False) as client:
-        while time.monotonic() < deadline:
-            if (rc := proc.poll()) is not None:
-                raise fail(_exit_message(rc, pid=proc.pid, phase="before /health answered"))
-            try:
-                resp = client.get(url.rstrip("/") + "/health")
-            except httpx.HTTPError as exc:
-                last = str(exc) or type(exc).__name__
-            else:
-                if _health_ok(resp.status_code, resp.content):
-                    return
-                last = f"HTTP {resp.status_code} {resp.text[:200]}"
-            time.sleep(HEALTH_POLL_INTERVAL_S)
-    raise fail(
-        f"the embedded llama.cpp server at {url} did not answer /health with status ok "
-        f"within health_timeout_s={settings.health_timeout_s:g} (last answer: {last})"
-    )
-
-
-def _drain(proc: subprocess.Popen[bytes]) -> None:
-    assert proc.stdout is not None
-    fd = proc.stdout.fileno()
-    splitter = _LineSplitter()
-    try:
-        while data := os.read(fd, PIPE_READ_BYTES):
-            for line in splitter.feed(data):
-                server_log.info("stdout: %s", line)
-    except (OSError, ValueError):
-        return  # closed under us by the stopping thread
-
-
-def _stop_blocking(proc: subprocess.Popen[bytes], grace: float) -> None:
-    if proc.stdin is not None:
-        with contextlib.suppress(OSError):
-            proc.stdin.close()
-    if proc.poll() is None:
-        log.info("stopping the embedded llama.cpp server pid=%d (SIGTERM)", proc.pid)
-        proc.terminate()
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            log.warning(
-                "llama.cpp server pid=%d still running %gs after SIGTERM; killing it",
-                proc.pid,
-                grace,
-            )
-            proc.kill()
-            proc.wait()
-    log.info(
-        "the embedded llama.cpp server pid=%d stopped (exit code %s)", proc.pid, proc.returncode
-    )

@@ -1,7 +1,8 @@
 """End to end against the real llama.cpp server (xllamacpp + SmolLM2-135M, on CPU).
 
-One server (``llamacpp_subprocess``) serves the whole module; the
-``serve_llamacpp`` tests start their own, small ones. The tests assert
+One server (``open_llamacpp``, held open in a thread of its own: the
+``llama`` fixture) serves the whole module; the ``serve_llamacpp`` tests start
+their own, small ones. The tests assert
 protocol behaviour only, never the model's words: a 135M model's answers are
 not facts, and builds word them differently (real-backend.md §7).
 
@@ -11,13 +12,16 @@ When the backend cannot run here the tests skip, unless
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
+import queue
 import re
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Final
@@ -50,7 +54,6 @@ from iop.managed import (
     LlamaCppSettings,
     launcher_command,
     llamacpp_available,
-    llamacpp_subprocess,
     open_llamacpp,
     serve_llamacpp,
 )
@@ -65,6 +68,7 @@ from iop.spec import (
     OperationRequest,
     TokenizeRequest,
 )
+from tests.e2e._platform import poll
 
 pytestmark = pytest.mark.real_backend
 
@@ -77,6 +81,10 @@ DEADLINES: Final = Deadlines(first_token_timeout_s=30, idle_timeout_s=30, reques
 # generation below runs ~2000 tokens (25 s at the ~80 tok/s of one thread).
 SERVER_IDLE_BOUND_S: Final = 10.0
 LONG_MAX_TOKENS: Final = 2000
+# The module's server thread: how much longer than the service's own
+# deadlines (ready, health; stop grace) the fixture waits for it.
+THREAD_MARGIN_S: Final = 30.0
+SERVER_THREAD: Final = "llama.cpp server"
 
 
 def _require_backend() -> None:
@@ -97,12 +105,62 @@ def backend() -> None:
     _require_backend()
 
 
+@contextlib.contextmanager
+def llamacpp_in_a_thread(settings: LlamaCppSettings) -> Iterator[LlamaCppEndpoint]:
+    """``open_llamacpp`` held open by a Trio run in a thread of its own.
+
+    pytest-trio gives each test its own Trio run, so a server shared by the
+    module cannot live in one of them. The thread's run starts the server,
+    hands over its endpoint and waits until told to stop; the server stops in
+    ``open_llamacpp``'s own cleanup, and what that run raised (the server
+    dying while in use) is raised here.
+    """
+    # The endpoint (or the start's error) first, then the run's error if any.
+    handoff: queue.Queue[
+        tuple[LlamaCppEndpoint, trio.lowlevel.TrioToken, trio.Event] | BaseException
+    ] = queue.Queue(maxsize=2)
+
+    async def hold() -> None:
+        async with open_llamacpp(settings) as endpoint:
+            stop = trio.Event()
+            handoff.put((endpoint, trio.lowlevel.current_trio_token(), stop))
+            await stop.wait()
+
+    def run() -> None:
+        try:
+            trio.run(hold)
+        except BaseException as exc:  # handed to the test's thread, raised there
+            handoff.put(exc)
+
+    thread = threading.Thread(target=run, name=SERVER_THREAD, daemon=True)
+    thread.start()
+    try:
+        got = handoff.get(
+            timeout=settings.ready_timeout_s + settings.health_timeout_s + THREAD_MARGIN_S
+        )
+    except queue.Empty:
+        pytest.fail("the llama.cpp server thread neither served nor failed in time")
+    if isinstance(got, BaseException):
+        thread.join(THREAD_MARGIN_S)  # the run is over: it put its error last
+        raise got
+    endpoint, token, stop = got
+    try:
+        yield endpoint
+    finally:
+        with contextlib.suppress(trio.RunFinishedError):  # already ended, by an error
+            trio.from_thread.run_sync(stop.set, trio_token=token)
+        thread.join(settings.stop_grace_s + THREAD_MARGIN_S)
+        assert not thread.is_alive(), "the llama.cpp server thread did not stop"
+    if not handoff.empty():
+        raise handoff.get_nowait()
+
+
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaCppEndpoint]:
     _require_backend()
     log_file = tmp_path_factory.mktemp("llamacpp") / "server.log"
     settings = msgspec.structs.replace(SETTINGS, log_file=str(log_file))
-    with llamacpp_subprocess(settings) as endpoint:
+    with llamacpp_in_a_thread(settings) as endpoint:
         print(
             f"\nllama.cpp server ready in {endpoint.startup_s:.2f}s (load {endpoint.load_s:.2f}s)"
         )
@@ -398,6 +456,35 @@ async def test_a_request_after_a_cancellation_completes(
 
 
 # --- the Trio service ----------------------------------------------------------------
+
+
+def _server_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == SERVER_THREAD]
+
+
+@pytest.mark.usefixtures("backend")
+def test_the_server_thread_serves_then_stops_and_reaps_the_server() -> None:
+    before = _server_threads()
+    with llamacpp_in_a_thread(LlamaCppSettings(ctx=256, parallel=1)) as endpoint:
+        health = httpx.get(endpoint.url.rstrip("/") + "/health", trust_env=False, timeout=5.0)
+        assert health.json() == {"status": "ok"}
+    with pytest.raises(ProcessLookupError):  # stopped and reaped
+        os.kill(endpoint.pid, 0)
+    assert _server_threads() == before
+
+
+@pytest.mark.usefixtures("backend")
+def test_the_server_thread_raises_what_ended_the_server() -> None:
+    before = _server_threads()
+
+    def use_and_kill() -> None:
+        with llamacpp_in_a_thread(LlamaCppSettings(ctx=256, parallel=1)) as endpoint:
+            os.kill(endpoint.pid, signal.SIGKILL)
+            # The thread's run ends with the service's error, raised on exit.
+            poll(lambda: _server_threads() == before, timeout=THREAD_MARGIN_S, what="its end")
+
+    with pytest.raises(BackendUnavailable, match=r"exited unexpectedly: killed by SIGKILL"):
+        use_and_kill()
 
 
 @pytest.mark.usefixtures("backend")

@@ -23,6 +23,7 @@ from iop.events import (
     Complete,
     Delta,
     Error,
+    FinishReason,
     ReasoningDelta,
     Start,
     ToolCall,
@@ -309,7 +310,7 @@ async def test_client_disconnect_cancels_the_run_on_the_node() -> None:
             while not node.cancels:
                 await trio.sleep(0.01)
         assert node.cancels[0].cancel.reason is CancelReason.CLIENT_DISCONNECT
-        assert handle.core.outcomes.get("cancelled:client_disconnect") == 1
+        assert handle.core.snapshot()["outcomes"] == {"cancelled:client_disconnect": 1}
 
 
 async def test_queue_full_is_429_with_retry_after() -> None:
@@ -374,11 +375,18 @@ async def test_metrics() -> None:
         )
         resp = await client.post("/v1/chat/completions", json=CHAT)
         assert resp.status_code == 400
+        n.start_soon(answer, node, Start(), Delta("b"), Complete(finish_reason=FinishReason.LENGTH))
+        assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
         text = (await client.get("/metrics")).text
+        admin = (await client.get("/admin/nodes")).json()
     assert 'iop_runs_total{model="m",outcome="complete",reason="stop"} 1.0' in text
+    assert 'iop_runs_total{model="m",outcome="complete",reason="length"} 1.0' in text
     assert 'iop_runs_total{model="m",outcome="error",reason="backend_http_error"} 1.0' in text
+    # The admin view reads the same counter: completions of any finish reason
+    # as one count, in the order each outcome first happened.
+    assert list(admin["outcomes"].items()) == [("complete", 2), ("error:backend_http_error", 1)]
     assert 'iop_tokens_total{kind="input",model="m"} 3.0' in text
-    assert 'iop_run_ttft_seconds_count{model="m"} 1.0' in text
+    assert 'iop_run_ttft_seconds_count{model="m"} 2.0' in text
     assert 'iop_instance_slots{instance="i0",node="n1"} 1.0' in text
     assert "iop_nodes_connected 1.0" in text
     assert "iop_queue_depth 0.0" in text
