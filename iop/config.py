@@ -543,9 +543,12 @@ class LinkSettings(_Config, frozen=True, kw_only=True):
 
     Attributes:
         node_tokens: Tokens nodes may present (compared in constant time).
-        heartbeat_interval_s: How often the edge pings each node.
+        heartbeat_interval_s: How long a node may send nothing before it
+            pings (a link with traffic sends no heartbeats).
         heartbeat_timeout_s: Silence after which a node is lost and its runs
-            end with ``node_lost``.
+            end with ``node_lost``; also how long the edge sends a node
+            nothing before it pings (the node loses an edge silent for
+            twice this).
         run_window: Per-run credit, in events, a node may have in flight.
         max_hello_bytes: Largest frame a connection may send before its
             hello is accepted (1009 above): all an unauthenticated peer can
@@ -554,7 +557,7 @@ class LinkSettings(_Config, frozen=True, kw_only=True):
             above); told to the node in the welcome. 0: derived from
             ``server.max_body_bytes`` (``EdgeConfig.link_frame_bytes``).
         control_rate_per_s: Messages per second a node may send that cost
-            no credit (pong, caps, bye); above it, and the burst, 4429.
+            no credit (ping, caps, bye); above it, and the burst, 4429.
         control_burst: How many of those may come at once.
         max_queued_bytes: Bytes of a node's complete frames that may wait
             unread between the server and the link handler (4429 above). 0:
@@ -565,8 +568,10 @@ class LinkSettings(_Config, frozen=True, kw_only=True):
     """
 
     node_tokens: list[str] = []
-    heartbeat_interval_s: float = 0.5
-    heartbeat_timeout_s: float = 1.5
+    # An idle link costs the edge one frame in per second and one out per
+    # two; a frozen node is lost within 2 s of its last frame.
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 2.0
     run_window: int = 64
     # Why these numbers: iop.protocol._session (DEFAULT_MAX_HELLO_BYTES, ...).
     max_hello_bytes: int = 256 * 1024

@@ -22,8 +22,8 @@ checked in the ``Hello``.
      |  RunEvents(run, seq, [events]) ----> |  at most `credit` non-terminal events
      |  <----------------- Credit(run, n)    |  as the client consumes them
      |  <----------------- Cancel(run, reason)
-     |  <----------------- Ping(nonce)       |  node silent for heartbeat_interval_s
-     |  Pong(nonce) ----------------------> |  any frame proves liveness
+     |  Ping(nonce) ----------------------> |  nothing else sent for heartbeat_interval_s
+     |  <----------------- Ping(nonce)       |  nothing else sent for heartbeat_timeout_s
      |  CapabilitiesUpdate(instances) ----> |  when a probe changes something
 """
 
@@ -49,7 +49,6 @@ __all__ = [
     "Hello",
     "NodeMessage",
     "Ping",
-    "Pong",
     "RunEvents",
     "Welcome",
     "array_header",
@@ -106,13 +105,8 @@ class RunEvents(_Msg, frozen=True, kw_only=True, tag="events"):
 
 
 class Ping(_Msg, frozen=True, kw_only=True, tag="ping"):
-    """Heartbeat (either direction): sent on a link the peer was silent on."""
-
-    nonce: int
-
-
-class Pong(_Msg, frozen=True, kw_only=True, tag="pong"):
-    """Answer to a ``Ping`` (either direction)."""
+    """Heartbeat (either direction): the sender had nothing else to send for
+    its interval. Nobody answers it; any frame proves its sender alive."""
 
     nonce: int
 
@@ -123,7 +117,7 @@ class Goodbye(_Msg, frozen=True, kw_only=True, tag="bye"):
     reason: str = ""
 
 
-NodeMessage = Hello | CapabilitiesUpdate | RunEvents | Ping | Pong | Goodbye
+NodeMessage = Hello | CapabilitiesUpdate | RunEvents | Ping | Goodbye
 
 
 # --- edge -> node -------------------------------------------------------------
@@ -170,7 +164,7 @@ class Cancel(_Msg, frozen=True, kw_only=True, tag="cancel"):
     message: str = ""
 
 
-EdgeMessage = Welcome | Assign | Credit | Cancel | Ping | Pong
+EdgeMessage = Welcome | Assign | Credit | Cancel | Ping
 
 _ENCODER: Final = msgspec.msgpack.Encoder()
 _NODE_DECODER: Final = msgspec.msgpack.Decoder(NodeMessage)

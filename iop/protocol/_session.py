@@ -65,14 +65,17 @@ credit (``ping``, ``pong``, ``caps``, ``bye``): those draw from a token bucket
 
 Liveness
 --------
-Any frame proves the peer alive; a peer silent for ``heartbeat_timeout_s``
-is lost (``liveness_deadline``), which detects frozen or partitioned peers
-that TCP alone would not report for minutes. Only a link that carried
-nothing recently pays for heartbeats: the edge pings a node it has not
-heard from for ``heartbeat_interval_s``, the node pings an edge it has not
-heard from for 1.5 times that, or halfway between the interval and its
-timeout if that is sooner (so on an idle link the edge's ping and the
-node's pong are the only frames), and each answers a ping with a pong.
+Any frame proves the peer alive, and only a link that carried nothing
+recently pays for heartbeats: each side sends a ``Ping`` when it has sent
+nothing else for its interval, and nobody answers one (a ping is "I am
+alive", not a question). The node's interval is ``heartbeat_interval_s``
+and the edge loses a node silent for ``heartbeat_timeout_s``
+(``liveness_deadline``), which detects frozen or partitioned nodes that TCP
+alone would not report for minutes. The edge pings a node it has sent
+nothing to for ``heartbeat_timeout_s``, and the node loses an edge silent
+for ``EDGE_SILENCE_FACTOR`` times that. So an idle link costs the edge one
+frame received per ``heartbeat_interval_s`` and one sent per
+``heartbeat_timeout_s``, and a busy one nothing.
 
 Link states::
 
@@ -117,7 +120,6 @@ from iop.protocol._messages import (
     Goodbye,
     Hello,
     Ping,
-    Pong,
     RunEvents,
     Welcome,
     array_header,
@@ -138,9 +140,9 @@ __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
     "DEFAULT_MAX_HELLO_BYTES",
     "DEFAULT_RUN_WINDOW",
+    "EDGE_SILENCE_FACTOR",
     "LEGACY_MAX_FRAME_BYTES",
     "MIN_PEER_FRAME_BYTES",
-    "NODE_PING_FACTOR",
     "RELEASED_RUNS_REMEMBERED",
     "RUN_BACKLOG",
     "AssignReceived",
@@ -182,9 +184,9 @@ DEFAULT_MAX_FRAME_BYTES: Final = 17 * 1024 * 1024
 # What a peer that sent no limit accepts: trio-websocket's max_message_size
 # of nodes before ``Hello.max_frame_bytes`` existed.
 LEGACY_MAX_FRAME_BYTES: Final = 16 * 1024 * 1024
-# Messages that cost no credit (ping, pong, caps, bye) a node may send. A node
-# sends at most one pong per ping and one ping per 1.5 heartbeat intervals,
-# a caps update at most once per probe (10 s) and one bye: 50/s is 25x that,
+# Messages that cost no credit (ping, caps, bye) a node may send. A node
+# sends at most one ping per heartbeat interval, a caps update at most once
+# per probe (10 s) and one bye: 50/s is 50x that at the default interval,
 # and a burst of 1000 absorbs the heartbeats of a link that stalled for
 # minutes. A flood of 100,000 such messages is cut off after ~1000.
 DEFAULT_CONTROL_RATE_PER_S: Final = 50.0
@@ -193,10 +195,12 @@ DEFAULT_CONTROL_BURST: Final = 1000
 # dropped). Late events arrive within a round trip of the cancel; 4096 covers
 # a drain that cancels thousands of runs at once, at ~100 bytes an entry.
 RELEASED_RUNS_REMEMBERED: Final = 4096
-# The node pings an edge it has not heard from for this many heartbeat
-# intervals: later than the edge would, so that on an idle link only the
-# edge pings (and the node pongs).
-NODE_PING_FACTOR: Final = 1.5
+# The node loses an edge silent for this many times the edge's ping interval
+# (``heartbeat_timeout_s``): the edge pings only a node it sent nothing to
+# for that long, and a ping may be a whole interval late on a loaded edge.
+# The edge's own detection of a lost node is the tight one (2 s); a frozen
+# edge is noticed by its nodes within 4 s at the defaults.
+EDGE_SILENCE_FACTOR: Final = 2.0
 # The smallest frame limit a peer may announce (0 means "the legacy 16 MiB"):
 # below the edge's own config minimum (``link.max_hello_bytes`` >= 1024),
 # with room for the ``event_too_large`` error (~250 bytes with its envelope)
@@ -324,19 +328,21 @@ class _TokenBucket:
 
 
 class _Outgoing:
-    """Encoded messages waiting for the next frame."""
+    """Encoded messages waiting for the next frame, and when a frame last went."""
 
-    __slots__ = ("messages",)
+    __slots__ = ("last_sent", "messages")
 
-    def __init__(self) -> None:
+    def __init__(self, now: float) -> None:
         self.messages: list[bytes] = []
+        self.last_sent = now
 
-    def frames(self, limit: int) -> list[bytes]:
+    def frames(self, limit: int, now: float) -> list[bytes]:
         """Everything queued, packed into frames of at most ``limit`` bytes."""
         messages = self.messages
         if not messages:
             return []
         self.messages = []
+        self.last_sent = now
         room = limit - _BATCH_HEADER_MAX
         frames: list[bytes] = []
         current: list[bytes] = []
@@ -356,8 +362,10 @@ class EdgeSession:
 
     Args:
         tokens: Node tokens accepted (compared in constant time).
-        heartbeat_interval_s: Silence of the node after which the edge pings.
-        heartbeat_timeout_s: Silence after which the node is lost.
+        heartbeat_interval_s: How long the node may send nothing before it
+            pings (told to it in the welcome).
+        heartbeat_timeout_s: Silence after which the node is lost; also how
+            long the edge sends nothing to the node before it pings.
         now: The current time.
         max_hello_bytes: Largest frame before the hello is accepted.
         max_frame_bytes: Largest frame after it (sent to the node in the welcome).
@@ -387,13 +395,12 @@ class EdgeSession:
         self.state = LinkState.AWAIT_HELLO
         self.node_id = ""
         self.last_seen = now
-        self._last_ping = now
         # Runs the edge still wants (ASSIGNED, STREAMING), and the ENDING
         # ones whose late events are still expected, oldest first.
         self._runs: dict[str, RunLink] = {}
         self._ending: OrderedDict[str, RunLink] = OrderedDict()
         self._control = _TokenBucket(control_rate_per_s, control_burst, now)
-        self._out = _Outgoing()
+        self._out = _Outgoing(now)
         self._nonce = 0
 
     # --- state --------------------------------------------------------------
@@ -411,8 +418,8 @@ class EdgeSession:
 
     @property
     def next_ping_at(self) -> float:
-        """When ``tick`` will next queue a ping (if nothing is heard meanwhile)."""
-        return max(self.last_seen, self._last_ping) + self.heartbeat_interval_s
+        """When ``tick`` will next queue a ping (if nothing is sent meanwhile)."""
+        return self._out.last_sent + self.heartbeat_timeout_s
 
     @property
     def next_tick_at(self) -> float:
@@ -472,11 +479,9 @@ class EdgeSession:
                     f"({type(msg).__name__} after the burst was spent)",
                     close_code=CLOSE_RATE,
                 )
-            if isinstance(msg, Pong):
-                continue
             if isinstance(msg, Ping):
-                self._out.messages.append(encode(Pong(nonce=msg.nonce)))
-            elif isinstance(msg, CapabilitiesUpdate):
+                continue
+            if isinstance(msg, CapabilitiesUpdate):
                 events.append(CapabilitiesChanged(msg.instances))
             elif isinstance(msg, Goodbye):
                 events.append(NodeDraining(msg.reason))
@@ -632,15 +637,14 @@ class EdgeSession:
         return True
 
     def tick(self, now: float) -> None:
-        """Queue a ping if the node has been silent for ``heartbeat_interval_s``."""
-        if self.state is LinkState.OPEN and now >= self.next_ping_at:
+        """Queue a ping if nothing went to the node for ``heartbeat_timeout_s``."""
+        if self.state is LinkState.OPEN and now >= self.next_ping_at and not self._out.messages:
             self._nonce += 1
-            self._last_ping = now
             self._out.messages.append(encode(Ping(nonce=self._nonce)))
 
     def data_to_send(self, now: float) -> list[bytes]:
         """Everything queued, in as few frames as the node accepts."""
-        return self._out.frames(self.peer_max_frame_bytes)
+        return self._out.frames(self.peer_max_frame_bytes, now)
 
     def close(self) -> frozenset[str]:
         """Mark the link closed; return the runs the edge still wanted."""
@@ -692,7 +696,6 @@ class NodeSession:
         self._token = token
         self.state = LinkState.AWAIT_WELCOME
         self.last_seen = now
-        self._last_ping = now
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.heartbeat_interval_s = heartbeat_timeout_s / 2
         self._runs: dict[str, RunLink] = {}
@@ -704,7 +707,7 @@ class NodeSession:
         self._held_new: dict[str, None] = {}
         self._flush_check_at = now
         self._cut_off: list[str] = []
-        self._out = _Outgoing()
+        self._out = _Outgoing(now)
         self._nonce = 0
 
     # --- state --------------------------------------------------------------
@@ -715,16 +718,8 @@ class NodeSession:
 
     @property
     def next_ping_at(self) -> float:
-        # Never as late as the deadline: a timeout below 1.5 intervals is a
-        # valid configuration, and an edge that hears the node streaming
-        # does not ping it, so the node's own ping is all that proves the
-        # edge alive. Halfway between the edge's interval and the timeout
-        # leaves the pong as much time as the edge's ping gets.
-        interval = min(
-            self.heartbeat_interval_s * NODE_PING_FACTOR,
-            (self.heartbeat_interval_s + self.heartbeat_timeout_s) / 2,
-        )
-        return max(self.last_seen, self._last_ping) + interval
+        """When ``tick`` will next queue a ping (if nothing is sent meanwhile)."""
+        return self._out.last_sent + self.heartbeat_interval_s
 
     @property
     def next_tick_at(self) -> float:
@@ -792,7 +787,8 @@ class NodeSession:
             ):
                 raise LinkProtocolError("welcome with a negative limit or timeout")
             self.state = LinkState.OPEN
-            self.heartbeat_timeout_s = welcome.heartbeat_timeout_s
+            # The edge pings every heartbeat_timeout_s of its own silence.
+            self.heartbeat_timeout_s = welcome.heartbeat_timeout_s * EDGE_SILENCE_FACTOR
             self.heartbeat_interval_s = welcome.heartbeat_interval_s
             if welcome.max_frame_bytes:
                 self.peer_max_frame_bytes = welcome.max_frame_bytes
@@ -809,8 +805,6 @@ class NodeSession:
                 self._cancel(msg.run_id)
                 events.append(CancelReceived(msg))
             elif isinstance(msg, Ping):
-                self._out.messages.append(encode(Pong(nonce=msg.nonce)))
-            elif isinstance(msg, Pong):
                 pass
             else:
                 raise LinkProtocolError(f"unexpected {type(msg).__name__} on an open link")
@@ -909,13 +903,12 @@ class NodeSession:
         self._out.messages.append(encode(Goodbye(reason=reason)))
 
     def tick(self, now: float) -> None:
-        """Queue a ping if the edge has been silent for a while (``next_ping_at``);
+        """Queue a ping if nothing went to the edge for ``heartbeat_interval_s``;
         make the events collected runs held since before the last check sendable."""
         if self.state is not LinkState.OPEN:
             return
-        if now >= self.next_ping_at:
+        if now >= self.next_ping_at and not self.has_data_to_send:
             self._nonce += 1
-            self._last_ping = now
             self._out.messages.append(encode(Ping(nonce=self._nonce)))
         if now >= self._flush_check_at:
             for run_id in self._held_old:
@@ -953,7 +946,7 @@ class NodeSession:
                 del self._runs[run_id]
             elif run.phase is RunPhase.ASSIGNED:
                 run.phase = RunPhase.STREAMING
-        return self._out.frames(limit)
+        return self._out.frames(limit, now)
 
     @staticmethod
     def _take(run: RunLink) -> list[RuntimeEvent]:

@@ -27,7 +27,7 @@ from iop.protocol import (
     CLOSE_TOO_BIG,
     LinkClosed,
     NodeSession,
-    Pong,
+    Ping,
     RunEvents,
     encode,
     encode_batch,
@@ -170,9 +170,9 @@ def _cpu_s(pid: int) -> float:
 
 
 async def _flood(url: str, count: int) -> tuple[int, int | None, str]:
-    """Say hello as a valid node, then send ``count`` pongs; (sent, close code, reason)."""
+    """Say hello as a valid node, then send ``count`` pings; (sent, close code, reason)."""
     session = NodeSession(node_id="flooder", token=TOKEN, now=0.0)
-    pong = encode_batch([encode(Pong(nonce=1))])
+    pong = encode_batch([encode(Ping(nonce=1))])
     sent = 0
     async with open_ws_link(url) as chan:
         try:
@@ -196,7 +196,7 @@ def test_a_flooding_node_is_cut_off(procs: Procs) -> None:
     cpu0 = _cpu_s(edge.proc.pid)
     sent, code, reason = trio.run(_flood, edge.link_url, 100_000)
     cpu = _cpu_s(edge.proc.pid) - cpu0
-    print(f"\nflood: {sent} pongs sent before the close ({code} {reason}); edge CPU {cpu:.2f} s")
+    print(f"\nflood: {sent} pings sent before the close ({code} {reason}); edge CPU {cpu:.2f} s")
     assert code == CLOSE_RATE
     assert sent < 100_000
     edge.proc.wait_stderr(r"node flooder broke the protocol: .*message rate.*\(close 4429\)", 10)

@@ -5,7 +5,8 @@ kills or freezes them. The backend is the session's sim.
 
 What the docs promise (docs/protocol.md, "Liveness" and "What happens to runs
 when a link dies"): a killed node is detected at once (the kernel closes its
-socket), a frozen one within ``heartbeat_timeout_s`` (1.5 s; "within 2 s");
+socket), a frozen one within ``heartbeat_timeout_s`` (2 s) of its last frame;
+a frozen edge is given up by its nodes within twice that (4 s);
 a run that had produced output ends with ``Cancelled(node_lost)``, which a
 streaming client sees as an SSE error object; a run without output yet is
 retried on another node.

@@ -27,6 +27,7 @@ from iop.protocol import (
     LinkClosed,
     NodeMessage,
     NodeSession,
+    Ping,
     Welcomed,
     encode,
     encode_batch,
@@ -104,13 +105,19 @@ class FakeNode:
                         self.cancels.append(ev)
                     elif isinstance(ev, CreditReceived):
                         self.credits.append(ev)
-                # Pongs to the edge's pings (dropped when told not to answer).
-                pongs = self.session.data_to_send(trio.current_time())
-                if self.answer_pings:
-                    for out in pongs:
-                        await self.chan.send(out)
+
         except LinkClosed as exc:
             self.closed = exc
+
+    async def keepalive(self) -> None:
+        """A quiet node's heartbeat (none when told not to answer, as if frozen)."""
+        try:
+            while True:
+                await trio.sleep(config().link.heartbeat_interval_s)
+                if self.answer_pings:
+                    await self.chan.send(frame(Ping(nonce=0)))
+        except LinkClosed:
+            return
 
     async def send(self, run_id: str, *events: RuntimeEvent) -> None:
         """Queue ``events`` and send what the run's credit lets go."""
@@ -138,6 +145,7 @@ async def connect(
     node = FakeNode(node_end, node_id)
     await node.hello(instances)
     nursery.start_soon(node.serve)
+    nursery.start_soon(node.keepalive)
     await trio.testing.wait_all_tasks_blocked()
     return node
 

@@ -55,7 +55,6 @@ from iop.protocol import (
     NodeJoined,
     NodeSession,
     Ping,
-    Pong,
     RunEvents,
     RunEventsReceived,
     RunLink,
@@ -73,6 +72,7 @@ from iop.protocol._messages import array_header
 from iop.protocol._session import (
     COLLECT_FLUSH_S,
     COLLECT_MERGE_CHARS,
+    EDGE_SILENCE_FACTOR,
     MIN_PEER_FRAME_BYTES,
     EdgeLinkEvent,
     NodeLinkEvent,
@@ -149,7 +149,8 @@ def test_handshake() -> None:
     assert edge.state is LinkState.OPEN
     assert node.state is LinkState.OPEN
     assert edge.node_id == "n1"
-    assert node.heartbeat_timeout_s == 1.5
+    # The edge pings every timeout of its silence; the node forgives two late pings.
+    assert node.heartbeat_timeout_s == 1.5 * EDGE_SILENCE_FACTOR
     assert node.heartbeat_interval_s == 0.5
     assert PROTOCOL_VERSION == 3
 
@@ -279,12 +280,12 @@ def test_frames_after_close_are_protocol_errors() -> None:
 )
 def test_batch_array_header_forms(n: int, header: bytes) -> None:
     assert array_header(n) == header
-    pong = encode(Pong(nonce=1))
-    frame = encode_batch([pong] * n)
-    assert frame == header + pong * n
-    assert msgspec.msgpack.decode(frame) == [{"t": "pong", "nonce": 1}] * n
-    assert decode_node_batch(frame) == [Pong(nonce=1)] * n
-    assert decode_edge_batch(frame) == [Pong(nonce=1)] * n
+    ping = encode(Ping(nonce=1))
+    frame = encode_batch([ping] * n)
+    assert frame == header + ping * n
+    assert msgspec.msgpack.decode(frame) == [{"t": "ping", "nonce": 1}] * n
+    assert decode_node_batch(frame) == [Ping(nonce=1)] * n
+    assert decode_edge_batch(frame) == [Ping(nonce=1)] * n
 
 
 def test_data_to_send_frames_are_arrays_of_messages() -> None:
@@ -317,11 +318,11 @@ def test_an_empty_array_after_the_handshake_is_a_protocol_error(frame: bytes) ->
         b"",
         b"\xff\xff",
         b"\x81\xa1t\xa5nope!",
-        encode(Pong(nonce=1)),
-        encode(RunEvents(run_id="r", seq=0, events=[Delta("x")])),
         encode(Ping(nonce=1)),
+        encode(RunEvents(run_id="r", seq=0, events=[Delta("x")])),
+        encode(Goodbye(reason="bare")),
         b"\x91\x81\xa1t\xa5nope!",
-        b"\x92" + encode(Pong(nonce=1)),  # an array shorter than its header says
+        b"\x92" + encode(Ping(nonce=1)),  # an array shorter than its header says
     ],
 )
 def test_a_non_array_or_malformed_frame_after_the_handshake_is_a_protocol_error(
@@ -393,14 +394,13 @@ def test_run_events_round_trip(run_id: str, seq: int, evs: list[RuntimeEvent]) -
             st.builds(Credit, run_id=texts, credit=st.integers(1, 2**31)),
             st.builds(Cancel, run_id=texts, reason=st.sampled_from(list(CancelReason))),
             st.builds(Ping, nonce=st.integers(0, 2**63)),
-            st.builds(Pong, nonce=st.integers(0, 2**63)),
             st.builds(Assign, run_id=texts, instance=texts, spec=st.just(SPEC), credit=st.just(3)),
         ),
         min_size=1,
         max_size=20,
     )
 )
-def test_edge_batches_round_trip(msgs: list[Credit | Cancel | Ping | Pong | Assign]) -> None:
+def test_edge_batches_round_trip(msgs: list[Credit | Cancel | Ping | Assign]) -> None:
     assert decode_edge_batch(encode_batch([encode(m) for m in msgs])) == msgs
 
 
@@ -466,8 +466,8 @@ def test_control_messages_draw_from_a_token_bucket() -> None:
     open_pair(edge, node)
     edge.assign("r1", "sim", SPEC, credit=100)
     to_node(edge, node)
-    pong = encode(Pong(nonce=1))
-    edge.receive(encode_batch([pong, pong]), now=0)
+    ping = encode(Ping(nonce=1))
+    edge.receive(encode_batch([ping, ping]), now=0)
     # Events cost credit, not control tokens.
     for seq in range(20):
         edge.receive(events_frame("r1", seq, [Delta("x")]), now=0)
@@ -478,10 +478,10 @@ def test_control_messages_draw_from_a_token_bucket() -> None:
     # Tokens come back at the rate: one after half a second.
     edge2, node2 = pair(control_rate_per_s=2.0, control_burst=1)
     open_pair(edge2, node2)
-    edge2.receive(encode_batch([pong]), now=0)
-    edge2.receive(encode_batch([pong]), now=0.5)
+    edge2.receive(encode_batch([ping]), now=0)
+    edge2.receive(encode_batch([ping]), now=0.5)
     with pytest.raises(LinkLimitError):
-        edge2.receive(encode_batch([pong]), now=0.6)
+        edge2.receive(encode_batch([ping]), now=0.6)
 
 
 def test_a_flood_in_one_frame_is_cut_off() -> None:
@@ -998,10 +998,10 @@ def test_one_frame_carries_every_run_and_control_message() -> None:
     edge, node = open_pair()
     for r in ("a", "b", "c"):
         edge.assign(r, "sim", SPEC, credit=8)
-    edge.receive(encode_batch([encode(Ping(nonce=9))]), now=0)
+    edge.tick(10.0)  # nothing sent for heartbeat_timeout_s, but three assigns queued
     [frame] = edge.data_to_send(0)
     msgs = decode_edge_batch(frame)
-    assert [type(m) for m in msgs] == [Assign, Assign, Assign, Pong]
+    assert [type(m) for m in msgs] == [Assign, Assign, Assign]
     to_node_events: list[NodeLinkEvent] = node.receive(frame, now=0)
     assert [ev.assign.run_id for ev in to_node_events if isinstance(ev, AssignReceived)] == [
         "a",
@@ -1044,9 +1044,9 @@ def test_edge_control_messages_of_many_runs_share_one_frame() -> None:
     edge.consumed("a", 1)
     edge.cancel("b", CancelReason.EXPLICIT)
     edge.assign("c", "sim", SPEC)
-    edge.tick(10.0)
+    edge.tick(10.0)  # long silent, but it has something to say: no ping
     [frame] = edge.data_to_send(10.0)
-    assert [type(m) for m in decode_edge_batch(frame)] == [Credit, Cancel, Assign, Ping]
+    assert [type(m) for m in decode_edge_batch(frame)] == [Credit, Cancel, Assign]
 
 
 def test_a_batch_larger_than_a_frame_is_split_in_order() -> None:
@@ -1182,50 +1182,60 @@ def pings(frames: list[bytes], decode: object = decode_edge_batch) -> list[int]:
     return out
 
 
-def test_the_edge_pings_only_after_a_heartbeat_interval_of_silence() -> None:
+def test_the_edge_pings_only_after_heartbeat_timeout_s_of_sending_nothing() -> None:
     edge, _ = open_pair()
-    assert edge.next_ping_at == 0.5
-    edge.tick(0.49)
-    assert edge.data_to_send(0.49) == []
-    edge.tick(0.5)
-    assert pings(edge.data_to_send(0.5)) == [1]
-    edge.tick(0.9)  # one ping per interval of silence
-    assert edge.data_to_send(0.9) == []
-    edge.tick(1.0)
-    assert pings(edge.data_to_send(1.0)) == [2]
+    assert edge.next_ping_at == 1.5
+    edge.tick(1.49)
+    assert edge.data_to_send(1.49) == []
+    edge.tick(1.5)
+    assert pings(edge.data_to_send(1.5)) == [1]
+    edge.tick(2.9)  # one ping per timeout of silence
+    assert edge.data_to_send(2.9) == []
+    edge.tick(3.0)
+    assert pings(edge.data_to_send(3.0)) == [2]
 
 
-def test_the_edge_does_not_ping_a_node_it_hears_from() -> None:
+def test_the_edge_does_not_ping_while_it_sends() -> None:
+    """Credit to a streaming node proves the edge alive: no heartbeat."""
     edge, node = open_pair()
-    edge.assign("r1", "sim", SPEC, credit=1000)
+    edge.assign("r1", "sim", SPEC, credit=4)
     to_node(edge, node)
     t = 0.0
     for _ in range(50):
         t += 0.3
         node.push("r1", Delta("x"))
+        node.push("r1", Delta("y"))
+        to_edge(node, edge, now=t)
+        assert edge.consumed("r1", 2)
+        edge.tick(t)
+        assert pings(edge.data_to_send(t)) == []
+
+
+def test_the_edge_pings_a_node_it_hears_from_but_sends_nothing_to() -> None:
+    # A node streaming to a slow client gets no credit: it must still hear
+    # from the edge before its own (longer) deadline.
+    edge, node = assigned(credit=10_000)
+    for step in range(1, 41):
+        t = step / 10
+        node.push("r1", Delta("x"))
         to_edge(node, edge, now=t)
         edge.tick(t)
-        assert edge.data_to_send(t) == []
+        to_node(edge, node, now=t)
+        assert t < node.liveness_deadline
+    assert node.liveness_deadline - 4.0 > 1.5 * EDGE_SILENCE_FACTOR - 1.5
 
 
-def test_the_edge_pings_a_node_it_does_not_hear_from_though_it_sends() -> None:
-    # The edge's own frames prove nothing about the node.
-    edge, _ = open_pair()
-    edge.assign("r1", "sim", SPEC)
-    edge.data_to_send(0.4)
-    edge.tick(0.5)
-    assert pings(edge.data_to_send(0.5)) == [1]
-
-
-def test_the_node_pings_after_one_and_a_half_intervals_of_silence() -> None:
+def test_the_node_pings_after_heartbeat_interval_s_of_sending_nothing() -> None:
     _, node = open_pair()
-    assert node.next_ping_at == pytest.approx(0.75)
-    node.tick(0.7)
-    assert node.data_to_send(0.7) == []
-    node.tick(0.75)
-    assert pings(node.data_to_send(0.75), decode_node_batch) == [1]
+    assert node.next_ping_at == pytest.approx(0.5)
+    node.tick(0.49)
+    assert node.data_to_send(0.49) == []
+    node.tick(0.5)
+    assert pings(node.data_to_send(0.5), decode_node_batch) == [1]
+    node.tick(0.9)
+    assert node.data_to_send(0.9) == []
     node.tick(1.0)
-    assert node.data_to_send(1.0) == []
+    assert pings(node.data_to_send(1.0), decode_node_batch) == [2]
 
 
 def test_the_node_does_not_ping_before_it_is_welcomed() -> None:
@@ -1237,7 +1247,9 @@ def test_the_node_does_not_ping_before_it_is_welcomed() -> None:
     assert edge.data_to_send(100.0) == []
 
 
-def test_on_an_idle_link_only_the_edge_pings() -> None:
+def test_an_idle_link_costs_one_ping_per_interval_from_the_node_and_per_timeout_from_the_edge() -> (
+    None
+):
     edge, node = open_pair()
     edge_pings = node_pings = 0
     for step in range(1, 201):
@@ -1252,44 +1264,43 @@ def test_on_an_idle_link_only_the_edge_pings() -> None:
             edge.receive(f, t)
         assert edge.liveness_deadline > t
         assert node.liveness_deadline > t
-    assert node_pings == 0
-    assert edge_pings == 20
+    assert node_pings == 20  # 10 s / heartbeat_interval_s
+    assert edge_pings == 6  # 10 s / heartbeat_timeout_s
+    assert not edge.has_data_to_send  # a ping is never answered
+    assert not node.has_data_to_send
 
 
-def test_a_ping_is_answered_by_a_pong_in_the_next_frame() -> None:
+def test_a_ping_proves_its_sender_alive_and_asks_nothing() -> None:
     edge, node = open_pair()
-    edge.tick(0.5)
-    [ping] = edge.data_to_send(0.5)
-    assert node.receive(ping, now=0.6) == []
-    assert node.has_data_to_send
-    [pong] = node.data_to_send(0.6)
-    assert decode_node_batch(pong) == [Pong(nonce=1)]
-    assert edge.receive(pong, now=0.7) == []
-    # And the other way round.
-    node.tick(0.6 + 0.75)
-    [ping2] = node.data_to_send(1.35)
-    assert decode_node_batch(ping2) == [Ping(nonce=1)]
-    assert edge.receive(ping2, now=1.4) == []
-    [pong2] = edge.data_to_send(1.4)
-    assert decode_edge_batch(pong2) == [Pong(nonce=1)]
-    assert node.receive(pong2, now=1.5) == []
+    node.tick(0.5)
+    [ping] = node.data_to_send(0.5)
+    assert decode_node_batch(ping) == [Ping(nonce=1)]
+    assert edge.receive(ping, now=0.6) == []
+    assert edge.liveness_deadline == pytest.approx(0.6 + 1.5)
+    assert not edge.has_data_to_send
+    edge.tick(1.5)
+    [ping2] = edge.data_to_send(1.5)
+    assert decode_edge_batch(ping2) == [Ping(nonce=1)]
+    assert node.receive(ping2, now=1.6) == []
+    assert node.liveness_deadline == pytest.approx(1.6 + 1.5 * EDGE_SILENCE_FACTOR)
+    assert not node.has_data_to_send
 
 
 def test_the_liveness_deadline_moves_with_every_frame() -> None:
     edge, node = assigned(credit=100)
     assert edge.liveness_deadline == 1.5
-    assert node.liveness_deadline == 1.5
+    assert node.liveness_deadline == 1.5 * EDGE_SILENCE_FACTOR
     for t in (0.4, 1.2, 2.5):
         node.push("r1", Delta("x"))
         to_edge(node, edge, now=t)
         assert edge.liveness_deadline == pytest.approx(t + 1.5)
-        assert edge.next_ping_at == pytest.approx(t + 0.5)
+        assert node.next_ping_at == pytest.approx(t + 0.5)
         edge.consumed("r1", 50)
         to_node(edge, node, now=t + 0.1)
-        assert node.liveness_deadline == pytest.approx(t + 0.1 + 1.5)
-        assert node.next_ping_at == pytest.approx(t + 0.1 + 0.75)
+        assert node.liveness_deadline == pytest.approx(t + 0.1 + 1.5 * EDGE_SILENCE_FACTOR)
+        assert edge.next_ping_at == pytest.approx(t + 0.1 + 1.5)
     # Control messages count too.
-    edge.receive(encode_batch([encode(Pong(nonce=5))]), now=3.0)
+    edge.receive(encode_batch([encode(Ping(nonce=5))]), now=3.0)
     assert edge.liveness_deadline == pytest.approx(4.5)
 
 
@@ -1301,43 +1312,24 @@ def test_capabilities_update_and_goodbye() -> None:
     assert to_edge(node, edge) == [NodeDraining("draining")]
 
 
-def test_a_node_streaming_to_a_silent_edge_pings_before_its_deadline() -> None:
-    """The edge pings only a node it does not hear from, so a node that streams
-    while the edge has nothing to say must ping the edge itself, before its
-    liveness deadline: with a valid configuration of ``heartbeat_timeout_s``
-    below 1.5 intervals too (``LinkSettings`` only requires it above one)."""
-    edge = EdgeSession(tokens=["t0k"], heartbeat_interval_s=0.5, heartbeat_timeout_s=0.7, now=0)
-    node = NodeSession(node_id="n1", token="t0k", now=0)
-    open_pair(edge, node)
-    edge.assign("r1", "sim", SPEC, credit=10_000)
-    to_node(edge, node)
-    for step in range(1, 101):
-        t = step / 20
-        node.push("r1", Delta("x"))
-        edge.tick(t)
-        node.tick(t)
-        to_node(edge, node, now=t)
-        to_edge(node, edge, now=t)
-        to_node(edge, node, now=t)  # the pong
-        assert t < node.liveness_deadline
-        assert t < edge.liveness_deadline
-
-
 @settings(max_examples=200, deadline=None)
 @given(
     interval=st.floats(0.01, 100.0),
     factor=st.floats(1.001, 10.0),
 )
-def test_the_node_pings_before_its_liveness_deadline(interval: float, factor: float) -> None:
-    node = NodeSession(node_id="n1", token="t0k", now=0)
-    welcome = Welcome(
-        protocol_version=PROTOCOL_VERSION,
-        node_id="n1",
+def test_each_side_pings_well_before_the_other_loses_it(interval: float, factor: float) -> None:
+    """Whatever valid heartbeat settings: a quiet side's ping is due before the
+    peer's deadline for it (the edge's ping by a whole ping interval)."""
+    edge = EdgeSession(
+        tokens=["t0k"],
         heartbeat_interval_s=interval,
         heartbeat_timeout_s=interval * factor,
+        now=0,
     )
-    node.receive(encode(welcome), now=0)
-    assert interval <= node.next_ping_at < node.liveness_deadline
+    node = NodeSession(node_id="n1", token="t0k", now=0)
+    open_pair(edge, node)
+    assert node.next_ping_at < edge.liveness_deadline
+    assert edge.next_ping_at * 2 <= node.liveness_deadline
 
 
 @pytest.mark.parametrize("limit", [-1, 1, MIN_PEER_FRAME_BYTES - 1])

@@ -52,7 +52,6 @@ from iop.protocol import (
     LinkState,
     NodeSession,
     Ping,
-    Pong,
     RunEvents,
     RunEventsReceived,
     RunPhase,
@@ -71,7 +70,7 @@ RUN_IDS = ["r0", "r1", "r2"]
 
 _NODE_MESSAGES = [
     encode(CapabilitiesUpdate(instances=[CAPS])),
-    encode(Pong(nonce=1)),
+    encode(Ping(nonce=1)),
     encode(Ping(nonce=2)),
     encode(Goodbye(reason="bye")),
     *[
@@ -113,7 +112,6 @@ _EDGE_MESSAGES = [
     *[encode(Credit(run_id=r, credit=c)) for r in RUN_IDS for c in (1, 0, -2)],
     *[encode(Cancel(run_id=r, reason=CancelReason.EXPLICIT)) for r in RUN_IDS],
     encode(Ping(nonce=7)),
-    encode(Pong(nonce=7)),
 ]
 _WELCOME = encode(
     Welcome(
