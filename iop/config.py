@@ -60,7 +60,8 @@ __all__ = [
 DEFAULT_MAX_CONCURRENCY: Final = 8  # seed 003's effectiveCapacity default
 
 # 16 MiB: whole tool-call arguments arrive in one SSE line from Ollama and
-# vLLM's Mistral parser; Go's 64 KiB default broke on them (protocols.md §4).
+# vLLM's Mistral parser; Go's 64 KiB default broke on them (docs/architecture.md,
+# "Facts about the backends: SSE framing").
 # The limit still bounds what one run can make us buffer.
 DEFAULT_MAX_LINE_BYTES: Final = 16 * 1024 * 1024  # same value as iop.wire.DEFAULT_MAX_LINE_BYTES
 

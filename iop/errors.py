@@ -154,7 +154,9 @@ class ErrorCode(enum.StrEnum):
 
 
 class CancelReason(enum.StrEnum):
-    """Why a run was cancelled. Each cause has its own reason (DESIGN §2).
+    """Why a run was cancelled. Each cause has its own reason.
+
+    docs/architecture.md, "How a run is cancelled", lists the causes.
 
     The code of a cancelled run (``Cancelled.reason``, ``RunAborted.reason``,
     the ``code`` of its error body); ``iop.events`` re-exports it.

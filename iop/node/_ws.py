@@ -1,7 +1,8 @@
 """The production ``FrameChannel``: a WebSocket client on trio-websocket.
 
 One binary WebSocket message carries one link frame (``iop.protocol``). Two
-rough edges of trio-websocket 0.12.2 are handled here (trio-stack.md §4):
+rough edges of trio-websocket 0.12.2 are handled here (docs/architecture.md,
+"Facts about our dependencies: trio-websocket"):
 
 * ``disconnect_timeout`` defaults to 60 s: a frozen edge would keep the close
   handshake (and the node's reconnect) waiting a minute. We use 2 s.
@@ -46,7 +47,8 @@ log = logging.getLogger("iop.node.ws")
 # TCP connect + WebSocket upgrade. An edge that does not answer within this
 # is treated as down and retried with backoff.
 DEFAULT_CONNECT_TIMEOUT_S: Final = 10.0
-# Close handshake; trio-websocket's default is 60 s (trio-stack.md §4).
+# Close handshake; trio-websocket's default is 60 s (docs/architecture.md,
+# "Facts about our dependencies: trio-websocket").
 DISCONNECT_TIMEOUT_S: Final = 2.0
 # The default of ``open_ws_link(max_message_size=...)``; the agent passes
 # ``node.max_frame_bytes`` (told to the edge in the hello, which sends

@@ -106,7 +106,8 @@ __all__ = [
 log = logging.getLogger("iop.run")
 
 # Small and bounded: with adaptive coalescing downstream, 8-16 was the fastest
-# capacity in the spike (trio-stack.md §5e), and it caps the memory a run can
+# capacity in the trio-stack spike (docs/benchmarks.md, "Earlier measurements:
+# The trio-stack spike"), and it caps the memory a run can
 # hold whatever the backend's speed. A full channel blocks the adapter, which
 # stops reading its socket: end-to-end backpressure.
 RUN_EVENT_BUFFER: Final = 16

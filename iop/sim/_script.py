@@ -96,7 +96,8 @@ SIM_OVERRIDE_KEY: Final = "iop_sim"
 # marker a test prints, short enough to keep the answer one line.
 TOOL_RESULT_QUOTE_CHARS: Final = 200
 
-# vLLM's exact text (protocols.md §1.1; transcript vllm_400_auto_tool_choice_body.json).
+# vLLM's exact text (docs/architecture.md, "Facts about the backends: vLLM"; the
+# transcript iop/testing/transcripts/vllm_400_auto_tool_choice_body.json).
 AUTO_TOOL_CHOICE_ERROR: Final = (
     '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
 )
@@ -370,7 +371,10 @@ def _arguments_for(parameters: Any, rng: _Rng, depth: int = 0) -> dict[str, Any]
 
 
 def _check_tool_usage(request: ChatRequest) -> None:
-    """vLLM's ``check_tool_usage`` validations (protocols.md §1.1)."""
+    """vLLM's ``check_tool_usage`` validations.
+
+    docs/architecture.md, "Facts about the backends: vLLM".
+    """
     choice = request.tool_choice
     if choice is None:
         return
@@ -393,7 +397,10 @@ def _check_tool_usage(request: ChatRequest) -> None:
 
 
 def _check_tool_gate(request: ChatRequest, cfg: SimConfig) -> None:
-    """vLLM without ``--enable-auto-tool-choice --tool-call-parser`` (protocols.md §1.1)."""
+    """vLLM without ``--enable-auto-tool-choice --tool-call-parser``.
+
+    docs/architecture.md, "Facts about the backends: vLLM".
+    """
     if cfg.auto_tool_choice or not request.tools:
         return
     # Sending tools without tool_choice is tool_choice "auto" to vLLM.
@@ -529,7 +536,8 @@ def build_script(request: ChatRequest, config: SimConfig) -> SimScript:
                 steps.append(ToolCallBegin(call_id, name))
                 steps.extend(ToolArgs(f) for f in _fragments(args_text))
                 # vLLM main: "tool_calls" for auto/required, "stop" for a named
-                # choice (OpenAI's behaviour; protocols.md §1.3).
+                # choice (OpenAI's behaviour; docs/architecture.md, "Facts about
+                # the backends: vLLM").
                 if not isinstance(choice, NamedToolChoice):
                     finish = FinishReason.TOOL_CALLS
             else:

@@ -15,7 +15,8 @@ inputs) and honours the same injected failures as a non-streamed chat
 answer, so that cancelling it can be tested the same way.
 
 Streams are async generators that only ``trio.sleep`` and ``yield`` bytes
-(no nursery or cancel scope around a ``yield``, trio-stack.md §2 P4). A
+(no nursery or cancel scope around a ``yield``: docs/architecture.md, "Facts
+about our dependencies: quart and quart-trio"). A
 client that disconnects makes quart-trio cancel the generator, whose
 ``finally`` counts it in ``app.sim_stats``: tests assert that the server saw
 the client go away, which is what makes a real vLLM abort the generation.
@@ -220,7 +221,8 @@ def create_sim_app(cfg: SimConfig) -> SimApp:
     """
     app = SimApp(cfg)
     # Quart's 60 s response timeout would silently cut long streams
-    # (trio-stack.md §2 P1); run deadlines belong to the client.
+    # (docs/architecture.md, "Facts about our dependencies: quart and
+    # quart-trio"); run deadlines belong to the client.
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["MAX_CONTENT_LENGTH"] = MAX_REQUEST_BYTES
     stats = app.sim_stats

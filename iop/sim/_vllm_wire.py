@@ -1,7 +1,8 @@
 """vLLM's OpenAI-compatible wire format, byte for byte (sans-IO).
 
-Encodes a ``SimScript`` the way vLLM's server sends it (protocols.md §1,
-transcripts ``vllm_*.txt``):
+Encodes a ``SimScript`` the way vLLM's server sends it (docs/architecture.md,
+"Facts about the backends: vLLM"; the transcripts
+``iop/testing/transcripts/vllm_*.txt``):
 
 * chunks are compact JSON with pydantic's field order: ``id, object,
   created, model, choices``; a choice is ``index, delta, logprobs,
@@ -210,7 +211,10 @@ def injected_http_error(cfg: SimConfig, *, authorization: str = "") -> tuple[int
 
 
 class _Chunks:
-    """Pre-encoded chunk templates for one response (trio-stack.md §5e)."""
+    """Pre-encoded chunk templates for one response.
+
+    docs/benchmarks.md, "Earlier measurements: The trio-stack spike".
+    """
 
     def __init__(self, script: SimScript, created: int) -> None:
         head = (
@@ -272,7 +276,8 @@ def _usage(script: SimScript) -> dict[str, Any]:
         "completion_tokens": completion,
     }
     if script.reasoning_tokens:
-        # vLLM main with a reasoning parser (PR #45802, protocols.md §1.6).
+        # vLLM main with a reasoning parser (PR #45802; docs/architecture.md,
+        # "Facts about the backends: Usage").
         usage["completion_tokens_details"] = {"reasoning_tokens": script.reasoning_tokens}
     return usage
 
@@ -398,7 +403,10 @@ def completion_body(script: SimScript, *, created: int) -> bytes:
 
 
 def models_body(model: str, *, created: int) -> bytes:
-    """vLLM's ``GET /v1/models`` body for one served model (protocols.md §1.8)."""
+    """vLLM's ``GET /v1/models`` body for one served model.
+
+    docs/architecture.md, "Facts about the backends: vLLM".
+    """
     perm_id = "modelperm-" + hashlib.sha256(model.encode()).hexdigest()[:32]
     card = {
         "id": model,

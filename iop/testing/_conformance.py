@@ -116,7 +116,8 @@ STALL_DEADLINE_S: Final = 0.25
 # is about the reason, not about scheduler jitter on a busy machine.
 DEADLINE_SLACK_S: Final = 5.0
 # Longest accepted time from a run's cancellation to the backend seeing its
-# socket close. Measured well under 1 ms on loopback (trio-stack.md §3a).
+# socket close. Measured well under 1 ms on loopback (docs/benchmarks.md,
+# "Earlier measurements: The trio-stack spike").
 UPSTREAM_CLOSE_BOUND_S: Final = 2.0
 # An error message relayed from a backend stays bounded whatever the body's
 # size: a 4 KiB excerpt (seed 000/003) plus our prefix.

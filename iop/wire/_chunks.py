@@ -2,8 +2,9 @@
 
 Only the fields IOP reads are declared: msgspec skips the rest without
 building objects for them, which makes a typed decode about 8x cheaper than
-``json.loads`` (trio-stack.md §5b). Every field is optional and tolerant of
-``null`` because backends disagree on what they send (protocols.md §3.6).
+``json.loads`` (docs/benchmarks.md, "Earlier measurements: The trio-stack
+spike"). Every field is optional and tolerant of ``null`` because backends
+disagree on what they send (docs/architecture.md, "Facts about the backends").
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class ChunkToolCall(msgspec.Struct, frozen=True, omit_defaults=True):
 class ChunkDelta(msgspec.Struct, frozen=True):
     content: str | None = None
     # vLLM <= 0.11.0, llama.cpp, SGLang: reasoning_content; vLLM >= 0.16 and
-    # Ollama: reasoning; vLLM 0.11.1-0.15 sends both (protocols.md §0.3).
+    # Ollama: reasoning; vLLM 0.11.1-0.15 sends both (docs/architecture.md,
+    # "Facts about the backends: Reasoning fields").
     reasoning_content: str | None = None
     reasoning: str | None = None
     tool_calls: list[ChunkToolCall] | None = None
@@ -87,7 +89,8 @@ class ChatChunk(msgspec.Struct, frozen=True):
     in-stream error object.
 
     vLLM, SGLang, new llama.cpp and Lemonade report mid-stream failures as
-    ``data: {"error": ...}`` (protocols.md §4), so ``error`` is checked before
+    ``data: {"error": ...}`` (docs/architecture.md, "Facts about the backends:
+    SSE framing"), so ``error`` is checked before
     the chunk is treated as one.
     """
 

@@ -1,6 +1,7 @@
 """Backend error bodies, normalised (sans-IO).
 
-Backends disagree on how an error looks (protocols.md §0.7, §3.6):
+Backends disagree on how an error looks (docs/architecture.md, "Facts about
+the backends: Error bodies"):
 
 * vLLM >= 0.10.1: ``{"error": {"message", "type", "param", "code": <int>}}``
 * vLLM <= 0.10.0, SGLang: flat ``{"object": "error", "message", "type", "code": <int>}``

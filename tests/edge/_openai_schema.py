@@ -5,8 +5,8 @@
 2.3.0). OpenAPI 3.1 *is* JSON Schema 2020-12, except that the upstream
 document still uses the OpenAPI-3.0 keyword ``nullable: true`` in 111 places,
 which JSON Schema ignores: validated raw, every chunk with
-``"finish_reason": null`` fails (protocols.md §2.4). ``rewrite_nullable``
-turns that keyword into real null types, exactly as protocols.md describes:
+``"finish_reason": null`` fails (docs/testing.md, "OpenAI's schemas").
+``rewrite_nullable`` turns that keyword into real null types:
 
 * next to ``type``: ``"null"`` is added to the type (and ``None`` to an
   ``enum``, if there is one, since an enum constrains the value too);

@@ -125,7 +125,8 @@ def test_eof_without_done_is_an_error() -> None:
 
 
 def test_unterminated_final_done_is_accepted() -> None:
-    # protocols.md §4.7: a final `data: [DONE]` missing its blank line.
+    # A final `data: [DONE]` missing its blank line (docs/architecture.md,
+    # "Facts about the backends: SSE framing").
     data = transcript("vllm_text_stream_with_usage.txt").rstrip(b"\n")
     events, done = run(data)
     assert text(events) == "Hello! How can I help you today?"

@@ -23,15 +23,16 @@ fed after that is a bug and raises ``InvariantError``.
 
 Per content delta (the hot path) the stream does no dict building: the SSE
 line is ``prefix + msgspec.json.encode(text) + suffix`` with both byte strings
-computed once per stream (trio-stack.md §5b: ~0.14 µs against ~0.7 µs for
-dict + encode + framing). ``feed_many`` joins the bytes of several events so
-the HTTP layer can coalesce what is queued into one send (§5e).
+computed once per stream (~0.14 µs against ~0.7 µs for dict + encode +
+framing; docs/benchmarks.md, "Earlier measurements: The trio-stack spike").
+``feed_many`` joins the bytes of several events so the HTTP layer can
+coalesce what is queued into one send (same section).
 
-The wire format is OpenAI's (protocols.md §2.2): every choice carries
-``"logprobs":null`` and ``"finish_reason":null`` until the finish chunk
-``{"delta":{},"finish_reason":...}``; with ``stream_options.include_usage``
-every chunk carries ``"usage":null`` and one last chunk with ``"choices":[]``
-carries the usage. Errors after the headers are ``data: {"error": {...}}`` in
+The wire format is OpenAI's (docs/api.md, "Chat Completions: The stream"):
+every choice carries ``"logprobs":null`` and ``"finish_reason":null`` until
+the finish chunk ``{"delta":{},"finish_reason":...}``; with
+``stream_options.include_usage`` every chunk carries ``"usage":null`` and one
+last chunk with ``"choices":[]`` carries the usage. Errors after the headers are ``data: {"error": {...}}`` in
 OpenAI's error shape, which the official SDK raises as ``APIError``, then
 ``data: [DONE]``.
 
@@ -271,7 +272,8 @@ class ChatCompletionStream:
         self._done: ShapedDone | None = None
         self._include_usage = bool(request.stream_options and request.stream_options.include_usage)
 
-        # Pre-encoded templates (trio-stack.md §5b): only the text is encoded per chunk.
+        # Pre-encoded templates (docs/api.md, "Chat Completions: The stream"): only
+        # the text is encoded per chunk.
         head = b"".join(
             (
                 b'data: {"id":',
