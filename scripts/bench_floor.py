@@ -1,0 +1,202 @@
+"""The floor under IOP's hot path: what trio, h11, wsproto and msgspec cost alone.
+
+A streamed token crosses, at the least, one socket read and one task wake-up
+on the node (the backend's chunk), one WebSocket frame each way of the link
+(shared by every token queued at that moment), and one task wake-up and one
+socket write on the edge (the client's SSE chunk, which cannot be shared:
+each client has its own connection). This script measures each of those
+operations alone, in one process, on this machine, so that
+docs/benchmarks.md can say how much of IOP's per-token CPU is the floor of
+the libraries it is built on and how much is IOP.
+
+Measured (median of --repeat runs of --n operations each, µs per operation):
+
+* ``socket round trip``: a 100-byte ``send`` on one end of a trio
+  socketpair and the ``receive_some`` on the other, by two tasks: two
+  socket operations, two task wake-ups and the epoll calls between them;
+* ``socket send (writable)``: a 100-byte ``send_all`` on a socket whose
+  buffer has room, the reader draining in bulk: the cost of one write;
+* ``task hop``: a ``MemorySendChannel.send`` that wakes a task blocked in
+  ``receive``: one scheduler round trip;
+* ``cancel scope``: entering and leaving ``trio.move_on_after``;
+* ``h11 chunk``: h11 framing one 100-byte chunk of a chunked response;
+* ``wsproto frame``: wsproto framing a 100-byte binary message and parsing
+  it back;
+* ``msgspec batch``: encoding and decoding a link frame of 32 one-token
+  ``events`` messages, per message.
+
+Usage::
+
+    python scripts/bench_floor.py            # about 10 s
+    python scripts/bench_floor.py --n 20000 --repeat 5 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+
+import h11
+import msgspec
+import trio
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import BytesMessage
+
+from iop.events import Delta
+from iop.protocol import RunEvents, decode_node_batch, encode, encode_batch
+
+PAYLOAD = b"x" * 100
+
+
+async def socket_round_trip(n: int) -> float:
+    a, b = trio.socket.socketpair()
+    sa, sb = trio.SocketStream(a), trio.SocketStream(b)
+    t0 = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+
+        async def echo() -> None:
+            for _ in range(n):
+                await sb.receive_some(65536)
+                await sb.send_all(PAYLOAD)
+
+        nursery.start_soon(echo)
+        for _ in range(n):
+            await sa.send_all(PAYLOAD)
+            await sa.receive_some(65536)
+    dt = time.perf_counter() - t0
+    await sa.aclose()
+    await sb.aclose()
+    return dt / (2 * n)  # two send+receive pairs per loop
+
+
+async def socket_send_writable(n: int) -> float:
+    a, b = trio.socket.socketpair()
+    sa, sb = trio.SocketStream(a), trio.SocketStream(b)
+    done = trio.Event()
+
+    async def drain() -> None:
+        while not done.is_set():
+            with trio.move_on_after(0.05):
+                await sb.receive_some(1 << 20)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(drain)
+        t0 = time.perf_counter()
+        for _ in range(n):
+            await sa.send_all(PAYLOAD)
+        dt = time.perf_counter() - t0
+        done.set()
+    await sa.aclose()
+    await sb.aclose()
+    return dt / n
+
+
+async def task_hop(n: int) -> float:
+    send, receive = trio.open_memory_channel[int](0)
+    t0 = time.perf_counter()
+    async with trio.open_nursery() as nursery:
+
+        async def consumer() -> None:
+            for _ in range(n):
+                await receive.receive()
+
+        nursery.start_soon(consumer)
+        for i in range(n):
+            await send.send(i)
+    return (time.perf_counter() - t0) / n
+
+
+async def cancel_scope(n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(n):
+        with trio.move_on_after(10):  # noqa: ASYNC100 - the scope's own cost is the point
+            pass
+    return (time.perf_counter() - t0) / n
+
+
+async def h11_chunk(n: int) -> float:
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    conn.next_event()
+    conn.send(h11.Response(status_code=200, headers=[("Transfer-Encoding", "chunked")]))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        conn.send(h11.Data(data=PAYLOAD))
+    return (time.perf_counter() - t0) / n
+
+
+async def wsproto_frame(n: int) -> float:
+    client = WSConnection(ConnectionType.CLIENT)
+    server = WSConnection(ConnectionType.SERVER)
+    from wsproto.events import AcceptConnection, Request
+
+    server.receive_data(client.send(Request(host="x", target="/")))
+    next(server.events())
+    client.receive_data(server.send(AcceptConnection()))
+    next(client.events())
+    t0 = time.perf_counter()
+    for _ in range(n):
+        server.receive_data(client.send(BytesMessage(data=PAYLOAD)))
+        for _ in server.events():
+            pass
+    return (time.perf_counter() - t0) / n
+
+
+async def msgspec_batch(n: int) -> float:
+    rounds = max(1, n // 32)
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        encoded = [
+            encode(RunEvents(run_id=f"{i:032x}", seq=7, events=[Delta(" token")]))
+            for i in range(32)
+        ]
+        decode_node_batch(encode_batch(encoded))
+    return (time.perf_counter() - t0) / (rounds * 32)
+
+
+CASES: dict[str, Callable[[int], Awaitable[float]]] = {
+    "socket round trip": socket_round_trip,
+    "socket send (writable)": socket_send_writable,
+    "task hop": task_hop,
+    "cancel scope": cancel_scope,
+    "h11 chunk": h11_chunk,
+    "wsproto frame": wsproto_frame,
+    "msgspec batch": msgspec_batch,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.add_argument("--n", type=int, default=10_000, help="operations per run (default: 10000)")
+    parser.add_argument(
+        "--repeat", type=int, default=3, help="runs per case; the median is reported"
+    )
+    parser.add_argument("--json", help="also write the results to this file")
+    args = parser.parse_args()
+    results: dict[str, float] = {}
+    for name, case in CASES.items():
+        runs = [trio.run(case, args.n) for _ in range(args.repeat)]
+        results[name] = statistics.median(runs) * 1e6
+        print(f"{name:24s} {results[name]:8.2f} µs", flush=True)
+    info = {
+        "n": args.n,
+        "repeat": args.repeat,
+        "us_per_op": results,
+        "versions": {
+            "trio": trio.__version__,
+            "h11": h11.__version__,
+            "msgspec": msgspec.__version__,
+        },
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(info, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
