@@ -31,8 +31,9 @@ times (the order of the shapes rotates between repeats):
 
 Each level is measured in a steady-state *window*: the clients run
 ``warmup`` requests first, then /proc is read, then ``requests`` more
-complete (or ``--level-seconds`` pass), then /proc is read again; requests
-still open finish outside the window. Per window and shape:
+complete (or ``--level-seconds`` pass, with one completion per client), then
+/proc is read again and the requests still open are cancelled. Per window
+and shape:
 
 * CPU per request: utime+stime of the gateway's processes (edge and node;
   the one ``iop up``; LiteLLM's process, its threads, its live descendants and
@@ -54,7 +55,7 @@ Outputs:
   docs/img/bench_latency.png                 added TTFT and throughput, per shape
 
 Examples:
-  python scripts/bench_platform.py                          # every shape, about 2.5 min
+  python scripts/bench_platform.py                          # every shape, about 3.5 min
   python scripts/bench_platform.py --repeat 3               # medians of 3 interleaved repeats
   python scripts/bench_platform.py --shapes direct,split    # only these columns
   python scripts/bench_platform.py --profile                # + py-spy on edge and node (paced c=32)
@@ -105,6 +106,7 @@ LITELLM_WANTED = "1.108.5"
 LITELLM_DEFAULT = Path.home() / ".cache" / "iop" / "bench-litellm" / "bin" / "litellm"
 MAX_REQUESTS = 20_000  # per level, whatever is asked
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+SATURATED = 4  # see measure()
 READY_TIMEOUT_S = 60.0  # LiteLLM takes 5-10 s to import on this box
 
 # What the lead checks the IOP shapes (up, split) against: issue 9.
@@ -578,19 +580,29 @@ async def measure(
 
     if spec.warmup == 0:
         start = mark()
+    t_begin = time.perf_counter()
+    # A gateway that cannot keep up (LiteLLM at c=32 on a loaded box does a
+    # request a second) would make the window wait for one completion per
+    # client: past SATURATED x max_s, a quarter of that will do.
+    few = max(1, c // 4)
 
     def completed(s: Sample) -> None:
         nonlocal done, start, end
         done += 1
+        now = time.perf_counter()
         if not start:
-            if done >= spec.warmup:
+            if done >= spec.warmup or (now - t_begin >= spec.max_s and done >= few):
                 start = mark()
             return
         if end:
             return  # finished after the window closed
         samples.append(s)
-        age = time.perf_counter() - start["t"]
-        if len(samples) >= spec.requests or (age >= spec.max_s and len(samples) >= c):
+        n, age = len(samples), now - start["t"]
+        if (
+            n >= spec.requests
+            or (age >= spec.max_s and n >= c)
+            or (age >= SATURATED * spec.max_s and n >= few)
+        ):
             end = mark()
             cancel.cancel()
 
