@@ -92,7 +92,8 @@ import msgspec
 import trio
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # this checkout's iop, also when run without PYTHONPATH
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))  # this checkout's iop, also when run without PYTHONPATH
 
 from iop.testing import EDGE_READY, SIM_READY, UP_READY, Proc, free_port, poll  # noqa: E402
 
