@@ -55,7 +55,7 @@ Outputs:
   docs/img/bench_latency.png                 added TTFT and throughput, per shape
 
 Examples:
-  python scripts/bench_platform.py                          # every shape, about 3.5 min
+  python scripts/bench_platform.py                          # every shape, 3.5-5 min (loaded box)
   python scripts/bench_platform.py --repeat 3               # medians of 3 interleaved repeats
   python scripts/bench_platform.py --shapes direct,split    # only these columns
   python scripts/bench_platform.py --profile                # + py-spy on edge and node (paced c=32)
