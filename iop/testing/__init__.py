@@ -9,6 +9,10 @@
   client hangs up. ``FakeTransport`` plays the same scripts in memory.
 * **Conformance kit**: ``Scenario``s, a ``Harness`` per adapter, and
   ``check_*`` functions that every adapter passes.
+* **Processes**: ``Proc`` runs ``python -m iop ...`` (or any command) with its
+  output in files and stops it by PID; ``poll`` waits with a deadline; the
+  ``*_READY`` patterns parse the CLIs' start-up lines. The end-to-end tests
+  and ``scripts/bench_platform.py`` share it.
 """
 
 from iop.testing._conformance import (
@@ -71,6 +75,18 @@ from iop.testing._fake_backend import (
     open_fake_backend,
 )
 from iop.testing._memory_link import MEMORY_LINK_BUFFER, MemoryFrameChannel, memory_link_pair
+from iop.testing._processes import (
+    EDGE_READY,
+    NODE_READY,
+    POLL_S,
+    SIM_READY,
+    START_TIMEOUT_S,
+    STOP_GRACE_S,
+    UP_READY,
+    Proc,
+    free_port,
+    poll,
+)
 from iop.testing._transcripts import (
     CapturedExchange,
     captured_exchanges,
@@ -85,12 +101,19 @@ __all__ = [
     "CHAT_COMPLETIONS_PATH",
     "CHECKS",
     "DEADLINE_SLACK_S",
+    "EDGE_READY",
     "MAX_ERROR_MESSAGE_BYTES",
     "MEMORY_LINK_BUFFER",
     "MODELS_PATH",
+    "NODE_READY",
+    "POLL_S",
     "PROTOCOL_ERROR_CODES",
+    "SIM_READY",
     "STALL_DEADLINE_S",
+    "START_TIMEOUT_S",
+    "STOP_GRACE_S",
     "UPSTREAM_CLOSE_BOUND_S",
+    "UP_READY",
     "Abort",
     "CancelLatency",
     "CapturedExchange",
@@ -108,6 +131,7 @@ __all__ = [
     "MemoryFrameChannel",
     "OpenAICompatHarness",
     "Pause",
+    "Proc",
     "RecordedRequest",
     "Reply",
     "ReplyHandler",
@@ -138,11 +162,13 @@ __all__ = [
     "check_stall_mid_stream",
     "check_streamed_tool_calls",
     "check_truncated_stream",
+    "free_port",
     "latency_summary",
     "list_transcripts",
     "load_transcript",
     "memory_link_pair",
     "open_fake_backend",
     "parse_capture",
+    "poll",
     "transcript_body",
 ]

@@ -1,8 +1,10 @@
 """Real IOP processes on loopback for the end-to-end tests (helpers, no fixtures).
 
-Every process is ``python -m iop ...`` started by ``Proc``: its stdout and
-stderr go to files in the test's log directory (``conftest.py`` prints their
-tails when a test fails), and it is stopped by PID (SIGTERM, then SIGKILL).
+Every process is ``python -m iop ...`` started by ``Proc`` (the one process
+runner of the tests and of ``scripts/bench_platform.py``, in
+``iop/testing/_processes.py``, re-exported here): its stdout and stderr go to
+files in the test's log directory (``conftest.py`` prints their tails when a
+test fails), and it is stopped by PID (SIGTERM, then SIGKILL).
 ``Sim``, ``Edge`` and ``Node`` wrap the three kinds of process with what the
 tests need: start-up lines parsed for URLs, ``/sim/stats``, ``/admin/nodes``
 and ``/readyz`` polling with deadlines, and an ``openai.OpenAI`` client.
@@ -15,21 +17,24 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Final, TypeVar
+from typing import Any, Final
 
 import httpx
 import openai
 
+from iop.testing import (
+    EDGE_READY,
+    NODE_READY,
+    SIM_READY,
+    Proc,
+    free_port,
+    poll,
+)
 from tests.edge._openai_schema import validate_chunk, validate_completion
 
 __all__ = [
@@ -58,35 +63,6 @@ MODEL: Final = "iop-sim"
 # docs/operations.md "Logs": every stderr line is `time level logger: message`.
 LOG_LINE: Final = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR|CRITICAL) +[\w.]+: \S")
 TOKEN: Final = "e2e-node-token"
-# Generous: a process start on a loaded 2-core machine.
-START_TIMEOUT_S: Final = 30.0
-# Stop: SIGTERM, then SIGKILL after this.
-STOP_GRACE_S: Final = 15.0
-POLL_S: Final = 0.02
-
-T = TypeVar("T")
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (for processes that must keep a port)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def poll(
-    check: Callable[[], T | None], *, timeout: float, what: str, interval: float = POLL_S
-) -> T:
-    """Call ``check`` until it returns something other than None/False; fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if result is not None and result is not False:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)
 
 
 # --- TOML ------------------------------------------------------------------------------
@@ -129,130 +105,6 @@ def toml_dumps(data: dict[str, Any], _prefix: str = "") -> str:
 
 
 # --- processes -------------------------------------------------------------------------
-
-
-class Proc:
-    """One ``python -m iop`` process, its output in files, stopped by PID."""
-
-    # Every process started in this pytest run, for the failure report.
-    ALL: ClassVar[list[Proc]] = []
-
-    def __init__(
-        self, name: str, args: list[str], log_dir: Path, *, argv: list[str] | None = None
-    ) -> None:
-        """Start ``python -m iop ARGS`` (or ``argv`` as given), logging to ``log_dir``."""
-        self.name = name
-        self.args = args
-        self.argv = argv or [sys.executable, "-m", "iop", *args]
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.stdout_path = log_dir / f"{name}.stdout"
-        self.stderr_path = log_dir / f"{name}.stderr"
-        env = dict(os.environ)
-        env["PYTHONUNBUFFERED"] = "1"
-        with self.stdout_path.open("wb") as out, self.stderr_path.open("wb") as err:
-            self.popen = subprocess.Popen(
-                self.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                cwd=log_dir,
-                env=env,
-                # Its own process group: a Ctrl-C at the terminal reaches pytest only.
-                start_new_session=True,
-            )
-        self.pid = self.popen.pid
-        self.started_at = time.time()
-        self.stopped_at: float | None = None
-        Proc.ALL.append(self)
-
-    def __repr__(self) -> str:
-        return f"<Proc {self.name} pid={self.pid} rc={self.popen.returncode}>"
-
-    @property
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    @property
-    def returncode(self) -> int | None:
-        return self.popen.poll()
-
-    def stdout(self) -> str:
-        return self.stdout_path.read_text(errors="replace")
-
-    def stderr(self) -> str:
-        return self.stderr_path.read_text(errors="replace")
-
-    def logs(self, tail: int = 120) -> str:
-        def last(text: str) -> str:
-            lines = text.splitlines()
-            cut = len(lines) - tail
-            head = [f"... ({cut} earlier lines in the file)"] if cut > 0 else []
-            return "\n".join(head + lines[-tail:])
-
-        return (
-            f"--- {self.name} (pid {self.pid}, rc {self.popen.poll()}): "
-            f"{' '.join(self.argv)}\n"
-            f"--- stdout ({self.stdout_path})\n{last(self.stdout())}\n"
-            f"--- stderr ({self.stderr_path})\n{last(self.stderr())}"
-        )
-
-    def wait_stdout(self, pattern: str, timeout: float = START_TIMEOUT_S) -> re.Match[str]:
-        """Wait for a line of stdout matching ``pattern``; fail if the process dies first."""
-        rx = re.compile(pattern)
-
-        def check() -> re.Match[str] | None:
-            m = rx.search(self.stdout())
-            if m is None and not self.alive:
-                raise AssertionError(
-                    f"{self.name} exited ({self.returncode}) before printing {pattern!r}\n"
-                    + self.logs()
-                )
-            return m
-
-        return poll(check, timeout=timeout, what=f"{self.name} to print {pattern!r}")
-
-    def wait_stderr(self, pattern: str, timeout: float) -> re.Match[str]:
-        rx = re.compile(pattern)
-        return poll(
-            lambda: rx.search(self.stderr()),
-            timeout=timeout,
-            what=f"{self.name} to log {pattern!r}",
-        )
-
-    def send(self, sig: signal.Signals) -> None:
-        if self.alive:
-            os.kill(self.pid, sig)
-
-    def wait(self, timeout: float) -> int:
-        """Wait for the exit; returns the exit code (fails on timeout)."""
-        try:
-            rc = self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(
-                f"{self.name} still running after {timeout:g}s\n{self.logs()}"
-            ) from None
-        self.stopped_at = self.stopped_at or time.time()
-        return rc
-
-    def kill(self) -> int:
-        """SIGKILL (of a stopped process too) and reap."""
-        if self.alive:
-            os.kill(self.pid, signal.SIGCONT)
-            os.kill(self.pid, signal.SIGKILL)
-        return self.wait(STOP_GRACE_S)
-
-    def stop(self, grace: float = STOP_GRACE_S) -> int:
-        """SIGTERM, then SIGKILL after ``grace``; reaps the process, returns its exit code."""
-        if self.alive:
-            os.kill(self.pid, signal.SIGCONT)  # a frozen process cannot drain
-            os.kill(self.pid, signal.SIGTERM)
-            try:
-                self.popen.wait(grace)
-            except subprocess.TimeoutExpired:
-                os.kill(self.pid, signal.SIGKILL)
-        rc = self.popen.wait(STOP_GRACE_S)
-        self.stopped_at = self.stopped_at or time.time()
-        return rc
 
 
 @contextlib.contextmanager
@@ -327,7 +179,7 @@ class Sim:
 def start_sim(log_dir: Path, name: str = "sim", *flags: str) -> Sim:
     proc = Proc(name, ["sim", "--port", "0", *flags], log_dir)
     with _stop_on_error(proc):
-        m = proc.wait_stdout(r"on (http://\S+)/v1")
+        m = proc.wait_stdout(SIM_READY)
     return Sim(proc, m.group(1))
 
 
@@ -451,7 +303,7 @@ def start_edge(
         log_dir,
     )
     with _stop_on_error(proc):
-        m = proc.wait_stdout(r"OpenAI API on (http://\S+)/v1 .*nodes dial (ws://\S+)")
+        m = proc.wait_stdout(EDGE_READY)
     server = config.get("server", {})
     keys = server.get("api_keys") or [None]
     admin_keys = server.get("admin_keys") or keys
@@ -500,7 +352,7 @@ def start_node(
     cfg.write_text(toml_dumps(config))
     proc = Proc(name, [*_log_flags(log_level), "node", "--config", str(cfg)], log_dir)
     with _stop_on_error(proc):
-        proc.wait_stdout(r"iop node: node ")
+        proc.wait_stdout(NODE_READY)
     return Node(proc, node_id)
 
 

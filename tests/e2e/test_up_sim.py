@@ -10,7 +10,6 @@ cannot: README "Try it").
 from __future__ import annotations
 
 import json
-import re
 import signal
 from pathlib import Path
 from typing import Any, Final
@@ -18,6 +17,7 @@ from typing import Any, Final
 import openai
 import pytest
 
+from iop.testing import UP_READY
 from tests.e2e._platform import (
     LOG_LINE,
     MODEL,
@@ -44,12 +44,11 @@ def start_up(log_dir: Path, *flags: str, config: dict[str, Any] | None = None) -
         args += ["--config", str(path)]
     proc = Proc("iop-up", args, log_dir)
     try:
-        proc.wait_stdout(r"iop up: ready; models: 'iop-sim'")
+        m = proc.wait_stdout(UP_READY)
     except BaseException:
         proc.stop()
         raise
-    m = re.search(r"OpenAI API on (http://\S+)/v1", proc.stdout())
-    assert m is not None, proc.logs()
+    assert m.group(2) == repr(MODEL), proc.logs()
     return proc, m.group(1)
 
 
