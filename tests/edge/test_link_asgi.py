@@ -360,3 +360,35 @@ async def test_by_default_the_api_port_serves_the_link() -> None:
             assert (await upgrade(handle.url, "/v1/other")).status_code == 404
             stop.set()
     gc.collect()
+
+
+class _Peer:
+    """The server's side of one ASGI connection, played by hand."""
+
+    def __init__(self, *incoming: dict[str, object]) -> None:
+        self._incoming = list(incoming)
+        self.sent: list[dict[str, object]] = []
+
+    async def receive(self) -> dict[str, object]:
+        return self._incoming.pop(0)
+
+    async def send(self, message: dict[str, object]) -> None:
+        self.sent.append(message)
+
+
+async def test_without_asgis_http_response_extension_a_websocket_is_closed_unaccepted() -> None:
+    """ASGI: a close before the accept is the server's 403."""
+    app = link_app(Handler(lambda chan, on_open: chan.receive()))
+    peer = _Peer({"type": "websocket.connect"})
+    await app({"type": "websocket", "path": "/v1/other"}, peer.receive, peer.send)
+    assert peer.sent == [{"type": "websocket.close", "code": 1000}]
+
+
+async def test_a_connection_gone_before_the_handshake_is_never_accepted() -> None:
+    handler = Handler(lambda chan, on_open: chan.receive())
+    app = link_app(handler)
+    for path in ("/v1/link", "/v1/other"):
+        peer = _Peer({"type": "websocket.disconnect", "code": 1006})
+        await app({"type": "websocket", "path": path}, peer.receive, peer.send)
+        assert peer.sent == []
+    assert handler.peers == []
