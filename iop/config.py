@@ -566,6 +566,12 @@ class LinkSettings(_Config, frozen=True, kw_only=True):
         hello_timeout_s: How soon after connecting a node must say hello
             (4400 "no hello" after it): how long an unauthenticated
             connection may hold a handler.
+        port: A port of its own for the link (0: a free one). None: the
+            link is served on ``server.port`` beside the API. When set, the
+            API port no longer serves the link (a WebSocket to it gets 404),
+            so a firewall can keep the API's clients off the link.
+        host: The interface of the link's own port; None: ``server.host``.
+            Only with ``port``.
     """
 
     node_tokens: list[str] = []
@@ -584,8 +590,14 @@ class LinkSettings(_Config, frozen=True, kw_only=True):
     # WebSocket upgrade; even a node behind a slow NAT link is done in well
     # under a second, and a silent connection holds a handler meanwhile.
     hello_timeout_s: float = 5.0
+    port: int | None = None
+    host: str | None = None
 
     def __post_init__(self) -> None:
+        if self.port is not None and not 0 <= self.port <= 65535:
+            raise ValueError("port must be between 0 and 65535")
+        if self.host is not None and self.port is None:
+            raise ValueError("host needs port (without one the link is on server.host:server.port)")
         if not self.hello_timeout_s > 0:
             raise ValueError("hello_timeout_s must be > 0")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:

@@ -130,3 +130,27 @@ def test_unreadable_and_non_toml(tmp_path: Path) -> None:
     bad.write_text("[[instances]\n")
     with pytest.raises(ConfigError, match="not valid TOML"):
         load_config(bad, NodeConfig)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("port = 70000", "port must be between 0 and 65535"),
+        ('host = "10.0.0.1"', "host needs port"),
+        ("prot = 9090", r"unknown key 'link\.prot'"),
+    ],
+)
+def test_the_links_own_port_is_checked(tmp_path: Path, body: str, message: str) -> None:
+    p = tmp_path / "edge.toml"
+    p.write_text(f"[link]\n{body}\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(p, EdgeConfig)
+
+
+def test_the_link_is_on_the_api_port_unless_given_its_own(tmp_path: Path) -> None:
+    p = tmp_path / "edge.toml"
+    p.write_text("[link]\n")
+    assert load_config(p, EdgeConfig).link.port is None
+    p.write_text('[link]\nport = 9090\nhost = "10.0.0.1"\n')
+    link = load_config(p, EdgeConfig).link
+    assert (link.host, link.port) == ("10.0.0.1", 9090)

@@ -26,6 +26,8 @@ examples:
   IOP_NODE_TOKEN=s3cret iop edge --node-token '${IOP_NODE_TOKEN}' --port 8080
 
 Nodes dial ws://HOST:PORT/v1/link with one of the configured node tokens.
+With --link-port (link.port) the link has a port of its own, and the API
+port serves no link.
 SIGINT/SIGTERM drain: new requests get 503, in-flight runs get
 server.drain_timeout_s to finish, then the process exits 0. A second signal
 stops at once (exit 130 for SIGINT, 143 for SIGTERM).
@@ -49,6 +51,13 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--host", help="interface to listen on (default: 127.0.0.1)")
     p.add_argument("--port", type=int, help="port to listen on, 0 for a free one (default: 8080)")
     p.add_argument(
+        "--link-port",
+        type=int,
+        metavar="PORT",
+        help="serve the node link on a port of its own (link.port; 0 for a free one), "
+        "not on --port (default: on --port)",
+    )
+    p.add_argument(
         "--node-token",
         action="append",
         metavar="TOKEN",
@@ -64,6 +73,11 @@ def edge_config_from_args(args: argparse.Namespace) -> EdgeConfig:
         **{k: v for k, v in (("host", args.host), ("port", args.port)) if v is not None},
     )
     link = cfg.link
+    if args.link_port is not None:
+        try:
+            link = msgspec.structs.replace(link, port=args.link_port)
+        except ValueError as exc:
+            raise ConfigError(f"--link-port: {exc}") from exc
     if args.node_token:
         from iop.config import expand_env
 

@@ -6,11 +6,12 @@ Routes: the API surfaces (``POST /v1/chat/completions``, ``/v1/responses``,
 Anthropic's shapes, ``iop.api._models``), ``GET /healthz``, ``GET /readyz``,
 ``GET /metrics``, the admin pages (``GET /admin`` as HTML, or its login form;
 ``POST /admin/login`` and ``/admin/logout``; ``GET /admin/nodes`` as JSON:
-``_admin_auth`` says who may open them) and the node link WebSocket
-``/v1/link``. Every error a client sees is its API's error body (OpenAI's,
-except on a surface route whose surface has its own) with the right status;
-the one HTML answer to a refused request is ``/admin``'s login form, for
-people.
+``_admin_auth`` says who may open them). The node link WebSocket
+(``/v1/link``) is served beside this app, at the ASGI level
+(``iop.edge._link_asgi``). Every error a client sees is its API's error
+body (OpenAI's, except on a surface route whose surface has its own) with
+the right status; the one HTML answer to a refused request is ``/admin``'s
+login form, for people.
 
 Every surface is served by one handler (``serve`` in ``create_edge_app``),
 so adding one is one ``SurfaceRoute(path, surface, key_of)`` line in
@@ -58,7 +59,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 import trio
-from quart import Response, request, websocket
+from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import HTTPException
 
@@ -85,19 +86,16 @@ from iop.api import (
 from iop.edge._admin_auth import COOKIE_NAME, AdminGate, Verdict, key_matches
 from iop.edge._admin_page import render_admin_page, render_login_page
 from iop.edge._core import EdgeCore
-from iop.edge._link_guard import LINK_LIMITS_SCOPE_KEY, LinkFrameLimits
+from iop.edge._link_asgi import LINK_PATH
 from iop.edge._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from iop.edge._stall import client_gone_reason
-from iop.errors import ErrorCode, IopError, LinkLimitError, LinkProtocolError, RequestError
+from iop.errors import ErrorCode, IopError, RequestError
 from iop.events import Cancelled, Error, RuntimeEvent, Start, TokenCount, is_terminal
-from iop.protocol import CLOSE_NORMAL, CLOSE_RATE, CLOSE_TOO_BIG, LinkClosed
 from iop.runtime import Run, new_run_id
 from iop.spec import ExecutionSpec, TokenizeRequest
 
 __all__ = ["LINK_PATH", "create_edge_app"]
 
-# The node link's WebSocket endpoint.
-LINK_PATH: Final = "/v1/link"
 # Anthropic's token counting, beside its Messages route.
 COUNT_TOKENS_PATH: Final = "/v1/messages/count_tokens"
 
@@ -286,66 +284,6 @@ def _over_https() -> bool:
     # Trusting a spoofed header only makes the spoofer's own cookie https-only.
     forwarded = request.headers.get("X-Forwarded-Proto", "").split(",")[0].strip()
     return request.scheme == "https" or forwarded == "https"
-
-
-class _WebSocketChannel:
-    """``FrameChannel`` over quart's websocket object (binary frames only).
-
-    With the frame guard installed (``serve_edge``), a frame over the limit
-    never reaches quart: the guard wakes ``receive``, which raises
-    ``LinkClosed`` (1009, already sent by hypercorn); too many bytes queued
-    unread raise ``LinkLimitError`` (4429, the handler closes).
-    """
-
-    def __init__(self, limits: LinkFrameLimits | None = None) -> None:
-        self._closed = False
-        self._limits = limits
-
-    async def send(self, frame: bytes) -> None:
-        if self._closed:
-            raise LinkClosed("link closed")
-        await websocket.send(frame)
-
-    async def receive(self) -> bytes:
-        limits = self._limits
-        data: bytes | str | None = None
-        with trio.CancelScope() as scope:
-            if limits is not None:
-                if limits.tripped:
-                    scope.cancel()
-                limits.waiting(scope)
-            try:
-                data = await websocket.receive()
-            finally:
-                if limits is not None:
-                    limits.waiting(None)
-        if limits is not None:
-            if data is not None:
-                limits.consumed(len(data))
-            if limits.oversize is not None:
-                raise LinkClosed(
-                    f"frame of more than {limits.oversize} bytes (limit {limits.limit})",
-                    close_code=CLOSE_TOO_BIG,
-                    reason="frame too big",
-                )
-            if limits.overqueued:
-                raise LinkLimitError(
-                    f"{limits.queued} bytes queued unread (limit {limits.max_queued})",
-                    close_code=CLOSE_RATE,
-                )
-        if data is None:  # pragma: no cover - only a tripped guard cancels the scope
-            raise LinkClosed("link closed")
-        if isinstance(data, str):
-            raise LinkProtocolError("text frame on the node link (the link is binary frames)")
-        return data
-
-    async def aclose(self, code: int = CLOSE_NORMAL, reason: str = "") -> None:
-        if not self._closed:
-            self._closed = True
-            try:
-                await websocket.close(code, reason)
-            except Exception as exc:  # the socket may already be gone
-                log.debug("closing node websocket: %r", exc)
 
 
 def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = None) -> QuartTrio:
@@ -661,19 +599,6 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         return _json_response(out, status, extra)
 
     surfaces[COUNT_TOKENS_PATH] = messages
-
-    @app.websocket(LINK_PATH)
-    async def node_link() -> None:
-        client = websocket.scope.get("client")
-        peer = f"{client[0]}:{client[1]}" if client else websocket.headers.get("Remote-Addr", "")
-        found = websocket.scope.get(LINK_LIMITS_SCOPE_KEY)
-        limits = found if isinstance(found, LinkFrameLimits) else None
-        await websocket.accept()
-        await core.handle_link(
-            _WebSocketChannel(limits),
-            peer=peer,
-            on_open=None if limits is None else limits.open,
-        )
 
     return app
 

@@ -552,7 +552,7 @@ class EdgeCore:
         """INFO for a clean end (1000/1001, or a goodbye then close), else WARNING."""
         code = conn.close_code
         if code is None and conn.draining:
-            # The node said goodbye and closed: quart reports no close code.
+            # The node said goodbye and the connection dropped without a close frame.
             level, how = logging.INFO, f"left after its goodbye ({conn.goodbye or 'draining'})"
         elif code is None:
             level, how = logging.WARNING, "closed the link without a goodbye"

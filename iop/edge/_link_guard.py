@@ -1,48 +1,54 @@
-"""The node link's frame limits, applied while hypercorn buffers a frame.
+"""The node link's hold on hypercorn's WebSocket stream: its frame limits.
 
 hypercorn assembles every WebSocket message in full before the app sees it
 (``hypercorn.protocol.ws_stream.WebsocketBuffer``), up to one
 ``websocket_max_message_size`` for every connection alike, and on a bigger
 message it closes with 1009 without telling the app. A limit checked by the
 app would come too late: an anonymous peer could make the edge hold a whole
-frame (and a copy of it) before its hello is even read. So ``LinkFrameGuard``
-wraps the ASGI app and, for each connection to the link path, puts a
-``_GuardedBuffer`` in the stream: its limit starts at ``link.max_hello_bytes``
-and the link handler raises it once the hello is accepted
-(``EdgeCore.handle_link(on_open=...)``). A message over the limit is dropped
-at once (its bytes freed), hypercorn closes with 1009, the guard logs it with
-the peer's address, and the handler's pending receive is woken.
+frame (and a copy of it) before its hello is even read. So the link's ASGI
+handler (``iop.edge._link_asgi``) has ``LinkFrameGuard.install`` put a
+``_GuardedBuffer`` in each link connection's stream before it accepts: its
+limit starts at ``link.max_hello_bytes`` and the link handler raises it once
+the hello is accepted (``EdgeCore.handle_link(on_open=...)``). A message
+over the limit is dropped at once (its bytes freed), hypercorn closes with
+1009, the guard logs it with the peer's address, and the handler's pending
+receive is woken.
 
 It also bounds the bytes a connection has queued between hypercorn and the
 link handler (``link.max_queued_bytes``): complete messages waiting in
-hypercorn's and quart's queues because the edge's reader is behind. Above
-it the handler closes the link with ``CLOSE_RATE`` (4429).
+hypercorn's queue to the app (``max_app_queue_size``, 10 messages) because
+the edge's reader is behind. Above it the handler closes the link with
+``CLOSE_RATE`` (4429).
 
 The guard also declines permessage-deflate on the link: a compressed chunk is
 inflated in full before any length check, so a 64 KiB frame could become
 tens of MiB. The link carries msgpack over a LAN; it needs no compression.
 
+Once the connection is accepted, ``LinkFrameGuard.accepted`` notes the
+peer's close frame as wsproto parses it: hypercorn's
+``websocket.disconnect`` says only 1000 (we closed first) or 1006, never the
+code and reason the node sent (a draining node's 1001 "node draining").
+
 This reaches into hypercorn's stream object (pinned in constraints.txt). If
 the internals are not what it expects, it logs a warning once and the global
 ``websocket_max_message_size`` (the post-hello limit, ``serve_edge``) and the
-session's own check (``EdgeSession``) still apply.
+session's own check (``EdgeSession``) still apply; a disconnect then carries
+hypercorn's code.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Final
+from collections.abc import Iterator
+from typing import Any
 
 import trio
 from hypercorn.protocol.ws_stream import FrameTooLargeError, WebsocketBuffer
-from wsproto.events import Message
+from wsproto.events import CloseConnection, Event, Message
 
-__all__ = ["LINK_LIMITS_SCOPE_KEY", "LinkFrameGuard", "LinkFrameLimits"]
+__all__ = ["LinkFrameGuard", "LinkFrameLimits"]
 
 log = logging.getLogger("iop.edge")
-
-# Where the guard puts a connection's ``LinkFrameLimits`` in the ASGI scope.
-LINK_LIMITS_SCOPE_KEY: Final = "iop.link_limits"
 
 
 class LinkFrameLimits:
@@ -53,6 +59,8 @@ class LinkFrameLimits:
         peer: The peer's address, for the log.
         oversize: Bytes the connection had sent of the message that crossed
             the limit (None while it has not).
+        peer_close: The code and reason of the peer's close frame, once
+            wsproto has parsed one (None before, or with no close frame).
     """
 
     def __init__(self, limit: int, peer: str, max_queued: int = 0) -> None:
@@ -63,6 +71,7 @@ class LinkFrameLimits:
         self.overqueued = False
         self.authenticated = False
         self.oversize: int | None = None
+        self.peer_close: tuple[int, str] | None = None
         self._waiter: trio.CancelScope | None = None
 
     @property
@@ -140,45 +149,62 @@ class _GuardedBuffer(WebsocketBuffer):
 
 
 class LinkFrameGuard:
-    """ASGI middleware: per-connection frame limits on the link path.
+    """Fits a link connection's hypercorn stream with the link's limits.
 
     Args:
-        app: The edge's ASGI app.
-        path: The link's path (``/v1/link``).
         hello_limit: The limit before the hello (``link.max_hello_bytes``).
         max_queued: Bytes a connection may have queued unread (0: unbounded).
     """
 
-    def __init__(self, app: Any, *, path: str, hello_limit: int, max_queued: int = 0) -> None:
-        self._app = app
-        self._path = path
-        self._hello_limit = hello_limit
-        self._max_queued = max_queued
+    def __init__(self, *, hello_limit: int, max_queued: int = 0) -> None:
+        self.hello_limit = hello_limit
+        self.max_queued = max_queued
         self._warned = False
 
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope.get("type") == "websocket" and scope.get("path") == self._path:
-            limits = self._install(scope, send)
-            if limits is not None:
-                scope = {**scope, LINK_LIMITS_SCOPE_KEY: limits}
-        await self._app(scope, receive, send)
+    def install(self, scope: Any, send: Any) -> LinkFrameLimits | None:
+        """Before ``websocket.accept``: the connection's limits, or None when
+        ``send`` is not hypercorn's stream as expected (warned once).
 
-    def _install(self, scope: Any, send: Any) -> LinkFrameLimits | None:
+        Args:
+            scope: The connection's ASGI scope (its ``client`` names the peer).
+            send: The ASGI ``send`` hypercorn gave the app: its stream's
+                ``app_send``.
+        """
         stream: Any = getattr(send, "__self__", None)
         handshake: Any = getattr(stream, "handshake", None)
         if not isinstance(getattr(stream, "buffer", None), WebsocketBuffer) or not hasattr(
             handshake, "extensions"
         ):
-            if not self._warned:
-                self._warned = True
-                log.warning(
-                    "node link: hypercorn's stream is not what the frame guard expects; "
-                    "the pre-hello frame limit applies only after a frame is buffered"
-                )
+            self._warn()
             return None
         client = scope.get("client")
         peer = f"{client[0]}:{client[1]}" if client else "?"
-        limits = LinkFrameLimits(self._hello_limit, peer, self._max_queued)
+        limits = LinkFrameLimits(self.hello_limit, peer, self.max_queued)
         stream.buffer = _GuardedBuffer(limits)
         handshake.extensions = None  # no permessage-deflate (see the module doc)
         return limits
+
+    def accepted(self, limits: LinkFrameLimits, send: Any) -> None:
+        """After ``websocket.accept``: note the peer's close frame in ``limits``."""
+        connection: Any = getattr(getattr(send, "__self__", None), "connection", None)
+        events = getattr(connection, "events", None)
+        if not callable(events):
+            self._warn()
+            return
+
+        def noting_close() -> Iterator[Event]:
+            for event in events():
+                if isinstance(event, CloseConnection):
+                    limits.peer_close = (event.code, event.reason or "")
+                yield event
+
+        # hypercorn iterates ``self.connection.events()`` for every read.
+        connection.events = noting_close
+
+    def _warn(self) -> None:
+        if not self._warned:
+            self._warned = True
+            log.warning(
+                "node link: hypercorn's stream is not what the frame guard expects; "
+                "the pre-hello frame limit applies only after a frame is buffered"
+            )

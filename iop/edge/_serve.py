@@ -1,19 +1,25 @@
-"""Running the edge: hypercorn's trio worker serving the app, with a drain."""
+"""Running the edge: hypercorn's trio worker serving the app, with a drain.
+
+One listener (``server.host:server.port``) serves the API and the node link
+(``iop.edge._link_asgi.EdgeASGI``). With ``link.port`` set, a second one
+serves only the link, and the API's no longer does.
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Final
 
 import trio
 
 from iop.config import EdgeConfig
-from iop.edge._app import LINK_PATH, SurfaceRoute, create_edge_app
+from iop.edge._app import SurfaceRoute, create_edge_app
 from iop.edge._core import EdgeCore, open_edge_core
 from iop.edge._http1 import EdgeHypercornConfig, install
-from iop.edge._link_guard import LinkFrameGuard
+from iop.edge._link_asgi import LINK_PATH, EdgeASGI, LinkEndpoint
 from iop.edge._stall import StallGuard, serve_guarded
 from iop.errors import listen_error_from
 
@@ -21,17 +27,50 @@ __all__ = ["EdgeHandle", "serve_edge"]
 
 log = logging.getLogger("iop.edge")
 
+# Said in the 404 a node gets for dialling the API port when the link has its own.
+_LINK_ELSEWHERE: Final = " The node link is served on its own port (link.port)."
+
 
 @dataclass(frozen=True)
 class EdgeHandle:
-    """What ``serve_edge`` reports once it listens."""
+    """What ``serve_edge`` reports once it listens.
+
+    Attributes:
+        core: The edge's node links, scheduler and runs.
+        url: ``http://host:port`` of the API.
+        link_listener: ``http://host:port`` of the link's own listener
+            (``link.port``), None when the link is served on the API's.
+    """
 
     core: EdgeCore
-    url: str  # http://host:port
+    url: str
+    link_listener: str | None = None
 
     @property
     def link_url(self) -> str:
-        return "ws" + self.url[len("http") :] + "/v1/link"
+        """The URL nodes dial: ``ws://host:port/v1/link``."""
+        base = self.link_listener or self.url
+        return "ws" + base[len("http") :] + LINK_PATH
+
+
+def _hypercorn_config(config: EdgeConfig, bind: str) -> EdgeHypercornConfig:
+    hc = EdgeHypercornConfig(max_header_bytes=config.server.max_header_bytes)
+    hc.keep_alive_timeout = config.server.keep_alive_timeout_s
+    hc.bind = [bind]
+    hc.accesslog = None
+    # hypercorn's own "-" logger prints in its own format; this one goes
+    # through the process's handler (one log format, docs/operations.md).
+    hc.errorlog = logging.getLogger("hypercorn.error")
+    hc.graceful_timeout = 2.0
+    # Liveness is the link protocol's heartbeat (hypercorn's ping never
+    # checks pongs: docs/architecture.md, "Facts about our dependencies:
+    # hypercorn").
+    hc.websocket_ping_interval = None
+    # The only WebSocket is the node link: no message above its post-hello
+    # limit is ever buffered (the frame guard applies the smaller pre-hello
+    # one per connection; docs/operations.md "The node link").
+    hc.websocket_max_message_size = config.link_frame_bytes
+    return hc
 
 
 async def serve_edge(
@@ -52,51 +91,59 @@ async def serve_edge(
     when None).
 
     Raises:
-        ListenError: ``server.host:server.port`` cannot be bound.
+        ListenError: ``server.host:server.port`` (or ``link.port``) cannot
+            be bound.
     """
     stop = shutdown if shutdown is not None else trio.Event()
     async with open_edge_core(config) as core:
-        app = LinkFrameGuard(
-            create_edge_app(core, routes=routes),
-            path=LINK_PATH,
+        link = LinkEndpoint(
+            core.handle_link,
             hello_limit=config.link.max_hello_bytes,
             max_queued=config.link_queued_bytes,
         )
+        own_port = config.link.port is not None
+        api = EdgeASGI(
+            http=create_edge_app(core, routes=routes),
+            link=None if own_port else link,
+            elsewhere=_LINK_ELSEWHERE if own_port else "",
+        )
         # Smuggling and header-size guards below the app (iop/edge/_http1.py).
         install()
-        hc = EdgeHypercornConfig(max_header_bytes=config.server.max_header_bytes)
-        hc.keep_alive_timeout = config.server.keep_alive_timeout_s
-        hc.bind = [f"{config.server.host}:{config.server.port}"]
-        hc.accesslog = None
-        # hypercorn's own "-" logger prints in its own format; this one goes
-        # through the process's handler (one log format, docs/operations.md).
-        hc.errorlog = logging.getLogger("hypercorn.error")
-        hc.graceful_timeout = 2.0
-        # Liveness is the link protocol's heartbeat (hypercorn's ping never
-        # checks pongs: docs/architecture.md, "Facts about our dependencies:
-        # hypercorn").
-        hc.websocket_ping_interval = None
-        # The only WebSocket is the node link: no message above its
-        # post-hello limit is ever buffered (the guard applies the smaller
-        # pre-hello one per connection; docs/operations.md "The node link").
-        hc.websocket_max_message_size = config.link_frame_bytes
+        drained = trio.Event()
 
         async def trigger() -> None:
             await stop.wait()
             log.info("edge: shutting down")
             await core.drain(config.server.drain_timeout_s)
+            drained.set()  # the links are closed (1001): the link's listener may stop
 
         async with trio.open_nursery() as nursery:
             # Every connection gets the write-stall deadline (iop.edge._stall).
             guard = StallGuard(config.server.write_stall_timeout)
-            try:
-                binds = await nursery.start(
-                    partial(serve_guarded, app, hc, guard, shutdown_trigger=trigger)
-                )
-            except (OSError, BaseExceptionGroup) as exc:
-                error = listen_error_from(hc.bind[0], exc)
-                if error is None:
-                    raise
-                raise error from exc
-            url = str(binds[0])
-            task_status.started(EdgeHandle(core, url))
+
+            async def listen(app: EdgeASGI, bind: str, until: Callable[[], Awaitable[None]]) -> str:
+                try:
+                    binds = await nursery.start(
+                        partial(
+                            serve_guarded,
+                            app,
+                            _hypercorn_config(config, bind),
+                            guard,
+                            shutdown_trigger=until,
+                        )
+                    )
+                except (OSError, BaseExceptionGroup) as exc:
+                    error = listen_error_from(bind, exc)
+                    if error is None:
+                        raise
+                    raise error from exc
+                return str(binds[0])
+
+            link_listener = None
+            if own_port:
+                # First: a taken link port then fails before the API says it runs.
+                host = config.link.host or config.server.host
+                link_only = EdgeASGI(http=None, link=link)
+                link_listener = await listen(link_only, f"{host}:{config.link.port}", drained.wait)
+            url = await listen(api, f"{config.server.host}:{config.server.port}", trigger)
+            task_status.started(EdgeHandle(core, url, link_listener))

@@ -50,6 +50,22 @@ def test_a_taken_port_is_one_line_and_exit_2(command: list[str], taken_port: int
     assert "--port" in line
 
 
+def test_a_taken_link_port_is_one_line_and_exit_2(taken_port: int) -> None:
+    out = iop(
+        "edge", "--node-token", "a-long-node-token", "--port", "0", "--link-port", str(taken_port)
+    )
+    assert out.returncode == 2, out.stderr
+    (line,) = out.stderr.splitlines()
+    assert line.startswith(f"iop: cannot listen on 127.0.0.1:{taken_port}: ")
+    assert "already in use" in line
+
+
+def test_a_bad_link_port_is_a_config_error() -> None:
+    out = iop("edge", "--node-token", "a-long-node-token", "--link-port", "-1")
+    assert out.returncode == 2, out.stderr
+    assert "--link-port: port must be between 0 and 65535" in out.stderr
+
+
 def test_log_level_goes_before_or_after_the_subcommand() -> None:
     for args in (["--log-level", "debug", "probe"], ["probe", "--log-level", "debug"]):
         out = iop(*args, "--config", CONFIG, env={**os.environ, "IOP_NODE_TOKEN": "t"})

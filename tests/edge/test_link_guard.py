@@ -1,9 +1,10 @@
 """The link's frame guard inside hypercorn (``iop.edge._link_guard``), piece by piece.
 
 The end-to-end proof is ``tests/e2e/test_link_limits.py`` (a real edge cuts
-a 4 MiB pre-hello frame at 256 KiB and logs it); here the buffer's and the
-middleware's rules are checked one by one, including that nothing above the
-limit is ever kept.
+a 4 MiB pre-hello frame at 256 KiB and logs it), and
+``tests/edge/test_link_asgi.py`` drives the guard through real sockets
+(only the link path gets it); here the buffer's and the installer's rules
+are checked one by one, including that nothing above the limit is ever kept.
 """
 
 from __future__ import annotations
@@ -12,14 +13,9 @@ from typing import Any
 
 import pytest
 from hypercorn.protocol.ws_stream import FrameTooLargeError, WebsocketBuffer
-from wsproto.events import BytesMessage
+from wsproto.events import BytesMessage, CloseConnection
 
-from iop.edge._link_guard import (
-    LINK_LIMITS_SCOPE_KEY,
-    LinkFrameGuard,
-    LinkFrameLimits,
-    _GuardedBuffer,
-)
+from iop.edge._link_guard import LinkFrameGuard, LinkFrameLimits, _GuardedBuffer
 
 
 def chunk(n: int, *, last: bool = False) -> BytesMessage:
@@ -79,49 +75,56 @@ class _Handshake:
         self.extensions: list[str] | None = ["permessage-deflate"]
 
 
+class _Connection:
+    """wsproto's connection, as far as hypercorn's stream reads it."""
+
+    def __init__(self, *events: Any) -> None:
+        self._events = events
+
+    def events(self) -> Any:
+        yield from self._events
+
+
 class _Stream:
     """The parts of hypercorn's WSStream the guard touches."""
 
     def __init__(self) -> None:
         self.buffer = WebsocketBuffer(16 << 20)
         self.handshake = _Handshake()
+        self.connection = _Connection(chunk(3, last=True), CloseConnection(1001, "node draining"))
 
     async def app_send(self, message: Any) -> None:
         pass
 
 
-async def test_the_guard_installs_itself_on_the_link_path_only() -> None:
-    seen: list[dict[str, Any]] = []
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        seen.append(scope)
-
-    guard = LinkFrameGuard(app, path="/v1/link", hello_limit=4096, max_queued=1 << 20)
+def test_the_guard_fits_the_stream_before_the_accept() -> None:
+    guard = LinkFrameGuard(hello_limit=4096, max_queued=1 << 20)
     stream = _Stream()
-    scope = {"type": "websocket", "path": "/v1/link", "client": ("10.0.0.2", 1234)}
-    await guard(scope, None, stream.app_send)
-    limits = seen[0][LINK_LIMITS_SCOPE_KEY]
+    limits = guard.install({"type": "websocket", "client": ("10.0.0.2", 1234)}, stream.app_send)
     assert isinstance(limits, LinkFrameLimits)
     assert (limits.limit, limits.peer, limits.max_queued) == (4096, "10.0.0.2:1234", 1 << 20)
     assert isinstance(stream.buffer, _GuardedBuffer)
     assert stream.handshake.extensions is None  # no permessage-deflate on the link
 
-    other = _Stream()
-    await guard({"type": "websocket", "path": "/elsewhere"}, None, other.app_send)
-    await guard({"type": "http", "path": "/v1/link"}, None, other.app_send)
-    assert LINK_LIMITS_SCOPE_KEY not in seen[1]
-    assert LINK_LIMITS_SCOPE_KEY not in seen[2]
-    assert not isinstance(other.buffer, _GuardedBuffer)
+
+def test_after_the_accept_the_peers_close_frame_is_noted() -> None:
+    guard = LinkFrameGuard(hello_limit=4096)
+    stream = _Stream()
+    limits = guard.install({"type": "websocket"}, stream.app_send)
+    assert limits is not None
+    assert limits.peer == "?"
+    guard.accepted(limits, stream.app_send)
+    events = list(stream.connection.events())  # what hypercorn's stream reads
+    assert [type(e) for e in events] == [BytesMessage, CloseConnection]
+    assert limits.peer_close == (1001, "node draining")
 
 
-async def test_unknown_server_internals_only_warn_once(caplog: pytest.LogCaptureFixture) -> None:
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        assert LINK_LIMITS_SCOPE_KEY not in scope
-
+def test_unknown_server_internals_only_warn_once(caplog: pytest.LogCaptureFixture) -> None:
     async def send(message: Any) -> None:
         pass
 
-    guard = LinkFrameGuard(app, path="/v1/link", hello_limit=4096)
+    guard = LinkFrameGuard(hello_limit=4096)
     for _ in range(3):
-        await guard({"type": "websocket", "path": "/v1/link"}, None, send)
+        assert guard.install({"type": "websocket", "path": "/v1/link"}, send) is None
+    guard.accepted(LinkFrameLimits(4096, "p"), send)
     assert caplog.text.count("frame guard expects") == 1
