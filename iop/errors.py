@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import enum
 import errno
-from typing import Final
+from typing import Final, TypeVar
 
 __all__ = [
     "RETRYABLE_CODES",
@@ -69,6 +69,7 @@ __all__ = [
     "ListenError",
     "RequestError",
     "RunAborted",
+    "first_leaf",
     "listen_error_from",
 ]
 
@@ -415,3 +416,20 @@ class BackendProtocolError(BackendError):
 
     code = ErrorCode.BACKEND_PROTOCOL_ERROR
     status = 502
+
+
+_Leaf = TypeVar("_Leaf", bound=BaseException)
+
+
+def first_leaf(group: BaseExceptionGroup[_Leaf], kind: type[_Leaf]) -> _Leaf:
+    """The first leaf of ``group`` (groups nest), which ``except*`` says is a ``kind``.
+
+    For a handler that reports one cause: a nursery that failed with several
+    errors of a kind reports the first.
+    """
+    leaf: BaseException = group
+    while isinstance(leaf, BaseExceptionGroup):
+        leaf = leaf.exceptions[0]
+    if not isinstance(leaf, kind):  # pragma: no cover - except* guarantees it
+        raise TypeError(f"expected a {kind.__name__}, got {type(leaf).__name__}")
+    return leaf

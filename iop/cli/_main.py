@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 from iop import __version__
 from iop._log import configure_logging, scrub
-from iop.errors import ConfigError, ListenError
+from iop.errors import ConfigError, ListenError, first_leaf
 
 __all__ = ["build_parser", "main"]
 
@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # A service that could not bind fails inside its nurseries.
         listen, rest = group.split(ListenError)
         if listen is not None and rest is None:
-            print(f"iop: {_listen_advice(_first_leaf(listen))}", file=sys.stderr)
+            print(f"iop: {_listen_advice(first_leaf(listen, ListenError))}", file=sys.stderr)
             return 2
         if not isinstance(group, Exception):
             raise  # KeyboardInterrupt or SystemExit inside: not a crash
@@ -89,14 +89,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("iop").critical("iop %s crashed", args.command, exc_info=True)
         return 1
     return code
-
-
-def _first_leaf(group: BaseExceptionGroup[ListenError]) -> ListenError:
-    exc: BaseException = group
-    while isinstance(exc, BaseExceptionGroup):
-        exc = exc.exceptions[0]
-    assert isinstance(exc, ListenError)
-    return exc
 
 
 def _listen_advice(exc: ListenError) -> str:

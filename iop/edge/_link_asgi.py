@@ -46,7 +46,7 @@ import trio
 
 from iop.api import CHAT
 from iop.edge._link_guard import LinkFrameGuard, LinkFrameLimits
-from iop.errors import LinkClosed, LinkLimitError, LinkProtocolError
+from iop.errors import ErrorCode, LinkClosed, LinkLimitError, LinkProtocolError
 from iop.protocol import CLOSE_NORMAL, CLOSE_RATE, CLOSE_TOO_BIG, FrameChannel
 
 __all__ = ["LINK_PATH", "AsgiFrameChannel", "EdgeASGI", "LinkEndpoint", "LinkHandler"]
@@ -268,7 +268,7 @@ class EdgeASGI:
 async def _not_found(send: Send, message: str, *, prefix: str = "") -> None:
     """A 404 in OpenAI's error body; the connection closes after it (the
     request's body, if any, is never read)."""
-    status, body = CHAT.error_body(404, message, code="not_found")
+    status, body = CHAT.error_body(404, message, code=ErrorCode.NOT_FOUND)
     headers = [
         (b"content-type", b"application/json"),
         (b"content-length", str(len(body)).encode()),

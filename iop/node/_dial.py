@@ -22,7 +22,7 @@ from typing import Final, Protocol
 import trio
 
 from iop.config import NodeEdge, NodeSection
-from iop.errors import LinkAuthError, LinkError
+from iop.errors import LinkAuthError, LinkError, first_leaf
 from iop.protocol import (
     CLOSE_BAD_TOKEN,
     CLOSE_GOING_AWAY,
@@ -52,14 +52,6 @@ class ServeLink(Protocol):
     def __call__(
         self, chan: FrameChannel, *, edge: NodeEdge, task_status: trio.TaskStatus[Welcome]
     ) -> Awaitable[None]: ...
-
-
-def _first_link_error(group: BaseExceptionGroup[LinkError]) -> LinkError:
-    leaf: BaseException = group
-    while isinstance(leaf, BaseExceptionGroup):
-        leaf = leaf.exceptions[0]
-    assert isinstance(leaf, LinkError)
-    return leaf
 
 
 def _refused(exc: LinkError) -> bool:
@@ -118,7 +110,7 @@ class Dialer:
                         ", ".join(self._instance_names) or "(none)",
                     )
             except* LinkError as group:
-                failure = _first_link_error(group)
+                failure = first_leaf(group, LinkError)
             except* Exception as group:
                 # A bug must not take the node off the network for good: log
                 # it loudly and reconnect like after any other failure.

@@ -29,7 +29,7 @@ checked in the ``Hello``.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, TypeVar
 
 import msgspec
 
@@ -166,6 +166,8 @@ class Cancel(_Msg, frozen=True, kw_only=True, tag="cancel"):
 
 EdgeMessage = Welcome | Assign | Credit | Cancel | Ping
 
+_M = TypeVar("_M", NodeMessage, EdgeMessage)
+
 _ENCODER: Final = msgspec.msgpack.Encoder()
 _NODE_DECODER: Final = msgspec.msgpack.Decoder(NodeMessage)
 _EDGE_DECODER: Final = msgspec.msgpack.Decoder(EdgeMessage)
@@ -208,19 +210,25 @@ def decode_node_message(frame: bytes) -> NodeMessage:
         raise LinkProtocolError(f"bad frame from node: {exc}") from exc
 
 
+def _decode_batch(
+    decoder: msgspec.msgpack.Decoder[list[_M]], frame: bytes, sender: str
+) -> list[_M]:
+    try:
+        batch = decoder.decode(frame)
+    except msgspec.DecodeError as exc:
+        raise LinkProtocolError(f"bad frame from {sender}: {exc}") from exc
+    if not batch:
+        raise LinkProtocolError("a frame with no messages")
+    return batch
+
+
 def decode_node_batch(frame: bytes) -> list[NodeMessage]:
     """Decode a frame of node messages (after the handshake).
 
     Raises:
         LinkProtocolError: Not a non-empty array of node messages.
     """
-    try:
-        batch = _NODE_BATCH_DECODER.decode(frame)
-    except msgspec.DecodeError as exc:
-        raise LinkProtocolError(f"bad frame from node: {exc}") from exc
-    if not batch:
-        raise LinkProtocolError("a frame with no messages")
-    return batch
+    return _decode_batch(_NODE_BATCH_DECODER, frame, "node")
 
 
 def decode_edge_batch(frame: bytes) -> list[EdgeMessage]:
@@ -229,13 +237,7 @@ def decode_edge_batch(frame: bytes) -> list[EdgeMessage]:
     Raises:
         LinkProtocolError: Not a non-empty array of edge messages.
     """
-    try:
-        batch = _EDGE_BATCH_DECODER.decode(frame)
-    except msgspec.DecodeError as exc:
-        raise LinkProtocolError(f"bad frame from edge: {exc}") from exc
-    if not batch:
-        raise LinkProtocolError("a frame with no messages")
-    return batch
+    return _decode_batch(_EDGE_BATCH_DECODER, frame, "edge")
 
 
 def decode_edge_message(frame: bytes) -> EdgeMessage:

@@ -29,7 +29,7 @@ from typing import Generic, Protocol, TypeVar
 
 import trio
 
-from iop.errors import LinkError
+from iop.errors import LinkError, first_leaf
 from iop.protocol import CLOSE_HEARTBEAT, FrameChannel, LinkClosed
 
 __all__ = ["LinkDriver", "LinkSession", "PeerSilent", "Wakeup"]
@@ -126,7 +126,7 @@ class LinkDriver(Generic[E]):
                 await self._reader()
                 nursery.cancel_scope.cancel()
         except* LinkError as group:
-            raise _first(group) from None
+            raise first_leaf(group, LinkError) from None
 
     async def _reader(self) -> None:
         session, chan = self.session, self.chan
@@ -167,11 +167,3 @@ class LinkDriver(Generic[E]):
                 self.frames_sent += 1
             if self._after_send is not None:
                 self._after_send()
-
-
-def _first(group: BaseExceptionGroup[LinkError]) -> LinkError:
-    leaf: BaseException = group
-    while isinstance(leaf, BaseExceptionGroup):
-        leaf = leaf.exceptions[0]
-    assert isinstance(leaf, LinkError)
-    return leaf
