@@ -620,6 +620,11 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
     Attributes:
         max_queue: Runs that may wait for capacity across all models (429
             with ``Retry-After`` above).
+        max_queue_delay_s: A run that would have to wait is refused at once
+            (429 with ``Retry-After``) when it would wait this long or
+            longer, estimated from how fast the queue for its model drains
+            (``Scheduler.queue_delay``). ``0`` disables it (only
+            ``max_queue`` bounds the queue).
         queue_timeout_s: How long a run may wait for capacity.
         failover: Retry a run on another node when it fails before its first
             output (node lost, node error before start).
@@ -629,10 +634,22 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
     """
 
     max_queue: int = 256
+    # 5 s: long enough to absorb a burst (a queue that drains within a few
+    # seconds is doing its job), short against queue_timeout_s (30 s), so
+    # past saturation the excess is refused at once instead of waiting up
+    # to max_queue / (runs finished per second) seconds, which clients and
+    # their timeouts give up on (docs/benchmarks.md, "Overload").
+    max_queue_delay_s: float = 5.0
     queue_timeout_s: float = 30.0
     failover: bool = True
     affinity: bool = True
     affinity_entries: int = 10_000
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 0:
+            raise ValueError("max_queue must be >= 0")
+        if self.max_queue_delay_s < 0:
+            raise ValueError("max_queue_delay_s must be >= 0 (0 disables it)")
 
 
 class ResponsesSettings(_Config, frozen=True, kw_only=True):

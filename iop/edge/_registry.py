@@ -11,19 +11,38 @@ tokenize) and has a free slot (``in_flight < max_concurrency``), unless the run'
 conversation was served before by an instance that still has a free slot:
 then it goes there again (session affinity, so the backend's prefix cache
 holds the prompt's head; see ``affinity_key``). When none has, the run
-waits in one FIFO queue, bounded by ``max_queue`` (full -> 429) and by
-``queue_timeout_s`` (-> ``Cancelled(queue_timeout)``). Every change of
-capacity (a run ends, a node joins or updates its capabilities) calls
-``dispatch()``, which hands free slots to waiters in arrival order; waiters
-never poll.
+waits in a FIFO queue, bounded by ``queue_timeout_s`` (->
+``Cancelled(queue_timeout)``). Every change of capacity (a run ends, a node
+joins or updates its capabilities) calls ``dispatch()``, which hands free
+slots to waiters in arrival order; waiters never poll.
+
+Admission (``admit``, and ``acquire`` for a run that would have to wait):
+a run that finds a free slot always starts; one that would have to queue is
+refused at once with 429 ``queue_full`` (the HTTP layer adds Retry-After)
+when the queue holds ``max_queue`` runs, or when it would wait
+``max_queue_delay_s`` or more (``queue_delay``, estimated from how fast the
+queue for its model drains). The second bound keeps an overloaded edge's
+goodput at its capacity: past saturation the queue would otherwise fill to
+``max_queue`` and every admitted run would wait ``max_queue`` / (runs
+finished per second), seconds that clients (and their timeouts) spend on
+runs that then fail late, while the excess is refused only once the count
+is reached (docs/benchmarks.md, "Overload").
+
+Waiters are kept by what they wait for (model, operation, excluded nodes),
+each group in arrival order: a pick that fails for a group's oldest waiter
+fails for all of them (they need a free slot on the same candidates), so a
+dispatch costs one pick per group and per slot handed out, not one per
+waiter. With one FIFO scanned whole, every finished run cost a pick for
+each of up to ``max_queue`` waiters, and an overloaded edge spent its CPU
+there.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
+import itertools
 import logging
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Final
@@ -318,29 +337,67 @@ class Lease:
             self._scheduler.dispatch()
 
 
+# What a waiter waits for: a free slot for (model, operation) outside these nodes.
+_WaitKey = tuple[str, str, frozenset[str]]
+
+
 @dataclass(eq=False)
 class _Waiter:
     model: str
     exclude: frozenset[str]
     affinity: str | None = None
     operation: str = "chat"
+    seq: int = 0  # arrival order across groups
+    queued_at: float = 0.0
+    ahead: int = 0  # waiters of its group ahead of it when it came
     event: trio.Event = field(default_factory=trio.Event)
     lease: Lease | None = None
 
+    @property
+    def key(self) -> _WaitKey:
+        return (self.model, self.operation, self.exclude)
+
 
 class Scheduler:
-    """Least-loaded placement with one bounded FIFO queue."""
+    """Least-loaded placement with a bounded FIFO queue and admission control."""
 
     def __init__(self, registry: NodeRegistry, settings: SchedulerSettings) -> None:
         self.registry = registry
         self.settings = settings
-        self._waiters: deque[_Waiter] = deque()
+        # Waiters by what they wait for; each dict is an ordered set (arrival
+        # order, O(1) removal of a waiter that gives up).
+        self._groups: dict[_WaitKey, dict[_Waiter, None]] = {}
+        self._queued = 0
+        self._arrivals = itertools.count()
         # Conversation key -> (node, instance) that last served it; LRU-bounded.
         self._affinity: OrderedDict[str, tuple[str, str]] = OrderedDict()
 
     @property
     def queued(self) -> int:
-        return len(self._waiters)
+        return self._queued
+
+    def queue_delay(self, model: str, operation: str = "chat") -> float:
+        """How long a run for ``model`` joining the queue now would wait: an estimate.
+
+        FIFO makes it cheap: the oldest waiter of a group has seen every
+        waiter that was ahead of it when it came (``ahead``) leave the queue
+        in the ``age`` seconds it has waited, so the group drains at about
+        ``ahead / age`` runs a second and a newcomer behind its ``n`` waiters
+        would wait ``n * age / ahead``. (The oldest waiter's own age alone
+        lags behind a growing queue: arrivals at 1.5x the drain rate make the
+        tail wait three times as long as the head has.) A head that came to an
+        empty queue has seen nothing leave: counted as one, an upper bound on
+        the rate. 0 when nothing waits for ``model``.
+        """
+        now = trio.current_time()
+        worst = 0.0
+        for (m, op, _), group in self._groups.items():
+            if m != model or op != operation:
+                continue
+            head = next(iter(group))
+            age = now - head.queued_at
+            worst = max(worst, len(group) * age / max(head.ahead, 1))
+        return worst
 
     def _candidates(
         self, model: str, exclude: frozenset[str] = frozenset(), operation: str = "chat"
@@ -396,18 +453,34 @@ class Scheduler:
         return any(True for _ in self._candidates(model, exclude, operation))
 
     def admit(self, model: str, operation: str = "chat") -> None:
-        """Refuse a run up front when it could only wait and the queue is full.
+        """Refuse a run up front when it could only wait and the queue is full
+        or too far behind (see the module's docstring).
 
         Raises:
             IopError: 429 ``queue_full`` (the HTTP layer adds Retry-After).
         """
-        if self.queued >= self.settings.max_queue and not self._has_room(model, operation):
+        if not self._has_room(model, operation):
+            self._refuse_if_behind(model, operation)
+
+    def _refuse_if_behind(self, model: str, operation: str) -> None:
+        """Raise 429 when a run for ``model`` may not join the queue now."""
+        if self._queued >= self.settings.max_queue:
             raise IopError(
                 f"all nodes serving {model!r} are busy and the queue is full "
                 f"({self.settings.max_queue} waiting)",
                 status=429,
                 code=ErrorCode.QUEUE_FULL,
             )
+        limit = self.settings.max_queue_delay_s
+        if limit:
+            delay = self.queue_delay(model, operation)
+            if delay >= limit:
+                raise IopError(
+                    f"all nodes serving {model!r} are busy and a run queued now would "
+                    f"wait about {delay:.1f}s (scheduler.max_queue_delay_s={limit:g})",
+                    status=429,
+                    code=ErrorCode.QUEUE_FULL,
+                )
 
     def _has_room(self, model: str, operation: str = "chat") -> bool:
         return any(inst.free > 0 for _, inst in self._candidates(model, operation=operation))
@@ -423,21 +496,26 @@ class Scheduler:
         """A slot for ``operation`` on ``model``, waiting in the queue if needed.
 
         Raises:
-            IopError: 429 when the queue is full.
+            IopError: 429 when the queue is full or too far behind.
             RunAborted: ``queue_timeout`` when no slot came in time.
         """
-        if not self._waiters:
+        if not self._queued:
             lease = self._pick(model, exclude, affinity, operation)
             if lease is not None:
                 return lease
-        if self.queued >= self.settings.max_queue:
-            raise IopError(
-                f"the queue is full ({self.settings.max_queue} runs waiting)",
-                status=429,
-                code=ErrorCode.QUEUE_FULL,
-            )
-        waiter = _Waiter(model, exclude, affinity, operation)
-        self._waiters.append(waiter)
+        self._refuse_if_behind(model, operation)
+        waiter = _Waiter(
+            model,
+            exclude,
+            affinity,
+            operation,
+            seq=next(self._arrivals),
+            queued_at=trio.current_time(),
+        )
+        group = self._groups.setdefault(waiter.key, {})
+        waiter.ahead = len(group)
+        group[waiter] = None
+        self._queued += 1
         self.dispatch()
         try:
             with trio.move_on_after(self.settings.queue_timeout_s):
@@ -460,17 +538,36 @@ class Scheduler:
         return waiter.lease
 
     def _remove(self, waiter: _Waiter) -> None:
-        with contextlib.suppress(ValueError):
-            self._waiters.remove(waiter)
+        group = self._groups.get(waiter.key)
+        if group is None or waiter not in group:
+            return
+        del group[waiter]
+        self._queued -= 1
+        if not group:
+            del self._groups[waiter.key]
 
     def dispatch(self) -> None:
-        """Hand free slots to waiters, first come first served."""
-        if not self._waiters:
-            return
-        for waiter in list(self._waiters):
-            lease = self._pick(waiter.model, waiter.exclude, waiter.affinity, waiter.operation)
+        """Hand free slots to waiters, first come first served.
+
+        Each round takes the oldest waiter of the groups not yet known to be
+        stuck; a group whose oldest waiter finds no slot is stuck for the rest
+        of this call (its other waiters need the same slots).
+        """
+        stuck: set[_WaitKey] = set()
+        while self._queued:
+            head: _Waiter | None = None
+            for key, group in self._groups.items():
+                if key in stuck:
+                    continue
+                first = next(iter(group))
+                if head is None or first.seq < head.seq:
+                    head = first
+            if head is None:
+                return
+            lease = self._pick(head.model, head.exclude, head.affinity, head.operation)
             if lease is None:
+                stuck.add(head.key)
                 continue
-            self._waiters.remove(waiter)
-            waiter.lease = lease
-            waiter.event.set()
+            self._remove(head)
+            head.lease = lease
+            head.event.set()

@@ -328,6 +328,90 @@ async def test_queue_full_is_429_up_front(autojump_clock: trio.testing.MockClock
         del node
 
 
+async def test_a_run_that_would_wait_too_long_is_refused_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``scheduler.max_queue_delay_s``: the queue's drain rate predicts a newcomer's wait."""
+    sched = SchedulerSettings(max_queue=100, max_queue_delay_s=5.0, queue_timeout_s=60.0)
+    async with edge_with_node(config(scheduler=sched), [caps(slots=1)]) as (core, node, nursery):
+        r1 = core.start_run(spec(run_id="r1"))
+        await node.assigns.receive()
+        r2 = core.start_run(spec(run_id="r2"))  # nothing waited yet: a burst is let in
+        await trio.sleep(3)
+        # r2 has waited 3 s and nothing left the queue: r3 would wait about 3 s.
+        assert 2.9 < core.scheduler.queue_delay("m") < 3.1
+        r3 = core.start_run(spec(run_id="r3"))
+        await trio.sleep(2)
+        # Two waiters, the oldest waited 5 s for nothing: about 10 s for a newcomer
+        # (the oldest one's own 5 s understates a queue that grows).
+        assert 9.9 < core.scheduler.queue_delay("m") < 10.1
+        with pytest.raises(IopError) as info:
+            core.start_run(spec(run_id="r4"))
+        assert (info.value.status, info.value.code) == (429, "queue_full")
+        assert "max_queue_delay_s=5" in info.value.message
+        assert core.scheduler.queued == 2
+        # Another model on another node is not behind: it starts.
+        other = await connect(core, nursery, [caps(model="m2")], "n2")
+        r5 = core.start_run(spec(model="m2", run_id="r5"))
+        await other.assigns.receive()
+        # The slot frees: r2 takes it, r3 (one ahead of it when it came, 2 s ago)
+        # is now the oldest and a newcomer would wait about 2 s: admitted again.
+        await node.send("r1", Start(), Complete())
+        await drain_events(r1)
+        assert (await node.assigns.receive()).assign.run_id == "r2"
+        assert core.scheduler.queue_delay("m") < 5.0
+        r6 = core.start_run(spec(run_id="r6"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert core.scheduler.queued == 2
+        for r in (r2, r3, r5, r6):
+            r.cancel(CancelReason.CLIENT_DISCONNECT)
+            await r.wait()
+
+
+async def test_max_queue_delay_zero_lets_the_queue_fill(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    sched = SchedulerSettings(max_queue=3, max_queue_delay_s=0.0, queue_timeout_s=60.0)
+    async with edge_with_node(config(scheduler=sched), [caps(slots=1)]) as (core, node, _):
+        runs = [core.start_run(spec(run_id="r0"))]
+        await node.assigns.receive()
+        for i in range(1, 4):
+            runs.append(core.start_run(spec(run_id=f"r{i}")))
+            await trio.sleep(10)
+        assert core.scheduler.queued == 3
+        with pytest.raises(IopError) as info:
+            core.start_run(spec(run_id="r9"))
+        assert "queue is full (3 waiting)" in info.value.message
+        for r in runs:
+            r.cancel(CancelReason.CLIENT_DISCONNECT)
+            await r.wait()
+
+
+async def test_free_slots_go_to_waiters_in_arrival_order_across_models(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """One instance serving two models: waiters of both are served first come, first served."""
+    two = Capabilities(adapter="sim", instance="i0", targets=("m", "m2"), max_concurrency=1)
+    sched = SchedulerSettings(max_queue=10, queue_timeout_s=60.0)
+    async with edge_with_node(config(scheduler=sched), [two]) as (core, node, _):
+        first = core.start_run(spec(run_id="r0"))
+        await node.assigns.receive()
+        order = ["r1", "r2", "r3", "r4"]
+        models = {"r1": "m2", "r2": "m", "r3": "m2", "r4": "m"}
+        runs = {}
+        for rid in order:  # one at a time: trio runs new tasks in any order
+            runs[rid] = core.start_run(spec(model=models[rid], run_id=rid))
+            await trio.testing.wait_all_tasks_blocked()
+        assert core.scheduler.queued == 4
+        await node.send("r0", Start(), Complete())
+        await drain_events(first)
+        for rid in order:
+            assert (await node.assigns.receive()).assign.run_id == rid
+            await node.send(rid, Start(), Complete())
+            await drain_events(runs[rid])
+        assert core.scheduler.queued == 0
+
+
 async def test_unknown_model_is_404_and_no_node_is_503(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
