@@ -13,6 +13,8 @@ socket is the warmest, and the least likely to have been closed by the
 server's keep-alive timeout. A request pops the top one and checks only that
 one (idle, its keep-alive not expired, its socket not readable: a readable
 idle socket is the server's EOF); if none passes, it opens a new connection.
+Connections idle for longer than the keep-alive expiry are closed from the
+bottom of the stack, where the oldest are, whenever the stack is used.
 There is no limit on connections in use, as before: the node's slot limiter
 (``max_concurrency``) bounds them. When a response is closed, its connection
 goes back on the stack if httpcore left it idle (the body was read to its
@@ -45,7 +47,9 @@ from __future__ import annotations
 
 import contextlib
 import ssl
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Iterator
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
 from typing import Any, Final, Protocol, cast
 
 import httpcore
@@ -259,6 +263,7 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
             connections.
         ssl_context: For https endpoints (``httpx.create_ssl_context()``).
         keepalive_expiry_s: An idle connection older than this is not reused.
+        clock: Seconds, monotonic: when a connection went idle (tests set it).
     """
 
     def __init__(
@@ -267,12 +272,15 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
         max_idle: int,
         ssl_context: ssl.SSLContext | None = None,
         keepalive_expiry_s: float | None = KEEPALIVE_EXPIRY_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._max_idle = max_idle
+        self._clock = clock
         self._ssl_context = ssl_context
         self._keepalive_expiry_s = keepalive_expiry_s
         self._backend = _TrioBackend()
-        self._idle: dict[_OriginKey, list[httpcore.AsyncHTTPConnection]] = {}
+        # Per origin: (when it went idle, connection), oldest first.
+        self._idle: dict[_OriginKey, deque[tuple[float, httpcore.AsyncHTTPConnection]]] = {}
         self._open: set[httpcore.AsyncHTTPConnection] = set()
         self._closed = False
 
@@ -314,8 +322,10 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
 
     async def _checkout(self, origin: httpcore.Origin) -> httpcore.AsyncHTTPConnection:
         stack = self._idle.get(_key(origin))
+        if stack:
+            await self._prune(stack)
         while stack:
-            conn = stack.pop()
+            _, conn = stack.pop()
             if conn.is_idle() and not conn.has_expired():
                 return conn
             self._open.discard(conn)
@@ -336,12 +346,24 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
             if not conn.is_closed():
                 await conn.aclose()
             return
-        stack = self._idle.setdefault(_key(origin), [])
+        stack = self._idle.setdefault(_key(origin), deque())
+        await self._prune(stack)
         if len(stack) >= self._max_idle:
             self._open.discard(conn)
             await conn.aclose()
             return
-        stack.append(conn)
+        stack.append((self._clock(), conn))
+
+    async def _prune(self, stack: deque[tuple[float, httpcore.AsyncHTTPConnection]]) -> None:
+        """Close the connections idle for longer than the keep-alive expiry:
+        the oldest are at the bottom, so this looks at no others."""
+        if self._keepalive_expiry_s is None:
+            return
+        limit = self._clock() - self._keepalive_expiry_s
+        while stack and stack[0][0] < limit:
+            _, conn = stack.popleft()
+            self._open.discard(conn)
+            await conn.aclose()
 
     async def aclose(self) -> None:
         """Close every connection, idle or in use (idempotent)."""

@@ -122,6 +122,23 @@ async def test_at_most_max_idle_connections_wait() -> None:
     assert all(c.closed_by_client for c in closed)
 
 
+async def test_connections_idle_past_the_expiry_are_closed_from_the_bottom() -> None:
+    now = 100.0
+    async with open_fake_backend() as fb:
+        fb.route(CHAT_COMPLETIONS_PATH, Reply.sse(BODY))
+        pool = KeepAliveTransport(max_idle=8, keepalive_expiry_s=5.0, clock=lambda: now)
+        try:
+            await _burst(pool, fb.url + CHAT_COMPLETIONS_PATH, 3)
+            now += 4.0  # not yet: the next request reuses the top one
+            await fetch(pool, fb.url + CHAT_COMPLETIONS_PATH)
+            assert (len(fb.connections), pool.idle_connections) == (3, 3)
+            now += 2.0  # the two below it went idle 6 s ago
+            await fetch(pool, fb.url + CHAT_COMPLETIONS_PATH)
+            assert (len(fb.connections), pool.idle_connections) == (3, 1)
+        finally:
+            await pool.aclose()
+
+
 async def test_a_body_left_early_closes_its_connection() -> None:
     async with open_fake_backend() as fb, transport() as pool:
         fb.route(CHAT_COMPLETIONS_PATH, Reply.sse(BODY, stall_after_bytes=4))
