@@ -40,9 +40,9 @@ import contextlib
 import logging
 import socket
 import urllib.request
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any, ClassVar, Final, cast
+from typing import Any, ClassVar, Final, Protocol, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -605,9 +605,7 @@ class HTTPBackend:
             BackendError: The stream broke, was malformed, or had no [DONE].
         """
         parser = self.new_parser()
-        async with contextlib.aclosing(
-            cast(AsyncGenerator[bytes, None], response.aiter_bytes())
-        ) as chunks:
+        async with contextlib.aclosing(_body_pieces(response)) as chunks:
             try:
                 async for piece in chunks:
                     for event in parser.feed(piece):
@@ -617,6 +615,8 @@ class HTTPBackend:
                 else:
                     parser.feed_eof()
             except httpx.HTTPError as exc:
+                with contextlib.suppress(RuntimeError):  # the request it was for, if known
+                    exc.request = response.request
                 raise map_transport_error(exc, f"{self.kind} stream scan failed") from exc
             if parser.malformed_chunks:
                 log.warning(
@@ -803,6 +803,34 @@ def _embedding_event(item: _Embedding) -> EmbeddingData:
             raise BackendProtocolError(f"embedding {item.index} is not float32 data")
         return EmbeddingData(index=item.index, vector=data)
     return EmbeddingData.of(item.index, vector)
+
+
+class _Pieces(Protocol):
+    """A response body's pieces, closable (an async generator, or a transport's stream)."""
+
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    def __anext__(self) -> Awaitable[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+def _body_pieces(response: httpx.Response) -> _Pieces:
+    """The pieces of a streamed body as the transport reads them.
+
+    An SSE body is rarely compressed; when it is not, httpx's decoding and
+    re-chunking layers (``aiter_bytes`` over ``aiter_raw``: two async
+    generators and two buffers per stream, run for every read) have nothing
+    to do, and the transport's stream is read directly.
+    """
+    encoding = response.headers.get("content-encoding", "").strip().lower()
+    if encoding in ("", "identity"):
+        stream = cast(httpx.AsyncByteStream, response.stream)
+        pieces = stream.__aiter__()
+        if isinstance(pieces, AsyncGenerator):
+            return pieces
+        return cast(_Pieces, pieces)
+    return cast(AsyncGenerator[bytes, None], response.aiter_bytes())
 
 
 async def _drain(chunks: AsyncIterator[bytes]) -> None:

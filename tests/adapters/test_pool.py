@@ -8,6 +8,7 @@ boundary, with a stream that records every ``send_all``.
 
 from __future__ import annotations
 
+import gzip
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -18,13 +19,18 @@ import trio
 
 from iop.adapters._http import HTTPBackend, environment_proxy
 from iop.adapters._pool import HEAD_MAX_BYTES, KeepAliveTransport, _SocketStream
+from iop.adapters.vllm import VllmAdapter
 from iop.config import VllmInstance
+from iop.events import Complete, Delta
+from iop.runtime import collect_run
+from iop.spec import ChatRequest, ExecutionSpec, Message
 from iop.testing import (
     CHAT_COMPLETIONS_PATH,
     MODELS_PATH,
     CloseCause,
     Connection,
     Reply,
+    Split,
     open_fake_backend,
 )
 
@@ -362,3 +368,37 @@ async def test_a_proxy_in_the_environment_is_used(monkeypatch: pytest.MonkeyPatc
         finally:
             await backend.aclose()
     assert proxy.requests[0].target == "http://gpu.invalid:8000/v1/models"
+
+
+SSE = (
+    b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+    b'"choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}\n\n'
+    b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+    b'"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+@pytest.mark.parametrize("encoding", ["", "gzip"])
+async def test_a_stream_is_read_whether_or_not_the_backend_compresses_it(encoding: str) -> None:
+    # Uncompressed, the transport's stream is read directly; compressed, httpx decodes it.
+    body = gzip.compress(SSE) if encoding else SSE
+    headers = (("content-type", "text/event-stream"),)
+    if encoding:
+        headers += (("content-encoding", encoding),)
+    async with open_fake_backend() as fb:
+        fb.route(CHAT_COMPLETIONS_PATH, Reply.sse(body, headers=headers, split=Split.every(7)))
+        adapter = VllmAdapter(VllmInstance(name="v", endpoint=fb.url))
+        request = ChatRequest(model="m", messages=[Message(role="user", content="hi")])
+        try:
+            runs = [
+                await collect_run(adapter, ExecutionSpec(run_id=f"r{i}", request=request))
+                for i in range(2)
+            ]
+        finally:
+            await adapter.aclose()
+    for events in runs:
+        assert [e.text for e in events if isinstance(e, Delta)] == ["Hi"]
+        assert isinstance(events[-1], Complete)
+    # Each body was read to its end: the second run reused the connection.
+    assert len(fb.connections) == 1
