@@ -398,11 +398,15 @@ class _PooledBody(httpx.AsyncByteStream):
         self._closed = False
 
     def __aiter__(self) -> AsyncIterator[bytes]:
-        self._parts = self._stream.__aiter__()
         return self
 
     async def __anext__(self) -> bytes:
-        assert self._parts is not None
+        # One iteration over httpcore's body, however many loops read from
+        # this one (the pump and then its drain).
+        if self._parts is None:
+            if self._closed:
+                raise StopAsyncIteration
+            self._parts = self._stream.__aiter__()
         with _httpx_errors():
             return await self._parts.__anext__()
 

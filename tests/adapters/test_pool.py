@@ -8,7 +8,9 @@ boundary, with a stream that records every ``send_all``.
 
 from __future__ import annotations
 
+import gc
 import gzip
+import warnings
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -402,3 +404,23 @@ async def test_a_stream_is_read_whether_or_not_the_backend_compresses_it(encodin
         assert isinstance(events[-1], Complete)
     # Each body was read to its end: the second run reused the connection.
     assert len(fb.connections) == 1
+
+
+async def test_a_stream_read_to_its_end_leaves_no_generator_to_trio() -> None:
+    # The pump reads the body, then drains it in a second loop: both must
+    # read one iteration of httpcore's body, or the first is left
+    # half-done to trio's finalizer (a task per run; filtered in pytest's
+    # settings, hence caught here).
+    async with open_fake_backend() as fb:
+        fb.route(CHAT_COMPLETIONS_PATH, Reply.sse(SSE))
+        adapter = VllmAdapter(VllmInstance(name="v", endpoint=fb.url))
+        request = ChatRequest(model="m", messages=[Message(role="user", content="hi")])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            try:
+                events = await collect_run(adapter, ExecutionSpec(run_id="r", request=request))
+            finally:
+                await adapter.aclose()
+            gc.collect()
+    assert isinstance(events[-1], Complete)
+    assert [str(w.message) for w in caught if "Async generator" in str(w.message)] == []
