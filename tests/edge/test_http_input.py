@@ -204,6 +204,23 @@ async def test_a_too_large_body_is_a_413_and_the_connection_closed() -> None:
     validate_error(json.loads(body))
 
 
+async def test_a_chunked_body_over_the_limit_is_a_413_and_the_connection_closed() -> None:
+    # No Content-Length to refuse it by: the bytes pass the limit as they arrive.
+    chunk = b"x" * 600
+    data = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n" + (b"%x\r\n%s\r\n" % (len(chunk), chunk)) * 2
+    )
+    async with edge(config(max_body_bytes=1000)) as (handle, node, _):
+        assert node is not None
+        got = await _raw_exchange(handle.url, data)
+        assert node.assigned == []
+    [(status, headers, body)] = _responses(got)  # and then EOF
+    assert status == 413
+    assert headers["connection"] == "close"
+    validate_error(json.loads(body))
+
+
 async def test_many_small_headers_count_against_the_same_limit() -> None:
     limit = 4096
     pads = b"".join(b"X-%d: y\r\n" % i for i in range(1000))
