@@ -39,9 +39,10 @@ import base64
 import contextlib
 import logging
 import socket
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+import urllib.request
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any, ClassVar, Final, cast
+from typing import Any, ClassVar, Final, Protocol, cast
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -49,6 +50,7 @@ import msgspec
 import trio
 
 from iop.adapters._base import require_model
+from iop.adapters._pool import KeepAliveTransport
 from iop.capabilities import Capabilities, ProbeResult, ProviderStatus, provider_detail
 from iop.config import HTTPInstance
 from iop.errors import (
@@ -80,8 +82,10 @@ __all__ = [
     "HTTP_OPERATIONS",
     "HTTPAdapter",
     "HTTPBackend",
+    "backend_transport",
     "build_chat_body",
     "build_completion_body",
+    "environment_proxy",
     "estimate_tokens",
     "join_openai_path",
     "map_transport_error",
@@ -99,11 +103,51 @@ _NO_ENDPOINT: Final = frozenset({404, 405, 501})
 
 log = logging.getLogger("iop.adapters")
 
-# The keep-alive pool stays at httpx's default: httpcore's bookkeeping is
-# quadratic in pooled connections (docs/architecture.md, "Facts about our
-# dependencies: httpx and httpcore"). Total connections are
-# not capped by httpx: the node's capacity limiter is what bounds concurrency.
-KEEPALIVE_CONNECTIONS: Final = 20
+# Idle connections kept through a proxy (httpx's own pool, whose bookkeeping
+# is quadratic in pooled connections: ``iop.adapters._pool``): httpx's default.
+# Total connections are not capped: the node's slot limiter bounds them.
+PROXY_KEEPALIVE_CONNECTIONS: Final = 20
+
+# What an httpx.AsyncClient would add to every request (httpx 0.28), kept so
+# that backends see the same requests as when the node used one; Content-Type
+# and the configured headers come on top.
+_DEFAULT_HEADERS: Final = {
+    "Accept": "*/*",
+    "Accept-Encoding": "gzip, deflate",
+    "Connection": "keep-alive",
+    "User-Agent": f"python-httpx/{httpx.__version__}",
+}
+
+
+def environment_proxy(endpoint: str) -> str | None:
+    """The proxy the environment names for ``endpoint`` (``HTTP_PROXY``,
+    ``HTTPS_PROXY``, ``ALL_PROXY``, minus ``NO_PROXY``), as an
+    ``httpx.AsyncClient`` would use it, or None."""
+    parts = urlsplit(endpoint)
+    proxies = urllib.request.getproxies()
+    proxy = proxies.get(parts.scheme) or proxies.get("all")
+    if not proxy or urllib.request.proxy_bypass(parts.netloc):
+        return None
+    return proxy
+
+
+def backend_transport(cfg: HTTPInstance) -> httpx.AsyncBaseTransport:
+    """The transport to ``cfg.endpoint``: the node's keep-alive pool
+    (``iop.adapters._pool``), or httpx's through a proxy the environment names."""
+    tls = httpx.create_ssl_context()  # honours SSL_CERT_FILE and SSL_CERT_DIR
+    proxy = environment_proxy(cfg.endpoint)
+    if proxy is not None:
+        return httpx.AsyncHTTPTransport(
+            verify=tls,
+            proxy=proxy,
+            limits=httpx.Limits(
+                max_connections=None, max_keepalive_connections=PROXY_KEEPALIVE_CONNECTIONS
+            ),
+        )
+    # One idle connection per slot, and one for the probe: a burst of runs
+    # finds its connections again instead of opening new ones.
+    return KeepAliveTransport(max_idle=cfg.max_concurrency + 1, ssl_context=tls)
+
 
 # After [DONE] a server sends only the end of its chunked body; a server that
 # sends more than this, or takes longer, loses its keep-alive connection.
@@ -320,21 +364,23 @@ class HTTPBackend:
         self.provider = provider
         self.endpoint = cfg.endpoint.rstrip("/")
         self._last_targets: tuple[str, ...] = ()
-        self._client = httpx.AsyncClient(
-            transport=transport,
-            timeout=httpx.Timeout(
-                connect=cfg.connect_timeout_s,
-                read=None,
-                write=cfg.connect_timeout_s,
-                pool=None,
-            ),
-            limits=httpx.Limits(
-                max_connections=None, max_keepalive_connections=KEEPALIVE_CONNECTIONS
-            ),
-        )
+        # Requests go straight to the transport: an httpx.AsyncClient in
+        # front costs a URL merge, a cookie jar and three layers per request
+        # (docs/benchmarks.md, "Where the fixed cost goes"), and the node
+        # needs none of them (no redirects, no auth flows, no cookies).
+        self._transport = transport if transport is not None else backend_transport(cfg)
+        self._timeout: Final = {
+            "connect": cfg.connect_timeout_s,
+            "read": None,
+            "write": cfg.connect_timeout_s,
+            "pool": None,
+        }
+        self._urls: dict[str, httpx.URL] = {}
+        self._get_headers = httpx.Headers({**_DEFAULT_HEADERS, **self.headers(json_body=False)})
+        self._post_headers = httpx.Headers({**_DEFAULT_HEADERS, **self.headers(json_body=True)})
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        await self._transport.aclose()
 
     def url(self, path: str) -> str:
         return join_openai_path(self.endpoint, path)
@@ -363,13 +409,11 @@ class HTTPBackend:
             BackendError: Unreachable, non-2xx, timed out, a body over the
                 limit, or not a model list.
         """
-        url = self.url("/v1/models")
         body = b""
         with trio.move_on_after(self.cfg.probe_timeout_s) as scope:
             try:
-                async with self._client.stream(
-                    "GET", url, headers=self.headers(json_body=False)
-                ) as resp:
+                resp = await self._send("GET", "/v1/models", None, self._get_headers)
+                try:
                     if not 200 <= resp.status_code < 300:
                         raise BackendHTTPError(
                             f"status code {resp.status_code}",
@@ -377,6 +421,8 @@ class HTTPBackend:
                             body_excerpt=excerpt(await self.read_error_body(resp)),
                         )
                     body = await self._read_probe_body(resp)
+                finally:
+                    await resp.aclose()
             except httpx.HTTPError as exc:
                 raise map_transport_error(exc, "request failed") from exc
         if scope.cancelled_caught:
@@ -475,20 +521,36 @@ class HTTPBackend:
                 the message, e.g. "vllm retry request failed").
         """
         content = msgspec.json.encode(body)
-        request = self._client.build_request(
-            "POST",
-            self.url(path),
-            content=content,
-            headers=self.headers(json_body=True),
-        )
         try:
-            response = await self._client.send(request, stream=True)
+            response = await self._send("POST", path, content, self._post_headers)
         except httpx.HTTPError as exc:
             raise map_transport_error(exc, what) from exc
         try:
             yield response
         finally:
             await response.aclose()
+
+    async def _send(
+        self, method: str, path: str, content: bytes | None, headers: httpx.Headers
+    ) -> httpx.Response:
+        """Send a request to ``path``; its response with the body unread.
+
+        Raises:
+            httpx.HTTPError: The request could not be sent.
+        """
+        url = self._urls.get(path)
+        if url is None:  # parsed once per path
+            url = self._urls[path] = httpx.URL(self.url(path))
+        request = httpx.Request(
+            method, url, content=content, headers=headers, extensions={"timeout": self._timeout}
+        )
+        try:
+            response = await self._transport.handle_async_request(request)
+        except httpx.HTTPError as exc:
+            exc.request = request  # the request it was for (``transport_detail`` names it)
+            raise
+        response.request = request  # errors reading the body carry it too
+        return response
 
     async def read_error_body(self, response: httpx.Response) -> bytes:
         """Read at most ``ERROR_EXCERPT_BYTES`` of a non-2xx body; never raises."""
@@ -544,9 +606,7 @@ class HTTPBackend:
             BackendError: The stream broke, was malformed, or had no [DONE].
         """
         parser = self.new_parser()
-        async with contextlib.aclosing(
-            cast(AsyncGenerator[bytes, None], response.aiter_bytes())
-        ) as chunks:
+        async with contextlib.aclosing(_body_pieces(response)) as chunks:
             try:
                 async for piece in chunks:
                     for event in parser.feed(piece):
@@ -556,6 +616,8 @@ class HTTPBackend:
                 else:
                     parser.feed_eof()
             except httpx.HTTPError as exc:
+                with contextlib.suppress(RuntimeError):  # the request it was for, if known
+                    exc.request = response.request
                 raise map_transport_error(exc, f"{self.kind} stream scan failed") from exc
             if parser.malformed_chunks:
                 log.warning(
@@ -742,6 +804,34 @@ def _embedding_event(item: _Embedding) -> EmbeddingData:
             raise BackendProtocolError(f"embedding {item.index} is not float32 data")
         return EmbeddingData(index=item.index, vector=data)
     return EmbeddingData.of(item.index, vector)
+
+
+class _Pieces(Protocol):
+    """A response body's pieces, closable (an async generator, or a transport's stream)."""
+
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    def __anext__(self) -> Awaitable[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+def _body_pieces(response: httpx.Response) -> _Pieces:
+    """The pieces of a streamed body as the transport reads them.
+
+    An SSE body is rarely compressed; when it is not, httpx's decoding and
+    re-chunking layers (``aiter_bytes`` over ``aiter_raw``: two async
+    generators and two buffers per stream, run for every read) have nothing
+    to do, and the transport's stream is read directly.
+    """
+    encoding = response.headers.get("content-encoding", "").strip().lower()
+    if encoding in ("", "identity"):
+        stream = cast(httpx.AsyncByteStream, response.stream)
+        pieces = stream.__aiter__()
+        if isinstance(pieces, AsyncGenerator):
+            return pieces
+        return cast(_Pieces, pieces)
+    return cast(AsyncGenerator[bytes, None], response.aiter_bytes())
 
 
 async def _drain(chunks: AsyncIterator[bytes]) -> None:

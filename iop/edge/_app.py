@@ -13,12 +13,15 @@ body (OpenAI's, except on a surface route whose surface has its own) with
 the right status; the one HTML answer to a refused request is ``/admin``'s
 login form, for people.
 
-Every surface is served by one handler (``serve`` in ``create_edge_app``),
+Every surface is served by one handler (``answer`` in ``create_edge_app``),
 so adding one is one ``SurfaceRoute(path, surface, key_of)`` line in
 ``surface_routes``: the
 surface (``iop.api.Surface``, sans-IO) parses the body and turns the run's
 events into bytes; this module only reads the body, checks the API key,
-starts the run and writes what comes back.
+starts the run and writes what comes back. The surface routes are served
+below quart (``_surface_asgi``: quart's per-request machinery was the
+largest part of a short request's cost on the edge); the app returned is
+that ASGI layer, with the quart app behind it for every other route.
 
 Streaming (docs/architecture.md, "Facts about our dependencies: quart and
 quart-trio"): the response body is an async generator that
@@ -54,6 +57,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
+from functools import partial
 from typing import Final, NamedTuple, Protocol, runtime_checkable
 from urllib.parse import urlsplit
 
@@ -89,6 +93,7 @@ from iop.edge._core import EdgeCore
 from iop.edge._link_asgi import LINK_PATH
 from iop.edge._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from iop.edge._stall import client_gone_reason
+from iop.edge._surface_asgi import BodyReader, SurfaceAnswer, SurfaceASGI
 from iop.errors import ErrorCode, IopError, RequestError
 from iop.events import Cancelled, Error, RuntimeEvent, Start, TokenCount, is_terminal
 from iop.runtime import Run, new_run_id
@@ -286,8 +291,9 @@ def _over_https() -> bool:
     return request.scheme == "https" or forwarded == "https"
 
 
-def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = None) -> QuartTrio:
-    """The edge's ASGI app, serving ``core``.
+def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = None) -> SurfaceASGI:
+    """The edge's ASGI app, serving ``core``: the surface routes below quart
+    (``_surface_asgi``), everything else by the quart-trio app (``.fallback``).
 
     Args:
         core: The edge's node links, scheduler and runs.
@@ -324,13 +330,13 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             _log_wrong_admin_key(gate, "Bearer header", request.path)
         return verdict
 
-    @app.errorhandler(HTTPException)
-    async def http_error(exc: HTTPException) -> Response:
+    def refusal(exc: HTTPException, method: str, path: str) -> Response:
+        """An HTTP error (404, 405, 408, 413...) in the path's surface's shape."""
         status = exc.code or 500
         message, code = {
-            404: (f"Unknown request URL: {request.method} {request.path}.", ErrorCode.NOT_FOUND),
+            404: (f"Unknown request URL: {method} {path}.", ErrorCode.NOT_FOUND),
             405: (
-                f"Method {request.method} is not allowed on {request.path}.",
+                f"Method {method} is not allowed on {path}.",
                 ErrorCode.METHOD_NOT_ALLOWED,
             ),
             408: (
@@ -353,14 +359,21 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         # connection: after a "Connection: close" response the connection is
         # closed (from a shielded scope, _http1.py) and nothing more is read.
         headers = {"Connection": "close"} if status in (408, 413) else None
-        surface = surfaces.get(request.path, CHAT)
+        surface = surfaces.get(path, CHAT)
         return _error(status, message, code=code, headers=headers, surface=surface)
+
+    def crashed(exc: Exception, method: str, path: str) -> Response:
+        log.error("unhandled error on %s %s", method, path, exc_info=exc)
+        surface = surfaces.get(path, CHAT)
+        return _error(500, "internal server error", code=ErrorCode.INTERNAL_ERROR, surface=surface)
+
+    @app.errorhandler(HTTPException)
+    async def http_error(exc: HTTPException) -> Response:
+        return refusal(exc, request.method, request.path)
 
     @app.errorhandler(Exception)
     async def crash(exc: Exception) -> Response:
-        log.error("unhandled error on %s %s", request.method, request.path, exc_info=exc)
-        surface = surfaces.get(request.path, CHAT)
-        return _error(500, "internal server error", code=ErrorCode.INTERNAL_ERROR, surface=surface)
+        return crashed(exc, request.method, request.path)
 
     @app.get("/healthz")
     async def healthz() -> Response:
@@ -494,17 +507,22 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         )
         return resp
 
-    async def serve(route: SurfaceRoute) -> Response:
-        """One request of ``route.surface``: parse, run, then stream or collect."""
+    async def answer(
+        route: SurfaceRoute, headers: Mapping[str, str], read_body: BodyReader
+    ) -> Response:
+        """One request of ``route.surface``: parse, run, then stream or collect.
+
+        ``headers`` have lower-cased names; ``read_body`` reads the whole body
+        (raising werkzeug's 408 or 413). Served below quart
+        (``_surface_asgi``); the quart route gives the same answer.
+        """
         surface = route.surface
-        headers = _headers()
         if not authorized(route.key_of(headers)):
             return _error(401, route.auth_failed, code=ErrorCode.INVALID_API_KEY, surface=surface)
         unsupported = _unsupported_content_type(headers.get("content-type"))
         if unsupported is not None:
             return _error(415, unsupported, code=ErrorCode.UNSUPPORTED_MEDIA_TYPE, surface=surface)
-        body = await request.get_data(cache=False)
-        assert isinstance(body, bytes)
+        body = await read_body()
         try:
             call = surface.parse(body, headers)
             spec = ExecutionSpec(
@@ -535,13 +553,16 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             if not handed_over:
                 run.cancel(*client_gone_reason())
 
+    answers: dict[str, SurfaceAnswer] = {}
+
     def serve_surface(route: SurfaceRoute) -> None:
-        """Route ``POST route.path`` to its surface."""
+        """Route ``POST route.path`` to its surface (below quart, and in quart)."""
 
         async def view() -> Response:
-            return await serve(route)
+            return await answer(route, _headers(), _quart_body)
 
         surfaces[route.path] = route.surface
+        answers[route.path] = partial(answer, route)
         app.add_url_rule(
             route.path, endpoint=f"surface:{route.path}", view_func=view, methods=["POST"]
         )
@@ -600,7 +621,20 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
 
     surfaces[COUNT_TOKENS_PATH] = messages
 
-    return app
+    return SurfaceASGI(
+        app,
+        answers,
+        max_body_bytes=cfg.server.max_body_bytes,
+        body_read_timeout_s=cfg.server.body_read_timeout_s,
+        refused=lambda exc, path: refusal(exc, "POST", path),
+        crashed=lambda exc, path: crashed(exc, "POST", path),
+    )
+
+
+async def _quart_body() -> bytes:
+    body = await request.get_data(cache=False)
+    assert isinstance(body, bytes)
+    return body
 
 
 def _unsupported_content_type(value: str | None) -> str | None:

@@ -18,6 +18,18 @@ and both were wrong for an OpenAI-compatible server:
   never measured, so the edge measures every head itself and answers 431
   above ``server.max_header_bytes`` whichever way it arrived.
 
+* **The response head is a write of its own.** Hypercorn sends the status
+  line and headers as soon as the app starts its response, and the body in
+  later writes: one more ``send`` syscall, one more trio schedule point and
+  one more TCP segment for the client to wake up for, on every response
+  (``docs/benchmarks.md``, "Where the fixed cost goes"). The edge holds the
+  head and sends it with the response's first body write (or its end).
+  Every edge response starts its body right away: a JSON body is whole, and
+  an SSE body's first piece is the stream's opening chunk, written before the
+  generator awaits anything. A response whose app fails between its head
+  and its body loses the head with the connection, which then closes: the
+  client sees the same failed exchange, one line shorter.
+
 * **A connection that must close stays open.** After a response with
   ``Connection: close`` (a 408 for a dribbled body, a 413, a client that
   asked for it), hypercorn closes the socket from the task that finished the
@@ -31,10 +43,11 @@ Hypercorn has no hook for its protocol class: ``ProtocolWrapper`` builds an
 puts ``EdgeH11Protocol`` there once; it is a subclass that behaves exactly
 like hypercorn's own unless the server's config is an ``EdgeHypercornConfig``,
 so other hypercorn servers in the process (``iop sim``'s backend) are
-untouched. It overrides two methods hypercorn calls on every request
-(``_check_protocol``, before the app sees the request) and on every h11
-error (``_send_error_response``); hypercorn is pinned below 0.19 and
-``tests/edge/test_http_input.py`` drives both through real sockets, so a
+untouched. It overrides three methods hypercorn calls on every request
+(``_check_protocol``, before the app sees the request), on every h11
+error (``_send_error_response``) and for every h11 event it sends
+(``_send_h11_event``); hypercorn is pinned below 0.19 and
+``tests/edge/test_http_input.py`` drives them through real sockets, so a
 hypercorn that stops calling them fails there.
 """
 
@@ -48,8 +61,9 @@ import h11
 import hypercorn.protocol
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.events import Closed, Event
+from hypercorn.events import Closed, Event, RawData
 from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.typing import H11SendableEvent
 
 from iop.api import CHAT
 from iop.errors import ErrorCode
@@ -116,6 +130,8 @@ class EdgeH11Protocol(H11Protocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        # A response head not sent yet: it goes out with the next write.
+        self._held_head: bytes | None = None
         if self._edge_limit() is not None:
             send = self.send
 
@@ -135,6 +151,25 @@ class EdgeH11Protocol(H11Protocol):
     async def handle(self, event: Event) -> None:
         with contextlib.suppress(_Refused):
             await super().handle(event)
+
+    async def _send_h11_event(self, event: H11SendableEvent) -> None:
+        if self._edge_limit() is None:
+            await super()._send_h11_event(event)
+            return
+        try:
+            data = self.connection.send(event)
+        except h11.LocalProtocolError:
+            # hypercorn's rule: an event h11 refuses after the client broke
+            # the protocol is dropped.
+            if self.connection.their_state != h11.ERROR:
+                raise
+            return
+        if isinstance(event, h11.Response):
+            self._held_head = data  # module docstring: sent with the body
+            return
+        if self._held_head is not None:
+            data, self._held_head = self._held_head + data, None
+        await self.send(RawData(data=data))
 
     async def _check_protocol(self, event: h11.Request) -> None:
         limit = self._edge_limit()

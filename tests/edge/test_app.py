@@ -313,6 +313,31 @@ async def test_client_disconnect_cancels_the_run_on_the_node() -> None:
         assert handle.core.snapshot()["outcomes"] == {"cancelled:client_disconnect": 1}
 
 
+async def test_a_client_leaving_a_collected_run_cancels_it_on_the_node() -> None:
+    # Not streamed: the client waits for the whole answer and leaves first.
+    async with edge() as (handle, node, client):
+        assert node is not None
+
+        async def ask_then_leave(cancel_scope: trio.CancelScope) -> None:
+            with cancel_scope:
+                await client.post("/v1/chat/completions", json=CHAT)
+
+        leave = trio.CancelScope()
+        async with trio.open_nursery() as n:
+            n.start_soon(ask_then_leave, leave)
+            assign = await node.assigns.receive()
+            await node.send(assign.assign.run_id, Start(), Delta("tok"))
+            leave.cancel()  # closes the connection
+        with trio.fail_after(5):
+            while not node.cancels:
+                await trio.sleep(0.01)
+        assert node.cancels[0].cancel.reason is CancelReason.CLIENT_DISCONNECT
+        with trio.fail_after(5):
+            while handle.core.supervisor.runs:
+                await trio.sleep(0.01)
+        assert handle.core.outcomes.get("cancelled:client_disconnect") == 1
+
+
 async def test_queue_full_is_429_with_retry_after() -> None:
     async with edge() as (_, node, client), trio.open_nursery() as n:
         assert node is not None

@@ -13,7 +13,7 @@ import trio
 from iop.api import ChatSurface
 from tests.api.chat.test_request import TOO_DEEP_BODIES
 from tests.edge._openai_schema import validate_error
-from tests.edge.test_app import CHAT, config, edge
+from tests.edge.test_app import CHAT, answer, config, edge
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -114,6 +114,41 @@ def _responses(raw: bytes) -> list[tuple[int, dict[str, str], bytes]]:
     return out
 
 
+async def _first_read(url: str, data: bytes) -> bytes:
+    """Send ``data`` on a fresh connection; the first bytes that come back."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    stream = await trio.open_tcp_stream(host, int(port))
+    async with stream:
+        await stream.send_all(data)
+        with trio.fail_after(20):
+            return await stream.receive_some(65536)
+
+
+async def test_the_response_head_goes_out_with_the_body() -> None:
+    # One write, not two (iop/edge/_http1.py): the head alone would be the first read.
+    async with edge(with_node=False) as (handle, _, _):
+        got = await _first_read(handle.url, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    [(status, _, body)] = _responses(got)
+    assert (status, body) == (200, b'{"status":"ok"}')
+
+
+async def test_a_stream_head_goes_out_with_its_first_chunk() -> None:
+    from iop.events import Complete, Delta, Start
+
+    async with edge() as (handle, node, _), trio.open_nursery() as n:
+        assert node is not None
+        n.start_soon(answer, node, Start(), Delta("ok"), Complete())
+        got = await _first_read(
+            handle.url,
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"\r\nContent-Length: %d\r\n\r\n" % len(_chat(stream=True)) + _chat(stream=True),
+        )
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    assert b"text/event-stream" in head
+    assert b"data: {" in body
+
+
 async def test_content_length_with_chunked_is_refused_and_the_connection_closed() -> None:
     # The first request's chunked body ends at once; what a proxy would count
     # as its Content-Length body is a second request, which must never run.
@@ -164,6 +199,23 @@ async def test_a_too_large_body_is_a_413_and_the_connection_closed() -> None:
             b"Content-Length: 99999999\r\n\r\n{",
         )
     [(status, headers, body)] = _responses(got)  # and then EOF, the body unread
+    assert status == 413
+    assert headers["connection"] == "close"
+    validate_error(json.loads(body))
+
+
+async def test_a_chunked_body_over_the_limit_is_a_413_and_the_connection_closed() -> None:
+    # No Content-Length to refuse it by: the bytes pass the limit as they arrive.
+    chunk = b"x" * 600
+    data = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n" + (b"%x\r\n%s\r\n" % (len(chunk), chunk)) * 2
+    )
+    async with edge(config(max_body_bytes=1000)) as (handle, node, _):
+        assert node is not None
+        got = await _raw_exchange(handle.url, data)
+        assert node.assigned == []
+    [(status, headers, body)] = _responses(got)  # and then EOF
     assert status == 413
     assert headers["connection"] == "close"
     validate_error(json.loads(body))

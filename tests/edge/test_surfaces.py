@@ -97,6 +97,8 @@ class ToySurface:
 
     def parse(self, body: bytes, headers: Mapping[str, str]) -> Call:
         text = body.decode()
+        if text == "boom":
+            raise RuntimeError("the toy surface broke")
         if not text.strip("!"):
             raise RequestError("toy bodies are not empty", param="body", code="empty")
         stream = text.startswith("!")
@@ -233,3 +235,25 @@ async def test_a_run_that_fails_before_output_gets_the_surfaces_error() -> None:
             "message": "no output within first_token_timeout_s=0.05",
             "code": "first_token_timeout",
         }
+
+
+async def test_an_unexpected_error_is_a_500_in_the_surfaces_shape(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async with edge() as (_, node, client):
+        resp = await client.post("/toy", content=b"boom")
+        assert resp.status_code == 500
+        assert toy_error(resp.content)["code"] == "internal_error"
+        assert node.assigned == []
+        # The connection stays usable.
+        ok = await client.post("/toy", content=b"")
+        assert ok.status_code == 400
+    assert "unhandled error on POST /toy" in caplog.text
+    assert "the toy surface broke" in caplog.text
+
+
+async def test_other_methods_on_a_surface_path_get_its_405() -> None:
+    async with edge() as (_, _, client):
+        resp = await client.get("/toy")
+        assert resp.status_code == 405
+        assert "Method GET is not allowed on /toy" in str(toy_error(resp.content)["message"])

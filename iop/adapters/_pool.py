@@ -1,0 +1,425 @@
+"""The node's HTTP/1.1 transport to one backend: a keep-alive pool that costs O(1) per request.
+
+``KeepAliveTransport`` is an ``httpx`` transport (``HTTPBackend`` sends its
+requests straight to it, without an ``httpx.AsyncClient`` in front). HTTP/1.1
+itself stays httpcore's: each connection is an ``httpcore.AsyncHTTPConnection``
+(h11 framing, keep-alive state, TLS set-up). What this module owns is which
+connection a request gets, and the socket under it.
+
+Theory of operation
+-------------------
+Idle connections wait in a stack per origin, most recently used on top: its
+socket is the warmest, and the least likely to have been closed by the
+server's keep-alive timeout. A request pops the top one and checks only that
+one (idle, its keep-alive not expired, its socket not readable: a readable
+idle socket is the server's EOF); if none passes, it opens a new connection.
+Connections idle for longer than the keep-alive expiry are closed from the
+bottom of the stack, where the oldest are, whenever the stack is used.
+There is no limit on connections in use, as before: the node's slot limiter
+(``max_concurrency``) bounds them. When a response is closed, its connection
+goes back on the stack if httpcore left it idle (the body was read to its
+end), else it is gone (closed early, or cancelled: that is what tells the
+backend to stop generating). At most ``max_idle`` wait; more are closed.
+
+Why not httpx's own pool (httpcore 1.0.9 ``AsyncConnectionPool``), measured
+in ``docs/benchmarks.md`` ("Where the fixed cost goes"):
+
+* every request *and* every response close walk the whole connection list;
+  for each idle connection they poll its socket (``has_expired`` ->
+  ``is_readable``, a ``poll`` syscall) and count the whole list again (the
+  O(N^2) keep-alive check of encode/httpcore#1035): 12 % of the node's CPU at
+  32 concurrent streams;
+* that check compares the *total* number of connections with
+  ``max_keepalive_connections``: above it, every connection that goes idle is
+  closed, and the next request opens a new one.
+
+The socket (``_SocketStream``) is trio's, without a cancel scope per read
+when there is no read timeout (the node's case), and it sends the request
+head together with the body: httpcore writes them as two ``send`` calls (two
+TCP segments, two wakeups of the backend); a head up to ``HEAD_MAX_BYTES`` is
+held until the next write or read and then goes out with it.
+
+Errors: httpcore's exceptions become httpx's (the same table as httpx's own
+transport), so what the adapters map (``map_transport_error``) is unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ssl
+import time
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
+from typing import Any, Final, Protocol, cast
+
+import httpcore
+import httpx
+import trio
+
+__all__ = ["HEAD_MAX_BYTES", "KEEPALIVE_EXPIRY_S", "KeepAliveTransport"]
+
+# httpx's default keep-alive expiry: an idle connection older than this is
+# closed rather than reused (servers close theirs after 5-75 s; uvicorn, which
+# serves vLLM, after 5 s).
+KEEPALIVE_EXPIRY_S: Final = 5.0
+
+# A write this small is held and sent with the next one. A request head is a
+# few hundred bytes (the configured headers included); a bigger first write
+# goes out at once, so nothing large is ever copied to be joined.
+HEAD_MAX_BYTES: Final = 16 * 1024
+
+# httpcore's exceptions -> httpx's, as httpx's transport maps them
+# (httpx/_transports/default.py); the most specific match wins.
+_EXCEPTIONS: Final[tuple[tuple[type[Exception], type[httpx.TransportError]], ...]] = (
+    (httpcore.TimeoutException, httpx.TimeoutException),
+    (httpcore.ConnectTimeout, httpx.ConnectTimeout),
+    (httpcore.ReadTimeout, httpx.ReadTimeout),
+    (httpcore.WriteTimeout, httpx.WriteTimeout),
+    (httpcore.PoolTimeout, httpx.PoolTimeout),
+    (httpcore.NetworkError, httpx.NetworkError),
+    (httpcore.ConnectError, httpx.ConnectError),
+    (httpcore.ReadError, httpx.ReadError),
+    (httpcore.WriteError, httpx.WriteError),
+    (httpcore.ProxyError, httpx.ProxyError),
+    (httpcore.UnsupportedProtocol, httpx.UnsupportedProtocol),
+    (httpcore.ProtocolError, httpx.ProtocolError),
+    (httpcore.LocalProtocolError, httpx.LocalProtocolError),
+    (httpcore.RemoteProtocolError, httpx.RemoteProtocolError),
+)
+
+
+@contextlib.contextmanager
+def _httpx_errors() -> Iterator[None]:
+    try:
+        yield
+    except Exception as exc:
+        mapped: type[httpx.TransportError] | None = None
+        for source, target in _EXCEPTIONS:
+            if isinstance(exc, source) and (mapped is None or issubclass(target, mapped)):
+                mapped = target
+        if mapped is None:
+            raise
+        raise mapped(str(exc)) from exc
+
+
+class _CoreBody(Protocol):
+    """What httpcore's HTTP/1.1 response stream offers."""
+
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class _SocketStream(httpcore.AsyncNetworkStream):
+    """httpcore's view of one trio stream (a socket, or TLS over one).
+
+    httpcore's interface passes each read's and write's timeout as an
+    argument (ASYNC109 is silenced for it); the node passes None for reads.
+    """
+
+    def __init__(self, stream: trio.SocketStream | trio.SSLStream[trio.SocketStream]) -> None:
+        self._stream = stream
+        self._held: bytes | None = None  # a small write not sent yet (module docstring)
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
+        if self._held is not None:
+            await self._send(b"", None)
+        try:
+            if timeout is None:
+                return bytes(await self._stream.receive_some(max_bytes))
+            with trio.fail_after(timeout):
+                return bytes(await self._stream.receive_some(max_bytes))
+        except trio.TooSlowError as exc:
+            raise httpcore.ReadTimeout(str(exc)) from exc
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise httpcore.ReadError(str(exc)) from exc
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        if not buffer:
+            return
+        if self._held is None and len(buffer) <= HEAD_MAX_BYTES:
+            self._held = buffer
+            return
+        await self._send(buffer, timeout)
+
+    async def _send(self, buffer: bytes, limit_s: float | None) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            if len(buffer) <= HEAD_MAX_BYTES:
+                buffer = held + buffer
+            else:  # too big to copy for one segment less
+                await self._send_all(held, limit_s)
+        await self._send_all(buffer, limit_s)
+
+    async def _send_all(self, data: bytes, limit_s: float | None) -> None:
+        try:
+            with trio.fail_after(float("inf") if limit_s is None else limit_s):
+                await self._stream.send_all(data)
+        except trio.TooSlowError as exc:
+            raise httpcore.WriteTimeout(str(exc)) from exc
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise httpcore.WriteError(str(exc)) from exc
+
+    async def aclose(self) -> None:
+        self._held = None
+        await self._stream.aclose()
+
+    async def start_tls(
+        self,
+        ssl_context: ssl.SSLContext,
+        server_hostname: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
+    ) -> httpcore.AsyncNetworkStream:
+        assert isinstance(self._stream, trio.SocketStream)
+        assert self._held is None
+        tls = trio.SSLStream(
+            self._stream,
+            ssl_context=ssl_context,
+            server_hostname=server_hostname,
+            https_compatible=True,
+        )
+        try:
+            with trio.fail_after(float("inf") if timeout is None else timeout):
+                await tls.do_handshake()
+        except trio.TooSlowError as exc:
+            await self._stream.aclose()
+            raise httpcore.ConnectTimeout(str(exc)) from exc
+        except trio.BrokenResourceError as exc:
+            await self._stream.aclose()
+            raise httpcore.ConnectError(str(exc)) from exc
+        return _SocketStream(tls)
+
+    def _socket(self) -> trio.socket.SocketType:
+        stream = self._stream
+        return (
+            stream.socket
+            if isinstance(stream, trio.SocketStream)
+            else stream.transport_stream.socket
+        )
+
+    def get_extra_info(self, info: str) -> Any:
+        if info == "ssl_object" and isinstance(self._stream, trio.SSLStream):
+            # trio keeps the ssl.SSLObject private (python-trio/trio#542);
+            # httpcore's own trio stream reads it the same way.
+            return getattr(self._stream, "_ssl_object", None)
+        if info == "socket":
+            return self._socket()
+        if info == "client_addr":
+            return self._socket().getsockname()
+        if info == "server_addr":
+            return self._socket().getpeername()
+        if info == "is_readable":
+            return self._socket().is_readable()
+        return None
+
+
+class _TrioBackend(httpcore.AsyncNetworkBackend):
+    """Opens ``_SocketStream``s (trio sets ``TCP_NODELAY`` on TCP sockets)."""
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
+        local_address: str | None = None,
+        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        try:
+            with trio.fail_after(float("inf") if timeout is None else timeout):
+                stream = await trio.open_tcp_stream(host, port, local_address=local_address)
+        except trio.TooSlowError as exc:
+            raise httpcore.ConnectTimeout(str(exc)) from exc
+        except OSError as exc:
+            raise httpcore.ConnectError(str(exc)) from exc
+        for option in socket_options or ():
+            stream.setsockopt(*option)
+        return _SocketStream(stream)
+
+    async def connect_unix_socket(
+        self,
+        path: str,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
+        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
+    ) -> httpcore.AsyncNetworkStream:  # pragma: no cover - endpoints are http(s) URLs
+        raise httpcore.UnsupportedProtocol("unix sockets are not supported")
+
+    async def sleep(self, seconds: float) -> None:  # pragma: no cover - only for connect retries
+        await trio.sleep(seconds)
+
+
+_OriginKey = tuple[bytes, bytes, int]
+
+
+def _key(origin: httpcore.Origin) -> _OriginKey:
+    return origin.scheme, origin.host, origin.port  # an Origin is not hashable
+
+
+class KeepAliveTransport(httpx.AsyncBaseTransport):
+    """HTTP/1.1 to a backend with a LIFO keep-alive pool (module docstring).
+
+    Args:
+        max_idle: Idle connections kept per origin; more are closed. The
+            node's slot count, so a burst of that many runs reuses its
+            connections.
+        ssl_context: For https endpoints (``httpx.create_ssl_context()``).
+        keepalive_expiry_s: An idle connection older than this is not reused.
+        clock: Seconds, monotonic: when a connection went idle (tests set it).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_idle: int,
+        ssl_context: ssl.SSLContext | None = None,
+        keepalive_expiry_s: float | None = KEEPALIVE_EXPIRY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._max_idle = max_idle
+        self._clock = clock
+        self._ssl_context = ssl_context
+        self._keepalive_expiry_s = keepalive_expiry_s
+        self._backend = _TrioBackend()
+        # Per origin: (when it went idle, connection), oldest first.
+        self._idle: dict[_OriginKey, deque[tuple[float, httpcore.AsyncHTTPConnection]]] = {}
+        self._open: set[httpcore.AsyncHTTPConnection] = set()
+        self._closed = False
+
+    @property
+    def idle_connections(self) -> int:
+        """Connections waiting for a request, over all origins."""
+        return sum(len(stack) for stack in self._idle.values())
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if self._closed:
+            raise RuntimeError("the transport is closed")
+        url = request.url
+        assert isinstance(request.stream, httpx.AsyncByteStream)
+        core_request = httpcore.Request(
+            method=request.method,
+            url=httpcore.URL(
+                scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path
+            ),
+            headers=request.headers.raw,
+            content=request.stream,
+            extensions=request.extensions,
+        )
+        origin = core_request.url.origin
+        with _httpx_errors():
+            conn = await self._checkout(origin)
+            try:
+                response = await conn.handle_async_request(core_request)
+            except BaseException:
+                # httpcore has closed the connection (a failed connect, or a
+                # request that broke off): it is not reused.
+                self._open.discard(conn)
+                raise
+        return httpx.Response(
+            status_code=response.status,
+            headers=response.headers,
+            stream=_PooledBody(cast(_CoreBody, response.stream), origin, conn, self),
+            extensions=response.extensions,
+        )
+
+    async def _checkout(self, origin: httpcore.Origin) -> httpcore.AsyncHTTPConnection:
+        stack = self._idle.get(_key(origin))
+        if stack:
+            await self._prune(stack)
+        while stack:
+            _, conn = stack.pop()
+            if conn.is_idle() and not conn.has_expired():
+                return conn
+            self._open.discard(conn)
+            await conn.aclose()
+        conn = httpcore.AsyncHTTPConnection(
+            origin=origin,
+            ssl_context=self._ssl_context,
+            keepalive_expiry=self._keepalive_expiry_s,
+            network_backend=self._backend,
+        )
+        self._open.add(conn)
+        return conn
+
+    async def _checkin(self, origin: httpcore.Origin, conn: httpcore.AsyncHTTPConnection) -> None:
+        """A response of ``conn`` is closed: keep it for the next request, or let it go."""
+        if not conn.is_idle() or self._closed:
+            self._open.discard(conn)
+            if not conn.is_closed():
+                await conn.aclose()
+            return
+        stack = self._idle.setdefault(_key(origin), deque())
+        await self._prune(stack)
+        if len(stack) >= self._max_idle:
+            self._open.discard(conn)
+            await conn.aclose()
+            return
+        stack.append((self._clock(), conn))
+
+    async def _prune(self, stack: deque[tuple[float, httpcore.AsyncHTTPConnection]]) -> None:
+        """Close the connections idle for longer than the keep-alive expiry:
+        the oldest are at the bottom, so this looks at no others."""
+        if self._keepalive_expiry_s is None:
+            return
+        limit = self._clock() - self._keepalive_expiry_s
+        while stack and stack[0][0] < limit:
+            _, conn = stack.popleft()
+            self._open.discard(conn)
+            await conn.aclose()
+
+    async def aclose(self) -> None:
+        """Close every connection, idle or in use (idempotent)."""
+        self._closed = True
+        conns, self._open = list(self._open), set()
+        self._idle.clear()
+        with trio.CancelScope(shield=True):
+            for conn in conns:
+                await conn.aclose()
+
+
+class _PooledBody(httpx.AsyncByteStream):
+    """A response body; closing it hands its connection back to the pool.
+
+    An iterator class rather than an async generator, so that leaving the
+    body early leaves no generator of ours to trio's finalizer; closing it
+    closes httpcore's too.
+    """
+
+    def __init__(
+        self,
+        stream: _CoreBody,
+        origin: httpcore.Origin,
+        conn: httpcore.AsyncHTTPConnection,
+        pool: KeepAliveTransport,
+    ) -> None:
+        self._stream = stream
+        self._origin = origin
+        self._conn = conn
+        self._pool = pool
+        self._parts: AsyncIterator[bytes] | None = None
+        self._closed = False
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self
+
+    async def __anext__(self) -> bytes:
+        # One iteration over httpcore's body, however many loops read from
+        # this one (the pump and then its drain).
+        if self._parts is None:
+            if self._closed:
+                raise StopAsyncIteration
+            self._parts = self._stream.__aiter__()
+        with _httpx_errors():
+            return await self._parts.__anext__()
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            with _httpx_errors():
+                parts, self._parts = self._parts, None
+                if isinstance(parts, AsyncGenerator):
+                    await parts.aclose()
+                await self._stream.aclose()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._pool._checkin(self._origin, self._conn)

@@ -1,0 +1,190 @@
+"""The API surface routes, served below quart: one ASGI handler per request.
+
+A ``POST`` to a surface path (``surface_routes`` in ``_app.py``) is answered
+here; every other request goes on to the quart app. The answer itself is
+``_app.py``'s (auth, content type, the body, parse, run, stream or collect:
+one handler for both ways in), given the request's headers and a way to read
+its body; what this module replaces is quart's per-request machinery around
+it. Quart-trio gives each request a request object with its own header and
+body containers, request and app contexts, a response object processed after
+the view, and two tasks besides the one hypercorn runs the app in (one
+awaits the view, one the client's disconnect): about 13 % of the edge's CPU
+for a short stream, and two of the five trio tasks an open stream keeps on
+the edge (``docs/benchmarks.md``, "Where the fixed cost goes").
+
+Here a request is its ASGI scope and messages:
+
+* the headers are the scope's (ASGI names are lower case);
+* the body is read from ``http.request`` messages, within
+  ``server.body_read_timeout_s`` (else 408) and up to
+  ``server.max_body_bytes`` (a bigger ``Content-Length`` is refused before
+  any byte is read; else 413 once the bytes pass it), both in the surface's
+  error shape with ``Connection: close``, as quart's limits were
+  (``_app.py``'s ``http_error`` builds that response for both);
+* once the body is read, one task watches for ``http.disconnect`` and
+  cancels the answer (quart-trio's own rule): a client that leaves ends its
+  run as ``client_disconnect`` (or ``slow_client``, ``iop.edge._stall``);
+* the answer is a quart ``Response`` (used only as a container of status,
+  headers and body): a whole body goes out in one ``http.response.body``
+  message, a streamed one piece by piece;
+* an exception before the response starts is logged and answered with a 500
+  in the surface's shape, as quart's error handler does.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Final
+
+import trio
+from quart import Response
+from quart.wrappers.response import DataBody
+from werkzeug.exceptions import HTTPException, RequestEntityTooLarge, RequestTimeout
+
+__all__ = ["ASGIApp", "SurfaceASGI", "SurfaceAnswer"]
+
+log = logging.getLogger("iop.edge.http")
+
+ASGIApp = Callable[..., Awaitable[None]]
+
+BodyReader = Callable[[], Awaitable[bytes]]
+SurfaceAnswer = Callable[[Mapping[str, str], BodyReader], Awaitable[Response]]
+"""Answers one surface request, given its headers (names lower-cased) and a
+way to read its body (which raises werkzeug's 408 or 413)."""
+
+RefusalAnswer = Callable[[HTTPException, str], Response]
+"""The response to a refused request (408, 413), given the request's path."""
+
+CrashAnswer = Callable[[Exception, str], Response]
+"""The response (and log) for an unexpected exception, given the path."""
+
+_METHOD: Final = "POST"
+
+
+class _Disconnected(Exception):
+    """The client left while its body was being read."""
+
+
+class SurfaceASGI:
+    """``POST`` to a surface path answered here, the rest by ``fallback``.
+
+    Args:
+        fallback: The app for every other request (quart).
+        answers: The answer of each surface path.
+        max_body_bytes: ``server.max_body_bytes``.
+        body_read_timeout_s: ``server.body_read_timeout_s``.
+        refused: Builds the response of a 408 or 413.
+        crashed: Logs an unexpected exception and builds its 500.
+    """
+
+    def __init__(
+        self,
+        fallback: ASGIApp,
+        answers: Mapping[str, SurfaceAnswer],
+        *,
+        max_body_bytes: int,
+        body_read_timeout_s: float,
+        refused: RefusalAnswer,
+        crashed: CrashAnswer,
+    ) -> None:
+        self.fallback = fallback
+        self._answers = dict(answers)
+        self._max_body_bytes = max_body_bytes
+        self._body_read_timeout_s = body_read_timeout_s
+        self._refused = refused
+        self._crashed = crashed
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        answer = None
+        if scope["type"] == "http" and scope["method"] == _METHOD:
+            answer = self._answers.get(scope["path"])
+        if answer is None:
+            await self.fallback(scope, receive, send)
+            return
+        await self._serve(answer, scope, receive, send)
+
+    async def _serve(
+        self, answer: SurfaceAnswer, scope: dict[str, Any], receive: Any, send: Any
+    ) -> None:
+        path: str = scope["path"]
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        async with trio.open_nursery() as nursery:
+
+            async def read_body() -> bytes:
+                body = await self._read_body(headers, receive)
+                # From now on only a disconnect can arrive: it cancels the answer.
+                nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
+                return body
+
+            try:
+                try:
+                    response = await answer(headers, read_body)
+                except HTTPException as exc:  # 408, 413 from read_body
+                    response = self._refused(exc, path)
+                except _Disconnected:
+                    return
+                except Exception as exc:
+                    response = self._crashed(exc, path)
+                await _send_response(response, send)
+            finally:
+                nursery.cancel_scope.cancel()
+
+    async def _read_body(self, headers: Mapping[str, str], receive: Any) -> bytes:
+        """The whole request body, or werkzeug's 413 / 408 (what quart raised).
+
+        Raises:
+            RequestEntityTooLarge: Over ``max_body_bytes``, by its
+                ``Content-Length`` or once read.
+            RequestTimeout: Not all there within ``body_read_timeout_s``.
+            _Disconnected: The client left first.
+        """
+        limit = self._max_body_bytes
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise RequestEntityTooLarge()
+        parts: list[bytes] = []
+        size = 0
+        with trio.move_on_after(self._body_read_timeout_s) as scope:
+            while True:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    raise _Disconnected
+                data: bytes = message.get("body", b"")
+                if data:
+                    size += len(data)
+                    if size > limit:
+                        raise RequestEntityTooLarge()
+                    parts.append(data)
+                if not message.get("more_body", False):
+                    break
+        if scope.cancelled_caught:
+            raise RequestTimeout()
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def _watch_disconnect(receive: Any, scope: trio.CancelScope) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return
+
+
+async def _send_response(response: Response, send: Any) -> None:
+    """``response`` as ASGI messages: its head, then its body."""
+    headers = [
+        (name.lower().encode("latin-1"), value.encode("latin-1"))
+        for name, value in response.headers.items()
+    ]
+    await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+    body = response.response
+    if isinstance(body, DataBody):
+        # Whole: one message (head and body leave in one write, _http1.py).
+        await send({"type": "http.response.body", "body": body.data, "more_body": False})
+        return
+    async with body as pieces:
+        async for piece in pieces:
+            data = piece.encode() if isinstance(piece, str) else piece
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+    await send({"type": "http.response.body", "body": b"", "more_body": False})

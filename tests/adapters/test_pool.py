@@ -1,0 +1,426 @@
+"""The node's keep-alive transport (``iop.adapters._pool``), against real sockets.
+
+A scripted ``FakeBackend`` counts the connections it accepts; a raw trio
+server plays the one thing it cannot: a keep-alive connection that the server
+closes while it is idle. The request head's write is checked at the socket
+boundary, with a stream that records every ``send_all``.
+"""
+
+from __future__ import annotations
+
+import gc
+import gzip
+import warnings
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from functools import partial
+
+import httpx
+import pytest
+import trio
+
+from iop.adapters._http import HTTPBackend, environment_proxy
+from iop.adapters._pool import HEAD_MAX_BYTES, KeepAliveTransport, _SocketStream
+from iop.adapters.vllm import VllmAdapter
+from iop.config import VllmInstance
+from iop.events import Complete, Delta
+from iop.runtime import collect_run
+from iop.spec import ChatRequest, ExecutionSpec, Message
+from iop.testing import (
+    CHAT_COMPLETIONS_PATH,
+    MODELS_PATH,
+    CloseCause,
+    Connection,
+    Reply,
+    Split,
+    open_fake_backend,
+)
+
+BODY = b'data: {"choices":[]}\n\ndata: [DONE]\n\n'
+NOTICE_S = 5.0
+
+
+@asynccontextmanager
+async def transport(max_idle: int = 64) -> AsyncIterator[KeepAliveTransport]:
+    pool = KeepAliveTransport(max_idle=max_idle)
+    try:
+        yield pool
+    finally:
+        await pool.aclose()
+
+
+async def fetch(pool: httpx.AsyncBaseTransport, url: str) -> bytes:
+    response = await pool.handle_async_request(httpx.Request("GET", url))
+    try:
+        return await response.aread()
+    finally:
+        await response.aclose()
+
+
+async def test_sequential_requests_share_one_connection() -> None:
+    async with open_fake_backend() as fb, transport() as pool:
+        fb.route(MODELS_PATH, Reply.json({"data": []}))
+        fb.route(CHAT_COMPLETIONS_PATH, Reply.sse(BODY))
+        for path in (MODELS_PATH, CHAT_COMPLETIONS_PATH) * 3:
+            await fetch(pool, fb.url + path)
+        assert pool.idle_connections == 1
+    assert len(fb.requests) == 6
+    assert len(fb.connections) == 1
+
+
+async def _burst(pool: KeepAliveTransport, url: str, n: int) -> None:
+    """``n`` streams open at once, then each read to its end and closed."""
+    opened = 0
+    all_open = trio.Event()
+
+    async def one() -> None:
+        nonlocal opened
+        response = await pool.handle_async_request(httpx.Request("POST", url, content=b"{}"))
+        try:
+            opened += 1
+            if opened == n:
+                all_open.set()
+            await all_open.wait()
+            assert await response.aread() == BODY
+        finally:
+            await response.aclose()
+
+    with trio.fail_after(NOTICE_S):
+        async with trio.open_nursery() as nursery:
+            for _ in range(n):
+                nursery.start_soon(one)
+
+
+async def test_a_burst_finds_its_connections_again() -> None:
+    # httpx's pool (httpcore 1.0.9) counts *all* connections against its
+    # keep-alive limit (20 by default): after a burst of 32 it would close
+    # the idle ones and the next burst would open new connections.
+    async with open_fake_backend() as fb, transport(max_idle=32) as pool:
+        fb.route(CHAT_COMPLETIONS_PATH, Reply.sse(BODY))
+        await _burst(pool, fb.url + CHAT_COMPLETIONS_PATH, 32)
+        assert pool.idle_connections == 32
+        await _burst(pool, fb.url + CHAT_COMPLETIONS_PATH, 32)
+        assert pool.idle_connections == 32
+    assert len(fb.requests) == 64
+    assert len(fb.connections) == 32
+
+
+async def test_at_most_max_idle_connections_wait() -> None:
+    async with open_fake_backend() as fb, transport(max_idle=3) as pool:
+        fb.route(CHAT_COMPLETIONS_PATH, Reply.sse(BODY))
+        await _burst(pool, fb.url + CHAT_COMPLETIONS_PATH, 8)
+        assert pool.idle_connections == 3
+        # The other five were closed by the pool: wait until the server saw it.
+        seen = 0
+        with trio.fail_after(NOTICE_S):
+            async with trio.open_nursery() as nursery:
+
+                async def watch(conn: Connection) -> None:
+                    nonlocal seen
+                    await conn.wait_closed()
+                    seen += 1
+                    if seen == 5:
+                        nursery.cancel_scope.cancel()
+
+                for conn in fb.connections:
+                    nursery.start_soon(watch, conn)
+        closed = [c for c in fb.connections if c.close_cause is not None]
+    assert len(fb.connections) == 8
+    assert len(closed) == 5
+    assert all(c.closed_by_client for c in closed)
+
+
+async def test_connections_idle_past_the_expiry_are_closed_from_the_bottom() -> None:
+    now = 100.0
+    async with open_fake_backend() as fb:
+        fb.route(CHAT_COMPLETIONS_PATH, Reply.sse(BODY))
+        pool = KeepAliveTransport(max_idle=8, keepalive_expiry_s=5.0, clock=lambda: now)
+        try:
+            await _burst(pool, fb.url + CHAT_COMPLETIONS_PATH, 3)
+            now += 4.0  # not yet: the next request reuses the top one
+            await fetch(pool, fb.url + CHAT_COMPLETIONS_PATH)
+            assert (len(fb.connections), pool.idle_connections) == (3, 3)
+            now += 2.0  # the two below it went idle 6 s ago
+            await fetch(pool, fb.url + CHAT_COMPLETIONS_PATH)
+            assert (len(fb.connections), pool.idle_connections) == (3, 1)
+        finally:
+            await pool.aclose()
+
+
+async def test_a_body_left_early_closes_its_connection() -> None:
+    async with open_fake_backend() as fb, transport() as pool:
+        fb.route(CHAT_COMPLETIONS_PATH, Reply.sse(BODY, stall_after_bytes=4))
+        request = httpx.Request("POST", fb.url + CHAT_COMPLETIONS_PATH, content=b"{}")
+        response = await pool.handle_async_request(request)
+        parts = response.aiter_raw()
+        assert await parts.__anext__() == BODY[:4]
+        await response.aclose()
+        conn = await fb.wait_client_closed(NOTICE_S)
+        assert pool.idle_connections == 0
+        # The next request opens a new connection.
+        fb.route(CHAT_COMPLETIONS_PATH, Reply.sse(BODY))
+        assert await fetch(pool, fb.url + CHAT_COMPLETIONS_PATH) == BODY
+    assert conn.close_cause in (CloseCause.CLIENT_EOF, CloseCause.CLIENT_RESET)
+    assert len(fb.connections) == 2
+
+
+async def _serve_then_close(
+    accepted: list[trio.SocketStream],
+    closed: trio.Event,
+    stream: trio.SocketStream,
+) -> None:
+    """One response with keep-alive framing, then the server closes (idle timeout)."""
+    accepted.append(stream)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += await stream.receive_some(65536)
+    await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+    await stream.aclose()
+    if len(accepted) == 1:
+        closed.set()
+
+
+async def test_a_connection_the_server_closed_while_idle_is_not_reused() -> None:
+    accepted: list[trio.SocketStream] = []
+    closed = trio.Event()
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            partial(
+                trio.serve_tcp, partial(_serve_then_close, accepted, closed), 0, host="127.0.0.1"
+            )
+        )
+        port = listeners[0].socket.getsockname()[1]
+        async with transport() as pool:
+            url = f"http://127.0.0.1:{port}/"
+            assert await fetch(pool, url) == b"ok"
+            assert pool.idle_connections == 1
+            with trio.fail_after(NOTICE_S):
+                await closed.wait()
+            # Its socket now reads EOF: reusing it would fail the request.
+            assert await fetch(pool, url) == b"ok"
+        nursery.cancel_scope.cancel()
+    assert len(accepted) == 2
+
+
+async def test_errors_are_httpx_errors() -> None:
+    listener = trio.socket.socket()
+    await listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    listener.close()  # nothing listens there now
+    async with transport() as pool:
+        with pytest.raises(httpx.ConnectError):
+            await fetch(pool, f"http://127.0.0.1:{port}/")
+    async with open_fake_backend() as fb, transport() as pool:
+        fb.route(CHAT_COMPLETIONS_PATH, Reply.sse(BODY, truncate_after_bytes=5))
+        with pytest.raises(httpx.RemoteProtocolError):
+            await fetch(pool, fb.url + CHAT_COMPLETIONS_PATH)
+        assert pool.idle_connections == 0
+
+
+async def test_aclose_closes_connections_in_use_too() -> None:
+    async with open_fake_backend() as fb:
+        fb.route(CHAT_COMPLETIONS_PATH, Reply.sse(BODY, stall_after_headers=True))
+        fb.route(MODELS_PATH, Reply.json({"data": []}))
+        pool = KeepAliveTransport(max_idle=4)
+        request = httpx.Request("POST", fb.url + CHAT_COMPLETIONS_PATH, content=b"{}")
+        response = await pool.handle_async_request(request)  # one in use
+        await fetch(pool, fb.url + MODELS_PATH)  # one idle
+        assert pool.idle_connections == 1
+        await pool.aclose()
+        await pool.aclose()  # idempotent
+        with trio.fail_after(NOTICE_S):
+            for conn in fb.connections:
+                await conn.wait_closed()
+        with pytest.raises(RuntimeError, match="closed"):
+            await fetch(pool, fb.url + MODELS_PATH)
+        await response.aclose()
+    assert len(fb.connections) == 2
+    assert all(c.closed_by_client for c in fb.connections)
+
+
+class _Recorder(trio.abc.Stream):
+    """A socket that records each ``send_all`` and answers reads from a script."""
+
+    def __init__(self, replies: list[bytes]) -> None:
+        self.sends: list[bytes] = []
+        self.events: list[str] = []
+        self._replies = replies
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        self.sends.append(bytes(data))
+        self.events.append("send")
+        await trio.lowlevel.checkpoint()
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        self.events.append("receive")
+        await trio.lowlevel.checkpoint()
+        return self._replies.pop(0) if self._replies else b""
+
+    async def aclose(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+async def test_the_head_goes_out_with_the_body() -> None:
+    raw = _Recorder([b"HTTP/1.1 200 OK\r\n"])
+    stream = _SocketStream(raw)  # type: ignore[arg-type]
+    await stream.write(b"HEAD\r\n\r\n")
+    await stream.write(b"")
+    assert raw.sends == []
+    await stream.write(b'{"body":1}')
+    assert raw.sends == [b'HEAD\r\n\r\n{"body":1}']
+
+
+async def test_a_held_head_is_sent_before_any_read() -> None:
+    raw = _Recorder([b"HTTP/1.1 200 OK\r\n"])
+    stream = _SocketStream(raw)  # type: ignore[arg-type]
+    await stream.write(b"GET / HTTP/1.1\r\n\r\n")
+    assert await stream.read(1024) == b"HTTP/1.1 200 OK\r\n"
+    assert raw.sends == [b"GET / HTTP/1.1\r\n\r\n"]
+    assert raw.events == ["send", "receive"]
+
+
+async def test_a_big_body_is_not_copied_to_join_the_head() -> None:
+    raw = _Recorder([])
+    stream = _SocketStream(raw)  # type: ignore[arg-type]
+    big = b"x" * (HEAD_MAX_BYTES + 1)
+    await stream.write(b"HEAD")
+    await stream.write(big)
+    await stream.write(big)
+    assert raw.sends == [b"HEAD", big, big]
+
+
+async def test_the_backend_sees_one_segment_per_request() -> None:
+    # Through a real socket: the whole request arrives in the server's first read.
+    got: list[bytes] = []
+    done = trio.Event()
+
+    async def server(stream: trio.SocketStream) -> None:
+        got.append(await stream.receive_some(65536))
+        await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        done.set()
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, server, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        cfg = VllmInstance(name="v", endpoint=f"http://127.0.0.1:{port}")
+        backend = HTTPBackend(cfg, kind="vllm")
+        try:
+            async with backend.post_json("/v1/chat/completions", {"a": 1}, what="x") as resp:
+                assert resp.status_code == 200
+        finally:
+            await backend.aclose()
+        with trio.fail_after(NOTICE_S):
+            await done.wait()
+        nursery.cancel_scope.cancel()
+    head, _, body = got[0].partition(b"\r\n\r\n")
+    assert head.startswith(b"POST /v1/chat/completions HTTP/1.1")
+    assert body == b'{"a":1}'
+
+
+async def test_requests_carry_the_headers_an_httpx_client_sent() -> None:
+    async with open_fake_backend() as fb:
+        fb.route(CHAT_COMPLETIONS_PATH, Reply.sse(BODY))
+        cfg = VllmInstance(name="v", endpoint=fb.url, headers={"X-Team": "a"})
+        backend = HTTPBackend(cfg, kind="vllm")
+        try:
+            async with backend.post_json(CHAT_COMPLETIONS_PATH, {"a": 1}, what="x") as resp:
+                await resp.aread()
+        finally:
+            await backend.aclose()
+    req = fb.requests[0]
+    names = [name for name, _ in req.headers]
+    assert names[0] == "host"
+    for name in ("accept", "accept-encoding", "connection", "user-agent", "content-length"):
+        assert name in names
+    assert req.header("content-type") == "application/json"
+    assert req.header("x-team") == "a"
+    assert req.header("user-agent") == f"python-httpx/{httpx.__version__}"
+
+
+def test_environment_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("http_proxy", "https_proxy", "all_proxy", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+        monkeypatch.delenv(name.upper(), raising=False)
+    assert environment_proxy("http://gpu:8000") is None
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy:3128")
+    assert environment_proxy("http://gpu:8000") is None
+    assert environment_proxy("https://api.example.com/v1") == "http://proxy:3128"
+    monkeypatch.setenv("ALL_PROXY", "http://all:3128")
+    assert environment_proxy("http://gpu:8000") == "http://all:3128"
+    monkeypatch.setenv("NO_PROXY", "gpu")
+    assert environment_proxy("http://gpu:8000") is None
+
+
+async def test_a_proxy_in_the_environment_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The fake backend stands in for the proxy: it gets the absolute URL.
+    async with open_fake_backend() as proxy:
+        proxy.route(MODELS_PATH, Reply.json({"data": [{"id": "m"}]}))
+        monkeypatch.setenv("HTTP_PROXY", proxy.url)
+        monkeypatch.delenv("NO_PROXY", raising=False)
+        monkeypatch.delenv("no_proxy", raising=False)
+        backend = HTTPBackend(
+            VllmInstance(name="v", endpoint="http://gpu.invalid:8000"), kind="vllm"
+        )
+        try:
+            assert await backend.fetch_targets() == ["m"]
+        finally:
+            await backend.aclose()
+    assert proxy.requests[0].target == "http://gpu.invalid:8000/v1/models"
+
+
+SSE = (
+    b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+    b'"choices":[{"index":0,"delta":{"content":"Hi"},"finish_reason":null}]}\n\n'
+    b'data: {"id":"c","object":"chat.completion.chunk","created":1,"model":"m",'
+    b'"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+    b"data: [DONE]\n\n"
+)
+
+
+@pytest.mark.parametrize("encoding", ["", "gzip"])
+async def test_a_stream_is_read_whether_or_not_the_backend_compresses_it(encoding: str) -> None:
+    # Uncompressed, the transport's stream is read directly; compressed, httpx decodes it.
+    body = gzip.compress(SSE) if encoding else SSE
+    headers = (("content-type", "text/event-stream"),)
+    if encoding:
+        headers += (("content-encoding", encoding),)
+    async with open_fake_backend() as fb:
+        fb.route(CHAT_COMPLETIONS_PATH, Reply.sse(body, headers=headers, split=Split.every(7)))
+        adapter = VllmAdapter(VllmInstance(name="v", endpoint=fb.url))
+        request = ChatRequest(model="m", messages=[Message(role="user", content="hi")])
+        try:
+            runs = [
+                await collect_run(adapter, ExecutionSpec(run_id=f"r{i}", request=request))
+                for i in range(2)
+            ]
+        finally:
+            await adapter.aclose()
+    for events in runs:
+        assert [e.text for e in events if isinstance(e, Delta)] == ["Hi"]
+        assert isinstance(events[-1], Complete)
+    # Each body was read to its end: the second run reused the connection.
+    assert len(fb.connections) == 1
+
+
+async def test_a_stream_read_to_its_end_leaves_no_generator_to_trio() -> None:
+    # The pump reads the body, then drains it in a second loop: both must
+    # read one iteration of httpcore's body, or the first is left
+    # half-done to trio's finalizer (a task per run; filtered in pytest's
+    # settings, hence caught here).
+    async with open_fake_backend() as fb:
+        fb.route(CHAT_COMPLETIONS_PATH, Reply.sse(SSE))
+        adapter = VllmAdapter(VllmInstance(name="v", endpoint=fb.url))
+        request = ChatRequest(model="m", messages=[Message(role="user", content="hi")])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)
+            try:
+                events = await collect_run(adapter, ExecutionSpec(run_id="r", request=request))
+            finally:
+                await adapter.aclose()
+            gc.collect()
+    assert isinstance(events[-1], Complete)
+    assert [str(w.message) for w in caught if "Async generator" in str(w.message)] == []
