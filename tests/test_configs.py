@@ -116,6 +116,20 @@ def test_invalid_values(tmp_path: Path, body: str, message: str) -> None:
         load_config(p, NodeConfig)
 
 
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ("max_queue = -1", "max_queue must be >= 0"),
+        ("max_queue_delay_s = -1.0", "max_queue_delay_s must be >= 0"),
+    ],
+)
+def test_invalid_scheduler_values(tmp_path: Path, body: str, message: str) -> None:
+    p = tmp_path / "edge.toml"
+    p.write_text(f"[scheduler]\n{body}\n")
+    with pytest.raises(ConfigError, match=message):
+        load_config(p, EdgeConfig)
+
+
 def test_capacity_default_when_not_positive(tmp_path: Path) -> None:
     # Seed 003 effectiveCapacity: capacity <= 0 means the default of 8.
     p = tmp_path / "node.toml"

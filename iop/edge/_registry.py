@@ -538,9 +538,8 @@ class Scheduler:
         return waiter.lease
 
     def _remove(self, waiter: _Waiter) -> None:
-        group = self._groups.get(waiter.key)
-        if group is None or waiter not in group:
-            return
+        """Take a waiter out of the queue (one without a lease is always in it)."""
+        group = self._groups[waiter.key]
         del group[waiter]
         self._queued -= 1
         if not group:

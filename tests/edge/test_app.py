@@ -335,7 +335,7 @@ async def test_a_client_leaving_a_collected_run_cancels_it_on_the_node() -> None
         with trio.fail_after(5):
             while handle.core.supervisor.runs:
                 await trio.sleep(0.01)
-        assert handle.core.outcomes.get("cancelled:client_disconnect") == 1
+        assert handle.core.metrics.outcomes().get("cancelled:client_disconnect") == 1
 
 
 async def test_queue_full_is_429_with_retry_after() -> None:

@@ -377,7 +377,7 @@ async def test_max_queue_delay_zero_lets_the_queue_fill(
         await node.assigns.receive()
         for i in range(1, 4):
             runs.append(core.start_run(spec(run_id=f"r{i}")))
-            await trio.sleep(10)
+            await trio.sleep(5)  # (r0 hits its 30 s first-token deadline at t=30)
         assert core.scheduler.queued == 3
         with pytest.raises(IopError) as info:
             core.start_run(spec(run_id="r9"))
