@@ -79,6 +79,7 @@ from iop.protocol import (
     CLOSE_NORMAL,
     CLOSE_PROTOCOL,
     CLOSE_REPLACED,
+    COLLECT_FLUSH_S,
     CapabilitiesChanged,
     EdgeLinkEvent,
     EdgeSession,
@@ -163,6 +164,10 @@ class RemoteExecutor:
         self._core = core
         # Nobody reads the events as they come (``Assign.collect``).
         self._collect = collect
+        # How long the node may hold them: an eighth of the idle deadline
+        # (which then fires at most that much late), at most the node's default.
+        idle = core.config.deadlines.idle_timeout_s
+        self._collect_flush_s = COLLECT_FLUSH_S if idle is None else min(COLLECT_FLUSH_S, idle / 8)
         # Start reached the run's sink (from the first attempt that sent one);
         # a failover attempt's own Start is then not forwarded again.
         self._started = [False]
@@ -217,7 +222,14 @@ class RemoteExecutor:
         ended = False  # the node is done with the run: nothing to cancel
         try:
             try:
-                conn.assign(rr, instance, spec, window, collect=self._collect)
+                conn.assign(
+                    rr,
+                    instance,
+                    spec,
+                    window,
+                    collect=self._collect,
+                    collect_flush_s=self._collect_flush_s,
+                )
             except InvariantError as exc:
                 raise _Retry(conn.node_id, "link closed before assign") from exc
             send.on_consumed(partial(conn.consume, run_id))

@@ -207,6 +207,7 @@ class NodeConnection:
         credit: int,
         *,
         collect: bool = False,
+        collect_flush_s: float = 0.0,
     ) -> None:
         """Put ``rr`` on the link and queue its ``Assign``.
 
@@ -214,7 +215,9 @@ class NodeConnection:
             RequestError: 413, the request does not fit the node's frames.
             InvariantError: The link is not open.
         """
-        self.session.assign(rr.run_id, instance, spec, credit, collect=collect)
+        self.session.assign(
+            rr.run_id, instance, spec, credit, collect=collect, collect_flush_s=collect_flush_s
+        )
         self.runs[rr.run_id] = rr
         self.wake()
 

@@ -25,6 +25,8 @@ from iop.protocol._messages import (
     encode_batch,
 )
 from iop.protocol._session import (
+    COLLECT_FLUSH_S,
+    COLLECT_MERGE_CHARS,
     DEFAULT_MAX_FRAME_BYTES,
     DEFAULT_MAX_HELLO_BYTES,
     DEFAULT_RUN_WINDOW,
@@ -72,6 +74,8 @@ __all__ = [
     "CLOSE_RATE",
     "CLOSE_REPLACED",
     "CLOSE_TOO_BIG",
+    "COLLECT_FLUSH_S",
+    "COLLECT_MERGE_CHARS",
     "DEFAULT_MAX_FRAME_BYTES",
     "DEFAULT_MAX_HELLO_BYTES",
     "DEFAULT_RUN_WINDOW",

@@ -140,8 +140,10 @@ class Assign(_Msg, frozen=True, kw_only=True, tag="assign"):
 
     ``collect``: nobody reads the run's events as they come (a non-streaming
     request): the node may hold them and merge consecutive text deltas,
-    sending what it holds every second or so and at the end, so the result
-    costs a few messages instead of one per token.
+    sending the first output at once, then what it holds every
+    ``collect_flush_s`` or so (0: the node's default) and at the end, so the
+    result costs a few messages instead of one per token while the edge's
+    deadlines still see the run progress.
     """
 
     run_id: str
@@ -149,6 +151,7 @@ class Assign(_Msg, frozen=True, kw_only=True, tag="assign"):
     spec: ExecutionSpec
     credit: int
     collect: bool = False
+    collect_flush_s: float = 0.0
 
 
 class Credit(_Msg, frozen=True, kw_only=True, tag="credit"):

@@ -109,6 +109,7 @@ from iop.events import (
     Error,
     ReasoningDelta,
     RuntimeEvent,
+    Start,
     is_terminal,
 )
 from iop.protocol._messages import (
@@ -248,9 +249,20 @@ class RunLink:
             returned as credit.
         collect: The run's events are collected, not streamed
             (``Assign.collect``): the node holds and merges them.
+        output_seen: (node) A collected run's first output was queued (it
+            goes at once; what follows is held).
     """
 
-    __slots__ = ("collect", "consumed", "credit", "phase", "queued", "seq", "window")
+    __slots__ = (
+        "collect",
+        "consumed",
+        "credit",
+        "output_seen",
+        "phase",
+        "queued",
+        "seq",
+        "window",
+    )
 
     def __init__(self, credit: int, *, collect: bool = False) -> None:
         self.phase = RunPhase.ASSIGNED
@@ -260,6 +272,7 @@ class RunLink:
         self.queued: deque[RuntimeEvent] = deque()
         self.consumed = 0
         self.collect = collect
+        self.output_seen = False
 
 
 # --- link events ----------------------------------------------------------------
@@ -576,6 +589,7 @@ class EdgeSession:
         credit: int = DEFAULT_RUN_WINDOW,
         *,
         collect: bool = False,
+        collect_flush_s: float = 0.0,
     ) -> None:
         """Queue the assignment of a run to the node.
 
@@ -590,7 +604,14 @@ class EdgeSession:
             # The node would close the link under every run on it.
             raise InvariantError(f"run {run_id}: negative credit {credit}")
         message = encode(
-            Assign(run_id=run_id, instance=instance, spec=spec, credit=credit, collect=collect)
+            Assign(
+                run_id=run_id,
+                instance=instance,
+                spec=spec,
+                credit=credit,
+                collect=collect,
+                collect_flush_s=collect_flush_s,
+            )
         )
         if len(message) + _BATCH_HEADER_MAX > self.peer_max_frame_bytes:
             raise RequestError(
@@ -706,6 +727,7 @@ class NodeSession:
         self._held_old: dict[str, None] = {}
         self._held_new: dict[str, None] = {}
         self._flush_check_at = now
+        self._flush_every = COLLECT_FLUSH_S
         self._cut_off: list[str] = []
         self._out = _Outgoing(now)
         self._nonce = 0
@@ -816,6 +838,9 @@ class NodeSession:
         if msg.credit < 0:
             raise LinkProtocolError(f"run {msg.run_id}: negative credit")
         self._runs[msg.run_id] = RunLink(msg.credit, collect=msg.collect)
+        if msg.collect and 0 < msg.collect_flush_s < self._flush_every:
+            # The edge's deadlines are shorter than the default hold.
+            self._flush_every = msg.collect_flush_s
         return AssignReceived(msg)
 
     def _credit(self, msg: Credit) -> CreditReceived:
@@ -878,6 +903,13 @@ class NodeSession:
     def _hold(self, run_id: str, run: RunLink, event: RuntimeEvent) -> None:
         """Queue a collected run's event, merged into the text before it when it can be."""
         queued = run.queued
+        if not run.output_seen and not isinstance(event, Start):
+            # The first output goes at once: the edge's first-token deadline
+            # measures the backend, not this hold.
+            run.output_seen = True
+            queued.append(event)
+            self._ready[run_id] = None
+            return
         last = queued[-1] if queued else None
         if (
             isinstance(event, Delta | ReasoningDelta)
@@ -916,7 +948,7 @@ class NodeSession:
                 if run is not None and run.queued:
                     self._ready[run_id] = None
             self._held_old, self._held_new = self._held_new, {}
-            self._flush_check_at = now + COLLECT_FLUSH_S
+            self._flush_check_at = now + self._flush_every
 
     def take_cut_off(self) -> list[str]:
         """Runs ended with ``event_too_large`` by ``data_to_send`` since the last call."""

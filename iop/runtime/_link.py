@@ -104,12 +104,21 @@ class LinkDriver(Generic[E]):
         self._after_send = after_send
         self._peer = peer
         self._wake = Wakeup()
+        # The reader's scope (its deadline: liveness, or the next tick).
+        self._scope: trio.CancelScope | None = None
         self.frames_sent = 0
         self.frames_received = 0
 
     def wake(self) -> None:
-        """The session has something to send: the writer sends it soon."""
+        """The session has something to send, or to do at a tick: the writer
+        sends it soon, and the reader's deadline moves up to the session's
+        next tick if that came earlier (a collected run began to hold events)."""
         self._wake.set()
+        scope = self._scope
+        if scope is not None:
+            tick = self.session.next_tick_at
+            if tick < scope.deadline:
+                scope.deadline = tick
 
     async def run(self) -> None:
         """Read and write until the link ends.
@@ -136,6 +145,7 @@ class LinkDriver(Generic[E]):
             with trio.CancelScope(
                 deadline=min(session.liveness_deadline, session.next_tick_at)
             ) as scope:
+                self._scope = scope
                 while True:
                     frame = await chan.receive()
                     self.frames_received += 1

@@ -322,6 +322,7 @@ class _RunSink:
         # push_nowait's consumer: events it holds, and at how many it counts
         # as stalled (its producer is out of credit).
         self._stall_at = stall_at
+        self._stalled = False
         self._held = 0
         self._consumed: Callable[[int], None] | None = None
         # Taken events not yet reported to ``on_consumed``'s callback: it is
@@ -461,7 +462,15 @@ class _RunSink:
         if is_terminal(event):
             return
         self._held += 1
-        if self._stall_at is not None and self._held >= self._stall_at:
+        # Out of credit: everything the producer was given is either unread
+        # or read but not yet reported back (credit goes back half a window
+        # at a time).
+        if (
+            not self._stalled
+            and self._stall_at is not None
+            and self._held + self._unreported >= self._stall_at
+        ):
+            self._stalled = True
             # The consumer holds a whole window: the producer is out of
             # credit. Backpressure, not an idle backend: only the total
             # deadline and the write-stall bound apply until it reads.
@@ -477,13 +486,22 @@ class _RunSink:
         if is_terminal(event):
             return
         self._held -= 1
-        if self._phase is _Phase.STALLED and self.pending_terminal is None:
-            run = self._run
-            self._arm(_after(trio.current_time(), run.deadlines.idle_timeout_s), _Phase.IDLE)
         self._unreported += 1
+        reported = False
         if self._unreported >= self._report_every and self._consumed is not None:
             self._consumed(self._unreported)
             self._unreported = 0
+            reported = True
+        if self._stalled and self.pending_terminal is None:
+            run = self._run
+            now = trio.current_time()
+            if reported:
+                # Credit went back: the producer may send again.
+                self._stalled = False
+                self._arm(_after(now, run.deadlines.idle_timeout_s), _Phase.IDLE)
+            else:
+                # Reading, but not yet a half window: still only the stall bound.
+                self._arm(_after(now, run.write_stall_timeout_s), _Phase.STALLED)
 
     def partial_usage(self) -> Usage:
         return Usage(output_tokens=self.output_chunks, estimated=True)

@@ -1371,10 +1371,17 @@ def collected(credit: int = 64) -> tuple[EdgeSession, NodeSession]:
     return edge, node
 
 
-def test_a_collected_run_goes_out_whole_at_its_end_with_its_text_merged() -> None:
+def test_a_collected_run_sends_its_first_output_at_once_and_the_rest_merged_at_its_end() -> None:
+    """The first output goes at once (the edge's first-token deadline measures
+    the backend); what follows is held and merged until the end."""
     edge, node = collected()
     node.push("r1", Start())
-    for i in range(50):
+    assert not node.has_data_to_send
+    node.push("r1", Delta("t0 "))
+    [first] = to_edge(node, edge)
+    assert isinstance(first, RunEventsReceived)
+    assert first.events == [Start(), Delta("t0 ")]
+    for i in range(1, 50):
         node.push("r1", Delta(f"t{i} "))
     assert not node.has_data_to_send  # held: nobody reads it before the end
     node.push("r1", Complete(finish_reason="stop"))
@@ -1383,32 +1390,50 @@ def test_a_collected_run_goes_out_whole_at_its_end_with_its_text_merged() -> Non
     [got] = to_edge_frames(frames, edge)
     assert got.finished
     assert got.events == [
-        Start(),
-        Delta("".join(f"t{i} " for i in range(50))),
+        Delta("".join(f"t{i} " for i in range(1, 50))),
         Complete(finish_reason="stop"),
     ]
     assert node.run("r1") is None
     assert edge.run("r1") is None
 
 
-def test_a_collected_run_flushes_what_it_holds_between_one_and_two_seconds() -> None:
-    """The edge's first-token and idle deadlines must still see the run progress."""
+def test_a_collected_run_flushes_what_it_holds_between_one_and_two_intervals() -> None:
+    """The edge's idle deadline must still see the run progress."""
     edge, node = collected()
     node.tick(0.0)  # a flush check: nothing held yet
     node.push("r1", Start())
-    node.push("r1", Delta("a"))
+    node.push("r1", Delta("a"))  # the first output: at once
+    to_edge(node, edge)
+    node.push("r1", Delta("b"))
     assert node.next_tick_at == min(node.next_ping_at, COLLECT_FLUSH_S)
     node.tick(COLLECT_FLUSH_S)  # held since after the last check: not yet
     assert run_events(to_edge(node, edge, COLLECT_FLUSH_S)) == []  # (a ping, maybe)
     node.tick(2 * COLLECT_FLUSH_S)
     [got] = run_events(to_edge(node, edge, 2 * COLLECT_FLUSH_S))
-    assert got.events == [Start(), Delta("a")]
+    assert got.events == [Delta("b")]
     assert node.next_tick_at == node.next_ping_at  # nothing held any more
+
+
+def test_the_edge_can_shorten_the_hold_of_a_collected_run() -> None:
+    edge, node = open_pair()
+    edge.assign("r1", "sim", SPEC, credit=64, collect=True, collect_flush_s=0.125)
+    to_node(edge, node)
+    node.tick(0.0)
+    node.push("r1", Start())
+    node.push("r1", Delta("a"))
+    to_edge(node, edge)
+    node.push("r1", Delta("b"))
+    node.tick(0.125)
+    node.tick(0.25)
+    [got] = run_events(to_edge(node, edge, 0.25))
+    assert got.events == [Delta("b")]
 
 
 def test_collected_text_is_merged_up_to_a_bound_and_never_across_kinds() -> None:
     edge, node = collected()
     node.push("r1", Start())
+    node.push("r1", Delta("first"))
+    to_edge(node, edge)
     piece = "x" * 1000
     for _ in range(5):
         node.push("r1", Delta(piece))
@@ -1430,14 +1455,16 @@ def test_collected_text_is_merged_up_to_a_bound_and_never_across_kinds() -> None
 def test_a_collected_run_sends_at_once_what_fills_its_credit() -> None:
     """Held events never wait for a flush when they could not all be held
     within the run's credit (embeddings: one event per input)."""
-    edge, node = collected(credit=3)
+    edge, node = collected(credit=4)
     node.push("r1", Start())
-    node.push("r1", EmbeddingData(index=0, vector=b"\0\0\0\0"))
-    assert not node.has_data_to_send
+    node.push("r1", EmbeddingData(index=0, vector=b"\0\0\0\0"))  # the first output: at once
+    to_edge(node, edge)
     node.push("r1", EmbeddingData(index=1, vector=b"\0\0\0\0"))
+    assert not node.has_data_to_send
+    node.push("r1", EmbeddingData(index=2, vector=b"\0\0\0\0"))
     [got] = to_edge(node, edge)
     assert isinstance(got, RunEventsReceived)
-    assert len(got.events) == 3
+    assert len(got.events) == 2
 
 
 def to_edge_frames(frames: list[bytes], edge: EdgeSession) -> list[RunEventsReceived]:
