@@ -94,6 +94,13 @@ class FakeNode:
         assert isinstance(welcomed, Welcomed)
 
     async def serve(self) -> None:
+        """Read the edge's frames (and send a quiet node's heartbeat) until the link closes."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.keepalive)
+            await self._read()
+            nursery.cancel_scope.cancel()
+
+    async def _read(self) -> None:
         try:
             while True:
                 frame = await self.chan.receive()
@@ -145,7 +152,6 @@ async def connect(
     node = FakeNode(node_end, node_id)
     await node.hello(instances)
     nursery.start_soon(node.serve)
-    nursery.start_soon(node.keepalive)
     await trio.testing.wait_all_tasks_blocked()
     return node
 
