@@ -16,7 +16,9 @@ pairs and the median of the per-pair differences, and, with a ``stream-1``
 and a ``stream-64`` level, the split into a fixed part and a part per chunk.
 
 ``--profile LEVEL`` then runs that level twice more with py-spy attached
-(``--nonblocking --rate 250 --format raw``): once with the edge alone on CPU 0
+(``--nonblocking --rate 250 --format raw``; ``--blocking`` drops
+``--nonblocking``: py-spy then pauses the process for each sample, and no
+stack is read half-changed): once with the edge alone on CPU 0
 and every other process on CPU 1, once for the node the same way, so that
 the profiled process is never descheduled for its peers (a sampler counts a
 runnable process that waits for the CPU where it stopped, which inflates the
@@ -267,7 +269,9 @@ def parts(raw: Path, rules: list[Rule]) -> dict[str, Any]:
     }
 
 
-def profile(plat: bp.Platform, name: str, n: int, concurrency: int, out: Path) -> dict[str, Any]:
+def profile(
+    plat: bp.Platform, name: str, n: int, concurrency: int, out: Path, *, nonblocking: bool
+) -> dict[str, Any]:
     py_spy = bp.find_py_spy(sys.executable)
     if py_spy is None:
         raise SystemExit("--profile needs py-spy (pip install py-spy)")
@@ -283,10 +287,12 @@ def profile(plat: bp.Platform, name: str, n: int, concurrency: int, out: Path) -
         for target, rules in (("edge", EDGE_PARTS), ("node", NODE_PARTS)):
             for key, proc in procs.items():
                 pin(proc.pid, "0" if key == target else "1")
-            os.sched_setaffinity(0, {1})
+            os.sched_setaffinity(0, {1})  # py-spy, started from here, too
             raw = out / f"pyspy-fixed-{name}-{target}-{time.strftime('%H%M%S')}.txt"
             argv = [py_spy, "record", "--pid", str(procs[target].pid), "--rate", "250"]
-            argv += ["--nonblocking", "--format", "raw", "--output", str(raw)]
+            argv += ["--format", "raw", "--output", str(raw)]
+            if nonblocking:
+                argv.append("--nonblocking")
             spy = subprocess.Popen(
                 argv,
                 stdout=subprocess.DEVNULL,
@@ -373,6 +379,11 @@ def main() -> int:
     ap.add_argument("--levels", default="stream-1,stream-16,stream-64,json-64")
     ap.add_argument("--profile", metavar="LEVEL", help="then profile LEVEL on the first tree")
     ap.add_argument("--profile-requests", type=int, default=4000)
+    ap.add_argument(
+        "--blocking",
+        action="store_true",
+        help="let py-spy pause the process for each sample (whole stacks, a little overhead)",
+    )
     ap.add_argument("--out-dir", type=Path, default=REPO / "bench-results")
     args = ap.parse_args()
     trees = dict(t.split("=", 1) for t in args.trees.split(","))
@@ -408,7 +419,12 @@ def main() -> int:
         if args.profile:
             first = next(iter(plats))
             result["profile"] = profile(
-                plats[first], args.profile, args.profile_requests, args.concurrency, args.out_dir
+                plats[first],
+                args.profile,
+                args.profile_requests,
+                args.concurrency,
+                args.out_dir,
+                nonblocking=not args.blocking,
             )
     result["runs"] = runs
     out = args.out_dir / f"fixed-cost-{time.strftime('%Y%m%d-%H%M%S')}.json"

@@ -32,6 +32,7 @@ Examples:
   python scripts/bench_idle_streams.py                           # 200 and 1000 streams
   python scripts/bench_idle_streams.py --code /tmp/before        # another source tree
   python scripts/bench_idle_streams.py --streams 200 --cycles 1 --census --tracemalloc 10
+  python scripts/bench_idle_streams.py --unit-costs             # a trio task, a channel...
 
 docs/benchmarks.md, "Where the fixed cost goes", quotes the numbers.
 """
@@ -200,6 +201,52 @@ def _owner_diff(before: Path, after: Path, n: int, top: int) -> list[str]:
     return out
 
 
+def unit_costs(n: int = 2000) -> None:
+    """What trio's building blocks cost, in this process (tracemalloc, ``n`` of each)."""
+    import gc
+
+    import trio.testing
+
+    async def measure(label: str, make: Callable[[trio.Nursery, trio.Event], Any]) -> None:
+        async with trio.open_nursery() as nursery:
+            release = trio.Event()
+            gc.collect()
+            before = tracemalloc.take_snapshot()
+            kept = [make(nursery, release) for _ in range(n)]
+            await trio.testing.wait_all_tasks_blocked()
+            gc.collect()
+            after = tracemalloc.take_snapshot()
+            size = sum(st.size_diff for st in after.compare_to(before, "filename"))
+            print(f"  {size / n:6.0f} B  {label}")
+            release.set()
+            del kept
+
+    async def waiter(release: trio.Event) -> None:
+        await release.wait()
+
+    async def in_scope(release: trio.Event) -> None:
+        with trio.CancelScope():
+            await release.wait()
+
+    async def in_nursery(release: trio.Event) -> None:
+        async with trio.open_nursery():
+            await release.wait()
+
+    async def run() -> None:
+        await measure("a task awaiting an Event", lambda n, r: n.start_soon(waiter, r))
+        await measure("a task in a cancel scope of its own", lambda n, r: n.start_soon(in_scope, r))
+        await measure("a task in a nursery of its own", lambda n, r: n.start_soon(in_nursery, r))
+        await measure(
+            "a memory channel pair (capacity 16)", lambda n, r: trio.open_memory_channel(16)
+        )
+        await measure("a trio.Event", lambda n, r: trio.Event())
+
+    tracemalloc.start(1)
+    print("trio building blocks, bytes each (tracemalloc):")
+    trio.run(run)
+    tracemalloc.stop()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -210,7 +257,11 @@ def main() -> int:
     ap.add_argument("--census", action="store_true", help="object census at every reading")
     ap.add_argument("--tracemalloc", type=int, default=0, metavar="FRAMES", help="with --census")
     ap.add_argument("--out-dir", type=Path, default=REPO / "bench-results")
+    ap.add_argument("--unit-costs", action="store_true", help="what a trio task or channel costs")
     args = ap.parse_args()
+    if args.unit_costs:
+        unit_costs()
+        return 0
     hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     counts = [int(x) for x in args.streams.split(",")]
