@@ -8,8 +8,12 @@ boundary, with a stream that records every ``send_all``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import gzip
+import shutil
+import ssl
+import subprocess
 import warnings
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -424,3 +428,72 @@ async def test_a_stream_read_to_its_end_leaves_no_generator_to_trio() -> None:
             gc.collect()
     assert isinstance(events[-1], Complete)
     assert [str(w.message) for w in caught if "Async generator" in str(w.message)] == []
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 and its key (made with openssl)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl binary to make a test certificate with")
+    where = tmp_path_factory.mktemp("tls")
+    cert, key = str(where / "cert.pem"), str(where / "key.pem")
+    argv = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+    argv += ["-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
+    subprocess.run(
+        [*argv, "-keyout", key, "-out", cert],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    return cert, key
+
+
+async def test_https_through_the_pool(tls_files: tuple[str, str]) -> None:
+    cert, key = tls_files
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+    accepted: list[trio.SSLStream[trio.SocketStream]] = []
+
+    async def serve(raw: trio.SocketStream) -> None:
+        stream = trio.SSLStream(raw, server_ctx, server_side=True)
+        accepted.append(stream)
+        for _ in range(2):  # two requests on one kept-alive connection
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += await stream.receive_some(65536)
+            await stream.send_all(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        pool = KeepAliveTransport(max_idle=2, ssl_context=ssl.create_default_context(cafile=cert))
+        try:
+            assert await fetch(pool, f"https://127.0.0.1:{port}/") == b"ok"
+            assert await fetch(pool, f"https://127.0.0.1:{port}/") == b"ok"
+        finally:
+            await pool.aclose()
+        nursery.cancel_scope.cancel()
+    assert len(accepted) == 1
+
+
+async def test_https_with_an_unknown_certificate_is_a_connect_error(
+    tls_files: tuple[str, str],
+) -> None:
+    cert, key = tls_files
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(cert, key)
+
+    async def serve(raw: trio.SocketStream) -> None:
+        with contextlib.suppress(trio.BrokenResourceError):
+            await trio.SSLStream(raw, server_ctx, server_side=True).do_handshake()
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        pool = KeepAliveTransport(max_idle=2, ssl_context=ssl.create_default_context())
+        try:
+            with pytest.raises(httpx.ConnectError):
+                await fetch(pool, f"https://127.0.0.1:{port}/")
+        finally:
+            await pool.aclose()
+        nursery.cancel_scope.cancel()
