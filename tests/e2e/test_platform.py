@@ -28,6 +28,7 @@ from tests.e2e._platform import (
     Cluster,
     Proc,
     StreamResult,
+    poll,
     read_more,
     read_stream,
     validated_completion,
@@ -690,7 +691,13 @@ def test_a_starved_slow_client_that_leaves_releases_the_backend(
             extra_body=opts,
         ) as fast_stream:
             assert read_stream(fast_stream, validate_every=SAMPLE).finish_reason == "stop"
-        assert cluster.sim.stats()["open_streams"] == 1
+        # The fast answer's end reaches the sim's counters a moment after the
+        # client has it: wait for that, then only the slow one is open.
+        poll(
+            lambda: cluster.sim.stats()["open_streams"] == 1,
+            timeout=5,
+            what="the sim to count only the slow stream open",
+        )
     _after_disconnect(cluster, disconnects, cancelled, "slow client left while starved of credit")
 
 
