@@ -124,6 +124,7 @@ import msgspec
 import trio
 from bench_platform import (
     REPO,
+    _int_list,
     find_py_spy,
     machine_cpu_s,
     machine_info,
@@ -132,7 +133,7 @@ from bench_platform import (
     summarize_raw,
 )
 
-from iop.testing import Proc
+from iop.testing import Proc, toml_dumps
 
 NODE_TOKEN: Final = "bench-token"
 CHUNKS: Final = 64  # content chunks per overload answer (sim --output-tokens)
@@ -210,33 +211,6 @@ def process_stack(python: str, logdir: Path) -> Iterator[Stack]:
         raise
     finally:
         stack.stop_all()
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"no TOML for {v!r}")
-
-
-def toml_dumps(data: dict[str, Any], prefix: str = "") -> str:
-    """A minimal TOML writer: scalars, lists of scalars, tables, arrays of tables."""
-    lines: list[str] = []
-    tables: list[str] = []
-    for key, value in data.items():
-        name = f"{prefix}.{json.dumps(key)}" if prefix else json.dumps(key)
-        if isinstance(value, dict):
-            tables.append(f"\n[{name}]\n" + toml_dumps(value, name))
-        elif isinstance(value, list) and value and all(isinstance(x, dict) for x in value):
-            tables += [f"\n[[{name}]]\n" + toml_dumps(item, name) for item in value]
-        else:
-            lines.append(f"{json.dumps(key)} = {_toml_value(value)}")
-    return "\n".join(lines) + "\n" + "".join(tables)
 
 
 def apply_sets(config: dict[str, Any], sets: list[str]) -> dict[str, Any]:
@@ -1752,16 +1726,6 @@ def serve_agents(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- main
-
-
-def _int_list(text: str, what: str, ap: argparse.ArgumentParser) -> list[int]:
-    try:
-        vals = [int(c) for c in text.split(",") if c.strip()]
-    except ValueError:
-        ap.error(f"{what}: not a comma-separated list of integers: {text!r}")
-    if not vals or min(vals) < 1:
-        ap.error(f"{what}: values must be >= 1")
-    return vals
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -86,6 +86,7 @@ from iop.testing._processes import (
     Proc,
     free_port,
     poll,
+    toml_dumps,
 )
 from iop.testing._transcripts import (
     CapturedExchange,
@@ -170,5 +171,6 @@ __all__ = [
     "open_fake_backend",
     "parse_capture",
     "poll",
+    "toml_dumps",
     "transcript_body",
 ]

@@ -25,6 +25,7 @@ interpreter started, so that a test's failure report can show their logs.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -34,7 +35,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import ClassVar, Final, TypeVar
+from typing import Any, ClassVar, Final, TypeVar
 
 __all__ = [
     "EDGE_READY",
@@ -47,6 +48,7 @@ __all__ = [
     "Proc",
     "free_port",
     "poll",
+    "toml_dumps",
 ]
 
 # Generous: a process start on a loaded 2-core machine.
@@ -249,3 +251,43 @@ class Proc:
         rc = self.popen.wait(STOP_GRACE_S)
         self.stopped_at = self.stopped_at or time.time()
         return rc
+
+
+# --- config files for the processes ------------------------------------------------
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(f"no TOML for {v!r}")
+
+
+_BARE_KEY: Final = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.fullmatch(key) else json.dumps(key)
+
+
+def toml_dumps(data: dict[str, Any], _prefix: str = "") -> str:
+    """A minimal TOML writer (the configs the tests and benchmarks start
+    processes with): scalars, lists of scalars, tables, arrays of tables."""
+    lines: list[str] = []
+    tables: list[str] = []
+    for raw_key, value in data.items():
+        key = _toml_key(raw_key)
+        name = f"{_prefix}.{key}" if _prefix else key
+        if isinstance(value, dict):
+            tables.append(f"\n[{name}]\n" + toml_dumps(value, name))
+        elif isinstance(value, list) and value and all(isinstance(x, dict) for x in value):
+            for item in value:
+                tables.append(f"\n[[{name}]]\n" + toml_dumps(item, name))
+        else:
+            lines.append(f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n" + "".join(tables)

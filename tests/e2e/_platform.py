@@ -16,7 +16,6 @@ the only timing assertions are generous upper bounds on liveness.
 from __future__ import annotations
 
 import contextlib
-import json
 import re
 import time
 from collections.abc import Iterable, Iterator
@@ -34,6 +33,7 @@ from iop.testing import (
     Proc,
     free_port,
     poll,
+    toml_dumps,
 )
 from tests.edge._openai_schema import validate_chunk, validate_completion
 
@@ -63,45 +63,6 @@ MODEL: Final = "iop-sim"
 # docs/operations.md "Logs": every stderr line is `time level logger: message`.
 LOG_LINE: Final = re.compile(r"^\d\d:\d\d:\d\d (DEBUG|INFO|WARNING|ERROR|CRITICAL) +[\w.]+: \S")
 TOKEN: Final = "e2e-node-token"
-
-
-# --- TOML ------------------------------------------------------------------------------
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"no TOML for {v!r}")
-
-
-_BARE_KEY: Final = re.compile(r"[A-Za-z0-9_-]+")
-
-
-def _toml_key(key: str) -> str:
-    return key if _BARE_KEY.fullmatch(key) else json.dumps(key)
-
-
-def toml_dumps(data: dict[str, Any], _prefix: str = "") -> str:
-    """A minimal TOML writer: scalars, lists of scalars, tables, arrays of tables."""
-    lines: list[str] = []
-    tables: list[str] = []
-    for raw_key, value in data.items():
-        key = _toml_key(raw_key)
-        name = f"{_prefix}.{key}" if _prefix else key
-        if isinstance(value, dict):
-            tables.append(f"\n[{name}]\n" + toml_dumps(value, name))
-        elif isinstance(value, list) and value and all(isinstance(x, dict) for x in value):
-            for item in value:
-                tables.append(f"\n[[{name}]]\n" + toml_dumps(item, name))
-        else:
-            lines.append(f"{key} = {_toml_value(value)}")
-    return "\n".join(lines) + "\n" + "".join(tables)
 
 
 # --- processes -------------------------------------------------------------------------
