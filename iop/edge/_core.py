@@ -482,7 +482,7 @@ class EdgeCore:
         A registered link is alive until its liveness deadline (last frame
         plus ``heartbeat_timeout_s``) has passed; the edge pings every
         ``heartbeat_interval_s``, so a live node is never near it. A link
-        past its deadline is dead (its watchdog is about to close it) and a
+        past its deadline is dead (its link driver is about to close it) and a
         reconnecting node may replace it.
 
         Raises:

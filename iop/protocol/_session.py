@@ -59,7 +59,7 @@ and the node ends a run whose single event would not fit with ``Error``
 
 Event messages are bounded by credit and terminal ones by assigns, so the
 only messages a node could flood the edge with are the ones that cost no
-credit (``ping``, ``pong``, ``caps``, ``bye``): those draw from a token bucket
+credit (``ping``, ``caps``, ``bye``): those draw from a token bucket
 (``control_rate_per_s``, ``control_burst``) and an empty bucket raises
 ``LinkLimitError`` with ``CLOSE_RATE``.
 
