@@ -156,9 +156,20 @@ class _SocketStream(httpcore.AsyncNetworkStream):
             with trio.fail_after(float("inf") if limit_s is None else limit_s):
                 await self._stream.send_all(data)
         except trio.TooSlowError as exc:
+            if self._peer_answered():
+                # The server answered before taking the whole body (an early
+                # 413 from a smaller body limit) and stopped reading: httpcore
+                # reads that answer after a WriteError, not after a timeout.
+                raise httpcore.WriteError("the server answered before taking the body") from exc
             raise httpcore.WriteTimeout(str(exc)) from exc
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise httpcore.WriteError(str(exc)) from exc
+
+    def _peer_answered(self) -> bool:
+        """Whether the server has sent something (its response) meanwhile."""
+        stream = self._stream
+        plain = stream if isinstance(stream, trio.SocketStream) else stream.transport_stream
+        return plain.socket.is_readable()
 
     async def aclose(self) -> None:
         self._held = None

@@ -497,3 +497,42 @@ async def test_https_with_an_unknown_certificate_is_a_connect_error(
         finally:
             await pool.aclose()
         nursery.cancel_scope.cancel()
+
+
+async def _refuse_early(done: trio.Event, stream: trio.SocketStream) -> None:
+    """Read the head, answer 413 at once, then read nothing more (the body is
+    too large): what a server with a smaller body limit than the edge's does."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += await stream.receive_some(65536)
+    await stream.send_all(
+        b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 8\r\nConnection: close\r\n\r\ntoo big!"
+    )
+    await done.wait()
+    await stream.aclose()
+
+
+async def test_an_early_answer_to_a_body_the_server_stopped_reading_is_the_response() -> None:
+    """Not a write timeout (a 504 on the edge): the server's answer is read."""
+    done = trio.Event()
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            partial(trio.serve_tcp, partial(_refuse_early, done), 0, host="127.0.0.1")
+        )
+        port = listeners[0].socket.getsockname()[1]
+        async with transport() as pool:
+            request = httpx.Request(
+                "POST",
+                f"http://127.0.0.1:{port}/",
+                content=b"x" * (64 * 1024 * 1024),
+                extensions={"timeout": {"connect": 5.0, "read": 5.0, "write": 0.5, "pool": 5.0}},
+            )
+            with trio.fail_after(NOTICE_S):
+                response = await pool.handle_async_request(request)
+                try:
+                    assert response.status_code == 413
+                    assert await response.aread() == b"too big!"
+                finally:
+                    await response.aclose()
+        done.set()
+        nursery.cancel_scope.cancel()
