@@ -88,6 +88,8 @@ from iop.protocol import (
     NodeDraining,
     NodeJoined,
     RunEventsReceived,
+    close_code,
+    close_reason,
 )
 from iop.runtime import (
     LinkDriver,
@@ -132,13 +134,7 @@ class _NodeIdInUse(LinkError):
 async def _close(chan: FrameChannel, code: int, reason: str) -> None:
     """Close ``chan`` within ``CLOSE_TIMEOUT_S``, even while being cancelled."""
     with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
-        await chan.aclose(code, _close_reason(reason))
-
-
-def _close_reason(text: str) -> str:
-    # A WebSocket close reason is at most 123 bytes of UTF-8 (RFC 6455 §5.5).
-    data = text.encode()
-    return text if len(data) <= 120 else data[:120].decode(errors="ignore")
+        await chan.aclose(code, close_reason(reason))
 
 
 class _Retry(Exception):
@@ -544,9 +540,9 @@ class EdgeCore:
             if conn.close_code is None:
                 conn.close_code, conn.close_reason = closed.close_code, closed.reason or str(closed)
         except LinkProtocolError as exc:
-            code = exc.close_code if isinstance(exc, LinkLimitError) else CLOSE_PROTOCOL
+            code = close_code(exc)
             log.warning("node %s broke the protocol: %s (close %d)", conn.node_id, exc, code)
-            conn.close_code, conn.close_reason = code, _close_reason(str(exc))
+            conn.close_code, conn.close_reason = code, close_reason(str(exc))
         finally:
             self.registry.remove(conn)
             session.close()

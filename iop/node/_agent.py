@@ -52,7 +52,7 @@ from iop.errors import (
 from iop.events import CancelReason, Error
 from iop.node._dial import MIN_RECONNECT_DELAY_S, STABLE_LINK_S, ConnectFactory, Dialer
 from iop.node._instances import PROBE_GUARD_S, Instance, RunExecutor, probe
-from iop.node._link import NodeLink, NodeRun, close_code, close_reason
+from iop.node._link import NodeLink, NodeRun
 from iop.node._ws import DEFAULT_CONNECT_TIMEOUT_S, open_ws_link
 from iop.protocol import (
     CLOSE_GOING_AWAY,
@@ -62,6 +62,8 @@ from iop.protocol import (
     NodeSession,
     Welcome,
     Welcomed,
+    close_code,
+    close_reason,
 )
 from iop.runtime import PeerSilent, RunSupervisor, open_run_supervisor
 

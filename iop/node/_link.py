@@ -40,11 +40,10 @@ import trio
 
 from iop._secrets import SecretMasker, mask_event
 from iop.config import NodeEdge
-from iop.errors import LinkError, LinkLimitError, LinkProtocolError
+from iop.errors import LinkError, LinkProtocolError
 from iop.events import CancelReason, Error, RuntimeEvent, is_terminal
 from iop.protocol import (
     CLOSE_NORMAL,
-    CLOSE_PROTOCOL,
     RUN_BACKLOG,
     AssignReceived,
     CancelReceived,
@@ -53,26 +52,16 @@ from iop.protocol import (
     NodeLinkEvent,
     NodeSession,
     Welcomed,
+    close_reason,
 )
 from iop.runtime import LinkDriver, Run, Wakeup
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-__all__ = ["NodeLink", "NodeRun", "close_code", "close_reason"]
+__all__ = ["NodeLink", "NodeRun"]
 
 log = logging.getLogger("iop.node")
-
-
-def close_reason(text: str) -> str:
-    # A WebSocket close reason is at most 123 bytes of UTF-8 (RFC 6455 §5.5).
-    data = text.encode()
-    return text if len(data) <= 120 else data[:120].decode(errors="ignore")
-
-
-def close_code(exc: LinkProtocolError) -> int:
-    """The close code for a protocol error: a crossed limit carries its own."""
-    return exc.close_code if isinstance(exc, LinkLimitError) else CLOSE_PROTOCOL
 
 
 class NodeRun:

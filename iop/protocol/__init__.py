@@ -62,6 +62,8 @@ from iop.protocol._transport import (
     CLOSE_TOO_BIG,
     FrameChannel,
     LinkClosed,
+    close_code,
+    close_reason,
 )
 
 __all__ = [
@@ -112,6 +114,8 @@ __all__ = [
     "RunPhase",
     "Welcome",
     "Welcomed",
+    "close_code",
+    "close_reason",
     "decode_edge_batch",
     "decode_edge_message",
     "decode_node_batch",

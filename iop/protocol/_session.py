@@ -971,8 +971,7 @@ class NodeSession:
             batch = self._take(run)
             if not batch:
                 continue
-            for message in self._messages(run_id, run, batch, limit):
-                out.append(message)
+            out.extend(self._messages(run_id, run, batch, limit))
             if is_terminal(batch[-1]) or run.phase is RunPhase.DONE:
                 run.phase = RunPhase.DONE
                 del self._runs[run_id]

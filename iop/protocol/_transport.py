@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Final, Protocol
 
-from iop.errors import LinkClosed
+from iop.errors import LinkClosed, LinkLimitError, LinkProtocolError
 
 __all__ = [
     "CLOSE_BAD_TOKEN",
@@ -24,6 +24,8 @@ __all__ = [
     "CLOSE_TOO_BIG",
     "FrameChannel",
     "LinkClosed",
+    "close_code",
+    "close_reason",
 ]
 
 # WebSocket close codes used on the link (4000-4999 are application codes).
@@ -36,6 +38,18 @@ CLOSE_HEARTBEAT: Final = 4408  # the peer was silent past the heartbeat deadline
 CLOSE_REPLACED: Final = 4409  # the same node id connected again, the old link was dead
 CLOSE_ID_IN_USE: Final = 4410  # refused: a live link already serves this node id
 CLOSE_RATE: Final = 4429  # the peer sent more than the link's message rate allows
+
+
+def close_code(exc: LinkProtocolError) -> int:
+    """The close code for a protocol error: a crossed limit carries its own."""
+    return exc.close_code if isinstance(exc, LinkLimitError) else CLOSE_PROTOCOL
+
+
+def close_reason(text: str) -> str:
+    """``text`` cut to fit a close frame."""
+    # A WebSocket close reason is at most 123 bytes of UTF-8 (RFC 6455 §5.5).
+    data = text.encode()
+    return text if len(data) <= 120 else data[:120].decode(errors="ignore")
 
 
 class FrameChannel(Protocol):

@@ -106,8 +106,6 @@ class LinkDriver(Generic[E]):
         self._wake = Wakeup()
         # The reader's scope (its deadline: liveness, or the next tick).
         self._scope: trio.CancelScope | None = None
-        self.frames_sent = 0
-        self.frames_received = 0
 
     def wake(self) -> None:
         """The session has something to send, or to do at a tick: the writer
@@ -148,7 +146,6 @@ class LinkDriver(Generic[E]):
                 self._scope = scope
                 while True:
                     frame = await chan.receive()
-                    self.frames_received += 1
                     events = session.receive(frame, trio.current_time())
                     scope.deadline = min(session.liveness_deadline, session.next_tick_at)
                     if events:
@@ -174,6 +171,5 @@ class LinkDriver(Generic[E]):
             await self._wake.wait()
             for frame in session.data_to_send(trio.current_time()):
                 await chan.send(frame)
-                self.frames_sent += 1
             if self._after_send is not None:
                 self._after_send()
