@@ -92,10 +92,19 @@ from iop.edge._admin_page import render_admin_page, render_login_page
 from iop.edge._core import EdgeCore
 from iop.edge._link_asgi import LINK_PATH
 from iop.edge._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from iop.edge._stall import client_gone_reason
+from iop.edge._stall import ConnectionStall, client_gone_reason, current_connection
 from iop.edge._surface_asgi import BodyReader, SurfaceAnswer, SurfaceASGI
 from iop.errors import ErrorCode, IopError, RequestError
-from iop.events import Cancelled, Error, RuntimeEvent, Start, TokenCount, is_terminal
+from iop.events import (
+    Cancelled,
+    CancelReason,
+    Error,
+    RuntimeEvent,
+    Start,
+    TerminalEvent,
+    TokenCount,
+    is_terminal,
+)
 from iop.runtime import Run, new_run_id
 from iop.spec import ExecutionSpec, TokenizeRequest
 
@@ -531,6 +540,9 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             run = core.start_run(spec, collect=not call.stream)
         except IopError as exc:
             return _from_exc(exc, surface)
+        connection = current_connection()
+        if connection is not None:
+            run.on_outcome = _cut_off_when_slow(connection)
         ctx = RunContext(
             run_id=spec.run_id, created=int(time.time()), policy=cfg.policy_for(call.request.model)
         )
@@ -762,6 +774,21 @@ async def _sse_body(
         run.events.close()
         if isinstance(stream, _Summarised):
             log.debug("stream %s closed: %s", run.run_id, stream.summary())
+
+
+def _cut_off_when_slow(connection: ConnectionStall) -> Callable[[TerminalEvent], None]:
+    """A run's ``on_outcome`` that closes its client's connection on ``slow_client``.
+
+    The run's sink can find the client stalled before the connection's own
+    guard does (``iop.edge._stall``, both bound by write_stall_timeout_s);
+    either way the client is cut off, not left a connection it may read
+    again."""
+
+    def on_outcome(outcome: TerminalEvent) -> None:
+        if isinstance(outcome, Cancelled) and outcome.reason is CancelReason.SLOW_CLIENT:
+            connection.cut_off()
+
+    return on_outcome
 
 
 async def _complete(run: Run, collector: Collector) -> Response:

@@ -55,7 +55,13 @@ from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wra
 
 from iop.events import CancelReason
 
-__all__ = ["ConnectionStall", "StallGuard", "client_gone_reason", "serve_guarded"]
+__all__ = [
+    "ConnectionStall",
+    "StallGuard",
+    "client_gone_reason",
+    "current_connection",
+    "serve_guarded",
+]
 
 log = logging.getLogger("iop.edge.http")
 
@@ -70,17 +76,49 @@ _ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 class ConnectionStall:
     """What the guard knows about one connection."""
 
-    __slots__ = ("peer", "stalled", "timeout_s")
+    __slots__ = ("_guard", "_socket", "peer", "stalled", "timeout_s")
 
-    def __init__(self, peer: _Peer | None, timeout_s: float) -> None:
+    def __init__(
+        self,
+        peer: _Peer | None,
+        timeout_s: float,
+        guard: StallGuard | None = None,
+        sock: trio.socket.SocketType | None = None,
+    ) -> None:
         self.peer = peer
         self.timeout_s = timeout_s
         self.stalled = False
+        self._guard = guard
+        self._socket = sock
+
+    def cut_off(self) -> None:
+        """Close the connection of a client found stalled elsewhere (its run).
+
+        The run's own stall bound (``write_stall_timeout_s`` on the run's
+        sink) can end the run before this connection's write has been
+        blocked for the deadline: the run is over as ``slow_client``, and the
+        client must lose its connection too, not get it back if it reads
+        again. Closing the socket (trio's ``close`` wakes a task blocked on
+        it with ``ClosedResourceError``) ends hypercorn's shielded write.
+        Idempotent; it never blocks."""
+        if self.stalled or self._socket is None:
+            return
+        if self._guard is not None:
+            self._guard._stalled(self)
+            self._guard._closed(self)
+        else:
+            self.stalled = True
+        self._socket.close()
 
 
 _CURRENT: Final = contextvars.ContextVar[ConnectionStall | None](
     "iop_connection_stall", default=None
 )
+
+
+def current_connection() -> ConnectionStall | None:
+    """The current request's connection, when the guard is on."""
+    return _CURRENT.get()
 
 
 def client_gone_reason() -> tuple[CancelReason, str]:
@@ -134,7 +172,7 @@ class StallGuard:
             peer: _Peer | None = tuple(stream.socket.getpeername()[:2])
         except OSError:  # already gone
             peer = None
-        state = ConnectionStall(peer, self.timeout_s)
+        state = ConnectionStall(peer, self.timeout_s, self, stream.socket)
         if peer is not None:
             self._connections[peer] = state
         return state

@@ -279,6 +279,9 @@ class Run:
         self._cancel_reason: CancelReason | None = None
         self._cancel_message = ""
         self._done = trio.Event()
+        # Called once with the outcome, as soon as it is decided (before the
+        # consumer has it), in the run's task: it must neither block nor raise.
+        self.on_outcome: Callable[[TerminalEvent], None] | None = None
 
     @property
     def run_id(self) -> str:
@@ -404,6 +407,8 @@ class _RunSink:
         if self.pending_terminal is not None:
             run.state = RunState.DONE
             run.outcome = self.pending_terminal
+            if run.on_outcome is not None:
+                run.on_outcome(run.outcome)
         elif run.state is RunState.STREAMING:
             self._arm(_after(trio.current_time(), run.deadlines.idle_timeout_s), _Phase.IDLE)
         elif run.state is RunState.STARTED:
@@ -570,6 +575,8 @@ async def _drive(
         if terminal is not None:
             run.state = RunState.DONE
             run.outcome = terminal
+            if run.on_outcome is not None:
+                run.on_outcome(terminal)
             run._done.set()  # decided; delivery below may still wait on the consumer
             grace = TERMINAL_DELIVERY_TIMEOUT_S if finished_normally else SHUTDOWN_DELIVERY_GRACE_S
             with trio.move_on_after(grace, shield=not finished_normally) as delivery:

@@ -6,9 +6,10 @@ import contextlib
 import socket
 from typing import Any
 
+import pytest
 import trio
 
-from iop.edge._stall import StallGuard, client_gone_reason
+from iop.edge._stall import StallGuard, client_gone_reason, current_connection
 from iop.events import CancelReason
 
 STALL_S = 0.3
@@ -86,6 +87,45 @@ async def test_a_slow_peer_that_keeps_reading_is_not_cut_off() -> None:
         await server.aclose()
     assert bytes(got) == data
     assert guard.stalled_total == 0
+
+
+async def test_a_connection_cut_off_for_its_run_is_closed_and_marked() -> None:
+    # The run's sink found the client stalled first (both bounds are
+    # write_stall_timeout_s): the connection closes at once, its blocked
+    # write ends, and its client is a slow client, not a disconnect.
+    guard = StallGuard(60.0)
+    server, client = await _guarded_pair(guard)
+    with client:
+        seen: list[tuple[CancelReason, str]] = []
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            connection = current_connection()
+            assert connection is not None
+            async with trio.open_nursery() as nursery:
+
+                async def write() -> None:
+                    with pytest.raises((trio.BrokenResourceError, trio.ClosedResourceError)):
+                        await server.send_all(PAYLOAD)
+                    seen.append(client_gone_reason())
+
+                nursery.start_soon(write)
+                await trio.sleep(0.2)  # the write is blocked on the full window
+                connection.cut_off()
+                connection.cut_off()  # idempotent
+
+        with trio.fail_after(10):
+            await guard.asgi(app)({"type": "http", "client": client.getsockname()}, None, None)
+        assert seen == [
+            (CancelReason.SLOW_CLIENT, "the client accepted no data for write_stall_timeout_s=60")
+        ]
+        assert guard.stalled_total == 1
+        client.setblocking(True)
+        client.settimeout(5)
+        try:
+            while client.recv(65536):
+                pass
+        except ConnectionResetError:
+            pass
 
 
 async def test_a_disconnect_without_stall_is_client_disconnect() -> None:

@@ -221,16 +221,31 @@ async def test_consumer_that_stops_reading_is_a_slow_client(
     adapter = script(Start(), *[Delta("x")] * 100, Complete(), pause=0.01)
     async with open_run_supervisor() as sup:
         run = sup.start_run(adapter, SPEC, NO_DEADLINES, buffer=4, write_stall_timeout_s=5.0)
+        told: list[RuntimeEvent] = []
+        run.on_outcome = told.append
         await run.events.receive()  # Start, then the client stops reading
         outcome = await run.wait()
         decided_at = trio.current_time()
         run.events.close()
+    # The run's owner hears the outcome once, when it is decided (the edge
+    # closes a slow client's connection then).
+    assert told == [outcome]
     assert isinstance(outcome, Cancelled)
     assert outcome.reason is CancelReason.SLOW_CLIENT
     assert outcome.message == "the client accepted no data for write_stall_timeout_s=5"
     assert adapter.cancelled
     # Virtual time: the channel filled after a few deltas, then 5 s of nothing.
     assert 5.0 <= decided_at < 6.0
+
+
+async def test_on_outcome_hears_an_adapter_terminal_once() -> None:
+    async with open_run_supervisor() as sup:
+        run = sup.start_run(script(Start(), Delta("x"), Complete()), SPEC, NO_DEADLINES)
+        told: list[RuntimeEvent] = []
+        run.on_outcome = told.append
+        got = [ev async for ev in run.events]
+    assert told == [Complete()]
+    assert terminals(got) == [Complete()]
 
 
 async def test_slow_but_reading_consumer_is_not_a_slow_client(
