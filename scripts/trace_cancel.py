@@ -71,6 +71,11 @@ def load(data: str) -> list[Event]:
         text=True,
         check=True,
     ).stdout
+    return parse(text)
+
+
+def parse(text: str) -> list[Event]:
+    """The events of ``perf script -F comm,pid,tid,cpu,time,event,trace`` output."""
     events = []
     for line in text.splitlines():
         m = _LINE.match(line)
