@@ -41,11 +41,18 @@ held until the next write or read and then goes out with it.
 
 Errors: httpcore's exceptions become httpx's (the same table as httpx's own
 transport), so what the adapters map (``map_transport_error``) is unchanged.
+
+Closing a connection runs shielded (httpcore closes a response it abandons
+from a shielded scope, and so do the pool's check-in and ``aclose``): it
+must finish even while the run is cancelled, since the closed socket is
+what tells the backend to stop. Every such close ends in
+``_SocketStream.aclose``, which gives it ``CLOSE_TIMEOUT_S``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import ssl
 import time
 from collections import deque
@@ -56,7 +63,9 @@ import httpcore
 import httpx
 import trio
 
-__all__ = ["HEAD_MAX_BYTES", "KEEPALIVE_EXPIRY_S", "KeepAliveTransport"]
+__all__ = ["CLOSE_TIMEOUT_S", "HEAD_MAX_BYTES", "KEEPALIVE_EXPIRY_S", "KeepAliveTransport"]
+
+log = logging.getLogger("iop.adapters")
 
 # httpx's default keep-alive expiry: an idle connection older than this is
 # closed rather than reused (servers close theirs after 5-75 s; uvicorn, which
@@ -67,6 +76,13 @@ KEEPALIVE_EXPIRY_S: Final = 5.0
 # few hundred bytes (the configured headers included); a bigger first write
 # goes out at once, so nothing large is ever copied to be joined.
 HEAD_MAX_BYTES: Final = 16 * 1024
+
+# Our side of closing a backend connection, shielded (module docstring). A
+# trio socket closes before its first checkpoint and a TLS stream made
+# https_compatible sends no close_notify, so no close waits today; a stream
+# that would (a TLS close_notify into a full send buffer) must not hold a
+# cancelled run's end, and its node slot, for ever.
+CLOSE_TIMEOUT_S: Final = 1.0
 
 # httpcore's exceptions -> httpx's, as httpx's transport maps them
 # (httpx/_transports/default.py); the most specific match wins.
@@ -173,7 +189,12 @@ class _SocketStream(httpcore.AsyncNetworkStream):
 
     async def aclose(self) -> None:
         self._held = None
-        await self._stream.aclose()
+        with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True) as scope:
+            await self._stream.aclose()
+        if scope.cancelled_caught:
+            # trio's streams release their socket when their close is
+            # cancelled; what is left is not ours to wait for.
+            log.warning("closing a backend connection took over %gs: abandoned", CLOSE_TIMEOUT_S)
 
     async def start_tls(
         self,
@@ -381,7 +402,7 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
         self._closed = True
         conns, self._open = list(self._open), set()
         self._idle.clear()
-        with trio.CancelScope(shield=True):
+        with trio.CancelScope(shield=True):  # each close is bounded (module docstring)
             for conn in conns:
                 await conn.aclose()
 
@@ -432,5 +453,5 @@ class _PooledBody(httpx.AsyncByteStream):
                     await parts.aclose()
                 await self._stream.aclose()
         finally:
-            with trio.CancelScope(shield=True):
+            with trio.CancelScope(shield=True):  # it only closes, bounded (module docstring)
                 await self._pool._checkin(self._origin, self._conn)

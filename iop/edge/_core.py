@@ -631,11 +631,22 @@ class EdgeCore:
                 "draining": self.draining,
                 "nodes": nodes,
                 "queued": self.scheduler.queued,
+                "queue": self._queue_view(),
                 "runs": runs,
                 "runs_started": self.runs_started,
                 "outcomes": self.metrics.outcomes(),
             }
         )
+
+    def _queue_view(self) -> dict[str, object]:
+        """How runs left the queue, and the last one's time on the host's
+        monotonic clock (``Scheduler.last_exit``)."""
+        sched = self.scheduler
+        last = sched.last_exit
+        return {
+            "exits": {how.value: n for how, n in sched.exits.items()},
+            "last_exit": None if last is None else msgspec.to_builtins(last),
+        }
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new runs, let in-flight ones finish for ``timeout_s``, cancel the rest."""

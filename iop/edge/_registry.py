@@ -35,13 +35,23 @@ dispatch costs one pick per group and per slot handed out, not one per
 waiter. With one FIFO scanned whole, every finished run cost a pick for
 each of up to ``max_queue`` waiters, and an overloaded edge spent its CPU
 there.
+
+Every waiter leaves the queue one way (``QueueExit``): placed, cancelled
+(its run ended while it waited: the client left, a deadline, shutdown) or
+timed out. The scheduler counts the exits and keeps the host's monotonic
+time of the last one (``last_exit``): ``/metrics`` and ``/admin/nodes``
+show them, and ``scripts/bench_stress.py`` times a queued run's cancel with
+it on the clock it shares with the edge (docs/benchmarks.md,
+"Cancellation").
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import itertools
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -63,6 +73,8 @@ __all__ = [
     "Lease",
     "NodeConnection",
     "NodeRegistry",
+    "QueueExit",
+    "QueueExitAt",
     "RemoteRun",
     "Scheduler",
     "affinity_key",
@@ -340,6 +352,27 @@ class Lease:
             self._scheduler.dispatch()
 
 
+class QueueExit(enum.StrEnum):
+    """How a run left the scheduler's queue."""
+
+    PLACED = "placed"  # a slot was handed to it
+    CANCELLED = "cancelled"  # its run ended while it waited (client gone, deadline, shutdown)
+    TIMED_OUT = "timed_out"  # no slot within queue_timeout_s
+
+
+class QueueExitAt(msgspec.Struct, frozen=True):
+    """The last exit from the queue: how, and when on the host's monotonic clock.
+
+    Attributes:
+        how: The way it left.
+        monotonic_s: ``time.monotonic()`` (CLOCK_MONOTONIC) at its removal,
+            comparable with the same clock in any process on the host.
+    """
+
+    how: QueueExit
+    monotonic_s: float
+
+
 # What a waiter waits for: a free slot for (model, operation) outside these nodes.
 _WaitKey = tuple[str, str, frozenset[str]]
 
@@ -367,6 +400,9 @@ class Scheduler:
     def __init__(self, registry: NodeRegistry, settings: SchedulerSettings) -> None:
         self.registry = registry
         self.settings = settings
+        # Runs that left the queue, by how; and the last one (module docstring).
+        self.exits: dict[QueueExit, int] = dict.fromkeys(QueueExit, 0)
+        self.last_exit: QueueExitAt | None = None
         # Waiters by what they wait for; each dict is an ordered set (arrival
         # order, O(1) removal of a waiter that gives up).
         self._groups: dict[_WaitKey, dict[_Waiter, None]] = {}
@@ -529,10 +565,10 @@ class Scheduler:
             if waiter.lease is not None:
                 waiter.lease.release()
             else:
-                self._remove(waiter)
+                self._remove(waiter, QueueExit.CANCELLED)
             raise
         if waiter.lease is None:
-            self._remove(waiter)
+            self._remove(waiter, QueueExit.TIMED_OUT)
             raise RunAborted(
                 f"no capacity for model {model!r} within queue_timeout_s="
                 f"{self.settings.queue_timeout_s:g}",
@@ -540,13 +576,15 @@ class Scheduler:
             )
         return waiter.lease
 
-    def _remove(self, waiter: _Waiter) -> None:
+    def _remove(self, waiter: _Waiter, how: QueueExit) -> None:
         """Take a waiter out of the queue (one without a lease is always in it)."""
         group = self._groups[waiter.key]
         del group[waiter]
         self._queued -= 1
         if not group:
             del self._groups[waiter.key]
+        self.exits[how] += 1
+        self.last_exit = QueueExitAt(how, time.monotonic())
 
     def dispatch(self) -> None:
         """Hand free slots to waiters, first come first served.
@@ -570,6 +608,6 @@ class Scheduler:
             if lease is None:
                 stuck.add(head.key)
                 continue
-            self._remove(head)
+            self._remove(head, QueueExit.PLACED)
             head.lease = lease
             head.event.set()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import gzip
+import math
 import shutil
 import ssl
 import subprocess
@@ -22,9 +23,15 @@ from functools import partial
 import httpx
 import pytest
 import trio
+import trio.testing
 
 from iop.adapters._http import HTTPBackend, environment_proxy
-from iop.adapters._pool import HEAD_MAX_BYTES, KeepAliveTransport, _SocketStream
+from iop.adapters._pool import (
+    CLOSE_TIMEOUT_S,
+    HEAD_MAX_BYTES,
+    KeepAliveTransport,
+    _SocketStream,
+)
 from iop.adapters.vllm import VllmAdapter
 from iop.config import VllmInstance
 from iop.events import Complete, Delta
@@ -294,6 +301,43 @@ async def test_a_big_body_is_not_copied_to_join_the_head() -> None:
     await stream.write(big)
     await stream.write(big)
     assert raw.sends == [b"HEAD", big, big]
+
+
+class _SlowClose(_Recorder):
+    """A stream whose close takes ``close_s`` (forever: ``math.inf``)."""
+
+    def __init__(self, close_s: float) -> None:
+        super().__init__([])
+        self.close_s = close_s
+        self.closed = False
+
+    async def aclose(self) -> None:
+        self.events.append("close")
+        await trio.sleep(self.close_s)
+        self.closed = True
+
+
+async def test_a_cancelled_callers_close_still_runs(autojump_clock: trio.testing.MockClock) -> None:
+    """The closed socket is what stops the backend: a cancelled run still closes."""
+    raw = _SlowClose(CLOSE_TIMEOUT_S / 2)
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        await _SocketStream(raw).aclose()  # type: ignore[arg-type]
+    assert raw.closed
+
+
+async def test_a_close_that_hangs_is_abandoned_at_its_deadline(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    raw = _SlowClose(math.inf)
+    start = trio.current_time()
+    with trio.CancelScope() as scope:
+        scope.cancel()  # shielded, as httpcore and the pool close
+        await _SocketStream(raw).aclose()  # type: ignore[arg-type]
+    assert trio.current_time() - start == CLOSE_TIMEOUT_S
+    assert raw.events == ["close"]
+    assert not raw.closed
+    assert "closing a backend connection took over 1s: abandoned" in caplog.text
 
 
 async def test_the_backend_sees_one_segment_per_request() -> None:
