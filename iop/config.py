@@ -50,6 +50,7 @@ __all__ = [
     "SchedulerSettings",
     "SimConfig",
     "SimInstance",
+    "TimelineSettings",
     "UpConfig",
     "VllmInstance",
     "decode_config",
@@ -652,6 +653,42 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             raise ValueError("max_queue_delay_s must be >= 0 (0 disables it)")
 
 
+class TimelineSettings(_Config, frozen=True, kw_only=True):
+    """Run timelines (``iop.runtime._timeline``): what is kept, and the export.
+
+    Attributes:
+        recent: Timelines of finished runs the edge keeps for
+            ``GET /admin/runs`` (a ring: the oldest go first). ``0`` keeps
+            none (live runs are still listed).
+        max_stalls: Stalls kept per run (credit and client write stalls);
+            more are only counted (``stalls_dropped``).
+        export_path: When set, every finished run's timeline is appended to
+            this file as one JSON line (JSONL).
+        export_max_bytes: The export file is rotated (``PATH.1``,
+            ``PATH.2``, ...) before it would grow past this.
+        export_keep: Rotated files kept besides the current one.
+    """
+
+    # About 1.5 KiB per timeline: 1,000 is ~1.5 MiB, minutes of a busy edge.
+    recent: int = 1000
+    # A run that stalls more than 32 times is stalling for good; the count
+    # still says how often.
+    max_stalls: int = 32
+    export_path: str = ""
+    export_max_bytes: int = 64 * 1024 * 1024
+    export_keep: int = 3
+
+    def __post_init__(self) -> None:
+        if self.recent < 0:
+            raise ValueError("recent must be >= 0")
+        if self.max_stalls < 0:
+            raise ValueError("max_stalls must be >= 0")
+        if self.export_max_bytes < 4096:
+            raise ValueError("export_max_bytes must be >= 4096")
+        if self.export_keep < 0:
+            raise ValueError("export_keep must be >= 0")
+
+
 class ResponsesSettings(_Config, frozen=True, kw_only=True):
     """The OpenAI Responses surface: the store behind ``previous_response_id``.
 
@@ -700,6 +737,7 @@ class EdgeConfig(_Config, frozen=True, kw_only=True):
     scheduler: SchedulerSettings = SchedulerSettings()
     deadlines: Deadlines = Deadlines()
     responses: ResponsesSettings = ResponsesSettings()
+    timelines: TimelineSettings = TimelineSettings()
     models: dict[str, OutputPolicy] = {}
 
     def policy_for(self, model: str) -> OutputPolicy:

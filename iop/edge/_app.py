@@ -124,6 +124,9 @@ log = logging.getLogger("iop.edge.http")
 # measurements: The trio-stack spike").
 COALESCE_MAX: Final = 64
 
+# Finished runs ``GET /admin/runs`` lists unless ``?limit=`` says otherwise.
+ADMIN_RUNS_LIMIT: Final = 100
+
 _SSE_HEADERS: Final = {
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",
@@ -462,8 +465,8 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             return _login_page(None, 401, gate)
         return _html(render_admin_page(core.snapshot(), logout=not gate.open))
 
-    @app.get("/admin/nodes")
-    async def admin_nodes() -> Response:
+    def admin_refusal() -> Response | None:
+        """The JSON refusal of an admin API request, or None when it may go on."""
         verdict = admin_verdict()
         if verdict is Verdict.THROTTLED:
             return _error(
@@ -474,7 +477,44 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             )
         if verdict is Verdict.DENIED:
             return _error(401, "Incorrect API key provided.", code=ErrorCode.INVALID_API_KEY)
+        return None
+
+    @app.get("/admin/nodes")
+    async def admin_nodes() -> Response:
+        refused = admin_refusal()
+        if refused is not None:
+            return refused
         return _json_response(msgspec.json.encode(core.snapshot()))
+
+    @app.get("/admin/runs")
+    async def admin_runs() -> Response:
+        refused = admin_refusal()
+        if refused is not None:
+            return refused
+        raw = request.args.get("limit", str(ADMIN_RUNS_LIMIT))
+        if not raw.isdigit() or not 0 <= int(raw) <= cfg.timelines.recent:
+            return _error(
+                400,
+                f"limit must be an integer from 0 to {cfg.timelines.recent} (timelines.recent)",
+                code=ErrorCode.INVALID_REQUEST,
+                param="limit",
+            )
+        return _json_response(msgspec.json.encode(core.runs_view(int(raw))))
+
+    @app.get("/admin/runs/<run_id>")
+    async def admin_run(run_id: str) -> Response:
+        refused = admin_refusal()
+        if refused is not None:
+            return refused
+        view = core.run_view(run_id)
+        if view is None:
+            return _error(
+                404,
+                f"No run {run_id!r} is live or among the {cfg.timelines.recent} "
+                "kept (timelines.recent).",
+                code=ErrorCode.NOT_FOUND,
+            )
+        return _json_response(msgspec.json.encode(view))
 
     @app.get("/admin/login")
     async def admin_login_form() -> Response:
@@ -543,6 +583,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         connection = current_connection()
         if connection is not None:
             run.on_outcome = _cut_off_when_slow(connection)
+            connection.timeline = run.timeline  # its write stalls are the run's
         ctx = RunContext(
             run_id=spec.run_id, created=int(time.time()), policy=cfg.policy_for(call.request.model)
         )

@@ -56,7 +56,7 @@ from iop.config import SchedulerSettings
 from iop.errors import RETRYABLE_CODES, ErrorCode, InvariantError, IopError, RunAborted
 from iop.events import CancelReason, Error, RuntimeEvent, Start, is_terminal
 from iop.protocol import EdgeSession, RunEventsReceived
-from iop.runtime import RunSink
+from iop.runtime import RunSink, Timeline
 from iop.spec import ChatRequest, CompletionRequest, ExecutionSpec, OperationRequest
 
 __all__ = [
@@ -226,11 +226,17 @@ class NodeConnection:
         if self.session.consumed(run_id, events):
             self.wake()
 
-    def close_run(self, run_id: str, reason: CancelReason | None) -> None:
-        """Take the run off the link; cancel it on the node unless it ended (``reason`` None)."""
+    def close_run(self, run_id: str, reason: CancelReason | None) -> bool:
+        """Take the run off the link; cancel it on the node unless it ended (``reason`` None).
+
+        Returns:
+            Whether a Cancel was queued for the node.
+        """
         self.runs.pop(run_id, None)
         if reason is not None and self.session.cancel(run_id, reason, "edge gave up on the run"):
             self.wake()
+            return True
+        return False
 
     def on_events(self, events: list[RunEventsReceived]) -> None:
         for event in events:
@@ -495,16 +501,23 @@ class Scheduler:
         exclude: frozenset[str] = frozenset(),
         affinity: str | None = None,
         operation: str = "chat",
+        timeline: Timeline | None = None,
     ) -> Lease:
         """A slot for ``operation`` on ``model``, waiting in the queue if needed.
+
+        ``timeline`` (the run's) gets when the run was admitted, or when it
+        was queued, why, and when it left the queue with a slot.
 
         Raises:
             IopError: 429 when the queue is full or too far behind.
             RunAborted: ``queue_timeout`` when no slot came in time.
         """
-        if not self._queued:
+        ahead = self._queued
+        if not ahead:
             lease = self._pick(model, exclude, affinity, operation)
             if lease is not None:
+                if timeline is not None:
+                    timeline.admitted = trio.current_time()
                 return lease
         self._refuse_if_behind(model, operation)
         waiter = _Waiter(
@@ -519,6 +532,13 @@ class Scheduler:
         waiter.ahead = len(group)
         group[waiter] = None
         self._queued += 1
+        if timeline is not None:
+            timeline.queued = waiter.queued_at
+            timeline.why_queued = (
+                f"{ahead} run(s) queued ahead"
+                if ahead
+                else self._busy_text(model, exclude, operation)
+            )
         self.dispatch()
         try:
             with trio.move_on_after(self.settings.queue_timeout_s):
@@ -530,15 +550,29 @@ class Scheduler:
                 waiter.lease.release()
             else:
                 self._remove(waiter)
+            if timeline is not None:
+                timeline.dequeued = trio.current_time()
             raise
         if waiter.lease is None:
             self._remove(waiter)
+            if timeline is not None:
+                timeline.dequeued = trio.current_time()
             raise RunAborted(
                 f"no capacity for model {model!r} within queue_timeout_s="
                 f"{self.settings.queue_timeout_s:g}",
                 reason=CancelReason.QUEUE_TIMEOUT,
             )
+        if timeline is not None:
+            timeline.dequeued = trio.current_time()
         return waiter.lease
+
+    def _busy_text(self, model: str, exclude: frozenset[str], operation: str) -> str:
+        """Why a run for ``model`` found no slot: each candidate's load."""
+        loads = [
+            f"{conn.node_id}/{inst.caps.instance} {inst.in_flight}/{inst.caps.max_concurrency}"
+            for conn, inst in self._candidates(model, exclude, operation)
+        ]
+        return "every slot busy: " + ", ".join(loads[:8]) + (" ..." if len(loads) > 8 else "")
 
     def _remove(self, waiter: _Waiter) -> None:
         """Take a waiter out of the queue (one without a lease is always in it)."""
