@@ -95,15 +95,13 @@ from iop.protocol import (
 from iop.runtime import (
     LinkDriver,
     PeerSilent,
-    Placement,
     Run,
     RunSink,
     RunSupervisor,
-    Timeline,
-    TimelineRing,
     open_run_supervisor,
 )
 from iop.spec import ExecutionSpec
+from iop.timeline import Placement, Timeline, TimelineRing
 
 __all__ = ["EdgeCore", "RemoteExecutor", "open_edge_core"]
 

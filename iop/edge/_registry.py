@@ -56,8 +56,9 @@ from iop.config import SchedulerSettings
 from iop.errors import RETRYABLE_CODES, ErrorCode, InvariantError, IopError, RunAborted
 from iop.events import CancelReason, Error, RuntimeEvent, Start, is_terminal
 from iop.protocol import EdgeSession, RunEventsReceived
-from iop.runtime import RunSink, Timeline
+from iop.runtime import RunSink
 from iop.spec import ChatRequest, CompletionRequest, ExecutionSpec, OperationRequest
+from iop.timeline import Timeline
 
 __all__ = [
     "Lease",

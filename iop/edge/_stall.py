@@ -54,7 +54,7 @@ from hypercorn.typing import ConnectionState, LifespanState
 from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
 
 from iop.events import CancelReason
-from iop.runtime import StallKind, Timeline
+from iop.timeline import StallKind, Timeline
 
 __all__ = [
     "ConnectionStall",

@@ -21,7 +21,7 @@ import msgspec
 import trio
 
 from iop.config import TimelineSettings
-from iop.runtime import Timeline
+from iop.timeline import Timeline
 
 __all__ = ["EXPORT_BUFFER", "TimelineExport"]
 

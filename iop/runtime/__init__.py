@@ -20,15 +20,6 @@ from iop.runtime._run import (
     new_run_id,
     open_run_supervisor,
 )
-from iop.runtime._timeline import (
-    NodeTimeline,
-    Placement,
-    Stall,
-    StallKind,
-    Timeline,
-    TimelineRing,
-    outcome_label,
-)
 
 __all__ = [
     "RUN_EVENT_BUFFER",
@@ -36,22 +27,15 @@ __all__ = [
     "Executor",
     "LinkDriver",
     "LinkSession",
-    "NodeTimeline",
     "Outlet",
     "PeerSilent",
-    "Placement",
     "Run",
     "RunEvents",
     "RunSink",
     "RunState",
     "RunSupervisor",
-    "Stall",
-    "StallKind",
-    "Timeline",
-    "TimelineRing",
     "Wakeup",
     "collect_run",
     "new_run_id",
     "open_run_supervisor",
-    "outcome_label",
 ]

@@ -88,8 +88,8 @@ from iop.events import (
     Usage,
     is_terminal,
 )
-from iop.runtime._timeline import Stall, StallKind, Timeline
 from iop.spec import ExecutionSpec
+from iop.timeline import Stall, StallKind, Timeline
 
 __all__ = [
     "RUN_EVENT_BUFFER",

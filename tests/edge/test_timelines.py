@@ -14,7 +14,7 @@ from iop.config import TimelineSettings
 from iop.edge import open_edge_core
 from iop.edge._timeline_export import TimelineExport
 from iop.events import CancelReason, Complete, Delta, Start
-from iop.runtime import Timeline
+from iop.timeline import Timeline
 from tests.edge.test_core import caps, config, connect, drain_events, edge_with_node, spec
 
 

@@ -12,18 +12,17 @@ from hypothesis import strategies as st
 
 from iop.config import Deadlines
 from iop.events import Cancelled, CancelReason, Complete, Delta, Error, Start
-from iop.runtime import (
-    EventSender,
+from iop.runtime import EventSender, open_run_supervisor
+from iop.runtime._run import _RunSink
+from iop.timeline import (
     NodeTimeline,
     Placement,
     Stall,
     StallKind,
     Timeline,
     TimelineRing,
-    open_run_supervisor,
     outcome_label,
 )
-from iop.runtime._run import _RunSink
 from tests.runtime.test_run import NO_DEADLINES, SPEC, ScriptedAdapter, script
 
 

@@ -35,6 +35,9 @@ Bounded: at most ``max_stalls`` stalls are kept per run (then only counted,
 Recording is attribute assignment on a ``msgspec.Struct``: no allocation but
 the stalls', no lock (one trio thread), cheap enough for every run
 (``docs/benchmarks.md``).
+
+A module of its own, beside ``iop.events``: the runtime, the edge, the node
+and the link protocol all use it.
 """
 
 from __future__ import annotations
