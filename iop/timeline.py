@@ -42,7 +42,9 @@ and the link protocol all use it.
 
 from __future__ import annotations
 
+import contextvars
 import enum
+import math
 from collections import deque
 from collections.abc import Iterator
 from typing import Final
@@ -59,10 +61,32 @@ __all__ = [
     "StallKind",
     "Timeline",
     "TimelineRing",
+    "current_timeline",
     "outcome_label",
 ]
 
 DEFAULT_MAX_STALLS: Final = 32
+
+# Float rounding in a round trip computed from four times (a microsecond).
+_CLOCK_SLACK_S: Final = 1e-6
+
+
+_CURRENT: Final = contextvars.ContextVar["Timeline | None"]("iop_run_timeline", default=None)
+
+
+def current_timeline() -> Timeline | None:
+    """The timeline of the run whose task this is (None outside a run).
+
+    The runtime sets it in each run's task (``iop.runtime._run``), so an
+    adapter marks its backend's moments without the timeline in its
+    signature: ``if (t := current_timeline()) is not None: t.backend_sent = ...``.
+    """
+    return _CURRENT.get()
+
+
+def set_current_timeline(timeline: Timeline) -> contextvars.Token[Timeline | None]:
+    """Make ``timeline`` the current task's (the runtime, once per run task)."""
+    return _CURRENT.set(timeline)
 
 
 class StallKind(enum.Enum):
@@ -117,6 +141,77 @@ class NodeTimeline(msgspec.Struct, kw_only=True, omit_defaults=True):
     stalls: list[Stall] = []
     stalls_dropped: int = 0
 
+    @classmethod
+    def of(cls, timeline: Timeline, node: str, started: float, now: float) -> NodeTimeline:
+        """The node's side of a run from its run's ``timeline``, ending ``now``.
+
+        ``started`` is when the node received the Assign: with ``now`` (its
+        terminal going out) the edge has a round trip of its own clock to
+        set the node's times against (``docs/protocol.md``, "Clocks")."""
+        return cls(
+            node=node,
+            started=started,
+            backend_sent=timeline.backend_sent,
+            backend_first_byte=timeline.backend_first_byte,
+            first_output=timeline.first_output,
+            cancel_received=timeline.cancel_requested,
+            backend_closed=timeline.backend_closed,
+            terminal=now,
+            stalls=timeline.stalls,
+            stalls_dropped=timeline.stalls_dropped,
+        )
+
+    def on_edge_clock(
+        self, assigned: float, received: float, max_stalls: int
+    ) -> NodeTimeline | None:
+        """This timeline (node clock) in the edge's clock, or None if it cannot be.
+
+        The Assign went out at ``assigned`` and this came back at
+        ``received`` (edge clock); the node got the Assign at ``started``
+        and sent this at ``terminal`` (node clock): a round trip like NTP's
+        (RFC 5905, section 8), offset ``((assigned - started) + (received -
+        terminal)) / 2``, good to half of ``rtt = (received - assigned) -
+        (terminal - started)``. A timeline without those two times, with a
+        time that is not finite, or whose round trip is negative (a node
+        that lies, or whose clock jumped) is dropped; stalls past
+        ``max_stalls`` are counted, not kept.
+        """
+        t2, t3 = self.started, self.terminal
+        if t2 is None or t3 is None:
+            return None
+        times = [
+            t2,
+            t3,
+            self.backend_sent,
+            self.backend_first_byte,
+            self.first_output,
+            self.cancel_received,
+            self.backend_closed,
+        ]
+        times += [s.start for s in self.stalls[:max_stalls]]
+        times += [s.end for s in self.stalls[:max_stalls]]
+        if not all(t is None or math.isfinite(t) for t in times):
+            return None
+        rtt = (received - assigned) - (t3 - t2)
+        if rtt < -_CLOCK_SLACK_S:
+            return None
+        rtt = max(rtt, 0.0)
+        offset = ((assigned - t2) + (received - t3)) / 2
+        kept = self.stalls[:max_stalls]
+        trimmed = NodeTimeline(
+            node=self.node,
+            started=t2,
+            backend_sent=self.backend_sent,
+            backend_first_byte=self.backend_first_byte,
+            first_output=self.first_output,
+            cancel_received=self.cancel_received,
+            backend_closed=self.backend_closed,
+            terminal=t3,
+            stalls=kept,
+            stalls_dropped=max(0, self.stalls_dropped) + len(self.stalls) - len(kept),
+        )
+        return trimmed.shifted(offset, rtt)
+
     def shifted(self, offset: float, rtt: float | None) -> NodeTimeline:
         """This timeline with every time moved by ``offset`` (node clock -> edge)."""
 
@@ -166,6 +261,11 @@ class Timeline(msgspec.Struct, kw_only=True):
     terminal: float | None = None
     outcome: str | None = None
     node: NodeTimeline | None = None
+    # Recorded where a run talks to its backend (the node; ``iop up``'s
+    # in-process runs too): None on the edge's record of a remote run.
+    backend_sent: float | None = None
+    backend_first_byte: float | None = None
+    backend_closed: float | None = None
 
     def stall_began(self, kind: StallKind, at: float, size: int = 0) -> Stall | None:
         """Record a stall's start; None when the run already keeps ``max_stalls``."""
@@ -208,7 +308,8 @@ class Timeline(msgspec.Struct, kw_only=True):
         return "received"
 
     def to_json(self) -> dict[str, object]:
-        """The timeline as JSON: every time in ms since ``received``."""
+        """The timeline as JSON: every time in ms since ``received``
+        (the backend's times only where the run talked to its backend)."""
         t0 = self.received
 
         def ms(t: float | None) -> float | None:
@@ -266,6 +367,9 @@ class Timeline(msgspec.Struct, kw_only=True):
             "cancel_sent_ms": ms(self.cancel_sent),
             "terminal_ms": ms(self.terminal),
             "outcome": self.outcome,
+            "backend_sent_ms": ms(self.backend_sent),
+            "backend_first_byte_ms": ms(self.backend_first_byte),
+            "backend_closed_ms": ms(self.backend_closed),
             "node": node,
         }
 

@@ -231,11 +231,11 @@ class RemoteExecutor:
     ) -> None:
         window = self._core.config.link.run_window
         run_id = spec.run_id
-        rr = RemoteRun(run_id, send, self._core.masker, self._started)
-        ended = False  # the node is done with the run: nothing to cancel
         placement = Placement(
             attempt=number, node=conn.node_id, instance=instance, at=trio.current_time()
         )
+        rr = RemoteRun(run_id, send, self._core.masker, self._started, placement.at)
+        ended = False  # the node is done with the run: nothing to cancel
         timeline = send.timeline
         timeline.placements.append(placement)
         try:

@@ -55,10 +55,10 @@ from iop.capabilities import Capabilities, ProviderStatus
 from iop.config import SchedulerSettings
 from iop.errors import RETRYABLE_CODES, ErrorCode, InvariantError, IopError, RunAborted
 from iop.events import CancelReason, Error, RuntimeEvent, Start, is_terminal
-from iop.protocol import EdgeSession, RunEventsReceived
+from iop.protocol import RELEASED_RUNS_REMEMBERED, EdgeSession, RunEventsReceived
 from iop.runtime import RunSink
 from iop.spec import ChatRequest, CompletionRequest, ExecutionSpec, OperationRequest
-from iop.timeline import Timeline
+from iop.timeline import NodeTimeline, Timeline
 
 __all__ = [
     "Lease",
@@ -89,6 +89,7 @@ class RemoteRun:
     """
 
     __slots__ = (
+        "assigned_at",
         "done",
         "lost",
         "masker",
@@ -101,10 +102,18 @@ class RemoteRun:
     )
 
     def __init__(
-        self, run_id: str, sink: RunSink, masker: SecretMasker, started: list[bool]
+        self,
+        run_id: str,
+        sink: RunSink,
+        masker: SecretMasker,
+        started: list[bool],
+        assigned_at: float = 0.0,
     ) -> None:
         self.run_id = run_id
         self.sink = sink
+        # When the Assign went out (edge clock): the start of the round trip
+        # the node's timeline is set against (NodeTimeline.on_edge_clock).
+        self.assigned_at = assigned_at
         self.masker = masker
         # Shared by the run's attempts: whether a Start reached the consumer
         # (a failover attempt's own Start is not forwarded again).
@@ -150,11 +159,24 @@ class RemoteRun:
                 self.done.set()
         return unconsumed
 
+    def node_timeline(self, node: NodeTimeline, now: float) -> None:
+        """The node's side of the attempt arrived (with its terminal)."""
+        _keep_node_timeline(self.sink.timeline, self.assigned_at, node, now)
+
     def lose(self, message: str) -> None:
         """The node's link is gone."""
         if not self.done.is_set():
             self.lost = message
             self.done.set()
+
+
+def _keep_node_timeline(
+    timeline: Timeline, assigned_at: float, node: NodeTimeline, now: float
+) -> None:
+    """Keep ``node`` in the run's ``timeline``, in the edge's clock."""
+    moved = node.on_edge_clock(assigned_at, now, timeline.max_stalls)
+    if moved is not None:
+        timeline.node = moved
 
 
 @dataclass(eq=False)
@@ -185,6 +207,10 @@ class NodeConnection:
     draining: bool = False
     goodbye: str = ""  # the reason of the node's goodbye, once it sent one
     runs: dict[str, RemoteRun] = field(default_factory=dict)
+    # Runs the edge cancelled, until the node's terminal (and timeline)
+    # comes back; the last RELEASED_RUNS_REMEMBERED, as the session's.
+    # (Only the timeline and when the Assign went: not the run and its request.)
+    ending: OrderedDict[str, tuple[Timeline, float]] = field(default_factory=OrderedDict)
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     close_code: int | None = None
     close_reason: str = ""
@@ -233,9 +259,13 @@ class NodeConnection:
         Returns:
             Whether a Cancel was queued for the node.
         """
-        self.runs.pop(run_id, None)
+        rr = self.runs.pop(run_id, None)
         if reason is not None and self.session.cancel(run_id, reason, "edge gave up on the run"):
             self.wake()
+            if rr is not None:
+                self.ending[run_id] = (rr.sink.timeline, rr.assigned_at)
+                while len(self.ending) > RELEASED_RUNS_REMEMBERED:
+                    self.ending.popitem(last=False)
             return True
         return False
 
@@ -243,9 +273,16 @@ class NodeConnection:
         for event in events:
             rr = self.runs.get(event.run_id)
             if rr is not None:
+                if event.timeline is not None:
+                    # Before the terminal ends the run and its timeline is kept.
+                    rr.node_timeline(event.timeline, trio.current_time())
                 back = rr.deliver(event.events)
                 if back:
                     self.consume(event.run_id, back)
+            elif event.timeline is not None:
+                ended = self.ending.pop(event.run_id, None)
+                if ended is not None:
+                    _keep_node_timeline(*ended, event.timeline, trio.current_time())
 
     def close(self, code: int, reason: str) -> None:
         """Ask the link's handler to close the link with ``code``."""

@@ -8,12 +8,19 @@ worker thread, and rotates the file before it would pass
 ``export_max_bytes`` (``PATH`` -> ``PATH.1`` -> ... -> ``PATH.<export_keep>``,
 the oldest deleted). A full channel drops the line and counts it
 (``dropped``, in /admin and the log): a slow disk costs lines, not runs.
+
+A run the edge cancelled ends on the edge before its node's side of the
+timeline comes back with the node's terminal (milliseconds later): its line
+waits for it, at most ``NODE_PART_WAIT_S``, and is written without it after
+that (a node that was lost never sends it).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+from collections import deque
 from pathlib import Path
 from typing import Final
 
@@ -30,7 +37,21 @@ log = logging.getLogger("iop.edge.timelines")
 # Lines waiting for the writer: a few seconds of a busy edge's finished runs.
 EXPORT_BUFFER: Final = 4096
 
+# How long a cancelled run's line waits for its node's side of the timeline:
+# the Cancel's round trip over the link, with room for a loaded node.
+NODE_PART_WAIT_S: Final = 2.0
+
 _ENCODER: Final = msgspec.json.Encoder()
+
+
+def _awaits_node(timeline: Timeline) -> bool:
+    """A run the edge cancelled on a node whose side has not come back yet."""
+    return (
+        timeline.node is None
+        and timeline.cancel_sent is not None
+        and bool(timeline.placements)
+        and timeline.placements[-1].result == "cancelled"
+    )
 
 
 class TimelineExport:
@@ -40,16 +61,15 @@ class TimelineExport:
         self.path = Path(settings.export_path)
         self.max_bytes = settings.export_max_bytes
         self.keep = settings.export_keep
-        self._send, self._receive = trio.open_memory_channel[bytes](EXPORT_BUFFER)
+        self._send, self._receive = trio.open_memory_channel[Timeline](EXPORT_BUFFER)
         self.written = 0
         self.dropped = 0
         self.rotations = 0
 
     def add(self, timeline: Timeline) -> None:
         """Queue ``timeline``'s line; never waits (a full buffer drops it)."""
-        line = _ENCODER.encode(timeline.to_json()) + b"\n"
         try:
-            self._send.send_nowait(line)
+            self._send.send_nowait(timeline)
         except trio.ClosedResourceError:
             self.dropped += 1  # a run that ended after the export closed
         except trio.WouldBlock:
@@ -68,19 +88,37 @@ class TimelineExport:
     async def run(self) -> None:
         """Write queued lines until ``close`` (then the rest) or cancelled."""
         size = await trio.to_thread.run_sync(self._current_size)
-        while True:
-            try:
-                lines = [await self._receive.receive()]
-            except trio.EndOfChannel:
-                return
-            while True:
-                try:
-                    lines.append(self._receive.receive_nowait())
-                except (trio.WouldBlock, trio.EndOfChannel):
-                    break
-            size = await trio.to_thread.run_sync(self._write, lines, size)
+        # Cancelled runs waiting for their node's side, oldest first.
+        waiting: deque[tuple[float, Timeline]] = deque()
+        closed = False
+        while not closed or waiting:
+            got: list[Timeline] = []
+            if not closed:
+                wait = waiting[0][0] - trio.current_time() if waiting else math.inf
+                with trio.move_on_after(max(wait, 0.0)):
+                    try:
+                        got.append(await self._receive.receive())
+                        while True:
+                            got.append(self._receive.receive_nowait())
+                    except trio.WouldBlock:
+                        pass
+                    except trio.EndOfChannel:
+                        closed = True
+            now = trio.current_time()
+            ready: list[Timeline] = []
+            while waiting and (closed or waiting[0][1].node is not None or waiting[0][0] <= now):
+                ready.append(waiting.popleft()[1])
+            for timeline in got:
+                if _awaits_node(timeline):
+                    waiting.append((now + NODE_PART_WAIT_S, timeline))
+                else:
+                    ready.append(timeline)
+            if ready:
+                lines = [_ENCODER.encode(t.to_json()) + b"\n" for t in ready]
+                size = await trio.to_thread.run_sync(self._write, lines, size)
 
     def _current_size(self) -> int:
+        """The export file's size now (0: not there yet)."""
         try:
             return self.path.stat().st_size
         except FileNotFoundError:

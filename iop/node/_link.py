@@ -55,6 +55,7 @@ from iop.protocol import (
     close_reason,
 )
 from iop.runtime import LinkDriver, Run, Wakeup
+from iop.timeline import NodeTimeline
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -88,7 +89,16 @@ class NodeRun:
             # The node is the only process that knows its instances' header
             # values: whatever a backend echoed is masked before it leaves.
             event = mask_event(event, link.masker)
-        elif session.backlog(self.run_id) >= RUN_BACKLOG:
+            timeline = None
+            if self.run is not None:
+                # The node's side of the run goes with its terminal event.
+                timeline = NodeTimeline.of(
+                    self.run.timeline, session.node_id, self.assigned_at, trio.current_time()
+                )
+            session.push(self.run_id, event, timeline)
+            link.driver.wake()
+            return
+        if session.backlog(self.run_id) >= RUN_BACKLOG:
             raise trio.WouldBlock
         session.push(self.run_id, event)
         link.driver.wake()

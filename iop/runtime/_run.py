@@ -89,7 +89,7 @@ from iop.events import (
     is_terminal,
 )
 from iop.spec import ExecutionSpec
-from iop.timeline import Stall, StallKind, Timeline
+from iop.timeline import Stall, StallKind, Timeline, set_current_timeline
 
 __all__ = [
     "RUN_EVENT_BUFFER",
@@ -567,6 +567,7 @@ async def _drive(
 ) -> None:
     """Execute one run to its single terminal event. Never raises (but Cancelled)."""
     sink = _RunSink(run, send, stall_at=stall_at)
+    set_current_timeline(run.timeline)  # this task is the run's (iop.timeline.current_timeline)
     terminal: TerminalEvent | None = None
     aborted: Cancelled | None = None
     failure: BaseException | None = None

@@ -12,9 +12,9 @@ import trio.testing
 
 from iop.config import TimelineSettings
 from iop.edge import open_edge_core
-from iop.edge._timeline_export import TimelineExport
-from iop.events import CancelReason, Complete, Delta, Start
-from iop.timeline import Timeline
+from iop.edge._timeline_export import NODE_PART_WAIT_S, TimelineExport
+from iop.events import Cancelled, CancelReason, Complete, Delta, Start
+from iop.timeline import NodeTimeline, Timeline
 from tests.edge.test_core import caps, config, connect, drain_events, edge_with_node, spec
 
 
@@ -231,3 +231,44 @@ async def test_admin_runs_over_http_behind_the_admin_keys() -> None:
             resp = await client.get(f"/admin/runs?limit={bad}", headers=bearer)
             assert resp.status_code == 400
             assert resp.json()["error"]["param"] == "limit"
+
+
+async def test_a_cancelled_runs_line_waits_for_its_nodes_side(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    path = tmp_path / "runs.jsonl"
+    cfg = config(timelines=TimelineSettings(export_path=str(path)))
+    async with edge_with_node(cfg) as (core, node, _):
+        for run_id in ("answered", "silent"):
+            run = core.start_run(spec(run_id=run_id))
+            await node.assigns.receive()
+            await node.send(run_id, Start(), Delta("a"))
+            await run.events.receive()
+            run.cancel(CancelReason.CLIENT_DISCONNECT)
+            await drain_events(run)
+            await trio.testing.wait_all_tasks_blocked()
+        # The node answers one cancel, with its side of the run, 0.5 s later.
+        await trio.sleep(0.5)
+        placed = core.timeline("answered").placements[0].at  # type: ignore[union-attr]
+        now = trio.current_time()
+        node.session.push(
+            "answered",
+            Cancelled(reason=CancelReason.CLIENT_DISCONNECT),
+            # One clock here (virtual time): the node's times are the edge's.
+            NodeTimeline(node="n1", started=placed, backend_closed=now, terminal=now),
+        )
+        for frame in node.session.data_to_send(trio.current_time()):
+            await node.chan.send(frame)
+        await trio.testing.wait_all_tasks_blocked()
+        answered = core.timeline("answered")
+        assert answered is not None
+        assert answered.node is not None
+        assert answered.node.backend_closed is not None
+        await trio.sleep(NODE_PART_WAIT_S + 0.1)  # the silent one's wait ends
+        await trio.testing.wait_all_tasks_blocked()
+        lines = {
+            line["run_id"]: line for line in map(msgspec.json.decode, path.read_text().splitlines())
+        }
+        assert lines["answered"]["node"]["backend_closed_ms"] is not None
+        assert lines["silent"]["node"] is None
+        assert lines["silent"]["outcome"] == "cancelled:client_disconnect"
