@@ -88,7 +88,12 @@ from iop.api import (
     wants_anthropic,
 )
 from iop.edge._admin_auth import COOKIE_NAME, AdminGate, Verdict, key_matches
-from iop.edge._admin_page import render_admin_page, render_login_page
+from iop.edge._admin_page import (
+    RECENT_ON_PAGE,
+    render_admin_page,
+    render_login_page,
+    render_run_page,
+)
 from iop.edge._core import EdgeCore
 from iop.edge._link_asgi import LINK_PATH
 from iop.edge._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -231,6 +236,13 @@ _ADMIN_HEADERS: Final = {
     # Not no-referrer: Chromium then sends `Origin: null` on the form's POST.
     "Referrer-Policy": "same-origin",
 }
+
+
+def _wants_html(accept: str) -> bool:
+    """Whether an ``Accept`` header asks for HTML before JSON (a browser's does)."""
+    html = accept.find("text/html")
+    json = accept.find("application/json")
+    return html >= 0 and (json < 0 or html < json)
 
 
 def _html(body: bytes, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -463,7 +475,9 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             return _login_page(_throttled_message(gate), 429, gate)
         if verdict is Verdict.DENIED:
             return _login_page(None, 401, gate)
-        return _html(render_admin_page(core.snapshot(), logout=not gate.open))
+        return _html(
+            render_admin_page(core.snapshot(), core.runs_view(RECENT_ON_PAGE), logout=not gate.open)
+        )
 
     def admin_refusal() -> Response | None:
         """The JSON refusal of an admin API request, or None when it may go on."""
@@ -503,10 +517,21 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
 
     @app.get("/admin/runs/<run_id>")
     async def admin_run(run_id: str) -> Response:
-        refused = admin_refusal()
-        if refused is not None:
-            return refused
+        # A browser (the admin page's links) gets the page, a script the JSON.
+        browser = _wants_html(request.headers.get("Accept", ""))
+        if browser:
+            verdict = admin_verdict()
+            if verdict is Verdict.THROTTLED:
+                return _login_page(_throttled_message(gate), 429, gate)
+            if verdict is Verdict.DENIED:
+                return _login_page(None, 401, gate)
+        else:
+            refused = admin_refusal()
+            if refused is not None:
+                return refused
         view = core.run_view(run_id)
+        if view is not None and browser:
+            return _html(render_run_page(view, logout=not gate.open))
         if view is None:
             return _error(
                 404,

@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from tests.e2e._platform import MODEL, Edge, Procs, poll
+from tests.e2e._platform import MODEL, Cluster, Edge, poll
 
 MESSAGES: list[Any] = [{"role": "user", "content": "Tell me a story."}]
 
@@ -43,11 +43,8 @@ def _in_order(*times: float | None, slack: float = 0.0) -> None:
         assert a <= b + slack, (a, b, times)
 
 
-def test_a_completed_runs_timeline_holds_both_sides(procs: Procs) -> None:
-    sim = procs.sim()
-    edge = procs.edge({})
-    procs.node([edge], sim)
-    edge.wait_ready()
+def test_a_completed_runs_timeline_holds_both_sides(cluster: Cluster) -> None:
+    edge = cluster.edge
     stream = edge.openai().chat.completions.create(
         model=MODEL,
         messages=MESSAGES,
@@ -80,11 +77,8 @@ def test_a_completed_runs_timeline_holds_both_sides(procs: Procs) -> None:
     assert edge.get("/admin/runs").json()["recent"][0]["run_id"] == run_id
 
 
-def test_a_run_its_client_left_still_gets_the_nodes_side(procs: Procs) -> None:
-    sim = procs.sim()
-    edge = procs.edge({})
-    procs.node([edge], sim)
-    edge.wait_ready()
+def test_a_run_its_client_left_still_gets_the_nodes_side(cluster: Cluster) -> None:
+    edge, sim = cluster.edge, cluster.sim
     before = sim.stats()["client_disconnects"]
     body = {
         "model": MODEL,

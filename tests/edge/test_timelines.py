@@ -272,3 +272,65 @@ async def test_a_cancelled_runs_line_waits_for_its_nodes_side(
         assert lines["answered"]["node"]["backend_closed_ms"] is not None
         assert lines["silent"]["node"] is None
         assert lines["silent"]["outcome"] == "cancelled:client_disconnect"
+
+
+def test_the_run_page_draws_its_spans_and_escapes_what_nodes_report() -> None:
+    from iop.edge._admin_page import render_run_page
+    from iop.timeline import Placement, Stall, StallKind
+
+    evil = "<script>alert(1)</script>"
+    t = Timeline(run_id="r<1>", model=evil, received=0.0, queued=0.0, dequeued=0.1)
+    t.placements.append(Placement(attempt=1, node=evil, instance="i", at=0.1, result="ran"))
+    t.first_output = 0.3
+    t.stalls.append(Stall(kind=StallKind.CLIENT_WRITE, start=0.5, end=0.7, size=10))
+    t.terminal = 1.0
+    t.outcome = "complete:stop"
+    t.node = NodeTimeline(
+        node=evil,
+        clock_rtt_s=0.002,
+        started=0.11,
+        backend_sent=0.12,
+        backend_first_byte=0.2,
+        first_output=0.29,
+        backend_closed=0.98,
+        terminal=0.99,
+    )
+    page = render_run_page(t.to_json()).decode()
+    assert "<script>" not in page
+    assert "&lt;script&gt;" in page
+    assert "<h1>Run r&lt;1&gt;</h1>" in page
+    # Spans as percentages of the run's 1000 ms: streaming from 300 ms to the end.
+    assert "style='left:30.00%;width:70.00%'" in page
+    assert "client_write stall" in page
+    assert "style='left:50.00%;width:20.00%'" in page
+    for moment in (
+        "backend request sent",
+        "backend first byte",
+        "node&#x27;s terminal",
+        "placed on",
+    ):
+        assert moment in page
+    assert "good to 1.00 ms" in page
+    assert "http-equiv='refresh'" not in page  # finished: nothing changes any more
+    live = Timeline(run_id="live", received=0.0, first_output=0.2)
+    assert "http-equiv='refresh'" in render_run_page(live.to_json()).decode()
+
+
+async def test_the_admin_page_lists_recent_runs_and_opens_their_timeline() -> None:
+    from tests.edge.test_app import CHAT, answer, edge
+
+    async with edge() as (_, node, client), trio.open_nursery() as n:
+        assert node is not None
+        n.start_soon(answer, node, Start(), Delta("hi"), Complete())
+        resp = await client.post("/v1/chat/completions", json=CHAT)
+        run_id = resp.json()["id"].removeprefix("chatcmpl-")
+        page = (await client.get("/admin")).text
+        assert "<h2>Recent runs</h2>" in page
+        assert f"<a href='/admin/runs/{run_id}'>{run_id}</a>" in page
+        browser = {"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"}
+        view = await client.get(f"/admin/runs/{run_id}", headers=browser)
+        assert view.headers["content-type"].startswith("text/html")
+        assert f"<h1>Run {run_id}</h1>" in view.text
+        assert "frame-ancestors 'none'" in view.headers["content-security-policy"]
+        # A script gets the JSON.
+        assert (await client.get(f"/admin/runs/{run_id}")).json()["run_id"] == run_id
