@@ -237,14 +237,15 @@ def render_run_page(timeline: dict[str, Any], *, logout: bool = False) -> bytes:
     t = dict(timeline, received_ms=0.0)
     node: dict[str, Any] = t.get("node") or {}
     live = t.get("terminal_ms") is None
-    # A live run's chart ends at its latest moment so far.
+    # The chart ends at the latest moment known: a cancelled run's node ends
+    # after the edge's run did; a live run's chart grows.
     times = [
         float(v)
         for part in (t, node)
         for k, v in part.items()
         if k.endswith("_ms") and isinstance(v, (int, float)) and not isinstance(v, bool)
     ]
-    end = t.get("terminal_ms") or max([0.0, *times])
+    end = max([0.0, *times])
     total = max(float(end), 1e-3)
     bars = []
     for label, a, b, cls in _SPANS:
