@@ -51,6 +51,7 @@ __all__ = [
     "SimConfig",
     "SimInstance",
     "TimelineSettings",
+    "TracingSettings",
     "UpConfig",
     "VllmInstance",
     "decode_config",
@@ -402,11 +403,44 @@ class NodeSection(_Config, frozen=True, kw_only=True):
             raise ValueError("max_frame_bytes must be >= 65536")
 
 
+class TracingSettings(_Config, frozen=True, kw_only=True):
+    """OpenTelemetry traces of runs (``iop.tracing``), sent over OTLP/HTTP.
+
+    Attributes:
+        otlp_endpoint: The collector's traces URL (OTLP/HTTP protobuf, e.g.
+            ``http://collector:4318/v1/traces``); empty: tracing is off
+            (a client's ``traceparent`` is still passed on to the backend).
+        otlp_headers: Headers sent with every export (a collector's API
+            key): secrets, masked in logs.
+        service_name: ``service.name`` of the spans; empty: ``iop-edge`` or
+            ``iop-node``.
+        sample_ratio: Share of new traces kept (a client's sampled flag
+            decides for its own).
+        export_timeout_s: How long one export to the collector may take.
+    """
+
+    otlp_endpoint: str = ""
+    otlp_headers: dict[str, str] = {}
+    service_name: str = ""
+    sample_ratio: float = 1.0
+    # The SDK's own default: an export past it is dropped, not retried forever.
+    export_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.otlp_endpoint and not self.otlp_endpoint.startswith(("http://", "https://")):
+            raise ValueError("otlp_endpoint must be an http:// or https:// URL")
+        if not 0.0 <= self.sample_ratio <= 1.0:
+            raise ValueError("sample_ratio must be from 0 to 1")
+        if not self.export_timeout_s > 0:
+            raise ValueError("export_timeout_s must be > 0")
+
+
 class NodeConfig(_Config, frozen=True, kw_only=True):
     """A node: its identity, the edges it dials, and its adapter instances."""
 
     node: NodeSection = NodeSection()
     instances: list[InstanceConfig] = []
+    tracing: TracingSettings = TracingSettings()
 
 
 class OutputPolicy(_Config, frozen=True, kw_only=True):
@@ -738,6 +772,7 @@ class EdgeConfig(_Config, frozen=True, kw_only=True):
     deadlines: Deadlines = Deadlines()
     responses: ResponsesSettings = ResponsesSettings()
     timelines: TimelineSettings = TimelineSettings()
+    tracing: TracingSettings = TracingSettings()
     models: dict[str, OutputPolicy] = {}
 
     def policy_for(self, model: str) -> OutputPolicy:

@@ -266,6 +266,8 @@ class Timeline(msgspec.Struct, kw_only=True):
     backend_sent: float | None = None
     backend_first_byte: float | None = None
     backend_closed: float | None = None
+    # The trace context the run's backend request carries (``iop.tracing``).
+    traceparent: str = ""
 
     def stall_began(self, kind: StallKind, at: float, size: int = 0) -> Stall | None:
         """Record a stall's start; None when the run already keeps ``max_stalls``."""
@@ -367,6 +369,7 @@ class Timeline(msgspec.Struct, kw_only=True):
             "cancel_sent_ms": ms(self.cancel_sent),
             "terminal_ms": ms(self.terminal),
             "outcome": self.outcome,
+            "trace_id": self.traceparent[3:35] if self.traceparent else None,
             "backend_sent_ms": ms(self.backend_sent),
             "backend_first_byte_ms": ms(self.backend_first_byte),
             "backend_closed_ms": ms(self.backend_closed),

@@ -525,8 +525,13 @@ class HTTPBackend:
         timeline = current_timeline()  # the run's, when a run sends this
         if timeline is not None:
             timeline.backend_sent = trio.current_time()
+        headers = self._post_headers
+        if timeline is not None and timeline.traceparent:
+            # The backend joins the run's trace (iop.tracing).
+            headers = headers.copy()
+            headers["traceparent"] = timeline.traceparent
         try:
-            response = await self._send("POST", path, content, self._post_headers)
+            response = await self._send("POST", path, content, headers)
         except httpx.HTTPError as exc:
             raise map_transport_error(exc, what) from exc
         if timeline is not None:

@@ -112,6 +112,7 @@ from iop.events import (
 )
 from iop.runtime import Run, new_run_id
 from iop.spec import ExecutionSpec, TokenizeRequest
+from iop.tracing import valid_traceparent
 
 __all__ = ["LINK_PATH", "create_edge_app"]
 
@@ -600,7 +601,11 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         try:
             call = surface.parse(body, headers)
             spec = ExecutionSpec(
-                run_id=new_run_id(), request=call.request, target=call.request.model
+                run_id=new_run_id(),
+                request=call.request,
+                target=call.request.model,
+                # A client's trace context (checked): the run joins its trace.
+                traceparent=valid_traceparent(headers.get("traceparent")),
             )
             run = core.start_run(spec, collect=not call.stream)
         except IopError as exc:
@@ -669,7 +674,12 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         tokenize = TokenizeRequest(
             model=counted.model, messages=counted.messages, tools=counted.tools
         )
-        spec = ExecutionSpec(run_id=new_run_id(), request=tokenize, target=counted.model)
+        spec = ExecutionSpec(
+            run_id=new_run_id(),
+            request=tokenize,
+            target=counted.model,
+            traceparent=valid_traceparent(headers.get("traceparent")),
+        )
         try:
             run = core.start_run(spec, collect=True)
         except IopError as exc:

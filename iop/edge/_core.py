@@ -102,6 +102,7 @@ from iop.runtime import (
 )
 from iop.spec import ExecutionSpec
 from iop.timeline import Placement, Timeline, TimelineRing
+from iop.tracing import RunTrace, Tracing
 
 __all__ = ["EdgeCore", "RemoteExecutor", "open_edge_core"]
 
@@ -161,8 +162,12 @@ class ModelEntry:
 class RemoteExecutor:
     """Executes one run on whichever node the scheduler picks."""
 
-    def __init__(self, core: EdgeCore, *, collect: bool = False) -> None:
+    def __init__(
+        self, core: EdgeCore, *, collect: bool = False, trace: RunTrace | None = None
+    ) -> None:
         self._core = core
+        # The run's spans when the edge traces (iop.tracing).
+        self._trace = trace
         # Nobody reads the events as they come (``Assign.collect``).
         self._collect = collect
         # How long the node may hold them: an eighth of the idle deadline
@@ -238,6 +243,15 @@ class RemoteExecutor:
         ended = False  # the node is done with the run: nothing to cancel
         timeline = send.timeline
         timeline.placements.append(placement)
+        # The node's run joins the trace: the attempt's span, or the client's
+        # context passed on when the edge does not trace.
+        traceparent = (
+            self._trace.attempt(conn.node_id, instance, number, placement.at)
+            if self._trace is not None
+            else timeline.traceparent
+        )
+        if traceparent != spec.traceparent:
+            spec = msgspec.structs.replace(spec, traceparent=traceparent)
         try:
             try:
                 conn.assign(
@@ -298,6 +312,7 @@ class EdgeCore:
         supervisor: RunSupervisor,
         *,
         export: TimelineExport | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.config = config
         self.registry = NodeRegistry()
@@ -313,6 +328,8 @@ class EdgeCore:
         # The timelines of recent finished runs, and their export (open_edge_core runs it).
         self.timelines = TimelineRing(config.timelines.recent)
         self.export = export
+        self.tracing = tracing
+        self._traces: dict[str, RunTrace] = {}
 
     # --- runs -----------------------------------------------------------------
 
@@ -368,8 +385,10 @@ class EdgeCore:
         self.scheduler.admit(model, op)
         self.runs_started += 1
         window = self.config.link.run_window
+        trace = None
+        executor = RemoteExecutor(self, collect=collect)
         run = self.supervisor.start_run(
-            RemoteExecutor(self, collect=collect),
+            executor,
             spec,
             self.config.deadlines,
             # The link reader delivers without waiting: room for a whole
@@ -378,8 +397,15 @@ class EdgeCore:
             stall_at=window,
             write_stall_timeout_s=self.config.server.write_stall_timeout,
         )
-        run.timeline.stream = not collect
-        run.timeline.max_stalls = self.config.timelines.max_stalls
+        timeline = run.timeline
+        timeline.stream = not collect
+        timeline.max_stalls = self.config.timelines.max_stalls
+        if self.tracing is not None:
+            trace = self.tracing.request(timeline, spec.traceparent, f"{op} {model}")
+            executor._trace = self._traces[spec.run_id] = trace
+            timeline.traceparent = trace.traceparent
+        else:
+            timeline.traceparent = spec.traceparent
         return run
 
     def _advertised(self, model: str, operation: str | None = None) -> bool:
@@ -418,6 +444,9 @@ class EdgeCore:
         self.timelines.add(run.timeline)
         if self.export is not None:
             self.export.add(run.timeline)
+        trace = self._traces.pop(run.run_id, None)
+        if trace is not None:
+            trace.finish()
 
     def timeline(self, run_id: str) -> Timeline | None:
         """The timeline of a live run, else of a recent finished one."""
@@ -744,12 +773,13 @@ async def open_edge_core(config: EdgeConfig) -> AsyncIterator[EdgeCore]:
             core.record_outcome(run)
 
     export = TimelineExport(config.timelines) if config.timelines.export_path else None
+    tracing = Tracing.from_settings(config.tracing, "iop-edge")
     async with trio.open_nursery() as services:
         if export is not None:
             services.start_soon(export.run, name="timeline-export")
         try:
             async with open_run_supervisor(on_finished=finished, logger="iop.edge.run") as sup:
-                core = EdgeCore(config, sup, export=export)
+                core = EdgeCore(config, sup, export=export, tracing=tracing)
                 try:
                     yield core
                 finally:
@@ -759,3 +789,5 @@ async def open_edge_core(config: EdgeConfig) -> AsyncIterator[EdgeCore]:
             if export is not None:
                 export.close()
             services.cancel_scope.deadline = trio.current_time() + EXPORT_FLUSH_S
+            if tracing is not None:
+                await tracing.aclose(config.tracing.export_timeout_s + 1.0)

@@ -56,6 +56,7 @@ from iop.protocol import (
 )
 from iop.runtime import LinkDriver, Run, Wakeup
 from iop.timeline import NodeTimeline
+from iop.tracing import NodeRunTrace
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -68,7 +69,7 @@ log = logging.getLogger("iop.node")
 class NodeRun:
     """A run as its link sees it, and the runtime's ``Outlet`` of its events."""
 
-    __slots__ = ("assigned_at", "instance", "link", "run", "run_id", "space")
+    __slots__ = ("assigned_at", "instance", "link", "run", "run_id", "space", "trace")
 
     def __init__(self, link: NodeLink, run_id: str, instance: str) -> None:
         self.link = link
@@ -78,6 +79,7 @@ class NodeRun:
         # Set when the run may queue again: credit came, or it was cancelled.
         self.space = Wakeup()
         self.run: Run | None = None
+        self.trace: NodeRunTrace | None = None  # when the node traces (iop.tracing)
 
     def send_nowait(self, event: RuntimeEvent) -> None:
         link = self.link
