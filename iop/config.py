@@ -50,6 +50,8 @@ __all__ = [
     "SchedulerSettings",
     "SimConfig",
     "SimInstance",
+    "TimelineSettings",
+    "TracingSettings",
     "UpConfig",
     "VllmInstance",
     "decode_config",
@@ -401,11 +403,44 @@ class NodeSection(_Config, frozen=True, kw_only=True):
             raise ValueError("max_frame_bytes must be >= 65536")
 
 
+class TracingSettings(_Config, frozen=True, kw_only=True):
+    """OpenTelemetry traces of runs (``iop.tracing``), sent over OTLP/HTTP.
+
+    Attributes:
+        otlp_endpoint: The collector's traces URL (OTLP/HTTP protobuf, e.g.
+            ``http://collector:4318/v1/traces``); empty: tracing is off
+            (a client's ``traceparent`` is still passed on to the backend).
+        otlp_headers: Headers sent with every export (a collector's API
+            key): secrets, masked in logs.
+        service_name: ``service.name`` of the spans; empty: ``iop-edge`` or
+            ``iop-node``.
+        sample_ratio: Share of new traces kept (a client's sampled flag
+            decides for its own).
+        export_timeout_s: How long one export to the collector may take.
+    """
+
+    otlp_endpoint: str = ""
+    otlp_headers: dict[str, str] = {}
+    service_name: str = ""
+    sample_ratio: float = 1.0
+    # The SDK's own default: an export past it is dropped, not retried forever.
+    export_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.otlp_endpoint and not self.otlp_endpoint.startswith(("http://", "https://")):
+            raise ValueError("otlp_endpoint must be an http:// or https:// URL")
+        if not 0.0 <= self.sample_ratio <= 1.0:
+            raise ValueError("sample_ratio must be from 0 to 1")
+        if not self.export_timeout_s > 0:
+            raise ValueError("export_timeout_s must be > 0")
+
+
 class NodeConfig(_Config, frozen=True, kw_only=True):
     """A node: its identity, the edges it dials, and its adapter instances."""
 
     node: NodeSection = NodeSection()
     instances: list[InstanceConfig] = []
+    tracing: TracingSettings = TracingSettings()
 
 
 class OutputPolicy(_Config, frozen=True, kw_only=True):
@@ -652,6 +687,42 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             raise ValueError("max_queue_delay_s must be >= 0 (0 disables it)")
 
 
+class TimelineSettings(_Config, frozen=True, kw_only=True):
+    """Run timelines (``iop.runtime._timeline``): what is kept, and the export.
+
+    Attributes:
+        recent: Timelines of finished runs the edge keeps for
+            ``GET /admin/runs`` (a ring: the oldest go first). ``0`` keeps
+            none (live runs are still listed).
+        max_stalls: Stalls kept per run (credit and client write stalls);
+            more are only counted (``stalls_dropped``).
+        export_path: When set, every finished run's timeline is appended to
+            this file as one JSON line (JSONL).
+        export_max_bytes: The export file is rotated (``PATH.1``,
+            ``PATH.2``, ...) before it would grow past this.
+        export_keep: Rotated files kept besides the current one.
+    """
+
+    # About 1.5 KiB per timeline: 1,000 is ~1.5 MiB, minutes of a busy edge.
+    recent: int = 1000
+    # A run that stalls more than 32 times is stalling for good; the count
+    # still says how often.
+    max_stalls: int = 32
+    export_path: str = ""
+    export_max_bytes: int = 64 * 1024 * 1024
+    export_keep: int = 3
+
+    def __post_init__(self) -> None:
+        if self.recent < 0:
+            raise ValueError("recent must be >= 0")
+        if self.max_stalls < 0:
+            raise ValueError("max_stalls must be >= 0")
+        if self.export_max_bytes < 4096:
+            raise ValueError("export_max_bytes must be >= 4096")
+        if self.export_keep < 0:
+            raise ValueError("export_keep must be >= 0")
+
+
 class ResponsesSettings(_Config, frozen=True, kw_only=True):
     """The OpenAI Responses surface: the store behind ``previous_response_id``.
 
@@ -700,6 +771,8 @@ class EdgeConfig(_Config, frozen=True, kw_only=True):
     scheduler: SchedulerSettings = SchedulerSettings()
     deadlines: Deadlines = Deadlines()
     responses: ResponsesSettings = ResponsesSettings()
+    timelines: TimelineSettings = TimelineSettings()
+    tracing: TracingSettings = TracingSettings()
     models: dict[str, OutputPolicy] = {}
 
     def policy_for(self, model: str) -> OutputPolicy:

@@ -132,6 +132,7 @@ from iop.protocol._messages import (
 )
 from iop.protocol._transport import CLOSE_RATE, CLOSE_TOO_BIG
 from iop.spec import ExecutionSpec
+from iop.timeline import NodeTimeline
 
 __all__ = [
     "COLLECT_FLUSH_S",
@@ -251,6 +252,7 @@ class RunLink:
             (``Assign.collect``): the node holds and merges them.
         output_seen: (node) A collected run's first output was queued (it
             goes at once; what follows is held).
+        timeline: (node) The run's timeline, sent with its terminal event.
     """
 
     __slots__ = (
@@ -261,6 +263,7 @@ class RunLink:
         "phase",
         "queued",
         "seq",
+        "timeline",
         "window",
     )
 
@@ -273,6 +276,12 @@ class RunLink:
         self.consumed = 0
         self.collect = collect
         self.output_seen = False
+        self.timeline: NodeTimeline | None = None
+
+
+def _without_timeline(run: RunLink) -> RunLink:
+    run.timeline = None
+    return run
 
 
 # --- link events ----------------------------------------------------------------
@@ -287,11 +296,17 @@ class CapabilitiesChanged(msgspec.Struct, frozen=True):
 
 
 class RunEventsReceived(msgspec.Struct, frozen=True):
-    """Events of a run the edge still wants (``finished``: the last is its terminal)."""
+    """Events of a run the edge still wants (``finished``: the last is its terminal).
+
+    ``timeline``: the node's side of the run, with its terminal. A run the
+    edge already gave up on (ENDING) yields only this: no events, its
+    timeline.
+    """
 
     run_id: str
     events: list[RuntimeEvent]
     finished: bool
+    timeline: NodeTimeline | None = None
 
 
 class NodeDraining(msgspec.Struct, frozen=True):
@@ -576,8 +591,12 @@ class EdgeSession:
         elif run.phase is RunPhase.ASSIGNED:
             run.phase = RunPhase.STREAMING
         if ending:
-            return None  # late events of a cancelled run: checked, and dropped
-        return RunEventsReceived(run_id, msg.events, finished)
+            # Late events of a cancelled run: checked, and dropped; its
+            # timeline still says how the node ended it.
+            if finished and msg.timeline is not None:
+                return RunEventsReceived(run_id, [], True, msg.timeline)
+            return None
+        return RunEventsReceived(run_id, msg.events, finished, msg.timeline if finished else None)
 
     # --- output -------------------------------------------------------------
 
@@ -867,8 +886,9 @@ class NodeSession:
 
     # --- output -------------------------------------------------------------
 
-    def push(self, run_id: str, event: RuntimeEvent) -> None:
-        """Queue one of the run's events for the edge.
+    def push(self, run_id: str, event: RuntimeEvent, timeline: NodeTimeline | None = None) -> None:
+        """Queue one of the run's events for the edge (a terminal one with
+        the run's ``timeline``, when the node keeps one).
 
         An ENDING run's non-terminal events are dropped. A terminal
         ``Cancelled`` drops the run's events its credit does not cover: the
@@ -889,6 +909,7 @@ class NodeSession:
             if isinstance(event, Cancelled) and len(queued) > run.credit:
                 run.queued = queued = deque(list(queued)[: run.credit])
             queued.append(event)
+            run.timeline = timeline
             self._ready[run_id] = None
             return
         if run.phase is RunPhase.ENDING:
@@ -998,10 +1019,14 @@ class NodeSession:
         self, run_id: str, run: RunLink, batch: list[RuntimeEvent], limit: int
     ) -> list[bytes]:
         """``batch`` as events messages, each fitting a frame of ``limit`` bytes."""
-        message = encode(RunEvents(run_id=run_id, seq=run.seq, events=batch))
+        timeline = run.timeline if batch and is_terminal(batch[-1]) else None
+        message = encode(RunEvents(run_id=run_id, seq=run.seq, events=batch, timeline=timeline))
         if len(message) + _BATCH_HEADER_MAX <= limit:
             run.seq += 1
             return [message]
+        if timeline is not None:
+            # Never the reason a terminal does not fit: it goes without.
+            return self._messages(run_id, _without_timeline(run), batch, limit)
         # Rare: cut the batch by its events' sizes.
         room = limit - _BATCH_HEADER_MAX - _EVENTS_MESSAGE_OVERHEAD - len(run_id.encode())
         messages: list[bytes] = []
@@ -1035,6 +1060,7 @@ class NodeSession:
 
     @staticmethod
     def _events_message(run_id: str, run: RunLink, events: list[RuntimeEvent]) -> bytes:
+        """One events message (the rare cut batch: without the timeline)."""
         message = encode(RunEvents(run_id=run_id, seq=run.seq, events=events))
         run.seq += 1
         return message

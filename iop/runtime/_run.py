@@ -63,6 +63,7 @@ import contextlib
 import enum
 import logging
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -88,6 +89,7 @@ from iop.events import (
     is_terminal,
 )
 from iop.spec import ExecutionSpec
+from iop.timeline import Stall, StallKind, Timeline, set_current_timeline
 
 __all__ = [
     "RUN_EVENT_BUFFER",
@@ -139,6 +141,11 @@ class RunSink(EventSender, Protocol):
     def cancel_reason(self) -> CancelReason: ...
 
     def queued(self) -> contextlib.AbstractContextManager[None]: ...
+
+    @property
+    def timeline(self) -> Timeline:
+        """The run's timeline, for the executor's part of it."""
+        ...
 
     def push_nowait(self, event: RuntimeEvent) -> None:
         """``send`` for a producer that must never wait (the edge's link reader).
@@ -279,6 +286,14 @@ class Run:
         self._cancel_reason: CancelReason | None = None
         self._cancel_message = ""
         self._done = trio.Event()
+        # What happened to the run and when (iop.runtime._timeline).
+        self.timeline = Timeline(
+            run_id=spec.run_id,
+            model=spec.model,
+            operation=spec.operation,
+            received=self.started_at,
+            received_unix=time.time(),
+        )
         # Called once with the outcome, as soon as it is decided (before the
         # consumer has it), in the run's task: it must neither block nor raise.
         self.on_outcome: Callable[[TerminalEvent], None] | None = None
@@ -286,6 +301,14 @@ class Run:
     @property
     def run_id(self) -> str:
         return self.spec.run_id
+
+    def _decided(self, outcome: TerminalEvent) -> None:
+        """The run's outcome is ``outcome``: it is DONE (the consumer may not have it yet)."""
+        self.state = RunState.DONE
+        self.outcome = outcome
+        self.timeline.end(trio.current_time(), outcome)
+        if self.on_outcome is not None:
+            self.on_outcome(outcome)
 
     @property
     def events(self) -> RunEvents:
@@ -300,6 +323,7 @@ class Run:
             return
         self._cancel_reason = reason
         self._cancel_message = message
+        self.timeline.cancel(trio.current_time(), reason)
         self._scope.cancel()
 
     async def wait(self) -> TerminalEvent:
@@ -326,6 +350,7 @@ class _RunSink:
         # as stalled (its producer is out of credit).
         self._stall_at = stall_at
         self._stalled = False
+        self._stall: Stall | None = None  # the timeline's record of the current one
         self._held = 0
         self._consumed: Callable[[int], None] | None = None
         # Taken events not yet reported to ``on_consumed``'s callback: it is
@@ -335,6 +360,10 @@ class _RunSink:
         self._arm(_after(run.started_at, run.deadlines.first_token_timeout_s), _Phase.FIRST_TOKEN)
         if run._events is not None and stall_at is not None:
             run._events._taken = self._taken
+
+    @property
+    def timeline(self) -> Timeline:
+        return self._run.timeline
 
     @property
     def phase_reason(self) -> CancelReason:
@@ -397,7 +426,7 @@ class _RunSink:
                 self.output_chunks += 1  # about one token each (partial usage)
             if state is RunState.STARTED:
                 run.state = RunState.STREAMING
-                run.first_output_at = trio.current_time()
+                run.first_output_at = run.timeline.first_output = trio.current_time()
         else:  # terminal: the run is DONE only once the consumer has it
             self.pending_terminal = event
 
@@ -405,10 +434,7 @@ class _RunSink:
         """The event reached the consumer's side: re-arm the phase's deadline."""
         run = self._run
         if self.pending_terminal is not None:
-            run.state = RunState.DONE
-            run.outcome = self.pending_terminal
-            if run.on_outcome is not None:
-                run.on_outcome(run.outcome)
+            run._decided(self.pending_terminal)
         elif run.state is RunState.STREAMING:
             self._arm(_after(trio.current_time(), run.deadlines.idle_timeout_s), _Phase.IDLE)
         elif run.state is RunState.STARTED:
@@ -432,8 +458,11 @@ class _RunSink:
                 run._scope.deadline = self.total_deadline
                 self._phase = _Phase.TOTAL
                 stall = run.write_stall_timeout_s
+                record = run.timeline.stall_began(StallKind.CREDIT, trio.current_time())
                 with trio.move_on_after(math.inf if stall is None else stall) as waited:
                     await self._send.send(event)
+                if record is not None:
+                    record.end = trio.current_time()
                 if waited.cancelled_caught:
                     run.cancel(
                         CancelReason.SLOW_CLIENT,
@@ -476,11 +505,13 @@ class _RunSink:
             and self._held + self._unreported >= self._stall_at
         ):
             self._stalled = True
+            now = trio.current_time()
+            self._stall = run.timeline.stall_began(StallKind.CREDIT, now, self._stall_at)
             # The consumer holds a whole window: the producer is out of
             # credit. Backpressure, not an idle backend: only the total
             # deadline and the write-stall bound apply until it reads.
             stall = run.write_stall_timeout_s
-            self._arm(_after(trio.current_time(), stall), _Phase.STALLED)
+            self._arm(_after(now, stall), _Phase.STALLED)
 
     def on_consumed(self, callback: Callable[[int], None]) -> None:
         self._consumed = callback
@@ -503,6 +534,8 @@ class _RunSink:
             if reported:
                 # Credit went back: the producer may send again.
                 self._stalled = False
+                if self._stall is not None:
+                    self._stall.end, self._stall = now, None
                 self._arm(_after(now, run.deadlines.idle_timeout_s), _Phase.IDLE)
             else:
                 # Reading, but not yet a half window: still only the stall bound.
@@ -534,6 +567,7 @@ async def _drive(
 ) -> None:
     """Execute one run to its single terminal event. Never raises (but Cancelled)."""
     sink = _RunSink(run, send, stall_at=stall_at)
+    set_current_timeline(run.timeline)  # this task is the run's (iop.timeline.current_timeline)
     terminal: TerminalEvent | None = None
     aborted: Cancelled | None = None
     failure: BaseException | None = None
@@ -573,10 +607,7 @@ async def _drive(
                 usage=sink.partial_usage(),
             )
         if terminal is not None:
-            run.state = RunState.DONE
-            run.outcome = terminal
-            if run.on_outcome is not None:
-                run.on_outcome(terminal)
+            run._decided(terminal)
             run._done.set()  # decided; delivery below may still wait on the consumer
             grace = TERMINAL_DELIVERY_TIMEOUT_S if finished_normally else SHUTDOWN_DELIVERY_GRACE_S
             with trio.move_on_after(grace, shield=not finished_normally) as delivery:
@@ -619,6 +650,8 @@ def _decide(
                 exc_info=None if isinstance(failure, IopError) else failure,
             )
         reason = run._cancel_reason or sink.phase_reason
+        # A deadline's cancel: when it was due (a caller's cancel is recorded already).
+        run.timeline.cancel(min(trio.current_time(), run._scope.deadline), reason)
         message = run._cancel_message or _default_cancel_message(reason, run)
         return Cancelled(reason=reason, message=message, usage=sink.partial_usage())
     if failure is not None:

@@ -98,6 +98,9 @@ class SimStats:
         client_disconnects: Generations (streamed or not, embeddings too)
             cut off before their end because the client went away (or the
             server shut down).
+        traceparents: The ``traceparent`` headers of the last
+            ``TRACEPARENTS_KEPT`` chat requests that had one (W3C Trace
+            Context: a backend that traces would join that trace).
     """
 
     requests: int = 0
@@ -110,6 +113,18 @@ class SimStats:
     open_streams: int = 0
     open_completions: int = 0
     client_disconnects: int = 0
+    traceparents: list[str] = dataclasses.field(default_factory=list)
+
+    def saw_traceparent(self, value: str | None) -> None:
+        if value:
+            self.traceparents.append(value[:TRACEPARENT_MAX_CHARS])
+            del self.traceparents[:-TRACEPARENTS_KEPT]
+
+
+# What /sim/stats keeps of the trace contexts it was sent: enough for a test
+# to find its own request's, bounded whatever the clients send.
+TRACEPARENTS_KEPT: Final = 64
+TRACEPARENT_MAX_CHARS: Final = 256
 
 
 class SimApp(QuartTrio):
@@ -235,6 +250,7 @@ def create_sim_app(cfg: SimConfig) -> SimApp:
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         stats.requests += 1
+        stats.saw_traceparent(request.headers.get("traceparent"))
         raw = await request.get_data(cache=False, as_text=False, parse_form_data=False)
         try:
             chat = parse_chat_request(raw)
