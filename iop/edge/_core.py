@@ -92,6 +92,7 @@ from iop.protocol import (
     close_reason,
 )
 from iop.runtime import (
+    LinkClock,
     LinkDriver,
     PeerSilent,
     Run,
@@ -276,6 +277,8 @@ class EdgeCore:
         # from nodes to clients, /admin, /admin/nodes and /metrics.
         self.masker = SecretMasker(value for value, _ in edge_secrets(config))
         self.metrics = EdgeMetrics(self.registry, self.scheduler, supervisor, self.masker)
+        # One timer for every link's liveness and pings (``open_edge_core`` runs it).
+        self.link_clock = LinkClock(config.link.heartbeat_timeout_s)
 
     # --- runs -----------------------------------------------------------------
 
@@ -476,9 +479,9 @@ class EdgeCore:
         """Refuse a node id whose link is alive: it must not be taken over.
 
         A registered link is alive until its liveness deadline (last frame
-        plus ``heartbeat_timeout_s``) has passed; the edge pings every
+        plus ``heartbeat_timeout_s``) has passed; a node pings every
         ``heartbeat_interval_s``, so a live node is never near it. A link
-        past its deadline is dead (its link driver is about to close it) and a
+        past its deadline is dead (the link clock is about to close it) and a
         reconnecting node may replace it.
 
         Raises:
@@ -521,7 +524,11 @@ class EdgeCore:
             or "no instances",
         )
         driver = LinkDriver(
-            chan, session, partial(self._on_link_events, conn), peer=f"node {conn.node_id}"
+            chan,
+            session,
+            partial(self._on_link_events, conn),
+            peer=f"node {conn.node_id}",
+            clock=self.link_clock,
         )
         conn.wake = driver.wake
         self.scheduler.dispatch()
@@ -664,9 +671,14 @@ async def open_edge_core(config: EdgeConfig) -> AsyncIterator[EdgeCore]:
         if core is not None:
             core.record_outcome(run)
 
-    async with open_run_supervisor(on_finished=finished, logger="iop.edge.run") as supervisor:
+    async with (
+        open_run_supervisor(on_finished=finished, logger="iop.edge.run") as supervisor,
+        trio.open_nursery() as nursery,
+    ):
         core = EdgeCore(config, supervisor)
+        nursery.start_soon(core.link_clock.run, name="edge link clock")
         try:
             yield core
         finally:
             supervisor.cancel_all(CancelReason.SHUTDOWN)
+            nursery.cancel_scope.cancel()

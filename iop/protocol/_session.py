@@ -87,6 +87,7 @@ from __future__ import annotations
 
 import enum
 import hmac
+import math
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from typing import Final
@@ -663,6 +664,20 @@ class EdgeSession:
             self._nonce += 1
             self._out.messages.append(encode(Ping(nonce=self._nonce)))
 
+    def sweep(self, now: float) -> None:
+        """One of the edge's ping sweeps, every ``heartbeat_timeout_s`` over all
+        its links at once (``iop.runtime.LinkClock``): queue a ping if nothing
+        went to the node for half that. A link the previous sweep pinged is
+        pinged again (its ping left a little after that sweep); the node hears
+        from the edge at least every 1.5 timeouts, inside its 2."""
+        if (
+            self.state is LinkState.OPEN
+            and now - self._out.last_sent >= self.heartbeat_timeout_s / 2
+            and not self._out.messages
+        ):
+            self._nonce += 1
+            self._out.messages.append(encode(Ping(nonce=self._nonce)))
+
     def data_to_send(self, now: float) -> list[bytes]:
         """Everything queued, in as few frames as the node accepts."""
         return self._out.frames(self.peer_max_frame_bytes, now)
@@ -730,6 +745,8 @@ class NodeSession:
         self._flush_every = COLLECT_FLUSH_S
         self._cut_off: list[str] = []
         self._out = _Outgoing(now)
+        # The edge's last ping that the node did not answer (``_answer``).
+        self._in_step_at = -math.inf
         self._nonce = 0
 
     # --- state --------------------------------------------------------------
@@ -740,8 +757,10 @@ class NodeSession:
 
     @property
     def next_ping_at(self) -> float:
-        """When ``tick`` will next queue a ping (if nothing is sent meanwhile)."""
-        return self._out.last_sent + self.heartbeat_interval_s
+        """When ``tick`` will next queue a ping (if nothing is sent meanwhile):
+        an interval after the last frame, or after the edge's last ping if
+        that came later and was not answered (``_answer``)."""
+        return max(self._out.last_sent, self._in_step_at) + self.heartbeat_interval_s
 
     @property
     def next_tick_at(self) -> float:
@@ -827,10 +846,29 @@ class NodeSession:
                 self._cancel(msg.run_id)
                 events.append(CancelReceived(msg))
             elif isinstance(msg, Ping):
-                pass
+                self._answer(now)
             else:
                 raise LinkProtocolError(f"unexpected {type(msg).__name__} on an open link")
         return events
+
+    def _answer(self, now: float) -> None:
+        """An edge ping: get in step with it. The edge pings all its quiet
+        links in one sweep (``EdgeSession.sweep``); if each node's frames
+        follow the sweep, the edge wakes once for many of them.
+
+        The node pings back at once if it sent nothing for a quarter of its
+        interval (so its own next ping comes one interval after the sweep);
+        if it did, that frame already proved it alive, and its next ping
+        comes one interval after the edge's instead of after its own (the
+        longest silence is then 1.25 intervals, once). Something queued
+        goes out anyway and says as much as a ping."""
+        if self.has_data_to_send:
+            return
+        if now - self._out.last_sent >= self.heartbeat_interval_s / 4:
+            self._nonce += 1
+            self._out.messages.append(encode(Ping(nonce=self._nonce)))
+        else:
+            self._in_step_at = now
 
     def _assign(self, msg: Assign) -> AssignReceived:
         if msg.run_id in self._runs:
