@@ -67,14 +67,18 @@ Liveness
 --------
 Any frame proves the peer alive, and only a link that carried nothing
 recently pays for heartbeats: each side sends a ``Ping`` when it has sent
-nothing else for its interval, and nobody answers one (a ping is "I am
-alive", not a question). The node's interval is ``heartbeat_interval_s``
-and the edge loses a node silent for ``heartbeat_timeout_s``
-(``liveness_deadline``), which detects frozen or partitioned nodes that TCP
-alone would not report for minutes. The edge pings a node it has sent
-nothing to for ``heartbeat_timeout_s``, and the node loses an edge silent
-for ``EDGE_SILENCE_FACTOR`` times that. So an idle link costs the edge one
-frame received per ``heartbeat_interval_s`` and one sent per
+nothing else for its interval (a ping is "I am alive", not a question).
+The node's interval is ``heartbeat_interval_s`` and the edge loses a node
+silent for ``heartbeat_timeout_s`` (``liveness_deadline``), which detects
+frozen or partitioned nodes that TCP alone would not report for minutes.
+The edge pings in sweeps over all its links at once, every
+``heartbeat_timeout_s`` (``EdgeSession.sweep``, run by
+``iop.runtime.LinkClock``; ``tick`` is the same for one link on its own
+deadline), and the node loses an edge silent for ``EDGE_SILENCE_FACTOR``
+times that. The node gets in step with the sweeps (``NodeSession._answer``:
+it answers a ping, or pings next an interval after it), so the frames of
+many nodes reach the edge together. An idle link costs the edge one frame
+received per ``heartbeat_interval_s`` and one sent per
 ``heartbeat_timeout_s``, and a busy one nothing.
 
 Link states::

@@ -267,16 +267,17 @@ class LinkClock:
     Args:
         sweep_every_s: Between two ping sweeps (the edge's
             ``link.heartbeat_timeout_s``: ``EdgeSession.sweep``).
-        resolution_s: The least time between two wake-ups.
+        resolution_s: The least time between two wake-ups (at most a
+            quarter of ``sweep_every_s``, for heartbeats set very short).
     """
 
     def __init__(
         self, sweep_every_s: float, *, resolution_s: float = LIVENESS_RESOLUTION_S
     ) -> None:
-        if not 0 < resolution_s < sweep_every_s:
-            raise ValueError("a link clock needs 0 < resolution_s < sweep_every_s")
+        if not (sweep_every_s > 0 and resolution_s > 0):
+            raise ValueError("a link clock needs a positive sweep interval and resolution")
         self.sweep_every_s = sweep_every_s
-        self.resolution_s = resolution_s
+        self.resolution_s = min(resolution_s, sweep_every_s / 4)
         self._drivers: dict[LinkDriver[Any], None] = {}
         self._sleep: trio.CancelScope | None = None
         self.sweeps = 0

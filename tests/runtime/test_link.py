@@ -343,5 +343,6 @@ async def test_a_link_that_joins_with_an_old_last_frame_moves_the_clock_up(
         assert t0 + TIMEOUT_S - 1.0 - LIVENESS_RESOLUTION_S <= trio.current_time()
         assert trio.current_time() <= t0 + TIMEOUT_S - 1.0
         nursery.cancel_scope.cancel()
-    with pytest.raises(ValueError, match="resolution"):
-        LinkClock(0.05)
+    assert LinkClock(0.2).resolution_s == pytest.approx(0.05)  # heartbeats set very short
+    with pytest.raises(ValueError, match="positive"):
+        LinkClock(0.0)
