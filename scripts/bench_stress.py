@@ -978,6 +978,27 @@ def _spies(
     return out
 
 
+def _idle_spies(
+    args: argparse.Namespace, pids: dict[str, int], seconds: float
+) -> dict[str, tuple[Path, Any]]:
+    """py-spy at 1000 Hz on ``pids`` for ``seconds`` (an idle edge spends a few
+    ms per second: 100 Hz would sample it a handful of times)."""
+    import subprocess
+
+    py_spy = find_py_spy(args.python)
+    if py_spy is None:
+        print("bench: --idle-profile needs py-spy (pip install py-spy)", file=sys.stderr)
+        return {}
+    out = {}
+    for name, pid in pids.items():
+        raw = args.out_dir / f"stress-{args.stamp}-idle-{name}.txt"
+        argv = [py_spy, "record", "--nonblocking", "--rate", "1000", "--format", "raw"]
+        argv += ["-d", str(max(1, int(seconds))), "-p", str(pid), "-o", str(raw)]
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        out[name] = (raw, proc)
+    return out
+
+
 def _spy_report(spies: dict[str, tuple[Path, Any]]) -> dict[str, Any]:
     rep: dict[str, Any] = {}
     for name, (raw, proc) in spies.items():
@@ -1758,6 +1779,11 @@ def _idle_nodes(
     idle = w.stop()
     out["idle"] = idle
     out["rss_kb"] = rss0
+    if args.idle_profile > 0:
+        # After the CPU window, so the sampler's own reads stay out of it.
+        spies = _idle_spies(args, {"edge": edge.pid}, args.idle_profile)
+        time.sleep(args.idle_profile)
+        out["profile"] = _spy_report(spies)
     cpu = idle["cpu_s"]
     wall = idle["wall_s"]
     real_pct = [100 * cpu[p.name] / wall for p in reals]
@@ -1813,6 +1839,10 @@ def print_idle_nodes(res: dict[str, Any]) -> None:
         f"{res['admin_poll_ms'].get('p50')} ms); "
         f"load {idle['loadavg']}, foreign {idle['foreign_cpu_pct_of_core']} %"
     )
+    for name, rep in res.get("profile", {}).items():
+        print(f"  py-spy {name}: {rep.get('samples')} samples, {rep.get('raw_file')}")
+        for fn, share in rep.get("inclusive_pct_top_functions", [])[:12]:
+            print(f"    {share:5.1f} %  {fn}")
 
 
 def serve_agents(args: argparse.Namespace) -> int:
@@ -2030,6 +2060,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=3,
         help="SIGSTOP node-loss detections, one per real node (default: %(default)s)",
+    )
+    g.add_argument(
+        "--idle-profile",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="after the CPU window, py-spy (1000 Hz, idle stacks left out) on the edge "
+        "for S seconds; raw stacks go to --out-dir (default: none)",
     )
     ap.add_argument(
         "--out-dir",

@@ -93,6 +93,7 @@ from iop.protocol import (
     close_reason,
 )
 from iop.runtime import (
+    LinkClock,
     LinkDriver,
     PeerSilent,
     Run,
@@ -330,6 +331,8 @@ class EdgeCore:
         self.export = export
         self.tracing = tracing
         self._traces: dict[str, RunTrace] = {}
+        # One timer for every link's liveness and pings (``open_edge_core`` runs it).
+        self.link_clock = LinkClock(config.link.heartbeat_timeout_s)
 
     # --- runs -----------------------------------------------------------------
 
@@ -554,9 +557,9 @@ class EdgeCore:
         """Refuse a node id whose link is alive: it must not be taken over.
 
         A registered link is alive until its liveness deadline (last frame
-        plus ``heartbeat_timeout_s``) has passed; the edge pings every
+        plus ``heartbeat_timeout_s``) has passed; a node pings every
         ``heartbeat_interval_s``, so a live node is never near it. A link
-        past its deadline is dead (its link driver is about to close it) and a
+        past its deadline is dead (the link clock is about to close it) and a
         reconnecting node may replace it.
 
         Raises:
@@ -599,7 +602,11 @@ class EdgeCore:
             or "no instances",
         )
         driver = LinkDriver(
-            chan, session, partial(self._on_link_events, conn), peer=f"node {conn.node_id}"
+            chan,
+            session,
+            partial(self._on_link_events, conn),
+            peer=f"node {conn.node_id}",
+            clock=self.link_clock,
         )
         conn.wake = driver.wake
         self.scheduler.dispatch()
@@ -789,12 +796,17 @@ async def open_edge_core(config: EdgeConfig) -> AsyncIterator[EdgeCore]:
         if export is not None:
             services.start_soon(export.run, name="timeline-export")
         try:
-            async with open_run_supervisor(on_finished=finished, logger="iop.edge.run") as sup:
+            async with (
+                open_run_supervisor(on_finished=finished, logger="iop.edge.run") as sup,
+                trio.open_nursery() as links,
+            ):
                 core = EdgeCore(config, sup, export=export, tracing=tracing)
+                links.start_soon(core.link_clock.run, name="edge link clock")
                 try:
                     yield core
                 finally:
                     sup.cancel_all(CancelReason.SHUTDOWN)
+                    links.cancel_scope.cancel()
         finally:
             # Every run has ended (and queued its line): write what is left.
             if export is not None:

@@ -22,8 +22,9 @@ checked in the ``Hello``.
      |  RunEvents(run, seq, [events]) ----> |  at most `credit` non-terminal events
      |  <----------------- Credit(run, n)    |  as the client consumes them
      |  <----------------- Cancel(run, reason)
-     |  Ping(nonce) ----------------------> |  nothing else sent for heartbeat_interval_s
-     |  <----------------- Ping(nonce)       |  nothing else sent for heartbeat_timeout_s
+     |  Ping(nonce) ----------------------> |  nothing else sent for heartbeat_interval_s,
+     |                                      |  or an answer to the edge's ping
+     |  <----------------- Ping(nonce)       |  the edge's sweep, every heartbeat_timeout_s
      |  CapabilitiesUpdate(instances) ----> |  when a probe changes something
 """
 
