@@ -275,6 +275,18 @@ class SimConfig(_Config, frozen=True, kw_only=True):
             ``dimensions`` a request may ask for).
         max_inputs: Most inputs in one ``/v1/embeddings`` request and most
             prompts in one ``/v1/completions`` request.
+        prefill_tokens_per_s: The engine model's prefill rate (the sim's
+            ``iop.sim._engine``): the first token also waits for the
+            uncached prompt tokens at this rate; 0: no prefill time.
+        kv_cache_blocks: The prefix cache's size in blocks; 0: no cache
+            (every prompt token is prefilled). The server's: not a
+            per-request override.
+        kv_block_tokens: Tokens per cache block (vLLM's default, 16). The
+            server's.
+        max_num_seqs: Requests running at once; the rest wait in arrival
+            order; 0: no limit. The server's.
+        decode_slowdown: Each other running request stretches a token's
+            delay by this fraction (``1 + decode_slowdown * (running - 1)``).
     """
 
     model: str = "iop-sim"
@@ -306,6 +318,13 @@ class SimConfig(_Config, frozen=True, kw_only=True):
     # OpenAI's own cap on the inputs of one embeddings request; it bounds
     # the work (and, for completions, the streamed frames) one request makes.
     max_inputs: int = 2048
+    # The engine model (iop/sim/_engine.py): off unless set.
+    prefill_tokens_per_s: float = 0.0
+    kv_cache_blocks: int = 0
+    # vLLM's default --block-size.
+    kv_block_tokens: int = 16
+    max_num_seqs: int = 0
+    decode_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         # Checked here so that a bad file, flag or per-request override is
@@ -317,6 +336,12 @@ class SimConfig(_Config, frozen=True, kw_only=True):
             raise ValueError("embedding_dim must be at least 1")
         if self.max_inputs < 1:
             raise ValueError("max_inputs must be at least 1")
+        if self.prefill_tokens_per_s < 0 or self.decode_slowdown < 0:
+            raise ValueError("prefill_tokens_per_s and decode_slowdown must be >= 0")
+        if self.kv_cache_blocks < 0 or self.max_num_seqs < 0:
+            raise ValueError("kv_cache_blocks and max_num_seqs must be >= 0")
+        if self.kv_block_tokens < 1:
+            raise ValueError("kv_block_tokens must be at least 1")
 
 
 class SimInstance(InstanceBase, frozen=True, tag="sim", kw_only=True):
