@@ -24,7 +24,7 @@ import pytest
 import trio
 
 from iop.adapters._http import HTTPBackend, environment_proxy
-from iop.adapters._pool import HEAD_MAX_BYTES, KeepAliveTransport, _SocketStream
+from iop.adapters._pool import HEAD_MAX_BYTES, KeepAliveTransport, _Connection
 from iop.adapters.vllm import VllmAdapter
 from iop.config import VllmInstance
 from iop.events import Complete, Delta
@@ -247,19 +247,16 @@ class _Recorder(trio.abc.Stream):
 
     def __init__(self, replies: list[bytes]) -> None:
         self.sends: list[bytes] = []
-        self.events: list[str] = []
         self._replies = replies
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         self.sends.append(bytes(data))
-        self.events.append("send")
         await trio.lowlevel.checkpoint()
 
     async def wait_send_all_might_not_block(self) -> None:
         await trio.lowlevel.checkpoint()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        self.events.append("receive")
         await trio.lowlevel.checkpoint()
         return self._replies.pop(0) if self._replies else b""
 
@@ -267,33 +264,27 @@ class _Recorder(trio.abc.Stream):
         await trio.lowlevel.checkpoint()
 
 
+OK_EMPTY = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+
+
 async def test_the_head_goes_out_with_the_body() -> None:
-    raw = _Recorder([b"HTTP/1.1 200 OK\r\n"])
-    stream = _SocketStream(raw)  # type: ignore[arg-type]
-    await stream.write(b"HEAD\r\n\r\n")
-    await stream.write(b"")
-    assert raw.sends == []
-    await stream.write(b'{"body":1}')
-    assert raw.sends == [b'HEAD\r\n\r\n{"body":1}']
-
-
-async def test_a_held_head_is_sent_before_any_read() -> None:
-    raw = _Recorder([b"HTTP/1.1 200 OK\r\n"])
-    stream = _SocketStream(raw)  # type: ignore[arg-type]
-    await stream.write(b"GET / HTTP/1.1\r\n\r\n")
-    assert await stream.read(1024) == b"HTTP/1.1 200 OK\r\n"
-    assert raw.sends == [b"GET / HTTP/1.1\r\n\r\n"]
-    assert raw.events == ["send", "receive"]
+    raw = _Recorder([OK_EMPTY])
+    conn = _Connection(raw)  # type: ignore[arg-type]
+    await conn.request(httpx.Request("POST", "http://b/x", content=b'{"body":1}'))
+    assert len(raw.sends) == 1
+    head, _, body = raw.sends[0].partition(b"\r\n\r\n")
+    assert head.startswith(b"POST /x HTTP/1.1\r\n")
+    assert body == b'{"body":1}'
 
 
 async def test_a_big_body_is_not_copied_to_join_the_head() -> None:
-    raw = _Recorder([])
-    stream = _SocketStream(raw)  # type: ignore[arg-type]
+    raw = _Recorder([OK_EMPTY])
+    conn = _Connection(raw)  # type: ignore[arg-type]
     big = b"x" * (HEAD_MAX_BYTES + 1)
-    await stream.write(b"HEAD")
-    await stream.write(big)
-    await stream.write(big)
-    assert raw.sends == [b"HEAD", big, big]
+    await conn.request(httpx.Request("POST", "http://b/x", content=big))
+    assert len(raw.sends) == 2
+    assert raw.sends[0].startswith(b"POST /x HTTP/1.1\r\n")
+    assert raw.sends[1] == big
 
 
 async def test_the_backend_sees_one_segment_per_request() -> None:
