@@ -35,7 +35,7 @@ __all__ = ["MAX_LINE_BYTES", "BodyFraming", "BodyFramingError", "BodyReader"]
 # this is a broken or hostile server; h11 allows 16 KiB for a whole head.
 MAX_LINE_BYTES: Final = 16 * 1024
 
-_HEX: Final = frozenset(b"0123456789abcdefABCDEF")
+_HEX: Final = b"0123456789abcdefABCDEF"
 _MAX_HEX_DIGITS: Final = 16  # 2**64 bytes: no real chunk comes near
 
 
@@ -163,9 +163,18 @@ class BodyReader:
                 size = _chunk_size(line)
                 if size == 0:
                     state = _Chunk.TRAILER
-                else:
-                    self._left = size
-                    state = _Chunk.DATA
+                    continue
+                stop = pos + size
+                if stop + 2 <= end:
+                    # The whole chunk and its CRLF are here (the usual case:
+                    # one read holds whole SSE events): no trip through DATA.
+                    if data[stop : stop + 2] != b"\r\n":
+                        raise BodyFramingError("a chunk's data is not followed by CRLF")
+                    out.append(data[pos:stop])
+                    pos = stop + 2
+                    continue
+                self._left = size
+                state = _Chunk.DATA
         if pos < end:
             self._buf = data[pos:]
         self._state = state
@@ -175,7 +184,9 @@ class BodyReader:
 
 
 def _chunk_size(line: bytes) -> int:
-    digits = line.split(b";", 1)[0].strip(b" \t")
-    if not digits or len(digits) > _MAX_HEX_DIGITS or not _HEX.issuperset(digits):
+    digits = line.split(b";", 1)[0] if b";" in line else line
+    digits = digits.strip(b" \t")
+    # Only hex digits: int(..., 16) alone would take "0x1f", "+1f" or "1_f".
+    if not digits or len(digits) > _MAX_HEX_DIGITS or digits.translate(None, _HEX):
         raise BodyFramingError(f"invalid chunk size line: {line[:40]!r}")
     return int(digits, 16)
