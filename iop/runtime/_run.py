@@ -66,7 +66,7 @@ import math
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
-from typing import Final, Protocol
+from typing import Final, Protocol, cast
 
 import trio
 
@@ -405,7 +405,7 @@ class _RunSink:
                 run.state = RunState.STREAMING
                 run.first_output_at = trio.current_time()
         else:  # terminal: the run is DONE only once the consumer has it
-            self.pending_terminal = event
+            self.pending_terminal = cast(TerminalEvent, event)
 
     def _sent(self) -> None:
         """The event reached the consumer's side: re-arm the phase's deadline."""
