@@ -39,6 +39,7 @@ from iop.testing import (
     Split,
     open_fake_backend,
 )
+from iop.wire._http_body import MAX_LINE_BYTES
 
 BODY = b'data: {"choices":[]}\n\ndata: [DONE]\n\n'
 NOTICE_S = 5.0
@@ -219,6 +220,36 @@ async def test_errors_are_httpx_errors() -> None:
         with pytest.raises(httpx.RemoteProtocolError):
             await fetch(pool, fb.url + CHAT_COMPLETIONS_PATH)
         assert pool.idle_connections == 0
+
+
+async def _serve_raw(answer: bytes, stream: trio.SocketStream) -> None:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += await stream.receive_some(65536)
+    await stream.send_all(answer)
+    await trio.sleep_forever()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"5\r\nhelloXX",  # no CRLF after the chunk's data
+        b"5;" + b"x" * (MAX_LINE_BYTES + 1),  # an endless size line
+        b"0x5\r\nhello\r\n0\r\n\r\n",  # not a hex size
+    ],
+)
+async def test_broken_chunk_framing_is_a_protocol_error(body: bytes) -> None:
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            partial(trio.serve_tcp, partial(_serve_raw, head + body), 0, host="127.0.0.1")
+        )
+        port = listeners[0].socket.getsockname()[1]
+        async with transport() as pool:
+            with trio.fail_after(NOTICE_S), pytest.raises(httpx.RemoteProtocolError):
+                await fetch(pool, f"http://127.0.0.1:{port}/")
+            assert pool.idle_connections == 0
+        nursery.cancel_scope.cancel()
 
 
 async def test_aclose_closes_connections_in_use_too() -> None:
