@@ -15,7 +15,7 @@ import shutil
 import ssl
 import subprocess
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 
@@ -250,6 +250,66 @@ async def test_broken_chunk_framing_is_a_protocol_error(body: bytes) -> None:
                 await fetch(pool, f"http://127.0.0.1:{port}/")
             assert pool.idle_connections == 0
         nursery.cancel_scope.cancel()
+
+
+async def _serve_then_hang_up(stream: trio.SocketStream) -> None:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += await stream.receive_some(65536)
+    await stream.aclose()
+
+
+async def _serve_nothing(stream: trio.SocketStream) -> None:
+    await trio.sleep_forever()
+
+
+@asynccontextmanager
+async def raw_server(handler: Callable[[trio.SocketStream], Awaitable[None]]) -> AsyncIterator[str]:
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+        yield f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}/"
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_server_that_hangs_up_without_an_answer_is_a_protocol_error() -> None:
+    async with raw_server(_serve_then_hang_up) as url, transport() as pool:
+        with trio.fail_after(NOTICE_S), pytest.raises(httpx.RemoteProtocolError):
+            await fetch(pool, url)
+        assert pool.idle_connections == 0
+
+
+async def test_a_read_timeout_is_httpxs() -> None:
+    async with raw_server(_serve_nothing) as url, transport() as pool:
+        request = httpx.Request("GET", url, extensions={"timeout": {"read": 0.05}})
+        with trio.fail_after(NOTICE_S), pytest.raises(httpx.ReadTimeout):
+            await pool.handle_async_request(request)
+
+
+@pytest.mark.parametrize(
+    ("answer", "kept"),
+    [
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", True),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok", False),
+        (b"HTTP/1.0 200 OK\r\n\r\nok", False),  # until the server closes
+        (b"HTTP/1.1 204 No Content\r\n\r\n", True),
+    ],
+)
+async def test_which_answers_keep_the_connection(answer: bytes, kept: bool) -> None:
+    async def serve(stream: trio.SocketStream) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += await stream.receive_some(65536)
+        await stream.send_all(answer)
+        if b"HTTP/1.0" in answer:
+            await stream.aclose()
+            return
+        await trio.sleep_forever()
+
+    async with raw_server(serve) as url, transport() as pool:
+        with trio.fail_after(NOTICE_S):
+            body = await fetch(pool, url)
+        assert body == answer.partition(b"\r\n\r\n")[2]
+        assert pool.idle_connections == (1 if kept else 0)
 
 
 async def test_aclose_closes_connections_in_use_too() -> None:
