@@ -629,6 +629,8 @@ class HTTPBackend:
                 async for piece in chunks:
                     for event in parser.feed(piece):
                         await send.send(event)
+                    if parser.failed:
+                        parser.feed_eof()  # the error after those events: raised
                     if parser.done:
                         break
                 else:
