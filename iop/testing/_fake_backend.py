@@ -75,6 +75,7 @@ __all__ = [
     "SplitMode",
     "Stall",
     "Step",
+    "TransportResponse",
     "Write",
     "open_fake_backend",
 ]
@@ -861,13 +862,38 @@ async def open_fake_backend(
 # --- in memory ------------------------------------------------------------------
 
 
+@dataclass(eq=False)
+class TransportResponse:
+    """A response ``FakeTransport`` returned, and what became of its body.
+
+    Attributes:
+        request: The request it answers.
+        closed_at: ``trio.current_time()`` when the client closed the body
+            (the in-memory counterpart of a socket's close).
+        backend_ended: The body's plan ran out (to its end or to an ``Abort``)
+            before the client closed it.
+    """
+
+    request: RecordedRequest
+    closed_at: float | None = None
+    backend_ended: bool = False
+
+    @property
+    def closed_by_client(self) -> bool:
+        """True if the client closed the body before the backend ended it."""
+        return self.closed_at is not None and not self.backend_ended
+
+
 class _ReplyStream(httpx.AsyncByteStream):
     """Plays a reply's body plan to httpx (a class, not an async generator,
     so an abandoned stream leaves nothing for the GC to finalise)."""
 
-    def __init__(self, steps: Sequence[Step], request: httpx.Request) -> None:
+    def __init__(
+        self, steps: Sequence[Step], request: httpx.Request, record: TransportResponse
+    ) -> None:
         self._steps = list(steps)
         self._request = request
+        self._record = record
         self._pos = 0
         self._closed = False
 
@@ -882,24 +908,30 @@ class _ReplyStream(httpx.AsyncByteStream):
                 return step.data
             if isinstance(step, Pause | Stall):
                 await trio.sleep(step.seconds)
-            elif step.reset:
+                continue
+            self._record.backend_ended = True
+            if step.reset:
                 raise httpx.ReadError("[Errno 104] Connection reset by peer", request=self._request)
-            else:
-                raise httpx.RemoteProtocolError(
-                    "peer closed connection without sending complete message body",
-                    request=self._request,
-                )
+            raise httpx.RemoteProtocolError(
+                "peer closed connection without sending complete message body",
+                request=self._request,
+            )
+        if not self._closed:
+            self._record.backend_ended = True
         raise StopAsyncIteration
 
     async def aclose(self) -> None:
-        self._closed = True
+        if not self._closed:
+            self._closed = True
+            self._record.closed_at = trio.current_time()
 
 
 class FakeTransport(httpx.AsyncBaseTransport):
     """The in-memory sibling of ``FakeBackend``: an httpx transport playing ``Reply`` scripts.
 
     Pass it as ``transport=`` to an adapter. It has the same ``script`` /
-    ``route`` / ``requests`` surface; ``ConnectFailure`` fails a request the
+    ``route`` / ``requests`` surface, and ``responses`` records when the
+    client closed each body (``TransportResponse``); ``ConnectFailure`` fails a request the
     way a refused connection does. Stalls and pauses sleep on the trio clock,
     so virtual time (``autojump_clock``) works; header stalls happen before
     the response is returned. Connection-level facts (``Connection``) exist
@@ -909,6 +941,7 @@ class FakeTransport(httpx.AsyncBaseTransport):
     def __init__(self) -> None:
         self._script = _Script()
         self.requests: list[RecordedRequest] = []
+        self.responses: list[TransportResponse] = []
 
     def script(self, path: str, *replies: Reply | ReplyHandler | ConnectFailure) -> None:
         """Queue replies for ``path``; each request takes the next one."""
@@ -934,10 +967,12 @@ class FakeTransport(httpx.AsyncBaseTransport):
         if item.stall_before_headers:
             await trio.sleep(item.stall_s)
         headers = [(k, v) for k, v in item.response_headers() if k != "transfer-encoding"]
+        record = TransportResponse(recorded)
+        self.responses.append(record)
         return httpx.Response(
             item.status,
             headers=headers,
-            stream=_ReplyStream(item.body_plan(), request),
+            stream=_ReplyStream(item.body_plan(), request, record),
             request=request,
             extensions={"reason_phrase": item.reason_phrase.encode("ascii", "replace")},
         )
