@@ -27,10 +27,11 @@ as pytest does when it loads the plugin, costs nothing until a name is used.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+# Private aliases: every public name of this module is in __all__.
+import importlib as _importlib
+import typing as _typing
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     from iop.testing._conformance import (
         CANCEL_LATENCIES,
         CHECKS,
@@ -349,11 +350,11 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> _typing.Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(_importlib.import_module(module), name)
     globals()[name] = value  # once found, an ordinary attribute
     return value
 

@@ -31,7 +31,6 @@ from typing import Any, Final, TypeVar, cast
 import httpx
 import msgspec
 import trio
-import trio.testing
 
 from iop.adapters import build_adapter
 from iop.config import EdgeConfig, NodeConfig, NodeEdge, VllmInstance, decode_config
@@ -464,4 +463,8 @@ def run_virtual(scenario: Callable[[VirtualPlatform], Awaitable[T]], **options: 
             platform.test_mark = platform.mark()
             return await scenario(platform)
 
-    return trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    # Here, not at the top: trio.testing imports pytest when it can, and
+    # importing iop.testing must not (tests/plugin/test_plugin.py).
+    from trio.testing import MockClock
+
+    return trio.run(main, clock=MockClock(autojump_threshold=0))
