@@ -8,13 +8,18 @@ fail (a test kit whose assertions cannot fail tests nothing).
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator
 
+import httpx
+import msgspec
 import pytest
 import trio
 
 from iop.testing import (
+    CHAT_COMPLETIONS_PATH,
     ClientStream,
+    FakeBackend,
     Fault,
     LoopbackPlatform,
     Stall,
@@ -27,6 +32,13 @@ from iop.testing import (
     open_virtual_platform,
     synthetic_stream,
     transcript_body,
+)
+from iop.testing._replay_server import (
+    CONTROL_REQUESTS,
+    CONTROL_SCRIPT,
+    RequestRecord,
+    ScriptCommand,
+    _control,
 )
 
 BODY = transcript_body("vllm_text_stream_with_usage.txt")
@@ -230,3 +242,37 @@ def test_loopback_scripting_needs_the_fake_backend(loopback: LoopbackPlatform) -
     loopback.test_mark = None
     with pytest.raises(ValueError, match="no mark"):
         loopback.outcomes_since()
+
+
+# --- the fake backend's control port (in process) ----------------------------------------
+
+
+async def test_the_control_port_scripts_the_backend_and_reports_its_connections() -> None:
+    backend, control = FakeBackend(), FakeBackend()
+    _control(backend, control)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(backend.serve)
+        await nursery.start(control.serve)
+        async with httpx.AsyncClient(base_url=control.url) as ctl:
+            cmd = ScriptCommand(replies=[Fault.truncate(2).reply(BODY)])
+            resp = await ctl.post(CONTROL_SCRIPT, content=msgspec.msgpack.encode(cmd))
+            assert msgspec.msgpack.decode(resp.content) == {"queued": 1}
+            bad = await ctl.post(CONTROL_SCRIPT, content=b"\xc1")
+            assert bad.status_code == 400
+            async with httpx.AsyncClient(base_url=backend.url) as client:
+                with pytest.raises(httpx.RemoteProtocolError):
+                    await client.post(CHAT_COMPLETIONS_PATH, json={})
+            await backend.wait_connection_closed(5.0)
+            records = msgspec.msgpack.decode(
+                (await ctl.get(CONTROL_REQUESTS)).content, type=list[RequestRecord]
+            )
+        (record,) = records
+        assert (record.path, record.close_cause, record.closed_in) == (
+            CHAT_COMPLETIONS_PATH,
+            "server_abort",
+            "sending",
+        )
+        assert record.closed_at is not None
+        assert record.received_at <= record.closed_at <= time.monotonic()
+        await backend.aclose()
+        await control.aclose()
