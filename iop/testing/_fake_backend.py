@@ -491,6 +491,9 @@ class _Script:
     def pending(self, path: str) -> int:
         return len(self._queues.get(path, ()))
 
+    def clear(self, path: str) -> None:
+        self._queues.pop(path, None)
+
     def take(self, request: RecordedRequest) -> Reply | ConnectFailure:
         path = request.path
         queue = self._queues.get(path)
@@ -572,6 +575,10 @@ class FakeBackend:
     def pending(self, path: str) -> int:
         """Queued replies not yet taken for ``path``."""
         return self._script.pending(path)
+
+    def clear(self, path: str) -> None:
+        """Drop the replies queued for ``path`` (its default stays)."""
+        self._script.clear(path)
 
     # --- addresses ----------------------------------------------------------
 

@@ -273,6 +273,12 @@ class LoopbackPlatform:
         )
         resp.raise_for_status()
 
+    def reset_backend(self) -> None:
+        """Drop the chat replies still queued and put back the default transcript
+        (the ``iop_platform`` fixture does it as each test starts)."""
+        if self.backend_kind == "fake":
+            self._script(ScriptCommand(reset=True))
+
     def script(self, *replies: Reply, default: Reply | None = None) -> None:
         """Queue raw ``Reply``s (``iop.testing.Reply``) for the next chat requests."""
         self._script(ScriptCommand(replies=list(replies), default=default))

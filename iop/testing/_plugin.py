@@ -123,7 +123,8 @@ def iop_platform(
     ``@pytest.mark.iop_platform(backend="sim", edge_config={...})`` chooses
     other options. Tests with the same options share one platform (started
     once per session); each test starts when the previous one's runs have
-    ended, and its assertions count from its own start.
+    ended, with no reply left queued on the backend, and its assertions
+    count from its own start.
     """
     marker = request.node.get_closest_marker(_MARKER)
     options = dict(marker.kwargs) if marker is not None else {}
@@ -132,6 +133,7 @@ def iop_platform(
     platform = iop_platform_factory.shared(**options)
     request.node.stash.setdefault(_USED, []).append(platform)
     platform.wait_idle()
+    platform.reset_backend()
     platform.test_mark = platform.mark()
     return platform
 

@@ -61,6 +61,7 @@ CONTROL_SCRIPT: Final = "/script"
 CONTROL_REQUESTS: Final = "/requests"
 # What a chat request gets when nothing is queued: a plain vLLM stream with usage.
 DEFAULT_TRANSCRIPT: Final = "vllm_text_stream_with_usage.txt"
+DEFAULT_REPLY: Final = Reply.sse(transcript_body(DEFAULT_TRANSCRIPT))
 
 
 class ScriptCommand(msgspec.Struct, frozen=True, kw_only=True):
@@ -68,11 +69,14 @@ class ScriptCommand(msgspec.Struct, frozen=True, kw_only=True):
 
     Attributes:
         path: The request path (``/v1/chat/completions``).
+        reset: First drop what is queued for ``path`` (and, for chat, put
+            back the default transcript).
         replies: Queued, one per request, in order.
         default: Replaces the path's default reply (when not None).
     """
 
     path: str = CHAT_COMPLETIONS_PATH
+    reset: bool = False
     replies: list[Reply] = []
     default: Reply | None = None
 
@@ -145,6 +149,10 @@ def _control(backend: FakeBackend, control: FakeBackend) -> None:
             cmd = msgspec.msgpack.decode(request.body, type=ScriptCommand)
         except msgspec.DecodeError as exc:
             return Reply.text(f"bad script command: {exc}", status=400)
+        if cmd.reset:
+            backend.clear(cmd.path)
+            if cmd.path == CHAT_COMPLETIONS_PATH:
+                backend.route(cmd.path, DEFAULT_REPLY)
         if cmd.replies:
             backend.script(cmd.path, *cmd.replies)
         if cmd.default is not None:
@@ -161,7 +169,7 @@ async def serve(model: str) -> None:
     backend.route(
         MODELS_PATH, Reply.json({"object": "list", "data": [{"id": model, "object": "model"}]})
     )
-    backend.route(CHAT_COMPLETIONS_PATH, Reply.sse(transcript_body(DEFAULT_TRANSCRIPT)))
+    backend.route(CHAT_COMPLETIONS_PATH, DEFAULT_REPLY)
     _control(backend, control)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:

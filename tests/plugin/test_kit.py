@@ -236,6 +236,13 @@ def test_loopback_a_held_run_is_a_leak_until_it_ends(loopback: LoopbackPlatform)
     loopback.assert_no_leaks()
 
 
+def test_loopback_reset_drops_the_queued_replies(loopback: LoopbackPlatform) -> None:
+    loopback.replay(fault=Fault.truncate(2), times=3)
+    loopback.reset_backend()
+    loopback.test_mark = loopback.mark()
+    assert loopback.assert_one_terminal(loopback.stream_chat()) == "finish_reason=stop"
+
+
 def test_loopback_scripting_needs_the_fake_backend(loopback: LoopbackPlatform) -> None:
     with pytest.raises(ValueError, match="script the fault"):
         loopback.stream_chat(fault=Fault.truncate(2))
