@@ -465,13 +465,16 @@ class LoopbackPlatform:
 
     def mark(self) -> PlatformMark:
         """The counters now, for the assertions to count from."""
+        # The fds first: the admin requests below open (and close) a
+        # connection to the edge each, which must not be in the baseline.
+        fds = self.fd_counts()
         disconnects = 0
         if self.backend_kind == "sim":
             disconnects = int(self.sim_stats()["client_disconnects"])
         return PlatformMark(
             at=time.monotonic(),
             outcomes=self.outcomes(),
-            fds=self.fd_counts(),
+            fds=fds,
             requests=self._request_count(),
             sim_disconnects=disconnects,
         )
