@@ -95,6 +95,10 @@ _SETTLE_CHECKPOINTS: Final = 2
 # Longest request body recorded. Chat requests with long prompts stay far
 # below this; a bigger body is a broken test, not a backend scenario.
 MAX_REQUEST_BODY_BYTES: Final = 16 * 1024 * 1024
+# The receive buffer of a connection whose reads a ``stop_reading`` reply
+# stopped: the smallest the kernel grants (it rounds up), so a client's body
+# backs up into its own send buffer.
+STOPPED_RCVBUF: Final = 1024
 
 
 # --- how a body is cut into writes (sans-IO) -----------------------------------
@@ -233,6 +237,12 @@ class Reply(msgspec.Struct, frozen=True, kw_only=True):
             are out (a chunked body is then never terminated).
         reset: Drop with a TCP RST instead of a FIN.
         close_connection: Send ``Connection: close`` and close after the reply.
+        stop_reading: Stop reading the socket once the request head is in
+            (a backend that stops reading the body): this reply is taken
+            then, with the body unread, and the connection is closed after
+            it (with an RST, the kernel's answer to unread bytes). The
+            client's body backs up in its send buffer: one larger than the
+            socket buffers blocks its writes.
     """
 
     status: int = 200
@@ -249,6 +259,7 @@ class Reply(msgspec.Struct, frozen=True, kw_only=True):
     truncate_after_bytes: int | None = None
     reset: bool = False
     close_connection: bool = False
+    stop_reading: bool = False
 
     @classmethod
     def sse(cls, body: bytes, **options: Any) -> Reply:
@@ -390,6 +401,7 @@ class Connection:
         close_cause: Who ended it.
         closed_in: The state it was in when it ended (e.g. ``STALLED``).
         protocol_error: What h11 disliked about the client's bytes, if anything.
+        reading_stopped: A ``stop_reading`` reply stopped the reads.
     """
 
     id: int
@@ -400,6 +412,7 @@ class Connection:
     close_cause: CloseCause | None = None
     closed_in: ConnState | None = None
     protocol_error: str = ""
+    reading_stopped: bool = False
     _closed: trio.Event = field(default_factory=trio.Event, init=False, repr=False, compare=False)
 
     @property
@@ -493,6 +506,12 @@ class _Script:
 
     def clear(self, path: str) -> None:
         self._queues.pop(path, None)
+
+    def next_stops_reading(self, path: str) -> bool:
+        """Whether the reply ``path`` would get now is a ``stop_reading`` one."""
+        queue = self._queues.get(path)
+        item = queue[0] if queue else self._defaults.get(path)
+        return isinstance(item, Reply) and item.stop_reading
 
     def take(self, request: RecordedRequest) -> Reply | ConnectFailure:
         path = request.path
@@ -707,6 +726,10 @@ class FakeBackend:
     ) -> None:
         """Own the socket's receive side: feed h11, notice the client leaving."""
         while True:
+            if conn.reading_stopped:
+                # A backend that stopped reading: it cannot see the client
+                # leave either (the close waits behind the unread bytes).
+                await trio.sleep_forever()
             try:
                 data = await stream.receive_some(RECEIVE_BYTES)
             except trio.BrokenResourceError:
@@ -747,7 +770,7 @@ class FakeBackend:
         while True:
             conn._enter(ConnState.IDLE)
             try:
-                request = await self._receive_request(h, conn, wakeup)
+                request = await self._receive_request(stream, h, conn, wakeup)
             except h11.RemoteProtocolError as exc:
                 conn.protocol_error = str(exc)
                 return CloseCause.SERVER_CLOSE, False
@@ -768,12 +791,14 @@ class FakeBackend:
                 return CloseCause.CLIENT_RESET, False
             if aborted is not None:
                 return CloseCause.SERVER_ABORT, aborted.reset
+            if conn.reading_stopped:
+                return CloseCause.SERVER_CLOSE, True
             if h.our_state is not h11.DONE or h.their_state is not h11.DONE:
                 return CloseCause.SERVER_CLOSE, False
             h.start_next_cycle()
 
     async def _receive_request(
-        self, h: h11.Connection, conn: Connection, wakeup: _Wakeup
+        self, stream: trio.SocketStream, h: h11.Connection, conn: Connection, wakeup: _Wakeup
     ) -> RecordedRequest | None:
         head: h11.Request | None = None
         body = bytearray()
@@ -782,27 +807,36 @@ class FakeBackend:
             if isinstance(event, h11.Request):
                 head = event
                 conn._enter(ConnState.RECEIVING)
+                target = head.target.decode("ascii", "replace")
+                if self._script.next_stops_reading(urlsplit(target).path):
+                    conn.reading_stopped = True
+                    # Small, so that the client's writes block soon.
+                    stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, STOPPED_RCVBUF)
+                    return self._record(head, body, conn)
             elif isinstance(event, h11.Data):
                 body += event.data
                 if len(body) > MAX_REQUEST_BODY_BYTES:
                     conn.protocol_error = "request body too large for the fake backend"
                     return None
             elif isinstance(event, h11.EndOfMessage) and head is not None:
-                request = RecordedRequest(
-                    method=head.method.decode("ascii"),
-                    target=head.target.decode("ascii", "replace"),
-                    headers=tuple(
-                        (k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in head.headers
-                    ),
-                    body=bytes(body),
-                    received_at=trio.current_time(),
-                    connection=conn,
-                )
-                self.requests.append(request)
-                self._changed.fire()
-                return request
+                return self._record(head, body, conn)
             else:  # ConnectionClosed or PAUSED: nothing more to serve here
                 return None
+
+    def _record(self, head: h11.Request, body: bytearray, conn: Connection) -> RecordedRequest:
+        request = RecordedRequest(
+            method=head.method.decode("ascii"),
+            target=head.target.decode("ascii", "replace"),
+            headers=tuple(
+                (k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in head.headers
+            ),
+            body=bytes(body),
+            received_at=trio.current_time(),
+            connection=conn,
+        )
+        self.requests.append(request)
+        self._changed.fire()
+        return request
 
     async def _stall(self, conn: Connection, seconds: float) -> None:
         conn._enter(ConnState.STALLED)

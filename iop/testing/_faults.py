@@ -42,6 +42,7 @@ class FaultKind(enum.Enum):
     STALL_BEFORE_HEADERS = "stall_before_headers"  # no status line for ``seconds``
     HTTP_ERROR = "http_error"  # answer ``status`` with an OpenAI error body
     PACED = "paced"  # every event, ``seconds`` apart (a slow backend)
+    STOP_READING = "stop_reading"  # read the request head, never its body
 
 
 class Fault(msgspec.Struct, frozen=True, kw_only=True):
@@ -52,7 +53,8 @@ class Fault(msgspec.Struct, frozen=True, kw_only=True):
         after_chunks: SSE events sent before the stall, truncation or reset.
         seconds: Length of a stall (infinite: until the client leaves), or
             the pause between events of a paced stream.
-        status: The HTTP status of an ``http_error``.
+        status: The HTTP status of an ``http_error``, or of the early answer
+            of a ``stop_reading`` (0: none, it stalls).
     """
 
     kind: FaultKind = FaultKind.NONE
@@ -95,6 +97,18 @@ class Fault(msgspec.Struct, frozen=True, kw_only=True):
         """Send one event every ``seconds`` (a slow backend)."""
         return cls(kind=FaultKind.PACED, seconds=seconds)
 
+    @classmethod
+    def stop_reading(cls, *, answer_status: int = 0, seconds: float = math.inf) -> Fault:
+        """Read the request head, then never the body (``FakeBackend`` only).
+
+        With ``answer_status`` (413, say) the backend answers at once, its body
+        unread, as a server with a smaller body limit does; without, it stalls
+        for ``seconds``. Either way it then closes the connection (RST). A
+        request body larger than the sockets' buffers (megabytes) blocks the
+        node's writes until its write timeout.
+        """
+        return cls(kind=FaultKind.STOP_READING, status=answer_status, seconds=seconds)
+
     def _cut(self, body: bytes) -> int:
         ends = event_ends(body)
         if self.after_chunks < 0:
@@ -124,9 +138,13 @@ class Fault(msgspec.Struct, frozen=True, kw_only=True):
             return Reply.sse(body, stall_before_headers=True, stall_s=self.seconds)
         if kind is FaultKind.PACED:
             return Reply.sse(body, split=events, delay_s=self.seconds)
-        message = f"iop.testing: injected HTTP {self.status}"
-        error = {"error": {"message": message, "type": "server_error", "code": self.status}}
-        return Reply.json(error, status=self.status)
+        if kind is FaultKind.STOP_READING:
+            if not self.status:
+                return Reply.sse(
+                    body, stall_before_headers=True, stall_s=self.seconds, stop_reading=True
+                )
+            return _error_reply(self.status, stop_reading=True)
+        return _error_reply(self.status)
 
     def sim_overrides(self) -> dict[str, Any]:
         """This fault as ``iop sim``'s per-request ``iop_sim`` object.
@@ -148,6 +166,12 @@ class Fault(msgspec.Struct, frozen=True, kw_only=True):
         if kind is FaultKind.PACED and self.seconds > 0:
             return {"tokens_per_s": 1.0 / self.seconds}
         raise ValueError(f"iop sim cannot play {self!r}; use the fake backend")
+
+
+def _error_reply(status: int, **options: Any) -> Reply:
+    message = f"iop.testing: injected HTTP {status}"
+    error = {"error": {"message": message, "type": "server_error", "code": status}}
+    return Reply.json(error, status=status, **options)
 
 
 def synthetic_stream(chunks: int, *, text: str = "tok ", model: str = "iop-fake") -> bytes:

@@ -383,13 +383,16 @@ class LoopbackPlatform:
                     headers=self._headers(),
                 ) as resp:
                     stream.status = resp.status_code
-                    for data in resp.iter_raw():  # as it comes (a chunk_size would buffer)
-                        stream.feed(data)
-                        if hang_up_after is not None and stream.content_chunks >= hang_up_after:
-                            stream.finish(StreamEnd.HUNG_UP, at=time.monotonic())
-                            break
-                        if read_delay_s > 0:
-                            time.sleep(read_delay_s)
+                    if not resp.headers.get("content-type", "").startswith("text/event-stream"):
+                        stream.feed_body(resp.read())
+                    else:
+                        for data in resp.iter_raw():  # as it comes (a chunk_size would buffer)
+                            stream.feed(data)
+                            if hang_up_after is not None and stream.content_chunks >= hang_up_after:
+                                stream.finish(StreamEnd.HUNG_UP, at=time.monotonic())
+                                break
+                            if read_delay_s > 0:
+                                time.sleep(read_delay_s)
             except httpx.TransportError as exc:
                 stream.finish(StreamEnd.TRANSPORT_ERROR, at=time.monotonic(), error=repr(exc))
         stream.finish(StreamEnd.CLOSED, at=time.monotonic())
@@ -645,10 +648,13 @@ class LoopbackPlatform:
                 if stats["open_streams"] or stats["open_completions"]:
                     problems.append(f"iop sim still answering: {stats}")
             else:
+                # A connection the backend stopped reading is its own fault:
+                # it cannot see the node leave (the close waits behind the
+                # unread bytes) until its stall ends.
                 busy = [
                     r
                     for r in self.backend_requests(mark, path=None)
-                    if r.connection_state not in ("idle", "closed")
+                    if r.connection_state not in ("idle", "closed") and not r.reading_stopped
                 ]
                 if busy:
                     problems.append(

@@ -96,6 +96,7 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True):
         close_cause: Who ended it (``CloseCause`` value), if it has ended.
         closed_in: The state it was in when it ended (``stalled``, ``sending``...).
         body_bytes_sent: Response body bytes written on that connection so far.
+        reading_stopped: A ``stop_reading`` reply stopped the connection's reads.
     """
 
     index: int
@@ -109,6 +110,7 @@ class RequestRecord(msgspec.Struct, frozen=True, kw_only=True):
     close_cause: str | None = None
     closed_in: str | None = None
     body_bytes_sent: int = 0
+    reading_stopped: bool = False
 
 
 def _records(backend: FakeBackend) -> list[RequestRecord]:
@@ -132,6 +134,7 @@ def _records(backend: FakeBackend) -> list[RequestRecord]:
                 close_cause=None if conn.close_cause is None else conn.close_cause.value,
                 closed_in=None if conn.closed_in is None else conn.closed_in.value,
                 body_bytes_sent=conn.body_bytes_sent,
+                reading_stopped=conn.reading_stopped,
             )
         )
     return out

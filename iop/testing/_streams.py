@@ -52,6 +52,8 @@ class ClientStream:
         error: What the transport said, for ``TRANSPORT_ERROR``.
         body_bytes: Body bytes received.
         content_chunks: Chunks that carried content.
+        sse: Whether the answer was an event stream (an error refused before
+            the stream began is a JSON body, its one event).
     """
 
     status: int = 0
@@ -62,6 +64,7 @@ class ClientStream:
     error: str = ""
     body_bytes: int = 0
     content_chunks: int = 0
+    sse: bool = True
     _decoder: SSEDecoder = field(default_factory=SSEDecoder, repr=False)
 
     @classmethod
@@ -91,6 +94,15 @@ class ClientStream:
                     self.content_chunks += 1
             n += 1
         return n
+
+    def feed_body(self, body: bytes) -> None:
+        """A whole non-stream answer (a JSON error before the stream began): one event."""
+        self.sse = False
+        self.body_bytes += len(body)
+        try:
+            self.events.append(json.loads(body))
+        except ValueError:
+            self.events.append({"_unparsed": body.decode("utf-8", "replace")})
 
     def finish(self, end: StreamEnd, *, at: float, error: str = "") -> None:
         """Record how and when the stream ended (the first call wins)."""
@@ -189,7 +201,8 @@ def assert_one_terminal(stream: ClientStream, *, kind: str | None = None) -> str
     """Assert that ``stream`` ended with exactly one terminal event.
 
     A terminal event is a ``finish_reason`` or an error event; after it only a
-    usage chunk and ``[DONE]`` may follow, and ``[DONE]`` must come.
+    usage chunk and ``[DONE]`` may follow, and ``[DONE]`` must come. An answer
+    refused before its stream began (a 4xx or 5xx JSON body) is one error.
 
     Args:
         stream: What the client received.
@@ -211,7 +224,7 @@ def assert_one_terminal(stream: ClientStream, *, kind: str | None = None) -> str
             f"found {n}: {found}. Stream: {stream.describe()}"
         )
     name = names[0]
-    if not stream.done:
+    if stream.sse and not stream.done:
         raise AssertionError(f"terminal {name} but no [DONE] after it. Stream: {stream.describe()}")
     tail = _after_terminal(stream)
     if tail:

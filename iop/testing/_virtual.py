@@ -273,18 +273,21 @@ class VirtualPlatform:
                 "POST", "/v1/chat/completions", json=self.chat_body(prompt, **body)
             ) as resp:
                 stream.status = resp.status_code
-                # httpx's aiter_raw is an async generator over another one:
-                # leaving it early would leave both to the garbage collector.
-                assert isinstance(resp.stream, httpx.AsyncByteStream)
-                pieces = cast(AsyncGenerator[bytes, None], resp.stream.__aiter__())
-                async with aclosing(pieces):
-                    async for data in pieces:
-                        stream.feed(data)
-                        if hang_up_after is not None and stream.content_chunks >= hang_up_after:
-                            stream.finish(StreamEnd.HUNG_UP, at=trio.current_time())
-                            break
-                        if read_delay_s > 0:
-                            await trio.sleep(read_delay_s)
+                if not resp.headers.get("content-type", "").startswith("text/event-stream"):
+                    stream.feed_body(await resp.aread())
+                else:
+                    # httpx's aiter_raw is an async generator over another one:
+                    # leaving it early would leave both to the garbage collector.
+                    assert isinstance(resp.stream, httpx.AsyncByteStream)
+                    pieces = cast(AsyncGenerator[bytes, None], resp.stream.__aiter__())
+                    async with aclosing(pieces):
+                        async for data in pieces:
+                            stream.feed(data)
+                            if hang_up_after is not None and stream.content_chunks >= hang_up_after:
+                                stream.finish(StreamEnd.HUNG_UP, at=trio.current_time())
+                                break
+                            if read_delay_s > 0:
+                                await trio.sleep(read_delay_s)
         except httpx.TransportError as exc:
             stream.finish(StreamEnd.TRANSPORT_ERROR, at=trio.current_time(), error=repr(exc))
         stream.finish(StreamEnd.CLOSED, at=trio.current_time())

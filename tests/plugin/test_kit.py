@@ -70,6 +70,10 @@ def test_truncate_and_reset_drop_the_connection_after_n_events() -> None:
 
 def test_the_other_faults() -> None:
     assert Fault.none().reply(BODY).body == BODY
+    stop = Fault.stop_reading().reply(BODY)
+    assert (stop.stop_reading, stop.stall_before_headers, stop.stall_s) == (True, True, math.inf)
+    early = Fault.stop_reading(answer_status=413).reply(BODY)
+    assert (early.stop_reading, early.status) == (True, 413)
     assert Fault.paced(0.5).reply(BODY).delay_s == 0.5
     assert Fault.stall_before_headers(2.0).reply(BODY).stall_before_headers
     error = Fault.http_error(503).reply(BODY)
@@ -200,7 +204,11 @@ async def test_virtual_leaks_and_open_backends_are_seen(autojump_clock: trio.abc
 @pytest.fixture(scope="module")
 def loopback(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LoopbackPlatform]:
     with loopback_platform(
-        tmp_path_factory.mktemp("loopback"), edge_config={"deadlines": {"idle_timeout_s": 30}}
+        tmp_path_factory.mktemp("loopback"),
+        edge_config={"deadlines": {"idle_timeout_s": 30}},
+        # The node's write deadline (docs/configuration.md): a backend that
+        # stops reading is given up on after 1 s.
+        instance={"connect_timeout_s": 1.0},
     ) as platform:
         yield platform
 
@@ -233,6 +241,34 @@ def test_loopback_a_held_run_is_a_leak_until_it_ends(loopback: LoopbackPlatform)
         reader.close()
     loopback.assert_backend_closed_within(5000, after=loopback.test_mark.at)
     assert loopback.assert_one_outcome() == "cancelled:client_disconnect"
+    loopback.assert_no_leaks()
+
+
+# More than the sockets between node and backend buffer (the node's send
+# buffer grows to 4 MiB, tcp_wmem's default maximum), less than the edge's
+# 8 MiB body limit.
+BIG_PROMPT = "x" * 6_000_000
+
+
+def test_loopback_a_backend_that_stops_reading_the_body(loopback: LoopbackPlatform) -> None:
+    loopback.test_mark = loopback.mark()
+    loopback.replay(fault=Fault.stop_reading())
+    stream = loopback.stream_chat(BIG_PROMPT)
+    assert loopback.assert_one_terminal(stream, kind="error=backend_timeout")
+    (record,) = loopback.backend_requests(loopback.test_mark)
+    assert record.reading_stopped
+    assert record.body == b""
+    loopback.assert_no_leaks()
+
+
+def test_loopback_an_early_answer_to_an_unread_body_is_the_outcome(
+    loopback: LoopbackPlatform,
+) -> None:
+    loopback.test_mark = loopback.mark()
+    loopback.replay(fault=Fault.stop_reading(answer_status=413))
+    stream = loopback.stream_chat(BIG_PROMPT)
+    loopback.assert_one_terminal(stream, kind="error")
+    assert "413" in stream.describe()
     loopback.assert_no_leaks()
 
 
