@@ -156,3 +156,35 @@ def test_iop_runs_without_pytest() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert out.stdout.strip() == "False"
+
+
+VIRTUAL_ONLY = """
+from iop.testing import Fault
+
+
+def test_a_virtual_run(iop_virtual):
+    async def scenario(platform):
+        platform.replay(fault=Fault.truncate(after_chunks=3))
+        stream = await platform.stream_chat()
+        return await platform.assert_one_terminal(stream)
+
+    assert iop_virtual.run(scenario).startswith("error=")
+
+
+def test_a_failing_virtual_run(iop_virtual):
+    async def scenario(platform):
+        stream = await platform.stream_chat(hang_up_after=1)
+        await platform.assert_one_terminal(stream)
+
+    iop_virtual.run(scenario)
+"""
+
+
+def test_the_virtual_fixture_in_this_process(pytester: pytest.Pytester) -> None:
+    """In process too (where coverage sees the plugin), with no process started."""
+    pytester.makepyfile(test_virtual=VIRTUAL_ONLY)
+    loaded = importlib.metadata.entry_points(group="pytest11", name="iop")
+    args = [] if loaded else ["-p", "iop.testing._plugin"]
+    result = pytester.runpytest_inprocess(*args, "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*expected exactly one terminal event*found 0: none*"])
