@@ -516,6 +516,7 @@ class LoopbackPlatform:
         Returns:
             The client-side terminal's name (``finish_reason=stop``...).
         """
+        __tracebackhide__ = True  # pytest: show the caller's line
         name = assert_one_terminal(stream, kind=kind)
         self.assert_one_outcome(since=since)
         return name
@@ -524,6 +525,7 @@ class LoopbackPlatform:
         self, *, since: PlatformMark | None = None, timeout: float = SETTLE_TIMEOUT_S
     ) -> str:
         """Exactly one run ended on the edge since ``since``; returns its outcome key."""
+        __tracebackhide__ = True  # pytest: show the caller's line
         mark = self._since(since)
         ended = poll(
             lambda: (d := self.outcomes_since(mark)) and d,
@@ -561,6 +563,7 @@ class LoopbackPlatform:
         Returns:
             The request's record (fake backend; a synthetic one with ``iop sim``).
         """
+        __tracebackhide__ = True  # pytest: show the caller's line
         mark = self._since(since)
         limit_s = ms / 1000.0
         if self.backend_kind == "sim":
@@ -631,6 +634,7 @@ class LoopbackPlatform:
         has no request still being answered (fake: every connection since the
         mark is idle or closed; sim: no open stream or answer).
         """
+        __tracebackhide__ = True  # pytest: show the caller's line
         mark = self._since(since)
         problems: list[str] = []
 

@@ -216,6 +216,7 @@ def assert_one_terminal(stream: ClientStream, *, kind: str | None = None) -> str
     Raises:
         AssertionError: With what the stream carried instead.
     """
+    __tracebackhide__ = True  # pytest: show the caller's line
     n, names = count_terminals(stream)
     if n != 1:
         found = ", ".join(names) if names else "none"

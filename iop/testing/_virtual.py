@@ -323,6 +323,7 @@ class VirtualPlatform:
         self, stream: ClientStream, *, kind: str | None = None, since: VirtualMark | None = None
     ) -> str:
         """One terminal event on the client's stream, and exactly one run ended on the edge."""
+        __tracebackhide__ = True  # pytest: show the caller's line
         name = assert_one_terminal(stream, kind=kind)
         mark = self._since(since)
         await self.wait_idle()
@@ -341,6 +342,7 @@ class VirtualPlatform:
     ) -> TransportResponse:
         """The backend's response was closed within ``ms`` virtual milliseconds of ``after``
         (default: when the last request since the mark arrived)."""
+        __tracebackhide__ = True  # pytest: show the caller's line
         mark = self._since(since)
         responses = self.backend.responses[mark.responses :]
         chats = [r for r in responses if r.request.path == CHAT_COMPLETIONS_PATH]
@@ -364,6 +366,7 @@ class VirtualPlatform:
         self, *, since: VirtualMark | None = None, within_s: float = SETTLE_TIMEOUT_S
     ) -> None:
         """No run left and the run's task count back to the mark's, within ``within_s`` (virtual)."""
+        __tracebackhide__ = True  # pytest: show the caller's line
         mark = self._since(since)
         with trio.move_on_after(within_s):
             while self.core.supervisor.runs or task_count() > mark.tasks:  # noqa: ASYNC110 (_poll)
