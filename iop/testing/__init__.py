@@ -112,6 +112,7 @@ if _typing.TYPE_CHECKING:
         loopback_platform,
         start_platform,
     )
+    from iop.testing._plugin import PlatformFactory, VirtualRunner
     from iop.testing._processes import (
         EDGE_READY,
         NODE_READY,
@@ -125,6 +126,7 @@ if _typing.TYPE_CHECKING:
         poll,
         toml_dumps,
     )
+    from iop.testing._replay_server import RequestRecord
     from iop.testing._streams import (
         ClientStream,
         StreamEnd,
@@ -150,6 +152,10 @@ if _typing.TYPE_CHECKING:
 
 # Each public name and the module it lives in.
 _EXPORTS: dict[str, str] = {
+    # The plugin's fixture types (importing them imports pytest).
+    "PlatformFactory": "iop.testing._plugin",
+    "VirtualRunner": "iop.testing._plugin",
+    "RequestRecord": "iop.testing._replay_server",
     "CANCEL_LATENCIES": "iop.testing._conformance",
     "CHECKS": "iop.testing._conformance",
     "DEADLINE_SLACK_S": "iop.testing._conformance",
@@ -291,11 +297,13 @@ __all__ = [
     "MemoryFrameChannel",
     "OpenAICompatHarness",
     "Pause",
+    "PlatformFactory",
     "PlatformMark",
     "Proc",
     "RecordedRequest",
     "Reply",
     "ReplyHandler",
+    "RequestRecord",
     "Scenario",
     "ScenarioCase",
     "ScenarioUnsupported",
@@ -310,6 +318,7 @@ __all__ = [
     "UpstreamClosed",
     "VirtualMark",
     "VirtualPlatform",
+    "VirtualRunner",
     "VllmHarness",
     "Write",
     "assert_one_terminal",
