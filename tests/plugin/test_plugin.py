@@ -109,8 +109,10 @@ def test_no_iop_turns_the_plugin_off(as_installed: pytest.Pytester) -> None:
 
 
 def test_the_plugin_registers_its_marker_and_option(pytester: pytest.Pytester) -> None:
-    # In process, loaded by name: the entry point is the other tests' business.
-    config = pytester.parseconfigure("-p", "iop.testing._plugin", "--iop-log-lines", "7")
+    # In process: by its entry point when installed (the normal case), else by name.
+    loaded = importlib.metadata.entry_points(group="pytest11", name="iop")
+    args = [] if loaded else ["-p", "iop.testing._plugin"]
+    config = pytester.parseconfigure(*args, "--iop-log-lines", "7")
     assert config.getoption("--iop-log-lines") == 7
     markers = config.getini("markers")
     assert any(m.startswith("iop_platform(**options):") for m in markers), markers
