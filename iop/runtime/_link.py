@@ -173,8 +173,20 @@ class LinkDriver(Generic[E]):
                 nursery.start_soon(self._writer, name="link writer")
                 await self._reader()
                 nursery.cancel_scope.cancel()
-        except* LinkError as group:
-            raise first_leaf(group, LinkError) from None
+        except BaseExceptionGroup as group:
+            cancelled, rest = group.split(trio.Cancelled)
+            if rest is None:
+                raise  # only the cancel: the scope that cancelled takes it
+            links, other = rest.split(LinkError)
+            if other is not None:
+                raise  # a bug beside them: everything goes up, nothing is lost
+            assert links is not None
+            if cancelled is not None:
+                # Cancelled from outside while the link broke: the cancel is
+                # the cause, and a LinkError beside it would escape the
+                # canceller's scope in a group (its caller "never raises").
+                raise first_leaf(cancelled, trio.Cancelled) from None
+            raise first_leaf(links, LinkError) from None
 
     def _silent(self) -> PeerSilent:
         return PeerSilent(

@@ -346,3 +346,42 @@ async def test_a_link_that_joins_with_an_old_last_frame_moves_the_clock_up(
     assert LinkClock(0.2).resolution_s == pytest.approx(0.05)  # heartbeats set very short
     with pytest.raises(ValueError, match="positive"):
         LinkClock(0.0)
+
+
+class _ClosingOnCancel:
+    """A channel whose receive, when cancelled, reports the link closed (as a
+    WebSocket library may when its connection is torn down at that moment)."""
+
+    def __init__(self) -> None:
+        self.receiving = trio.Event()
+
+    async def receive(self) -> bytes:
+        self.receiving.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            from iop.protocol import LinkClosed
+
+            raise LinkClosed("closed while cancelled", close_code=1006, reason="")
+
+    async def send(self, frame: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def aclose(self, code: int = 1000, reason: str = "") -> None:
+        await trio.lowlevel.checkpoint()
+
+
+async def test_a_driver_cancelled_as_its_link_closes_raises_only_the_cancel() -> None:
+    # The runner's cancel is the cause: a link error at the same moment must
+    # not escape its scope as an ExceptionGroup (handle_link never raises).
+    edge = EdgeSession(
+        tokens=["t"], heartbeat_interval_s=INTERVAL_S, heartbeat_timeout_s=TIMEOUT_S, now=0.0
+    )
+    chan = _ClosingOnCancel()
+    driver = LinkDriver(chan, edge, lambda events: None, peer="node x")  # type: ignore[arg-type]
+    with trio.CancelScope() as scope:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(driver.run)
+            await chan.receiving.wait()
+            scope.cancel()
+    assert scope.cancelled_caught
