@@ -691,6 +691,27 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
         affinity: Send a conversation back to the instance that served it
             before when it has a free slot (prefix-cache reuse).
         affinity_entries: Conversations remembered for affinity (LRU).
+        placement: How a run's instance is chosen among those with a free
+            slot: ``least_loaded`` (with ``affinity`` first),
+            ``prefix`` (the expected cached prefix, load and affinity
+            scored, ``iop.edge._prefix``), or ``random`` (a baseline for
+            benchmarks).
+        prefix_block_chars: Characters of rendered prompt per block of the
+            prefix index (about a quarter as many tokens).
+        prefix_index_bytes: Memory the prefix index may take, all instances
+            together; the least recently routed blocks go first.
+        prefix_weight: Score of an instance expected to hold a whole
+            prompt's prefix (a part in proportion).
+        load_weight: Score lost per unit of an instance's load (in-flight
+            over slots).
+        affinity_weight: Score of the instance that last served the
+            conversation.
+        balance_abs_threshold: With ``prefix`` placement, the candidates'
+            in-flight runs may differ by this many before...
+        balance_rel_threshold: ...the busiest also has this many times the
+            idlest's: past both, placement is least-loaded (SGLang's
+            cache-aware router's rule), so a hot prefix cannot pile
+            everything on one instance.
     """
 
     max_queue: int = 256
@@ -704,10 +725,32 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
     failover: bool = True
     affinity: bool = True
     affinity_entries: int = 10_000
+    placement: Literal["least_loaded", "prefix", "random"] = "least_loaded"
+    # 256 characters: about 64 tokens, four of vLLM's 16-token blocks; a
+    # 2k-token system prompt is ~32 index blocks.
+    prefix_block_chars: int = 256
+    # 32 MiB: ~130,000 (instance, block) entries, e.g. 32 tenants' 2k-token
+    # prefixes on 4 instances 30 times over.
+    prefix_index_bytes: int = 32 * 1024 * 1024
+    prefix_weight: float = 1.0
+    load_weight: float = 1.0
+    affinity_weight: float = 0.5
+    # SGLang's cache-aware router has the same two thresholds, sized for
+    # batches of hundreds; these are sized for the slots of a node.
+    balance_abs_threshold: int = 4
+    balance_rel_threshold: float = 1.5
 
     def __post_init__(self) -> None:
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
+        if self.prefix_block_chars < 16:
+            raise ValueError("prefix_block_chars must be >= 16")
+        if self.prefix_index_bytes < 0:
+            raise ValueError("prefix_index_bytes must be >= 0")
+        if min(self.prefix_weight, self.load_weight, self.affinity_weight) < 0:
+            raise ValueError("placement weights must be >= 0")
+        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
+            raise ValueError("balance_abs_threshold must be >= 0, balance_rel_threshold >= 1")
         if self.max_queue_delay_s < 0:
             raise ValueError("max_queue_delay_s must be >= 0 (0 disables it)")
 

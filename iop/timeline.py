@@ -118,6 +118,10 @@ class Placement(msgspec.Struct, kw_only=True):
     # edge left it: "retry: ..." (failed before output, failed over),
     # "lost: ..." (its link went away), "cancelled".
     result: str | None = None
+    # Why this instance (the scheduler's rule), and each candidate's score
+    # when placement scored them ("node/instance" -> score).
+    why: str = ""
+    scores: dict[str, float] = {}
 
 
 class NodeTimeline(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -358,6 +362,8 @@ class Timeline(msgspec.Struct, kw_only=True):
                     "instance": p.instance,
                     "at_ms": ms(p.at),
                     "result": p.result,
+                    "why": p.why,
+                    "scores": p.scores,
                 }
                 for p in self.placements
             ],

@@ -54,6 +54,7 @@ from iop._secrets import SecretMasker, edge_secrets, mask_event
 from iop.config import EdgeConfig
 from iop.edge._metrics import EdgeMetrics
 from iop.edge._registry import (
+    Lease,
     NodeConnection,
     NodeRegistry,
     RemoteRun,
@@ -185,6 +186,7 @@ class RemoteExecutor:
         excluded: set[str] = set()
         last: _Retry | None = None
         affinity = affinity_key(spec.request) if core.config.scheduler.affinity else None
+        prefix = core.scheduler.prompt_blocks(spec.request)
         attempts = MAX_ATTEMPTS if core.config.scheduler.failover else 1
         for attempt in range(attempts):
             if last is not None and not core.scheduler.could_serve(model, frozenset(excluded), op):
@@ -198,15 +200,14 @@ class RemoteExecutor:
                         operation=op,
                         # A failover's wait shows as the gap between placements.
                         timeline=send.timeline if attempt == 0 else None,
+                        prefix=prefix,
                     )
             except RunAborted:
                 if last is not None and last.error is not None:
                     break  # report the node's own error rather than the wait
                 raise
             try:
-                await self._attempt(
-                    lease.conn, lease.instance.caps.instance, spec, send, attempt + 1
-                )
+                await self._attempt(lease, spec, send, attempt + 1)
                 return
             except _Retry as retry:
                 last = retry
@@ -227,18 +228,17 @@ class RemoteExecutor:
             return
         raise RunAborted(core.masker.mask(last.why), reason=CancelReason.NODE_LOST)
 
-    async def _attempt(
-        self,
-        conn: NodeConnection,
-        instance: str,
-        spec: ExecutionSpec,
-        send: RunSink,
-        number: int = 1,
-    ) -> None:
+    async def _attempt(self, lease: Lease, spec: ExecutionSpec, send: RunSink, number: int) -> None:
+        conn, instance = lease.conn, lease.instance.caps.instance
         window = self._core.config.link.run_window
         run_id = spec.run_id
         placement = Placement(
-            attempt=number, node=conn.node_id, instance=instance, at=trio.current_time()
+            attempt=number,
+            node=conn.node_id,
+            instance=instance,
+            at=trio.current_time(),
+            why=lease.why,
+            scores=lease.scores,
         )
         rr = RemoteRun(run_id, send, self._core.masker, self._started, placement.at)
         ended = False  # the node is done with the run: nothing to cancel
@@ -629,7 +629,9 @@ class EdgeCore:
             log.warning("node %s broke the protocol: %s (close %d)", conn.node_id, exc, code)
             conn.close_code, conn.close_reason = code, close_reason(str(exc))
         finally:
-            self.registry.remove(conn)
+            if self.registry.remove(conn):
+                # A new link of this node starts cold (iop.edge._prefix).
+                self.scheduler.prefixes.forget(conn.node_id)
             session.close()
             conn.wake = _nothing
             reason = conn.close_reason or "link closed"

@@ -51,9 +51,10 @@ import enum
 import hashlib
 import itertools
 import logging
+import random
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -63,6 +64,7 @@ import trio
 from iop._secrets import SecretMasker, mask_event
 from iop.capabilities import Capabilities, ProviderStatus
 from iop.config import SchedulerSettings
+from iop.edge._prefix import PrefixIndex, prompt_blocks
 from iop.errors import RETRYABLE_CODES, ErrorCode, InvariantError, IopError, RunAborted
 from iop.events import CancelReason, Error, RuntimeEvent, Start, is_terminal
 from iop.protocol import RELEASED_RUNS_REMEMBERED, EdgeSession, RunEventsReceived
@@ -388,6 +390,10 @@ class Lease:
     instance: InstanceState
     _scheduler: Scheduler
     released: bool = False
+    # Why this instance (the run's timeline shows it): the rule that chose,
+    # and with ``prefix`` placement each candidate's score.
+    why: str = ""
+    scores: dict[str, float] = field(default_factory=dict)
 
     def release(self) -> None:
         if not self.released:
@@ -427,6 +433,7 @@ class _Waiter:
     exclude: frozenset[str]
     affinity: str | None = None
     operation: str = "chat"
+    prefix: Sequence[bytes] = ()  # the prompt's blocks (iop.edge._prefix)
     seq: int = 0  # arrival order across groups
     queued_at: float = 0.0
     ahead: int = 0  # waiters of its group ahead of it when it came
@@ -438,8 +445,27 @@ class _Waiter:
         return (self.model, self.operation, self.exclude)
 
 
+def _least_loaded(
+    free: list[tuple[NodeConnection, InstanceState]], preferred: tuple[str, str] | None
+) -> tuple[NodeConnection, InstanceState, str]:
+    """The conversation's instance if it is free, else the least loaded one."""
+    best: tuple[float, NodeConnection, InstanceState] | None = None
+    for conn, inst in free:
+        if preferred == (conn.node_id, inst.caps.instance):
+            # The instance that served this conversation before: its
+            # prefix cache likely holds the prompt's head.
+            return conn, inst, "affinity"
+        load = inst.in_flight / max(inst.caps.max_concurrency, 1)
+        if best is None or load < best[0]:
+            best = (load, conn, inst)
+    assert best is not None
+    _, conn, inst = best
+    return conn, inst, "least-loaded"
+
+
 class Scheduler:
-    """Least-loaded placement with a bounded FIFO queue and admission control."""
+    """Placement (least-loaded, prefix-aware or random) with a bounded FIFO
+    queue and admission control."""
 
     def __init__(self, registry: NodeRegistry, settings: SchedulerSettings) -> None:
         self.registry = registry
@@ -454,6 +480,9 @@ class Scheduler:
         self._arrivals = itertools.count()
         # Conversation key -> (node, instance) that last served it; LRU-bounded.
         self._affinity: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        # What each instance's prefix cache probably holds (``placement = "prefix"``).
+        self.prefixes = PrefixIndex(settings.prefix_index_bytes)
+        self._random = random.Random()
 
     @property
     def queued(self) -> int:
@@ -496,33 +525,79 @@ class Scheduler:
     def serves(self, model: str, operation: str = "chat") -> bool:
         return self.could_serve(model, frozenset(), operation)
 
+    def prompt_blocks(self, request: OperationRequest) -> list[bytes]:
+        """``request``'s prompt blocks when placement looks at them, else none."""
+        if self.settings.placement != "prefix":
+            return []
+        return prompt_blocks(request, self.settings.prefix_block_chars)
+
     def _pick(
         self,
         model: str,
         exclude: frozenset[str],
         affinity: str | None = None,
         operation: str = "chat",
+        prefix: Sequence[bytes] = (),
     ) -> Lease | None:
-        best: tuple[float, NodeConnection, InstanceState] | None = None
-        preferred = self._affinity.get(affinity) if affinity is not None else None
-        for conn, inst in self._candidates(model, exclude, operation):
-            if inst.free <= 0:
-                continue
-            if preferred == (conn.node_id, inst.caps.instance):
-                # The instance that served this conversation before: its
-                # prefix cache likely holds the prompt's head.
-                best = (-1.0, conn, inst)
-                break
-            load = inst.in_flight / max(inst.caps.max_concurrency, 1)
-            if best is None or load < best[0]:
-                best = (load, conn, inst)
-        if best is None:
+        free = [
+            (conn, inst)
+            for conn, inst in self._candidates(model, exclude, operation)
+            if inst.free > 0
+        ]
+        if not free:
             return None
-        _, conn, inst = best
+        preferred = self._affinity.get(affinity) if affinity is not None else None
+        placement = self.settings.placement
+        scores: dict[str, float] = {}
+        if placement == "random":
+            conn, inst = self._random.choice(free)
+            why = "random"
+        elif placement == "prefix":
+            conn, inst, why, scores = self._by_prefix(free, prefix, preferred)
+        else:
+            conn, inst, why = _least_loaded(free, preferred)
         inst.in_flight += 1
+        where = (conn.node_id, inst.caps.instance)
         if affinity is not None:
-            self._remember(affinity, (conn.node_id, inst.caps.instance))
-        return Lease(conn, inst, self)
+            self._remember(affinity, where)
+        if prefix:
+            self.prefixes.routed(where, prefix)
+        return Lease(conn, inst, self, why=why, scores=scores)
+
+    def _by_prefix(
+        self,
+        free: list[tuple[NodeConnection, InstanceState]],
+        prefix: Sequence[bytes],
+        preferred: tuple[str, str] | None,
+    ) -> tuple[NodeConnection, InstanceState, str, dict[str, float]]:
+        """The best scored candidate: the expected cached share of the prompt,
+        minus its load, plus affinity (weights in ``[scheduler]``); or the
+        least loaded while the candidates' loads are too far apart."""
+        s = self.settings
+        flights = [inst.in_flight for _, inst in free]
+        busiest, idlest = max(flights), min(flights)
+        if (
+            busiest - idlest > s.balance_abs_threshold
+            and busiest > idlest * s.balance_rel_threshold
+        ):
+            conn, inst, _ = _least_loaded(free, None)
+            return conn, inst, f"least-loaded: in flight {busiest} against {idlest}", {}
+        scores: dict[str, float] = {}
+        best: tuple[float, int, NodeConnection, InstanceState] | None = None
+        for i, (conn, inst) in enumerate(free):
+            where = (conn.node_id, inst.caps.instance)
+            matched = self.prefixes.matched(where, prefix) / len(prefix) if prefix else 0.0
+            load = inst.in_flight / max(inst.caps.max_concurrency, 1)
+            score = s.prefix_weight * matched - s.load_weight * load
+            if where == preferred:
+                score += s.affinity_weight
+            scores[f"{where[0]}/{where[1]}"] = round(score, 4)
+            # Ties go to the first candidate (the registry's order).
+            if best is None or score > best[0]:
+                best = (score, i, conn, inst)
+        assert best is not None
+        score, _, conn, inst = best
+        return conn, inst, f"prefix: best score {score:.3f} of {len(free)}", scores
 
     def _remember(self, key: str, where: tuple[str, str]) -> None:
         self._affinity[key] = where
@@ -576,11 +651,13 @@ class Scheduler:
         affinity: str | None = None,
         operation: str = "chat",
         timeline: Timeline | None = None,
+        prefix: Sequence[bytes] = (),
     ) -> Lease:
         """A slot for ``operation`` on ``model``, waiting in the queue if needed.
 
         ``timeline`` (the run's) gets when the run was admitted, or when it
-        was queued, why, and when it left the queue with a slot.
+        was queued, why, and when it left the queue with a slot. ``prefix``:
+        the prompt's blocks, for ``prefix`` placement (``prompt_blocks``).
 
         Raises:
             IopError: 429 when the queue is full or too far behind.
@@ -588,7 +665,7 @@ class Scheduler:
         """
         ahead = self._queued
         if not ahead:
-            lease = self._pick(model, exclude, affinity, operation)
+            lease = self._pick(model, exclude, affinity, operation, prefix)
             if lease is not None:
                 if timeline is not None:
                     timeline.admitted = trio.current_time()
@@ -599,6 +676,7 @@ class Scheduler:
             exclude,
             affinity,
             operation,
+            prefix,
             seq=next(self._arrivals),
             queued_at=trio.current_time(),
         )
@@ -676,7 +754,7 @@ class Scheduler:
                     head = first
             if head is None:
                 return
-            lease = self._pick(head.model, head.exclude, head.affinity, head.operation)
+            lease = self._pick(head.model, head.exclude, head.affinity, head.operation, head.prefix)
             if lease is None:
                 stuck.add(head.key)
                 continue

@@ -1,0 +1,117 @@
+"""Prefix-aware placement: what each instance's prefix cache probably holds.
+
+The edge cannot see a backend's KV cache, but it knows every prompt it sent
+where. ``PrefixIndex`` remembers, per instance, the blocks of the prompts it
+routed there, and a new prompt's expected cache hit on an instance is the
+run of its leading blocks that instance saw: the approximate prefix tree of
+SGLang's cache-aware router, kept as chained block hashes the way vLLM's
+automatic prefix caching names KV blocks
+(https://docs.vllm.ai/en/stable/design/prefix_caching.html), so that a block
+matches only when everything before it matches too.
+
+A prompt's blocks (``prompt_blocks``) are cut from its rendered messages
+(role and text, tool calls and tool schemas first), ``scheduler.prefix_block_chars``
+characters each (about a quarter as many tokens), with no tokenizer: an
+approximation of the backend's blocks, which is all placement needs.
+
+Bounded (production-stack #687: a prefix tree without a bound took its router
+down): one least-recently-used map of (instance, block) across all
+instances, at most ``scheduler.prefix_index_bytes`` over ``ENTRY_BYTES``
+entries (measured: ``tests/edge/test_prefix.py``). A node that leaves takes
+its entries along (``forget``). Sans-IO.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Final
+
+import msgspec
+
+from iop.spec import ChatRequest, CompletionRequest, OperationRequest
+
+__all__ = ["ENTRY_BYTES", "PrefixIndex", "prompt_blocks"]
+
+# What one remembered (instance, block) costs in the index: the OrderedDict's
+# node and entry, the key tuple, a 16-byte digest. Measured with
+# tracemalloc in tests/edge/test_prefix.py (about 230 bytes on CPython 3.11);
+# rounded up so that the configured cap is never exceeded.
+ENTRY_BYTES: Final = 256
+
+_SEED: Final = b"iop-prefix"
+_Where = tuple[str, str]  # (node id, instance name)
+
+
+def _rendered(request: OperationRequest) -> bytes | None:
+    """What a backend's chat template would start from, in order; None: no prompt."""
+    if isinstance(request, ChatRequest):
+        parts: list[object] = [request.model]
+        if request.tools:
+            parts.append(request.tools)  # templates put tool schemas first
+        for m in request.messages:
+            parts.append([m.role, m.text(), m.tool_calls or []])
+        return msgspec.json.encode(parts)
+    if isinstance(request, CompletionRequest):
+        return msgspec.json.encode([request.model, request.prompt])
+    return None
+
+
+def prompt_blocks(request: OperationRequest, block_chars: int) -> list[bytes]:
+    """The chained hashes of the full ``block_chars`` blocks of ``request``'s prompt.
+
+    The JSON of the rendered messages grows at the end as a conversation
+    does, so two turns of one conversation share their leading blocks.
+    """
+    text = _rendered(request)
+    if text is None:
+        return []
+    out: list[bytes] = []
+    parent = _SEED
+    for start in range(0, len(text) - block_chars + 1, block_chars):
+        parent = hashlib.blake2b(
+            parent + text[start : start + block_chars], digest_size=16
+        ).digest()
+        out.append(parent)
+    return out
+
+
+class PrefixIndex:
+    """(instance, block) -> None, least recently used first, at most ``max_entries``."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_entries = max(0, max_bytes // ENTRY_BYTES)
+        self._entries: OrderedDict[tuple[_Where, bytes], None] = OrderedDict()
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def matched(self, where: _Where, blocks: Sequence[bytes]) -> int:
+        """How many of ``blocks``, from the first, ``where`` has seen."""
+        entries = self._entries
+        n = 0
+        for block in blocks:
+            if (where, block) not in entries:
+                break
+            n += 1
+        return n
+
+    def routed(self, where: _Where, blocks: Sequence[bytes]) -> None:
+        """``blocks`` went to ``where``: they are its most recent."""
+        if self.max_entries == 0:
+            return
+        entries = self._entries
+        for block in blocks:
+            key = (where, block)
+            entries[key] = None
+            entries.move_to_end(key)
+        while len(entries) > self.max_entries:
+            entries.popitem(last=False)
+            self.evicted += 1
+
+    def forget(self, node_id: str) -> None:
+        """A node left: what its instances held is gone (a new link starts cold)."""
+        for key in [k for k in self._entries if k[0][0] == node_id]:
+            del self._entries[key]
