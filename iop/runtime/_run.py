@@ -171,41 +171,195 @@ class Outlet(Protocol):
     def close(self) -> None: ...
 
 
+class _RunChannel:
+    """A run's events between its sink and its one consumer: a bounded FIFO.
+
+    What ``trio.open_memory_channel(capacity)`` gives, for the one producer
+    (the run's sink) and the one consumer (``RunEvents``) a run has: the same
+    ``send_nowait``/``send``/``receive`` semantics (``WouldBlock`` when full,
+    ``EndOfChannel`` after the sender closed and the buffer is drained,
+    ``BrokenResourceError`` to a sender whose consumer closed, a checkpoint
+    in every ``async`` call, a cancelled wait leaves nothing behind), without
+    the pair's general machinery (two endpoint objects, a deque, two ordered
+    dicts of waiting tasks and two sets of them: 1.8 KiB, against 0.3 here,
+    for each run an edge holds open; ``docs/benchmarks.md``, "Memory",
+    "Second pass"). At most one task waits on each side; a second is a bug
+    (``trio.BusyResourceError``).
+    """
+
+    __slots__ = (
+        "_capacity",
+        "_items",
+        "_receive_closed",
+        "_receiver",
+        "_send_closed",
+        "_sender",
+        "_sending",
+        "_woken",
+    )
+
+    def __init__(self, capacity: int) -> None:
+        self._capacity = capacity
+        self._items: list[RuntimeEvent] = []
+        self._send_closed = False
+        self._receive_closed = False
+        self._receiver: trio.lowlevel.Task | None = None
+        # The receiver was woken for an event in ``_items`` and has not run
+        # yet: that event is in its hands, not in the buffer (as trio's
+        # channel hands it over directly).
+        self._woken = False
+        self._sender: trio.lowlevel.Task | None = None
+        self._sending: RuntimeEvent | None = None  # the waiting sender's event
+
+    def _wake_receiver(self) -> None:
+        receiver = self._receiver
+        if receiver is not None:
+            self._receiver = None
+            self._woken = True
+            trio.lowlevel.reschedule(receiver)
+
+    # --- the sink's side (an ``Outlet``) ---------------------------------------
+
+    def send_nowait(self, event: RuntimeEvent) -> None:
+        if self._send_closed:
+            raise trio.ClosedResourceError
+        if self._receive_closed:
+            raise trio.BrokenResourceError
+        if self._receiver is None and len(self._items) - self._woken >= self._capacity:
+            raise trio.WouldBlock
+        self._items.append(event)
+        self._wake_receiver()
+
+    async def send(self, event: RuntimeEvent) -> None:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            self.send_nowait(event)
+        except trio.WouldBlock:
+            pass
+        else:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
+        if self._sender is not None:
+            raise trio.BusyResourceError("another task is sending this run's events")
+        self._sender = trio.lowlevel.current_task()
+        self._sending = event
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            self._sender = self._sending = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+        if self._sending is not None:  # woken by the consumer's close, not taken
+            self._sending = None
+            raise trio.BrokenResourceError
+
+    def close(self) -> None:
+        """The sender's close: the consumer gets ``EndOfChannel`` once it has the rest."""
+        if not self._send_closed:
+            self._send_closed = True
+            self._wake_receiver()
+
+    # --- the consumer's side (through ``RunEvents``) -----------------------------
+
+    def receive_nowait(self) -> RuntimeEvent:
+        if self._receive_closed:
+            raise trio.ClosedResourceError
+        self._woken = False
+        items = self._items
+        sender = self._sender
+        if sender is not None:
+            # Room now: the waiting sender's event joins the buffer.
+            assert self._sending is not None
+            items.append(self._sending)
+            self._sender = self._sending = None
+            trio.lowlevel.reschedule(sender)
+        if items:
+            return items.pop(0)
+        if self._send_closed:
+            raise trio.EndOfChannel
+        raise trio.WouldBlock
+
+    async def receive(self) -> RuntimeEvent:
+        await trio.lowlevel.checkpoint_if_cancelled()
+        try:
+            event = self.receive_nowait()
+        except trio.WouldBlock:
+            pass
+        else:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return event
+        if self._receiver is not None:
+            raise trio.BusyResourceError("another task is receiving this run's events")
+        self._receiver = trio.lowlevel.current_task()
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            self._receiver = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+        # Woken by an event or by the sender's close (then EndOfChannel).
+        return self.receive_nowait()
+
+    def close_receive(self) -> None:
+        """The consumer's close: what is buffered is dropped, a sender gets
+        ``BrokenResourceError``."""
+        if self._receive_closed:
+            return
+        self._receive_closed = True
+        self._items.clear()
+        sender = self._sender
+        if sender is not None:
+            self._sender = None  # ``_sending`` stays set: it was not taken
+            trio.lowlevel.reschedule(sender)
+
+    def statistics(self) -> trio.MemoryChannelStatistics:
+        return trio.MemoryChannelStatistics(
+            current_buffer_used=len(self._items),
+            max_buffer_size=self._capacity,
+            open_send_channels=0 if self._send_closed else 1,
+            open_receive_channels=0 if self._receive_closed else 1,
+            tasks_waiting_send=0 if self._sender is None else 1,
+            tasks_waiting_receive=0 if self._receiver is None else 1,
+            peak_buffer_used=len(self._items),
+        )
+
+
 class RunEvents:
     """The consumer's end of a run: its events, in order, ending after the terminal.
 
-    A ``trio.MemoryReceiveChannel`` that also tells the run what was taken,
-    so a remote producer's credit comes back as the consumer reads
-    (``RunSink.on_consumed``) and a consumer that stalls is noticed.
+    A memory channel's receiving end (``_RunChannel``) that also tells the
+    run what was taken, so a remote producer's credit comes back as the
+    consumer reads (``RunSink.on_consumed``) and a consumer that stalls is
+    noticed.
     """
 
-    __slots__ = ("_receive", "_taken")
+    __slots__ = ("_channel", "_taken")
 
-    def __init__(self, receive: trio.MemoryReceiveChannel[RuntimeEvent]) -> None:
-        self._receive = receive
+    def __init__(self, channel: _RunChannel) -> None:
+        self._channel = channel
         self._taken: Callable[[RuntimeEvent], None] | None = None
 
     async def receive(self) -> RuntimeEvent:
-        ev = await self._receive.receive()
+        ev = await self._channel.receive()
         if self._taken is not None:
             self._taken(ev)
         return ev
 
     def receive_nowait(self) -> RuntimeEvent:
-        ev = self._receive.receive_nowait()
+        ev = self._channel.receive_nowait()
         if self._taken is not None:
             self._taken(ev)
         return ev
 
     def close(self) -> None:
-        self._receive.close()
+        self._channel.close_receive()
 
     async def aclose(self) -> None:
-        self._receive.close()
+        self._channel.close_receive()
         await trio.lowlevel.checkpoint()
 
     def statistics(self) -> trio.MemoryChannelStatistics:
-        return self._receive.statistics()
+        return self._channel.statistics()
 
     def __aiter__(self) -> RunEvents:
         return self
@@ -259,6 +413,24 @@ class Run:
             (``EndOfChannel``) right after the terminal event.
     """
 
+    # Slots: an edge or a node holds one per open stream.
+    __slots__ = (
+        "_cancel_message",
+        "_cancel_reason",
+        "_decided",
+        "_done",
+        "_events",
+        "_scope",
+        "deadlines",
+        "first_output_at",
+        "on_outcome",
+        "outcome",
+        "spec",
+        "started_at",
+        "state",
+        "write_stall_timeout_s",
+    )
+
     def __init__(
         self,
         spec: ExecutionSpec,
@@ -278,7 +450,9 @@ class Run:
         self._scope = trio.CancelScope()
         self._cancel_reason: CancelReason | None = None
         self._cancel_message = ""
-        self._done = trio.Event()
+        self._decided = False
+        # Made by the first ``wait`` (few runs are waited for this way).
+        self._done: trio.Event | None = None
         # Called once with the outcome, as soon as it is decided (before the
         # consumer has it), in the run's task: it must neither block nor raise.
         self.on_outcome: Callable[[TerminalEvent], None] | None = None
@@ -306,13 +480,40 @@ class Run:
         """Wait until the run's terminal event is decided, and return it.
 
         This does not wait for the consumer to have read it."""
-        await self._done.wait()
+        if self._decided:
+            await trio.lowlevel.checkpoint()
+        else:
+            if self._done is None:
+                self._done = trio.Event()
+            await self._done.wait()
         assert self.outcome is not None
         return self.outcome
+
+    def _set_decided(self) -> None:
+        """The terminal event is decided: ``wait`` returns."""
+        self._decided = True
+        if self._done is not None:
+            self._done.set()
 
 
 class _RunSink:
     """The ``EventSender`` handed to an adapter: checks grammar, arms deadlines."""
+
+    __slots__ = (
+        "_consumed",
+        "_first_token_from",
+        "_held",
+        "_phase",
+        "_report_every",
+        "_run",
+        "_send",
+        "_stall_at",
+        "_stalled",
+        "_unreported",
+        "output_chunks",
+        "pending_terminal",
+        "total_deadline",
+    )
 
     def __init__(self, run: Run, send: Outlet, *, stall_at: int | None = None) -> None:
         self._run = run
@@ -577,7 +778,7 @@ async def _drive(
             run.outcome = terminal
             if run.on_outcome is not None:
                 run.on_outcome(terminal)
-            run._done.set()  # decided; delivery below may still wait on the consumer
+            run._set_decided()  # delivery below may still wait on the consumer
             grace = TERMINAL_DELIVERY_TIMEOUT_S if finished_normally else SHUTDOWN_DELIVERY_GRACE_S
             with trio.move_on_after(grace, shield=not finished_normally) as delivery:
                 # BrokenResourceError: nobody is listening any more.
@@ -585,7 +786,7 @@ async def _drive(
                     await send.send(terminal)
             if delivery.cancelled_caught:
                 log.warning("run %s: consumer did not take the terminal event", run.run_id)
-        run._done.set()
+        run._set_decided()
         send.close()
         _log_outcome(run, logger)
 
@@ -725,8 +926,8 @@ class RunSupervisor:
             raise InvariantError(f"run id {spec.run_id} is already running")
         events: RunEvents | None = None
         if outlet is None:
-            send, receive = trio.open_memory_channel[RuntimeEvent](buffer)
-            outlet, events = send, RunEvents(receive)
+            channel = _RunChannel(buffer)
+            outlet, events = channel, RunEvents(channel)
         run = Run(spec, deadlines, events, write_stall_timeout_s=write_stall_timeout_s)
         self.runs[spec.run_id] = run
         if self._idle.is_set():
