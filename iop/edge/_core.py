@@ -156,6 +156,8 @@ class ModelEntry:
 class RemoteExecutor:
     """Executes one run on whichever node the scheduler picks."""
 
+    __slots__ = ("_collect", "_collect_flush_s", "_core", "_started")  # one per open stream
+
     def __init__(self, core: EdgeCore, *, collect: bool = False) -> None:
         self._core = core
         # Nobody reads the events as they come (``Assign.collect``).
