@@ -87,6 +87,7 @@ from iop.events import (
     Usage,
     is_terminal,
 )
+from iop.runtime._channel import OneToOneChannel
 from iop.spec import ExecutionSpec
 
 __all__ = [
@@ -171,163 +172,10 @@ class Outlet(Protocol):
     def close(self) -> None: ...
 
 
-class _RunChannel:
-    """A run's events between its sink and its one consumer: a bounded FIFO.
-
-    What ``trio.open_memory_channel(capacity)`` gives, for the one producer
-    (the run's sink) and the one consumer (``RunEvents``) a run has: the same
-    ``send_nowait``/``send``/``receive`` semantics (``WouldBlock`` when full,
-    ``EndOfChannel`` after the sender closed and the buffer is drained,
-    ``BrokenResourceError`` to a sender whose consumer closed, a checkpoint
-    in every ``async`` call, a cancelled wait leaves nothing behind), without
-    the pair's general machinery (two endpoint objects, a deque, two ordered
-    dicts of waiting tasks and two sets of them: 1.8 KiB, against 0.3 here,
-    for each run an edge holds open; ``docs/benchmarks.md``, "Memory",
-    "Second pass"). At most one task waits on each side; a second is a bug
-    (``trio.BusyResourceError``).
-    """
-
-    __slots__ = (
-        "_capacity",
-        "_items",
-        "_receive_closed",
-        "_receiver",
-        "_send_closed",
-        "_sender",
-        "_sending",
-        "_woken",
-    )
-
-    def __init__(self, capacity: int) -> None:
-        self._capacity = capacity
-        self._items: list[RuntimeEvent] = []
-        self._send_closed = False
-        self._receive_closed = False
-        self._receiver: trio.lowlevel.Task | None = None
-        # The receiver was woken for an event in ``_items`` and has not run
-        # yet: that event is in its hands, not in the buffer (as trio's
-        # channel hands it over directly).
-        self._woken = False
-        self._sender: trio.lowlevel.Task | None = None
-        self._sending: RuntimeEvent | None = None  # the waiting sender's event
-
-    def _wake_receiver(self) -> None:
-        receiver = self._receiver
-        if receiver is not None:
-            self._receiver = None
-            self._woken = True
-            trio.lowlevel.reschedule(receiver)
-
-    # --- the sink's side (an ``Outlet``) ---------------------------------------
-
-    def send_nowait(self, event: RuntimeEvent) -> None:
-        if self._send_closed:
-            raise trio.ClosedResourceError
-        if self._receive_closed:
-            raise trio.BrokenResourceError
-        if self._receiver is None and len(self._items) - self._woken >= self._capacity:
-            raise trio.WouldBlock
-        self._items.append(event)
-        self._wake_receiver()
-
-    async def send(self, event: RuntimeEvent) -> None:
-        await trio.lowlevel.checkpoint_if_cancelled()
-        try:
-            self.send_nowait(event)
-        except trio.WouldBlock:
-            pass
-        else:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            return
-        if self._sender is not None:
-            raise trio.BusyResourceError("another task is sending this run's events")
-        self._sender = trio.lowlevel.current_task()
-        self._sending = event
-
-        def abort(_: object) -> trio.lowlevel.Abort:
-            self._sender = self._sending = None
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
-        if self._sending is not None:  # woken by the consumer's close, not taken
-            self._sending = None
-            raise trio.BrokenResourceError
-
-    def close(self) -> None:
-        """The sender's close: the consumer gets ``EndOfChannel`` once it has the rest."""
-        if not self._send_closed:
-            self._send_closed = True
-            self._wake_receiver()
-
-    # --- the consumer's side (through ``RunEvents``) -----------------------------
-
-    def receive_nowait(self) -> RuntimeEvent:
-        if self._receive_closed:
-            raise trio.ClosedResourceError
-        self._woken = False
-        items = self._items
-        sender = self._sender
-        if sender is not None:
-            # Room now: the waiting sender's event joins the buffer.
-            assert self._sending is not None
-            items.append(self._sending)
-            self._sender = self._sending = None
-            trio.lowlevel.reschedule(sender)
-        if items:
-            return items.pop(0)
-        if self._send_closed:
-            raise trio.EndOfChannel
-        raise trio.WouldBlock
-
-    async def receive(self) -> RuntimeEvent:
-        await trio.lowlevel.checkpoint_if_cancelled()
-        try:
-            event = self.receive_nowait()
-        except trio.WouldBlock:
-            pass
-        else:
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            return event
-        if self._receiver is not None:
-            raise trio.BusyResourceError("another task is receiving this run's events")
-        self._receiver = trio.lowlevel.current_task()
-
-        def abort(_: object) -> trio.lowlevel.Abort:
-            self._receiver = None
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        await trio.lowlevel.wait_task_rescheduled(abort)
-        # Woken by an event or by the sender's close (then EndOfChannel).
-        return self.receive_nowait()
-
-    def close_receive(self) -> None:
-        """The consumer's close: what is buffered is dropped, a sender gets
-        ``BrokenResourceError``."""
-        if self._receive_closed:
-            return
-        self._receive_closed = True
-        self._items.clear()
-        sender = self._sender
-        if sender is not None:
-            self._sender = None  # ``_sending`` stays set: it was not taken
-            trio.lowlevel.reschedule(sender)
-
-    def statistics(self) -> trio.MemoryChannelStatistics:
-        return trio.MemoryChannelStatistics(
-            current_buffer_used=len(self._items),
-            max_buffer_size=self._capacity,
-            open_send_channels=0 if self._send_closed else 1,
-            open_receive_channels=0 if self._receive_closed else 1,
-            tasks_waiting_send=0 if self._sender is None else 1,
-            tasks_waiting_receive=0 if self._receiver is None else 1,
-            peak_buffer_used=len(self._items),
-        )
-
-
 class RunEvents:
     """The consumer's end of a run: its events, in order, ending after the terminal.
 
-    A memory channel's receiving end (``_RunChannel``) that also tells the
+    A memory channel's receiving end (``OneToOneChannel``) that also tells the
     run what was taken, so a remote producer's credit comes back as the
     consumer reads (``RunSink.on_consumed``) and a consumer that stalls is
     noticed.
@@ -335,7 +183,7 @@ class RunEvents:
 
     __slots__ = ("_channel", "_taken")
 
-    def __init__(self, channel: _RunChannel) -> None:
+    def __init__(self, channel: OneToOneChannel[RuntimeEvent]) -> None:
         self._channel = channel
         self._taken: Callable[[RuntimeEvent], None] | None = None
 
@@ -926,7 +774,7 @@ class RunSupervisor:
             raise InvariantError(f"run id {spec.run_id} is already running")
         events: RunEvents | None = None
         if outlet is None:
-            channel = _RunChannel(buffer)
+            channel = OneToOneChannel[RuntimeEvent](buffer)
             outlet, events = channel, RunEvents(channel)
         run = Run(spec, deadlines, events, write_stall_timeout_s=write_stall_timeout_s)
         self.runs[spec.run_id] = run

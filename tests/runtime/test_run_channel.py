@@ -1,7 +1,7 @@
 """A run's event channel behaves as trio's memory channel does, for one sender and one receiver.
 
 Every test runs against both: ``trio.open_memory_channel`` (the reference)
-and ``_RunChannel`` (what a run uses, for its memory: docs/benchmarks.md,
+and ``OneToOneChannel`` (what a run uses, for its memory: docs/benchmarks.md,
 "Memory", "Second pass").
 """
 
@@ -15,7 +15,8 @@ import trio
 import trio.testing
 
 from iop.events import Delta, RuntimeEvent
-from iop.runtime._run import RunEvents, _RunChannel
+from iop.runtime._channel import OneToOneChannel
+from iop.runtime._run import RunEvents
 
 
 class Pair(Protocol):
@@ -40,7 +41,7 @@ class _TrioPair:
 
 class _RunPair:
     def __init__(self, capacity: int) -> None:
-        self.channel = _RunChannel(capacity)
+        self.channel = OneToOneChannel[RuntimeEvent](capacity)
         events = RunEvents(self.channel)
         self.send_nowait = self.channel.send_nowait
         self.send = self.channel.send
@@ -232,3 +233,21 @@ async def test_statistics() -> None:
     assert (stats.open_send_channels, stats.open_receive_channels) == (1, 1)
     p.close_send()
     assert p.channel.statistics().open_send_channels == 0
+
+
+@pairs
+async def test_a_taken_send_returns_even_if_the_receiver_closes_next(make: Factory) -> None:
+    p: Pair = make(1)
+    p.send_nowait(ev(0))
+    sent: list[bool] = []
+
+    async def sender() -> None:
+        await p.send(ev(1))
+        sent.append(True)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sender)
+        await trio.testing.wait_all_tasks_blocked()
+        assert p.receive_nowait() == ev(0)  # ev(1) joins the buffer
+        p.close_receive()
+    assert sent == [True]
