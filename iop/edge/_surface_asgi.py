@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from typing import Any, Final
 
 import trio
@@ -112,8 +113,6 @@ class SurfaceASGI:
     async def _serve(
         self, answer: SurfaceAnswer, scope: dict[str, Any], receive: Any, send: Any
     ) -> None:
-        path: str = scope["path"]
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         queue = app_queue(scope)
         if queue is not None:
             # The edge's hypercorn tells the disconnect itself: no task.
@@ -121,8 +120,7 @@ class SurfaceASGI:
                 try:
                     await self._respond(
                         answer,
-                        path,
-                        headers,
+                        scope,
                         receive,
                         send,
                         lambda: queue.on_disconnect(cancel.cancel),
@@ -137,15 +135,14 @@ class SurfaceASGI:
                 nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
 
             try:
-                await self._respond(answer, path, headers, receive, send, watch, _nothing)
+                await self._respond(answer, scope, receive, send, watch, _nothing)
             finally:
                 nursery.cancel_scope.cancel()
 
     async def _respond(
         self,
         answer: SurfaceAnswer,
-        path: str,
-        headers: Mapping[str, str],
+        scope: dict[str, Any],
         receive: Any,
         send: Any,
         watch: Callable[[], None],
@@ -153,13 +150,10 @@ class SurfaceASGI:
     ) -> None:
         """Answer; once the body is read, ``watch()`` makes a disconnect cancel the
         answer, until ``unwatch()``, right before the response's last message."""
+        path: str = scope["path"]
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
 
-        async def read_body() -> bytes:
-            body = await self._read_body(headers, receive)
-            # From now on only a disconnect can arrive: it cancels the answer.
-            watch()
-            return body
-
+        read_body = partial(self._read_then_watch, headers, receive, watch)
         try:
             response = await answer(headers, read_body)
         except HTTPException as exc:  # 408, 413 from read_body
@@ -168,7 +162,21 @@ class SurfaceASGI:
             return
         except Exception as exc:
             response = self._crashed(exc, path)
-        await _send_response(response, send, unwatch)
+        # A stream holds this frame open until it ends: keep only what the
+        # body needs, not the request's headers or the quart Response (1 KB
+        # per open stream, docs/benchmarks.md, "Memory", "Second pass").
+        start = _start_message(response)
+        body = response.response
+        del headers, read_body, response
+        await _send_response(start, body, send, unwatch)
+
+    async def _read_then_watch(
+        self, headers: Mapping[str, str], receive: Any, watch: Callable[[], None]
+    ) -> bytes:
+        body = await self._read_body(headers, receive)
+        # From now on only a disconnect can arrive: it cancels the answer.
+        watch()
+        return body
 
     async def _read_body(self, headers: Mapping[str, str], receive: Any) -> bytes:
         """The whole request body, or werkzeug's 413 / 408 (what quart raised).
@@ -215,14 +223,21 @@ def _nothing() -> None:
     pass
 
 
-async def _send_response(response: Response, send: Any, ending: Callable[[], None]) -> None:
-    """``response`` as ASGI messages: its head, then its body; ``ending()`` before the last."""
+def _start_message(response: Response) -> dict[str, Any]:
+    """The ``http.response.start`` message of ``response``."""
     headers = [
         (name.lower().encode("latin-1"), value.encode("latin-1"))
         for name, value in response.headers.items()
     ]
-    await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
-    body = response.response
+    return {"type": "http.response.start", "status": response.status_code, "headers": headers}
+
+
+async def _send_response(
+    start: dict[str, Any], body: Any, send: Any, ending: Callable[[], None]
+) -> None:
+    """A response as ASGI messages: ``start``, then ``body``; ``ending()`` before the last."""
+    await send(start)
+    del start  # hypercorn keeps what it needs of it
     if isinstance(body, DataBody):
         # Whole: one message (head and body leave in one write, _http1.py).
         ending()
