@@ -219,6 +219,7 @@ def edge_secrets(cfg: EdgeConfig, where: str = "edge") -> list[Secret]:
     out = [(k, f"{where}.server.api_keys[{i}]") for i, k in enumerate(cfg.server.api_keys)]
     out += [(k, f"{where}.server.admin_keys[{i}]") for i, k in enumerate(cfg.server.admin_keys)]
     out += [(t, f"{where}.link.node_tokens[{i}]") for i, t in enumerate(cfg.link.node_tokens)]
+    out += [(v, f"{where}.tracing.otlp_headers.{k}") for k, v in cfg.tracing.otlp_headers.items()]
     return out
 
 
@@ -226,6 +227,7 @@ def node_secrets(cfg: NodeConfig) -> list[Secret]:
     """Edge tokens and instance header values of a node config."""
     out = [(e.token, f"node.edges[{i}].token") for i, e in enumerate(cfg.node.edges)]
     out += _instance_secrets(cfg.instances, "instances")
+    out += [(v, f"tracing.otlp_headers.{k}") for k, v in cfg.tracing.otlp_headers.items()]
     return out
 
 

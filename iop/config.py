@@ -50,6 +50,8 @@ __all__ = [
     "SchedulerSettings",
     "SimConfig",
     "SimInstance",
+    "TimelineSettings",
+    "TracingSettings",
     "UpConfig",
     "VllmInstance",
     "decode_config",
@@ -273,6 +275,18 @@ class SimConfig(_Config, frozen=True, kw_only=True):
             ``dimensions`` a request may ask for).
         max_inputs: Most inputs in one ``/v1/embeddings`` request and most
             prompts in one ``/v1/completions`` request.
+        prefill_tokens_per_s: The engine model's prefill rate (the sim's
+            ``iop.sim._engine``): the first token also waits for the
+            uncached prompt tokens at this rate; 0: no prefill time.
+        kv_cache_blocks: The prefix cache's size in blocks; 0: no cache
+            (every prompt token is prefilled). The server's: not a
+            per-request override.
+        kv_block_tokens: Tokens per cache block (vLLM's default, 16). The
+            server's.
+        max_num_seqs: Requests running at once; the rest wait in arrival
+            order; 0: no limit. The server's.
+        decode_slowdown: Each other running request stretches a token's
+            delay by this fraction (``1 + decode_slowdown * (running - 1)``).
     """
 
     model: str = "iop-sim"
@@ -304,6 +318,13 @@ class SimConfig(_Config, frozen=True, kw_only=True):
     # OpenAI's own cap on the inputs of one embeddings request; it bounds
     # the work (and, for completions, the streamed frames) one request makes.
     max_inputs: int = 2048
+    # The engine model (iop/sim/_engine.py): off unless set.
+    prefill_tokens_per_s: float = 0.0
+    kv_cache_blocks: int = 0
+    # vLLM's default --block-size.
+    kv_block_tokens: int = 16
+    max_num_seqs: int = 0
+    decode_slowdown: float = 0.0
 
     def __post_init__(self) -> None:
         # Checked here so that a bad file, flag or per-request override is
@@ -315,6 +336,12 @@ class SimConfig(_Config, frozen=True, kw_only=True):
             raise ValueError("embedding_dim must be at least 1")
         if self.max_inputs < 1:
             raise ValueError("max_inputs must be at least 1")
+        if self.prefill_tokens_per_s < 0 or self.decode_slowdown < 0:
+            raise ValueError("prefill_tokens_per_s and decode_slowdown must be >= 0")
+        if self.kv_cache_blocks < 0 or self.max_num_seqs < 0:
+            raise ValueError("kv_cache_blocks and max_num_seqs must be >= 0")
+        if self.kv_block_tokens < 1:
+            raise ValueError("kv_block_tokens must be at least 1")
 
 
 class SimInstance(InstanceBase, frozen=True, tag="sim", kw_only=True):
@@ -401,11 +428,44 @@ class NodeSection(_Config, frozen=True, kw_only=True):
             raise ValueError("max_frame_bytes must be >= 65536")
 
 
+class TracingSettings(_Config, frozen=True, kw_only=True):
+    """OpenTelemetry traces of runs (``iop.tracing``), sent over OTLP/HTTP.
+
+    Attributes:
+        otlp_endpoint: The collector's traces URL (OTLP/HTTP protobuf, e.g.
+            ``http://collector:4318/v1/traces``); empty: tracing is off
+            (a client's ``traceparent`` is still passed on to the backend).
+        otlp_headers: Headers sent with every export (a collector's API
+            key): secrets, masked in logs.
+        service_name: ``service.name`` of the spans; empty: ``iop-edge`` or
+            ``iop-node``.
+        sample_ratio: Share of new traces kept (a client's sampled flag
+            decides for its own).
+        export_timeout_s: How long one export to the collector may take.
+    """
+
+    otlp_endpoint: str = ""
+    otlp_headers: dict[str, str] = {}
+    service_name: str = ""
+    sample_ratio: float = 1.0
+    # The SDK's own default: an export past it is dropped, not retried forever.
+    export_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.otlp_endpoint and not self.otlp_endpoint.startswith(("http://", "https://")):
+            raise ValueError("otlp_endpoint must be an http:// or https:// URL")
+        if not 0.0 <= self.sample_ratio <= 1.0:
+            raise ValueError("sample_ratio must be from 0 to 1")
+        if not self.export_timeout_s > 0:
+            raise ValueError("export_timeout_s must be > 0")
+
+
 class NodeConfig(_Config, frozen=True, kw_only=True):
     """A node: its identity, the edges it dials, and its adapter instances."""
 
     node: NodeSection = NodeSection()
     instances: list[InstanceConfig] = []
+    tracing: TracingSettings = TracingSettings()
 
 
 class OutputPolicy(_Config, frozen=True, kw_only=True):
@@ -652,6 +712,42 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             raise ValueError("max_queue_delay_s must be >= 0 (0 disables it)")
 
 
+class TimelineSettings(_Config, frozen=True, kw_only=True):
+    """Run timelines (``iop.runtime._timeline``): what is kept, and the export.
+
+    Attributes:
+        recent: Timelines of finished runs the edge keeps for
+            ``GET /admin/runs`` (a ring: the oldest go first). ``0`` keeps
+            none (live runs are still listed).
+        max_stalls: Stalls kept per run (credit and client write stalls);
+            more are only counted (``stalls_dropped``).
+        export_path: When set, every finished run's timeline is appended to
+            this file as one JSON line (JSONL).
+        export_max_bytes: The export file is rotated (``PATH.1``,
+            ``PATH.2``, ...) before it would grow past this.
+        export_keep: Rotated files kept besides the current one.
+    """
+
+    # About 1.5 KiB per timeline: 1,000 is ~1.5 MiB, minutes of a busy edge.
+    recent: int = 1000
+    # A run that stalls more than 32 times is stalling for good; the count
+    # still says how often.
+    max_stalls: int = 32
+    export_path: str = ""
+    export_max_bytes: int = 64 * 1024 * 1024
+    export_keep: int = 3
+
+    def __post_init__(self) -> None:
+        if self.recent < 0:
+            raise ValueError("recent must be >= 0")
+        if self.max_stalls < 0:
+            raise ValueError("max_stalls must be >= 0")
+        if self.export_max_bytes < 4096:
+            raise ValueError("export_max_bytes must be >= 4096")
+        if self.export_keep < 0:
+            raise ValueError("export_keep must be >= 0")
+
+
 class ResponsesSettings(_Config, frozen=True, kw_only=True):
     """The OpenAI Responses surface: the store behind ``previous_response_id``.
 
@@ -700,6 +796,8 @@ class EdgeConfig(_Config, frozen=True, kw_only=True):
     scheduler: SchedulerSettings = SchedulerSettings()
     deadlines: Deadlines = Deadlines()
     responses: ResponsesSettings = ResponsesSettings()
+    timelines: TimelineSettings = TimelineSettings()
+    tracing: TracingSettings = TracingSettings()
     models: dict[str, OutputPolicy] = {}
 
     def policy_for(self, model: str) -> OutputPolicy:

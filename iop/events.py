@@ -233,8 +233,17 @@ OutputEvent = Delta | ReasoningDelta | EmbeddingData | TokenCount
 TerminalEvent = Complete | Error | Cancelled
 
 TERMINAL_EVENT_TYPES: Final = (Complete, Error, Cancelled)
+_TERMINAL_TYPES: Final = frozenset(TERMINAL_EVENT_TYPES)
 
 
 def is_terminal(event: RuntimeEvent) -> bool:
-    """Return True for the events that end a run."""
-    return isinstance(event, TERMINAL_EVENT_TYPES)
+    """Return True for the events that end a run.
+
+    A set lookup of the event's type, not ``isinstance``: against a msgspec
+    ``Struct`` class, ``isinstance`` goes through the metaclass's
+    ``__instancecheck__`` (``StructMeta`` is not ``type``), several times
+    slower, and this runs a few times per event on each side of the link
+    (docs/benchmarks.md, "Per chunk and non-streaming (second pass)"). The
+    event types have no subclasses (``tests/test_events.py`` checks it).
+    """
+    return type(event) in _TERMINAL_TYPES

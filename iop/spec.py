@@ -318,11 +318,15 @@ class ExecutionSpec(_Base, frozen=True):
         run_id: Unique id of the run (also the completion id's suffix).
         target: The backend model to run on; empty means ``request.model``.
         request: The operation and its request (a tagged union: ``"op"``).
+        traceparent: The W3C trace context the run belongs to (the edge's
+            attempt span, or the client's context when the edge does not
+            trace; ``iop.tracing``); empty when there is none.
     """
 
     run_id: str
     request: OperationRequest
     target: str = ""
+    traceparent: str = ""
 
     @property
     def operation(self) -> Operation:

@@ -50,7 +50,8 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,8 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_platform as bp
+
+from iop.testing import Proc
 
 REPO = Path(__file__).resolve().parent.parent
 WARMUP = 32
@@ -137,18 +140,49 @@ async def drive(url: str, name: str, n: int, concurrency: int) -> list[str]:
     return errors
 
 
-def run_level(plat: bp.Platform, name: str, n: int, concurrency: int) -> dict[str, Any]:
+@dataclass
+class _Split:
+    """The edge + node shape of ``bench_platform.running_platform``, and its sims."""
+
+    url: str
+    edge: Proc
+    node: Proc
+    sim_fast: Proc
+    sim_paced: Proc
+
+
+@contextlib.contextmanager
+def _split_platform(logdir: Path) -> Iterator[_Split]:
+    args = argparse.Namespace(
+        shape_list=["split"], python=sys.executable, paced_rate=50.0, litellm=Path("/nonexistent")
+    )
+    with bp.running_platform(args, logdir) as plat:
+        gw = plat.gateways["split"]
+        yield _Split(
+            url=gw.urls[bp.MODEL_FAST],
+            edge=gw.procs["edge"],
+            node=gw.procs["node"],
+            sim_fast=plat.sims["sim"],
+            sim_paced=plat.sims["sim_paced"],
+        )
+
+
+def _cpu_s(p: Proc) -> float:
+    return bp.proc_cpu_s(p.pid)
+
+
+def run_level(plat: _Split, name: str, n: int, concurrency: int) -> dict[str, Any]:
     """One measured level (after ``WARMUP`` requests): CPU ms per request."""
     trio.run(drive, plat.url, name, WARMUP, concurrency)
     procs = {"edge": plat.edge, "node": plat.node, "sim": plat.sim_fast}
-    cpu0 = {k: p.cpu_s() for k, p in procs.items()}
+    cpu0 = {k: _cpu_s(p) for k, p in procs.items()}
     own0 = time.process_time()
     busy0, total0 = bp.machine_cpu_s()
     t0 = time.perf_counter()
     errors = trio.run(drive, plat.url, name, n, concurrency)
     wall = time.perf_counter() - t0
     busy1, total1 = bp.machine_cpu_s()
-    cpu = {k: p.cpu_s() - cpu0[k] for k, p in procs.items()}
+    cpu = {k: _cpu_s(p) - cpu0[k] for k, p in procs.items()}
     ours = sum(cpu.values()) + time.process_time() - own0
     ms = {k: round(v * 1000 / n, 3) for k, v in cpu.items()}
     return {
@@ -259,7 +293,7 @@ def parts(raw: Path, rules: list[Rule]) -> dict[str, Any]:
 
 
 def profile(
-    plat: bp.Platform, name: str, n: int, concurrency: int, out: Path, *, nonblocking: bool
+    plat: _Split, name: str, n: int, concurrency: int, out: Path, *, nonblocking: bool
 ) -> dict[str, Any]:
     py_spy = bp.find_py_spy(sys.executable)
     if py_spy is None:
@@ -384,14 +418,14 @@ def main() -> int:
     result: dict[str, Any] = {"trees": trees, "settings": vars(args) | {"out_dir": None}}
     runs: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
-        plats: dict[str, bp.Platform] = {}
+        plats: dict[str, _Split] = {}
         for name, tree in trees.items():
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"fixed-{name}-")))
             # The children run `python -m iop` in bench_platform.REPO: that
             # directory's iop/ is the one they import.
             bp.REPO = Path(tree).resolve()
             os.environ["PYTHONPATH"] = str(bp.REPO)
-            plats[name] = stack.enter_context(bp.running_platform(sys.executable, 50.0, tmp))
+            plats[name] = stack.enter_context(_split_platform(tmp))
             print(f"bench: {name} ({tree}) at {plats[name].url}", flush=True)
         for rep in range(args.pairs):
             for lv in levels:

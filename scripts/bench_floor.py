@@ -16,10 +16,18 @@ Measured (median of --repeat runs of --n operations each, µs per operation):
   socket operations, two task wake-ups and the epoll calls between them;
 * ``socket send (writable)``: a 100-byte ``send_all`` on a socket whose
   buffer has room, the reader draining in bulk: the cost of one write;
+* ``socket receive (ready)``: a ``receive_some`` of a 100-byte write that
+  is already in the socket's buffer: the cost of one read, without a wait;
 * ``task hop``: a ``MemorySendChannel.send`` that wakes a task blocked in
   ``receive``: one scheduler round trip;
 * ``cancel scope``: entering and leaving ``trio.move_on_after``;
 * ``h11 chunk``: h11 framing one 100-byte chunk of a chunked response;
+* ``h11 chunk read``: h11 (a client's) reading one HTTP chunk holding one
+  vLLM SSE event (about 150 bytes): what httpcore paid per token;
+* ``body reader chunk``: the same chunk through the node's own reader of
+  the body's framing (``iop.wire._http_body``);
+* ``chat chunk parse``: that SSE event through the node's chat stream
+  parser (SSE decoding, the chunk's JSON, one ``Delta``);
 * ``wsproto frame``: wsproto framing a 100-byte binary message and parsing
   it back;
 * ``msgspec batch``: encoding and decoding a link frame of 32 one-token
@@ -35,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -47,6 +56,8 @@ from wsproto.events import BytesMessage
 
 from iop.events import Delta
 from iop.protocol import RunEvents, decode_node_batch, encode, encode_batch
+from iop.wire import ChatStreamParser
+from iop.wire._http_body import BodyFraming, BodyReader
 
 PAYLOAD = b"x" * 100
 
@@ -94,6 +105,19 @@ async def socket_send_writable(n: int) -> float:
     return dt / n
 
 
+async def socket_receive_ready(n: int) -> float:
+    a, b = socket.socketpair()
+    sa = trio.SocketStream(trio.socket.from_stdlib_socket(a))
+    t0 = time.perf_counter()
+    for _ in range(n):
+        b.send(PAYLOAD)  # the peer's write, not a trio operation: not counted apart
+        await sa.receive_some(65536)
+    dt = time.perf_counter() - t0
+    await sa.aclose()
+    b.close()
+    return dt / n
+
+
 async def task_hop(n: int) -> float:
     send, receive = trio.open_memory_channel[int](0)
     t0 = time.perf_counter()
@@ -125,6 +149,45 @@ async def h11_chunk(n: int) -> float:
     t0 = time.perf_counter()
     for _ in range(n):
         conn.send(h11.Data(data=PAYLOAD))
+    return (time.perf_counter() - t0) / n
+
+
+# One chunk of a streamed chat answer as vLLM (and ``iop sim``) writes it:
+# one SSE event in one HTTP chunk.
+_SSE_EVENT = (
+    b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",'
+    b'"choices":[{"index":0,"delta":{"content":" token"},"finish_reason":null}]}\n\n'
+)
+_HTTP_CHUNK = b"%x\r\n%s\r\n" % (len(_SSE_EVENT), _SSE_EVENT)
+
+
+async def h11_chunk_read(n: int) -> float:
+    conn = h11.Connection(h11.CLIENT)
+    conn.send(h11.Request(method="GET", target="/", headers=[("Host", "x")]))
+    conn.send(h11.EndOfMessage())
+    conn.receive_data(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+    conn.next_event()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        conn.receive_data(_HTTP_CHUNK)
+        while conn.next_event() is not h11.NEED_DATA:
+            pass
+    return (time.perf_counter() - t0) / n
+
+
+async def body_reader_chunk(n: int) -> float:
+    reader = BodyReader(BodyFraming.CHUNKED)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        reader.feed(_HTTP_CHUNK)
+    return (time.perf_counter() - t0) / n
+
+
+async def chat_chunk_parse(n: int) -> float:
+    parser = ChatStreamParser(label="bench")
+    t0 = time.perf_counter()
+    for _ in range(n):
+        parser.feed(_SSE_EVENT)
     return (time.perf_counter() - t0) / n
 
 
@@ -160,9 +223,13 @@ async def msgspec_batch(n: int) -> float:
 CASES: dict[str, Callable[[int], Awaitable[float]]] = {
     "socket round trip": socket_round_trip,
     "socket send (writable)": socket_send_writable,
+    "socket receive (ready)": socket_receive_ready,
     "task hop": task_hop,
     "cancel scope": cancel_scope,
     "h11 chunk": h11_chunk,
+    "h11 chunk read": h11_chunk_read,
+    "body reader chunk": body_reader_chunk,
+    "chat chunk parse": chat_chunk_parse,
     "wsproto frame": wsproto_frame,
     "msgspec batch": msgspec_batch,
 }

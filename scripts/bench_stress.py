@@ -10,27 +10,33 @@ cancel (about 15 s)
   The backend is a mock OpenAI-compatible server inside this process (a
   small trio + h11 TCP server streaming ``chat.completion.chunk`` SSE, or
   holding its answer), so the client closing its connection and the backend
-  seeing its socket end are timed on one clock (``time.perf_counter``). The
+  seeing its socket end are timed on one clock (``time.perf_counter``,
+  CLOCK_MONOTONIC, the clock of the edge's ``time.monotonic()`` too). The
   node has two ``openai_compat`` instances on it: ``bench`` with free slots,
   and ``bench-q`` with ``max_concurrency = 1``, whose slot a held request
-  keeps busy. For each window, ``--trials`` times: an httpx client starts a
-  request, waits until the window is reached, waits ``--settle-ms``, closes
-  its connection (cancels the httpx stream), and the time until the
-  backend's read of that request's socket returns EOF (or a reset) is the
-  sample. Windows:
+  keeps busy. For each window, ``--trials`` times: a client (h11 on a trio
+  socket of its own) sends a request, waits until the window is reached,
+  waits ``--settle-ms``, and closes its socket; the time from that
+  ``close()`` until the backend's read of that request's socket returns EOF
+  (or a reset) is the sample. Windows:
 
     queued              the request waits in the edge's queue for bench-q's
-                        one slot. No backend socket exists: the sample is the
-                        time until /admin/nodes shows the queue empty (polled
-                        every --poll-ms, so add about that as resolution), and
-                        the backend must never see the request (counted as
-                        "leaked" otherwise);
+                        one slot. No backend socket exists: the sample ends
+                        at the edge's own time of the run's leaving the queue
+                        (/admin/nodes ``queue.last_exit``, read --poll-ms
+                        after the close), and the backend must never see the
+                        request (counted as "leaked" otherwise);
     before-headers      the backend has read the request and sent nothing;
     before-first-token  the backend sent its 200 and SSE headers, no chunk;
     mid-stream          the backend sent --mid-chunks chunks and the client
                         read them all;
     non-streaming       a "stream": false request; the backend holds its
                         JSON answer.
+
+  --perf-trace records the trials with ``perf record`` (the scheduler, and
+  the cancel path's syscalls) on the same clock: ``scripts/trace_cancel.py``
+  then shows where one trial's time went, and how much of each sample was
+  a wait for a CPU.
 
 memory (about 50 s)
   The same mock backend sends its headers and one chunk, then stays silent.
@@ -87,6 +93,7 @@ benchmark's processes ("foreign") are recorded with each measurement.
 Examples:
   python scripts/bench_stress.py                        # all four, defaults
   python scripts/bench_stress.py --only cancel --trials 50
+  python scripts/bench_stress.py --only cancel --trials 50 --perf-trace
   python scripts/bench_stress.py --only memory --streams 2000 --rounds 3
   python scripts/bench_stress.py --only overload --levels 80,90,100,120,150
   python scripts/bench_stress.py --only overload --edge-set scheduler.max_queue=32
@@ -971,6 +978,27 @@ def _spies(
     return out
 
 
+def _idle_spies(
+    args: argparse.Namespace, pids: dict[str, int], seconds: float
+) -> dict[str, tuple[Path, Any]]:
+    """py-spy at 1000 Hz on ``pids`` for ``seconds`` (an idle edge spends a few
+    ms per second: 100 Hz would sample it a handful of times)."""
+    import subprocess
+
+    py_spy = find_py_spy(args.python)
+    if py_spy is None:
+        print("bench: --idle-profile needs py-spy (pip install py-spy)", file=sys.stderr)
+        return {}
+    out = {}
+    for name, pid in pids.items():
+        raw = args.out_dir / f"stress-{args.stamp}-idle-{name}.txt"
+        argv = [py_spy, "record", "--nonblocking", "--rate", "1000", "--format", "raw"]
+        argv += ["-d", str(max(1, int(seconds))), "-p", str(pid), "-o", str(raw)]
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        out[name] = (raw, proc)
+    return out
+
+
 def _spy_report(spies: dict[str, tuple[Path, Any]]) -> dict[str, Any]:
     rep: dict[str, Any] = {}
     for name, (raw, proc) in spies.items():
@@ -1201,25 +1229,40 @@ async def _start_mock_cluster(
 
 async def _poll_until(
     client: httpx.AsyncClient, url: str, cond: Callable[[dict[str, Any]], bool], period_s: float
-) -> float:
-    """perf_counter() at the send of the first /admin/nodes poll whose answer meets ``cond``."""
+) -> tuple[float, dict[str, Any]]:
+    """perf_counter() at the send of the first /admin/nodes poll whose answer
+    meets ``cond``, and that answer."""
     while True:
         sent = time.perf_counter()
-        if cond(await _admin_async(client, url)):
-            return sent
+        admin = await _admin_async(client, url)
+        if cond(admin):
+            return sent, admin
         await trio.sleep(period_s)
+
+
+def _queue_cancels(admin: dict[str, Any]) -> int | None:
+    """Runs that left the edge's queue cancelled (None: an edge that does not say)."""
+    queue = admin.get("queue")
+    return None if queue is None else int(queue["exits"]["cancelled"])
 
 
 async def _cancel_trial(
     args: argparse.Namespace,
-    client: httpx.AsyncClient,
     poller: httpx.AsyncClient,
     url: str,
     backends: dict[str, MockBackend],
     window: str,
     tid: str,
 ) -> dict[str, Any]:
-    """One close in ``window``: milliseconds from the client's close to the backend's EOF."""
+    """One close in ``window``: milliseconds from the client's close to the backend's EOF.
+
+    The client is h11 on a trio socket of its own, so that the close is one
+    ``close()`` of that socket (the FIN leaves then) at a known time. An
+    httpx client closes its socket somewhere in the unwinding of its
+    response, 0.5 ms after the cancel at the median and up to 2.5 ms on this
+    box (measured: docs/benchmarks.md, "Cancellation"), time the old samples
+    counted as the platform's.
+    """
     queued = window == "queued"
     backend = backends[MODEL_QUEUED if queued else MODEL_FREE]
     mode = {"before-headers": "head", "before-first-token": "first", "mid-stream": "mid"}
@@ -1229,41 +1272,52 @@ async def _cancel_trial(
         bench={"trial": tid, "mode": mode.get(window, "head"), "chunks": args.mid_chunks},
     )
     got = trio.Event()
-    scope = trio.CancelScope()
     res: dict[str, Any] = {"window": window, "trial": tid}
+    u = httpx.URL(url)
+    stream = await trio.open_tcp_stream(u.host, u.port or 80)
+    h = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_REQUEST_BYTES)
+    head = h11.Request(
+        method="POST",
+        target="/v1/chat/completions",
+        headers=[
+            ("host", f"{u.host}:{u.port}"),
+            ("content-type", "application/json"),
+            ("content-length", str(len(body))),
+        ],
+    )
+    await stream.send_all(h.send(head) + h.send(h11.Data(data=body)) + h.send(h11.EndOfMessage()))
 
-    async def request() -> None:
-        with scope:
-            async with client.stream(
-                "POST",
-                url + "/v1/chat/completions",
-                content=body,
-                headers={"Content-Type": "application/json"},
-            ) as r:
-                if r.status_code != 200:
-                    res["error"] = f"HTTP {r.status_code}"
-                    got.set()
-                    return
-                a = Answer(arrival=0.0, status=200)
-                async for data in r.aiter_raw():
-                    # Reuse the load generator's SSE reading to count content chunks.
-                    a.buf += data
-                    *events, a.buf = a.buf.split(b"\n\n")
-                    for ev in events:
-                        if ev.startswith(b"data: {"):
-                            chunk = _decode_event(ev[6:])
-                            if chunk.choices and chunk.choices[0].delta.content:
-                                a.chunks += 1
-                    if a.chunks >= args.mid_chunks:
-                        got.set()
-                res["error"] = "the response ended in the window"
+    async def read() -> None:
+        try:
+            event = await _next_event(stream, h)
+            if not isinstance(event, h11.Response) or event.status_code != 200:
+                res["error"] = f"HTTP {getattr(event, 'status_code', event)}"
                 got.set()
+                return
+            a = Answer(arrival=0.0, status=200)
+            while isinstance(event := await _next_event(stream, h), h11.Data):
+                # The load generator's SSE reading, to count content chunks.
+                a.buf += event.data
+                *events, a.buf = a.buf.split(b"\n\n")
+                for ev in events:
+                    if ev.startswith(b"data: {"):
+                        chunk = _decode_event(ev[6:])
+                        if chunk.choices and chunk.choices[0].delta.content:
+                            a.chunks += 1
+                if a.chunks >= args.mid_chunks:
+                    got.set()
+            res["error"] = "the response ended in the window"
+            got.set()
+        except trio.ClosedResourceError:
+            pass  # our own close (below)
 
+    cancels: int | None = None
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(request)
+        nursery.start_soon(read)
         with trio.move_on_after(10) as waiting:
             if queued:
-                await _poll_until(poller, url, lambda a: a["queued"] >= 1, 0.005)
+                _, admin = await _poll_until(poller, url, lambda a: a["queued"] >= 1, 0.005)
+                cancels = _queue_cancels(admin)
             else:
                 await backend.trial(tid).reached.wait()
             if window == "mid-stream":
@@ -1273,26 +1327,104 @@ async def _cancel_trial(
         elif "error" not in res:
             await trio.sleep(args.settle_ms / 1000)
         closed_at = time.perf_counter()
-        scope.cancel()
+        stream.socket.close()
+        nursery.cancel_scope.cancel()
+    res["t_close"] = closed_at
     if "error" in res:
         return res
     if queued:
         with trio.move_on_after(10):
-            gone = await _poll_until(poller, url, lambda a: a["queued"] == 0, args.poll_ms / 1000)
-            res["ms"] = round(1000 * (gone - closed_at), 3)
+            if cancels is None:
+                # An edge that does not say when its queue's runs leave: the
+                # first poll that shows the queue empty (resolution: a poll
+                # and its period; answering polls slows the edge down).
+                gone, _ = await _poll_until(
+                    poller, url, lambda a: a["queued"] == 0, args.poll_ms / 1000
+                )
+                res["ms"] = round(1000 * (gone - closed_at), 3)
+                return res
+            # No poll at once: answering one (about 1 ms of the edge's CPU)
+            # would compete with the dequeue it is meant to see.
+            await trio.sleep(args.poll_ms / 1000)
+            seen, admin = await _poll_until(
+                poller, url, lambda a: (_queue_cancels(a) or 0) > cancels, args.poll_ms / 1000
+            )
+            # The edge's own time of the dequeue, on the clock this process
+            # shares with it (CLOCK_MONOTONIC: _check_clock); the poll only
+            # says when it is known, not how precisely.
+            last = admin["queue"]["last_exit"]
+            res["t_end"] = last["monotonic_s"]
+            res["ms"] = round(1000 * (last["monotonic_s"] - closed_at), 3)
+            res["poll_ms"] = round(1000 * (seen - closed_at), 3)
             return res
         res["error"] = "still queued 10 s after the close"
         return res
     trial = backend.trial(tid)
     with trio.move_on_after(10):
         await trial.closed.wait()
+        res["t_end"] = trial.eof_at
         res["ms"] = round(1000 * (trial.eof_at - closed_at), 3)
         return res
     res["error"] = "no EOF at the backend within 10 s"
     return res
 
 
+# What --perf-trace records: the scheduler (every process: the foreign load
+# is what it shows) and the syscalls of the cancel path, of ours only.
+_PERF_SCHED: Final = ("sched:sched_switch", "sched:sched_wakeup")
+_PERF_SYSCALLS: Final = (
+    "syscalls:sys_enter_close",  # the client's close, the node's close of the backend socket
+    "syscalls:sys_exit_recvfrom",  # reads: 0 is the EOF
+    "syscalls:sys_enter_write",  # the edge's writes (its socket guard writes with os.write)
+    "syscalls:sys_enter_sendto",  # the node's and this process's writes
+    "syscalls:sys_exit_epoll_wait",  # each pass of a trio run loop
+)
+
+
+@contextlib.contextmanager
+def _perf_record(args: argparse.Namespace, pids: dict[str, int]) -> Iterator[Path | None]:
+    """``perf record`` of the trials on CLOCK_MONOTONIC (the samples' clock),
+    for ``scripts/trace_cancel.py``; None without --perf-trace."""
+    if not args.perf_trace:
+        yield None
+        return
+    import subprocess
+
+    data = args.out_dir / f"stress-{args.stamp}-cancel.perf.data"
+    ours = " || ".join(f"common_pid == {pid}" for pid in pids.values())
+    argv = ["perf", "record", "-q", "-k", "CLOCK_MONOTONIC", "-a", "-o", str(data)]
+    for event in _PERF_SCHED:
+        argv += ["-e", event]
+    for event in _PERF_SYSCALLS:
+        argv += ["-e", event, "--filter", ours]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    time.sleep(1.0)  # perf opens its events before the first trial
+    if proc.poll() is not None:
+        raise SystemExit(f"bench: perf record failed: {proc.stderr.read().decode()[-500:]}")
+    try:
+        yield data
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+        print(f"bench: perf trace in {data}", file=sys.stderr)
+
+
+def _check_clock() -> None:
+    """The samples compare this process's perf_counter() with the edge's
+    time.monotonic(): on Linux both are CLOCK_MONOTONIC, one clock for every
+    process on the host."""
+    ours = time.get_clock_info("perf_counter").implementation
+    theirs = time.get_clock_info("monotonic").implementation
+    if ours != theirs:
+        raise SystemExit(f"bench: perf_counter ({ours}) is not the monotonic clock ({theirs})")
+
+
 async def _cancel(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:
+    _check_clock()
     backends = {MODEL_FREE: MockBackend(MODEL_FREE), MODEL_QUEUED: MockBackend(MODEL_QUEUED)}
     # Long enough for the held request of the queued window to outlive the run.
     long = {"idle_timeout_s": 600.0, "first_token_timeout_s": 600.0}
@@ -1340,19 +1472,22 @@ async def _cancel(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:
             o0 = (await _admin_async(poller, cl.url))["outcomes"]
             warm = 2
             trials: list[dict[str, Any]] = []
-            win = CpuWindow({"edge": cl.edge.pid, "node": cl.nodes[0].pid})
-            for i in range(warm + args.trials):
-                # Round robin: a noisy moment of the box hits every window alike.
-                for window in args.window_list:
-                    r = await _cancel_trial(
-                        args, client, poller, cl.url, backends, window, f"{window}-{i}"
-                    )
-                    if i >= warm:
-                        trials.append(r)
-                    if "error" in r:
-                        print(f"bench: cancel {r['trial']}: {r['error']}", file=sys.stderr)
-                        await _wait_idle_async(poller, cl.url, 10)
-            out["cpu"] = win.stop()
+            pids = {"edge": cl.edge.pid, "node": cl.nodes[0].pid, "bench": os.getpid()}
+            with _perf_record(args, pids) as perf:
+                win = CpuWindow({"edge": cl.edge.pid, "node": cl.nodes[0].pid})
+                for i in range(warm + args.trials):
+                    # Round robin: a noisy moment of the box hits every window alike.
+                    for window in args.window_list:
+                        tid = f"{window}-{i}"
+                        r = await _cancel_trial(args, poller, cl.url, backends, window, tid)
+                        if i >= warm:
+                            trials.append(r)
+                        if "error" in r:
+                            print(f"bench: cancel {r['trial']}: {r['error']}", file=sys.stderr)
+                            await _wait_idle_async(poller, cl.url, 10)
+                out["cpu"] = win.stop()
+            if perf is not None:
+                out["perf_trace"] = {"data": str(perf), "pids": pids}
             backends[MODEL_QUEUED].release.set()
             with trio.fail_after(10):
                 await holder_done.wait()
@@ -1368,7 +1503,15 @@ async def _cancel(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:
             "errors": dict(Counter(t["error"] for t in rs if "error" in t)),
             "samples_ms": [t.get("ms") for t in rs],
         }
+        if window == "queued":
+            # The old measure, kept to compare: the first /admin/nodes poll
+            # that showed the exit (resolution: the poll period plus a poll).
+            polls = [t["poll_ms"] for t in rs if "poll_ms" in t]
+            out["windows"][window]["poll_ms"] = summary(polls)
     out["windows"].get("queued", {})["leaked_to_backend"] = leaked
+    # Per trial, the close and the end on the host's monotonic clock
+    # (perf_counter): where to look in a trace of the run (--perf-trace).
+    out["trials"] = trials
     out["settings"] = {
         "trials": args.trials,
         "warmup_per_window": warm,
@@ -1397,6 +1540,13 @@ def print_cancel(res: dict[str, Any]) -> None:
             f"{m.get('max', math.nan):>8.1f}  {extra or ''}"
         )
     print(f"edge outcomes: {res['edge_outcomes']}")
+    q = res["windows"].get("queued")
+    if q is not None and q.get("poll_ms", {}).get("n"):
+        print(
+            "queued: the edge's own dequeue time (/admin/nodes queue.last_exit); "
+            f"the first poll that saw it: p50 {q['poll_ms']['p50']:.1f}, "
+            f"p99 {q['poll_ms']['p99']:.1f} ms"
+        )
 
 
 # --------------------------------------------------------------------------- memory
@@ -1629,6 +1779,11 @@ def _idle_nodes(
     idle = w.stop()
     out["idle"] = idle
     out["rss_kb"] = rss0
+    if args.idle_profile > 0:
+        # After the CPU window, so the sampler's own reads stay out of it.
+        spies = _idle_spies(args, {"edge": edge.pid}, args.idle_profile)
+        time.sleep(args.idle_profile)
+        out["profile"] = _spy_report(spies)
     cpu = idle["cpu_s"]
     wall = idle["wall_s"]
     real_pct = [100 * cpu[p.name] / wall for p in reals]
@@ -1684,6 +1839,10 @@ def print_idle_nodes(res: dict[str, Any]) -> None:
         f"{res['admin_poll_ms'].get('p50')} ms); "
         f"load {idle['loadavg']}, foreign {idle['foreign_cpu_pct_of_core']} %"
     )
+    for name, rep in res.get("profile", {}).items():
+        print(f"  py-spy {name}: {rep.get('samples')} samples, {rep.get('raw_file')}")
+        for fn, share in rep.get("inclusive_pct_top_functions", [])[:12]:
+            print(f"    {share:5.1f} %  {fn}")
 
 
 def serve_agents(args: argparse.Namespace) -> int:
@@ -1760,10 +1919,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "(default: %(default)s)",
     )
     g.add_argument(
+        "--perf-trace",
+        action="store_true",
+        help="record the trials with perf (scheduler and syscalls, on the samples' clock) "
+        "for scripts/trace_cancel.py (needs perf and root)",
+    )
+    g.add_argument(
         "--poll-ms",
         type=float,
-        default=1.0,
-        help="queued window: /admin/nodes poll period (default: %(default)s)",
+        default=20.0,
+        help="queued window: /admin/nodes poll period after the close, and the wait "
+        "before the first poll; the sample is the edge's own dequeue time, so this "
+        "sets when it is read, not its resolution (default: %(default)s)",
     )
     g = ap.add_argument_group("memory")
     g.add_argument("--streams", type=int, default=1000, help="idle streams (default: %(default)s)")
@@ -1893,6 +2060,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=int,
         default=3,
         help="SIGSTOP node-loss detections, one per real node (default: %(default)s)",
+    )
+    g.add_argument(
+        "--idle-profile",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="after the CPU window, py-spy (1000 Hz, idle stacks left out) on the edge "
+        "for S seconds; raw stacks go to --out-dir (default: none)",
     )
     ap.add_argument(
         "--out-dir",

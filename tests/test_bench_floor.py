@@ -24,9 +24,13 @@ def test_the_floor_benchmark_measures_every_operation(tmp_path: Path) -> None:
     assert names == {
         "socket round trip",
         "socket send (writable)",
+        "socket receive (ready)",
         "task hop",
         "cancel scope",
         "h11 chunk",
+        "h11 chunk read",
+        "body reader chunk",
+        "chat chunk parse",
         "wsproto frame",
         "msgspec batch",
     }

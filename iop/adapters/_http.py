@@ -75,6 +75,7 @@ from iop.spec import (
     TokenizeRequest,
     Tool,
 )
+from iop.timeline import current_timeline
 from iop.wire._errors import ERROR_EXCERPT_BYTES, excerpt, openai_error_code, parse_error_body
 from iop.wire._openai_stream import ChatStreamParser
 
@@ -521,14 +522,31 @@ class HTTPBackend:
                 the message, e.g. "vllm retry request failed").
         """
         content = msgspec.json.encode(body)
+        timeline = current_timeline()  # the run's, when a run sends this
+        if timeline is not None:
+            timeline.backend_sent = trio.current_time()
+        headers = self._post_headers
+        if timeline is not None and timeline.traceparent:
+            # The backend joins the run's trace (iop.tracing).
+            headers = headers.copy()
+            headers["traceparent"] = timeline.traceparent
         try:
-            response = await self._send("POST", path, content, self._post_headers)
+            response = await self._send("POST", path, content, headers)
         except httpx.HTTPError as exc:
             raise map_transport_error(exc, what) from exc
+        if timeline is not None:
+            # The response head is the backend's first answer.
+            timeline.backend_first_byte = trio.current_time()
         try:
             yield response
         finally:
-            await response.aclose()
+            try:
+                await response.aclose()
+            finally:
+                # Unread (a cancel, an error), its connection is closed; read
+                # to the end, it went back to the pool.
+                if timeline is not None:
+                    timeline.backend_closed = trio.current_time()
 
     async def _send(
         self, method: str, path: str, content: bytes | None, headers: httpx.Headers
@@ -611,6 +629,8 @@ class HTTPBackend:
                 async for piece in chunks:
                     for event in parser.feed(piece):
                         await send.send(event)
+                    if parser.failed:
+                        parser.feed_eof()  # the error after those events: raised
                     if parser.done:
                         break
                 else:

@@ -45,6 +45,8 @@ examples:
   iop sim --reasoning-tokens 16 --ttft 0.5   # reasoning first, 0.5 s to first token
   iop sim --no-auto-tool-choice              # vLLM without --enable-auto-tool-choice
   iop sim --failure midstream_error --fail-after-tokens 4
+  iop sim --kv-cache-blocks 8192 --prefill-tokens-per-s 4000 --max-num-seqs 8
+                                             # an engine with a prefix cache and a batch
   iop sim --config sim.toml --seed 7         # [sim] table from a file, seed overridden
   iop sim --tool-call-name shell --tool-call-name Bash \\
           --tool-call-arguments '{"command": "echo iop-tool-ok"}'
@@ -169,6 +171,41 @@ def add_parser(sub: Any) -> None:
             f"(default: {_D.max_inputs})"
         ),
     )
+    e = p.add_argument_group(
+        "engine model",
+        "what makes a real engine's first token and token rate move; off unless set "
+        '(docs/configuration.md, "`iop sim` config")',
+    )
+    e.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        metavar="R",
+        help="the first token also waits for the uncached prompt tokens at this rate",
+    )
+    e.add_argument(
+        "--kv-cache-blocks",
+        type=int,
+        metavar="N",
+        help="a prefix cache of N blocks (LRU; 0, the default: none)",
+    )
+    e.add_argument(
+        "--kv-block-tokens",
+        type=int,
+        metavar="N",
+        help=f"tokens per cache block (default: {_D.kv_block_tokens})",
+    )
+    e.add_argument(
+        "--max-num-seqs",
+        type=int,
+        metavar="N",
+        help="requests running at once; the rest wait (0, the default: no limit)",
+    )
+    e.add_argument(
+        "--decode-slowdown",
+        type=float,
+        metavar="F",
+        help="each other running request stretches a token's delay by F (default: 0)",
+    )
     p.set_defaults(func=_cmd_sim)
 
 
@@ -188,6 +225,11 @@ _OVERRIDES = (
     "tool_call_arguments_by_tool",
     "embedding_dim",
     "max_inputs",
+    "prefill_tokens_per_s",
+    "kv_cache_blocks",
+    "kv_block_tokens",
+    "max_num_seqs",
+    "decode_slowdown",
 )
 
 

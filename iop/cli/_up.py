@@ -175,6 +175,8 @@ async def _up(cfg: UpConfig) -> int:
                     edges=[NodeEdge(url=handle.link_url, token=cfg.edge.link.node_tokens[0])],
                 ),
                 instances=instances,
+                # One [edge.tracing] for both: the node's spans as iop-node.
+                tracing=msgspec.structs.replace(cfg.edge.tracing, service_name=""),
             )
             async with open_node_agent(node_cfg) as agent:
                 node_scope = trio.CancelScope()

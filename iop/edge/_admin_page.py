@@ -1,8 +1,11 @@
-"""The admin page (``GET /admin``): nodes, instances, load and live runs as HTML.
+"""The admin pages: ``GET /admin`` (nodes, instances, load, live and recent
+runs) and a run's timeline (``GET /admin/runs/{id}`` from a browser) as HTML.
 
-Rendered on the server from ``EdgeCore.snapshot()`` (the same data as
-``GET /admin/nodes``), escaped, with no script: the page reloads itself every
-few seconds. When admin keys are configured, ``render_login_page`` is what a
+Rendered on the server from ``EdgeCore.snapshot()`` and ``EdgeCore.runs_view()``
+(the same data as ``GET /admin/nodes`` and ``GET /admin/runs``), escaped,
+with no script: the page reloads itself every few seconds. A run's timeline
+is a table of its moments and a chart of its spans drawn with plain
+``div``s whose offsets and widths are percentages of the run's duration. When admin keys are configured, ``render_login_page`` is what a
 browser without a session gets: a plain form that posts the key to
 ``/admin/login`` (``_admin_auth`` has the rules). Sans-IO: functions of their
 arguments.
@@ -13,9 +16,17 @@ from __future__ import annotations
 from html import escape
 from typing import Any, Final
 
-__all__ = ["REFRESH_S", "render_admin_page", "render_login_page"]
+__all__ = [
+    "RECENT_ON_PAGE",
+    "REFRESH_S",
+    "render_admin_page",
+    "render_login_page",
+    "render_run_page",
+]
 
 REFRESH_S: Final = 2
+# Finished runs the admin page lists (``/admin/runs`` has more).
+RECENT_ON_PAGE: Final = 20
 
 _STYLE: Final = """
 body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222}
@@ -27,6 +38,12 @@ th{background:#f3f3f3}.num{text-align:right}
 header{display:flex;align-items:baseline;gap:1em}header form{margin-left:auto}
 label{display:block;margin:.8em 0 .3em}input{font:inherit;padding:.3em;width:22em}
 button{font:inherit;padding:.3em 1em;margin-top:.8em}
+.chart{width:100%;max-width:60em;margin:.6em 0}
+.span{display:flex;align-items:center;gap:.6em;margin:.15em 0}
+.span .name{width:13em;flex:none}.span .track{flex:1;position:relative;height:1em;background:#f3f3f3}
+.span .bar{position:absolute;top:0;bottom:0;min-width:2px;background:#3b6ea8}
+.span .bar.stall{background:#c77c02}.span .bar.cancel{background:#b00020}
+.span .bar.node{background:#5b8c3a}
 """
 
 _HEAD: Final = "<!doctype html><html><head><meta charset='utf-8'>"
@@ -67,8 +84,19 @@ def render_login_page(message: str | None = None) -> bytes:
     return body.encode()
 
 
-def render_admin_page(snapshot: dict[str, Any], *, logout: bool = False) -> bytes:
-    """The admin page for one ``EdgeCore.snapshot()``, with a log-out button if ``logout``."""
+def _ms(value: Any) -> str:
+    return "" if value is None else f"{float(value):.1f} ms"
+
+
+def _run_link(run_id: str) -> str:
+    return f"<td><a href='/admin/runs/{escape(run_id, quote=True)}'>{escape(run_id)}</a></td>"
+
+
+def render_admin_page(
+    snapshot: dict[str, Any], runs: dict[str, Any] | None = None, *, logout: bool = False
+) -> bytes:
+    """The admin page for one ``EdgeCore.snapshot()`` and ``EdgeCore.runs_view()``,
+    with a log-out button if ``logout``."""
     nodes: list[dict[str, Any]] = snapshot.get("nodes", [])
     instance_rows = []
     for node in nodes:
@@ -99,14 +127,31 @@ def render_admin_page(snapshot: dict[str, Any], *, logout: bool = False) -> byte
         + "</tr>"
         for n in nodes
     ]
+    runs = runs or {}
+    phases = {r["run_id"]: r.get("phase", "") for r in runs.get("live", [])}
     run_rows = [
         "<tr>"
-        + _cell(r["run_id"])
+        + _run_link(r["run_id"])
         + _cell(r.get("model", ""))
-        + _cell(r.get("state", ""))
+        + _cell(phases.get(r["run_id"], r.get("state", "")))
         + _cell(f"{r.get('age_s', 0)} s", "num")
         + "</tr>"
         for r in snapshot.get("runs", [])
+    ]
+    recent_rows = [
+        "<tr>"
+        + _run_link(r["run_id"])
+        + _cell(r.get("model", ""))
+        + _cell(r.get("node") or "")
+        + _cell(
+            r.get("outcome") or "",
+            "ok" if str(r.get("outcome", "")).startswith("complete") else "bad",
+        )
+        + _cell(_ms(r.get("first_output_ms")), "num")
+        + _cell(_ms(r.get("duration_ms")), "num")
+        + _cell(r.get("stalls", 0), "num")
+        + "</tr>"
+        for r in runs.get("recent", [])[:RECENT_ON_PAGE]
     ]
     outcome_rows = [
         "<tr>" + _cell(k) + _cell(v, "num") + "</tr>"
@@ -120,7 +165,8 @@ def render_admin_page(snapshot: dict[str, Any], *, logout: bool = False) -> byte
         f"<p>{len(nodes)} node(s), {len(run_rows)} run(s) in flight, "
         f"{int(snapshot.get('queued', 0))} queued, "
         f"{int(snapshot.get('runs_started', 0))} started since start-up. "
-        "JSON: <a href='/admin/nodes'>/admin/nodes</a>, metrics: <a href='/metrics'>/metrics</a></p>"
+        "JSON: <a href='/admin/nodes'>/admin/nodes</a>, <a href='/admin/runs'>/admin/runs</a>, "
+        "metrics: <a href='/metrics'>/metrics</a></p>"
         "<h2>Instances</h2>"
         + _table(
             ["node", "instance", "adapter", "provider", "status", "models", "in flight / slots"],
@@ -130,9 +176,154 @@ def render_admin_page(snapshot: dict[str, Any], *, logout: bool = False) -> byte
         + "<h2>Nodes</h2>"
         + _table(["node", "software", "connected for", "draining", "runs"], node_rows, "None.")
         + "<h2>Runs in flight</h2>"
-        + _table(["run", "model", "state", "age"], run_rows, "None.")
+        + _table(["run", "model", "phase", "age"], run_rows, "None.")
+        + "<h2>Recent runs</h2>"
+        + _table(
+            ["run", "model", "node", "outcome", "first output", "duration", "stalls"],
+            recent_rows,
+            "No run has ended yet.",
+        )
         + "<h2>Outcomes</h2>"
         + _table(["outcome", "runs"], outcome_rows, "No run has ended yet.")
+        + "</body></html>"
+    )
+    return body.encode()
+
+
+# (label, start key, end key, css class) of a run's spans, edge then node.
+_SPANS: Final = (
+    ("queued", "queued_ms", "dequeued_ms", ""),
+    ("waiting for first output", "received_ms", "first_output_ms", ""),
+    ("streaming", "first_output_ms", "terminal_ms", ""),
+    ("cancelling", "cancel_requested_ms", "terminal_ms", "cancel"),
+)
+_NODE_SPANS: Final = (
+    ("node: run", "started_ms", "terminal_ms", "node"),
+    ("node: backend to first output", "backend_sent_ms", "first_output_ms", "node"),
+    ("node: backend response open", "backend_first_byte_ms", "backend_closed_ms", "node"),
+)
+# The moments of the table, in the order they happen: (label, key, on the node).
+_MOMENTS: Final = (
+    ("admitted", "admitted_ms", False),
+    ("queued", "queued_ms", False),
+    ("dequeued", "dequeued_ms", False),
+    ("node got the run", "started_ms", True),
+    ("backend request sent", "backend_sent_ms", True),
+    ("backend first byte", "backend_first_byte_ms", True),
+    ("first output (node)", "first_output_ms", True),
+    ("first output", "first_output_ms", False),
+    ("cancel requested", "cancel_requested_ms", False),
+    ("cancel sent to node", "cancel_sent_ms", False),
+    ("node got the cancel", "cancel_received_ms", True),
+    ("backend closed", "backend_closed_ms", True),
+    ("node's terminal", "terminal_ms", True),
+    ("terminal", "terminal_ms", False),
+)
+
+
+def _bar(label: str, start: float, end: float, total: float, cls: str) -> str:
+    left = max(0.0, min(100.0, 100.0 * start / total))
+    width = max(0.0, min(100.0 - left, 100.0 * (end - start) / total))
+    return (
+        f"<div class='span'><span class='name'>{escape(label)}</span>"
+        f"<span class='track'><span class='bar {cls}' style='left:{left:.2f}%;width:{width:.2f}%'"
+        f" title='{escape(label, quote=True)}: {start:.1f} to {end:.1f} ms'></span></span>"
+        f"<span class='num'>{end - start:.1f} ms</span></div>"
+    )
+
+
+def render_run_page(timeline: dict[str, Any], *, logout: bool = False) -> bytes:
+    """One run's timeline (``Timeline.to_json()``) as a page: summary, chart, moments."""
+    t = dict(timeline, received_ms=0.0)
+    node: dict[str, Any] = t.get("node") or {}
+    live = t.get("terminal_ms") is None
+    # The chart ends at the latest moment known: a cancelled run's node ends
+    # after the edge's run did; a live run's chart grows.
+    times = [
+        float(v)
+        for part in (t, node)
+        for k, v in part.items()
+        if k.endswith("_ms") and isinstance(v, (int, float)) and not isinstance(v, bool)
+    ]
+    end = max([0.0, *times])
+    total = max(float(end), 1e-3)
+    bars = []
+    for label, a, b, cls in _SPANS:
+        if t.get(a) is not None and t.get(b) is not None:
+            bars.append(_bar(label, float(t[a]), float(t[b]), total, cls))
+    for label, a, b, cls in _NODE_SPANS:
+        if node.get(a) is not None and node.get(b) is not None:
+            bars.append(_bar(label, float(node[a]), float(node[b]), total, cls))
+    stalls = [(s, "") for s in t.get("stalls", [])] + [
+        (s, "node: ") for s in node.get("stalls", [])
+    ]
+    for stall, where in stalls:
+        if stall.get("start_ms") is not None:
+            stop = stall.get("end_ms")
+            bars.append(
+                _bar(
+                    f"{where}{stall.get('kind', '')} stall",
+                    float(stall["start_ms"]),
+                    float(stop if stop is not None else total),
+                    total,
+                    "stall",
+                )
+            )
+    moments = []
+    for label, key, on_node in _MOMENTS:
+        value = (node if on_node else t).get(key)
+        if value is not None:
+            moments.append((float(value), label, "node" if on_node else "edge"))
+    for p in t.get("placements", []):
+        moments.append(
+            (
+                float(p.get("at_ms") or 0.0),
+                f"placed on {p.get('node')}/{p.get('instance')} (attempt {p.get('attempt')}):"
+                f" {p.get('result') or 'running'}",
+                "edge",
+            )
+        )
+    moments.sort(key=lambda m: m[0])
+    moment_rows = [
+        "<tr>" + _cell(f"{at:.1f} ms", "num") + _cell(label) + _cell(where) + "</tr>"
+        for at, label, where in moments
+    ]
+    run_id = str(t.get("run_id", ""))
+    clock = ""
+    if node:
+        clock = (
+            f"<p class='muted'>Node times are in the edge's clock, each good to "
+            f"{float(node.get('clock_rtt_ms') or 0.0) / 2:.2f} ms "
+            "(half the run's round trip).</p>"
+        )
+    why = t.get("why_queued")
+    cause = t.get("cancel_cause")
+    facts = [
+        f"model {escape(str(t.get('model', '')))}",
+        "streamed" if t.get("stream") else "collected",
+        f"phase {escape(str(t.get('phase', '')))}",
+        f"outcome {escape(str(t.get('outcome') or 'none yet'))}",
+    ]
+    if why:
+        facts.append(f"queued because {escape(str(why))}")
+    if cause:
+        facts.append(f"cancelled for {escape(str(cause))}")
+    if t.get("stalls_dropped"):
+        facts.append(f"{int(t['stalls_dropped'])} stall(s) not kept")
+    refresh = f"<meta http-equiv='refresh' content='{REFRESH_S}'>" if live else ""
+    body = (
+        f"{_HEAD}{refresh}<title>IOP run {escape(run_id)}</title><style>{_STYLE}</style></head>"
+        f"<body><header><h1>Run {escape(run_id)}</h1>{_LOGOUT_FORM if logout else ''}</header>"
+        f"<p>{', '.join(facts)}. <a href='/admin'>Back to the admin page</a>.</p>"
+        "<h2>Spans</h2>"
+        + (
+            f"<div class='chart' role='list'>{''.join(bars)}</div>"
+            if bars
+            else "<p class='muted'>None yet.</p>"
+        )
+        + clock
+        + "<h2>Moments</h2>"
+        + _table(["at", "moment", "where"], moment_rows, "None yet.")
         + "</body></html>"
     )
     return body.encode()

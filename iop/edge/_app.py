@@ -88,7 +88,12 @@ from iop.api import (
     wants_anthropic,
 )
 from iop.edge._admin_auth import COOKIE_NAME, AdminGate, Verdict, key_matches
-from iop.edge._admin_page import render_admin_page, render_login_page
+from iop.edge._admin_page import (
+    RECENT_ON_PAGE,
+    render_admin_page,
+    render_login_page,
+    render_run_page,
+)
 from iop.edge._core import EdgeCore
 from iop.edge._link_asgi import LINK_PATH
 from iop.edge._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -107,6 +112,7 @@ from iop.events import (
 )
 from iop.runtime import Run, new_run_id
 from iop.spec import ExecutionSpec, TokenizeRequest
+from iop.tracing import valid_traceparent
 
 __all__ = ["LINK_PATH", "create_edge_app"]
 
@@ -123,6 +129,9 @@ log = logging.getLogger("iop.edge.http")
 # one write per batch instead of one per token (docs/benchmarks.md, "Earlier
 # measurements: The trio-stack spike").
 COALESCE_MAX: Final = 64
+
+# Finished runs ``GET /admin/runs`` lists unless ``?limit=`` says otherwise.
+ADMIN_RUNS_LIMIT: Final = 100
 
 _SSE_HEADERS: Final = {
     "Content-Type": "text/event-stream",
@@ -228,6 +237,13 @@ _ADMIN_HEADERS: Final = {
     # Not no-referrer: Chromium then sends `Origin: null` on the form's POST.
     "Referrer-Policy": "same-origin",
 }
+
+
+def _wants_html(accept: str) -> bool:
+    """Whether an ``Accept`` header asks for HTML before JSON (a browser's does)."""
+    html = accept.find("text/html")
+    json = accept.find("application/json")
+    return html >= 0 and (json < 0 or html < json)
 
 
 def _html(body: bytes, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -460,10 +476,12 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             return _login_page(_throttled_message(gate), 429, gate)
         if verdict is Verdict.DENIED:
             return _login_page(None, 401, gate)
-        return _html(render_admin_page(core.snapshot(), logout=not gate.open))
+        return _html(
+            render_admin_page(core.snapshot(), core.runs_view(RECENT_ON_PAGE), logout=not gate.open)
+        )
 
-    @app.get("/admin/nodes")
-    async def admin_nodes() -> Response:
+    def admin_refusal() -> Response | None:
+        """The JSON refusal of an admin API request, or None when it may go on."""
         verdict = admin_verdict()
         if verdict is Verdict.THROTTLED:
             return _error(
@@ -474,7 +492,55 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             )
         if verdict is Verdict.DENIED:
             return _error(401, "Incorrect API key provided.", code=ErrorCode.INVALID_API_KEY)
+        return None
+
+    @app.get("/admin/nodes")
+    async def admin_nodes() -> Response:
+        refused = admin_refusal()
+        if refused is not None:
+            return refused
         return _json_response(msgspec.json.encode(core.snapshot()))
+
+    @app.get("/admin/runs")
+    async def admin_runs() -> Response:
+        refused = admin_refusal()
+        if refused is not None:
+            return refused
+        raw = request.args.get("limit", str(ADMIN_RUNS_LIMIT))
+        if not raw.isdigit() or not 0 <= int(raw) <= cfg.timelines.recent:
+            return _error(
+                400,
+                f"limit must be an integer from 0 to {cfg.timelines.recent} (timelines.recent)",
+                code=ErrorCode.INVALID_REQUEST,
+                param="limit",
+            )
+        return _json_response(msgspec.json.encode(core.runs_view(int(raw))))
+
+    @app.get("/admin/runs/<run_id>")
+    async def admin_run(run_id: str) -> Response:
+        # A browser (the admin page's links) gets the page, a script the JSON.
+        browser = _wants_html(request.headers.get("Accept", ""))
+        if browser:
+            verdict = admin_verdict()
+            if verdict is Verdict.THROTTLED:
+                return _login_page(_throttled_message(gate), 429, gate)
+            if verdict is Verdict.DENIED:
+                return _login_page(None, 401, gate)
+        else:
+            refused = admin_refusal()
+            if refused is not None:
+                return refused
+        view = core.run_view(run_id)
+        if view is not None and browser:
+            return _html(render_run_page(view, logout=not gate.open))
+        if view is None:
+            return _error(
+                404,
+                f"No run {run_id!r} is live or among the {cfg.timelines.recent} "
+                "kept (timelines.recent).",
+                code=ErrorCode.NOT_FOUND,
+            )
+        return _json_response(msgspec.json.encode(view))
 
     @app.get("/admin/login")
     async def admin_login_form() -> Response:
@@ -535,7 +601,11 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         try:
             call = surface.parse(body, headers)
             spec = ExecutionSpec(
-                run_id=new_run_id(), request=call.request, target=call.request.model
+                run_id=new_run_id(),
+                request=call.request,
+                target=call.request.model,
+                # A client's trace context (checked): the run joins its trace.
+                traceparent=valid_traceparent(headers.get("traceparent")),
             )
             run = core.start_run(spec, collect=not call.stream)
         except IopError as exc:
@@ -543,6 +613,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         connection = current_connection()
         if connection is not None:
             run.on_outcome = _cut_off_when_slow(connection)
+            connection.timeline = run.timeline  # its write stalls are the run's
         ctx = RunContext(
             run_id=spec.run_id, created=int(time.time()), policy=cfg.policy_for(call.request.model)
         )
@@ -603,7 +674,12 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         tokenize = TokenizeRequest(
             model=counted.model, messages=counted.messages, tools=counted.tools
         )
-        spec = ExecutionSpec(run_id=new_run_id(), request=tokenize, target=counted.model)
+        spec = ExecutionSpec(
+            run_id=new_run_id(),
+            request=tokenize,
+            target=counted.model,
+            traceparent=valid_traceparent(headers.get("traceparent")),
+        )
         try:
             run = core.start_run(spec, collect=True)
         except IopError as exc:

@@ -60,6 +60,7 @@ from iop.edge._registry import (
     Scheduler,
     affinity_key,
 )
+from iop.edge._timeline_export import TimelineExport
 from iop.errors import (
     ErrorCode,
     InvariantError,
@@ -92,6 +93,7 @@ from iop.protocol import (
     close_reason,
 )
 from iop.runtime import (
+    LinkClock,
     LinkDriver,
     PeerSilent,
     Run,
@@ -100,10 +102,15 @@ from iop.runtime import (
     open_run_supervisor,
 )
 from iop.spec import ExecutionSpec
+from iop.timeline import Placement, Timeline, TimelineRing
+from iop.tracing import RunTrace, Tracing
 
 __all__ = ["EdgeCore", "RemoteExecutor", "open_edge_core"]
 
 log = logging.getLogger("iop.edge")
+
+# How long the timeline export may take to write its last lines at exit.
+EXPORT_FLUSH_S: Final = 5.0
 
 # How long cancelled runs may take to end on a drain.
 CANCEL_SEND_TIMEOUT_S: Final = 1.0
@@ -156,10 +163,14 @@ class ModelEntry:
 class RemoteExecutor:
     """Executes one run on whichever node the scheduler picks."""
 
-    __slots__ = ("_collect", "_collect_flush_s", "_core", "_started")  # one per open stream
+    __slots__ = ("_collect", "_collect_flush_s", "_core", "_started", "_trace")  # one per stream
 
-    def __init__(self, core: EdgeCore, *, collect: bool = False) -> None:
+    def __init__(
+        self, core: EdgeCore, *, collect: bool = False, trace: RunTrace | None = None
+    ) -> None:
         self._core = core
+        # The run's spans when the edge traces (iop.tracing).
+        self._trace = trace
         # Nobody reads the events as they come (``Assign.collect``).
         self._collect = collect
         # How long the node may hold them: an eighth of the idle deadline
@@ -183,14 +194,21 @@ class RemoteExecutor:
             try:
                 with send.queued():  # the queue wait is not the node's latency
                     lease = await core.scheduler.acquire(
-                        model, exclude=frozenset(excluded), affinity=affinity, operation=op
+                        model,
+                        exclude=frozenset(excluded),
+                        affinity=affinity,
+                        operation=op,
+                        # A failover's wait shows as the gap between placements.
+                        timeline=send.timeline if attempt == 0 else None,
                     )
             except RunAborted:
                 if last is not None and last.error is not None:
                     break  # report the node's own error rather than the wait
                 raise
             try:
-                await self._attempt(lease.conn, lease.instance.caps.instance, spec, send)
+                await self._attempt(
+                    lease.conn, lease.instance.caps.instance, spec, send, attempt + 1
+                )
                 return
             except _Retry as retry:
                 last = retry
@@ -212,12 +230,31 @@ class RemoteExecutor:
         raise RunAborted(core.masker.mask(last.why), reason=CancelReason.NODE_LOST)
 
     async def _attempt(
-        self, conn: NodeConnection, instance: str, spec: ExecutionSpec, send: RunSink
+        self,
+        conn: NodeConnection,
+        instance: str,
+        spec: ExecutionSpec,
+        send: RunSink,
+        number: int = 1,
     ) -> None:
         window = self._core.config.link.run_window
         run_id = spec.run_id
-        rr = RemoteRun(run_id, send, self._core.masker, self._started)
+        placement = Placement(
+            attempt=number, node=conn.node_id, instance=instance, at=trio.current_time()
+        )
+        rr = RemoteRun(run_id, send, self._core.masker, self._started, placement.at)
         ended = False  # the node is done with the run: nothing to cancel
+        timeline = send.timeline
+        timeline.placements.append(placement)
+        # The node's run joins the trace: the attempt's span, or the client's
+        # context passed on when the edge does not trace.
+        traceparent = (
+            self._trace.attempt(conn.node_id, instance, number, placement.at)
+            if self._trace is not None
+            else timeline.traceparent
+        )
+        if traceparent != spec.traceparent:
+            spec = msgspec.structs.replace(spec, traceparent=traceparent)
         try:
             try:
                 conn.assign(
@@ -233,10 +270,13 @@ class RemoteExecutor:
             send.on_consumed(partial(conn.consume, run_id))
             await rr.done.wait()
             if rr.lost is not None:
+                placement.result = f"lost: {rr.lost}"
                 raise self._lost(conn, rr.lost, rr.output)
             ended = True
             if rr.retry is not None:
+                placement.result = f"retry: {rr.retry.message}"
                 raise _Retry(conn.node_id, rr.retry.message, rr.retry)
+            placement.result = "ran"
             if rr.violation is not None:
                 ended = False
                 log.warning("node %s broke run %s: %s", conn.node_id, run_id, rr.violation)
@@ -254,7 +294,10 @@ class RemoteExecutor:
                     # protocol error would drop every run of the node); for
                     # the node it is a client that went away.
                     reason = CancelReason.CLIENT_DISCONNECT
-            conn.close_run(run_id, reason)
+                if placement.result is None:
+                    placement.result = "cancelled"
+            if conn.close_run(run_id, reason) and timeline.cancel_sent is None:
+                timeline.cancel_sent = trio.current_time()
 
     def _lost(self, conn: NodeConnection, message: str, output: bool) -> Exception:
         """What a run does when its node's link is gone: fail over, or end node_lost."""
@@ -266,7 +309,14 @@ class RemoteExecutor:
 class EdgeCore:
     """Nodes, scheduler and runs of one edge process."""
 
-    def __init__(self, config: EdgeConfig, supervisor: RunSupervisor) -> None:
+    def __init__(
+        self,
+        config: EdgeConfig,
+        supervisor: RunSupervisor,
+        *,
+        export: TimelineExport | None = None,
+        tracing: Tracing | None = None,
+    ) -> None:
         self.config = config
         self.registry = NodeRegistry()
         self.scheduler = Scheduler(self.registry, config.scheduler)
@@ -278,6 +328,13 @@ class EdgeCore:
         # from nodes to clients, /admin, /admin/nodes and /metrics.
         self.masker = SecretMasker(value for value, _ in edge_secrets(config))
         self.metrics = EdgeMetrics(self.registry, self.scheduler, supervisor, self.masker)
+        # The timelines of recent finished runs, and their export (open_edge_core runs it).
+        self.timelines = TimelineRing(config.timelines.recent)
+        self.export = export
+        self.tracing = tracing
+        self._traces: dict[str, RunTrace] = {}
+        # One timer for every link's liveness and pings (``open_edge_core`` runs it).
+        self.link_clock = LinkClock(config.link.heartbeat_timeout_s)
 
     # --- runs -----------------------------------------------------------------
 
@@ -333,8 +390,10 @@ class EdgeCore:
         self.scheduler.admit(model, op)
         self.runs_started += 1
         window = self.config.link.run_window
-        return self.supervisor.start_run(
-            RemoteExecutor(self, collect=collect),
+        trace = None
+        executor = RemoteExecutor(self, collect=collect)
+        run = self.supervisor.start_run(
+            executor,
             spec,
             self.config.deadlines,
             # The link reader delivers without waiting: room for a whole
@@ -343,6 +402,16 @@ class EdgeCore:
             stall_at=window,
             write_stall_timeout_s=self.config.server.write_stall_timeout,
         )
+        timeline = run.timeline
+        timeline.stream = not collect
+        timeline.max_stalls = self.config.timelines.max_stalls
+        if self.tracing is not None:
+            trace = self.tracing.request(timeline, spec.traceparent, f"{op} {model}")
+            executor._trace = self._traces[spec.run_id] = trace
+            timeline.traceparent = trace.traceparent
+        else:
+            timeline.traceparent = spec.traceparent
+        return run
 
     def _advertised(self, model: str, operation: str | None = None) -> bool:
         """Whether a connected instance lists ``model`` (for ``operation``), up or not."""
@@ -374,8 +443,20 @@ class EdgeCore:
         return list(dict.fromkeys(why))  # one "node X is draining" per node
 
     def record_outcome(self, run: Run) -> None:
-        """Count a finished run (the metrics' run counter, which /admin reads too)."""
+        """Count a finished run (the metrics' run counter, which /admin reads too)
+        and keep its timeline."""
         self.metrics.record(run, trio.current_time())
+        self.timelines.add(run.timeline)
+        if self.export is not None:
+            self.export.add(run.timeline)
+        trace = self._traces.pop(run.run_id, None)
+        if trace is not None:
+            trace.finish()
+
+    def timeline(self, run_id: str) -> Timeline | None:
+        """The timeline of a live run, else of a recent finished one."""
+        run = self.supervisor.runs.get(run_id)
+        return run.timeline if run is not None else self.timelines.get(run_id)
 
     # --- node links -------------------------------------------------------------
 
@@ -478,9 +559,9 @@ class EdgeCore:
         """Refuse a node id whose link is alive: it must not be taken over.
 
         A registered link is alive until its liveness deadline (last frame
-        plus ``heartbeat_timeout_s``) has passed; the edge pings every
+        plus ``heartbeat_timeout_s``) has passed; a node pings every
         ``heartbeat_interval_s``, so a live node is never near it. A link
-        past its deadline is dead (its link driver is about to close it) and a
+        past its deadline is dead (the link clock is about to close it) and a
         reconnecting node may replace it.
 
         Raises:
@@ -523,7 +604,11 @@ class EdgeCore:
             or "no instances",
         )
         driver = LinkDriver(
-            chan, session, partial(self._on_link_events, conn), peer=f"node {conn.node_id}"
+            chan,
+            session,
+            partial(self._on_link_events, conn),
+            peer=f"node {conn.node_id}",
+            clock=self.link_clock,
         )
         conn.wake = driver.wake
         self.scheduler.dispatch()
@@ -633,11 +718,52 @@ class EdgeCore:
                 "draining": self.draining,
                 "nodes": nodes,
                 "queued": self.scheduler.queued,
+                "queue": self._queue_view(),
                 "runs": runs,
                 "runs_started": self.runs_started,
                 "outcomes": self.metrics.outcomes(),
             }
         )
+
+    def _queue_view(self) -> dict[str, object]:
+        """How runs left the queue, and the last one's time on the host's
+        monotonic clock (``Scheduler.last_exit``)."""
+        sched = self.scheduler
+        last = sched.last_exit
+        return {
+            "exits": {how.value: n for how, n in sched.exits.items()},
+            "last_exit": None if last is None else msgspec.to_builtins(last),
+        }
+
+    def runs_view(self, limit: int) -> dict[str, object]:
+        """``GET /admin/runs``: live runs and the ``limit`` newest finished ones."""
+        recent: list[dict[str, object]] = []
+        for timeline in self.timelines.newest_first():
+            if len(recent) >= limit:
+                break
+            recent.append(timeline.summary())
+        export = None
+        if self.export is not None:
+            export = {
+                "path": str(self.export.path),
+                "written": self.export.written,
+                "dropped": self.export.dropped,
+                "rotations": self.export.rotations,
+            }
+        return self.masker.mask_tree(
+            {
+                "live": [r.timeline.summary() for r in self.supervisor.runs.values()],
+                "recent": recent,
+                "kept": len(self.timelines),
+                "capacity": self.timelines.capacity,
+                "export": export,
+            }
+        )
+
+    def run_view(self, run_id: str) -> dict[str, object] | None:
+        """``GET /admin/runs/{id}``: one run's whole timeline (None: not kept)."""
+        timeline = self.timeline(run_id)
+        return None if timeline is None else self.masker.mask_tree(timeline.to_json())
 
     async def drain(self, timeout_s: float) -> None:
         """Refuse new runs, let in-flight ones finish for ``timeout_s``, cancel the rest."""
@@ -666,9 +792,27 @@ async def open_edge_core(config: EdgeConfig) -> AsyncIterator[EdgeCore]:
         if core is not None:
             core.record_outcome(run)
 
-    async with open_run_supervisor(on_finished=finished, logger="iop.edge.run") as supervisor:
-        core = EdgeCore(config, supervisor)
+    export = TimelineExport(config.timelines) if config.timelines.export_path else None
+    tracing = Tracing.from_settings(config.tracing, "iop-edge")
+    async with trio.open_nursery() as services:
+        if export is not None:
+            services.start_soon(export.run, name="timeline-export")
         try:
-            yield core
+            async with (
+                open_run_supervisor(on_finished=finished, logger="iop.edge.run") as sup,
+                trio.open_nursery() as links,
+            ):
+                core = EdgeCore(config, sup, export=export, tracing=tracing)
+                links.start_soon(core.link_clock.run, name="edge link clock")
+                try:
+                    yield core
+                finally:
+                    sup.cancel_all(CancelReason.SHUTDOWN)
+                    links.cancel_scope.cancel()
         finally:
-            supervisor.cancel_all(CancelReason.SHUTDOWN)
+            # Every run has ended (and queued its line): write what is left.
+            if export is not None:
+                export.close()
+            services.cancel_scope.deadline = trio.current_time() + EXPORT_FLUSH_S
+            if tracing is not None:
+                await tracing.aclose(config.tracing.export_timeout_s + 1.0)

@@ -4,9 +4,10 @@ Run metrics are recorded once per run when it ends (``EdgeMetrics.record``,
 called from the run supervisor's ``on_finished``), so the hot path (chunk in,
 chunk out) pays nothing for them. The run counter is the edge's one count of
 outcomes: the admin view reads it too (``EdgeMetrics.outcomes``). Gauges
-(queue depth, runs in flight, nodes, per-instance load) are read at scrape
-time by a collector from the node registry, the scheduler and the run
-supervisor it is given, so this module knows nothing of ``EdgeCore``. Each
+(queue depth, runs in flight, nodes, per-instance load) and the scheduler's
+count of queue exits are read at scrape time by a collector from the node
+registry, the scheduler and the run supervisor it is given, so this module
+knows nothing of ``EdgeCore``. Each
 edge has its own registry: several edges in one process (tests) do not share
 counters.
 """
@@ -17,7 +18,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Final
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from iop.events import Cancelled, Complete, Error
@@ -57,6 +58,14 @@ class _LiveCollector(Collector):
         yield GaugeMetricFamily(
             "iop_queue_depth", "Runs waiting for capacity.", value=self._scheduler.queued
         )
+        exits = CounterMetricFamily(
+            "iop_queue_exits",
+            "Runs that left the queue, by how (placed, cancelled while waiting, timed_out).",
+            labels=["how"],
+        )
+        for how, n in self._scheduler.exits.items():
+            exits.add_metric([how.value], n)
+        yield exits
         in_flight = GaugeMetricFamily(
             "iop_instance_in_flight",
             "Runs the edge has placed on each node instance.",

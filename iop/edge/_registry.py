@@ -35,13 +35,23 @@ dispatch costs one pick per group and per slot handed out, not one per
 waiter. With one FIFO scanned whole, every finished run cost a pick for
 each of up to ``max_queue`` waiters, and an overloaded edge spent its CPU
 there.
+
+Every waiter leaves the queue one way (``QueueExit``): placed, cancelled
+(its run ended while it waited: the client left, a deadline, shutdown) or
+timed out. The scheduler counts the exits and keeps the host's monotonic
+time of the last one (``last_exit``): ``/metrics`` and ``/admin/nodes``
+show them, and ``scripts/bench_stress.py`` times a queued run's cancel with
+it on the clock it shares with the edge (docs/benchmarks.md,
+"Cancellation").
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import itertools
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -55,14 +65,17 @@ from iop.capabilities import Capabilities, ProviderStatus
 from iop.config import SchedulerSettings
 from iop.errors import RETRYABLE_CODES, ErrorCode, InvariantError, IopError, RunAborted
 from iop.events import CancelReason, Error, RuntimeEvent, Start, is_terminal
-from iop.protocol import EdgeSession, RunEventsReceived
+from iop.protocol import RELEASED_RUNS_REMEMBERED, EdgeSession, RunEventsReceived
 from iop.runtime import RunSink
 from iop.spec import ChatRequest, CompletionRequest, ExecutionSpec, OperationRequest
+from iop.timeline import NodeTimeline, Timeline
 
 __all__ = [
     "Lease",
     "NodeConnection",
     "NodeRegistry",
+    "QueueExit",
+    "QueueExitAt",
     "RemoteRun",
     "Scheduler",
     "affinity_key",
@@ -88,6 +101,7 @@ class RemoteRun:
     """
 
     __slots__ = (
+        "assigned_at",
         "done",
         "lost",
         "masker",
@@ -100,10 +114,18 @@ class RemoteRun:
     )
 
     def __init__(
-        self, run_id: str, sink: RunSink, masker: SecretMasker, started: list[bool]
+        self,
+        run_id: str,
+        sink: RunSink,
+        masker: SecretMasker,
+        started: list[bool],
+        assigned_at: float = 0.0,
     ) -> None:
         self.run_id = run_id
         self.sink = sink
+        # When the Assign went out (edge clock): the start of the round trip
+        # the node's timeline is set against (NodeTimeline.on_edge_clock).
+        self.assigned_at = assigned_at
         self.masker = masker
         # Shared by the run's attempts: whether a Start reached the consumer
         # (a failover attempt's own Start is not forwarded again).
@@ -149,11 +171,24 @@ class RemoteRun:
                 self.done.set()
         return unconsumed
 
+    def node_timeline(self, node: NodeTimeline, now: float) -> None:
+        """The node's side of the attempt arrived (with its terminal)."""
+        _keep_node_timeline(self.sink.timeline, self.assigned_at, node, now)
+
     def lose(self, message: str) -> None:
         """The node's link is gone."""
         if not self.done.is_set():
             self.lost = message
             self.done.set()
+
+
+def _keep_node_timeline(
+    timeline: Timeline, assigned_at: float, node: NodeTimeline, now: float
+) -> None:
+    """Keep ``node`` in the run's ``timeline``, in the edge's clock."""
+    moved = node.on_edge_clock(assigned_at, now, timeline.max_stalls)
+    if moved is not None:
+        timeline.node = moved
 
 
 @dataclass(eq=False)
@@ -184,6 +219,10 @@ class NodeConnection:
     draining: bool = False
     goodbye: str = ""  # the reason of the node's goodbye, once it sent one
     runs: dict[str, RemoteRun] = field(default_factory=dict)
+    # Runs the edge cancelled, until the node's terminal (and timeline)
+    # comes back; the last RELEASED_RUNS_REMEMBERED, as the session's.
+    # (Only the timeline and when the Assign went: not the run and its request.)
+    ending: OrderedDict[str, tuple[Timeline, float]] = field(default_factory=OrderedDict)
     cancel_scope: trio.CancelScope = field(default_factory=trio.CancelScope)
     close_code: int | None = None
     close_reason: str = ""
@@ -226,19 +265,36 @@ class NodeConnection:
         if self.session.consumed(run_id, events):
             self.wake()
 
-    def close_run(self, run_id: str, reason: CancelReason | None) -> None:
-        """Take the run off the link; cancel it on the node unless it ended (``reason`` None)."""
-        self.runs.pop(run_id, None)
+    def close_run(self, run_id: str, reason: CancelReason | None) -> bool:
+        """Take the run off the link; cancel it on the node unless it ended (``reason`` None).
+
+        Returns:
+            Whether a Cancel was queued for the node.
+        """
+        rr = self.runs.pop(run_id, None)
         if reason is not None and self.session.cancel(run_id, reason, "edge gave up on the run"):
             self.wake()
+            if rr is not None:
+                self.ending[run_id] = (rr.sink.timeline, rr.assigned_at)
+                while len(self.ending) > RELEASED_RUNS_REMEMBERED:
+                    self.ending.popitem(last=False)
+            return True
+        return False
 
     def on_events(self, events: list[RunEventsReceived]) -> None:
         for event in events:
             rr = self.runs.get(event.run_id)
             if rr is not None:
+                if event.timeline is not None:
+                    # Before the terminal ends the run and its timeline is kept.
+                    rr.node_timeline(event.timeline, trio.current_time())
                 back = rr.deliver(event.events)
                 if back:
                     self.consume(event.run_id, back)
+            elif event.timeline is not None:
+                ended = self.ending.pop(event.run_id, None)
+                if ended is not None:
+                    _keep_node_timeline(*ended, event.timeline, trio.current_time())
 
     def close(self, code: int, reason: str) -> None:
         """Ask the link's handler to close the link with ``code``."""
@@ -340,6 +396,27 @@ class Lease:
             self._scheduler.dispatch()
 
 
+class QueueExit(enum.StrEnum):
+    """How a run left the scheduler's queue."""
+
+    PLACED = "placed"  # a slot was handed to it
+    CANCELLED = "cancelled"  # its run ended while it waited (client gone, deadline, shutdown)
+    TIMED_OUT = "timed_out"  # no slot within queue_timeout_s
+
+
+class QueueExitAt(msgspec.Struct, frozen=True):
+    """The last exit from the queue: how, and when on the host's monotonic clock.
+
+    Attributes:
+        how: The way it left.
+        monotonic_s: ``time.monotonic()`` (CLOCK_MONOTONIC) at its removal,
+            comparable with the same clock in any process on the host.
+    """
+
+    how: QueueExit
+    monotonic_s: float
+
+
 # What a waiter waits for: a free slot for (model, operation) outside these nodes.
 _WaitKey = tuple[str, str, frozenset[str]]
 
@@ -367,6 +444,9 @@ class Scheduler:
     def __init__(self, registry: NodeRegistry, settings: SchedulerSettings) -> None:
         self.registry = registry
         self.settings = settings
+        # Runs that left the queue, by how; and the last one (module docstring).
+        self.exits: dict[QueueExit, int] = dict.fromkeys(QueueExit, 0)
+        self.last_exit: QueueExitAt | None = None
         # Waiters by what they wait for; each dict is an ordered set (arrival
         # order, O(1) removal of a waiter that gives up).
         self._groups: dict[_WaitKey, dict[_Waiter, None]] = {}
@@ -495,16 +575,23 @@ class Scheduler:
         exclude: frozenset[str] = frozenset(),
         affinity: str | None = None,
         operation: str = "chat",
+        timeline: Timeline | None = None,
     ) -> Lease:
         """A slot for ``operation`` on ``model``, waiting in the queue if needed.
+
+        ``timeline`` (the run's) gets when the run was admitted, or when it
+        was queued, why, and when it left the queue with a slot.
 
         Raises:
             IopError: 429 when the queue is full or too far behind.
             RunAborted: ``queue_timeout`` when no slot came in time.
         """
-        if not self._queued:
+        ahead = self._queued
+        if not ahead:
             lease = self._pick(model, exclude, affinity, operation)
             if lease is not None:
+                if timeline is not None:
+                    timeline.admitted = trio.current_time()
                 return lease
         self._refuse_if_behind(model, operation)
         waiter = _Waiter(
@@ -519,6 +606,13 @@ class Scheduler:
         waiter.ahead = len(group)
         group[waiter] = None
         self._queued += 1
+        if timeline is not None:
+            timeline.queued = waiter.queued_at
+            timeline.why_queued = (
+                f"{ahead} run(s) queued ahead"
+                if ahead
+                else self._busy_text(model, exclude, operation)
+            )
         self.dispatch()
         try:
             with trio.move_on_after(self.settings.queue_timeout_s):
@@ -529,24 +623,40 @@ class Scheduler:
             if waiter.lease is not None:
                 waiter.lease.release()
             else:
-                self._remove(waiter)
+                self._remove(waiter, QueueExit.CANCELLED)
+            if timeline is not None:
+                timeline.dequeued = trio.current_time()
             raise
         if waiter.lease is None:
-            self._remove(waiter)
+            self._remove(waiter, QueueExit.TIMED_OUT)
+            if timeline is not None:
+                timeline.dequeued = trio.current_time()
             raise RunAborted(
                 f"no capacity for model {model!r} within queue_timeout_s="
                 f"{self.settings.queue_timeout_s:g}",
                 reason=CancelReason.QUEUE_TIMEOUT,
             )
+        if timeline is not None:
+            timeline.dequeued = trio.current_time()
         return waiter.lease
 
-    def _remove(self, waiter: _Waiter) -> None:
+    def _busy_text(self, model: str, exclude: frozenset[str], operation: str) -> str:
+        """Why a run for ``model`` found no slot: each candidate's load."""
+        loads = [
+            f"{conn.node_id}/{inst.caps.instance} {inst.in_flight}/{inst.caps.max_concurrency}"
+            for conn, inst in self._candidates(model, exclude, operation)
+        ]
+        return "every slot busy: " + ", ".join(loads[:8]) + (" ..." if len(loads) > 8 else "")
+
+    def _remove(self, waiter: _Waiter, how: QueueExit) -> None:
         """Take a waiter out of the queue (one without a lease is always in it)."""
         group = self._groups[waiter.key]
         del group[waiter]
         self._queued -= 1
         if not group:
             del self._groups[waiter.key]
+        self.exits[how] += 1
+        self.last_exit = QueueExitAt(how, time.monotonic())
 
     def dispatch(self) -> None:
         """Hand free slots to waiters, first come first served.
@@ -570,6 +680,6 @@ class Scheduler:
             if lease is None:
                 stuck.add(head.key)
                 continue
-            self._remove(head)
+            self._remove(head, QueueExit.PLACED)
             head.lease = lease
             head.event.set()

@@ -54,6 +54,7 @@ from hypercorn.typing import ConnectionState, LifespanState
 from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
 
 from iop.events import CancelReason
+from iop.timeline import StallKind, Timeline
 
 __all__ = [
     "ConnectionStall",
@@ -76,7 +77,7 @@ _ASGIApp = Callable[[dict[str, Any], Any, Any], Awaitable[None]]
 class ConnectionStall:
     """What the guard knows about one connection."""
 
-    __slots__ = ("_guard", "_socket", "peer", "stalled", "timeout_s")
+    __slots__ = ("_guard", "_socket", "peer", "stalled", "timeline", "timeout_s")
 
     def __init__(
         self,
@@ -90,6 +91,8 @@ class ConnectionStall:
         self.stalled = False
         self._guard = guard
         self._socket = sock
+        # The run streaming on the connection now: its write stalls go there.
+        self.timeline: Timeline | None = None
 
     def cut_off(self) -> None:
         """Close the connection of a client found stalled elsewhere (its run).
@@ -252,7 +255,6 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
         # queue shrinking (the peer acknowledging bytes, SIOCOUTQ), polled
         # while blocked. A cancelled send() sent nothing, so no byte is lost.
         sock = self._inner.socket
-        timeout = self._state.timeout_s
         if not data:
             await trio.lowlevel.checkpoint()
             return
@@ -265,29 +267,44 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
             total = _write_now(sock, view)
             if total == len(view):
                 return
-            queued = _send_queue(sock)
-            progress_at = trio.current_time()
-            while total < len(view):
-                with trio.move_on_after(min(timeout / 4, PROGRESS_POLL_MAX_S)) as waited:
-                    try:
-                        total += await sock.send(view[total:])
-                    except OSError as exc:
-                        if exc.errno == errno.EBADF:
-                            raise trio.ClosedResourceError("the connection was closed") from exc
-                        raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
-                now = trio.current_time()
-                if not waited.cancelled_caught:
-                    progress_at = now
-                    queued = _send_queue(sock)
-                    continue
-                now_queued = _send_queue(sock)
-                if now_queued is not None and queued is not None and now_queued < queued:
-                    progress_at = now
-                queued = now_queued
-                if now - progress_at >= timeout:
-                    self._guard._stalled(self._state)
-                    await self.aclose()
-                    raise trio.BrokenResourceError(f"the client accepted no data for {timeout:g}s")
+            timeline = self._state.timeline
+            stall = None
+            if timeline is not None and timeline.terminal is None:
+                stall = timeline.stall_began(
+                    StallKind.CLIENT_WRITE, trio.current_time(), len(view) - total
+                )
+            try:
+                await self._send_rest(sock, view, total)
+            finally:
+                if stall is not None:
+                    stall.end = trio.current_time()
+
+    async def _send_rest(self, sock: trio.socket.SocketType, view: memoryview, total: int) -> None:
+        """Send ``view[total:]``, which the kernel did not take at once (``send_all``)."""
+        timeout = self._state.timeout_s
+        queued = _send_queue(sock)
+        progress_at = trio.current_time()
+        while total < len(view):
+            with trio.move_on_after(min(timeout / 4, PROGRESS_POLL_MAX_S)) as waited:
+                try:
+                    total += await sock.send(view[total:])
+                except OSError as exc:
+                    if exc.errno == errno.EBADF:
+                        raise trio.ClosedResourceError("the connection was closed") from exc
+                    raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+            now = trio.current_time()
+            if not waited.cancelled_caught:
+                progress_at = now
+                queued = _send_queue(sock)
+                continue
+            now_queued = _send_queue(sock)
+            if now_queued is not None and queued is not None and now_queued < queued:
+                progress_at = now
+            queued = now_queued
+            if now - progress_at >= timeout:
+                self._guard._stalled(self._state)
+                await self.aclose()
+                raise trio.BrokenResourceError(f"the client accepted no data for {timeout:g}s")
 
     async def wait_send_all_might_not_block(self) -> None:
         await self._inner.wait_send_all_might_not_block()

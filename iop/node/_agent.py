@@ -66,6 +66,7 @@ from iop.protocol import (
     close_reason,
 )
 from iop.runtime import PeerSilent, RunSupervisor, open_run_supervisor
+from iop.tracing import Tracing
 
 __all__ = [
     "CLOSE_TIMEOUT_S",
@@ -196,8 +197,10 @@ class NodeAgent:
         *,
         welcome_timeout_s: float = WELCOME_TIMEOUT_S,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+        tracing: Tracing | None = None,
     ) -> None:
         self.config = config
+        self._tracing = tracing
         self.node_id = config.node.id
         # The node is the only process that knows its instances' header
         # values: every message it sends the edge goes through this first.
@@ -432,18 +435,31 @@ class NodeAgent:
             spec = msgspec.structs.replace(spec, run_id=run_id)
         nr = NodeRun(link, run_id, inst.name)
         try:
-            nr.run = self._supervisor.start_run(RunExecutor(inst), spec, inst.deadlines, outlet=nr)
+            nr.run = run = self._supervisor.start_run(
+                RunExecutor(inst), spec, inst.deadlines, outlet=nr
+            )
         except InvariantError:
             self._reject(
                 link, run_id, 409, ErrorCode.RUN_ID_IN_USE, f"run {run_id} is already running"
             )
             return
+        # The run's span, child of the edge's attempt; the backend request
+        # carries its context (or the edge's, passed on, when not tracing).
+        if self._tracing is not None:
+            nr.trace = self._tracing.node_run(
+                run.timeline, spec.traceparent, f"{spec.operation} {spec.model}"
+            )
+            run.timeline.traceparent = nr.trace.traceparent
+        else:
+            run.timeline.traceparent = spec.traceparent
         link.runs[run_id] = nr
         self._link_runs += 1
         if self._link_runs == 1:
             self._idle = trio.Event()
 
     def _run_closed(self, nr: NodeRun) -> None:
+        if nr.trace is not None:
+            nr.trace.finish()
         self._link_runs -= 1
         if self._link_runs == 0:
             self._idle.set()
@@ -591,6 +607,7 @@ async def open_node_agent(
     if unknown:
         raise ValueError(f"adapters given for unconfigured instances: {sorted(unknown)}")
     built = {cfg.name: build_adapter(cfg) for cfg in config.instances if cfg.name not in injected}
+    tracing = Tracing.from_settings(config.tracing, "iop-node")
     try:
         async with (
             open_run_supervisor(logger="iop.node.run") as supervisor,
@@ -602,6 +619,7 @@ async def open_node_agent(
                 {**built, **injected},
                 welcome_timeout_s=welcome_timeout_s,
                 connect_timeout_s=connect_timeout_s,
+                tracing=tracing,
             )
             await nursery.start(agent._probe_loop)
             try:
@@ -616,3 +634,5 @@ async def open_node_agent(
                     await adapter.aclose()
                 except IopError as exc:
                     log.warning("closing instance %s failed: %s", adapter.name, exc)
+        if tracing is not None:
+            await tracing.aclose(config.tracing.export_timeout_s + 1.0)

@@ -55,6 +55,8 @@ from iop.protocol import (
     close_reason,
 )
 from iop.runtime import LinkDriver, Run, Wakeup
+from iop.timeline import NodeTimeline
+from iop.tracing import NodeRunTrace
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -67,7 +69,7 @@ log = logging.getLogger("iop.node")
 class NodeRun:
     """A run as its link sees it, and the runtime's ``Outlet`` of its events."""
 
-    __slots__ = ("assigned_at", "instance", "link", "run", "run_id", "space")
+    __slots__ = ("assigned_at", "instance", "link", "run", "run_id", "space", "trace")
 
     def __init__(self, link: NodeLink, run_id: str, instance: str) -> None:
         self.link = link
@@ -77,6 +79,7 @@ class NodeRun:
         # Set when the run may queue again: credit came, or it was cancelled.
         self.space = Wakeup()
         self.run: Run | None = None
+        self.trace: NodeRunTrace | None = None  # when the node traces (iop.tracing)
 
     def send_nowait(self, event: RuntimeEvent) -> None:
         link = self.link
@@ -88,7 +91,16 @@ class NodeRun:
             # The node is the only process that knows its instances' header
             # values: whatever a backend echoed is masked before it leaves.
             event = mask_event(event, link.masker)
-        elif session.backlog(self.run_id) >= RUN_BACKLOG:
+            timeline = None
+            if self.run is not None:
+                # The node's side of the run goes with its terminal event.
+                timeline = NodeTimeline.of(
+                    self.run.timeline, session.node_id, self.assigned_at, trio.current_time()
+                )
+            session.push(self.run_id, event, timeline)
+            link.driver.wake()
+            return
+        if session.backlog(self.run_id) >= RUN_BACKLOG:
             raise trio.WouldBlock
         session.push(self.run_id, event)
         link.driver.wake()

@@ -22,8 +22,9 @@ checked in the ``Hello``.
      |  RunEvents(run, seq, [events]) ----> |  at most `credit` non-terminal events
      |  <----------------- Credit(run, n)    |  as the client consumes them
      |  <----------------- Cancel(run, reason)
-     |  Ping(nonce) ----------------------> |  nothing else sent for heartbeat_interval_s
-     |  <----------------- Ping(nonce)       |  nothing else sent for heartbeat_timeout_s
+     |  Ping(nonce) ----------------------> |  nothing else sent for heartbeat_interval_s,
+     |                                      |  or an answer to the edge's ping
+     |  <----------------- Ping(nonce)       |  the edge's sweep, every heartbeat_timeout_s
      |  CapabilitiesUpdate(instances) ----> |  when a probe changes something
 """
 
@@ -37,6 +38,7 @@ from iop.capabilities import Capabilities
 from iop.errors import LinkProtocolError
 from iop.events import CancelReason, RuntimeEvent
 from iop.spec import ExecutionSpec
+from iop.timeline import NodeTimeline
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -96,12 +98,18 @@ class CapabilitiesUpdate(_Msg, frozen=True, kw_only=True, tag="caps"):
     instances: list[Capabilities]
 
 
-class RunEvents(_Msg, frozen=True, kw_only=True, tag="events"):
-    """Events of one run, in order; ``seq`` counts frames per run from 0."""
+class RunEvents(_Msg, frozen=True, kw_only=True, tag="events", omit_defaults=True):
+    """Events of one run, in order; ``seq`` counts frames per run from 0.
+
+    ``timeline``: the node's side of the run (``iop.timeline``), in the
+    node's clock, on the message that carries the terminal event. An edge
+    that predates it ignores it.
+    """
 
     run_id: str
     seq: int
     events: list[RuntimeEvent]
+    timeline: NodeTimeline | None = None
 
 
 class Ping(_Msg, frozen=True, kw_only=True, tag="ping"):

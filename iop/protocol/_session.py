@@ -67,14 +67,18 @@ Liveness
 --------
 Any frame proves the peer alive, and only a link that carried nothing
 recently pays for heartbeats: each side sends a ``Ping`` when it has sent
-nothing else for its interval, and nobody answers one (a ping is "I am
-alive", not a question). The node's interval is ``heartbeat_interval_s``
-and the edge loses a node silent for ``heartbeat_timeout_s``
-(``liveness_deadline``), which detects frozen or partitioned nodes that TCP
-alone would not report for minutes. The edge pings a node it has sent
-nothing to for ``heartbeat_timeout_s``, and the node loses an edge silent
-for ``EDGE_SILENCE_FACTOR`` times that. So an idle link costs the edge one
-frame received per ``heartbeat_interval_s`` and one sent per
+nothing else for its interval (a ping is "I am alive", not a question).
+The node's interval is ``heartbeat_interval_s`` and the edge loses a node
+silent for ``heartbeat_timeout_s`` (``liveness_deadline``), which detects
+frozen or partitioned nodes that TCP alone would not report for minutes.
+The edge pings in sweeps over all its links at once, every
+``heartbeat_timeout_s`` (``EdgeSession.sweep``, run by
+``iop.runtime.LinkClock``; ``tick`` is the same for one link on its own
+deadline), and the node loses an edge silent for ``EDGE_SILENCE_FACTOR``
+times that. The node gets in step with the sweeps (``NodeSession._answer``:
+it answers a ping, or pings next an interval after it), so the frames of
+many nodes reach the edge together. An idle link costs the edge one frame
+received per ``heartbeat_interval_s`` and one sent per
 ``heartbeat_timeout_s``, and a busy one nothing.
 
 Link states::
@@ -87,6 +91,7 @@ from __future__ import annotations
 
 import enum
 import hmac
+import math
 from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Final
@@ -132,6 +137,7 @@ from iop.protocol._messages import (
 )
 from iop.protocol._transport import CLOSE_RATE, CLOSE_TOO_BIG
 from iop.spec import ExecutionSpec
+from iop.timeline import NodeTimeline
 
 __all__ = [
     "COLLECT_FLUSH_S",
@@ -251,6 +257,7 @@ class RunLink:
             (``Assign.collect``): the node holds and merges them.
         output_seen: (node) A collected run's first output was queued (it
             goes at once; what follows is held).
+        timeline: (node) The run's timeline, sent with its terminal event.
     """
 
     __slots__ = (
@@ -261,6 +268,7 @@ class RunLink:
         "phase",
         "queued",
         "seq",
+        "timeline",
         "window",
     )
 
@@ -276,6 +284,12 @@ class RunLink:
         self.consumed = 0
         self.collect = collect
         self.output_seen = False
+        self.timeline: NodeTimeline | None = None
+
+
+def _without_timeline(run: RunLink) -> RunLink:
+    run.timeline = None
+    return run
 
 
 # --- link events ----------------------------------------------------------------
@@ -290,11 +304,17 @@ class CapabilitiesChanged(msgspec.Struct, frozen=True):
 
 
 class RunEventsReceived(msgspec.Struct, frozen=True):
-    """Events of a run the edge still wants (``finished``: the last is its terminal)."""
+    """Events of a run the edge still wants (``finished``: the last is its terminal).
+
+    ``timeline``: the node's side of the run, with its terminal. A run the
+    edge already gave up on (ENDING) yields only this: no events, its
+    timeline.
+    """
 
     run_id: str
     events: list[RuntimeEvent]
     finished: bool
+    timeline: NodeTimeline | None = None
 
 
 class NodeDraining(msgspec.Struct, frozen=True):
@@ -579,8 +599,12 @@ class EdgeSession:
         elif run.phase is RunPhase.ASSIGNED:
             run.phase = RunPhase.STREAMING
         if ending:
-            return None  # late events of a cancelled run: checked, and dropped
-        return RunEventsReceived(run_id, msg.events, finished)
+            # Late events of a cancelled run: checked, and dropped; its
+            # timeline still says how the node ended it.
+            if finished and msg.timeline is not None:
+                return RunEventsReceived(run_id, [], True, msg.timeline)
+            return None
+        return RunEventsReceived(run_id, msg.events, finished, msg.timeline if finished else None)
 
     # --- output -------------------------------------------------------------
 
@@ -666,6 +690,20 @@ class EdgeSession:
             self._nonce += 1
             self._out.messages.append(encode(Ping(nonce=self._nonce)))
 
+    def sweep(self, now: float) -> None:
+        """One of the edge's ping sweeps, every ``heartbeat_timeout_s`` over all
+        its links at once (``iop.runtime.LinkClock``): queue a ping if nothing
+        went to the node for half that. A link the previous sweep pinged is
+        pinged again (its ping left a little after that sweep); the node hears
+        from the edge at least every 1.5 timeouts, inside its 2."""
+        if (
+            self.state is LinkState.OPEN
+            and now - self._out.last_sent >= self.heartbeat_timeout_s / 2
+            and not self._out.messages
+        ):
+            self._nonce += 1
+            self._out.messages.append(encode(Ping(nonce=self._nonce)))
+
     def data_to_send(self, now: float) -> list[bytes]:
         """Everything queued, in as few frames as the node accepts."""
         return self._out.frames(self.peer_max_frame_bytes, now)
@@ -733,6 +771,8 @@ class NodeSession:
         self._flush_every = COLLECT_FLUSH_S
         self._cut_off: list[str] = []
         self._out = _Outgoing(now)
+        # The edge's last ping that the node did not answer (``_answer``).
+        self._in_step_at = -math.inf
         self._nonce = 0
 
     # --- state --------------------------------------------------------------
@@ -743,8 +783,10 @@ class NodeSession:
 
     @property
     def next_ping_at(self) -> float:
-        """When ``tick`` will next queue a ping (if nothing is sent meanwhile)."""
-        return self._out.last_sent + self.heartbeat_interval_s
+        """When ``tick`` will next queue a ping (if nothing is sent meanwhile):
+        an interval after the last frame, or after the edge's last ping if
+        that came later and was not answered (``_answer``)."""
+        return max(self._out.last_sent, self._in_step_at) + self.heartbeat_interval_s
 
     @property
     def next_tick_at(self) -> float:
@@ -830,10 +872,29 @@ class NodeSession:
                 self._cancel(msg.run_id)
                 events.append(CancelReceived(msg))
             elif isinstance(msg, Ping):
-                pass
+                self._answer(now)
             else:
                 raise LinkProtocolError(f"unexpected {type(msg).__name__} on an open link")
         return events
+
+    def _answer(self, now: float) -> None:
+        """An edge ping: get in step with it. The edge pings all its quiet
+        links in one sweep (``EdgeSession.sweep``); if each node's frames
+        follow the sweep, the edge wakes once for many of them.
+
+        The node pings back at once if it sent nothing for a quarter of its
+        interval (so its own next ping comes one interval after the sweep);
+        if it did, that frame already proved it alive, and its next ping
+        comes one interval after the edge's instead of after its own (the
+        longest silence is then 1.25 intervals, once). Something queued
+        goes out anyway and says as much as a ping."""
+        if self.has_data_to_send:
+            return
+        if now - self._out.last_sent >= self.heartbeat_interval_s / 4:
+            self._nonce += 1
+            self._out.messages.append(encode(Ping(nonce=self._nonce)))
+        else:
+            self._in_step_at = now
 
     def _assign(self, msg: Assign) -> AssignReceived:
         if msg.run_id in self._runs:
@@ -870,8 +931,9 @@ class NodeSession:
 
     # --- output -------------------------------------------------------------
 
-    def push(self, run_id: str, event: RuntimeEvent) -> None:
-        """Queue one of the run's events for the edge.
+    def push(self, run_id: str, event: RuntimeEvent, timeline: NodeTimeline | None = None) -> None:
+        """Queue one of the run's events for the edge (a terminal one with
+        the run's ``timeline``, when the node keeps one).
 
         An ENDING run's non-terminal events are dropped. A terminal
         ``Cancelled`` drops the run's events its credit does not cover: the
@@ -892,6 +954,7 @@ class NodeSession:
             if isinstance(event, Cancelled) and len(queued) > run.credit:
                 del queued[run.credit :]
             queued.append(event)
+            run.timeline = timeline
             self._ready[run_id] = None
             return
         if run.phase is RunPhase.ENDING:
@@ -1005,10 +1068,14 @@ class NodeSession:
         self, run_id: str, run: RunLink, batch: list[RuntimeEvent], limit: int
     ) -> list[bytes]:
         """``batch`` as events messages, each fitting a frame of ``limit`` bytes."""
-        message = encode(RunEvents(run_id=run_id, seq=run.seq, events=batch))
+        timeline = run.timeline if batch and is_terminal(batch[-1]) else None
+        message = encode(RunEvents(run_id=run_id, seq=run.seq, events=batch, timeline=timeline))
         if len(message) + _BATCH_HEADER_MAX <= limit:
             run.seq += 1
             return [message]
+        if timeline is not None:
+            # Never the reason a terminal does not fit: it goes without.
+            return self._messages(run_id, _without_timeline(run), batch, limit)
         # Rare: cut the batch by its events' sizes.
         room = limit - _BATCH_HEADER_MAX - _EVENTS_MESSAGE_OVERHEAD - len(run_id.encode())
         messages: list[bytes] = []
@@ -1042,6 +1109,7 @@ class NodeSession:
 
     @staticmethod
     def _events_message(run_id: str, run: RunLink, events: list[RuntimeEvent]) -> bytes:
+        """One events message (the rare cut batch: without the timeline)."""
         message = encode(RunEvents(run_id=run_id, seq=run.seq, events=events))
         run.seq += 1
         return message

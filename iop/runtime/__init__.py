@@ -5,7 +5,15 @@ See ``iop.runtime._run`` for the theory of operation of runs and
 ``iop.runtime._link`` for the link driver.
 """
 
-from iop.runtime._link import LinkDriver, LinkSession, PeerSilent, Wakeup
+from iop.runtime._link import (
+    LIVENESS_RESOLUTION_S,
+    LinkClock,
+    LinkDriver,
+    LinkSession,
+    PeerSilent,
+    SweptSession,
+    Wakeup,
+)
 from iop.runtime._run import (
     RUN_EVENT_BUFFER,
     EventSender,
@@ -22,9 +30,11 @@ from iop.runtime._run import (
 )
 
 __all__ = [
+    "LIVENESS_RESOLUTION_S",
     "RUN_EVENT_BUFFER",
     "EventSender",
     "Executor",
+    "LinkClock",
     "LinkDriver",
     "LinkSession",
     "Outlet",
@@ -34,6 +44,7 @@ __all__ = [
     "RunSink",
     "RunState",
     "RunSupervisor",
+    "SweptSession",
     "Wakeup",
     "collect_run",
     "new_run_id",

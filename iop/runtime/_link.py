@@ -20,21 +20,45 @@ between them is only what the session's events mean to the caller
 So there is no pinger and no watchdog task, and a link that carries traffic
 sends no heartbeats at all: the session pings only a peer it has not heard
 from (``iop.protocol._session``, "Liveness").
+
+An end with many links (the edge) gives its drivers one ``LinkClock``
+instead: their readers then wait without a deadline, and the clock's one
+task keeps the time of them all. It loses every link whose peer was silent
+for the session's timeout (at most ``LIVENESS_RESOLUTION_S`` early) and, every
+``sweep_every_s``, pings every quiet link in one sweep (``session.sweep``).
+An idle edge then wakes once per sweep for all its pings, not once per link,
+and a frame moves no deadline; the pings leave together and the nodes'
+answers (``NodeSession`` answers a ping) come back together, so a wake-up
+of the edge serves many links (docs/benchmarks.md, "Idle links").
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from typing import Generic, Protocol, TypeVar
+from typing import Any, Final, Generic, NoReturn, Protocol, TypeVar, cast
 
 import trio
 
 from iop.errors import LinkError, first_leaf
 from iop.protocol import CLOSE_HEARTBEAT, FrameChannel, LinkClosed
 
-__all__ = ["LinkDriver", "LinkSession", "PeerSilent", "Wakeup"]
+__all__ = [
+    "LIVENESS_RESOLUTION_S",
+    "LinkClock",
+    "LinkDriver",
+    "LinkSession",
+    "PeerSilent",
+    "SweptSession",
+    "Wakeup",
+]
 
 E = TypeVar("E")
+
+# How often at most a ``LinkClock`` wakes to check deadlines, and so how much
+# earlier than its deadline it may lose a silent peer: a node silent for
+# 1.9 to 2.0 s of a 2 s timeout is lost, never later (timers allowing).
+LIVENESS_RESOLUTION_S: Final = 0.1
 
 
 class PeerSilent(LinkClosed):
@@ -58,6 +82,18 @@ class LinkSession(Protocol[E]):
     def data_to_send(self, now: float) -> list[bytes]: ...
 
     def tick(self, now: float) -> None: ...
+
+
+class SweptSession(Protocol):
+    """What a ``LinkClock`` needs of a session (``EdgeSession``)."""
+
+    @property
+    def liveness_deadline(self) -> float: ...
+
+    @property
+    def has_data_to_send(self) -> bool: ...
+
+    def sweep(self, now: float) -> None: ...
 
 
 class Wakeup:
@@ -101,6 +137,8 @@ class LinkDriver(Generic[E]):
         after_send: Called after each round of frames went out (the node
             ends runs the session cut off there).
         peer: Who is at the other end, for the heartbeat message.
+        clock: Keeps this link's time with many others' (its session must
+            be a ``SweptSession``); None: the reader's own deadline does.
     """
 
     def __init__(
@@ -111,14 +149,17 @@ class LinkDriver(Generic[E]):
         *,
         after_send: Callable[[], None] | None = None,
         peer: str = "peer",
+        clock: LinkClock | None = None,
     ) -> None:
         self.chan = chan
         self.session = session
         self._on_events = on_events
         self._after_send = after_send
         self._peer = peer
+        self._clock = clock
         self._wake = Wakeup()
-        # The reader's scope (its deadline: liveness, or the next tick).
+        # The reader's scope (its deadline: liveness, or the next tick; none
+        # under a clock, which cancels it when the peer is lost).
         self._scope: trio.CancelScope | None = None
 
     def wake(self) -> None:
@@ -127,7 +168,7 @@ class LinkDriver(Generic[E]):
         next tick if that came earlier (a collected run began to hold events)."""
         self._wake.set()
         scope = self._scope
-        if scope is not None:
+        if scope is not None and self._clock is None:
             tick = self.session.next_tick_at
             if tick < scope.deadline:
                 scope.deadline = tick
@@ -149,10 +190,20 @@ class LinkDriver(Generic[E]):
         except* LinkError as group:
             raise first_leaf(group, LinkError) from None
 
+    def _silent(self) -> PeerSilent:
+        return PeerSilent(
+            f"{self._peer} silent past the heartbeat timeout",
+            close_code=CLOSE_HEARTBEAT,
+            reason="heartbeat timeout",
+        )
+
     async def _reader(self) -> None:
         session, chan = self.session, self.chan
         if session.has_data_to_send:
             self._wake.set()
+        if self._clock is not None:
+            await self._clocked_reader(self._clock)
+            return
         while True:
             with trio.CancelScope(
                 deadline=min(session.liveness_deadline, session.next_tick_at)
@@ -170,14 +221,40 @@ class LinkDriver(Generic[E]):
                 return
             now = trio.current_time()
             if now >= session.liveness_deadline:
-                raise PeerSilent(
-                    f"{self._peer} silent past the heartbeat timeout",
-                    close_code=CLOSE_HEARTBEAT,
-                    reason="heartbeat timeout",
-                )
+                raise self._silent()
             session.tick(now)
             if session.has_data_to_send:
                 self._wake.set()
+
+    async def _clocked_reader(self, clock: LinkClock) -> None:
+        session, chan = self.session, self.chan
+        with trio.CancelScope() as scope:
+            self._scope = scope
+            clock.add(self)
+            try:
+                while True:
+                    frame = await chan.receive()
+                    events = session.receive(frame, trio.current_time())
+                    if events:
+                        self._on_events(events)
+                    if session.has_data_to_send:
+                        self._wake.set()
+            finally:
+                clock.discard(self)
+        # Only the clock cancels this scope (``lose``): the peer went silent.
+        raise self._silent()
+
+    def lose(self) -> None:
+        """The clock found the peer silent: the reader raises ``PeerSilent``."""
+        if self._scope is not None:
+            self._scope.cancel()
+
+    def sweep(self, now: float) -> None:
+        """The clock's ping sweep: the session pings if the link was quiet."""
+        session = cast("SweptSession", self.session)
+        session.sweep(now)
+        if session.has_data_to_send:
+            self._wake.set()
 
     async def _writer(self) -> None:
         session, chan = self.session, self.chan
@@ -187,3 +264,79 @@ class LinkDriver(Generic[E]):
                 await chan.send(frame)
             if self._after_send is not None:
                 self._after_send()
+
+
+class LinkClock:
+    """One task that keeps the liveness time of many links (the edge's).
+
+    ``run`` loses every registered link whose session's ``liveness_deadline``
+    is within ``LIVENESS_RESOLUTION_S`` (``LinkDriver.lose``), and every
+    ``sweep_every_s`` calls ``sweep`` on all of them at once, so the quiet
+    ones' pings leave in one wake-up. It sleeps until the next sweep or the
+    earliest deadline, whichever comes first, but wakes at most once per
+    resolution: however many links, and whatever their phases, it costs at
+    most ``1 / LIVENESS_RESOLUTION_S`` wake-ups a second, and an idle edge
+    whose nodes answer its sweeps about one per sweep.
+
+    Args:
+        sweep_every_s: Between two ping sweeps (the edge's
+            ``link.heartbeat_timeout_s``: ``EdgeSession.sweep``).
+        resolution_s: The least time between two wake-ups (at most a
+            quarter of ``sweep_every_s``, for heartbeats set very short).
+    """
+
+    def __init__(
+        self, sweep_every_s: float, *, resolution_s: float = LIVENESS_RESOLUTION_S
+    ) -> None:
+        if not (sweep_every_s > 0 and resolution_s > 0):
+            raise ValueError("a link clock needs a positive sweep interval and resolution")
+        self.sweep_every_s = sweep_every_s
+        self.resolution_s = min(resolution_s, sweep_every_s / 4)
+        self._drivers: dict[LinkDriver[Any], None] = {}
+        self._sleep: trio.CancelScope | None = None
+        self.sweeps = 0
+
+    def __len__(self) -> int:
+        return len(self._drivers)
+
+    def add(self, driver: LinkDriver[Any]) -> None:
+        """Keep ``driver``'s time from now on (its reader calls this)."""
+        self._drivers[driver] = None
+        sleep = self._sleep
+        if sleep is not None:
+            # A link whose last frame is older than the clock's plan (a slow
+            # handshake) moves the next wake-up up.
+            wake_at = driver.session.liveness_deadline - self.resolution_s
+            if wake_at < sleep.deadline:
+                sleep.deadline = wake_at
+
+    def discard(self, driver: LinkDriver[Any]) -> None:
+        self._drivers.pop(driver, None)
+
+    async def run(self) -> NoReturn:
+        """Keep time until cancelled."""
+        res = self.resolution_s
+        next_sweep = trio.current_time() + self.sweep_every_s
+        while True:
+            now = trio.current_time()
+            earliest = math.inf
+            for driver in list(self._drivers):
+                deadline = driver.session.liveness_deadline
+                if deadline <= now + res:
+                    self.discard(driver)
+                    driver.lose()
+                elif deadline < earliest:
+                    earliest = deadline
+            if now >= next_sweep:
+                self.sweeps += 1
+                for driver in self._drivers:
+                    driver.sweep(now)
+                next_sweep += self.sweep_every_s
+                if next_sweep <= now:  # the clock was late: sweep in step again
+                    next_sweep = now + self.sweep_every_s
+            with trio.CancelScope(
+                deadline=min(next_sweep, max(earliest - res, now + res))
+            ) as sleep:
+                self._sleep = sleep
+                await trio.sleep_forever()
+            self._sleep = None

@@ -63,10 +63,11 @@ import contextlib
 import enum
 import logging
 import math
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
-from typing import Final, Protocol
+from typing import Final, Protocol, cast
 
 import trio
 
@@ -89,6 +90,7 @@ from iop.events import (
 )
 from iop.runtime._channel import OneToOneChannel
 from iop.spec import ExecutionSpec
+from iop.timeline import Stall, StallKind, Timeline, set_current_timeline
 
 __all__ = [
     "RUN_EVENT_BUFFER",
@@ -126,6 +128,8 @@ SHUTDOWN_DELIVERY_GRACE_S: Final = 1.0
 # stuck consumer cannot pin the run task forever.
 TERMINAL_DELIVERY_TIMEOUT_S: Final = 30.0
 
+_OUTPUT_TYPES: Final = frozenset({Delta, ReasoningDelta, EmbeddingData, TokenCount})
+
 
 class EventSender(Protocol):
     """Where an adapter pushes a run's events (a bounded channel underneath)."""
@@ -140,6 +144,11 @@ class RunSink(EventSender, Protocol):
     def cancel_reason(self) -> CancelReason: ...
 
     def queued(self) -> contextlib.AbstractContextManager[None]: ...
+
+    @property
+    def timeline(self) -> Timeline:
+        """The run's timeline, for the executor's part of it."""
+        ...
 
     def push_nowait(self, event: RuntimeEvent) -> None:
         """``send`` for a producer that must never wait (the edge's link reader).
@@ -265,10 +274,10 @@ class Run:
     __slots__ = (
         "_cancel_message",
         "_cancel_reason",
-        "_decided",
         "_done",
         "_events",
         "_scope",
+        "_settled",
         "deadlines",
         "first_output_at",
         "on_outcome",
@@ -276,6 +285,7 @@ class Run:
         "spec",
         "started_at",
         "state",
+        "timeline",
         "write_stall_timeout_s",
     )
 
@@ -298,9 +308,17 @@ class Run:
         self._scope = trio.CancelScope()
         self._cancel_reason: CancelReason | None = None
         self._cancel_message = ""
-        self._decided = False
+        self._settled = False
         # Made by the first ``wait`` (few runs are waited for this way).
         self._done: trio.Event | None = None
+        # What happened to the run and when (iop.runtime._timeline).
+        self.timeline = Timeline(
+            run_id=spec.run_id,
+            model=spec.model,
+            operation=spec.operation,
+            received=self.started_at,
+            received_unix=time.time(),
+        )
         # Called once with the outcome, as soon as it is decided (before the
         # consumer has it), in the run's task: it must neither block nor raise.
         self.on_outcome: Callable[[TerminalEvent], None] | None = None
@@ -308,6 +326,14 @@ class Run:
     @property
     def run_id(self) -> str:
         return self.spec.run_id
+
+    def _decided(self, outcome: TerminalEvent) -> None:
+        """The run's outcome is ``outcome``: it is DONE (the consumer may not have it yet)."""
+        self.state = RunState.DONE
+        self.outcome = outcome
+        self.timeline.end(trio.current_time(), outcome)
+        if self.on_outcome is not None:
+            self.on_outcome(outcome)
 
     @property
     def events(self) -> RunEvents:
@@ -322,13 +348,14 @@ class Run:
             return
         self._cancel_reason = reason
         self._cancel_message = message
+        self.timeline.cancel(trio.current_time(), reason)
         self._scope.cancel()
 
     async def wait(self) -> TerminalEvent:
         """Wait until the run's terminal event is decided, and return it.
 
         This does not wait for the consumer to have read it."""
-        if self._decided:
+        if self._settled:
             await trio.lowlevel.checkpoint()
         else:
             if self._done is None:
@@ -337,9 +364,9 @@ class Run:
         assert self.outcome is not None
         return self.outcome
 
-    def _set_decided(self) -> None:
+    def _settle(self) -> None:
         """The terminal event is decided: ``wait`` returns."""
-        self._decided = True
+        self._settled = True
         if self._done is not None:
             self._done.set()
 
@@ -355,6 +382,7 @@ class _RunSink:
         "_report_every",
         "_run",
         "_send",
+        "_stall",
         "_stall_at",
         "_stalled",
         "_unreported",
@@ -375,6 +403,7 @@ class _RunSink:
         # as stalled (its producer is out of credit).
         self._stall_at = stall_at
         self._stalled = False
+        self._stall: Stall | None = None  # the timeline's record of the current one
         self._held = 0
         self._consumed: Callable[[int], None] | None = None
         # Taken events not yet reported to ``on_consumed``'s callback: it is
@@ -384,6 +413,10 @@ class _RunSink:
         self._arm(_after(run.started_at, run.deadlines.first_token_timeout_s), _Phase.FIRST_TOKEN)
         if run._events is not None and stall_at is not None:
             run._events._taken = self._taken
+
+    @property
+    def timeline(self) -> Timeline:
+        return self._run.timeline
 
     @property
     def phase_reason(self) -> CancelReason:
@@ -435,29 +468,30 @@ class _RunSink:
         state = run.state
         if state is RunState.DONE or self.pending_terminal is not None:
             raise InvariantError(f"run {run.run_id}: event {type(event).__name__} after terminal")
-        if isinstance(event, Start):
+        # Exact types, not isinstance: the event types have no subclasses,
+        # and isinstance against a msgspec Struct class is several times
+        # slower (``iop.events.is_terminal``); this runs once per event.
+        kind = type(event)
+        if kind is Start:
             if state is not RunState.PENDING:
                 raise InvariantError(f"run {run.run_id}: second start event")
             run.state = RunState.STARTED
-        elif state is RunState.PENDING and not isinstance(event, Error):
+        elif state is RunState.PENDING and kind is not Error:
             raise InvariantError(f"run {run.run_id}: {type(event).__name__} before start")
-        elif isinstance(event, Delta | ReasoningDelta | EmbeddingData | TokenCount):
-            if isinstance(event, Delta | ReasoningDelta):
+        elif kind in _OUTPUT_TYPES:
+            if kind is Delta or kind is ReasoningDelta:
                 self.output_chunks += 1  # about one token each (partial usage)
             if state is RunState.STARTED:
                 run.state = RunState.STREAMING
-                run.first_output_at = trio.current_time()
+                run.first_output_at = run.timeline.first_output = trio.current_time()
         else:  # terminal: the run is DONE only once the consumer has it
-            self.pending_terminal = event
+            self.pending_terminal = cast(TerminalEvent, event)
 
     def _sent(self) -> None:
         """The event reached the consumer's side: re-arm the phase's deadline."""
         run = self._run
         if self.pending_terminal is not None:
-            run.state = RunState.DONE
-            run.outcome = self.pending_terminal
-            if run.on_outcome is not None:
-                run.on_outcome(run.outcome)
+            run._decided(self.pending_terminal)
         elif run.state is RunState.STREAMING:
             self._arm(_after(trio.current_time(), run.deadlines.idle_timeout_s), _Phase.IDLE)
         elif run.state is RunState.STARTED:
@@ -481,8 +515,11 @@ class _RunSink:
                 run._scope.deadline = self.total_deadline
                 self._phase = _Phase.TOTAL
                 stall = run.write_stall_timeout_s
+                record = run.timeline.stall_began(StallKind.CREDIT, trio.current_time())
                 with trio.move_on_after(math.inf if stall is None else stall) as waited:
                     await self._send.send(event)
+                if record is not None:
+                    record.end = trio.current_time()
                 if waited.cancelled_caught:
                     run.cancel(
                         CancelReason.SLOW_CLIENT,
@@ -525,11 +562,13 @@ class _RunSink:
             and self._held + self._unreported >= self._stall_at
         ):
             self._stalled = True
+            now = trio.current_time()
+            self._stall = run.timeline.stall_began(StallKind.CREDIT, now, self._stall_at)
             # The consumer holds a whole window: the producer is out of
             # credit. Backpressure, not an idle backend: only the total
             # deadline and the write-stall bound apply until it reads.
             stall = run.write_stall_timeout_s
-            self._arm(_after(trio.current_time(), stall), _Phase.STALLED)
+            self._arm(_after(now, stall), _Phase.STALLED)
 
     def on_consumed(self, callback: Callable[[int], None]) -> None:
         self._consumed = callback
@@ -552,6 +591,8 @@ class _RunSink:
             if reported:
                 # Credit went back: the producer may send again.
                 self._stalled = False
+                if self._stall is not None:
+                    self._stall.end, self._stall = now, None
                 self._arm(_after(now, run.deadlines.idle_timeout_s), _Phase.IDLE)
             else:
                 # Reading, but not yet a half window: still only the stall bound.
@@ -583,6 +624,7 @@ async def _drive(
 ) -> None:
     """Execute one run to its single terminal event. Never raises (but Cancelled)."""
     sink = _RunSink(run, send, stall_at=stall_at)
+    set_current_timeline(run.timeline)  # this task is the run's (iop.timeline.current_timeline)
     terminal: TerminalEvent | None = None
     aborted: Cancelled | None = None
     failure: BaseException | None = None
@@ -622,11 +664,8 @@ async def _drive(
                 usage=sink.partial_usage(),
             )
         if terminal is not None:
-            run.state = RunState.DONE
-            run.outcome = terminal
-            if run.on_outcome is not None:
-                run.on_outcome(terminal)
-            run._set_decided()  # delivery below may still wait on the consumer
+            run._decided(terminal)
+            run._settle()  # delivery below may still wait on the consumer
             grace = TERMINAL_DELIVERY_TIMEOUT_S if finished_normally else SHUTDOWN_DELIVERY_GRACE_S
             with trio.move_on_after(grace, shield=not finished_normally) as delivery:
                 # BrokenResourceError: nobody is listening any more.
@@ -634,7 +673,7 @@ async def _drive(
                     await send.send(terminal)
             if delivery.cancelled_caught:
                 log.warning("run %s: consumer did not take the terminal event", run.run_id)
-        run._set_decided()
+        run._settle()
         send.close()
         _log_outcome(run, logger)
 
@@ -668,6 +707,8 @@ def _decide(
                 exc_info=None if isinstance(failure, IopError) else failure,
             )
         reason = run._cancel_reason or sink.phase_reason
+        # A deadline's cancel: when it was due (a caller's cancel is recorded already).
+        run.timeline.cancel(min(trio.current_time(), run._scope.deadline), reason)
         message = run._cancel_message or _default_cancel_message(reason, run)
         return Cancelled(reason=reason, message=message, usage=sink.partial_usage())
     if failure is not None:

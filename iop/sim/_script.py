@@ -91,6 +91,9 @@ __all__ = [
 ]
 
 SIM_OVERRIDE_KEY: Final = "iop_sim"
+# The engine model's shape (iop/sim/_engine.py): one per server, so no
+# request may change it for itself.
+SERVER_KEYS: Final = frozenset({"kv_cache_blocks", "kv_block_tokens", "max_num_seqs"})
 
 # How much of a tool result the scripted answer quotes: enough for any
 # marker a test prints, short enough to keep the answer one line.
@@ -188,7 +191,10 @@ class SimScript(msgspec.Struct, frozen=True, kw_only=True):
         finish_delay_s: Delay before the end-of-sequence step; unused when
             the token cap ended generation (the last step carries the
             finish reason then).
-        prompt_tokens: Estimated prompt tokens.
+        prompt_tokens: Estimated prompt tokens (the engine model's count
+            when it is on).
+        cached_tokens: Prompt tokens the engine model found in its prefix
+            cache; None when it is off (usage then has no details).
     """
 
     completion_id: str
@@ -198,6 +204,7 @@ class SimScript(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: FinishReason
     finish_delay_s: float
     prompt_tokens: int
+    cached_tokens: int | None = None
 
     @property
     def capped(self) -> bool:
@@ -282,6 +289,13 @@ def apply_overrides(extra_body: dict[str, Any] | None, base: SimConfig) -> SimCo
         return base
     if not isinstance(overrides, dict):
         raise RequestError(f"`{SIM_OVERRIDE_KEY}` must be an object", param=SIM_OVERRIDE_KEY)
+    fixed = sorted(SERVER_KEYS & overrides.keys())
+    if fixed:
+        raise RequestError(
+            f"`{SIM_OVERRIDE_KEY}`: {', '.join(fixed)} belong to the server's engine "
+            "(set them in [sim] or on the command line)",
+            param=SIM_OVERRIDE_KEY,
+        )
     try:
         return msgspec.convert({**msgspec.structs.asdict(base), **overrides}, SimConfig)
     except msgspec.ValidationError as exc:

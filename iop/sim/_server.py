@@ -25,6 +25,7 @@ the client go away, which is what makes a real vLLM abort the generation.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import time
@@ -49,8 +50,10 @@ from iop.sim._completions import (
     parse_completion_request,
 )
 from iop.sim._embeddings import check_embedding_request, embedding_body, parse_embedding_request
+from iop.sim._engine import Admission, Engine
 from iop.sim._script import apply_overrides, build_script
 from iop.sim._tokenize_api import detokenize_body, tokenize_body
+from iop.sim._tokenizer import tokenize_chat
 from iop.sim._vllm_wire import (
     SSE_CONTENT_TYPE,
     Ending,
@@ -98,6 +101,9 @@ class SimStats:
         client_disconnects: Generations (streamed or not, embeddings too)
             cut off before their end because the client went away (or the
             server shut down).
+        traceparents: The ``traceparent`` headers of the last
+            ``TRACEPARENTS_KEPT`` chat requests that had one (W3C Trace
+            Context: a backend that traces would join that trace).
     """
 
     requests: int = 0
@@ -110,6 +116,18 @@ class SimStats:
     open_streams: int = 0
     open_completions: int = 0
     client_disconnects: int = 0
+    traceparents: list[str] = dataclasses.field(default_factory=list)
+
+    def saw_traceparent(self, value: str | None) -> None:
+        if value:
+            self.traceparents.append(value[:TRACEPARENT_MAX_CHARS])
+            del self.traceparents[:-TRACEPARENTS_KEPT]
+
+
+# What /sim/stats keeps of the trace contexts it was sent: enough for a test
+# to find its own request's, bounded whatever the clients send.
+TRACEPARENTS_KEPT: Final = 64
+TRACEPARENT_MAX_CHARS: Final = 256
 
 
 class SimApp(QuartTrio):
@@ -119,6 +137,8 @@ class SimApp(QuartTrio):
         super().__init__("iop.sim")
         self.sim_config = cfg
         self.sim_stats = SimStats()
+        # The engine model (off unless its keys are set): one per server.
+        self.engine = Engine(cfg)
         self.started_at = int(time.time())
 
 
@@ -130,15 +150,27 @@ def _error_response(exc: RequestError) -> Response:
     return _json_response(error_body(exc.message, status=exc.status, param=exc.param), exc.status)
 
 
-async def _stream_body(plan: StreamPlan, stats: SimStats) -> AsyncIterator[bytes]:
+async def _stream_body(
+    plan: StreamPlan, stats: SimStats, run: _EngineRun | None = None
+) -> AsyncIterator[bytes]:
     stats.streams_opened += 1
     stats.open_streams += 1
     finished = False
     try:
-        for frame in plan.frames:
-            if frame.delay_s > 0:
-                await trio.sleep(frame.delay_s)
-            yield frame.data
+        async with _seat(run):
+            for i, frame in enumerate(plan.frames):
+                delay = frame.delay_s
+                if run is not None:
+                    # The first frame waits for prefill too; the others for
+                    # a token of a batch as big as the engine's now.
+                    delay = (
+                        delay + run.admission.prefill_s
+                        if i == 0
+                        else delay * run.engine.decode_factor(run.config)
+                    )
+                if delay > 0:
+                    await trio.sleep(delay)
+                yield frame.data
         if plan.ending is Ending.STALL:
             await trio.sleep_forever()
         finished = True
@@ -150,8 +182,30 @@ async def _stream_body(plan: StreamPlan, stats: SimStats) -> AsyncIterator[bytes
             stats.client_disconnects += 1
 
 
+@dataclasses.dataclass(frozen=True)
+class _EngineRun:
+    """A request's place in the engine model (``iop.sim._engine``)."""
+
+    engine: Engine
+    admission: Admission
+    config: SimConfig  # the request's (the server's with its overrides)
+
+
+@contextlib.asynccontextmanager
+async def _seat(run: _EngineRun | None) -> AsyncIterator[None]:
+    if run is None:
+        yield
+        return
+    async with run.engine.seat(run.admission):
+        yield
+
+
 async def _complete(
-    cfg: SimConfig, delay_s: float, body: Callable[[], bytes], stats: SimStats
+    cfg: SimConfig,
+    delay_s: float,
+    body: Callable[[], bytes],
+    stats: SimStats,
+    run: _EngineRun | None = None,
 ) -> Response:
     """A non-streaming answer, ``body()``, after the whole generation time."""
     finished = False
@@ -159,8 +213,11 @@ async def _complete(
     try:
         if cfg.failure in ("stall_before_first_byte", "stall_mid_stream"):
             await trio.sleep_forever()
-        if delay_s > 0:
-            await trio.sleep(delay_s)
+        async with _seat(run):
+            if run is not None:
+                delay_s = run.admission.prefill_s + delay_s * run.engine.decode_factor(cfg)
+            if delay_s > 0:
+                await trio.sleep(delay_s)
         if cfg.failure == "midstream_error":
             data = b""
         else:
@@ -187,10 +244,10 @@ def _body_response(cfg: SimConfig, body: bytes) -> Response:
     return _json_response(body, 200)
 
 
-def _stream_response(plan: StreamPlan, stats: SimStats) -> Response:
+def _stream_response(plan: StreamPlan, stats: SimStats, run: _EngineRun | None = None) -> Response:
     headers = {"Connection": "close"} if plan.ending is Ending.TRUNCATE else None
     response = Response(
-        _stream_body(plan, stats), status=200, headers=headers, content_type=SSE_CONTENT_TYPE
+        _stream_body(plan, stats, run), status=200, headers=headers, content_type=SSE_CONTENT_TYPE
     )
     response.timeout = None
     return response
@@ -235,6 +292,7 @@ def create_sim_app(cfg: SimConfig) -> SimApp:
     @app.post("/v1/chat/completions")
     async def chat_completions() -> Response:
         stats.requests += 1
+        stats.saw_traceparent(request.headers.get("traceparent"))
         raw = await request.get_data(cache=False, as_text=False, parse_form_data=False)
         try:
             chat = parse_chat_request(raw)
@@ -246,6 +304,14 @@ def create_sim_app(cfg: SimConfig) -> SimApp:
             return _error_response(exc)
         if (injected := _injected(script.config)) is not None:
             return injected
+        run = None
+        if app.engine.enabled:
+            prompt = tokenize_chat(chat.messages, tools=chat.tools or ())
+            admission = app.engine.admit(prompt, script.config)
+            run = _EngineRun(app.engine, admission, script.config)
+            script = msgspec.structs.replace(
+                script, prompt_tokens=admission.prompt_tokens, cached_tokens=admission.cached_tokens
+            )
         created = int(time.time())
         if not chat.stream:
             return await _complete(
@@ -253,10 +319,11 @@ def create_sim_app(cfg: SimConfig) -> SimApp:
                 script.total_delay_s,
                 partial(completion_body, script, created=created),
                 stats,
+                run,
             )
         include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
         return _stream_response(
-            stream_plan(script, created=created, include_usage=include_usage), stats
+            stream_plan(script, created=created, include_usage=include_usage), stats, run
         )
 
     @app.post("/v1/completions")
@@ -336,6 +403,15 @@ def create_sim_app(cfg: SimConfig) -> SimApp:
     async def health() -> Response:
         # vLLM answers an empty 200.
         return Response(b"", status=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        # vLLM's engine gauges and counters (iop/sim/_engine.py), for load scrapers.
+        return Response(
+            app.engine.metrics(cfg.model),
+            status=200,
+            content_type="text/plain; version=0.0.4; charset=utf-8",
+        )
 
     @app.get("/sim/stats")
     async def sim_stats() -> Response:

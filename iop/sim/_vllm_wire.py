@@ -275,6 +275,9 @@ def _usage(script: SimScript) -> dict[str, Any]:
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
     }
+    if script.cached_tokens is not None:
+        # vLLM with --enable-prompt-tokens-details: what its prefix cache held.
+        usage["prompt_tokens_details"] = {"cached_tokens": script.cached_tokens}
     if script.reasoning_tokens:
         # vLLM main with a reasoning parser (PR #45802; docs/architecture.md,
         # "Facts about the backends: Usage").
@@ -374,7 +377,7 @@ def completion_body(script: SimScript, *, created: int) -> bytes:
     # model_dump of UsageInfo: prompt_tokens_details comes before the
     # completion details and is null without --enable-prompt-tokens-details.
     details = usage.pop("completion_tokens_details", None)
-    usage["prompt_tokens_details"] = None
+    usage["prompt_tokens_details"] = usage.pop("prompt_tokens_details", None)
     if details is not None:
         usage["completion_tokens_details"] = details
     body = {

@@ -75,6 +75,7 @@ __all__ = [
     "SplitMode",
     "Stall",
     "Step",
+    "TransportResponse",
     "Write",
     "open_fake_backend",
 ]
@@ -94,6 +95,10 @@ _SETTLE_CHECKPOINTS: Final = 2
 # Longest request body recorded. Chat requests with long prompts stay far
 # below this; a bigger body is a broken test, not a backend scenario.
 MAX_REQUEST_BODY_BYTES: Final = 16 * 1024 * 1024
+# The receive buffer of a connection whose reads a ``stop_reading`` reply
+# stopped: the smallest the kernel grants (it rounds up), so a client's body
+# backs up into its own send buffer.
+STOPPED_RCVBUF: Final = 1024
 
 
 # --- how a body is cut into writes (sans-IO) -----------------------------------
@@ -232,6 +237,12 @@ class Reply(msgspec.Struct, frozen=True, kw_only=True):
             are out (a chunked body is then never terminated).
         reset: Drop with a TCP RST instead of a FIN.
         close_connection: Send ``Connection: close`` and close after the reply.
+        stop_reading: Stop reading the socket once the request head is in
+            (a backend that stops reading the body): this reply is taken
+            then, with the body unread, and the connection is closed after
+            it (with an RST, the kernel's answer to unread bytes). The
+            client's body backs up in its send buffer: one larger than the
+            socket buffers blocks its writes.
     """
 
     status: int = 200
@@ -248,6 +259,7 @@ class Reply(msgspec.Struct, frozen=True, kw_only=True):
     truncate_after_bytes: int | None = None
     reset: bool = False
     close_connection: bool = False
+    stop_reading: bool = False
 
     @classmethod
     def sse(cls, body: bytes, **options: Any) -> Reply:
@@ -389,6 +401,7 @@ class Connection:
         close_cause: Who ended it.
         closed_in: The state it was in when it ended (e.g. ``STALLED``).
         protocol_error: What h11 disliked about the client's bytes, if anything.
+        reading_stopped: A ``stop_reading`` reply stopped the reads.
     """
 
     id: int
@@ -399,6 +412,7 @@ class Connection:
     close_cause: CloseCause | None = None
     closed_in: ConnState | None = None
     protocol_error: str = ""
+    reading_stopped: bool = False
     _closed: trio.Event = field(default_factory=trio.Event, init=False, repr=False, compare=False)
 
     @property
@@ -490,6 +504,15 @@ class _Script:
     def pending(self, path: str) -> int:
         return len(self._queues.get(path, ()))
 
+    def clear(self, path: str) -> None:
+        self._queues.pop(path, None)
+
+    def next_stops_reading(self, path: str) -> bool:
+        """Whether the reply ``path`` would get now is a ``stop_reading`` one."""
+        queue = self._queues.get(path)
+        item = queue[0] if queue else self._defaults.get(path)
+        return isinstance(item, Reply) and item.stop_reading
+
     def take(self, request: RecordedRequest) -> Reply | ConnectFailure:
         path = request.path
         queue = self._queues.get(path)
@@ -571,6 +594,10 @@ class FakeBackend:
     def pending(self, path: str) -> int:
         """Queued replies not yet taken for ``path``."""
         return self._script.pending(path)
+
+    def clear(self, path: str) -> None:
+        """Drop the replies queued for ``path`` (its default stays)."""
+        self._script.clear(path)
 
     # --- addresses ----------------------------------------------------------
 
@@ -699,6 +726,10 @@ class FakeBackend:
     ) -> None:
         """Own the socket's receive side: feed h11, notice the client leaving."""
         while True:
+            if conn.reading_stopped:
+                # A backend that stopped reading: it cannot see the client
+                # leave either (the close waits behind the unread bytes).
+                await trio.sleep_forever()
             try:
                 data = await stream.receive_some(RECEIVE_BYTES)
             except trio.BrokenResourceError:
@@ -739,7 +770,7 @@ class FakeBackend:
         while True:
             conn._enter(ConnState.IDLE)
             try:
-                request = await self._receive_request(h, conn, wakeup)
+                request = await self._receive_request(stream, h, conn, wakeup)
             except h11.RemoteProtocolError as exc:
                 conn.protocol_error = str(exc)
                 return CloseCause.SERVER_CLOSE, False
@@ -760,12 +791,14 @@ class FakeBackend:
                 return CloseCause.CLIENT_RESET, False
             if aborted is not None:
                 return CloseCause.SERVER_ABORT, aborted.reset
+            if conn.reading_stopped:
+                return CloseCause.SERVER_CLOSE, True
             if h.our_state is not h11.DONE or h.their_state is not h11.DONE:
                 return CloseCause.SERVER_CLOSE, False
             h.start_next_cycle()
 
     async def _receive_request(
-        self, h: h11.Connection, conn: Connection, wakeup: _Wakeup
+        self, stream: trio.SocketStream, h: h11.Connection, conn: Connection, wakeup: _Wakeup
     ) -> RecordedRequest | None:
         head: h11.Request | None = None
         body = bytearray()
@@ -774,27 +807,36 @@ class FakeBackend:
             if isinstance(event, h11.Request):
                 head = event
                 conn._enter(ConnState.RECEIVING)
+                target = head.target.decode("ascii", "replace")
+                if self._script.next_stops_reading(urlsplit(target).path):
+                    conn.reading_stopped = True
+                    # Small, so that the client's writes block soon.
+                    stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, STOPPED_RCVBUF)
+                    return self._record(head, body, conn)
             elif isinstance(event, h11.Data):
                 body += event.data
                 if len(body) > MAX_REQUEST_BODY_BYTES:
                     conn.protocol_error = "request body too large for the fake backend"
                     return None
             elif isinstance(event, h11.EndOfMessage) and head is not None:
-                request = RecordedRequest(
-                    method=head.method.decode("ascii"),
-                    target=head.target.decode("ascii", "replace"),
-                    headers=tuple(
-                        (k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in head.headers
-                    ),
-                    body=bytes(body),
-                    received_at=trio.current_time(),
-                    connection=conn,
-                )
-                self.requests.append(request)
-                self._changed.fire()
-                return request
+                return self._record(head, body, conn)
             else:  # ConnectionClosed or PAUSED: nothing more to serve here
                 return None
+
+    def _record(self, head: h11.Request, body: bytearray, conn: Connection) -> RecordedRequest:
+        request = RecordedRequest(
+            method=head.method.decode("ascii"),
+            target=head.target.decode("ascii", "replace"),
+            headers=tuple(
+                (k.decode("latin-1").lower(), v.decode("latin-1")) for k, v in head.headers
+            ),
+            body=bytes(body),
+            received_at=trio.current_time(),
+            connection=conn,
+        )
+        self.requests.append(request)
+        self._changed.fire()
+        return request
 
     async def _stall(self, conn: Connection, seconds: float) -> None:
         conn._enter(ConnState.STALLED)
@@ -861,13 +903,38 @@ async def open_fake_backend(
 # --- in memory ------------------------------------------------------------------
 
 
+@dataclass(eq=False)
+class TransportResponse:
+    """A response ``FakeTransport`` returned, and what became of its body.
+
+    Attributes:
+        request: The request it answers.
+        closed_at: ``trio.current_time()`` when the client closed the body
+            (the in-memory counterpart of a socket's close).
+        backend_ended: The body's plan ran out (to its end or to an ``Abort``)
+            before the client closed it.
+    """
+
+    request: RecordedRequest
+    closed_at: float | None = None
+    backend_ended: bool = False
+
+    @property
+    def closed_by_client(self) -> bool:
+        """True if the client closed the body before the backend ended it."""
+        return self.closed_at is not None and not self.backend_ended
+
+
 class _ReplyStream(httpx.AsyncByteStream):
     """Plays a reply's body plan to httpx (a class, not an async generator,
     so an abandoned stream leaves nothing for the GC to finalise)."""
 
-    def __init__(self, steps: Sequence[Step], request: httpx.Request) -> None:
+    def __init__(
+        self, steps: Sequence[Step], request: httpx.Request, record: TransportResponse
+    ) -> None:
         self._steps = list(steps)
         self._request = request
+        self._record = record
         self._pos = 0
         self._closed = False
 
@@ -882,24 +949,30 @@ class _ReplyStream(httpx.AsyncByteStream):
                 return step.data
             if isinstance(step, Pause | Stall):
                 await trio.sleep(step.seconds)
-            elif step.reset:
+                continue
+            self._record.backend_ended = True
+            if step.reset:
                 raise httpx.ReadError("[Errno 104] Connection reset by peer", request=self._request)
-            else:
-                raise httpx.RemoteProtocolError(
-                    "peer closed connection without sending complete message body",
-                    request=self._request,
-                )
+            raise httpx.RemoteProtocolError(
+                "peer closed connection without sending complete message body",
+                request=self._request,
+            )
+        if not self._closed:
+            self._record.backend_ended = True
         raise StopAsyncIteration
 
     async def aclose(self) -> None:
-        self._closed = True
+        if not self._closed:
+            self._closed = True
+            self._record.closed_at = trio.current_time()
 
 
 class FakeTransport(httpx.AsyncBaseTransport):
     """The in-memory sibling of ``FakeBackend``: an httpx transport playing ``Reply`` scripts.
 
     Pass it as ``transport=`` to an adapter. It has the same ``script`` /
-    ``route`` / ``requests`` surface; ``ConnectFailure`` fails a request the
+    ``route`` / ``requests`` surface, and ``responses`` records when the
+    client closed each body (``TransportResponse``); ``ConnectFailure`` fails a request the
     way a refused connection does. Stalls and pauses sleep on the trio clock,
     so virtual time (``autojump_clock``) works; header stalls happen before
     the response is returned. Connection-level facts (``Connection``) exist
@@ -909,6 +982,7 @@ class FakeTransport(httpx.AsyncBaseTransport):
     def __init__(self) -> None:
         self._script = _Script()
         self.requests: list[RecordedRequest] = []
+        self.responses: list[TransportResponse] = []
 
     def script(self, path: str, *replies: Reply | ReplyHandler | ConnectFailure) -> None:
         """Queue replies for ``path``; each request takes the next one."""
@@ -934,10 +1008,12 @@ class FakeTransport(httpx.AsyncBaseTransport):
         if item.stall_before_headers:
             await trio.sleep(item.stall_s)
         headers = [(k, v) for k, v in item.response_headers() if k != "transfer-encoding"]
+        record = TransportResponse(recorded)
+        self.responses.append(record)
         return httpx.Response(
             item.status,
             headers=headers,
-            stream=_ReplyStream(item.body_plan(), request),
+            stream=_ReplyStream(item.body_plan(), request, record),
             request=request,
             extensions={"reason_phrase": item.reason_phrase.encode("ascii", "replace")},
         )

@@ -116,6 +116,8 @@ class ChatStreamParser:
         self._cached_from_timings: int | None = None
         self._finish_raw: str | None = None
         self.done = False
+        # The error that ended the stream (raised again by every call).
+        self._error: BackendStreamError | BackendProtocolError | None = None
         self.malformed_chunks = 0
         self.last_malformed: str = ""
         self.content_chunks = 0
@@ -124,25 +126,44 @@ class ChatStreamParser:
     def feed(self, data: bytes) -> list[Delta | ReasoningDelta]:
         """Consume body bytes; return the content and reasoning deltas they complete.
 
+        One read may hold several events and then the backend's error:
+        the events completed before the error are returned, and the error
+        is raised by the next call (``failed`` is then true).
+
         Raises:
             BackendStreamError: The backend reported an error in the stream.
             BackendProtocolError: A line was too long, too many chunks were
                 malformed, or the tool calls grew past their limit.
         """
+        if self._error is not None:
+            raise self._error
         out: list[Delta | ReasoningDelta] = []
         if self.done:
             return out
-        for sse in self._sse.feed(data):
-            if sse.field == "error" or sse.event == "error":
-                raise self._stream_error(sse.data)
-            payload = sse.data
-            if payload.strip() == "[DONE]":
-                self.done = True
-                return out
-            if not payload.strip():
-                continue  # empty `data:` frames exist in the wild; skip them
-            self._handle(payload, out)
+        try:
+            for sse in self._sse.feed(data):
+                if sse.field == "error" or sse.event == "error":
+                    raise self._stream_error(sse.data)
+                payload = sse.data
+                if payload.strip() == "[DONE]":
+                    self.done = True
+                    return out
+                if not payload.strip():
+                    continue  # empty `data:` frames exist in the wild; skip them
+                self._handle(payload, out)
+        except (BackendStreamError, BackendProtocolError) as exc:
+            self._error = exc
+            if not out:
+                raise
+            # The events before the error go out first (``failed``).
         return out
+
+    @property
+    def failed(self) -> bool:
+        """The stream failed. The error is raised by every call from now
+        on; when ``feed`` returned events completed before it, by the next:
+        a caller sends those, then calls ``feed_eof`` to raise it."""
+        return self._error is not None
 
     def feed_eof(self) -> None:
         """The body ended. Raises unless ``[DONE]`` was seen.
@@ -150,6 +171,8 @@ class ChatStreamParser:
         Raises:
             BackendStreamError: The stream ended without ``[DONE]``.
         """
+        if self._error is not None:
+            raise self._error
         if self.done:
             return
         pending = self._sse.close()
@@ -254,6 +277,8 @@ class ChatStreamParser:
             BackendStreamError: The stream did not end properly, or the
                 backend's finish reason says it aborted.
         """
+        if self._error is not None:
+            raise self._error
         if not self.done:
             raise BackendStreamError(f"{self._label} stream ended without [DONE]")
         finish = map_finish_reason(self._finish_raw) if self._finish_raw else FinishReason.STOP

@@ -292,10 +292,11 @@ def start_node(
     more_instances: Iterable[dict[str, Any]] = (),
     token: str = TOKEN,
     log_level: str | None = None,
+    tracing: dict[str, Any] | None = None,
 ) -> Node:
     """``iop node`` with one vllm instance on ``sim_url`` (and ``more_instances``),
     dialling ``edges`` (link URLs)."""
-    config = {
+    config: dict[str, Any] = {
         "node": {
             "id": node_id,
             "reconnect_min_s": 0.1,
@@ -308,6 +309,8 @@ def start_node(
             *more_instances,
         ],
     }
+    if tracing is not None:
+        config["tracing"] = tracing
     log_dir.mkdir(parents=True, exist_ok=True)
     cfg = log_dir / f"{name}.toml"
     cfg.write_text(toml_dumps(config))

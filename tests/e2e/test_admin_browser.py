@@ -21,7 +21,7 @@ from typing import Any, Final
 
 import pytest
 
-from tests.e2e._platform import Cluster
+from tests.e2e._platform import MODEL, Cluster
 
 API_KEY: Final = "sk-e2e-client"
 ADMIN_KEY: Final = "sk-e2e-admin"
@@ -154,3 +154,40 @@ def test_admin_login_in_a_browser(
     resp = page.reload()
     assert resp.status == 401
     expect(page.get_by_role("table")).to_have_count(0)
+
+
+def test_a_runs_timeline_in_a_browser(
+    chromium: str, cluster: Cluster, page: Any, tmp_path: Path
+) -> None:
+    from playwright.sync_api import expect
+
+    edge = cluster.edge
+    with edge.openai() as client:
+        client.api_key = API_KEY
+        answer = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "hi"}],
+            extra_body={"iop_sim": {"output_tokens": 8, "ttft_s": 0.05}},
+        )
+    run_id = answer.id.removeprefix("chatcmpl-")
+    page.goto(f"{edge.url}/admin")
+    page.get_by_label("Admin key").fill(ADMIN_KEY)
+    with page.expect_navigation(url=f"{edge.url}/admin"):
+        page.get_by_role("button", name="Log in").click()
+    expect(page.get_by_role("heading", name="Recent runs")).to_be_visible()
+    with page.expect_navigation(url=f"{edge.url}/admin/runs/{run_id}") as nav:
+        page.get_by_role("link", name=run_id).click()
+    assert nav.value.status == 200
+    expect(page.get_by_role("heading", level=1)).to_have_text(f"Run {run_id}")
+    expect(page.get_by_text("outcome complete:stop")).to_be_visible()
+    for moment in ("backend request sent", "backend first byte", "node's terminal"):
+        expect(page.get_by_role("cell", name=moment, exact=True)).to_be_visible()
+    # The chart: one bar per span, inside the page's width.
+    bars = page.locator(".span .bar")
+    assert bars.count() >= 4
+    box = bars.first.bounding_box()
+    assert box is not None
+    assert box["width"] > 0
+    shot = tmp_path / "timeline.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 0

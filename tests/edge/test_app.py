@@ -415,6 +415,11 @@ async def test_metrics() -> None:
     assert 'iop_instance_slots{instance="i0",node="n1"} 1.0' in text
     assert "iop_nodes_connected 1.0" in text
     assert "iop_queue_depth 0.0" in text
+    assert 'iop_queue_exits_total{how="cancelled"} 0.0' in text
+    assert admin["queue"] == {
+        "exits": {"placed": 0, "cancelled": 0, "timed_out": 0},
+        "last_exit": None,
+    }
 
 
 async def test_admin_page() -> None:

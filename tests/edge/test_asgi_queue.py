@@ -115,3 +115,48 @@ async def test_a_callback_set_after_the_disconnect_is_called_at_once() -> None:
     assert called == ["late"]
     assert (await queue.receive())["type"] == "http.request"
     assert (await queue.receive())["type"] == "http.disconnect"
+
+
+async def test_without_an_app_queue_a_task_watches_for_the_disconnect() -> None:
+    # Another server's scope (no AppQueue in its extensions): SurfaceASGI's
+    # own watcher task cancels the answer when http.disconnect arrives.
+    from quart import Response
+
+    from iop.edge._surface_asgi import SurfaceASGI
+
+    answered: list[str] = []
+
+    async def answer(headers: Any, read_body: Any) -> Response:
+        await read_body()
+        try:
+            await trio.sleep_forever()
+        finally:
+            answered.append("cancelled")
+        raise AssertionError("not reached")
+
+    async def fallback(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("not a fallback request")
+
+    app = SurfaceASGI(
+        fallback,
+        {"/v1/x": answer},
+        max_body_bytes=1024,
+        body_read_timeout_s=10.0,
+        refused=lambda exc, path: Response("refused"),
+        crashed=lambda exc, path: Response("crashed"),
+    )
+    tx, rx = trio.open_memory_channel[dict[str, Any]](4)
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/x", "headers": [], "extensions": {}}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(app, scope, rx.receive, send)
+        await tx.send({"type": "http.request", "body": b"{}", "more_body": False})
+        await trio.testing.wait_all_tasks_blocked()
+        assert answered == []
+        await tx.send({"type": "http.disconnect"})
+    assert answered == ["cancelled"]
+    assert sent == []  # nothing answered to a client that left

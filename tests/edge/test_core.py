@@ -4,6 +4,7 @@ scripted ``NodeSession`` so every frame the edge sends can be checked."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -15,6 +16,7 @@ import trio.testing
 from iop.capabilities import Capabilities, ProviderStatus
 from iop.config import Deadlines, EdgeConfig, LinkSettings, SchedulerSettings
 from iop.edge import EdgeCore, open_edge_core
+from iop.edge._registry import QueueExit
 from iop.errors import IopError, RequestError
 from iop.events import Cancelled, CancelReason, Complete, Delta, Error, RuntimeEvent, Start
 from iop.protocol import (
@@ -317,6 +319,57 @@ async def test_queue_waits_for_a_slot_then_times_out(
         assert events[-1].reason is CancelReason.QUEUE_TIMEOUT
         await node.send("r2", Start(), Complete())
         await drain_events(r2)
+
+
+async def test_each_way_out_of_the_queue_is_counted_with_the_time_of_the_last(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The exits by how, and the last one's time on the host's monotonic clock
+    (not trio's, which here is the virtual clock): what /admin/nodes and
+    /metrics show, and what bench_stress.py times a queued cancel with."""
+    async with edge_with_node(instances=[caps(slots=1)]) as (core, node, _):
+        sched = core.scheduler
+        assert core.snapshot()["queue"] == {
+            "exits": {"placed": 0, "cancelled": 0, "timed_out": 0},
+            "last_exit": None,
+        }
+        r1 = core.start_run(spec(run_id="r1"))
+        await node.assigns.receive()
+        r2 = core.start_run(spec(run_id="r2"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert sched.queued == 1
+        before = time.monotonic()
+        r2.cancel(CancelReason.CLIENT_DISCONNECT)
+        await r2.wait()
+        after = time.monotonic()
+        assert sched.queued == 0
+        assert sched.last_exit is not None
+        assert sched.last_exit.how is QueueExit.CANCELLED
+        assert before <= sched.last_exit.monotonic_s <= after
+        view = core.snapshot()["queue"]
+        assert view == {
+            "exits": {"placed": 0, "cancelled": 1, "timed_out": 0},
+            "last_exit": {"how": "cancelled", "monotonic_s": sched.last_exit.monotonic_s},
+        }
+        r3 = core.start_run(spec(run_id="r3"))
+        await trio.testing.wait_all_tasks_blocked()
+        await node.send("r1", Start(), Complete())
+        await drain_events(r1)
+        assert (await node.assigns.receive()).assign.run_id == "r3"
+        assert sched.last_exit.how is QueueExit.PLACED
+        r4 = core.start_run(spec(run_id="r4"))
+        assert isinstance((await drain_events(r4))[-1], Cancelled)  # queue_timeout_s
+        assert sched.last_exit.how is QueueExit.TIMED_OUT
+        assert sched.exits == {
+            QueueExit.PLACED: 1,
+            QueueExit.CANCELLED: 1,
+            QueueExit.TIMED_OUT: 1,
+        }
+        text = core.metrics.render().decode()
+        for how in ("placed", "cancelled", "timed_out"):
+            assert f'iop_queue_exits_total{{how="{how}"}} 1.0' in text
+        await node.send("r3", Start(), Complete())
+        await drain_events(r3)
 
 
 async def test_queue_full_is_429_up_front(autojump_clock: trio.testing.MockClock) -> None:

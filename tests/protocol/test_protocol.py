@@ -1270,7 +1270,7 @@ def test_an_idle_link_costs_one_ping_per_interval_from_the_node_and_per_timeout_
     assert not node.has_data_to_send
 
 
-def test_a_ping_proves_its_sender_alive_and_asks_nothing() -> None:
+def test_a_ping_proves_its_sender_alive_and_the_edge_never_answers_one() -> None:
     edge, node = open_pair()
     node.tick(0.5)
     [ping] = node.data_to_send(0.5)
@@ -1281,9 +1281,73 @@ def test_a_ping_proves_its_sender_alive_and_asks_nothing() -> None:
     edge.tick(1.5)
     [ping2] = edge.data_to_send(1.5)
     assert decode_edge_batch(ping2) == [Ping(nonce=1)]
-    assert node.receive(ping2, now=1.6) == []
-    assert node.liveness_deadline == pytest.approx(1.6 + 1.5 * EDGE_SILENCE_FACTOR)
+    # The node sent its ping 0.1 s ago (less than half its interval): no answer.
+    assert node.receive(ping2, now=0.6) == []
+    assert node.liveness_deadline == pytest.approx(0.6 + 1.5 * EDGE_SILENCE_FACTOR)
     assert not node.has_data_to_send
+
+
+def test_the_node_gets_in_step_with_the_edges_pings() -> None:
+    """The edge pings all its quiet links in one sweep (``EdgeSession.sweep``).
+    A node that sent nothing for a quarter of its interval answers at once,
+    one that did pings next an interval after the edge's ping: either way its
+    frames follow the sweeps, and so reach the edge together with the other
+    nodes'."""
+    edge, node = open_pair()
+    node.tick(0.5)
+    node.data_to_send(0.5)
+    edge.sweep(0.75)
+    # Sent 0.1 s ago (< 0.125): no answer, but the next ping follows the edge's.
+    assert node.receive(edge.data_to_send(0.75)[0], now=0.6) == []
+    assert not node.has_data_to_send
+    assert node.next_ping_at == pytest.approx(0.6 + 0.5)
+    node.tick(1.0)
+    assert not node.has_data_to_send
+    node.tick(1.1)
+    assert pings(node.data_to_send(1.1), decode_node_batch) == [2]
+    assert node.next_ping_at == pytest.approx(1.6)
+
+
+def test_the_node_answers_an_edge_ping_if_it_sent_nothing_for_a_quarter_interval() -> None:
+    edge, node = open_pair()
+    node.tick(0.5)
+    node.data_to_send(0.5)
+    edge.sweep(0.8)  # quiet since the welcome at 0
+    assert node.receive(edge.data_to_send(0.8)[0], now=0.8) == []
+    assert pings(node.data_to_send(0.8), decode_node_batch) == [2]
+    assert node.next_ping_at == pytest.approx(0.8 + 0.5)
+    # Something queued already proves the node alive: no separate answer.
+    edge.sweep(2.0)
+    node.capabilities([CAPS])
+    node.receive(edge.data_to_send(2.0)[0], now=2.0)
+    assert [type(m) for f in node.data_to_send(2.0) for m in decode_node_batch(f)] == [
+        CapabilitiesUpdate
+    ]
+    # Not before the welcome.
+    fresh = NodeSession(node_id="n2", token="t0k", now=0.0)
+    with pytest.raises(LinkProtocolError):
+        fresh.receive(encode_batch([encode(Ping(nonce=1))]), now=1.0)
+    assert not fresh.has_data_to_send
+
+
+def test_an_edge_sweep_pings_a_node_it_sent_nothing_to_for_half_its_timeout() -> None:
+    """The sweeps come every ``heartbeat_timeout_s`` (``iop.runtime.LinkClock``):
+    a link its previous sweep pinged is pinged again, one that had anything
+    else within half the timeout is not (the node has heard from the edge
+    within 1.5 timeouts, well inside its 2)."""
+    edge, _ = open_pair()
+    edge.sweep(0.74)
+    assert not edge.has_data_to_send  # the welcome went 0.74 s ago (< 0.75)
+    edge.sweep(0.75)
+    assert pings(edge.data_to_send(0.76)) == [1]
+    edge.sweep(2.25)  # the previous sweep's ping went a whisker less than 1.5 s ago
+    assert pings(edge.data_to_send(2.25)) == [2]
+    edge.assign("r1", "sim", SPEC)
+    edge.sweep(4.0)  # something queued: no ping
+    assert [type(m) for f in edge.data_to_send(4.0) for m in decode_edge_batch(f)] == [Assign]
+    pending, _ = pair()
+    pending.sweep(100.0)  # not before the hello
+    assert not pending.has_data_to_send
 
 
 def test_the_liveness_deadline_moves_with_every_frame() -> None:

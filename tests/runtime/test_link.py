@@ -19,6 +19,7 @@ from iop.capabilities import Capabilities
 from iop.events import Complete, Delta, Start
 from iop.protocol import (
     CLOSE_HEARTBEAT,
+    EDGE_SILENCE_FACTOR,
     AssignReceived,
     EdgeLinkEvent,
     EdgeSession,
@@ -30,7 +31,7 @@ from iop.protocol import (
     decode_edge_batch,
     decode_node_batch,
 )
-from iop.runtime import LinkDriver, PeerSilent, Wakeup
+from iop.runtime import LIVENESS_RESOLUTION_S, LinkClock, LinkDriver, PeerSilent, Wakeup
 from iop.spec import ChatRequest, ExecutionSpec, Message
 from iop.testing import MemoryFrameChannel, memory_link_pair
 
@@ -58,7 +59,12 @@ def record(chan: MemoryFrameChannel, decode: Callable[[bytes], Sequence[object]]
 class Ends:
     """An edge and a node session, each under its own driver, over a memory link."""
 
-    def __init__(self, edge_chan: MemoryFrameChannel, node_chan: MemoryFrameChannel) -> None:
+    def __init__(
+        self,
+        edge_chan: MemoryFrameChannel,
+        node_chan: MemoryFrameChannel,
+        clock: LinkClock | None = None,
+    ) -> None:
         now = trio.current_time()
         self.edge_chan, self.node_chan = edge_chan, node_chan
         self.edge = EdgeSession(
@@ -67,8 +73,28 @@ class Ends:
         self.node = NodeSession(node_id="n1", token="t", now=now)
         self.edge_events: list[EdgeLinkEvent] = []
         self.node_events: list[NodeLinkEvent] = []
-        self.edge_driver = LinkDriver(edge_chan, self.edge, self.edge_events.extend, peer="node")
+        self.edge_driver = LinkDriver(
+            edge_chan, self.edge, self.edge_events.extend, peer="node", clock=clock
+        )
         self.node_driver = LinkDriver(node_chan, self.node, self.node_events.extend, peer="edge")
+        self.edge_lost, self.node_lost = trio.Event(), trio.Event()
+        self.edge_loss: PeerSilent | None = None
+        self.node_loss: PeerSilent | None = None
+
+    async def run_edge(self) -> None:
+        """The edge's driver until it loses the node (noted, not raised)."""
+        try:
+            await self.edge_driver.run()
+        except PeerSilent as exc:
+            self.edge_loss = exc
+            self.edge_lost.set()
+
+    async def run_node(self) -> None:
+        try:
+            await self.node_driver.run()
+        except PeerSilent as exc:
+            self.node_loss = exc
+            self.node_lost.set()
 
     async def handshake(self) -> None:
         now = trio.current_time()
@@ -206,3 +232,144 @@ async def test_wakeup_ends_the_current_or_the_next_wait_once(
     wakeup.set()
     with trio.fail_after(1):
         await wakeup.wait()
+
+
+# --- one clock for many links (the edge's) ------------------------------------------
+
+
+@asynccontextmanager
+async def clocked(
+    n: int, stagger_s: float = 0.3
+) -> AsyncIterator[tuple[list[Ends], LinkClock, trio.Nursery]]:
+    """``n`` links whose edge drivers share one clock, opened ``stagger_s`` apart
+    (so each node's own pings start at its own phase)."""
+    clock = LinkClock(TIMEOUT_S)
+    links: list[Ends] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(clock.run)
+        for i in range(n):
+            if i:
+                await trio.sleep(stagger_s)
+            edge_chan, node_chan = memory_link_pair()
+            ends = Ends(edge_chan, node_chan, clock=clock)
+            await ends.handshake()
+            nursery.start_soon(ends.run_edge)
+            nursery.start_soon(ends.run_node)
+            links.append(ends)
+        yield links, clock, nursery
+        nursery.cancel_scope.cancel()
+
+
+def record_times(chan: MemoryFrameChannel) -> list[float]:
+    """When ``chan`` sends a frame, from now on."""
+    times: list[float] = []
+    send = chan.send
+
+    async def recording(frame: bytes) -> None:
+        times.append(trio.current_time())
+        await send(frame)
+
+    chan.send = recording  # type: ignore[method-assign]
+    return times
+
+
+async def test_a_clock_pings_every_quiet_link_in_one_sweep_and_the_answers_come_back_together(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with clocked(3) as (links, clock, _):
+        await trio.sleep(2 * TIMEOUT_S)  # a sweep or two to get in step
+        edge_times = [record_times(e.edge_chan) for e in links]
+        node_times = [record_times(e.node_chan) for e in links]
+        edge_said = [record(e.edge_chan, decode_edge_batch) for e in links]
+        node_said = [record(e.node_chan, decode_node_batch) for e in links]
+        await trio.sleep(30.0)
+    # The edge's pings left at the same instants on every link: one wake-up each.
+    assert edge_times[0] == edge_times[1] == edge_times[2]
+    assert len(edge_times[0]) == pytest.approx(30.0 / TIMEOUT_S, abs=1)
+    assert all(set(said) == {"Ping"} for said in edge_said + node_said)
+    # The nodes started out of phase, answered a sweep, and stay in step with
+    # it: their pings too reach the edge at the same instants, still one per
+    # interval (an answer replaces the node's own ping, it is not one more).
+    assert node_times[0] == node_times[1] == node_times[2]
+    assert len(node_times[0]) == pytest.approx(30.0 / INTERVAL_S, abs=1)
+    assert clock.sweeps == pytest.approx((30.0 + 2 * TIMEOUT_S + 0.6) / TIMEOUT_S, abs=1)
+
+
+async def test_without_a_clock_the_nodes_pings_keep_their_own_phases(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """What the test above would see if the node did not answer: the reference."""
+    starts: list[list[float]] = []
+    async with trio.open_nursery() as nursery:
+        for _ in range(2):
+            edge_chan, node_chan = memory_link_pair()
+            ends = Ends(edge_chan, node_chan)
+            await ends.handshake()
+            starts.append(record_times(node_chan))
+            nursery.start_soon(ends.edge_driver.run)
+            nursery.start_soon(ends.node_driver.run)
+            await trio.sleep(0.3)
+        await trio.sleep(10.0)
+        nursery.cancel_scope.cancel()
+    assert not set(starts[0]) & set(starts[1])
+
+
+async def test_under_a_clock_a_frozen_node_is_lost_within_its_timeout_and_only_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with clocked(2) as (links, clock, _):
+        await trio.sleep(10.0)
+        frozen, alive = links
+        last = frozen.edge.last_seen  # the last frame the edge had from it
+        frozen.edge_chan.freeze()
+        await frozen.edge_lost.wait()
+        silence = trio.current_time() - last
+        assert TIMEOUT_S - LIVENESS_RESOLUTION_S <= silence <= TIMEOUT_S
+        assert frozen.edge_loss is not None
+        assert frozen.edge_loss.close_code == CLOSE_HEARTBEAT
+        await trio.sleep(10.0)
+        assert len(clock) == 1  # the other link is untouched
+        assert not alive.edge_lost.is_set()
+        assert trio.current_time() < alive.edge.liveness_deadline
+
+
+async def test_a_node_loses_a_frozen_edge_at_twice_the_edges_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The other direction: the edge's sweeps keep its nodes sure of it
+    through a long idle time, and a node notices an edge that stops."""
+    async with clocked(1) as (links, _, _):
+        (ends,) = links
+        await trio.sleep(30.0)
+        assert not ends.node_lost.is_set()
+        last = ends.node.last_seen
+        ends.node_chan.freeze()
+        await ends.node_lost.wait()
+        assert trio.current_time() - last == pytest.approx(TIMEOUT_S * EDGE_SILENCE_FACTOR)
+        assert ends.node_loss is not None
+        assert ends.node_loss.close_code == CLOSE_HEARTBEAT
+
+
+async def test_a_link_that_joins_with_an_old_last_frame_moves_the_clock_up(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A slow handshake: the link's deadline comes before the clock's next
+    planned wake-up, and is kept anyway."""
+    clock = LinkClock(10.0)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(clock.run)
+        await trio.sleep(1.0)
+        edge_chan, node_chan = memory_link_pair()
+        ends = Ends(edge_chan, node_chan, clock=clock)
+        await ends.handshake()
+        ends.edge.last_seen -= 1.0  # its hello came a second ago
+        edge_chan.freeze()
+        t0 = trio.current_time()
+        with pytest.raises(PeerSilent):
+            await ends.edge_driver.run()
+        assert t0 + TIMEOUT_S - 1.0 - LIVENESS_RESOLUTION_S <= trio.current_time()
+        assert trio.current_time() <= t0 + TIMEOUT_S - 1.0
+        nursery.cancel_scope.cancel()
+    assert LinkClock(0.2).resolution_s == pytest.approx(0.05)  # heartbeats set very short
+    with pytest.raises(ValueError, match="positive"):
+        LinkClock(0.0)

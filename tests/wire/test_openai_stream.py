@@ -196,15 +196,45 @@ def test_old_llamacpp_error_field_fails_the_run(split: str) -> None:
     def feed_all() -> None:
         for piece in SPLITTERS[split](data):
             out.extend(parser.feed(piece))
+        parser.feed_eof()
 
     with pytest.raises(BackendStreamError) as info:
         feed_all()
     assert str(info.value) == "t stream error: Failed to decode the batch (synthetic message)"
     assert info.value.status == 500
-    # Deltas completed by the failing feed are not returned (the run fails).
-    assert "Hello! How".startswith(text(out))
-    assert text(out) == ("" if split == "whole" else "Hello! How")
+    # The deltas before the error are returned, however the bytes were split.
+    assert text(out) == "Hello! How"
     assert not parser.done
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        b'data: {"error": {"message": "boom", "code": 500}}\n\n',
+        b'event: error\ndata: {"message": "boom"}\n\n',
+        b'error: {"code": 500, "message": "boom"}\n\n',
+    ],
+)
+def test_the_deltas_before_an_error_in_the_same_piece_come_first(error: bytes) -> None:
+    # One socket read may hold several events and the error after them: the
+    # run must still send the deltas, then fail (a 200 and an SSE error on
+    # the edge, not a bare 5xx).
+    parser = ChatStreamParser(label="t")
+    data = chunk({"content": "a"}) + chunk({"content": "b"}) + error + DONE
+    assert text(parser.feed(data)) == "ab"
+    assert parser.failed
+    with pytest.raises(BackendStreamError, match="boom"):
+        parser.feed_eof()
+    # The stream stays failed: whatever came after the error counts for nothing.
+    for call in (lambda: parser.feed(b""), parser.complete):
+        with pytest.raises(BackendStreamError, match="boom"):
+            call()
+
+
+def test_an_error_with_nothing_before_it_is_raised_at_once() -> None:
+    parser = ChatStreamParser(label="t")
+    with pytest.raises(BackendStreamError, match="boom"):
+        parser.feed(b'data: {"error": "boom"}\n\n' + DONE)
 
 
 @pytest.mark.parametrize(

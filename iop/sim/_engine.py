@@ -1,0 +1,210 @@
+"""The sim's engine model: a prefix (KV) cache, prefill time, a running batch.
+
+So that routing by cache contents and engine load shows its effect on a
+laptop, ``iop sim`` can model what makes a real engine's time to first
+token and token rate move (every key is off by default, and the sim then
+answers exactly as before):
+
+* **a prefix cache** of ``kv_cache_blocks`` blocks of ``kv_block_tokens``
+  tokens. A prompt is tokenized (the sim's toy tokenizer, on the rendered
+  chat) and cut into full blocks; each block is named by a hash chained over
+  the blocks before it, as vLLM's automatic prefix caching does
+  (https://docs.vllm.ai/en/stable/design/prefix_caching.html), so a block
+  is a hit only when the whole prefix up to it is the same. The leading run
+  of cached blocks is the request's cached prefix; every full block of the
+  prompt is then inserted (least recently used blocks go first when the
+  cache is full);
+* **prefill time**: the first token comes ``ttft_s`` plus the *uncached*
+  prompt tokens over ``prefill_tokens_per_s`` after the request starts
+  running;
+* **a running batch** of at most ``max_num_seqs`` requests; the rest wait
+  (``num_requests_waiting``) in arrival order;
+* **decode slowed by concurrency**: each token's delay is stretched by
+  ``1 + decode_slowdown * (running - 1)``.
+
+What the engine shows a scraper is what vLLM's ``/metrics`` shows
+(https://docs.vllm.ai/en/stable/usage/metrics/): ``vllm:num_requests_running``,
+``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (blocks the
+running requests hold, over the cache's blocks: 0 to 1), and the counters
+``vllm:prefix_cache_queries`` and ``vllm:prefix_cache_hits`` in tokens. The
+response's usage says how many prompt tokens were cached
+(``prompt_tokens_details.cached_tokens``, as vLLM with
+``--enable-prompt-tokens-details``).
+
+Sans-IO but for ``Engine.seat``, which waits for a place in the batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Final
+
+import trio
+
+from iop.config import SimConfig
+
+__all__ = ["Admission", "Engine", "PrefixCache", "block_hashes"]
+
+_HASH_SEED: Final = b"iop-sim-prefix"
+
+
+def block_hashes(token_ids: Sequence[int], block_tokens: int) -> list[bytes]:
+    """The chained hash of each full block of ``token_ids``: block i's hash
+    covers every token before its end, so equal hashes mean equal prefixes."""
+    out: list[bytes] = []
+    parent = _HASH_SEED
+    for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
+        h = hashlib.blake2b(parent, digest_size=16)
+        # The toy tokenizer's ids are the pieces' bytes: up to 8 of them.
+        h.update(b"".join(t.to_bytes(8, "little") for t in token_ids[start : start + block_tokens]))
+        parent = h.digest()
+        out.append(parent)
+    return out
+
+
+class PrefixCache:
+    """An LRU set of block hashes with room for ``capacity`` blocks."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def cached_blocks(self, hashes: Sequence[bytes]) -> int:
+        """How many of ``hashes``, from the first, are cached (the prefix hit)."""
+        n = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            n += 1
+        return n
+
+    def insert(self, hashes: Sequence[bytes]) -> None:
+        """Cache ``hashes`` as most recently used, evicting the least recently used."""
+        if self.capacity <= 0:
+            return
+        for h in hashes:
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What the engine decided for one request at its arrival."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    prefill_s: float
+    blocks: int  # the request's footprint in the cache while it runs
+
+
+@dataclass
+class Engine:
+    """The sim server's one engine: its cache, its batch and its counters."""
+
+    config: SimConfig
+    cache: PrefixCache = field(init=False)
+    running: int = 0
+    waiting: int = 0
+    # Blocks held by running requests (kv_cache_usage_perc's numerator).
+    held_blocks: int = 0
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    _seats: trio.Semaphore | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.cache = PrefixCache(self.config.kv_cache_blocks)
+        if self.config.max_num_seqs > 0:
+            self._seats = trio.Semaphore(self.config.max_num_seqs)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any of the engine's keys is set (else requests bypass it)."""
+        c = self.config
+        return bool(
+            c.kv_cache_blocks or c.prefill_tokens_per_s or c.max_num_seqs or c.decode_slowdown
+        )
+
+    def admit(self, prompt_ids: Sequence[int], request_cfg: SimConfig) -> Admission:
+        """Look the prompt up in the cache, then cache its blocks.
+
+        ``request_cfg`` (the server's config with the request's overrides)
+        gives the prefill rate; the cache's shape is the server's.
+        """
+        block = max(1, self.config.kv_block_tokens)
+        hashes = block_hashes(prompt_ids, block)
+        cached = self.cache.cached_blocks(hashes) * block if self.config.kv_cache_blocks else 0
+        self.cache.insert(hashes)
+        total = len(prompt_ids)
+        self.prefix_cache_queries += total
+        self.prefix_cache_hits += cached
+        rate = request_cfg.prefill_tokens_per_s
+        prefill = (total - cached) / rate if rate > 0 else 0.0
+        output = request_cfg.output_tokens + request_cfg.reasoning_tokens
+        return Admission(
+            prompt_tokens=total,
+            cached_tokens=cached,
+            prefill_s=prefill,
+            blocks=math.ceil((total + output) / block),
+        )
+
+    @contextlib.asynccontextmanager
+    async def seat(self, admission: Admission) -> AsyncIterator[None]:
+        """A place in the running batch for the request's lifetime (waits while full)."""
+        self.waiting += 1
+        try:
+            if self._seats is not None:
+                await self._seats.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+        self.held_blocks += admission.blocks
+        try:
+            yield
+        finally:
+            self.running -= 1
+            self.held_blocks -= admission.blocks
+            if self._seats is not None:
+                self._seats.release()
+
+    def decode_factor(self, request_cfg: SimConfig) -> float:
+        """How much the running batch stretches each token's delay now."""
+        return 1.0 + request_cfg.decode_slowdown * max(0, self.running - 1)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Blocks the running requests hold over the cache's blocks (0 to 1)."""
+        if self.config.kv_cache_blocks <= 0:
+            return 0.0
+        return min(1.0, self.held_blocks / self.config.kv_cache_blocks)
+
+    def metrics(self, model: str) -> bytes:
+        """The engine's gauges and counters in Prometheus' text format, as vLLM names them."""
+        label = '{model_name="' + model.replace("\\", "\\\\").replace('"', '\\"') + '"}'
+        lines = [
+            "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{label} {float(self.running)}",
+            "# HELP vllm:num_requests_waiting Number of requests waiting to be processed.",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{label} {float(self.waiting)}",
+            "# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.",
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{label} {self.kv_cache_usage}",
+            "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of tokens.",
+            "# TYPE vllm:prefix_cache_queries_total counter",
+            f"vllm:prefix_cache_queries_total{label} {float(self.prefix_cache_queries)}",
+            "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of tokens.",
+            "# TYPE vllm:prefix_cache_hits_total counter",
+            f"vllm:prefix_cache_hits_total{label} {float(self.prefix_cache_hits)}",
+        ]
+        return ("\n".join(lines) + "\n").encode()

@@ -1,0 +1,172 @@
+"""The sim's engine model (iop.sim._engine): the prefix cache, prefill time, the
+running batch and vLLM's metrics, sans-IO and over a real loopback socket."""
+
+from __future__ import annotations
+
+import httpx
+import trio
+import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from iop.config import SimConfig
+from iop.sim import build_script, parse_chat_request, stream_plan
+from iop.sim._engine import Engine, PrefixCache, block_hashes
+from iop.sim._server import SimStats, _EngineRun, _stream_body
+from tests.sim.test_sim_server import WAIT_S, chat, running_sim
+
+ENGINE = SimConfig(
+    ttft_s=0.01,
+    output_tokens=4,
+    kv_cache_blocks=256,
+    kv_block_tokens=4,
+    prefill_tokens_per_s=1000.0,
+)
+
+
+def test_blocks_are_named_by_their_whole_prefix() -> None:
+    a = block_hashes([1, 2, 3, 4, 5, 6, 7, 8, 9], 4)
+    b = block_hashes([1, 2, 3, 4, 5, 6, 7, 9], 4)
+    c = block_hashes([0, 2, 3, 4, 5, 6, 7, 8], 4)
+    assert len(a) == 2  # the 9th token is no full block
+    assert a[0] == b[0]
+    assert a[1] != b[1]
+    # A different first block makes every later block different too.
+    assert not set(a) & set(c)
+
+
+def test_the_cache_evicts_the_least_recently_used_blocks() -> None:
+    cache = PrefixCache(3)
+    cache.insert([b"a", b"b", b"c"])
+    assert cache.cached_blocks([b"a", b"b", b"c"]) == 3
+    cache.insert([b"a"])  # a is now the most recent
+    cache.insert([b"d"])  # b goes
+    assert cache.cached_blocks([b"a"]) == 1
+    assert cache.cached_blocks([b"a", b"b"]) == 1
+    assert len(cache) == 3
+
+
+@given(
+    prompts=st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=40), min_size=1, max_size=8),
+    capacity=st.integers(0, 12),
+)
+def test_a_hit_is_a_whole_number_of_leading_blocks(prompts: list[list[int]], capacity: int) -> None:
+    engine = Engine(SimConfig(kv_cache_blocks=capacity, kv_block_tokens=4))
+    for prompt in prompts:
+        got = engine.admit(prompt, engine.config)
+        assert got.cached_tokens % 4 == 0
+        assert 0 <= got.cached_tokens <= len(prompt) // 4 * 4
+        assert len(engine.cache) <= capacity
+    assert engine.prefix_cache_hits <= engine.prefix_cache_queries == sum(map(len, prompts))
+
+
+def test_a_repeated_prompt_is_cached_and_prefills_only_its_tail() -> None:
+    engine = Engine(ENGINE)
+    prompt = list(range(10))
+    first = engine.admit(prompt, ENGINE)
+    second = engine.admit(prompt, ENGINE)
+    assert (first.cached_tokens, second.cached_tokens) == (0, 8)
+    assert first.prefill_s == 10 / 1000.0
+    assert second.prefill_s == 2 / 1000.0
+    # A request holds its prompt and answer's blocks while it runs.
+    assert second.blocks == 4  # ceil((10 + 4) / 4)
+
+
+async def test_the_batch_is_bounded_and_its_usage_shown() -> None:
+    engine = Engine(
+        SimConfig(output_tokens=4, kv_cache_blocks=8, kv_block_tokens=4, max_num_seqs=1)
+    )
+    a = engine.admit(list(range(8)), engine.config)
+    b = engine.admit(list(range(8)), engine.config)
+    async with trio.open_nursery() as nursery:
+        seated = trio.Event()
+        release = trio.Event()
+
+        async def hold() -> None:
+            async with engine.seat(a):
+                seated.set()
+                await release.wait()
+
+        async def second() -> None:
+            async with engine.seat(b):
+                pass
+
+        nursery.start_soon(hold)
+        await seated.wait()
+        nursery.start_soon(second)
+        await trio.testing.wait_all_tasks_blocked()
+        assert (engine.running, engine.waiting) == (1, 1)
+        assert engine.kv_cache_usage == a.blocks / 8
+        families = {f.name: f for f in text_string_to_metric_families(engine.metrics("m").decode())}
+        assert families["vllm:num_requests_waiting"].samples[0].value == 1.0
+        assert families["vllm:num_requests_running"].samples[0].labels == {"model_name": "m"}
+        release.set()
+    assert (engine.running, engine.waiting, engine.held_blocks) == (0, 0, 0)
+
+
+async def test_decode_slows_with_the_batch_and_prefill_delays_the_first_token(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    cfg = SimConfig(
+        ttft_s=0.1,
+        tokens_per_s=10.0,
+        output_tokens=3,
+        prefill_tokens_per_s=100.0,
+        decode_slowdown=0.5,
+    )
+    engine = Engine(cfg)
+    request = parse_chat_request(msgspec_encode(chat(stream=True)))
+    script = build_script(request, cfg)
+    plan = stream_plan(script, created=0, include_usage=False)
+    admission = engine.admit(list(range(50)), cfg)  # 50 uncached tokens: 0.5 s of prefill
+    engine.running = 1  # another request is running
+    run = _EngineRun(engine, admission, cfg)
+    times = []
+    start = trio.current_time()
+    async for _ in _stream_body(plan, SimStats(), run):
+        times.append(trio.current_time() - start)
+    # First frame: ttft + prefill. Next tokens: 0.1 s each, stretched by 1 + 0.5 * (2 - 1).
+    assert abs(times[0] - 0.6) < 1e-9
+    assert abs((times[2] - times[1]) - 0.15) < 1e-9
+
+
+def msgspec_encode(body: object) -> bytes:
+    import msgspec
+
+    return msgspec.json.encode(body)
+
+
+async def test_over_http_the_second_turn_reuses_the_first_ones_prefix() -> None:
+    system = {"role": "system", "content": "You are a careful assistant. " * 40}
+    first = [system, {"role": "user", "content": "What is 2 + 2?"}]
+    again = [system, {"role": "user", "content": "And 3 + 3?"}]
+    async with running_sim(ENGINE) as (app, url), httpx.AsyncClient(timeout=WAIT_S) as client:
+        answers = []
+        for messages in (first, again):
+            resp = await client.post(
+                f"{url}/v1/chat/completions", json=chat(messages=messages, stream=False)
+            )
+            assert resp.status_code == 200
+            answers.append(resp.json()["usage"])
+        assert answers[0]["prompt_tokens_details"] == {"cached_tokens": 0}
+        cached = answers[1]["prompt_tokens_details"]["cached_tokens"]
+        # The whole system prompt's full blocks, not the new user turn.
+        assert 0.8 * answers[1]["prompt_tokens"] < cached < answers[1]["prompt_tokens"]
+        metrics = (await client.get(f"{url}/metrics")).text
+        families = {f.name: f for f in text_string_to_metric_families(metrics)}
+        assert families["vllm:prefix_cache_hits"].samples[0].value == cached
+        assert app.engine.running == 0
+        # The engine's shape is the server's: no request may change it.
+        refused = await client.post(
+            f"{url}/v1/chat/completions", json=chat(iop_sim={"kv_cache_blocks": 1})
+        )
+        assert refused.status_code == 400
+        assert "kv_cache_blocks" in refused.json()["error"]["message"]
+
+
+async def test_without_the_engine_keys_nothing_changes() -> None:
+    async with running_sim() as (app, url), httpx.AsyncClient(timeout=WAIT_S) as client:
+        resp = await client.post(f"{url}/v1/chat/completions", json=chat())
+        assert resp.json()["usage"]["prompt_tokens_details"] is None
+        assert not app.engine.enabled
