@@ -68,24 +68,35 @@ class VllmAdapter(HTTPAdapter):
             model,
             self._http.endpoint,
         )
+        # The first try in a plain ``async with``: an exit stack (a deque, 760
+        # bytes) per open stream only when vLLM refused it (docs/benchmarks.md,
+        # "Memory", "Second pass").
+        async with self._http.post_chat(body, what="vllm request failed") as response:
+            if response.is_success:
+                await self._http.pump(response, send, run_id=spec.run_id, text_tool_fallback=False)
+                return
+            error = await self._http.read_error_body(response)
         async with AsyncExitStack() as stack:
-            response, text_tool_fallback = await self._request_with_fallback(stack, spec, body)
+            response, text_tool_fallback = await self._fallback(stack, spec, body, response, error)
             await self._http.pump(
                 response, send, run_id=spec.run_id, text_tool_fallback=text_tool_fallback
             )
 
-    async def _request_with_fallback(
-        self, stack: AsyncExitStack, spec: ExecutionSpec, body: dict[str, Any]
+    async def _fallback(
+        self,
+        stack: AsyncExitStack,
+        spec: ExecutionSpec,
+        body: dict[str, Any],
+        response: httpx.Response,
+        error: bytes | None,
     ) -> tuple[httpx.Response, bool]:
-        """Send the request, applying the fallback chain on non-2xx answers.
+        """Apply the fallback chain to a request vLLM answered non-2xx (``response``, closed).
 
         Every response but the one returned is closed before the next try.
         Returns the 2xx streaming response and whether the text-tool
         fallback produced it.
         """
-        response, error = await self._send(stack, body, "vllm request failed")
-        if error is None:
-            return response, False
+        assert error is not None
         message = parse_error_body(error).message
 
         request = spec.request

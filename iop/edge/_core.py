@@ -164,6 +164,8 @@ class ModelEntry:
 class RemoteExecutor:
     """Executes one run on whichever node the scheduler picks."""
 
+    __slots__ = ("_collect", "_collect_flush_s", "_core", "_started", "_trace")  # one per stream
+
     def __init__(
         self, core: EdgeCore, *, collect: bool = False, trace: RunTrace | None = None
     ) -> None:

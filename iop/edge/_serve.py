@@ -17,6 +17,7 @@ import trio
 
 from iop.config import EdgeConfig
 from iop.edge._app import SurfaceRoute, create_edge_app
+from iop.edge._asgi_queue import install as install_app_queue
 from iop.edge._core import EdgeCore, open_edge_core
 from iop.edge._http1 import EdgeHypercornConfig, install
 from iop.edge._link_asgi import LINK_PATH, EdgeASGI, LinkEndpoint
@@ -109,6 +110,8 @@ async def serve_edge(
         )
         # Smuggling and header-size guards below the app (iop/edge/_http1.py).
         install()
+        # Each request's receive queue tells a disconnect (iop/edge/_asgi_queue.py).
+        install_app_queue()
         drained = trio.Event()
 
         async def trigger() -> None:

@@ -21,9 +21,12 @@ Here a request is its ASGI scope and messages:
   any byte is read; else 413 once the bytes pass it), both in the surface's
   error shape with ``Connection: close``, as quart's limits were
   (``_app.py``'s ``http_error`` builds that response for both);
-* once the body is read, one task watches for ``http.disconnect`` and
-  cancels the answer (quart-trio's own rule): a client that leaves ends its
-  run as ``client_disconnect`` (or ``slow_client``, ``iop.edge._stall``);
+* once the body is read, ``http.disconnect`` cancels the answer
+  (quart-trio's own rule): a client that leaves ends its run as
+  ``client_disconnect`` (or ``slow_client``, ``iop.edge._stall``). Under
+  the edge's hypercorn the request's queue calls back when hypercorn puts
+  the message in (``iop.edge._asgi_queue``); elsewhere one task waits for
+  it;
 * the answer is a quart ``Response`` (used only as a container of status,
   headers and body): a whole body goes out in one ``http.response.body``
   message, a streamed one piece by piece;
@@ -35,12 +38,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from typing import Any, Final
 
 import trio
 from quart import Response
 from quart.wrappers.response import DataBody
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge, RequestTimeout
+
+from iop.edge._asgi_queue import app_queue
 
 __all__ = ["ASGIApp", "SurfaceASGI", "SurfaceAnswer"]
 
@@ -107,28 +113,70 @@ class SurfaceASGI:
     async def _serve(
         self, answer: SurfaceAnswer, scope: dict[str, Any], receive: Any, send: Any
     ) -> None:
-        path: str = scope["path"]
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        queue = app_queue(scope)
+        if queue is not None:
+            # The edge's hypercorn tells the disconnect itself: no task.
+            with trio.CancelScope() as cancel:
+                try:
+                    await self._respond(
+                        answer,
+                        scope,
+                        receive,
+                        send,
+                        lambda: queue.on_disconnect(cancel.cancel),
+                        lambda: queue.on_disconnect(None),
+                    )
+                finally:
+                    queue.on_disconnect(None)
+            return
         async with trio.open_nursery() as nursery:
 
-            async def read_body() -> bytes:
-                body = await self._read_body(headers, receive)
-                # From now on only a disconnect can arrive: it cancels the answer.
+            def watch() -> None:
                 nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope)
-                return body
 
             try:
-                try:
-                    response = await answer(headers, read_body)
-                except HTTPException as exc:  # 408, 413 from read_body
-                    response = self._refused(exc, path)
-                except _Disconnected:
-                    return
-                except Exception as exc:
-                    response = self._crashed(exc, path)
-                await _send_response(response, send)
+                await self._respond(answer, scope, receive, send, watch, _nothing)
             finally:
                 nursery.cancel_scope.cancel()
+
+    async def _respond(
+        self,
+        answer: SurfaceAnswer,
+        scope: dict[str, Any],
+        receive: Any,
+        send: Any,
+        watch: Callable[[], None],
+        unwatch: Callable[[], None],
+    ) -> None:
+        """Answer; once the body is read, ``watch()`` makes a disconnect cancel the
+        answer, until ``unwatch()``, right before the response's last message."""
+        path: str = scope["path"]
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+
+        read_body = partial(self._read_then_watch, headers, receive, watch)
+        try:
+            response = await answer(headers, read_body)
+        except HTTPException as exc:  # 408, 413 from read_body
+            response = self._refused(exc, path)
+        except _Disconnected:
+            return
+        except Exception as exc:
+            response = self._crashed(exc, path)
+        # A stream holds this frame open until it ends: keep only what the
+        # body needs, not the request's headers or the quart Response (1 KB
+        # per open stream, docs/benchmarks.md, "Memory", "Second pass").
+        start = _start_message(response)
+        body = response.response
+        del headers, read_body, response
+        await _send_response(start, body, send, unwatch)
+
+    async def _read_then_watch(
+        self, headers: Mapping[str, str], receive: Any, watch: Callable[[], None]
+    ) -> bytes:
+        body = await self._read_body(headers, receive)
+        # From now on only a disconnect can arrive: it cancels the answer.
+        watch()
+        return body
 
     async def _read_body(self, headers: Mapping[str, str], receive: Any) -> bytes:
         """The whole request body, or werkzeug's 413 / 408 (what quart raised).
@@ -171,20 +219,33 @@ async def _watch_disconnect(receive: Any, scope: trio.CancelScope) -> None:
             return
 
 
-async def _send_response(response: Response, send: Any) -> None:
-    """``response`` as ASGI messages: its head, then its body."""
+def _nothing() -> None:
+    pass
+
+
+def _start_message(response: Response) -> dict[str, Any]:
+    """The ``http.response.start`` message of ``response``."""
     headers = [
         (name.lower().encode("latin-1"), value.encode("latin-1"))
         for name, value in response.headers.items()
     ]
-    await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
-    body = response.response
+    return {"type": "http.response.start", "status": response.status_code, "headers": headers}
+
+
+async def _send_response(
+    start: dict[str, Any], body: Any, send: Any, ending: Callable[[], None]
+) -> None:
+    """A response as ASGI messages: ``start``, then ``body``; ``ending()`` before the last."""
+    await send(start)
+    del start  # hypercorn keeps what it needs of it
     if isinstance(body, DataBody):
         # Whole: one message (head and body leave in one write, _http1.py).
+        ending()
         await send({"type": "http.response.body", "body": body.data, "more_body": False})
         return
     async with body as pieces:
         async for piece in pieces:
             data = piece.encode() if isinstance(piece, str) else piece
             await send({"type": "http.response.body", "body": data, "more_body": True})
+    ending()
     await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -70,22 +70,34 @@ class InstanceSlots:
 
     @asynccontextmanager
     async def acquire(self) -> AsyncIterator[None]:
-        """Hold one slot for the duration of the ``async with`` block.
+        """Hold one slot for the duration of the ``async with`` block (``take``, ``release``).
 
         Raises:
             IopError: The queue is full (status 429, code ``queue_full``).
             RunAborted: No slot within ``queue_timeout_s`` (reason
                 ``queue_timeout``).
         """
+        await self.take()
+        try:
+            yield
+        finally:
+            self.release()
+
+    async def take(self) -> None:
+        """Take one slot, waiting in the queue if none is free; ``release`` gives it back.
+
+        For a holder that keeps no context manager per slot (``RunExecutor``:
+        one per open stream). Raises as ``acquire`` does; then no slot is held.
+        """
         await trio.lowlevel.checkpoint()
         if self.in_flight < self.max_concurrency and not self._waiters:
             self.in_flight += 1
         else:
             await self._wait_for_slot()
-        try:
-            yield
-        finally:
-            self._release()
+
+    def release(self) -> None:
+        """Give back a slot ``take`` gave."""
+        self._release()
 
     async def _wait_for_slot(self) -> None:
         if len(self._waiters) >= self.max_queue:

@@ -92,7 +92,7 @@ from __future__ import annotations
 import enum
 import hmac
 import math
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Final
 
@@ -277,7 +277,10 @@ class RunLink:
         self.credit = credit
         self.window = credit
         self.seq = 0
-        self.queued: deque[RuntimeEvent] = deque()
+        # A list, not a deque: an empty deque is 760 bytes, and an edge or a
+        # node holds one RunLink per open stream (docs/benchmarks.md,
+        # "Memory", "Second pass"); the queue is at most a window long.
+        self.queued: list[RuntimeEvent] = []
         self.consumed = 0
         self.collect = collect
         self.output_seen = False
@@ -921,7 +924,7 @@ class NodeSession:
             return  # ended here meanwhile; its terminal is on the way
         run.phase = RunPhase.ENDING
         kept = [ev for ev in run.queued if is_terminal(ev)]
-        run.queued = deque(kept)
+        run.queued = kept
         if kept:
             # It may have waited for credit behind the events just dropped.
             self._ready[run_id] = None
@@ -949,7 +952,7 @@ class NodeSession:
             raise InvariantError(f"run {run_id}: {type(event).__name__} after its terminal")
         if is_terminal(event):
             if isinstance(event, Cancelled) and len(queued) > run.credit:
-                run.queued = queued = deque(list(queued)[: run.credit])
+                del queued[run.credit :]
             queued.append(event)
             run.timeline = timeline
             self._ready[run_id] = None
@@ -1045,16 +1048,20 @@ class NodeSession:
     @staticmethod
     def _take(run: RunLink) -> list[RuntimeEvent]:
         queued = run.queued
-        batch: list[RuntimeEvent] = []
         credit = run.credit
-        while queued:
-            ev = queued[0]
+        taken = 0
+        for ev in queued:
             if not is_terminal(ev):
                 if credit == 0:
                     break
                 credit -= 1
-            batch.append(queued.popleft())
+            taken += 1
         run.credit = credit
+        if taken == len(queued):
+            run.queued = []
+            return queued
+        batch = queued[:taken]
+        del queued[:taken]
         return batch
 
     def _messages(

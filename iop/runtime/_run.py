@@ -88,6 +88,7 @@ from iop.events import (
     Usage,
     is_terminal,
 )
+from iop.runtime._channel import OneToOneChannel
 from iop.spec import ExecutionSpec
 from iop.timeline import Stall, StallKind, Timeline, set_current_timeline
 
@@ -183,38 +184,39 @@ class Outlet(Protocol):
 class RunEvents:
     """The consumer's end of a run: its events, in order, ending after the terminal.
 
-    A ``trio.MemoryReceiveChannel`` that also tells the run what was taken,
-    so a remote producer's credit comes back as the consumer reads
-    (``RunSink.on_consumed``) and a consumer that stalls is noticed.
+    A memory channel's receiving end (``OneToOneChannel``) that also tells the
+    run what was taken, so a remote producer's credit comes back as the
+    consumer reads (``RunSink.on_consumed``) and a consumer that stalls is
+    noticed.
     """
 
-    __slots__ = ("_receive", "_taken")
+    __slots__ = ("_channel", "_taken")
 
-    def __init__(self, receive: trio.MemoryReceiveChannel[RuntimeEvent]) -> None:
-        self._receive = receive
+    def __init__(self, channel: OneToOneChannel[RuntimeEvent]) -> None:
+        self._channel = channel
         self._taken: Callable[[RuntimeEvent], None] | None = None
 
     async def receive(self) -> RuntimeEvent:
-        ev = await self._receive.receive()
+        ev = await self._channel.receive()
         if self._taken is not None:
             self._taken(ev)
         return ev
 
     def receive_nowait(self) -> RuntimeEvent:
-        ev = self._receive.receive_nowait()
+        ev = self._channel.receive_nowait()
         if self._taken is not None:
             self._taken(ev)
         return ev
 
     def close(self) -> None:
-        self._receive.close()
+        self._channel.close_receive()
 
     async def aclose(self) -> None:
-        self._receive.close()
+        self._channel.close_receive()
         await trio.lowlevel.checkpoint()
 
     def statistics(self) -> trio.MemoryChannelStatistics:
-        return self._receive.statistics()
+        return self._channel.statistics()
 
     def __aiter__(self) -> RunEvents:
         return self
@@ -268,6 +270,25 @@ class Run:
             (``EndOfChannel``) right after the terminal event.
     """
 
+    # Slots: an edge or a node holds one per open stream.
+    __slots__ = (
+        "_cancel_message",
+        "_cancel_reason",
+        "_done",
+        "_events",
+        "_scope",
+        "_settled",
+        "deadlines",
+        "first_output_at",
+        "on_outcome",
+        "outcome",
+        "spec",
+        "started_at",
+        "state",
+        "timeline",
+        "write_stall_timeout_s",
+    )
+
     def __init__(
         self,
         spec: ExecutionSpec,
@@ -287,7 +308,9 @@ class Run:
         self._scope = trio.CancelScope()
         self._cancel_reason: CancelReason | None = None
         self._cancel_message = ""
-        self._done = trio.Event()
+        self._settled = False
+        # Made by the first ``wait`` (few runs are waited for this way).
+        self._done: trio.Event | None = None
         # What happened to the run and when (iop.runtime._timeline).
         self.timeline = Timeline(
             run_id=spec.run_id,
@@ -332,13 +355,41 @@ class Run:
         """Wait until the run's terminal event is decided, and return it.
 
         This does not wait for the consumer to have read it."""
-        await self._done.wait()
+        if self._settled:
+            await trio.lowlevel.checkpoint()
+        else:
+            if self._done is None:
+                self._done = trio.Event()
+            await self._done.wait()
         assert self.outcome is not None
         return self.outcome
+
+    def _settle(self) -> None:
+        """The terminal event is decided: ``wait`` returns."""
+        self._settled = True
+        if self._done is not None:
+            self._done.set()
 
 
 class _RunSink:
     """The ``EventSender`` handed to an adapter: checks grammar, arms deadlines."""
+
+    __slots__ = (
+        "_consumed",
+        "_first_token_from",
+        "_held",
+        "_phase",
+        "_report_every",
+        "_run",
+        "_send",
+        "_stall",
+        "_stall_at",
+        "_stalled",
+        "_unreported",
+        "output_chunks",
+        "pending_terminal",
+        "total_deadline",
+    )
 
     def __init__(self, run: Run, send: Outlet, *, stall_at: int | None = None) -> None:
         self._run = run
@@ -614,7 +665,7 @@ async def _drive(
             )
         if terminal is not None:
             run._decided(terminal)
-            run._done.set()  # decided; delivery below may still wait on the consumer
+            run._settle()  # delivery below may still wait on the consumer
             grace = TERMINAL_DELIVERY_TIMEOUT_S if finished_normally else SHUTDOWN_DELIVERY_GRACE_S
             with trio.move_on_after(grace, shield=not finished_normally) as delivery:
                 # BrokenResourceError: nobody is listening any more.
@@ -622,7 +673,7 @@ async def _drive(
                     await send.send(terminal)
             if delivery.cancelled_caught:
                 log.warning("run %s: consumer did not take the terminal event", run.run_id)
-        run._done.set()
+        run._settle()
         send.close()
         _log_outcome(run, logger)
 
@@ -764,8 +815,8 @@ class RunSupervisor:
             raise InvariantError(f"run id {spec.run_id} is already running")
         events: RunEvents | None = None
         if outlet is None:
-            send, receive = trio.open_memory_channel[RuntimeEvent](buffer)
-            outlet, events = send, RunEvents(receive)
+            channel = OneToOneChannel[RuntimeEvent](buffer)
+            outlet, events = channel, RunEvents(channel)
         run = Run(spec, deadlines, events, write_stall_timeout_s=write_stall_timeout_s)
         self.runs[spec.run_id] = run
         if self._idle.is_set():

@@ -172,3 +172,31 @@ def test_rejects_nonsense_limits() -> None:
         InstanceSlots(0, 1, 1.0)
     with pytest.raises(ValueError, match="max_queue"):
         InstanceSlots(1, -1, 1.0)
+
+
+async def test_take_and_release_are_acquire_without_a_context_manager(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    slots = InstanceSlots(1, 1, 10.0)
+    await slots.take()
+    assert (slots.in_flight, slots.queued) == (1, 0)
+    got: list[str] = []
+
+    async def second() -> None:
+        await slots.take()
+        got.append("second")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(second)
+        await trio.testing.wait_all_tasks_blocked()
+        assert (slots.in_flight, slots.queued, got) == (1, 1, [])
+        with pytest.raises(IopError):  # the queue's one place is taken
+            await slots.take()
+        slots.release()  # straight to the waiter
+    assert (slots.in_flight, slots.queued, got) == (1, 0, ["second"])
+    slots.release()
+    assert slots.in_flight == 0
+    await slots.take()
+    with pytest.raises(RunAborted):  # the timeout leaves no slot held
+        await slots.take()
+    assert (slots.in_flight, slots.queued) == (1, 0)

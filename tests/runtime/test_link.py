@@ -31,7 +31,7 @@ from iop.protocol import (
     decode_edge_batch,
     decode_node_batch,
 )
-from iop.runtime import LIVENESS_RESOLUTION_S, LinkClock, LinkDriver, PeerSilent
+from iop.runtime import LIVENESS_RESOLUTION_S, LinkClock, LinkDriver, PeerSilent, Wakeup
 from iop.spec import ChatRequest, ExecutionSpec, Message
 from iop.testing import MemoryFrameChannel, memory_link_pair
 
@@ -205,6 +205,33 @@ async def test_what_is_queued_between_two_wake_ups_goes_out_as_one_frame(
         assert ends.node_chan.frames_sent == sent + 1
         got = [e for e in ends.edge_events if isinstance(e, RunEventsReceived)]
         assert [e.run_id for e in got] == ["r1", "r2", "r3"]
+
+
+async def test_wakeup_ends_the_current_or_the_next_wait_once(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    wakeup = Wakeup()
+    wakeup.set()  # before any wait: the next returns at once
+    with trio.testing.assert_checkpoints():
+        await wakeup.wait()
+    woke: list[bool] = []
+
+    async def waiter() -> None:
+        await wakeup.wait()
+        woke.append(True)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(waiter)
+        await trio.testing.wait_all_tasks_blocked()
+        assert woke == []  # the earlier set() was used up
+        wakeup.set()
+    assert woke == [True]
+    with trio.move_on_after(1) as cancelled:  # a cancelled wait leaves it armed
+        await wakeup.wait()
+    assert cancelled.cancelled_caught
+    wakeup.set()
+    with trio.fail_after(1):
+        await wakeup.wait()
 
 
 # --- one clock for many links (the edge's) ------------------------------------------

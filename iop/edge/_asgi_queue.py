@@ -1,0 +1,125 @@
+"""The ASGI receive queue of each edge request, which tells a disconnect at once.
+
+Hypercorn gives each request's ASGI app a trio memory channel
+(``hypercorn/trio/task_group.py``, ``TaskGroup.spawn_app``: at most
+``max_app_queue_size`` messages) and puts in it the request body's
+``http.request`` messages, then ``http.disconnect`` when the client's
+connection ends. On an edge that holds thousands of idle streams open, each
+costs twice: the channel pair (1.8 KiB), and a task per request that does
+nothing but wait in ``receive`` for ``http.disconnect`` to cancel the answer
+(quart-trio's rule, and ``_surface_asgi``'s before this module), since
+nothing else reads the queue once the body is in: 2 to 3 KiB more
+(``docs/benchmarks.md``, "Memory", "Second pass").
+
+Here an HTTP request's queue is an ``AppQueue``: a ``OneToOneChannel`` (one
+sender, hypercorn's connection task; one receiver, the app) that also calls
+a callback when hypercorn puts ``http.disconnect`` in it. ``_surface_asgi``
+sets that callback to cancel the answer's scope once the body is read: the
+same cancel the watcher task made, from hypercorn's task, one step sooner,
+with no task. The queue reaches the app in the scope's ``extensions`` (the
+ASGI spec's place for what a server adds) under ``APP_QUEUE``; an app that
+finds none (another server, a websocket) works as before.
+
+Hypercorn has no hook for it: ``TCPServer.run`` builds a ``TaskGroup`` found
+in ``hypercorn.trio.tcp_server``'s namespace. ``install()`` puts
+``EdgeTaskGroup`` there once; it is hypercorn's own unless the server's
+config is an ``EdgeHypercornConfig`` (as ``iop/edge/_http1.py`` does for the
+protocol class), so other hypercorn servers in the process (``iop up``'s
+sim) are untouched. Hypercorn is pinned below 0.19;
+``tests/edge/test_asgi_queue.py`` serves through real sockets, so a
+hypercorn that stops building its task group there fails it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any, Final
+
+import hypercorn.trio.tcp_server
+import trio
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio.task_group import TaskGroup, _handle
+from hypercorn.typing import AppWrapper, ASGIReceiveEvent, ASGISendEvent, Scope
+
+from iop.edge._http1 import EdgeHypercornConfig
+from iop.runtime._channel import OneToOneChannel
+
+__all__ = ["APP_QUEUE", "AppQueue", "EdgeTaskGroup", "app_queue", "install"]
+
+APP_QUEUE: Final = "iop.app_queue"
+"""The key of a request's ``AppQueue`` in its scope's ``extensions``."""
+
+
+class AppQueue(OneToOneChannel[ASGIReceiveEvent]):
+    """An HTTP request's ASGI messages, from hypercorn to the app."""
+
+    __slots__ = ("_disconnected", "_on_disconnect")
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self._disconnected = False
+        self._on_disconnect: Callable[[], None] | None = None
+
+    async def send(self, event: ASGIReceiveEvent) -> None:
+        await super().send(event)
+        # After the message is in, so that hypercorn's task goes on as it
+        # would with trio's channel: the cancel lands at the app's next
+        # checkpoint, as the watcher task's did.
+        if event["type"] == "http.disconnect" and not self._disconnected:
+            self._disconnected = True
+            if self._on_disconnect is not None:
+                self._on_disconnect()
+
+    def on_disconnect(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback`` when the client disconnects (at once if it has); None: don't.
+
+        It runs in the task that puts ``http.disconnect`` in: it must neither
+        block nor raise. Hypercorn puts it in at the end of every response
+        too, from the app's task, inside the app's last ``send``, while it
+        readies the connection for its next request: take the callback back
+        (None) before that ``send``, or it cancels the app in the middle of
+        hypercorn's bookkeeping.
+        """
+        self._on_disconnect = callback
+        if callback is not None and self._disconnected:
+            callback()
+
+
+def app_queue(scope: dict[str, Any]) -> AppQueue | None:
+    """The request's ``AppQueue``, when the edge's hypercorn made one."""
+    extensions = scope.get("extensions")
+    queue = extensions.get(APP_QUEUE) if extensions else None
+    return queue if isinstance(queue, AppQueue) else None
+
+
+class EdgeTaskGroup(TaskGroup):
+    """Hypercorn's per-connection task group; an edge HTTP request's queue is an ``AppQueue``."""
+
+    async def spawn_app(
+        self,
+        app: AppWrapper,
+        config: HypercornConfig,
+        scope: Scope,
+        send: Callable[[ASGISendEvent | None], Awaitable[None]],
+    ) -> Callable[[ASGIReceiveEvent], Awaitable[None]]:
+        if not isinstance(config, EdgeHypercornConfig) or scope["type"] != "http":
+            return await super().spawn_app(app, config, scope, send)
+        assert self._nursery is not None  # inside ``async with``, as hypercorn's
+        queue = AppQueue(config.max_app_queue_size)
+        scope["extensions"][APP_QUEUE] = queue  # type: ignore[assignment]
+        self._nursery.start_soon(
+            _handle,
+            app,
+            config,
+            scope,
+            queue.receive,
+            send,
+            trio.to_thread.run_sync,
+            trio.from_thread.run,
+        )
+        return queue.send
+
+
+def install() -> None:
+    """Make hypercorn's trio server build ``EdgeTaskGroup`` (idempotent)."""
+    hypercorn.trio.tcp_server.TaskGroup = EdgeTaskGroup  # type: ignore[attr-defined]

@@ -1,0 +1,162 @@
+"""The edge's ASGI receive queue: hypercorn's, smaller, and it tells a disconnect (real sockets)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import trio
+import trio.testing
+from hypercorn.config import Config as HypercornConfig
+from hypercorn.trio import serve
+
+from iop.edge._asgi_queue import AppQueue, app_queue, install
+from iop.edge._http1 import EdgeHypercornConfig
+
+REQUEST = b"GET /%s HTTP/1.1\r\nhost: x\r\n\r\n"
+
+
+class App:
+    """Answers ``/ok`` at once; holds ``/hold`` until the client leaves."""
+
+    def __init__(self) -> None:
+        self.queues: list[AppQueue | None] = []
+        self.log: list[str] = []
+        self.holding = trio.Event()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        queue = app_queue(scope)
+        self.queues.append(queue)
+        await receive()  # the (empty) body
+        with trio.CancelScope() as cancel:
+            if queue is not None:
+                queue.on_disconnect(cancel.cancel)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-length", b"2")],
+                }
+            )
+            if scope["path"] == "/hold":
+                self.holding.set()
+                await trio.sleep_forever()
+            if queue is not None:
+                queue.on_disconnect(None)  # before the last message (AppQueue.on_disconnect)
+            await send({"type": "http.response.body", "body": b"ok"})
+        self.log.append(f"{scope['path']} {'cancelled' if cancel.cancelled_caught else 'done'}")
+
+
+@asynccontextmanager
+async def server(app: App, config: HypercornConfig) -> AsyncIterator[int]:
+    install()
+    config.bind = ["127.0.0.1:0"]
+    async with trio.open_nursery() as nursery:
+        binds = await nursery.start(serve, app, config)
+        yield int(binds[0].rsplit(":", 1)[1])
+        nursery.cancel_scope.cancel()
+
+
+async def read_response(stream: trio.SocketStream) -> bytes:
+    data = b""
+    while not data.endswith(b"ok"):
+        data += await stream.receive_some(4096)
+    return data
+
+
+async def test_the_edge_gets_an_app_queue_any_other_server_hypercorn_s() -> None:
+    for config, expected in (
+        (EdgeHypercornConfig(max_header_bytes=8192), True),
+        (HypercornConfig(), False),
+    ):
+        app = App()
+        async with server(app, config) as port:
+            stream = await trio.open_tcp_stream("127.0.0.1", port)
+            await stream.send_all(REQUEST % b"ok")
+            assert b" 200 " in await read_response(stream)
+            await stream.aclose()
+        assert [isinstance(q, AppQueue) for q in app.queues] == [expected]
+
+
+async def test_a_client_that_leaves_cancels_a_finished_response_does_not() -> None:
+    app = App()
+    async with server(app, EdgeHypercornConfig(max_header_bytes=8192)) as port:
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        # Two answered requests on one connection: the end of the first is
+        # no disconnect (the connection is reused for the second).
+        for _ in range(2):
+            await stream.send_all(REQUEST % b"ok")
+            await read_response(stream)
+        await stream.send_all(REQUEST % b"hold")
+        await app.holding.wait()
+        await stream.aclose()  # the client leaves: the held answer is cancelled
+        with trio.fail_after(10):
+            while len(app.log) < 3:
+                await trio.sleep(0.01)
+    assert app.log == ["/ok done", "/ok done", "/hold cancelled"]
+    assert len({id(q) for q in app.queues}) == 3  # one queue per request
+
+
+async def test_a_callback_set_after_the_disconnect_is_called_at_once() -> None:
+    queue = AppQueue(4)
+    await queue.send({"type": "http.request", "body": b"", "more_body": False})
+    called: list[str] = []
+    queue.on_disconnect(lambda: called.append("early"))
+    queue.on_disconnect(None)
+    await queue.send({"type": "http.disconnect"})
+    assert called == []  # taken back before it came
+    queue.on_disconnect(lambda: called.append("late"))
+    assert called == ["late"]
+    assert (await queue.receive())["type"] == "http.request"
+    assert (await queue.receive())["type"] == "http.disconnect"
+
+
+async def test_without_an_app_queue_a_task_watches_for_the_disconnect() -> None:
+    # Another server's scope (no AppQueue in its extensions): SurfaceASGI's
+    # own watcher task cancels the answer when http.disconnect arrives.
+    from quart import Response
+
+    from iop.edge._surface_asgi import SurfaceASGI
+
+    answered: list[str] = []
+
+    async def answer(headers: Any, read_body: Any) -> Response:
+        await read_body()
+        try:
+            await trio.sleep_forever()
+        finally:
+            answered.append("cancelled")
+        raise AssertionError("not reached")
+
+    async def fallback(scope: Any, receive: Any, send: Any) -> None:
+        raise AssertionError("not a fallback request")
+
+    app = SurfaceASGI(
+        fallback,
+        {"/v1/x": answer},
+        max_body_bytes=1024,
+        body_read_timeout_s=10.0,
+        refused=lambda exc, path: Response("refused"),
+        crashed=lambda exc, path: Response("crashed"),
+    )
+    tx, rx = trio.open_memory_channel[dict[str, Any]](4)
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/x", "headers": [], "extensions": {}}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(app, scope, rx.receive, send)
+        await tx.send({"type": "http.request", "body": b"{}", "more_body": False})
+        await trio.testing.wait_all_tasks_blocked()
+        assert answered == []
+        await tx.send({"type": "http.disconnect"})
+    assert answered == ["cancelled"]
+    assert sent == []  # nothing answered to a client that left
