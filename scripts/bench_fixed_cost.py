@@ -72,6 +72,18 @@ _decode_chunk = bp._decode_chunk
 # --------------------------------------------------------------------------- load
 
 
+class _Split:
+    """The edge + node shape of a ``bench_platform.Platform``: its URL and processes."""
+
+    def __init__(self, plat: bp.Platform) -> None:
+        gw = plat.gateways["split"]
+        self.url = gw.urls[bp.MODEL_FAST]
+        self.edge = gw.procs["edge"]
+        self.node = gw.procs["node"]
+        self.sim_fast = plat.sims["sim"]
+        self.sim_paced = plat.sims["sim_paced"]
+
+
 def level_body(name: str) -> tuple[bytes, int, bool]:
     """The request body of level ``stream-N`` or ``json-N``, N and whether it streams."""
     kind, _, n = name.partition("-")
@@ -137,18 +149,18 @@ async def drive(url: str, name: str, n: int, concurrency: int) -> list[str]:
     return errors
 
 
-def run_level(plat: bp.Platform, name: str, n: int, concurrency: int) -> dict[str, Any]:
+def run_level(plat: _Split, name: str, n: int, concurrency: int) -> dict[str, Any]:
     """One measured level (after ``WARMUP`` requests): CPU ms per request."""
     trio.run(drive, plat.url, name, WARMUP, concurrency)
     procs = {"edge": plat.edge, "node": plat.node, "sim": plat.sim_fast}
-    cpu0 = {k: p.cpu_s() for k, p in procs.items()}
+    cpu0 = {k: bp.proc_cpu_s(p.pid) for k, p in procs.items()}
     own0 = time.process_time()
     busy0, total0 = bp.machine_cpu_s()
     t0 = time.perf_counter()
     errors = trio.run(drive, plat.url, name, n, concurrency)
     wall = time.perf_counter() - t0
     busy1, total1 = bp.machine_cpu_s()
-    cpu = {k: p.cpu_s() - cpu0[k] for k, p in procs.items()}
+    cpu = {k: bp.proc_cpu_s(p.pid) - cpu0[k] for k, p in procs.items()}
     ours = sum(cpu.values()) + time.process_time() - own0
     ms = {k: round(v * 1000 / n, 3) for k, v in cpu.items()}
     return {
@@ -259,7 +271,7 @@ def parts(raw: Path, rules: list[Rule]) -> dict[str, Any]:
 
 
 def profile(
-    plat: bp.Platform, name: str, n: int, concurrency: int, out: Path, *, nonblocking: bool
+    plat: _Split, name: str, n: int, concurrency: int, out: Path, *, nonblocking: bool
 ) -> dict[str, Any]:
     py_spy = bp.find_py_spy(sys.executable)
     if py_spy is None:
@@ -384,14 +396,15 @@ def main() -> int:
     result: dict[str, Any] = {"trees": trees, "settings": vars(args) | {"out_dir": None}}
     runs: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
-        plats: dict[str, bp.Platform] = {}
+        plats: dict[str, _Split] = {}
         for name, tree in trees.items():
             tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"fixed-{name}-")))
             # The children run `python -m iop` in bench_platform.REPO: that
             # directory's iop/ is the one they import.
             bp.REPO = Path(tree).resolve()
             os.environ["PYTHONPATH"] = str(bp.REPO)
-            plats[name] = stack.enter_context(bp.running_platform(sys.executable, 50.0, tmp))
+            shape = argparse.Namespace(python=sys.executable, paced_rate=50.0, shape_list=["split"])
+            plats[name] = _Split(stack.enter_context(bp.running_platform(shape, tmp)))
             print(f"bench: {name} ({tree}) at {plats[name].url}", flush=True)
         for rep in range(args.pairs):
             for lv in levels:
