@@ -187,6 +187,8 @@ def test_the_hot_path_lines_take_the_fast_path() -> None:
         "12:00:00 INFO  iop.runtime.run: run r-8f3a complete finish=stop out_tokens=64 "
         "ttft_s=0.002 dur_s=0.010",
         "12:00:00 INFO  iop.adapters.http: vllm executing completion run_id=r-8f3a target=m",
+        "12:00:00 INFO  iop.adapters.vllm: vllm executing run_id=r-8f3a target=m "
+        "endpoint=http://127.0.0.1:8000",
     ):
         assert not may_hold_secret(line)
     assert may_hold_secret(f"token={CRED}")
