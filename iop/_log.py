@@ -53,9 +53,10 @@ _OPENAI_KEY: Final = re.compile(r"\bsk-[A-Za-z0-9_-]{16,}")
 # ``_SECRET_KEY``'s separator (``api_key`` and ``access-key`` end in
 # ``key``), a scheme word, ``sk-``, or a URL's ``://`` with an ``@`` before
 # the next space (its user part). A line with none of them cannot match any
-# pattern, and skips them all: nearly every line the hot path logs ("run ... complete
-# finish=stop out_tokens=64 ...") costs 2-3 us here instead of 17-26 us
-# (docs/benchmarks.md, "Fixed cost and the first chunk at c=1"). Non-ASCII
+# pattern, and skips them all: nearly every line the hot path logs ("run ...
+# complete finish=stop out_tokens=64 ...") costs 2-3 us here instead of
+# 17-26 us (docs/benchmarks.md, "Fixed cost and the first chunk at c=1
+# (second pass)"). Non-ASCII
 # text always takes the full path: ``(?i)`` matches U+212A (Kelvin sign) for
 # ``k`` and U+017F (long s) for ``s``, which ``str.lower`` does not map so.
 _MAY_MATCH: Final = re.compile(

@@ -26,9 +26,10 @@ and both were wrong for an OpenAI-compatible server:
   head and sends it with the response's first body write (or its end).
   Every edge response starts its body right away: a JSON body is whole, and
   an SSE body's first piece is the stream's opening chunk (with its first
-  events), written before the generator awaits anything. A response whose app fails between its head
-  and its body loses the head with the connection, which then closes: the
-  client sees the same failed exchange, one line shorter.
+  events), written before the generator awaits anything. A response whose
+  app fails between its head and its body loses the head with the
+  connection, which then closes: the client sees the same failed exchange,
+  one line shorter.
 
 * **The chunked terminator is a write of its own.** A streamed response's
   last body message ends it, but hypercorn writes that message's data and

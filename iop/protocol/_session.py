@@ -903,7 +903,7 @@ class NodeSession:
             # a frame of its own costs both processes a send, a read and a
             # wake-up while the backend computes the first token, on this
             # 2-core path (docs/benchmarks.md, "Fixed cost and the first
-            # chunk at c=1").
+            # chunk at c=1 (second pass)").
             return
         if run.credit >= len(queued) or (run.credit and isinstance(queued[0], Start)):
             # Within credit (with a held Start: at least the Start is).
