@@ -48,6 +48,22 @@ _BEARER: Final = re.compile(r"(?i)\b(bearer[ \t]+)([A-Za-z0-9._~+/-]{8,}=*)")
 _BASIC: Final = re.compile(r"(?i)\b(basic[ \t]+)([A-Za-z0-9+/]{8,}={0,2})")
 _OPENAI_KEY: Final = re.compile(r"\bsk-[A-Za-z0-9_-]{16,}")
 
+# What every match of the patterns above starts with or contains, for an
+# ASCII line lower-cased: a key word followed by a character that can begin
+# ``_SECRET_KEY``'s separator (``api_key`` and ``access-key`` end in
+# ``key``), a scheme word, ``sk-``, or a URL's ``://`` with an ``@`` before
+# the next space (its user part). A line with none of them cannot match any
+# pattern, and skips them all: nearly every line the hot path logs ("run ...
+# complete finish=stop out_tokens=64 ...") costs 2-3 us here instead of
+# 17-26 us (docs/benchmarks.md, "Fixed cost and the first chunk at c=1
+# (second pass)"). Non-ASCII
+# text always takes the full path: ``(?i)`` matches U+212A (Kelvin sign) for
+# ``k`` and U+017F (long s) for ``s``, which ``str.lower`` does not map so.
+_MAY_MATCH: Final = re.compile(
+    r"(?:authorization|key|token|secret|password|passwd)[\\'\": \t=]|bearer|basic|sk-"
+    r"|://[^\s@]*@"
+)
+
 
 def _value_end(text: str, start: int, quote: str | None) -> int:
     """Where the value starting at ``start`` ends (exclusive)."""
@@ -107,8 +123,20 @@ def _basic(m: re.Match[str]) -> str:
     return m.group(1) + MASK if ":" in plain else m.group(0)
 
 
+def may_hold_secret(text: str) -> bool:
+    """False only when no pattern of ``redact`` can match ``text`` (its fast path)."""
+    return not text.isascii() or _MAY_MATCH.search(text.lower()) is not None
+
+
 def redact(text: str) -> str:
     """Mask the values of secret-looking keys and credential-looking text in ``text``."""
+    if not may_hold_secret(text):
+        return text
+    return _redact_all(text)
+
+
+def _redact_all(text: str) -> str:
+    """``redact`` without its fast path: every pattern, in order."""
     text = _redact_keyed(text)
     text = _URL_PASSWORD.sub(lambda m: f"{m.group(1)}:{MASK}@", text)
     text = _BEARER.sub(_bearer, text)

@@ -8,9 +8,11 @@ import logging
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from iop import _log, _secrets
-from iop._log import configure_logging, redact
+from iop._log import configure_logging, may_hold_secret, redact
 
 CRED = "c2VjcmV0LXZhbHVlLTQy"  # what every case below must hide
 BASIC = base64.b64encode(b"alice:wonderland-pass").decode()
@@ -97,6 +99,99 @@ def test_redact_masks_every_header_form(text: str, expected: str) -> None:
 )
 def test_redact_leaves_benign_text_readable(text: str) -> None:
     assert redact(text) == text
+
+
+# --- the fast path: a line no pattern can match skips them all -------------------
+
+# Pieces of every pattern in ``_log`` (key words, separators, quotes, schemes,
+# URL parts, key prefixes), in any case, with the non-ASCII letters that
+# ``(?i)`` matches for ASCII ones (Kelvin sign for k, long s for s, dotted
+# and dotless i), so that generated lines come near and across every match.
+_WORDS = [
+    "authorization", "api_key", "api-key", "apikey", "access_key", "key", "token",
+    "secret", "password", "passwd", "passw", "bearer", "basic", "digest", "sk-",
+    "://", "http", "@", ":", "=", ",", " ", "\t", "\n", "'", '"', "\\", "b'", "(", ")",
+    "{", "}", CRED, BASIC, "abcdefghijklmnop1234", "out_tokens=64", "\u212a", "\u017f",
+    "\u0130", "\u0131", "\u00e9",
+]  # fmt: skip
+
+
+def _any_case(word: str) -> st.SearchStrategy[str]:
+    return st.lists(st.booleans(), min_size=len(word), max_size=len(word)).map(
+        lambda ups: "".join(c.upper() if up else c for c, up in zip(word, ups, strict=True))
+    )
+
+
+_PIECES = st.lists(
+    st.one_of(st.sampled_from(_WORDS).flatmap(_any_case), st.text(max_size=4)), max_size=8
+).map("".join)
+# A key word or scheme, a separator and a value: a match, or one character off.
+_NEAR = st.tuples(
+    _PIECES,
+    st.sampled_from(_WORDS[:16]).flatmap(_any_case),
+    st.sampled_from(["=", ": ", ":", " = ", "\t", " ", '": "', "': '", '\\": \\"', "', b'", "s="]),
+    st.sampled_from([CRED, BASIC, "abcdefghijklmnop1234", "//u:pw@h", "x", ""]),
+    _PIECES,
+).map("".join)
+_URLS = st.tuples(
+    _PIECES, st.sampled_from(["http", "wss", "h"]), st.sampled_from(["://", ":/", "//"]),
+    st.sampled_from(["alice", "a@b", ""]), st.sampled_from([":", "@", ""]),
+    st.sampled_from([CRED, ""]), st.sampled_from(["@host/x", "/x", ""]), _PIECES,
+).map("".join)  # fmt: skip
+_LINES = st.one_of(_NEAR, _NEAR, _URLS, _PIECES)
+# One line per pattern, each of which the fast path must not skip.
+_MATCHES = [
+    f"password={CRED}&user=bob",
+    f"API-KEY = {CRED}",
+    f"(b'x-api-key', b'{CRED}')",
+    f"Incorrect API key provided: Bearer {CRED}",
+    f"bad credentials Basic {BASIC}.",
+    "key sk-proj-abcdefghijklmnop1234 refused",
+    f"wss://alice:{CRED}@edge/v1/link",
+    "api_\u212aey=value-here",  # Kelvin sign: (?i) matches it for k
+    "\u017fecret=value-here",  # long s: (?i) matches it for s
+]
+
+
+@settings(max_examples=1500, deadline=None)
+@given(_LINES)
+def test_fast_path_redacts_exactly_what_the_patterns_do(text: str) -> None:
+    assert redact(text) == _log._redact_all(text)
+
+
+@pytest.mark.parametrize("text", _MATCHES)
+def test_fast_path_never_skips_a_line_a_pattern_matches(text: str) -> None:
+    assert may_hold_secret(text)
+    assert redact(text) == _log._redact_all(text) != text
+
+
+@settings(max_examples=1500, deadline=None)
+@given(_LINES)
+def test_a_line_the_fast_path_skips_matches_no_pattern(text: str) -> None:
+    if may_hold_secret(text):
+        return
+    patterns = (
+        _log._SECRET_KEY,
+        _log._URL_PASSWORD,
+        _log._BEARER,
+        _log._BASIC,
+        _log._OPENAI_KEY,
+    )  # _SCHEME is only tried where a _SECRET_KEY match ends
+    for pattern in patterns:
+        assert pattern.search(text) is None, (pattern.pattern, text)
+
+
+def test_the_hot_path_lines_take_the_fast_path() -> None:
+    # What a request logs at INFO (iop/runtime/_run.py, iop/adapters/_http.py).
+    for line in (
+        "12:00:00 INFO  iop.runtime.run: run r-8f3a complete finish=stop out_tokens=64 "
+        "ttft_s=0.002 dur_s=0.010",
+        "12:00:00 INFO  iop.adapters.http: vllm executing completion run_id=r-8f3a target=m",
+        "12:00:00 INFO  iop.adapters.vllm: vllm executing run_id=r-8f3a target=m "
+        "endpoint=http://127.0.0.1:8000",
+    ):
+        assert not may_hold_secret(line)
+    assert may_hold_secret(f"token={CRED}")
 
 
 # --- the log formatter ---------------------------------------------------------------

@@ -25,10 +25,18 @@ and both were wrong for an OpenAI-compatible server:
   (``docs/benchmarks.md``, "Where the fixed cost goes"). The edge holds the
   head and sends it with the response's first body write (or its end).
   Every edge response starts its body right away: a JSON body is whole, and
-  an SSE body's first piece is the stream's opening chunk, written before the
-  generator awaits anything. A response whose app fails between its head
-  and its body loses the head with the connection, which then closes: the
-  client sees the same failed exchange, one line shorter.
+  an SSE body's first piece is the stream's opening chunk (with its first
+  events), written before the generator awaits anything. A response whose
+  app fails between its head and its body loses the head with the
+  connection, which then closes: the client sees the same failed exchange,
+  one line shorter.
+
+* **The chunked terminator is a write of its own.** A streamed response's
+  last body message ends it, but hypercorn writes that message's data and
+  then the end (``0\r\n\r\n``) in two writes. The ASGI layer sends a
+  response's last message inside ``response_ends()``; the data sent then is
+  held and written with the end, which hypercorn sends right after it in
+  the same call (a whole JSON body: head, body and end in one write).
 
 * **A connection that must close stays open.** After a response with
   ``Connection: close`` (a 408 for a dribbled body, a 413, a client that
@@ -54,6 +62,8 @@ hypercorn that stops calling them fails there.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+from collections.abc import Iterator
 from itertools import chain
 from typing import Any, Final
 
@@ -68,13 +78,30 @@ from hypercorn.typing import H11SendableEvent
 from iop.api import CHAT
 from iop.errors import ErrorCode
 
-__all__ = ["EdgeH11Protocol", "EdgeHypercornConfig", "install"]
+__all__ = ["EdgeH11Protocol", "EdgeHypercornConfig", "install", "response_ends"]
 
 # h11's error_status_hint -> message and code, for the heads it refuses.
 _H11_ERRORS: Final[dict[int, tuple[str, ErrorCode]]] = {
     400: ("Malformed HTTP request.", ErrorCode.BAD_REQUEST),
     431: ("Request header fields too large.", ErrorCode.REQUEST_HEADER_FIELDS_TOO_LARGE),
 }
+
+
+# Set around the ASGI send of a response's last body message (``response_ends``).
+_ENDING: Final = contextvars.ContextVar[bool]("iop_response_ends", default=False)
+
+
+@contextlib.contextmanager
+def response_ends() -> Iterator[None]:
+    """Around the ASGI ``send`` of a response's last body message (``more_body``
+    false): its data leaves in one write with the response's end (module
+    docstring). Hypercorn sends both from within that ``send``, in the
+    app's task, where this context variable is seen."""
+    token = _ENDING.set(True)
+    try:
+        yield
+    finally:
+        _ENDING.reset(token)
 
 
 class EdgeHypercornConfig(HypercornConfig):
@@ -130,8 +157,9 @@ class EdgeH11Protocol(H11Protocol):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # A response head not sent yet: it goes out with the next write.
-        self._held_head: bytes | None = None
+        # Bytes not sent yet: a response head (it goes out with the next
+        # write), and a last body message's data (it goes out with the end).
+        self._held: bytes | None = None
         if self._edge_limit() is not None:
             send = self.send
 
@@ -165,10 +193,14 @@ class EdgeH11Protocol(H11Protocol):
                 raise
             return
         if isinstance(event, h11.Response):
-            self._held_head = data  # module docstring: sent with the body
+            self._held = data  # module docstring: sent with the body
             return
-        if self._held_head is not None:
-            data, self._held_head = self._held_head + data, None
+        if isinstance(event, h11.Data) and _ENDING.get():
+            # The end follows in this same send (module docstring).
+            self._held = data if self._held is None else self._held + data
+            return
+        if self._held is not None:
+            data, self._held = self._held + data, None
         await self.send(RawData(data=data))
 
     async def _check_protocol(self, event: h11.Request) -> None:

@@ -29,7 +29,8 @@ Here a request is its ASGI scope and messages:
   it;
 * the answer is a quart ``Response`` (used only as a container of status,
   headers and body): a whole body goes out in one ``http.response.body``
-  message, a streamed one piece by piece;
+  message, a streamed one piece by piece, its last piece (when the body
+  says which, ``EndKnownBody``) in the message that ends the response;
 * an exception before the response starts is logged and answered with a 500
   in the surface's shape, as quart's error handler does.
 """
@@ -47,8 +48,9 @@ from quart.wrappers.response import DataBody
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge, RequestTimeout
 
 from iop.edge._asgi_queue import app_queue
+from iop.edge._http1 import response_ends
 
-__all__ = ["ASGIApp", "SurfaceASGI", "SurfaceAnswer"]
+__all__ = ["ASGIApp", "EndKnownBody", "SurfaceASGI", "SurfaceAnswer"]
 
 log = logging.getLogger("iop.edge.http")
 
@@ -223,6 +225,20 @@ def _nothing() -> None:
     pass
 
 
+class EndKnownBody:
+    """A streamed body that knows when the piece it just gave is its last.
+
+    ``_send_response`` sends that piece as the response's last message, so
+    that it leaves in one write with the end of the response (the chunked
+    terminator, ``_http1.response_ends``) instead of the terminator alone
+    after it; the body is closed at that piece, without being asked for one
+    more."""
+
+    @property
+    def at_end(self) -> bool:
+        return False
+
+
 def _start_message(response: Response) -> dict[str, Any]:
     """The ``http.response.start`` message of ``response``."""
     headers = [
@@ -239,13 +255,21 @@ async def _send_response(
     await send(start)
     del start  # hypercorn keeps what it needs of it
     if isinstance(body, DataBody):
-        # Whole: one message (head and body leave in one write, _http1.py).
+        # Whole: one message (head, body and end leave in one write, _http1.py).
         ending()
-        await send({"type": "http.response.body", "body": body.data, "more_body": False})
+        with response_ends():
+            await send({"type": "http.response.body", "body": body.data, "more_body": False})
         return
     async with body as pieces:
+        source = getattr(pieces, "iter", None)  # quart's IterableBody holds our iterator
+        ends = source if isinstance(source, EndKnownBody) else None
         async for piece in pieces:
             data = piece.encode() if isinstance(piece, str) else piece
+            if ends is not None and ends.at_end:
+                ending()
+                with response_ends():
+                    await send({"type": "http.response.body", "body": data, "more_body": False})
+                return
             await send({"type": "http.response.body", "body": data, "more_body": True})
     ending()
     await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -963,7 +963,16 @@ class NodeSession:
             self._hold(run_id, run, event)
             return
         queued.append(event)
-        if run.credit >= len(queued):
+        if isinstance(event, Start):
+            # Held for the run's first output or terminal: the edge needs
+            # nothing from a Start alone (its consumer waits for output), and
+            # a frame of its own costs both processes a send, a read and a
+            # wake-up while the backend computes the first token, on this
+            # 2-core path (docs/benchmarks.md, "Fixed cost and the first
+            # chunk at c=1 (second pass)").
+            return
+        if run.credit >= len(queued) or (run.credit and isinstance(queued[0], Start)):
+            # Within credit (with a held Start: at least the Start is).
             self._ready[run_id] = None
 
     def _hold(self, run_id: str, run: RunLink, event: RuntimeEvent) -> None:

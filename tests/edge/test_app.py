@@ -4,6 +4,7 @@ hand-played node attached to the core over an in-memory link."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
@@ -123,6 +124,18 @@ async def test_streaming_chat() -> None:
             for c in chunks
         )
         assert chunks[-1]["usage"]["prompt_tokens"] == 3
+
+
+async def test_a_closed_stream_logs_its_summary_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="iop.edge.http")
+    async with edge() as (_, node, client), trio.open_nursery() as n:
+        assert node is not None
+        n.start_soon(answer, node, Start(), Delta("Hi"), Complete())
+        resp = await client.post("/v1/chat/completions", json={**CHAT, "stream": True})
+        assert resp.status_code == 200
+    closed = [r.getMessage() for r in caplog.records if " closed: " in r.getMessage()]
+    assert len(closed) == 1
+    assert closed[0].startswith("stream ")
 
 
 async def test_non_streaming_chat_with_tool_calls() -> None:

@@ -13,7 +13,7 @@ import trio
 from iop.api import ChatSurface
 from tests.api.chat.test_request import TOO_DEEP_BODIES
 from tests.edge._openai_schema import validate_error
-from tests.edge.test_app import CHAT, answer, config, edge
+from tests.edge.test_app import CHAT, answer, config, edge, sse_objects
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -147,6 +147,81 @@ async def test_a_stream_head_goes_out_with_its_first_chunk() -> None:
     assert head.startswith(b"HTTP/1.1 200")
     assert b"text/event-stream" in head
     assert b"data: {" in body
+
+
+@pytest.fixture
+def writes(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every write the edge makes to a client's socket, as the kernel took it."""
+    from iop.edge import _stall
+
+    got: list[bytes] = []
+    real = _stall._write_now
+
+    def record(sock: trio.socket.SocketType, view: memoryview) -> int:
+        n = real(sock, view)
+        got.append(bytes(view[:n]))
+        return n
+
+    monkeypatch.setattr(_stall, "_write_now", record)
+    return got
+
+
+def _post_closing(body: bytes) -> bytes:
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+        b"\r\nConnection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    )
+
+
+async def test_a_stream_opens_with_its_first_chunk_and_ends_with_its_last(
+    writes: list[bytes],
+) -> None:
+    # iop/edge/_app.py _sse_body and iop/edge/_http1.py: the head, the opening
+    # chunk and the first output in one write; the last events and the chunked
+    # terminator in one write (it was 4 writes: head and opening, first chunk,
+    # last chunk, terminator).
+    from iop.events import Complete, Delta, Start
+
+    async with edge() as (handle, node, _), trio.open_nursery() as n:
+        assert node is not None
+        n.start_soon(answer, node, Start(), Delta("ok"), Complete())
+        got = await _raw_exchange(handle.url, _post_closing(_chat(stream=True)))
+    assert b"".join(writes) == got
+    assert len(writes) <= 2, writes
+    assert writes[0].startswith(b"HTTP/1.1 200")
+    assert b'"role":"assistant"' in writes[0]
+    assert b'"content":"ok"' in writes[0]
+    assert writes[-1].endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n")
+    objects = sse_objects(h11_dechunk(got.partition(b"\r\n\r\n")[2]))
+    assert objects[-1] == "[DONE]"
+    assert [o["choices"][0]["delta"].get("content") for o in objects[:-1]] == ["", "ok", None]  # type: ignore[index]
+
+
+async def test_a_json_answer_is_one_write(writes: list[bytes]) -> None:
+    from iop.events import Complete, Delta, Start
+
+    async with edge() as (handle, node, _), trio.open_nursery() as n:
+        assert node is not None
+        n.start_soon(answer, node, Start(), Delta("ok"), Complete())
+        got = await _raw_exchange(handle.url, _post_closing(_chat()))
+    assert writes == [got]
+    [(status, _, body)] = _responses(got)
+    assert status == 200
+    assert json.loads(body)["choices"][0]["message"]["content"] == "ok"
+
+
+def h11_dechunk(chunked: bytes) -> bytes:
+    """The payload of a chunked body (every chunk, up to the terminator)."""
+    out = b""
+    while True:
+        size_line, _, rest = chunked.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            assert rest == b"\r\n"
+            return out
+        out += rest[:size]
+        assert rest[size : size + 2] == b"\r\n"
+        chunked = rest[size + 2 :]
 
 
 async def test_content_length_with_chunked_is_refused_and_the_connection_closed() -> None:

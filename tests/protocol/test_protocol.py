@@ -529,16 +529,18 @@ def test_edge_run_is_assigned_on_assign() -> None:
 def test_edge_assigned_to_streaming_on_the_first_event() -> None:
     edge, node = assigned()
     node.push("r1", Start())
-    assert to_edge(node, edge) == [RunEventsReceived("r1", [Start()], finished=False)]
+    node.push("r1", Delta("a"))
+    assert to_edge(node, edge) == [RunEventsReceived("r1", [Start(), Delta("a")], finished=False)]
     run = edge.run("r1")
     assert run is not None
     assert run.phase is RunPhase.STREAMING
-    assert (run.credit, run.seq) == (3, 1)
+    assert (run.credit, run.seq) == (2, 1)
 
 
 def test_edge_streaming_to_done_on_the_terminal() -> None:
     edge, node = assigned()
     node.push("r1", Start())
+    node.push("r1", Delta("a"))
     to_edge(node, edge)
     run = edge.run("r1")
     assert run is not None
@@ -618,15 +620,36 @@ def test_node_run_is_assigned_on_assign() -> None:
 def test_node_assigned_to_streaming_when_the_first_event_goes() -> None:
     edge, node = assigned()
     node.push("r1", Start())
+    # A Start alone is held for the first output (NodeSession.push).
+    assert not node.has_data_to_send
+    assert to_edge(node, edge) == []
+    node.push("r1", Delta("a"))
     assert phase(node.run("r1")) is RunPhase.ASSIGNED  # queued, not sent
     assert node.has_data_to_send
-    to_edge(node, edge)
+    assert to_edge(node, edge) == [RunEventsReceived("r1", [Start(), Delta("a")], finished=False)]
     assert phase(node.run("r1")) is RunPhase.STREAMING
+
+
+def test_a_held_start_goes_with_the_first_output_within_a_credit_of_one() -> None:
+    edge, node = assigned(credit=1)
+    node.push("r1", Start())
+    node.push("r1", Delta("a"))
+    assert to_edge(node, edge) == [RunEventsReceived("r1", [Start()], finished=False)]
+
+
+def test_a_held_start_goes_with_a_terminal() -> None:
+    edge, node = assigned()
+    node.push("r1", Start())
+    node.push("r1", Error(message="backend down"))
+    assert to_edge(node, edge) == [
+        RunEventsReceived("r1", [Start(), Error(message="backend down")], finished=True)
+    ]
 
 
 def test_node_streaming_to_done_when_the_terminal_goes() -> None:
     edge, node = assigned()
     node.push("r1", Start())
+    node.push("r1", Delta("a"))
     to_edge(node, edge)
     run = node.run("r1")
     assert run is not None
@@ -1022,7 +1045,9 @@ def test_one_frame_carries_every_run_and_control_message() -> None:
     got = edge.receive(frames[0], now=0)
     assert CapabilitiesChanged([CAPS]) in got
     assert NodeDraining("draining") in got
-    runs = [ev for ev in got if isinstance(ev, RunEventsReceived)]
+    # Sorted: they come in the order each run had something to send (b's Start
+    # waited for b1).
+    runs = sorted((ev for ev in got if isinstance(ev, RunEventsReceived)), key=lambda e: e.run_id)
     assert runs == [
         RunEventsReceived("a", [Start(), Delta("a1"), Complete()], True),
         RunEventsReceived("b", [Start(), Delta("b1")], False),
