@@ -24,8 +24,6 @@ Measured (median of --repeat runs of --n operations each, µs per operation):
 * ``h11 chunk``: h11 framing one 100-byte chunk of a chunked response;
 * ``h11 chunk read``: h11 (a client's) reading one HTTP chunk holding one
   vLLM SSE event (about 150 bytes): what httpcore paid per token;
-* ``body reader chunk``: the same chunk through the node's own reader of
-  the body's framing (``iop.wire._http_body``);
 * ``chat chunk parse``: that SSE event through the node's chat stream
   parser (SSE decoding, the chunk's JSON, one ``Delta``);
 * ``wsproto frame``: wsproto framing a 100-byte binary message and parsing
@@ -57,7 +55,6 @@ from wsproto.events import BytesMessage
 from iop.events import Delta
 from iop.protocol import RunEvents, decode_node_batch, encode, encode_batch
 from iop.wire import ChatStreamParser
-from iop.wire._http_body import BodyFraming, BodyReader
 
 PAYLOAD = b"x" * 100
 
@@ -175,14 +172,6 @@ async def h11_chunk_read(n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
-async def body_reader_chunk(n: int) -> float:
-    reader = BodyReader(BodyFraming.CHUNKED)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        reader.feed(_HTTP_CHUNK)
-    return (time.perf_counter() - t0) / n
-
-
 async def chat_chunk_parse(n: int) -> float:
     parser = ChatStreamParser(label="bench")
     t0 = time.perf_counter()
@@ -228,7 +217,6 @@ CASES: dict[str, Callable[[int], Awaitable[float]]] = {
     "cancel scope": cancel_scope,
     "h11 chunk": h11_chunk,
     "h11 chunk read": h11_chunk_read,
-    "body reader chunk": body_reader_chunk,
     "chat chunk parse": chat_chunk_parse,
     "wsproto frame": wsproto_frame,
     "msgspec batch": msgspec_batch,

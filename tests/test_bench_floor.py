@@ -29,7 +29,6 @@ def test_the_floor_benchmark_measures_every_operation(tmp_path: Path) -> None:
         "cancel scope",
         "h11 chunk",
         "h11 chunk read",
-        "body reader chunk",
         "chat chunk parse",
         "wsproto frame",
         "msgspec batch",

@@ -22,7 +22,6 @@ SANS_IO_MODULES = [
     "iop.wire._chunks",
     "iop.wire._errors",
     "iop.wire._holdback",
-    "iop.wire._http_body",
     "iop.wire._openai_stream",
     "iop.wire._toolcalls",
     "iop.wire._tooltext",

@@ -16,7 +16,7 @@ import shutil
 import ssl
 import subprocess
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 
@@ -26,7 +26,12 @@ import trio
 import trio.testing
 
 from iop.adapters._http import HTTPBackend, environment_proxy
-from iop.adapters._pool import CLOSE_TIMEOUT_S, HEAD_MAX_BYTES, KeepAliveTransport, _Connection
+from iop.adapters._pool import (
+    CLOSE_TIMEOUT_S,
+    HEAD_MAX_BYTES,
+    KeepAliveTransport,
+    _SocketStream,
+)
 from iop.adapters.vllm import VllmAdapter
 from iop.config import VllmInstance
 from iop.events import Complete, Delta
@@ -41,7 +46,6 @@ from iop.testing import (
     Split,
     open_fake_backend,
 )
-from iop.wire._http_body import MAX_LINE_BYTES
 
 BODY = b'data: {"choices":[]}\n\ndata: [DONE]\n\n'
 NOTICE_S = 5.0
@@ -224,96 +228,6 @@ async def test_errors_are_httpx_errors() -> None:
         assert pool.idle_connections == 0
 
 
-async def _serve_raw(answer: bytes, stream: trio.SocketStream) -> None:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += await stream.receive_some(65536)
-    await stream.send_all(answer)
-    await trio.sleep_forever()
-
-
-@pytest.mark.parametrize(
-    "body",
-    [
-        b"5\r\nhelloXX",  # no CRLF after the chunk's data
-        b"5;" + b"x" * (MAX_LINE_BYTES + 1),  # an endless size line
-        b"0x5\r\nhello\r\n0\r\n\r\n",  # not a hex size
-    ],
-)
-async def test_broken_chunk_framing_is_a_protocol_error(body: bytes) -> None:
-    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(
-            partial(trio.serve_tcp, partial(_serve_raw, head + body), 0, host="127.0.0.1")
-        )
-        port = listeners[0].socket.getsockname()[1]
-        async with transport() as pool:
-            with trio.fail_after(NOTICE_S), pytest.raises(httpx.RemoteProtocolError):
-                await fetch(pool, f"http://127.0.0.1:{port}/")
-            assert pool.idle_connections == 0
-        nursery.cancel_scope.cancel()
-
-
-async def _serve_then_hang_up(stream: trio.SocketStream) -> None:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        data += await stream.receive_some(65536)
-    await stream.aclose()
-
-
-async def _serve_nothing(stream: trio.SocketStream) -> None:
-    await trio.sleep_forever()
-
-
-@asynccontextmanager
-async def raw_server(handler: Callable[[trio.SocketStream], Awaitable[None]]) -> AsyncIterator[str]:
-    async with trio.open_nursery() as nursery:
-        listeners = await nursery.start(partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
-        yield f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}/"
-        nursery.cancel_scope.cancel()
-
-
-async def test_a_server_that_hangs_up_without_an_answer_is_a_protocol_error() -> None:
-    async with raw_server(_serve_then_hang_up) as url, transport() as pool:
-        with trio.fail_after(NOTICE_S), pytest.raises(httpx.RemoteProtocolError):
-            await fetch(pool, url)
-        assert pool.idle_connections == 0
-
-
-async def test_a_read_timeout_is_httpxs() -> None:
-    async with raw_server(_serve_nothing) as url, transport() as pool:
-        request = httpx.Request("GET", url, extensions={"timeout": {"read": 0.05}})
-        with trio.fail_after(NOTICE_S), pytest.raises(httpx.ReadTimeout):
-            await pool.handle_async_request(request)
-
-
-@pytest.mark.parametrize(
-    ("answer", "kept"),
-    [
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", True),
-        (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok", False),
-        (b"HTTP/1.0 200 OK\r\n\r\nok", False),  # until the server closes
-        (b"HTTP/1.1 204 No Content\r\n\r\n", True),
-    ],
-)
-async def test_which_answers_keep_the_connection(answer: bytes, kept: bool) -> None:
-    async def serve(stream: trio.SocketStream) -> None:
-        data = b""
-        while b"\r\n\r\n" not in data:
-            data += await stream.receive_some(65536)
-        await stream.send_all(answer)
-        if b"HTTP/1.0" in answer:
-            await stream.aclose()
-            return
-        await trio.sleep_forever()
-
-    async with raw_server(serve) as url, transport() as pool:
-        with trio.fail_after(NOTICE_S):
-            body = await fetch(pool, url)
-        assert body == answer.partition(b"\r\n\r\n")[2]
-        assert pool.idle_connections == (1 if kept else 0)
-
-
 async def test_aclose_closes_connections_in_use_too() -> None:
     async with open_fake_backend() as fb:
         fb.route(CHAT_COMPLETIONS_PATH, Reply.sse(BODY, stall_after_headers=True))
@@ -340,16 +254,19 @@ class _Recorder(trio.abc.Stream):
 
     def __init__(self, replies: list[bytes]) -> None:
         self.sends: list[bytes] = []
+        self.events: list[str] = []
         self._replies = replies
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         self.sends.append(bytes(data))
+        self.events.append("send")
         await trio.lowlevel.checkpoint()
 
     async def wait_send_all_might_not_block(self) -> None:
         await trio.lowlevel.checkpoint()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        self.events.append("receive")
         await trio.lowlevel.checkpoint()
         return self._replies.pop(0) if self._replies else b""
 
@@ -357,27 +274,33 @@ class _Recorder(trio.abc.Stream):
         await trio.lowlevel.checkpoint()
 
 
-OK_EMPTY = b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
-
-
 async def test_the_head_goes_out_with_the_body() -> None:
-    raw = _Recorder([OK_EMPTY])
-    conn = _Connection(raw)  # type: ignore[arg-type]
-    await conn.request(httpx.Request("POST", "http://b/x", content=b'{"body":1}'))
-    assert len(raw.sends) == 1
-    head, _, body = raw.sends[0].partition(b"\r\n\r\n")
-    assert head.startswith(b"POST /x HTTP/1.1\r\n")
-    assert body == b'{"body":1}'
+    raw = _Recorder([b"HTTP/1.1 200 OK\r\n"])
+    stream = _SocketStream(raw)  # type: ignore[arg-type]
+    await stream.write(b"HEAD\r\n\r\n")
+    await stream.write(b"")
+    assert raw.sends == []
+    await stream.write(b'{"body":1}')
+    assert raw.sends == [b'HEAD\r\n\r\n{"body":1}']
+
+
+async def test_a_held_head_is_sent_before_any_read() -> None:
+    raw = _Recorder([b"HTTP/1.1 200 OK\r\n"])
+    stream = _SocketStream(raw)  # type: ignore[arg-type]
+    await stream.write(b"GET / HTTP/1.1\r\n\r\n")
+    assert await stream.read(1024) == b"HTTP/1.1 200 OK\r\n"
+    assert raw.sends == [b"GET / HTTP/1.1\r\n\r\n"]
+    assert raw.events == ["send", "receive"]
 
 
 async def test_a_big_body_is_not_copied_to_join_the_head() -> None:
-    raw = _Recorder([OK_EMPTY])
-    conn = _Connection(raw)  # type: ignore[arg-type]
+    raw = _Recorder([])
+    stream = _SocketStream(raw)  # type: ignore[arg-type]
     big = b"x" * (HEAD_MAX_BYTES + 1)
-    await conn.request(httpx.Request("POST", "http://b/x", content=big))
-    assert len(raw.sends) == 2
-    assert raw.sends[0].startswith(b"POST /x HTTP/1.1\r\n")
-    assert raw.sends[1] == big
+    await stream.write(b"HEAD")
+    await stream.write(big)
+    await stream.write(big)
+    assert raw.sends == [b"HEAD", big, big]
 
 
 class _SlowClose(_Recorder):
@@ -387,7 +310,6 @@ class _SlowClose(_Recorder):
         super().__init__([])
         self.close_s = close_s
         self.closed = False
-        self.events: list[str] = []
 
     async def aclose(self) -> None:
         self.events.append("close")
@@ -400,7 +322,7 @@ async def test_a_cancelled_callers_close_still_runs(autojump_clock: trio.testing
     raw = _SlowClose(CLOSE_TIMEOUT_S / 2)
     with trio.CancelScope() as scope:
         scope.cancel()
-        await _Connection(raw).aclose()  # type: ignore[arg-type]
+        await _SocketStream(raw).aclose()  # type: ignore[arg-type]
     assert raw.closed
 
 
@@ -410,8 +332,8 @@ async def test_a_close_that_hangs_is_abandoned_at_its_deadline(
     raw = _SlowClose(math.inf)
     start = trio.current_time()
     with trio.CancelScope() as scope:
-        scope.cancel()  # shielded, as the pool closes
-        await _Connection(raw).aclose()  # type: ignore[arg-type]
+        scope.cancel()  # shielded, as httpcore and the pool close
+        await _SocketStream(raw).aclose()  # type: ignore[arg-type]
     assert trio.current_time() - start == CLOSE_TIMEOUT_S
     assert raw.events == ["close"]
     assert not raw.closed
