@@ -387,7 +387,7 @@ class LoopbackPlatform:
                         stream.feed_body(resp.read())
                     else:
                         for data in resp.iter_raw():  # as it comes (a chunk_size would buffer)
-                            stream.feed(data)
+                            stream.feed(data, max_content_chunks=hang_up_after)
                             if hang_up_after is not None and stream.content_chunks >= hang_up_after:
                                 stream.finish(StreamEnd.HUNG_UP, at=time.monotonic())
                                 break

@@ -75,11 +75,18 @@ class ClientStream:
         stream.finish(StreamEnd.CLOSED, at=0.0)
         return stream
 
-    def feed(self, data: bytes) -> int:
-        """Decode ``data``; returns how many events it completed."""
+    def feed(self, data: bytes, *, max_content_chunks: int | None = None) -> int:
+        """Decode ``data``; returns how many events it completed.
+
+        ``max_content_chunks``: a client that hangs up after that many
+        content chunks reads no further, even when one network read brought
+        more (the edge writes what it holds at once: a short answer's
+        chunks, its terminal and ``[DONE]`` can come in one read)."""
         self.body_bytes += len(data)
         n = 0
         for ev in self._decoder.feed(data):
+            if max_content_chunks is not None and self.content_chunks >= max_content_chunks:
+                break
             if ev.field is not None:
                 continue
             if ev.data == DONE:

@@ -282,7 +282,7 @@ class VirtualPlatform:
                     pieces = cast(AsyncGenerator[bytes, None], resp.stream.__aiter__())
                     async with aclosing(pieces):
                         async for data in pieces:
-                            stream.feed(data)
+                            stream.feed(data, max_content_chunks=hang_up_after)
                             if hang_up_after is not None and stream.content_chunks >= hang_up_after:
                                 stream.finish(StreamEnd.HUNG_UP, at=trio.current_time())
                                 break
