@@ -192,8 +192,9 @@ class NodeTimeline(msgspec.Struct, kw_only=True, omit_defaults=True):
             self.cancel_received,
             self.backend_closed,
         ]
-        times += [s.start for s in self.stalls[:max_stalls]]
-        times += [s.end for s in self.stalls[:max_stalls]]
+        kept = self.stalls[:max_stalls]
+        times += [s.start for s in kept]
+        times += [s.end for s in kept]
         if not all(t is None or math.isfinite(t) for t in times):
             return None
         rtt = (received - assigned) - (t3 - t2)
@@ -201,16 +202,8 @@ class NodeTimeline(msgspec.Struct, kw_only=True, omit_defaults=True):
             return None
         rtt = max(rtt, 0.0)
         offset = ((assigned - t2) + (received - t3)) / 2
-        kept = self.stalls[:max_stalls]
-        trimmed = NodeTimeline(
-            node=self.node,
-            started=t2,
-            backend_sent=self.backend_sent,
-            backend_first_byte=self.backend_first_byte,
-            first_output=self.first_output,
-            cancel_received=self.cancel_received,
-            backend_closed=self.backend_closed,
-            terminal=t3,
+        trimmed = msgspec.structs.replace(
+            self,
             stalls=kept,
             stalls_dropped=max(0, self.stalls_dropped) + len(self.stalls) - len(kept),
         )

@@ -62,7 +62,7 @@ from iop.testing._replay_server import (
     RequestRecord,
     ScriptCommand,
 )
-from iop.testing._streams import ClientStream, StreamEnd, assert_one_terminal
+from iop.testing._streams import ClientStream, StreamEnd, assert_one_terminal, chat_body
 from iop.testing._transcripts import transcript_body
 
 __all__ = [
@@ -340,12 +340,7 @@ class LoopbackPlatform:
         self, prompt: str = "Hello!", *, stream: bool = True, **body: Any
     ) -> dict[str, Any]:
         """A Chat Completions body for the platform's model."""
-        return {
-            "model": self.model,
-            "messages": [{"role": "user", "content": prompt}],
-            "stream": stream,
-            **body,
-        }
+        return chat_body(self.model, prompt, stream=stream, **body)
 
     def stream_chat(
         self,
@@ -387,9 +382,7 @@ class LoopbackPlatform:
                         stream.feed_body(resp.read())
                     else:
                         for data in resp.iter_raw():  # as it comes (a chunk_size would buffer)
-                            stream.feed(data, max_content_chunks=hang_up_after)
-                            if hang_up_after is not None and stream.content_chunks >= hang_up_after:
-                                stream.finish(StreamEnd.HUNG_UP, at=time.monotonic())
+                            if stream.take(data, hang_up_after, at=time.monotonic()):
                                 break
                             if read_delay_s > 0:
                                 time.sleep(read_delay_s)

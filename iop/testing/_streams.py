@@ -22,12 +22,22 @@ from typing import Any, Final
 
 from iop.wire import SSEDecoder
 
-__all__ = ["ClientStream", "StreamEnd", "assert_one_terminal", "count_terminals"]
+__all__ = ["ClientStream", "StreamEnd", "assert_one_terminal", "chat_body", "count_terminals"]
 
 # The data of the event that ends an OpenAI stream.
 DONE: Final = "[DONE]"
 # The most events a failure message shows.
 _SHOWN_EVENTS: Final = 6
+
+
+def chat_body(model: str, prompt: str, *, stream: bool = True, **body: Any) -> dict[str, Any]:
+    """A Chat Completions body: ``prompt`` as the one user message, ``body`` on top."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "stream": stream,
+        **body,
+    }
 
 
 class StreamEnd(enum.Enum):
@@ -101,6 +111,15 @@ class ClientStream:
                     self.content_chunks += 1
             n += 1
         return n
+
+    def take(self, data: bytes, hang_up_after: int | None, *, at: float) -> bool:
+        """Feed one read; True when the client hangs up now (``hang_up_after``
+        content chunks seen; what else the read brought is not read)."""
+        self.feed(data, max_content_chunks=hang_up_after)
+        if hang_up_after is not None and self.content_chunks >= hang_up_after:
+            self.finish(StreamEnd.HUNG_UP, at=at)
+            return True
+        return False
 
     def feed_body(self, body: bytes) -> None:
         """A whole non-stream answer (a JSON error before the stream began): one event."""

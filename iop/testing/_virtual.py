@@ -48,7 +48,7 @@ from iop.testing._faults import Fault, synthetic_stream
 from iop.testing._memory_link import memory_link_pair
 from iop.testing._platform import FAKE_MODEL, NODE_TOKEN
 from iop.testing._replay_server import DEFAULT_TRANSCRIPT
-from iop.testing._streams import ClientStream, StreamEnd, assert_one_terminal
+from iop.testing._streams import ClientStream, StreamEnd, assert_one_terminal, chat_body
 from iop.testing._transcripts import transcript_body
 
 __all__ = [
@@ -251,12 +251,7 @@ class VirtualPlatform:
         self, prompt: str = "Hello!", *, stream: bool = True, **body: Any
     ) -> dict[str, Any]:
         """A Chat Completions body for the platform's model."""
-        return {
-            "model": self.model,
-            "messages": [{"role": "user", "content": prompt}],
-            "stream": stream,
-            **body,
-        }
+        return chat_body(self.model, prompt, stream=stream, **body)
 
     async def stream_chat(
         self,
@@ -282,9 +277,7 @@ class VirtualPlatform:
                     pieces = cast(AsyncGenerator[bytes, None], resp.stream.__aiter__())
                     async with aclosing(pieces):
                         async for data in pieces:
-                            stream.feed(data, max_content_chunks=hang_up_after)
-                            if hang_up_after is not None and stream.content_chunks >= hang_up_after:
-                                stream.finish(StreamEnd.HUNG_UP, at=trio.current_time())
+                            if stream.take(data, hang_up_after, at=trio.current_time()):
                                 break
                             if read_delay_s > 0:
                                 await trio.sleep(read_delay_s)
