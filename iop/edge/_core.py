@@ -61,6 +61,7 @@ from iop.edge._registry import (
     Scheduler,
     affinity_key,
 )
+from iop.edge._tenants import Tenants, Ticket, charged_usage
 from iop.edge._timeline_export import TimelineExport
 from iop.errors import (
     ErrorCode,
@@ -328,6 +329,10 @@ class EdgeCore:
         # from nodes to clients, /admin, /admin/nodes and /metrics.
         self.masker = SecretMasker(value for value, _ in edge_secrets(config))
         self.metrics = EdgeMetrics(self.registry, self.scheduler, supervisor, self.masker)
+        # Client keys, their tenants and limits; the admitted runs' tickets,
+        # settled when each run ends (``record_outcome``).
+        self.tenants = Tenants(config.tenants, config.server.api_keys, config.tenancy)
+        self._tickets: dict[str, Ticket] = {}
         # The timelines of recent finished runs, and their export (open_edge_core runs it).
         self.timelines = TimelineRing(config.timelines.recent)
         self.export = export
@@ -442,10 +447,19 @@ class EdgeCore:
                 why.append(f"instance {name}{maybe} is unavailable: {cause}")
         return list(dict.fromkeys(why))  # one "node X is draining" per node
 
+    def hold_ticket(self, run: Run, ticket: Ticket) -> None:
+        """``run`` was admitted with ``ticket``: settle it when the run ends."""
+        run.timeline.tenant = ticket.tenant.name
+        self._tickets[run.run_id] = ticket
+
     def record_outcome(self, run: Run) -> None:
         """Count a finished run (the metrics' run counter, which /admin reads too)
         and keep its timeline."""
-        self.metrics.record(run, trio.current_time())
+        now = trio.current_time()
+        self.metrics.record(run, now)
+        ticket = self._tickets.pop(run.run_id, None)
+        if ticket is not None:
+            self.tenants.finish(ticket, charged_usage(run.outcome), now)
         self.timelines.add(run.timeline)
         if self.export is not None:
             self.export.add(run.timeline)
@@ -724,6 +738,7 @@ class EdgeCore:
                 "runs": runs,
                 "runs_started": self.runs_started,
                 "outcomes": self.metrics.outcomes(),
+                "tenants": self.tenants.snapshot(trio.current_time()),
             }
         )
 
