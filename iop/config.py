@@ -854,6 +854,10 @@ class TenantSettings(_Config, frozen=True, kw_only=True):
             (``tenancy.default_max_tokens`` when it sets none) at
             admission; its real usage is settled when it ends.
         max_concurrent_runs: Runs at once, queued ones included (429 above).
+        priority: The tenant's class in the edge's queue: ``high`` runs are
+            served before ``normal`` ones, ``normal`` before ``low``.
+        weight: The tenant's share of its class when runs queue: two
+            tenants of weights 1 and 3 with bursts queued get slots 1:3.
     """
 
     name: str
@@ -862,8 +866,12 @@ class TenantSettings(_Config, frozen=True, kw_only=True):
     requests_per_minute: int = 0
     tokens_per_minute: int = 0
     max_concurrent_runs: int = 0
+    priority: Literal["high", "normal", "low"] = "normal"
+    weight: float = 1.0
 
     def __post_init__(self) -> None:
+        if not 0.001 <= self.weight <= 1000:
+            raise ValueError(f"tenant {self.name!r}: weight must be between 0.001 and 1000")
         if not _TENANT_NAME.fullmatch(self.name):
             raise ValueError(
                 f"tenant name {self.name!r} must be 1-64 letters, digits or _.- "

@@ -643,11 +643,10 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
                 traceparent=valid_traceparent(headers.get("traceparent")),
             )
             try:
-                run = core.start_run(spec, collect=not call.stream)
+                run = core.start_run(spec, collect=not call.stream, ticket=ticket)
             except IopError:
                 tenants.finish(ticket, Usage(), trio.current_time())  # it never ran
                 raise
-            core.hold_ticket(run, ticket)
         except RateLimited as exc:
             core.metrics.tenant_refused.labels(tenant.name, exc.limit).inc()
             return _from_exc(exc, surface, retry_headers(exc, anthropic))

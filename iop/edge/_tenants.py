@@ -40,6 +40,7 @@ from typing import Final
 
 from iop.api import estimate_input_tokens
 from iop.config import TenancySettings, TenantSettings
+from iop.edge._registry import EVEN_SHARE, QueueShare
 from iop.errors import ErrorCode, RequestError
 from iop.events import Cancelled, Complete, Error, Usage
 from iop.spec import (
@@ -72,6 +73,9 @@ ANONYMOUS: Final = "anonymous"
 """The tenant of every request when the edge has no keys at all."""
 DEFAULT: Final = "default"
 """The tenant of the keys in ``server.api_keys``."""
+
+# A tenant's ``priority`` as the scheduler's class number (0 is served first).
+PRIORITIES: Final = {"high": 0, "normal": 1, "low": 2}
 
 # The chars-per-token ratio of iop.api.messages._tokens, for prompts that are
 # not chat messages.
@@ -133,6 +137,7 @@ class Tenant:
     requests: Bucket | None
     tokens: Bucket | None
     max_concurrent: int
+    share: QueueShare = EVEN_SHARE
     running: int = 0
     # Counters since the edge started (the admin page and /metrics).
     admitted: int = 0
@@ -255,6 +260,7 @@ class Tenants:
                 requests=Bucket(t.requests_per_minute) if t.requests_per_minute else None,
                 tokens=Bucket(t.tokens_per_minute) if t.tokens_per_minute else None,
                 max_concurrent=t.max_concurrent_runs,
+                share=QueueShare(t.name, PRIORITIES[t.priority], t.weight),
             )
             self.all[t.name] = tenant
             for d in t.key_sha256:
@@ -365,6 +371,11 @@ class Tenants:
             used = usage.input_tokens + usage.output_tokens
             tenant.tokens.give(ticket.reserved_tokens - used, now)
 
+    def share_of(self, name: str) -> QueueShare:
+        """The queue share of the tenant ``name`` (an even one if unknown)."""
+        tenant = self.all.get(name)
+        return EVEN_SHARE if tenant is None else tenant.share
+
     def snapshot(self, now: float) -> list[dict[str, object]]:
         """Every tenant's state, for ``/admin/tenants`` and the admin page."""
         out: list[dict[str, object]] = []
@@ -377,6 +388,8 @@ class Tenants:
                 {
                     "name": t.name,
                     "models": sorted(t.models),
+                    "priority": next(k for k, v in PRIORITIES.items() if v == t.share.priority),
+                    "weight": t.share.weight,
                     "running": t.running,
                     "max_concurrent_runs": t.max_concurrent,
                     "limits": limits,
@@ -402,7 +415,14 @@ def charged_usage(outcome: object) -> Usage | None:
 
 
 def _unlimited(name: str) -> Tenant:
-    return Tenant(name=name, models=frozenset(), requests=None, tokens=None, max_concurrent=0)
+    return Tenant(
+        name=name,
+        models=frozenset(),
+        requests=None,
+        tokens=None,
+        max_concurrent=0,
+        share=QueueShare(name),
+    )
 
 
 def _human(seconds: float) -> str:
