@@ -439,3 +439,6 @@ async def test_a_cancelled_run_frees_its_tenants_slot_and_is_in_the_admin_view()
         assert row["refused"] == 1
         runs = (await client.get("/admin/runs")).json()
         assert runs["recent"][0]["tenant"] == "a"
+        page = (await client.get("/admin", headers={"Accept": "text/html"})).text
+        assert "<h2>Tenants</h2>" in page
+        assert "<td>a</td><td>normal / 1.0</td><td>all</td>" in page
