@@ -425,7 +425,7 @@ class QueueExitAt(msgspec.Struct, frozen=True):
 
 @dataclass(frozen=True, slots=True)
 class QueueShare:
-    """Whose a queued run is, for fair queueing (docs/operations.md, "Fair queueing").
+    """Whose a queued run is, for fair queueing (docs/operations.md, "Tenants and limits").
 
     Attributes:
         tenant: The run's tenant (``iop.edge._tenants``).
