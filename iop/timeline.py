@@ -343,6 +343,7 @@ class Timeline(msgspec.Struct, kw_only=True):
             "run_id": self.run_id,
             "model": self.model,
             "operation": self.operation,
+            "tenant": self.tenant,
             "stream": self.stream,
             "phase": self.phase,
             "received_unix": self.received_unix,

@@ -442,3 +442,16 @@ async def test_a_cancelled_run_frees_its_tenants_slot_and_is_in_the_admin_view()
         page = (await client.get("/admin", headers={"Accept": "text/html"})).text
         assert "<h2>Tenants</h2>" in page
         assert "<td>a</td><td>normal / 1.0</td><td>all</td>" in page
+
+
+async def test_count_tokens_of_a_model_the_tenant_may_not_use_is_a_404() -> None:
+    cfg = tenant_config(tenant("a", KEY_A, models=["other"]))
+    async with edge(cfg) as (_, _, client):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+        r = await client.post("/v1/messages/count_tokens", json=body, headers={"x-api-key": KEY_A})
+        assert r.status_code == 404
+        assert r.json()["error"]["type"] == "not_found_error"
+        wrong = await client.post(
+            "/v1/messages/count_tokens", json=body, headers={"x-api-key": "nobody"}
+        )
+        assert wrong.status_code == 401
