@@ -240,6 +240,8 @@ class Timeline(msgspec.Struct, kw_only=True):
     run_id: str
     model: str = ""
     operation: str = ""
+    # The client's tenant (iop.edge._tenants): "" where there is none (a node).
+    tenant: str = ""
     stream: bool = True
     received_unix: float = 0.0
     received: float = 0.0
@@ -341,6 +343,7 @@ class Timeline(msgspec.Struct, kw_only=True):
             "run_id": self.run_id,
             "model": self.model,
             "operation": self.operation,
+            "tenant": self.tenant,
             "stream": self.stream,
             "phase": self.phase,
             "received_unix": self.received_unix,
@@ -382,6 +385,7 @@ class Timeline(msgspec.Struct, kw_only=True):
         return {
             "run_id": self.run_id,
             "model": self.model,
+            "tenant": self.tenant,
             "phase": self.phase,
             "received_unix": self.received_unix,
             "node": None if last is None else last.node,

@@ -157,6 +157,7 @@ def render_admin_page(
         "<tr>" + _cell(k) + _cell(v, "num") + "</tr>"
         for k, v in sorted(snapshot.get("outcomes", {}).items())
     ]
+    tenant_rows = [_tenant_row(t) for t in snapshot.get("tenants", [])]
     state = "draining" if snapshot.get("draining") else "serving"
     body = (
         f"{_HEAD}<meta http-equiv='refresh' content='{REFRESH_S}'>"
@@ -185,9 +186,48 @@ def render_admin_page(
         )
         + "<h2>Outcomes</h2>"
         + _table(["outcome", "runs"], outcome_rows, "No run has ended yet.")
+        + "<h2>Tenants</h2>"
+        + _table(
+            [
+                "tenant",
+                "class / weight",
+                "models",
+                "running",
+                "requests left",
+                "tokens left",
+                "admitted",
+                "refused",
+                "tokens in / out",
+            ],
+            tenant_rows,
+            "None.",
+        )
         + "</body></html>"
     )
     return body.encode()
+
+
+def _tenant_row(t: dict[str, Any]) -> str:
+    limits = t.get("limits", {})
+
+    def left(kind: str) -> str:
+        lim = limits.get(kind)
+        return "no limit" if lim is None else f"{lim['remaining']} / {lim['limit']}"
+
+    cap = t.get("max_concurrent_runs") or 0
+    return (
+        "<tr>"
+        + _cell(t.get("name", ""))
+        + _cell(f"{t.get('priority', '')} / {t.get('weight', '')}")
+        + _cell(", ".join(t.get("models", [])) or "all")
+        + _cell(f"{t.get('running', 0)}" + (f" / {cap}" if cap else ""), "num")
+        + _cell(left("requests"), "num")
+        + _cell(left("tokens"), "num")
+        + _cell(t.get("admitted", 0), "num")
+        + _cell(t.get("refused", 0), "num" if not t.get("refused") else "bad")
+        + _cell(f"{t.get('tokens_in', 0)} / {t.get('tokens_out', 0)}", "num")
+        + "</tr>"
+    )
 
 
 # (label, start key, end key, css class) of a run's spans, edge then node.

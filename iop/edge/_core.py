@@ -54,6 +54,7 @@ from iop._secrets import SecretMasker, edge_secrets, mask_event
 from iop.config import EdgeConfig
 from iop.edge._metrics import EdgeMetrics
 from iop.edge._registry import (
+    EVEN_SHARE,
     Lease,
     NodeConnection,
     NodeRegistry,
@@ -61,6 +62,7 @@ from iop.edge._registry import (
     Scheduler,
     affinity_key,
 )
+from iop.edge._tenants import Tenants, Ticket, charged_usage
 from iop.edge._timeline_export import TimelineExport
 from iop.errors import (
     ErrorCode,
@@ -189,6 +191,7 @@ class RemoteExecutor:
         last: _Retry | None = None
         affinity = affinity_key(spec.request) if core.config.scheduler.affinity else None
         prefix = core.scheduler.prompt_blocks(spec.request)
+        share = core.tenants.share_of(send.timeline.tenant)
         attempts = MAX_ATTEMPTS if core.config.scheduler.failover else 1
         for attempt in range(attempts):
             if last is not None and not core.scheduler.could_serve(model, frozenset(excluded), op):
@@ -203,6 +206,7 @@ class RemoteExecutor:
                         # A failover's wait shows as the gap between placements.
                         timeline=send.timeline if attempt == 0 else None,
                         prefix=prefix,
+                        share=share,
                     )
             except RunAborted:
                 if last is not None and last.error is not None:
@@ -328,6 +332,10 @@ class EdgeCore:
         # from nodes to clients, /admin, /admin/nodes and /metrics.
         self.masker = SecretMasker(value for value, _ in edge_secrets(config))
         self.metrics = EdgeMetrics(self.registry, self.scheduler, supervisor, self.masker)
+        # Client keys, their tenants and limits; the admitted runs' tickets,
+        # settled when each run ends (``record_outcome``).
+        self.tenants = Tenants(config.tenants, config.server.api_keys, config.tenancy)
+        self._tickets: dict[str, Ticket] = {}
         # The timelines of recent finished runs, and their export (open_edge_core runs it).
         self.timelines = TimelineRing(config.timelines.recent)
         self.export = export
@@ -341,11 +349,15 @@ class EdgeCore:
     def models(self) -> list[ModelEntry]:
         return [ModelEntry(m, tuple(nodes)) for m, nodes in sorted(self.registry.models().items())]
 
-    def start_run(self, spec: ExecutionSpec, *, collect: bool = False) -> Run:
+    def start_run(
+        self, spec: ExecutionSpec, *, collect: bool = False, ticket: Ticket | None = None
+    ) -> Run:
         """Admit and start a run on the cluster.
 
         Args:
             spec: The run.
+            ticket: The client's admission by its tenant (``iop.edge._tenants``),
+                settled when the run ends; its tenant's share orders the queue.
             collect: The caller reads the events only to build one answer
                 (a non-streaming request): the node may send them in a few
                 merged messages instead of one per token (``Assign.collect``).
@@ -387,7 +399,7 @@ class EdgeCore:
                 code=ErrorCode.MODEL_NOT_FOUND,
                 param="model",
             )
-        self.scheduler.admit(model, op)
+        self.scheduler.admit(model, op, EVEN_SHARE if ticket is None else ticket.tenant.share)
         self.runs_started += 1
         window = self.config.link.run_window
         trace = None
@@ -405,6 +417,9 @@ class EdgeCore:
         timeline = run.timeline
         timeline.stream = not collect
         timeline.max_stalls = self.config.timelines.max_stalls
+        if ticket is not None:
+            # Before the run's task starts: its queue share is its tenant's.
+            self.hold_ticket(run, ticket)
         if self.tracing is not None:
             trace = self.tracing.request(timeline, spec.traceparent, f"{op} {model}")
             executor._trace = self._traces[spec.run_id] = trace
@@ -442,10 +457,19 @@ class EdgeCore:
                 why.append(f"instance {name}{maybe} is unavailable: {cause}")
         return list(dict.fromkeys(why))  # one "node X is draining" per node
 
+    def hold_ticket(self, run: Run, ticket: Ticket) -> None:
+        """``run`` was admitted with ``ticket``: settle it when the run ends."""
+        run.timeline.tenant = ticket.tenant.name
+        self._tickets[run.run_id] = ticket
+
     def record_outcome(self, run: Run) -> None:
         """Count a finished run (the metrics' run counter, which /admin reads too)
         and keep its timeline."""
-        self.metrics.record(run, trio.current_time())
+        now = trio.current_time()
+        self.metrics.record(run, now)
+        ticket = self._tickets.pop(run.run_id, None)
+        if ticket is not None:
+            self.tenants.finish(ticket, charged_usage(run.outcome), now)
         self.timelines.add(run.timeline)
         if self.export is not None:
             self.export.add(run.timeline)
@@ -724,6 +748,7 @@ class EdgeCore:
                 "runs": runs,
                 "runs_started": self.runs_started,
                 "outcomes": self.metrics.outcomes(),
+                "tenants": self.tenants.snapshot(trio.current_time()),
             }
         )
 

@@ -137,6 +137,27 @@ class EdgeMetrics:
             ["model", "kind"],
             registry=self.registry,
         )
+        # Tenants: names from the edge's config only (iop.config.TenantSettings),
+        # so the label sets are bounded by the config.
+        self.tenant_runs = Counter(
+            "iop_tenant_runs",
+            "Runs ended, by tenant and outcome (complete, error or cancelled).",
+            ["tenant", "outcome"],
+            registry=self.registry,
+        )
+        self.tenant_tokens = Counter(
+            "iop_tenant_tokens",
+            "Tokens of ended runs (complete or cancelled), by tenant and kind (input, output).",
+            ["tenant", "kind"],
+            registry=self.registry,
+        )
+        self.tenant_refused = Counter(
+            "iop_tenant_rate_limited",
+            "Requests refused with 429 by their tenant's limits, by tenant and limit "
+            "(requests, tokens, concurrency).",
+            ["tenant", "limit"],
+            registry=self.registry,
+        )
         self.registry.register(_LiveCollector(nodes, scheduler, supervisor))
 
     def record(self, run: Run, now: float) -> None:
@@ -161,6 +182,14 @@ class EdgeMetrics:
         else:
             outcome, reason = "unknown", ""
         self.runs.labels(model, outcome, reason).inc()
+        tenant = run.timeline.tenant
+        if tenant:
+            self.tenant_runs.labels(tenant, outcome).inc()
+            if isinstance(o, Complete | Cancelled):
+                if o.usage.input_tokens:
+                    self.tenant_tokens.labels(tenant, "input").inc(o.usage.input_tokens)
+                if o.usage.output_tokens:
+                    self.tenant_tokens.labels(tenant, "output").inc(o.usage.output_tokens)
         self.duration.labels(model, outcome).observe(max(0.0, now - run.started_at))
         if run.first_output_at is not None:
             self.ttft.labels(model).observe(max(0.0, run.first_output_at - run.started_at))
