@@ -122,6 +122,10 @@ class Placement(msgspec.Struct, kw_only=True):
     # when placement scored them ("node/instance" -> score).
     why: str = ""
     scores: dict[str, float] = {}
+    # The instances with a free slot it was chosen from (drained, draining,
+    # excluded and full ones are none): "node/instance" -> load (in flight
+    # over slots) just before the choice.
+    candidates: dict[str, float] = {}
 
 
 class NodeTimeline(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -357,6 +361,7 @@ class Timeline(msgspec.Struct, kw_only=True):
                     "result": p.result,
                     "why": p.why,
                     "scores": p.scores,
+                    "candidates": p.candidates,
                 }
                 for p in self.placements
             ],
