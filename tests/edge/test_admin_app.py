@@ -413,3 +413,23 @@ async def test_the_pages_drain_button_posts_a_form_and_comes_back() -> None:
         )
         assert resp.status_code == 303
         assert handle.core.registry.drained == {}
+
+
+async def test_an_open_admin_drains_too_and_says_so() -> None:
+    async with edge() as (handle, node, client):
+        resp = await client.post("/admin/nodes/n1/drain")
+        assert resp.status_code == 200
+        assert resp.json()["drained"]["by"] == "open admin (no admin key set) from 127.0.0.1"
+        resp = await client.get("/admin")
+        assert "n1 (drained)" in resp.text
+        assert "action='/admin/nodes/n1/undrain'" in resp.text
+        # A drained node that left keeps its row (and its button).
+        assert node is not None
+        await node.chan.aclose()
+        with trio.fail_after(10):
+            while handle.core.registry.nodes:
+                await trio.sleep(0.01)
+        resp = await client.get("/admin")
+        assert "action='/admin/nodes/n1/undrain'" in resp.text
+        assert "not connected" in resp.text
+        assert (await client.post("/admin/nodes/n1/undrain")).json()["connected"] is False
