@@ -422,8 +422,8 @@ class Lease:
     # and with ``prefix`` placement each candidate's score.
     why: str = ""
     scores: dict[str, float] = field(default_factory=dict)
-    # The instances it was chosen from: "node/instance" -> load (in flight / slots).
-    candidates: dict[str, float] = field(default_factory=dict)
+    # The instances it was chosen from: (node, instance, in flight, slots).
+    candidates: list[tuple[str, str, int, int]] = field(default_factory=list)
 
     def release(self) -> None:
         if not self.released:
@@ -579,10 +579,11 @@ class Scheduler:
         ]
         if not free:
             return None
-        candidates = {
-            f"{c.node_id}/{i.caps.instance}": round(i.in_flight / max(i.caps.max_concurrency, 1), 4)
+        # As plain tuples: the timeline's JSON formats them, when someone looks.
+        candidates = [
+            (c.node_id, i.caps.instance, i.in_flight, i.caps.max_concurrency)
             for c, i in free[:PLACEMENT_CANDIDATES_KEPT]
-        }
+        ]
         preferred = self._affinity.get(affinity) if affinity is not None else None
         placement = self.settings.placement
         scores: dict[str, float] = {}

@@ -45,7 +45,7 @@ async def test_a_drained_node_finishes_its_runs_and_gets_no_new_ones(
         assert sorted(other.assigned) == ["r1", "r2"]
         placement = later[0].timeline.placements[0]
         assert placement.node == other.session.node_id
-        assert set(placement.candidates) == {f"{other.session.node_id}/i0"}
+        assert set(placement.loads()) == {f"{other.session.node_id}/i0"}
 
         # The run in flight on the drained node ends as it would have.
         await busy.send("r0", Delta("y"), Complete())
@@ -172,9 +172,9 @@ async def test_a_placement_lists_its_candidates_with_their_loads(
         # The same conversation: affinity chose the busier instance, and the
         # timeline says so, with both candidates and their loads.
         placed = second.timeline.placements[0]
-        assert placed.candidates == {f"{busy}/i0": 0.25, f"{idle}/i0": 0.0}
+        assert placed.loads() == {f"{busy}/i0": 0.25, f"{idle}/i0": 0.0}
         assert (placed.node, placed.why) == (busy, "affinity")
-        assert second.timeline.to_json()["placements"][0]["candidates"] == placed.candidates  # type: ignore[index]
+        assert second.timeline.to_json()["placements"][0]["candidates"] == placed.loads()  # type: ignore[index]
         for r in (first, second):
             r.cancel(CancelReason.CLIENT_DISCONNECT)
         nursery.cancel_scope.cancel()
