@@ -21,8 +21,8 @@ pytestmark = pytest.mark.slow
 
 ADMIN_KEY: Final = "sk-e2e-admin"
 MESSAGES: list[Any] = [{"role": "user", "content": "Tell me a story."}]
-# 3 s of tokens: long enough to drain the node under it.
-SHORT = {"iop_sim": {"output_tokens": 30, "tokens_per_s": 10.0}}
+# 6 s of tokens: long enough to drain the node under it, on a loaded machine too.
+SHORT = {"iop_sim": {"output_tokens": 60, "tokens_per_s": 10.0}}
 # 50 s of tokens: holds a slot until the test closes the stream.
 LONG = {"iop_sim": {"output_tokens": 1000, "tokens_per_s": 20.0}}
 QUICK = {"iop_sim": {"output_tokens": 3}}
@@ -78,7 +78,7 @@ def test_a_drained_node_finishes_its_run_and_the_next_go_elsewhere(procs: Procs,
             assert drained["runs"] == 1
             read_more(chunks, r)
         assert r.finish_reason == "stop"
-        assert len(r.content_deltas) == 30
+        assert len(r.content_deltas) == 60
 
         # The next runs all go to the other node.
         for _ in range(3):
