@@ -5,8 +5,9 @@ Routes: the API surfaces (``POST /v1/chat/completions``, ``/v1/responses``,
 ``iop.api``), ``GET /v1/models`` and ``GET /v1/models/{id}`` (OpenAI's or
 Anthropic's shapes, ``iop.api._models``), ``GET /healthz``, ``GET /readyz``,
 ``GET /metrics``, the admin pages (``GET /admin`` as HTML, or its login form;
-``POST /admin/login`` and ``/admin/logout``; ``GET /admin/nodes`` as JSON:
-``_admin_auth`` says who may open them). The node link WebSocket
+``POST /admin/login`` and ``/admin/logout``; ``GET /admin/nodes`` as JSON;
+``POST /admin/nodes/{id}/drain`` and ``/undrain``, from a script or the
+page's buttons: ``_admin_auth`` says who may open them). The node link WebSocket
 (``/v1/link``) is served beside this app, at the ASGI level
 (``iop.edge._link_asgi``). Every error a client sees is its API's error
 body (OpenAI's, except on a surface route whose surface has its own) with
@@ -141,6 +142,19 @@ COALESCE_MAX: Final = 64
 
 # Finished runs ``GET /admin/runs`` lists unless ``?limit=`` says otherwise.
 ADMIN_RUNS_LIMIT: Final = 100
+
+# A drain's reason: a line for the page and the log (a ticket, "kernel
+# upgrade"), not a document; its body (JSON or the page's form) is a few
+# hundred bytes, so anything past 4 KiB is not a drain request.
+DRAIN_REASON_MAX_CHARS: Final = 200
+DRAIN_BODY_MAX_BYTES: Final = 4096
+
+
+class DrainBody(msgspec.Struct, forbid_unknown_fields=True):
+    """The optional JSON body of ``POST /admin/nodes/{id}/drain``."""
+
+    reason: str = ""
+
 
 _SSE_HEADERS: Final = {
     "Content-Type": "text/event-stream",
@@ -523,6 +537,110 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         if refused is not None:
             return refused
         return _json_response(msgspec.json.encode(core.snapshot()))
+
+    def admin_who() -> str:
+        """Who an allowed admin request is, for the log: how it got in, from where."""
+        if gate.open:
+            via = "open admin (no admin key set)"
+        elif request.headers.get("Authorization", "").startswith("Bearer "):
+            via = "admin key"
+        else:
+            via = "admin session"
+        return f"{via} from {request.remote_addr}"
+
+    async def drain_reason(form: bool) -> str | Response:
+        """The drain's reason from the page's form or the JSON body (may be
+        absent), or the refusal of a body that is not one."""
+        length = request.content_length
+        if length is not None and length > DRAIN_BODY_MAX_BYTES:
+            return _error(
+                413,
+                f"A drain request's body is at most {DRAIN_BODY_MAX_BYTES} bytes.",
+                code=ErrorCode.REQUEST_ENTITY_TOO_LARGE,
+                headers={"Connection": "close"},
+            )
+        if form:
+            reason = str((await request.form).get("reason", ""))
+        else:
+            unsupported = _unsupported_content_type(request.headers.get("Content-Type"))
+            if unsupported is not None:
+                return _error(415, unsupported, code=ErrorCode.UNSUPPORTED_MEDIA_TYPE)
+            body = await request.get_data(cache=False)
+            assert isinstance(body, bytes)
+            if len(body) > DRAIN_BODY_MAX_BYTES:
+                return _error(
+                    413,
+                    f"A drain request's body is at most {DRAIN_BODY_MAX_BYTES} bytes.",
+                    code=ErrorCode.REQUEST_ENTITY_TOO_LARGE,
+                    headers={"Connection": "close"},
+                )
+            try:
+                reason = msgspec.json.decode(body, type=DrainBody).reason if body.strip() else ""
+            except msgspec.DecodeError as exc:
+                return _error(
+                    400,
+                    f'The body must be empty or {{"reason": "..."}}: {exc}',
+                    code=ErrorCode.INVALID_JSON,
+                )
+        # One line: no control characters (a newline would forge a log line).
+        reason = " ".join("".join(c if c.isprintable() else " " for c in reason).split())
+        if len(reason) > DRAIN_REASON_MAX_CHARS:
+            return _error(
+                400,
+                f"reason is at most {DRAIN_REASON_MAX_CHARS} characters",
+                code=ErrorCode.INVALID_VALUE,
+                param="reason",
+            )
+        return reason
+
+    async def drain_or_undrain(node_id: str, drain: bool) -> Response:
+        """``POST /admin/nodes/{id}/drain`` (``drain``) or ``/undrain``.
+
+        The page's buttons post a form (with the session cookie: refused
+        cross-origin, like login and logout, and answered with a redirect to
+        the page); a script posts JSON or nothing with a Bearer admin key and
+        gets the node's drain state as JSON.
+        """
+        if not _same_origin():
+            return _cross_origin_refused()
+        form = request.mimetype == "application/x-www-form-urlencoded"
+        if form:
+            verdict = admin_verdict()
+            if verdict is Verdict.THROTTLED:
+                return _login_page(_throttled_message(gate), 429, gate)
+            if verdict is Verdict.DENIED:
+                return _login_page(None, 401, gate)
+        else:
+            refused = admin_refusal()
+            if refused is not None:
+                return refused
+        reason = await drain_reason(form) if drain else ""
+        if isinstance(reason, Response):
+            return reason
+        try:
+            if drain:
+                changed = core.drain_node(node_id, reason=reason, by=admin_who())
+            else:
+                changed = core.undrain_node(node_id, by=admin_who())
+        except KeyError:
+            return _error(
+                404,
+                f"No node {node_id!r} is connected or drained.",
+                code=ErrorCode.NODE_NOT_FOUND,
+            )
+        if form:
+            return _see_other("/admin")
+        return _json_response(msgspec.json.encode({**core.drain_view(node_id), "changed": changed}))
+
+    # ``path``: node ids are the operator's strings (any but "/" is likely;
+    # the converter takes that too).
+    @app.post("/admin/nodes/<path:node_id>/drain")
+    async def admin_drain(node_id: str) -> Response:
+        return await drain_or_undrain(node_id, drain=True)
+
+    @app.post("/admin/nodes/<path:node_id>/undrain")
+    async def admin_undrain(node_id: str) -> Response:
+        return await drain_or_undrain(node_id, drain=False)
 
     @app.get("/admin/runs")
     async def admin_runs() -> Response:

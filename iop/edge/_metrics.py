@@ -4,7 +4,7 @@ Run metrics are recorded once per run when it ends (``EdgeMetrics.record``,
 called from the run supervisor's ``on_finished``), so the hot path (chunk in,
 chunk out) pays nothing for them. The run counter is the edge's one count of
 outcomes: the admin view reads it too (``EdgeMetrics.outcomes``). Gauges
-(queue depth, runs in flight, nodes, per-instance load) and the scheduler's
+(queue depth, runs in flight, nodes, per-instance load, operator drains) and the scheduler's
 count of queue exits are read at scrape time by a collector from the node
 registry, the scheduler and the run supervisor it is given, so this module
 knows nothing of ``EdgeCore``. Each
@@ -89,6 +89,15 @@ class _LiveCollector(Collector):
         yield in_flight
         yield slots
         yield up
+        drained = GaugeMetricFamily(
+            "iop_node_drained",
+            "1 while an operator has drained the node (POST /admin/nodes/{id}/drain), "
+            "connected or not; 0 for a connected node that is not drained.",
+            labels=["node"],
+        )
+        for node_id in sorted(self._registry.nodes.keys() | self._registry.drained.keys()):
+            drained.add_metric([node_id], 1 if node_id in self._registry.drained else 0)
+        yield drained
 
 
 class EdgeMetrics:

@@ -11,10 +11,11 @@ tokenize) and has a free slot (``in_flight < max_concurrency``), unless the run'
 conversation was served before by an instance that still has a free slot:
 then it goes there again (session affinity, so the backend's prefix cache
 holds the prompt's head; see ``affinity_key``). When none has, the run
-waits in a FIFO queue, bounded by ``queue_timeout_s`` (->
+waits in the queue, bounded by ``queue_timeout_s`` (->
 ``Cancelled(queue_timeout)``). Every change of capacity (a run ends, a node
 joins or updates its capabilities) calls ``dispatch()``, which hands free
-slots to waiters in arrival order; waiters never poll.
+slots to waiters by class, then tenants' fair shares, then arrival (first
+come first served with one tenant); waiters never poll.
 
 Admission (``admit``, and ``acquire`` for a run that would have to wait):
 a run that finds a free slot always starts; one that would have to queue is
@@ -35,6 +36,14 @@ dispatch costs one pick per group and per slot handed out, not one per
 waiter. With one FIFO scanned whole, every finished run cost a pick for
 each of up to ``max_queue`` waiters, and an overloaded edge spent its CPU
 there.
+
+Operator drains (``NodeRegistry.drained``, by node id): a drained node is
+no candidate for new runs, as one that said goodbye is not
+(``NodeConnection.draining``), but the two stay apart: a goodbye belongs to
+one link and ends with it, an operator's drain to the id, so it outlives the
+node's reconnects until an operator undrains it. Runs already placed on a
+drained node run to their end; queued runs wait for other candidates (or for
+the undrain).
 
 Every waiter leaves the queue one way (``QueueExit``): placed, cancelled
 (its run ended while it waited: the client left, a deadline, shutdown) or
@@ -75,6 +84,7 @@ from iop.timeline import NodeTimeline, Timeline
 __all__ = [
     "Lease",
     "NodeConnection",
+    "NodeDrain",
     "NodeRegistry",
     "QueueExit",
     "QueueExitAt",
@@ -305,11 +315,27 @@ class NodeConnection:
         self.cancel_scope.cancel()
 
 
+class NodeDrain(msgspec.Struct, frozen=True, kw_only=True):
+    """An operator's drain of a node id (``POST /admin/nodes/{id}/drain``).
+
+    Attributes:
+        reason: What the operator said, if anything.
+        by: Who asked: how they were let in, and from where.
+        since_unix: When (wall clock).
+    """
+
+    reason: str = ""
+    by: str = ""
+    since_unix: float = 0.0
+
+
 class NodeRegistry:
-    """Connected nodes by id (``EdgeCore`` refuses an id whose link is alive)."""
+    """Connected nodes by id (``EdgeCore`` refuses an id whose link is alive),
+    and the ids an operator drained (connected or not: module docstring)."""
 
     def __init__(self) -> None:
         self.nodes: dict[str, NodeConnection] = {}
+        self.drained: dict[str, NodeDrain] = {}
         self.joined = trio.Event()  # set once any node has connected
 
     def add(self, conn: NodeConnection) -> NodeConnection | None:
@@ -335,7 +361,7 @@ class NodeRegistry:
         """Model -> node ids serving it (usable instances of live nodes)."""
         out: dict[str, list[str]] = {}
         for conn, inst in self.instances():
-            if conn.draining or not inst.usable:
+            if conn.draining or conn.node_id in self.drained or not inst.usable:
                 continue
             for t in inst.caps.targets:
                 nodes = out.setdefault(t, [])
@@ -354,6 +380,9 @@ AFFINITY_HEAD_MESSAGES: Final = 2
 # spread across instances like unrelated conversations.
 AFFINITY_PROMPT_HEAD_CHARS: Final = 2048
 AFFINITY_PROMPT_HEAD_IDS: Final = 512
+# Candidates a placement keeps for the run's timeline: every instance of a
+# cluster of a few nodes; a bigger one's timeline must not grow with it.
+PLACEMENT_CANDIDATES_KEPT: Final = 32
 
 
 def affinity_key(request: OperationRequest) -> str | None:
@@ -394,6 +423,8 @@ class Lease:
     # and with ``prefix`` placement each candidate's score.
     why: str = ""
     scores: dict[str, float] = field(default_factory=dict)
+    # The instances it was chosen from: (node, instance, in flight, slots).
+    candidates: list[tuple[str, str, int, int]] = field(default_factory=list)
 
     def release(self) -> None:
         if not self.released:
@@ -549,10 +580,13 @@ class Scheduler:
     def _candidates(
         self, model: str, exclude: frozenset[str] = frozenset(), operation: str = "chat"
     ) -> Iterator[tuple[NodeConnection, InstanceState]]:
-        """Instances that may run ``operation`` on ``model``: live, not
-        draining, not excluded, up, and advertising the operation."""
+        """Instances that may run ``operation`` on ``model``: live, neither
+        draining nor drained, not excluded, up, and advertising the operation."""
+        drained = self.registry.drained
         for conn, inst in self.registry.instances():
-            if conn.draining or conn.node_id in exclude or not inst.usable:
+            if conn.draining or conn.node_id in exclude or conn.node_id in drained:
+                continue
+            if not inst.usable:
                 continue
             if model in inst.caps.targets and inst.caps.serves(operation):
                 yield conn, inst
@@ -581,6 +615,11 @@ class Scheduler:
         ]
         if not free:
             return None
+        # As plain tuples: the timeline's JSON formats them, when someone looks.
+        candidates = [
+            (c.node_id, i.caps.instance, i.in_flight, i.caps.max_concurrency)
+            for c, i in free[:PLACEMENT_CANDIDATES_KEPT]
+        ]
         preferred = self._affinity.get(affinity) if affinity is not None else None
         placement = self.settings.placement
         scores: dict[str, float] = {}
@@ -597,7 +636,7 @@ class Scheduler:
             self._remember(affinity, where)
         if prefix:
             self.prefixes.routed(where, prefix)
-        return Lease(conn, inst, self, why=why, scores=scores)
+        return Lease(conn, inst, self, why=why, scores=scores, candidates=candidates)
 
     def _by_prefix(
         self,
