@@ -1482,6 +1482,29 @@ def _main(args: argparse.Namespace) -> int:
         for p in plot(earlier, args.img_dir):
             print(f"bench: plot {p}")
         return 0
+    result, failed = run_all(args)
+    out = args.out_dir / f"platform-{result['timestamp']}.json"
+    out.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
+
+    print_tables(result)
+    prof = result.get("profile")
+    if prof:
+        for name in ("edge", "node"):
+            top = prof.get(name, {}).get("self_pct_top_functions", [])[:5]
+            print(f"bench: py-spy paced-c32 {name}, self % by function: {top}")
+    print(f"bench: results in {out} ({result['duration_s']} s)")
+    if not args.no_plots:
+        for p in plot(result, args.img_dir):
+            print(f"bench: plot {p}")
+    if failed:
+        print(f"bench: {failed} request(s) failed", file=sys.stderr)
+        return 1
+    return 0
+
+
+def run_all(args: argparse.Namespace) -> tuple[dict[str, Any], int]:
+    """One run of every level and shape ``args`` asks for: the result (what
+    the JSON holds) and how many requests failed."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     specs = level_specs(args)
@@ -1568,24 +1591,8 @@ def _main(args: argparse.Namespace) -> int:
     result["targets"] = check_targets(cells, result["sweep_fit"])
     result["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     result["duration_s"] = round(time.monotonic() - t_start, 1)
-    out = args.out_dir / f"platform-{stamp}.json"
-    out.write_text(json.dumps(result, indent=2, ensure_ascii=False) + "\n")
-
-    print_tables(result)
-    prof = result.get("profile")
-    if prof:
-        for name in ("edge", "node"):
-            top = prof.get(name, {}).get("self_pct_top_functions", [])[:5]
-            print(f"bench: py-spy paced-c32 {name}, self % by function: {top}")
-    print(f"bench: results in {out} ({result['duration_s']} s)")
-    if not args.no_plots:
-        for p in plot(result, args.img_dir):
-            print(f"bench: plot {p}")
     failed = sum(r["requests"] - r["ok"] for by in runs.values() for rs in by.values() for r in rs)
-    if failed:
-        print(f"bench: {failed} request(s) failed", file=sys.stderr)
-        return 1
-    return 0
+    return result, failed
 
 
 if __name__ == "__main__":

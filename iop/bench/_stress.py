@@ -1253,6 +1253,7 @@ async def _cancel_trial(
     backends: dict[str, MockBackend],
     window: str,
     tid: str,
+    eof_timeout_s: float = 10.0,
 ) -> dict[str, Any]:
     """One close in ``window``: milliseconds from the client's close to the backend's EOF.
 
@@ -1360,12 +1361,12 @@ async def _cancel_trial(
         res["error"] = "still queued 10 s after the close"
         return res
     trial = backend.trial(tid)
-    with trio.move_on_after(10):
+    with trio.move_on_after(eof_timeout_s):
         await trial.closed.wait()
         res["t_end"] = trial.eof_at
         res["ms"] = round(1000 * (trial.eof_at - closed_at), 3)
         return res
-    res["error"] = "no EOF at the backend within 10 s"
+    res["error"] = f"no EOF at the backend within {eof_timeout_s:g} s"
     return res
 
 
@@ -1424,6 +1425,68 @@ def _check_clock() -> None:
         raise SystemExit(f"bench: perf_counter ({ours}) is not the monotonic clock ({theirs})")
 
 
+# LiteLLM's proxy in front of the cancel measurement's free mock backend, set
+# up as bench_platform's (docs/benchmarks.md, "What is measured": no
+# database, one worker, offline cost map); the `bench` body key reaches the
+# backend as the OpenAI provider's extra_body.
+_LITELLM_CANCEL_YAML = """\
+model_list:
+  - model_name: {model}
+    litellm_params:
+      model: openai/{model}
+      api_base: {url}/v1
+      api_key: bench-unused
+litellm_settings:
+  turn_off_message_logging: true
+  telemetry: false
+  request_timeout: 600
+general_settings:
+  disable_spend_logs: true
+  dangerously_permit_weak_or_unset_master_key: true
+{extra}"""
+# LiteLLM has no queue of its own: the queued window is the edge's.
+LITELLM_WINDOWS: Final = ("before-headers", "before-first-token", "mid-stream", "non-streaming")
+
+
+def _start_litellm(args: argparse.Namespace, stack: Stack, backend_url: str) -> tuple[Child, str]:
+    """LiteLLM's proxy (``args.litellm``) on a free port, ready, serving ``bench``."""
+    from iop.bench._platform import _LITELLM_ENV, READY_TIMEOUT_S
+    from iop.testing import free_port, poll
+
+    extra = "  cancel_on_disconnect: true\n" if args.litellm_cancel_on_disconnect else ""
+    cfg = stack.logdir / "litellm.yaml"
+    cfg.write_text(_LITELLM_CANCEL_YAML.format(model=MODEL_FREE, url=backend_url, extra=extra))
+    port = free_port()
+    argv = [str(args.litellm), "--config", str(cfg), "--host", "127.0.0.1"]
+    argv += ["--port", str(port), "--num_workers", "1"]
+    lite = Child("litellm", [], stack.logdir, argv=argv, env=_LITELLM_ENV)
+    stack.procs.append(lite)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        if not lite.alive:
+            raise RuntimeError(f"litellm exited during start-up:\n{lite.tail()}")
+        try:
+            with httpx.Client(base_url=url, timeout=2, trust_env=False) as c:
+                if c.get("/health/liveliness").status_code != 200:
+                    return False
+                return MODEL_FREE in {m["id"] for m in c.get("/v1/models").json()["data"]}
+        except (httpx.HTTPError, ValueError, KeyError):
+            return False
+
+    poll(ready, timeout=READY_TIMEOUT_S, what="LiteLLM to be ready", interval=0.2)
+    return lite, url
+
+
+def _window_summary(trials: list[dict[str, Any]], window: str) -> dict[str, Any]:
+    rs = [t for t in trials if t["window"] == window]
+    return {
+        "ms": summary([t["ms"] for t in rs if "ms" in t]),
+        "errors": dict(Counter(t["error"] for t in rs if "error" in t)),
+        "samples_ms": [t.get("ms") for t in rs],
+    }
+
+
 async def _cancel(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:
     _check_clock()
     backends = {MODEL_FREE: MockBackend(MODEL_FREE), MODEL_QUEUED: MockBackend(MODEL_QUEUED)}
@@ -1440,6 +1503,14 @@ async def _cancel(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:
         edge_cfg = {"deadlines": long}
         cl = await _start_mock_cluster(stack, edge_cfg, instances, set(backends))
         out["pids"] = cl.pids()
+        lite_url = ""
+        lite_windows = [w for w in args.window_list if w in LITELLM_WINDOWS]
+        if args.litellm is not None and lite_windows:
+            lite, lite_url = await trio.to_thread.run_sync(_start_litellm, args, stack, free_url)
+            out["pids"]["litellm"] = lite.pid
+            from iop.bench._platform import litellm_version
+
+            out["litellm_version"] = await trio.to_thread.run_sync(litellm_version, args.litellm)
         out["config"] = {"edge": edge_cfg, "instances": instances}
         limits = httpx.Limits(max_connections=64, max_keepalive_connections=8)
         async with (
@@ -1473,6 +1544,7 @@ async def _cancel(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:
             o0 = (await _admin_async(poller, cl.url))["outcomes"]
             warm = 2
             trials: list[dict[str, Any]] = []
+            lite_trials: list[dict[str, Any]] = []
             pids = {"edge": cl.edge.pid, "node": cl.nodes[0].pid, "bench": os.getpid()}
             with _perf_record(args, pids) as perf:
                 win = CpuWindow({"edge": cl.edge.pid, "node": cl.nodes[0].pid})
@@ -1486,6 +1558,21 @@ async def _cancel(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:
                         if "error" in t:
                             print(f"bench: cancel {t['trial']}: {t['error']}", file=sys.stderr)
                             await _wait_idle_async(poller, cl.url, 10)
+                        # LiteLLM in the same window, right after: the same
+                        # moment of the box's load (fewer trials: a window it
+                        # never cancels costs the whole EOF wait).
+                        if lite_url and window in lite_windows and i < 1 + args.litellm_trials:
+                            t = await _cancel_trial(
+                                args,
+                                poller,
+                                lite_url,
+                                backends,
+                                window,
+                                f"litellm-{tid}",
+                                eof_timeout_s=args.litellm_eof_s,
+                            )
+                            if i >= 1:
+                                lite_trials.append(t)
                 out["cpu"] = win.stop()
             if perf is not None:
                 out["perf_trace"] = {"data": str(perf), "pids": pids}
@@ -1497,13 +1584,16 @@ async def _cancel(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:
             out["edge_outcomes"] = _delta((await _admin_async(poller, cl.url))["outcomes"], o0)
         nursery.cancel_scope.cancel()
     out["windows"] = {}
+    if lite_url:
+        out["litellm"] = {
+            "windows": {w: _window_summary(lite_trials, w) for w in lite_windows},
+            "trials": args.litellm_trials,
+            "eof_wait_s": args.litellm_eof_s,
+            "cancel_on_disconnect": args.litellm_cancel_on_disconnect,
+        }
     for window in args.window_list:
         rs = [t for t in trials if t["window"] == window]
-        out["windows"][window] = {
-            "ms": summary([t["ms"] for t in rs if "ms" in t]),
-            "errors": dict(Counter(t["error"] for t in rs if "error" in t)),
-            "samples_ms": [t.get("ms") for t in rs],
-        }
+        out["windows"][window] = _window_summary(trials, window)
         if window == "queued":
             # The old measure, kept to compare: the first /admin/nodes poll
             # that showed the exit (resolution: the poll period plus a poll).
@@ -1933,6 +2023,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="queued window: /admin/nodes poll period after the close, and the wait "
         "before the first poll; the sample is the edge's own dequeue time, so this "
         "sets when it is read, not its resolution (default: %(default)s)",
+    )
+    g.add_argument(
+        "--litellm",
+        type=Path,
+        default=None,
+        help="LiteLLM's `litellm` executable: measure its cancellation in the same windows "
+        "(but queued), in front of the same mock backend (default: IOP only)",
+    )
+    g.add_argument(
+        "--litellm-trials",
+        type=int,
+        default=5,
+        help="LiteLLM trials per window, after one unmeasured (default: %(default)s)",
+    )
+    g.add_argument(
+        "--litellm-eof-s",
+        type=float,
+        default=2.0,
+        help="how long a LiteLLM trial waits for the backend's EOF; a window it never "
+        "cancels in counts a 'no EOF' error per trial (default: %(default)s)",
+    )
+    g.add_argument(
+        "--litellm-cancel-on-disconnect",
+        action="store_true",
+        help="LiteLLM's general_settings.cancel_on_disconnect: true (default: its default)",
     )
     g = ap.add_argument_group("memory")
     g.add_argument("--streams", type=int, default=1000, help="idle streams (default: %(default)s)")
