@@ -11,14 +11,27 @@ import json
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
+from iop.bench import RunContext, _platform, _stress, register
 from iop.bench._cli import SCENARIOS, discover
 from iop.bench._results import median_tree, rewrite_markers
 from iop.bench._scenario import ScenarioError, load_scenario
 from iop.cli import main
 
 discover()
+
+
+class _NoOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    fail: str = "error"
+
+
+@register("test-fails", _NoOptions, "fails at once (tests/test_bench_cli.py)")
+def _fails(opts: _NoOptions, ctx: RunContext) -> dict[str, Any]:
+    if opts.fail == "interrupt":
+        raise KeyboardInterrupt
+    raise RuntimeError("this runner always fails")
 
 
 def scenario(tmp_path: Path, text: str, name: str = "s") -> Path:
@@ -124,7 +137,7 @@ Prose before.
 | old | table |
 <!-- /bench:one -->
 
-Prose between, with `<!-- bench:... -->` quoted.
+Prose between, with `<!-- bench:two -->` quoted: a marker is a line of its own.
 
 <!-- bench:two -->
 kept as it was
@@ -136,6 +149,9 @@ def test_rewrite_markers_is_byte_exact() -> None:
     new, done = rewrite_markers(DOC, {"one": "| new |\n| --- |\n", "absent": "x"})
     assert done == ["one"]
     assert new == DOC.replace("| old | table |\n", "| new |\n| --- |\n")
+    both, done = rewrite_markers(DOC, {"one": "1", "two": "2"})
+    assert done == ["one", "two"]
+    assert both == (DOC.replace("| old | table |\n", "1\n").replace("kept as it was\n", "2\n"))
     again, _ = rewrite_markers(new, {"one": "| new |\n| --- |"})
     assert again == new  # idempotent, whatever the trailing newlines
     with pytest.raises(ValueError, match="no <!-- /bench:one -->"):
@@ -154,14 +170,16 @@ def test_smoke_run_then_report(tmp_path: Path, capsys: pytest.CaptureFixture[str
         "platform-smoke",
     )
     cancel = scenario(tmp_path, 'runner = "cancel"\ndescription = "smoke"\n', "cancel-smoke")
+    memory = scenario(tmp_path, 'runner = "memory"\n', "memory-smoke")
     out = tmp_path / "out"
-    code = main(["bench", "run", "--smoke", "--out", str(out), str(cancel), str(platform)])
+    files = [str(f) for f in (cancel, platform, memory)]
+    code = main(["bench", "run", "--smoke", "--out", str(out), *files])
     assert code == 0, capsys.readouterr().err
     (path,) = out.glob("bench-*.json")
     doc = json.loads(path.read_text())
     assert doc["format"] == 1
     assert doc["smoke"] is True
-    assert list(doc["scenarios"]) == ["cancel-smoke", "platform-smoke"]
+    assert list(doc["scenarios"]) == ["cancel-smoke", "platform-smoke", "memory-smoke"]
     for entry in doc["scenarios"].values():
         (rep,) = entry["repeats"]
         assert set(rep) >= {"repeat", "result", "wall_s", "own_cpu_s", "foreign_cpu_pct"}
@@ -180,6 +198,13 @@ def test_smoke_run_then_report(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert plat["shapes"] == ["direct", "split"]
     assert plat["failed_requests"] == 0
     assert {"paced-c2", "paced-c1", "fast-1ch", "fast-4ch", "nonstream"} <= set(plat["cells"])
+    (rnd,) = doc["scenarios"]["memory-smoke"]["median"]["rounds"]
+    assert rnd["opened"] == 5
+    assert set(rnd["rss_kb"]) == {"before", "open", "after"}
+    # The scripts' printed tables take the same results.
+    _stress.print_cancel(cancel_median)
+    _stress.print_memory(doc["scenarios"]["memory-smoke"]["median"])
+    _platform.print_tables(plat)
 
     docs = tmp_path / "docs"
     docs.mkdir()
@@ -196,3 +221,78 @@ def test_smoke_run_then_report(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert "<!-- bench:not-run -->\nstays\n<!-- /bench:not-run -->\n" in text
     assert "not-run --> has no result" in capsys.readouterr().out
     assert (docs / "img" / "bench_cpu_per_request.png").stat().st_size > 0
+
+
+def test_report_of_a_full_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Every shipped runner's tables and plots, from a (trimmed) result of
+    ``iop bench --all --litellm PATH`` on the 2-core box."""
+    result = Path(__file__).parent / "data" / "bench-result.json"
+    keys = json.loads(result.read_text())["scenarios"]
+    assert set(keys) == {p.stem for p in SCENARIOS.glob("*.toml")}
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    page = docs / "all.md"
+    page.write_text("".join(f"<!-- bench:{k} -->\n<!-- /bench:{k} -->\n" for k in keys))
+    assert main(["bench", "report", "--docs", str(docs), str(result)]) == 0
+    text = page.read_text()
+    heads = {
+        "platform": "| figure | iop up | edge + node | LiteLLM |",
+        "cancel": "| window | IOP p50 ms | p99 ms | max ms |\n",
+        "research-cancel": "| LiteLLM p50 ms | p99 ms | LiteLLM never closed |",
+        "memory": "| round | streams open |",
+        "overload": "| level | saturated req/s |",
+        "idle-nodes": "| **edge, 100 idle nodes** |",
+    }
+    for key, head in heads.items():
+        block = text.split(f"<!-- bench:{key} -->\n")[1].split(f"<!-- /bench:{key} -->")[0]
+        assert head in block, key
+        assert f"iop bench run configs/bench/{key}.toml" in block
+    assert "| queued | 1.1 | 7.0 | 7.0 | n/a (no queue) |" in text
+    for png in ("bench_cpu_per_request", "bench_latency", "bench_research-cancel"):
+        assert (docs / "img" / f"{png}.png").stat().st_size > 0
+    assert "rewrote cancel, idle-nodes, memory, overload, platform, research-cancel" in (
+        capsys.readouterr().out
+    )
+
+
+def test_a_failed_run_is_recorded_and_the_command_exits_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = scenario(tmp_path, 'runner = "test-fails"\n', "fails")
+    out = tmp_path / "out"
+    assert main(["bench", "run", "--repeat", "2", "--out", str(out), str(bad)]) == 1
+    (path,) = out.glob("bench-*.json")
+    entry = json.loads(path.read_text())["scenarios"]["fails"]
+    assert [r["error"] for r in entry["repeats"]] == [
+        "RuntimeError('this runner always fails')"
+    ] * 2
+    assert entry["median"] is None
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    assert main(["bench", "report", "--docs", str(docs), str(path)]) == 0
+    assert "fails has no successful run" in capsys.readouterr().err
+
+
+def test_an_interrupt_keeps_the_partial_results(tmp_path: Path) -> None:
+    stop = scenario(tmp_path, 'runner = "test-fails"\n[args]\nfail = "interrupt"\n', "stop")
+    out = tmp_path / "out"
+    assert main(["bench", "run", "--out", str(out), str(stop)]) == 130
+    (path,) = out.glob("bench-*.json")
+    assert json.loads(path.read_text())["interrupted"] is True
+
+
+def test_all_skips_what_needs_litellm_without_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    scenarios = tmp_path / "scenarios"
+    scenarios.mkdir()
+    scenario(scenarios, 'runner = "cancel"\nrequires_litellm = true\n', "needs-litellm")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    argv = ["bench", "--all", "--scenarios", str(scenarios), "--out", str(tmp_path / "out")]
+    assert main([*argv, "--docs", str(docs)]) == 0
+    assert "skipping needs-litellm: it needs --litellm PATH" in capsys.readouterr().err
+    assert main([*argv, "--litellm", str(tmp_path / "no-litellm")]) == 2
+    assert "no LiteLLM at" in capsys.readouterr().err
+    assert main(["bench", "--all", "--scenarios", str(docs)]) == 2
+    assert main(["bench"]) == 2

@@ -15,6 +15,7 @@ markers (``<!-- bench:SCENARIO -->``) and, for some, PNGs into docs/img/.
 from __future__ import annotations
 
 import math
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -151,7 +152,7 @@ def _platform_report(r: ReportInput) -> dict[str, str]:
             rows.append([f"{what}: added TTFT p50 / p99, ms", *(added(name, s) for s in shapes)])
             rows.append([f"{what}: throughput, % of direct", *(thr(name, s) for s in shapes)])
         elif spec["kind"] == "fast":
-            what = f"fast c={c}, {spec['chunks']} chunks"
+            what = f"fast c={c}, {spec['chunks']} chunk{'s' if spec['chunks'] != 1 else ''}"
             rows.append([f"{what}: CPU ms per request", *(cpu(name, s) for s in shapes)])
         else:
             rows.append(
@@ -320,6 +321,7 @@ def _cancel_report(r: ReportInput) -> dict[str, str]:
 def _cancel_plot(r: ReportInput) -> list[Path]:
     _platform.import_matplotlib()
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     res = r.median
     lite = res["litellm"]
@@ -328,23 +330,28 @@ def _cancel_plot(r: ReportInput) -> list[Path]:
     fig, ax = plt.subplots(figsize=(8, 4))
     xs = range(len(windows))
     iop = [res["windows"][w]["ms"].get("p50") or 0 for w in windows]
-    ax.bar([x - 0.2 for x in xs], iop, 0.4, label="IOP (edge + node)", color="#4C72B0")
+    ax.bar([x - 0.2 for x in xs], iop, 0.4, color="#4C72B0")
     for x, w in zip(xs, windows, strict=True):
         lw = lite["windows"].get(w)
         if lw is None:
             ax.text(x + 0.2, 1, "no queue", rotation=90, ha="center", va="bottom", fontsize=8)
         elif lw["ms"].get("p50") is None:
             ax.bar(x + 0.2, wait_ms, 0.4, color="none", edgecolor="#C44E52", hatch="//")
-            ax.text(x + 0.2, wait_ms, "never", ha="center", va="bottom", fontsize=8)
+            label = f"none in {lite['eof_wait_s']:g} s"
+            ax.text(x + 0.2, wait_ms, label, ha="center", va="bottom", fontsize=8)
         else:
             ax.bar(x + 0.2, lw["ms"]["p50"], 0.4, color="#C44E52")
-    ax.bar([], [], color="#C44E52", label="LiteLLM")
     ax.set_yscale("log")
     ax.set_xticks(list(xs), windows, fontsize=8)
     ax.set_ylabel("client close → backend EOF, p50 ms (log)")
     ax.set_title("Cancellation latency by window", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.text(0.01, 0.01, r.footer.strip("_"), fontsize=6)
+    handles = [
+        Patch(color="#4C72B0", label="IOP (edge + node)"),
+        Patch(color="#C44E52", label=f"LiteLLM {res.get('litellm_version') or ''}".strip()),
+        Patch(facecolor="none", edgecolor="#C44E52", hatch="//", label="LiteLLM: no EOF came"),
+    ]
+    ax.legend(handles=handles, fontsize=8, loc="upper left")
+    fig.text(0.01, 0.01, textwrap.fill(r.footer.strip("_").replace("`", ""), 160), fontsize=6)
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     r.img_dir.mkdir(parents=True, exist_ok=True)
     out = r.img_dir / f"bench_{r.scenario}.png"
@@ -403,7 +410,7 @@ def _memory_report(r: ReportInput) -> dict[str, str]:
         "edge RSS KiB before / open / after",
         "node RSS KiB",
         "KiB per stream edge / node / both",
-        "returned, %",
+        "returned after the close, %",
     ]
     text = _table(head, rows)
     return {r.scenario: f"{text}\n\n{r.footer}"}
@@ -473,6 +480,17 @@ def _overload_report(r: ReportInput) -> dict[str, str]:
     ]
     sat = res["saturation"]
     text = _table(head, rows)
+    kinds: dict[str, int] = {}
+    for lv in res["levels"]:
+        for k, v in lv["errors"].items():
+            if not k.startswith("HTTP 429"):
+                kinds[k] = kinds.get(k, 0) + v
+    if kinds:
+        text += (
+            "\n\nOther errors, all levels: "
+            + ", ".join(f"{k}: {v}" for k, v in sorted(kinds.items()))
+            + "."
+        )
     text += (
         f"\n\nClosed loop c={sat['concurrency']} at the start: {_fmt(sat['goodput_rps'])} req/s, "
         f"edge + node {_fmt(sat['edge_node_cpu_ms_per_ok'], 2)} ms CPU per answer."
@@ -491,9 +509,9 @@ def run_overload(opts: OverloadOptions, ctx: RunContext) -> dict[str, Any]:
         opts = msgspec.structs.replace(
             opts,
             levels=[100],
-            duration_s=1.0,
+            duration_s=0.5,
             sat_concurrency=2,
-            sat_s=1.0,
+            sat_s=0.5,
             resat_s=0.0,
             pause_s=0.1,
             client_timeout_s=5.0,

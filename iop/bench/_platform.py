@@ -857,7 +857,7 @@ def summarize_raw(path: Path, top: int = 15) -> dict[str, Any]:
     }
 
 
-def run_profile(
+def run_profile(  # pragma: no cover - py-spy attaches by ptrace: not in the suite
     plat: Platform, py_spy: str, spec: LevelSpec, outdir: Path, stamp: str, timeout_s: float
 ) -> dict[str, Any]:
     """One more ``spec`` window through the split shape, with py-spy (non-blocking,

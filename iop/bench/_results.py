@@ -104,10 +104,11 @@ class CpuMeter:
 
 def _marker_re(key: str) -> re.Pattern[str]:
     k = re.escape(key)
-    return re.compile(rf"(<!-- bench:{k} -->\n)(.*?)(<!-- /bench:{k} -->)", re.DOTALL)
+    return re.compile(rf"^(<!-- bench:{k} -->\n)(.*?)^(<!-- /bench:{k} -->)$", re.DOTALL | re.M)
 
 
-_OPEN = re.compile(r"<!-- bench:([A-Za-z0-9][\w.:-]*) -->")
+# A marker is a line of its own: one quoted in a sentence or in `code` is not.
+_OPEN = re.compile(r"^<!-- bench:([A-Za-z0-9][\w.:-]*) -->$", re.M)
 
 
 def marker_keys(text: str) -> list[str]:
@@ -118,8 +119,8 @@ def marker_keys(text: str) -> list[str]:
 def rewrite_markers(text: str, blocks: dict[str, str]) -> tuple[str, list[str]]:
     """``text`` with the body of every marked block in ``blocks`` replaced.
 
-    The body is everything between the opening marker's line end and the
-    closing marker; it becomes ``blocks[key]`` followed by one newline.
+    A marker is a line of its own. The body is everything between the
+    opening marker's line and the closing marker's; it becomes ``blocks[key]`` followed by one newline.
     Returns the new text and the keys it rewrote. A key without a closing
     marker raises ValueError (a half-marked page would lose its rest).
     """

@@ -955,7 +955,9 @@ def level_report(
     }
 
 
-def _py_spy(py_spy: str, pid: int, out: Path, seconds: float) -> Any:
+def _py_spy(
+    py_spy: str, pid: int, out: Path, seconds: float
+) -> Any:  # pragma: no cover - py-spy attaches by ptrace: not in the suite
     import subprocess
 
     argv = [py_spy, "record", "--nonblocking", "--rate", "100", "--format", "raw"]
@@ -963,7 +965,7 @@ def _py_spy(py_spy: str, pid: int, out: Path, seconds: float) -> Any:
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
-def _spies(
+def _spies(  # pragma: no cover - py-spy attaches by ptrace: not in the suite
     args: argparse.Namespace, pids: dict[str, int], label: str, seconds: float
 ) -> dict[str, tuple[Path, Any]]:
     """py-spy on edge and node for ``seconds`` (empty without py-spy)."""
@@ -978,7 +980,7 @@ def _spies(
     return out
 
 
-def _idle_spies(
+def _idle_spies(  # pragma: no cover - py-spy attaches by ptrace: not in the suite
     args: argparse.Namespace, pids: dict[str, int], seconds: float
 ) -> dict[str, tuple[Path, Any]]:
     """py-spy at 1000 Hz on ``pids`` for ``seconds`` (an idle edge spends a few
@@ -999,7 +1001,9 @@ def _idle_spies(
     return out
 
 
-def _spy_report(spies: dict[str, tuple[Path, Any]]) -> dict[str, Any]:
+def _spy_report(
+    spies: dict[str, tuple[Path, Any]],
+) -> dict[str, Any]:  # pragma: no cover - py-spy attaches by ptrace: not in the suite
     rep: dict[str, Any] = {}
     for name, (raw, proc) in spies.items():
         try:
@@ -1937,7 +1941,9 @@ def print_idle_nodes(res: dict[str, Any]) -> None:
             print(f"    {share:5.1f} %  {fn}")
 
 
-def serve_agents(args: argparse.Namespace) -> int:
+def serve_agents(
+    args: argparse.Namespace,
+) -> int:  # pragma: no cover - runs in the idle-nodes helper process
     """The helper process of idle-nodes: ``--serve-agents N`` NodeAgents on one link URL."""
     from iop.config import NodeConfig, decode_config
     from iop.node import open_node_agent
