@@ -260,7 +260,8 @@ def test_a_failed_run_is_recorded_and_the_command_exits_1(
 ) -> None:
     bad = scenario(tmp_path, 'runner = "test-fails"\n', "fails")
     out = tmp_path / "out"
-    assert main(["bench", "run", "--repeat", "2", "--out", str(out), str(bad)]) == 1
+    # An option before the subcommand counts as after it.
+    assert main(["bench", "--repeat", "2", "run", "--out", str(out), str(bad)]) == 1
     (path,) = out.glob("bench-*.json")
     entry = json.loads(path.read_text())["scenarios"]["fails"]
     assert [r["error"] for r in entry["repeats"]] == [

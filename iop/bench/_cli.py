@@ -77,49 +77,69 @@ def discover() -> list[str]:
     return failed
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def _common_options(*, suppress: bool) -> argparse.ArgumentParser:
+    """The options of ``run`` and ``--all``. Under the subcommand their
+    defaults are SUPPRESS, so that one given before it (``iop bench --repeat
+    3 run ...``) is kept."""
+
+    def default(value: Any) -> Any:
+        return argparse.SUPPRESS if suppress else value
+
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
         "--repeat",
         type=int,
-        default=1,
+        default=default(1),
         metavar="N",
         help="run every scenario N times, interleaved; the figures are medians (default: 1)",
     )
     common.add_argument(
         "--litellm",
         type=Path,
+        default=default(None),
         metavar="PATH",
         help="LiteLLM's `litellm` executable (its own venv): runners that compare with it "
-        f"start it in front of the same backend; without it they measure IOP alone. "
+        "start it in front of the same backend; without it they measure IOP alone. "
         f"Installed for the docs at {LITELLM_DEFAULT}",
     )
     common.add_argument(
         "--out",
         type=Path,
-        default=RESULTS,
+        default=default(RESULTS),
         metavar="DIR",
         help="where the JSON and the runs' logs go (default: bench-results/)",
     )
     common.add_argument(
         "--smoke",
         action="store_true",
+        default=default(False),
         help="tiny sizes (seconds per scenario), for the test suite; the numbers mean nothing",
     )
+    return common
+
+
+def _docs_options(*, suppress: bool) -> argparse.ArgumentParser:
     docs = argparse.ArgumentParser(add_help=False)
     docs.add_argument(
         "--docs",
         type=Path,
-        default=DOCS,
+        default=argparse.SUPPRESS if suppress else DOCS,
         metavar="DIR",
         help="the Markdown pages whose <!-- bench:KEY --> blocks are rewritten (default: docs/)",
     )
     docs.add_argument(
         "--img-dir",
         type=Path,
+        default=argparse.SUPPRESS if suppress else None,
         metavar="DIR",
         help="where the plots go (default: DOCS/img/)",
     )
+    return docs
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    common = _common_options(suppress=False)
+    docs = _docs_options(suppress=False)
     p = sub.add_parser(
         "bench",
         parents=[common, docs],
@@ -146,7 +166,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     bsub = p.add_subparsers(dest="bench_command", metavar="SUBCOMMAND")
     r = bsub.add_parser(
         "run",
-        parents=[common],
+        parents=[_common_options(suppress=True)],
         help="run scenario files, write one JSON",
         description="Run each scenario file --repeat times, interleaved (A, B, A, B, ...), and "
         "write one JSON with every repeat's result, its foreign CPU, and the medians.",
@@ -160,7 +180,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     rep = bsub.add_parser(
         "report",
-        parents=[docs],
+        parents=[_docs_options(suppress=True)],
         help="rewrite the docs' marked tables and plots from results",
         description="Rewrite the blocks between <!-- bench:KEY --> and <!-- /bench:KEY --> in "
         "DOCS/*.md, and the plots, from result files (default: for each scenario, its newest "
