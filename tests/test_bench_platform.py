@@ -1,4 +1,4 @@
-"""``scripts/bench_platform.py``'s arithmetic: what the lead reads the targets from.
+"""``iop/bench/_platform.py``'s arithmetic: what the lead reads the targets from.
 
 The measuring itself needs minutes of real processes (docs/benchmarks.md);
 these tests check, on made-up windows, the figures derived from them: added
@@ -8,27 +8,19 @@ the sweep's fit, the targets' verdicts, the level plan and the py-spy summary.
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_platform.py"
+from iop.bench import _platform
 
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("bench_platform", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_platform"] = mod  # dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
+    return _platform
 
 
 def window(shape: str, req_per_s: float, p50: float, p99: float, cpu: dict[str, float]) -> Any:

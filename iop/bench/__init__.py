@@ -11,6 +11,6 @@ bench report`` turns results into the tables and plots of the docs.
 
 from __future__ import annotations
 
-from iop.bench._runner import RUNNERS, RunContext, Runner, register
+from iop.bench._runner import RUNNERS, ReportFn, ReportInput, RunContext, Runner, register
 
-__all__ = ["RUNNERS", "RunContext", "Runner", "register"]
+__all__ = ["RUNNERS", "ReportFn", "ReportInput", "RunContext", "Runner", "register"]

@@ -25,7 +25,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-__all__ = ["RUNNERS", "RunContext", "Runner", "register"]
+__all__ = ["RUNNERS", "ReportFn", "ReportInput", "RunContext", "Runner", "register"]
 
 OptionsT = TypeVar("OptionsT", bound=msgspec.Struct)
 
@@ -51,14 +51,47 @@ class RunContext:
     repeat: int = 0
 
 
+@dataclass(frozen=True, kw_only=True)
+class ReportInput:
+    """What a runner's report function gets for one scenario's results.
+
+    Attributes:
+        scenario: The scenario's name (its file's stem): the marker key of
+            its first table, ``<!-- bench:SCENARIO -->``.
+        median: The median over the repeats of every number in the runs'
+            results (``iop.bench._results.median_tree``), the rest as in the
+            first repeat.
+        repeats: Every repeat's own result, in order.
+        foreign_cpu_pct: Per repeat, the machine's busy CPU that no process of
+            the run used, in % of one core.
+        img_dir: Where the report's plots go (docs/img/).
+        footer: One line to end each table with: the command, commit, date,
+            repeats and foreign CPU.
+    """
+
+    scenario: str
+    median: dict[str, Any]
+    repeats: list[dict[str, Any]]
+    foreign_cpu_pct: list[float]
+    img_dir: Path
+    footer: str
+
+
+# A report maps marker keys to the Markdown between the markers (tables,
+# and links to the PNGs it wrote into ``img_dir``).
+ReportFn = Callable[[ReportInput], dict[str, str]]
+
+
 @dataclass(frozen=True)
 class Runner(Generic[OptionsT]):
-    """A registered runner: its name, options type, summary and function."""
+    """A registered runner: its name, options type, summary and function;
+    ``report``, when set, turns its results into the docs' tables."""
 
     name: str
     options: type[OptionsT]
     summary: str
     run: Callable[[OptionsT, RunContext], dict[str, Any]]
+    report: ReportFn | None = None
 
 
 # Filled by ``register`` as runner modules are imported (``iop.bench._cli``
@@ -67,19 +100,20 @@ RUNNERS: dict[str, Runner[Any]] = {}
 
 
 def register(
-    name: str, options: type[OptionsT], summary: str
+    name: str, options: type[OptionsT], summary: str, *, report: ReportFn | None = None
 ) -> Callable[
     [Callable[[OptionsT, RunContext], dict[str, Any]]],
     Callable[[OptionsT, RunContext], dict[str, Any]],
 ]:
-    """Register ``fn`` as the runner ``name`` with options type ``options``."""
+    """Register ``fn`` as the runner ``name`` with options type ``options``
+    (and ``report``, its results' tables for the docs)."""
 
     def deco(
         fn: Callable[[OptionsT, RunContext], dict[str, Any]],
     ) -> Callable[[OptionsT, RunContext], dict[str, Any]]:
         if name in RUNNERS:
             raise ValueError(f"runner {name!r} is registered twice")
-        RUNNERS[name] = Runner(name, options, summary, fn)
+        RUNNERS[name] = Runner(name, options, summary, fn, report)
         return fn
 
     return deco

@@ -1,0 +1,137 @@
+"""Results of ``iop bench``: medians over repeats, the machine's foreign CPU,
+and the docs' marked blocks.
+
+A result file (``bench-results/bench-<stamp>.json``) holds, per scenario,
+every repeat's result as its runner returned it and the median of them
+(``median_tree``). ``rewrite_markers`` replaces the text between
+``<!-- bench:KEY -->`` and ``<!-- /bench:KEY -->`` in a Markdown page and
+leaves every other byte as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import resource
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = [
+    "CpuMeter",
+    "marker_keys",
+    "median_tree",
+    "rewrite_markers",
+]
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def median_tree(values: list[Any]) -> Any:
+    """The median of every number over ``values``, which share one shape.
+
+    Dicts are merged key by key (a key some values lack is the median of those
+    that have it); lists of one length element by element; numbers (None
+    left out) by their median; anything else (strings, lists of different
+    lengths) is taken from the first value.
+    """
+    if not values:
+        return None
+    if all(isinstance(v, dict) for v in values):
+        keys: dict[str, None] = {}
+        for v in values:
+            keys.update(dict.fromkeys(v))
+        return {k: median_tree([v[k] for v in values if k in v]) for k in keys}
+    if all(isinstance(v, list) for v in values) and len({len(v) for v in values}) == 1:
+        return [median_tree([v[i] for v in values]) for i in range(len(values[0]))]
+    numbers = [v for v in values if _is_number(v)]
+    if numbers and all(_is_number(v) or v is None for v in values):
+        m = statistics.median(numbers)
+        if all(isinstance(v, int) for v in numbers) and float(m).is_integer():
+            return int(m)
+        return round(m, 4) if isinstance(m, float) else m
+    return values[0]
+
+
+def _machine_busy_s() -> float:
+    """Busy CPU seconds of the whole machine since boot (/proc/stat, proc(5))."""
+    with open("/proc/stat") as f:
+        parts = [int(x) for x in f.readline().split()[1:]]
+    idle = parts[3] + (parts[4] if len(parts) > 4 else 0)  # idle + iowait
+    return (sum(parts[:8]) - idle) / _CLK_TCK
+
+
+def _own_cpu_s() -> float:
+    """CPU of this process and of every descendant it (or they) waited for."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@dataclass
+class CpuMeter:
+    """The machine's *foreign* CPU over one run: busy CPU that neither this
+    process nor its reaped descendants used, in % of one core.
+
+    A runner stops (and so reaps) every process it starts before it
+    returns, so their CPU is in ``RUSAGE_CHILDREN`` by then; a grandchild
+    reaped by its parent is in its parent's.
+    """
+
+    wall0: float = 0.0
+    busy0: float = 0.0
+    own0: float = 0.0
+
+    @classmethod
+    def start(cls) -> CpuMeter:
+        return cls(time.monotonic(), _machine_busy_s(), _own_cpu_s())
+
+    def stop(self) -> dict[str, float]:
+        wall = max(time.monotonic() - self.wall0, 1e-9)
+        own = _own_cpu_s() - self.own0
+        foreign = max(0.0, _machine_busy_s() - self.busy0 - own)
+        return {
+            "wall_s": round(wall, 2),
+            "own_cpu_s": round(own, 2),
+            "foreign_cpu_pct": round(100 * foreign / wall, 1),
+        }
+
+
+def _marker_re(key: str) -> re.Pattern[str]:
+    k = re.escape(key)
+    return re.compile(rf"^(<!-- bench:{k} -->\n)(.*?)^(<!-- /bench:{k} -->)$", re.DOTALL | re.M)
+
+
+# A marker is a line of its own: one quoted in a sentence or in `code` is not.
+_OPEN = re.compile(r"^<!-- bench:([A-Za-z0-9][\w.:-]*) -->$", re.M)
+
+
+def marker_keys(text: str) -> list[str]:
+    """The keys of every ``<!-- bench:KEY -->`` marker in ``text``, in order."""
+    return _OPEN.findall(text)
+
+
+def rewrite_markers(text: str, blocks: dict[str, str]) -> tuple[str, list[str]]:
+    """``text`` with the body of every marked block in ``blocks`` replaced.
+
+    A marker is a line of its own. The body is everything between the
+    opening marker's line and the closing marker's; it becomes ``blocks[key]`` followed by one newline.
+    Returns the new text and the keys it rewrote. A key without a closing
+    marker raises ValueError (a half-marked page would lose its rest).
+    """
+    done: list[str] = []
+    for key in marker_keys(text):
+        if key not in blocks:
+            continue
+        m = _marker_re(key).search(text)
+        if m is None:
+            raise ValueError(f"<!-- bench:{key} --> has no <!-- /bench:{key} --> after it")
+        body = blocks[key].rstrip("\n") + "\n"
+        text = text[: m.start()] + m[1] + body + m[3] + text[m.end() :]
+        done.append(key)
+    return text, done
