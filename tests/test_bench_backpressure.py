@@ -8,10 +8,12 @@ number, which on a shared machine at these sizes means nothing.
 from __future__ import annotations
 
 import sys
+import tomllib
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import msgspec
 import pytest
 
 from iop.bench import RUNNERS, RunContext, _channel_capacity, _credit_window, _hol, _slow_reader
@@ -28,6 +30,16 @@ def smoke(module: ModuleType, tmp_path: Path) -> dict[str, Any]:
     (png,) = module.plots(result, tmp_path / "img")
     assert png.stat().st_size > 0
     return result
+
+
+def test_the_scenarios_name_their_runner_and_its_options() -> None:
+    root = Path(__file__).resolve().parents[1] / "configs" / "bench"
+    for name in ("slow-reader", "credit-window", "channel-capacity", "hol"):
+        doc = tomllib.loads((root / f"{name}.toml").read_text())
+        runner = RUNNERS[doc["runner"]]
+        assert runner.name == name
+        assert doc["description"]
+        msgspec.convert(doc["args"], runner.options)  # unknown key: an error naming it
 
 
 def test_the_runners_are_registered() -> None:

@@ -244,6 +244,11 @@ def _request(host: str, port: int, max_tokens: int) -> bytes:
             "messages": [{"role": "user", "content": "Tell me a long story."}],
             "stream": True,
             "max_tokens": max_tokens,
+            # The sim's answer length for this request only: it generates a
+            # whole answer's words before it streams, so a server default as
+            # long as the slow readers' answers would cost every short
+            # request that CPU too (iop/sim/_script.py).
+            "iop_sim": {"output_tokens": max_tokens},
         }
     )
     head = (

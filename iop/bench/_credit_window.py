@@ -87,7 +87,7 @@ def sweep_point(
             },
             node={"run_backlog": run_backlog},
             slots=streams + slow_readers + 1,
-            sim_flags=["--ttft", "0", "--output-tokens", str(max(tokens, slow_tokens))],
+            sim_flags=["--ttft", "0"],
         )
         point: dict[str, Any] = trio.run(
             _point, s, streams, tokens, slow_readers, slow_tokens, hold_s
@@ -230,24 +230,35 @@ def sweep_plot(result: dict[str, Any], key: str, xlabel: str, path: Path) -> Pat
     points = [p for p in result["points"] if p[key] != 0]
     off = [p for p in result["points"] if p[key] == 0]
     xs = [p[key] for p in points]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(14, 4))
     ax1.plot(xs, [p["throughput"]["tokens_per_s"] for p in points], "o-", label="tokens/s")
     if xs:
         ax1.set_xscale("log", base=2)
     ax1.set_xlabel(xlabel)
-    ax1.set_ylabel("tokens/s (fast streams)")
+    ax1.set_ylabel("tokens/s (fast streams; noisy: shared box)")
     if off:
         ax1.axhline(off[0]["throughput"]["tokens_per_s"], ls="--", color="grey", label="credit off")
     ax1.legend()
-    for proc, style in (("edge", "o-"), ("node", "s-")):
+    for proc, style, color in (("edge", "o-", "C0"), ("node", "s-", "C1")):
+        key_us = f"{proc}_us_per_token"
+        ax3.plot(xs, [p["throughput"][key_us] for p in points], style, color=color, label=proc)
+        if off:
+            ax3.axhline(
+                off[0]["throughput"][key_us], ls="--", color=color, label=f"{proc}, credit off"
+            )
         ax2.plot(xs, [p["memory"][f"{proc}_kib_per_reader"] for p in points], style, label=proc)
         if off:
             ax2.axhline(
                 off[0]["memory"][f"{proc}_kib_per_reader"],
                 ls="--",
-                color="C0" if proc == "edge" else "C1",
+                color=color,
                 label=f"{proc}, credit off",
             )
+    if xs:
+        ax3.set_xscale("log", base=2)
+    ax3.set_xlabel(xlabel)
+    ax3.set_ylabel("CPU per token (µs)")
+    ax3.legend()
     if xs:
         ax2.set_xscale("log", base=2)
     ax2.set_xlabel(xlabel)

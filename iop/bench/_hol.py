@@ -87,12 +87,7 @@ def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
                 },
                 node={},
                 slots=opts.fast + 2,
-                sim_flags=[
-                    "--ttft",
-                    "0",
-                    "--output-tokens",
-                    str(max(opts.tokens, opts.slow_tokens)),
-                ],
+                sim_flags=["--ttft", "0"],
             )
             mode = trio.run(_mode, s, opts, slow)
         mode |= {"mode": name, "run_window": window, "slow": slow}

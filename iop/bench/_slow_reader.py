@@ -63,7 +63,7 @@ def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
             },
             node={"run_backlog": opts.node_run_backlog},
             slots=opts.readers + 1,
-            sim_flags=["--ttft", "0", "--output-tokens", str(opts.max_tokens)],
+            sim_flags=["--ttft", "0"],
         )
         time.sleep(0.5)
         before = s.rss()
