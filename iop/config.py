@@ -409,6 +409,10 @@ class NodeSection(_Config, frozen=True, kw_only=True):
         max_frame_bytes: Largest frame the node accepts from an edge (told
             to the edge in the hello; the edge refuses a run whose Assign
             would not fit with a 413 instead of sending it).
+        run_backlog: Events a run may queue on the node that cannot go out
+            yet (beyond its credit, or, with the edge's per-run credit off,
+            not yet sent) before its adapter waits and stops reading its
+            backend: the bounded channel between adapter and link.
     """
 
     id: str = msgspec.field(default_factory=lambda: default_node_id())
@@ -420,10 +424,14 @@ class NodeSection(_Config, frozen=True, kw_only=True):
     # An edge with the default server.max_body_bytes (8 MiB) sends Assign
     # frames of up to ~19 MiB (EdgeConfig.link_frame_bytes): 32 MiB has room.
     max_frame_bytes: int = 32 * 1024 * 1024
+    # Why 16: iop.protocol._session (RUN_BACKLOG).
+    run_backlog: int = 16
 
     def __post_init__(self) -> None:
         if not self.id:
             raise ValueError("node id must not be empty")
+        if self.run_backlog < 1:
+            raise ValueError("run_backlog must be >= 1")
         if self.max_frame_bytes < 64 * 1024:
             raise ValueError("max_frame_bytes must be >= 65536")
 
@@ -611,6 +619,11 @@ class LinkSettings(_Config, frozen=True, kw_only=True):
             nothing before it pings (the node loses an edge silent for
             twice this).
         run_window: Per-run credit, in events, a node may have in flight.
+            0 turns per-run credit off (for research, docs/research.md
+            section 3): the node sends without waiting, and a run whose
+            channel on the edge is full (``RUN_BUFFER_WITHOUT_CREDIT``
+            events) holds the whole link's reader until its client reads:
+            head-of-line blocking for every run on that node.
         max_hello_bytes: Largest frame a connection may send before its
             hello is accepted (1009 above): all an unauthenticated peer can
             make the edge buffer.
@@ -662,8 +675,8 @@ class LinkSettings(_Config, frozen=True, kw_only=True):
             raise ValueError("hello_timeout_s must be > 0")
         if self.heartbeat_timeout_s <= self.heartbeat_interval_s:
             raise ValueError("heartbeat_timeout_s must exceed heartbeat_interval_s")
-        if self.run_window < 1:
-            raise ValueError("run_window must be >= 1")
+        if self.run_window < 0:
+            raise ValueError("run_window must be >= 1, or 0 for no per-run credit")
         if self.max_hello_bytes < 1024:
             raise ValueError("max_hello_bytes must be >= 1024")
         if self.max_frame_bytes and self.max_frame_bytes < self.max_hello_bytes:

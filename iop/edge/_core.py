@@ -9,7 +9,10 @@ through it: the link reader delivers each run's events straight into the
 run's consumer channel (``RemoteRun.deliver`` → ``RunSink.push_nowait``,
 which checks the event grammar and arms the run's deadlines; credit keeps
 the channel, ``run_window + 2`` events, from ever filling), and the
-consumer's reads return the credit. So the edge gets the runtime's
+consumer's reads return the credit. (With ``link.run_window = 0`` there is
+no credit: a run whose channel holds ``RUN_BUFFER_WITHOUT_CREDIT`` unread
+events makes the link reader wait, ``NodeConnection.release``, and every run
+on that node waits with it.) So the edge gets the runtime's
 guarantees for free: one terminal event per run, the wait timeouts (first
 token, idle, total) as typed cancel reasons, and cancellation as structured
 scope cancellation.
@@ -85,6 +88,7 @@ from iop.protocol import (
     CLOSE_PROTOCOL,
     CLOSE_REPLACED,
     COLLECT_FLUSH_S,
+    UNLIMITED_CREDIT,
     CapabilitiesChanged,
     EdgeLinkEvent,
     EdgeSession,
@@ -123,6 +127,11 @@ CANCEL_SEND_TIMEOUT_S: Final = 1.0
 CLOSE_TIMEOUT_S: Final = 1.0
 # Attempts of one run across nodes (the first try plus failovers).
 MAX_ATTEMPTS: Final = 3
+# With per-run credit off (``link.run_window = 0``): events a run's consumer
+# may leave unread before the link's reader waits for it (and so every run
+# on the link does). The default window's size, so that credit on and off
+# hold the same per run and differ only in who waits.
+RUN_BUFFER_WITHOUT_CREDIT: Final = 64
 
 
 # How a 400 names an operation a model does not serve.
@@ -238,6 +247,7 @@ class RemoteExecutor:
     async def _attempt(self, lease: Lease, spec: ExecutionSpec, send: RunSink, number: int) -> None:
         conn, instance = lease.conn, lease.instance.caps.instance
         window = self._core.config.link.run_window
+        credit = window or UNLIMITED_CREDIT
         run_id = spec.run_id
         placement = Placement(
             attempt=number,
@@ -248,7 +258,14 @@ class RemoteExecutor:
             scores=lease.scores,
             candidates=lease.candidates,
         )
-        rr = RemoteRun(run_id, send, self._core.masker, self._started, placement.at)
+        rr = RemoteRun(
+            run_id,
+            send,
+            self._core.masker,
+            self._started,
+            placement.at,
+            unread_limit=0 if window else RUN_BUFFER_WITHOUT_CREDIT,
+        )
         ended = False  # the node is done with the run: nothing to cancel
         timeline = send.timeline
         timeline.placements.append(placement)
@@ -267,7 +284,7 @@ class RemoteExecutor:
                     rr,
                     instance,
                     spec,
-                    window,
+                    credit,
                     collect=self._collect,
                     collect_flush_s=self._collect_flush_s,
                 )
@@ -403,7 +420,7 @@ class EdgeCore:
             )
         self.scheduler.admit(model, op, EVEN_SHARE if ticket is None else ticket.tenant.share)
         self.runs_started += 1
-        window = self.config.link.run_window
+        window = self.config.link.run_window or RUN_BUFFER_WITHOUT_CREDIT
         trace = None
         executor = RemoteExecutor(self, collect=collect)
         run = self.supervisor.start_run(
@@ -639,6 +656,7 @@ class EdgeCore:
             partial(self._on_link_events, conn),
             peer=f"node {conn.node_id}",
             clock=self.link_clock,
+            backpressure=conn if self.config.link.run_window == 0 else None,
         )
         conn.wake = driver.wake
         self.scheduler.dispatch()

@@ -62,7 +62,7 @@ import itertools
 import logging
 import random
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -110,11 +110,18 @@ class RemoteRun:
     event went to the consumer, it failed in a way another node may not
     (``retry``), it broke the event grammar (``violation``) or the link was
     lost (``lost``).
+
+    With per-run credit off (``link.run_window = 0``) nothing keeps the
+    channel from filling: ``unread_limit`` is then how many events the
+    consumer may leave unread, and ``deliver`` stops there and leaves the
+    rest in ``leftover`` for the link reader to hold (``NodeConnection``).
     """
 
     __slots__ = (
         "assigned_at",
         "done",
+        "hold",
+        "leftover",
         "lost",
         "masker",
         "output",
@@ -122,6 +129,7 @@ class RemoteRun:
         "run_id",
         "sink",
         "started",
+        "unread_limit",
         "violation",
     )
 
@@ -132,8 +140,13 @@ class RemoteRun:
         masker: SecretMasker,
         started: list[bool],
         assigned_at: float = 0.0,
+        unread_limit: int = 0,
     ) -> None:
         self.run_id = run_id
+        self.unread_limit = unread_limit  # 0: credit keeps the channel from filling
+        self.leftover: list[RuntimeEvent] | None = None
+        # The link reader's wait for this run's consumer (cancelled when the run closes).
+        self.hold: trio.CancelScope | None = None
         self.sink = sink
         # When the Assign went out (edge clock): the start of the round trip
         # the node's timeline is set against (NodeTimeline.on_edge_clock).
@@ -157,7 +170,13 @@ class RemoteRun:
         if self.done.is_set():
             return 0
         unconsumed = 0
-        for ev in events:
+        limit = self.unread_limit
+        for i, ev in enumerate(events):
+            if limit and not is_terminal(ev) and self.sink.unread >= limit:
+                # No credit held the node back and the consumer is behind:
+                # the rest waits, and so does the link (``NodeConnection``).
+                self.leftover = events[i:]
+                return unconsumed
             if isinstance(ev, Start):
                 if self.started[0]:
                     unconsumed += 1
@@ -187,8 +206,14 @@ class RemoteRun:
         """The node's side of the attempt arrived (with its terminal)."""
         _keep_node_timeline(self.sink.timeline, self.assigned_at, node, now)
 
+    def unhold(self) -> None:
+        """The run is off the link: the reader stops waiting for its consumer."""
+        if self.hold is not None:
+            self.hold.cancel()
+
     def lose(self, message: str) -> None:
         """The node's link is gone."""
+        self.unhold()
         if not self.done.is_set():
             self.lost = message
             self.done.set()
@@ -240,6 +265,9 @@ class NodeConnection:
     close_reason: str = ""
     # Set once the link's driver runs; wakes its writer.
     wake: Callable[[], None] = _nothing
+    # Per-run credit off: the events the link reader holds, in order, behind
+    # a run whose consumer is behind (head-of-line blocking: ``release``).
+    held: deque[RunEventsReceived] = field(default_factory=deque)
 
     def update_instances(self, caps: list[Capabilities]) -> None:
         old = self.instances
@@ -284,6 +312,8 @@ class NodeConnection:
             Whether a Cancel was queued for the node.
         """
         rr = self.runs.pop(run_id, None)
+        if rr is not None:
+            rr.unhold()
         if reason is not None and self.session.cancel(run_id, reason, "edge gave up on the run"):
             self.wake()
             if rr is not None:
@@ -294,19 +324,59 @@ class NodeConnection:
         return False
 
     def on_events(self, events: list[RunEventsReceived]) -> None:
-        for event in events:
+        if self.held:
+            self.held.extend(events)
+            return
+        for i, event in enumerate(events):
+            rest = self._deliver(event)
+            if rest is not None:
+                self.held.append(rest)
+                self.held.extend(events[i + 1 :])
+                return
+
+    def _deliver(self, event: RunEventsReceived) -> RunEventsReceived | None:
+        """Deliver ``event``; return what its run's consumer has no room for."""
+        rr = self.runs.get(event.run_id)
+        if rr is not None:
+            if event.timeline is not None:
+                # Before the terminal ends the run and its timeline is kept.
+                rr.node_timeline(event.timeline, trio.current_time())
+            back = rr.deliver(event.events)
+            if back:
+                self.consume(event.run_id, back)
+            if rr.leftover is not None:
+                rest, rr.leftover = rr.leftover, None
+                return RunEventsReceived(event.run_id, rest, event.finished)
+        elif event.timeline is not None:
+            ended = self.ending.pop(event.run_id, None)
+            if ended is not None:
+                _keep_node_timeline(*ended, event.timeline, trio.current_time())
+        return None
+
+    def is_held(self) -> bool:
+        """The link reader must wait (``release``) before it reads the next frame."""
+        return bool(self.held)
+
+    async def release(self) -> None:
+        """Deliver the held events, each run's once its consumer has room.
+
+        Only with per-run credit off. A run that leaves the link (its
+        client went away, ``slow_client``, a deadline) stops the wait and
+        its held events are dropped; everything behind it on the link waits
+        meanwhile: that is the head-of-line blocking credit prevents.
+        """
+        held = self.held
+        while held:
+            event = held[0]  # still held while the reader waits (``is_held``)
             rr = self.runs.get(event.run_id)
-            if rr is not None:
-                if event.timeline is not None:
-                    # Before the terminal ends the run and its timeline is kept.
-                    rr.node_timeline(event.timeline, trio.current_time())
-                back = rr.deliver(event.events)
-                if back:
-                    self.consume(event.run_id, back)
-            elif event.timeline is not None:
-                ended = self.ending.pop(event.run_id, None)
-                if ended is not None:
-                    _keep_node_timeline(*ended, event.timeline, trio.current_time())
+            if rr is not None and rr.unread_limit:
+                with trio.CancelScope() as rr.hold:
+                    await rr.sink.wait_unread_below(rr.unread_limit)
+                rr.hold = None
+            held.popleft()
+            rest = self._deliver(event)
+            if rest is not None:
+                held.appendleft(rest)
 
     def close(self, code: int, reason: str) -> None:
         """Ask the link's handler to close the link with ``code``."""

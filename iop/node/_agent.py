@@ -352,6 +352,7 @@ class NodeAgent:
             self._masker,
             on_assign=self._on_assign,
             on_run_closed=self._run_closed,
+            run_backlog=self.config.node.run_backlog,
         )
         try:
             welcome = await self._handshake(link)

@@ -9,9 +9,14 @@ everything queued, for every run, in one frame. There is no forwarder task
 per run and no outbox: one token costs the adapter's task and the writer's
 wake-up, and a burst across runs costs one frame.
 
-Backpressure: a run whose credit is spent queues up to ``RUN_BACKLOG``
-events in the session; the next ``send`` waits (``NodeRun.space``) until
-``Credit`` arrives, so the adapter stops reading its backend's socket. A
+Backpressure: a run whose credit is spent queues up to ``node.run_backlog``
+(``RUN_BACKLOG``, 16) events in the session; the next ``send`` waits
+(``NodeRun.space``) until ``Credit`` arrives, so the adapter stops reading
+its backend's socket. An edge with per-run credit off grants more credit
+than a run uses (``UNLIMITED_CREDIT``): then a run may have at most
+``node.run_backlog`` events queued that the writer has not sent, and waits
+for the writer's next round (``NodeLink.unsent_waiters``), which waits for
+the link's TCP window: the node's memory stays bounded either way. A
 cancel from the edge drops what is queued (``RunPhase.ENDING``) and wakes it.
 
 Every way a run ends produces exactly one terminal event on the link:
@@ -100,7 +105,11 @@ class NodeRun:
             session.push(self.run_id, event, timeline)
             link.driver.wake()
             return
-        if session.backlog(self.run_id) >= RUN_BACKLOG:
+        if session.backlog(self.run_id) >= link.run_backlog:
+            raise trio.WouldBlock
+        if session.unsent(self.run_id) >= link.run_backlog:
+            # No per-run credit: the writer (and the link's TCP window) holds it.
+            link.unsent_waiters[self.run_id] = self
             raise trio.WouldBlock
         session.push(self.run_id, event)
         link.driver.wake()
@@ -147,8 +156,12 @@ class NodeLink:
         *,
         on_assign: Callable[[NodeLink, AssignReceived], None],
         on_run_closed: Callable[[NodeRun], None],
+        run_backlog: int = RUN_BACKLOG,
     ) -> None:
         self.edge = edge
+        self.run_backlog = run_backlog
+        # Runs waiting for the writer to send what they queued (not credit).
+        self.unsent_waiters: dict[str, NodeRun] = {}
         self.chan = chan
         self.session = session
         self.masker = masker
@@ -206,6 +219,10 @@ class NodeLink:
                 raise LinkProtocolError("second welcome on an open link")
 
     def _after_send(self) -> None:
+        if self.unsent_waiters:
+            waiters, self.unsent_waiters = self.unsent_waiters, {}
+            for waiter in waiters.values():
+                waiter.space.set()
         for run_id in self.session.take_cut_off():
             nr = self.runs.get(run_id)
             if nr is not None:

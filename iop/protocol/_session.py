@@ -152,6 +152,7 @@ __all__ = [
     "MIN_PEER_FRAME_BYTES",
     "RELEASED_RUNS_REMEMBERED",
     "RUN_BACKLOG",
+    "UNLIMITED_CREDIT",
     "AssignReceived",
     "CancelReceived",
     "CapabilitiesChanged",
@@ -174,6 +175,13 @@ __all__ = [
 # edge returns credit every half window), small enough to bound a run's memory
 # on the edge: at most this many events are buffered per run.
 DEFAULT_RUN_WINDOW: Final = 64
+# The credit an edge with per-run credit turned off (``link.run_window = 0``,
+# for research: docs/research.md, section 3) grants each run: more events
+# than any run sends, so the node never waits for credit and the edge never
+# returns any. Only the link's own flow control (TCP, and the edge's reader
+# holding the link while a run's channel is full) holds a node back. An
+# older node needs nothing new for it: it is an ordinary, large credit.
+UNLIMITED_CREDIT: Final = 2**62
 # Events a node queues for a run beyond its credit before the run's producer
 # (the adapter) is made to wait, which stops it reading its backend.
 RUN_BACKLOG: Final = 16
@@ -790,10 +798,18 @@ class NodeSession:
 
     @property
     def next_tick_at(self) -> float:
-        """When ``tick`` next has something to do: a ping, or held events to flush."""
+        """When ``tick`` next has something to do: a ping, or held events to flush.
+
+        No ping while something is queued for the writer: it goes out when
+        the writer can send, and says as much. (A writer held up by the
+        link's flow control leaves ``last_sent`` behind: a deadline taken
+        from it would be in the past, and the reader would wake to ``tick``
+        without pause, a core spent doing nothing.)
+        """
+        ping_at = math.inf if self.has_data_to_send else self.next_ping_at
         if self._held_old or self._held_new:
-            return min(self.next_ping_at, self._flush_check_at)
-        return self.next_ping_at
+            return min(ping_at, self._flush_check_at)
+        return ping_at
 
     @property
     def has_data_to_send(self) -> bool:
@@ -807,6 +823,13 @@ class NodeSession:
         """Non-terminal events the run may send now."""
         run = self._runs.get(run_id)
         return 0 if run is None else run.credit
+
+    def unsent(self, run_id: str) -> int:
+        """Events queued for a run without per-run credit (assigned with
+        ``UNLIMITED_CREDIT``) that did not go out yet; 0 for any other run,
+        whose credit bounds them."""
+        run = self._runs.get(run_id)
+        return 0 if run is None or run.window < UNLIMITED_CREDIT else len(run.queued)
 
     def backlog(self, run_id: str) -> int:
         """Events queued for the run beyond what its credit lets go out."""

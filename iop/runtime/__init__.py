@@ -7,6 +7,7 @@ See ``iop.runtime._run`` for the theory of operation of runs and
 
 from iop.runtime._link import (
     LIVENESS_RESOLUTION_S,
+    Backpressure,
     LinkClock,
     LinkDriver,
     LinkSession,
@@ -32,6 +33,7 @@ from iop.runtime._run import (
 __all__ = [
     "LIVENESS_RESOLUTION_S",
     "RUN_EVENT_BUFFER",
+    "Backpressure",
     "EventSender",
     "Executor",
     "LinkClock",

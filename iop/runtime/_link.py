@@ -21,6 +21,14 @@ So there is no pinger and no watchdog task, and a link that carries traffic
 sends no heartbeats at all: the session pings only a peer it has not heard
 from (``iop.protocol._session``, "Liveness").
 
+A reader may be told to wait before its next frame (``Backpressure``: the
+edge with per-run credit off, when a run's consumer is behind). It then
+reads nothing, the peer's frames wait in the server's queue and the TCP
+window, and the peer's writer stops: the link's own flow control, and
+head-of-line blocking for every run on it. The peer is not silent
+meanwhile, we are not listening: its liveness deadline is suspended while
+the reader waits and starts again, with what was left of it, once it reads.
+
 An end with many links (the edge) gives its drivers one ``LinkClock``
 instead: their readers then wait without a deadline, and the clock's one
 task keeps the time of them all. It loses every link whose peer was silent
@@ -45,6 +53,7 @@ from iop.protocol import CLOSE_HEARTBEAT, FrameChannel, LinkClosed
 
 __all__ = [
     "LIVENESS_RESOLUTION_S",
+    "Backpressure",
     "LinkClock",
     "LinkDriver",
     "LinkSession",
@@ -82,6 +91,15 @@ class LinkSession(Protocol[E]):
     def data_to_send(self, now: float) -> list[bytes]: ...
 
     def tick(self, now: float) -> None: ...
+
+
+class Backpressure(Protocol):
+    """What makes a link's reader wait before it reads on (the edge's
+    ``NodeConnection`` with per-run credit off)."""
+
+    def is_held(self) -> bool: ...
+
+    async def release(self) -> None: ...
 
 
 class SweptSession(Protocol):
@@ -139,6 +157,8 @@ class LinkDriver(Generic[E]):
         peer: Who is at the other end, for the heartbeat message.
         clock: Keeps this link's time with many others' (its session must
             be a ``SweptSession``); None: the reader's own deadline does.
+        backpressure: Asked after each frame whether the reader must wait
+            before the next (only with a ``clock``).
     """
 
     def __init__(
@@ -150,8 +170,14 @@ class LinkDriver(Generic[E]):
         after_send: Callable[[], None] | None = None,
         peer: str = "peer",
         clock: LinkClock | None = None,
+        backpressure: Backpressure | None = None,
     ) -> None:
+        if backpressure is not None and clock is None:
+            raise ValueError("a link reader that may wait needs a LinkClock")
         self.chan = chan
+        self._backpressure = backpressure
+        self._holding = False
+        self._resume_until = -math.inf
         self.session = session
         self._on_events = on_events
         self._after_send = after_send
@@ -161,6 +187,23 @@ class LinkDriver(Generic[E]):
         # The reader's scope (its deadline: liveness, or the next tick; none
         # under a clock, which cancels it when the peer is lost).
         self._scope: trio.CancelScope | None = None
+
+    @property
+    def liveness_deadline(self) -> float:
+        """When the peer is lost: never while the reader waits on backpressure,
+        and after a wait no sooner than what was left of it when it began."""
+        if self._holding:
+            return math.inf
+        return max(self.session.liveness_deadline, self._resume_until)
+
+    async def _hold(self, backpressure: Backpressure) -> None:
+        left = max(0.0, self.session.liveness_deadline - trio.current_time())
+        self._holding = True
+        try:
+            await backpressure.release()
+        finally:
+            self._holding = False
+            self._resume_until = trio.current_time() + left
 
     def wake(self) -> None:
         """The session has something to send, or to do at a tick: the writer
@@ -240,6 +283,7 @@ class LinkDriver(Generic[E]):
 
     async def _clocked_reader(self, clock: LinkClock) -> None:
         session, chan = self.session, self.chan
+        backpressure = self._backpressure
         with trio.CancelScope() as scope:
             self._scope = scope
             clock.add(self)
@@ -251,6 +295,8 @@ class LinkDriver(Generic[E]):
                         self._on_events(events)
                     if session.has_data_to_send:
                         self._wake.set()
+                    if backpressure is not None and backpressure.is_held():
+                        await self._hold(backpressure)
             finally:
                 clock.discard(self)
         # Only the clock cancels this scope (``lose``): the peer went silent.
@@ -274,6 +320,13 @@ class LinkDriver(Generic[E]):
             await self._wake.wait()
             for frame in session.data_to_send(trio.current_time()):
                 await chan.send(frame)
+            scope = self._scope
+            if scope is not None and self._clock is None:
+                # Nothing queued any more: the session's next ping is due
+                # again (``next_tick_at`` has none while the writer has work).
+                tick = session.next_tick_at
+                if tick < scope.deadline:
+                    scope.deadline = tick
             if self._after_send is not None:
                 self._after_send()
 
@@ -318,7 +371,7 @@ class LinkClock:
         if sleep is not None:
             # A link whose last frame is older than the clock's plan (a slow
             # handshake) moves the next wake-up up.
-            wake_at = driver.session.liveness_deadline - self.resolution_s
+            wake_at = driver.liveness_deadline - self.resolution_s
             if wake_at < sleep.deadline:
                 sleep.deadline = wake_at
 
@@ -333,7 +386,7 @@ class LinkClock:
             now = trio.current_time()
             earliest = math.inf
             for driver in list(self._drivers):
-                deadline = driver.session.liveness_deadline
+                deadline = driver.liveness_deadline
                 if deadline <= now + res:
                     self.discard(driver)
                     driver.lose()

@@ -163,6 +163,16 @@ class RunSink(EventSender, Protocol):
         half the ``stall_at`` window, when credit is due)."""
         ...
 
+    @property
+    def unread(self) -> int:
+        """Non-terminal events pushed with ``push_nowait`` the consumer did not take yet."""
+        ...
+
+    async def wait_unread_below(self, limit: int) -> None:
+        """Wait until fewer than ``limit`` events are unread (for a producer
+        without credit: the edge's link reader with per-run credit off)."""
+        ...
+
 
 class Outlet(Protocol):
     """Where a run's events go when its consumer is not a memory channel.
@@ -380,6 +390,7 @@ class _RunSink:
         "_held",
         "_phase",
         "_report_every",
+        "_room",
         "_run",
         "_send",
         "_stall",
@@ -410,6 +421,7 @@ class _RunSink:
         # told half a window at a time (when credit goes back), not per event.
         self._unreported = 0
         self._report_every = max(1, (stall_at or 2) // 2)
+        self._room: trio.Event | None = None  # set when the consumer takes an event
         self._arm(_after(run.started_at, run.deadlines.first_token_timeout_s), _Phase.FIRST_TOKEN)
         if run._events is not None and stall_at is not None:
             run._events._taken = self._taken
@@ -574,11 +586,24 @@ class _RunSink:
         self._consumed = callback
         self._unreported = 0  # a new attempt: what was taken before was the old one's
 
+    @property
+    def unread(self) -> int:
+        return self._held
+
+    async def wait_unread_below(self, limit: int) -> None:
+        while self._held >= limit:
+            self._room = room = trio.Event()
+            await room.wait()
+
     def _taken(self, event: RuntimeEvent) -> None:
         """The consumer took ``event`` (``RunEvents`` calls this)."""
         if is_terminal(event):
             return
         self._held -= 1
+        room = self._room
+        if room is not None:
+            self._room = None
+            room.set()
         self._unreported += 1
         reported = False
         if self._unreported >= self._report_every and self._consumed is not None:
