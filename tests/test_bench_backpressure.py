@@ -16,7 +16,15 @@ from typing import Any
 import msgspec
 import pytest
 
-from iop.bench import RUNNERS, RunContext, _channel_capacity, _credit_window, _hol, _slow_reader
+from iop.bench import (
+    RUNNERS,
+    ReportInput,
+    RunContext,
+    _channel_capacity,
+    _credit_window,
+    _hol,
+    _slow_reader,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -29,6 +37,22 @@ def smoke(module: ModuleType, tmp_path: Path) -> dict[str, Any]:
     assert all(text.startswith("|") for text in tables.values())
     (png,) = module.plots(result, tmp_path / "img")
     assert png.stat().st_size > 0
+    # What `iop bench report` writes between the markers: the tables, each
+    # ended with the run's footer.
+    runner = next(r for r in RUNNERS.values() if r.run is module.run)
+    assert runner.report is not None
+    reported = runner.report(
+        ReportInput(
+            scenario=runner.name,
+            median=result,
+            repeats=[result],
+            foreign_cpu_pct=[0.0],
+            img_dir=tmp_path / "report-img",
+            footer="_footer_",
+        )
+    )
+    assert reported == {key: f"{text}\n\n_footer_" for key, text in tables.items()}
+    assert (tmp_path / "report-img" / png.name).stat().st_size > 0
     return result
 
 

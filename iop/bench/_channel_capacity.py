@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 
 from iop.bench._credit_window import sweep_plot, sweep_point, sweep_table
-from iop.bench._runner import RunContext, register
+from iop.bench._runner import RunContext, register, tables_report
 
 __all__ = ["Options", "plots", "run", "tables"]
 
@@ -50,6 +50,7 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     "channel-capacity",
     Options,
     "Per node.run_backlog: throughput of fast streams, edge/node memory per stalled reader.",
+    report=tables_report(__name__),
 )
 def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
     if ctx.smoke:

@@ -386,7 +386,10 @@ def _footer(doc: dict[str, Any], name: str, entry: dict[str, Any]) -> str:
     try:
         shown = file.resolve().relative_to(REPO)
     except ValueError:
-        shown = file
+        # A shipped scenario run from another checkout (or a clean clone's
+        # tmp dir) is still the repo's file.
+        shipped = file.parent.name == "bench" and file.parent.parent.name == "configs"
+        shown = Path("configs/bench") / file.name if shipped else file
     fc = entry.get("foreign_cpu_pct") or {}
     lo, hi = fc.get("min", "?"), fc.get("max", "?")
     foreign = f"{lo}" if lo == hi else f"{lo}\u2013{hi}"

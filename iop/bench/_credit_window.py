@@ -38,7 +38,7 @@ from iop.bench._backpressure import (
     slow_reader,
     stack,
 )
-from iop.bench._runner import RunContext, register
+from iop.bench._runner import RunContext, register, tables_report
 
 __all__ = ["Options", "plots", "run", "sweep_point", "tables"]
 
@@ -163,6 +163,7 @@ def _ms(v: float | None) -> float | None:
     "credit-window",
     Options,
     "Per link.run_window: throughput of fast streams, edge/node memory per stalled reader.",
+    report=tables_report(__name__),
 )
 def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
     if ctx.smoke:

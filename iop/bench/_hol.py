@@ -36,7 +36,7 @@ from iop.bench._backpressure import (
     slow_reader,
     stack,
 )
-from iop.bench._runner import RunContext, register
+from iop.bench._runner import RunContext, register, tables_report
 
 __all__ = ["Options", "plots", "run", "tables"]
 
@@ -69,6 +69,7 @@ def _smoke(opts: Options) -> Options:
     Options,
     "One stalled run beside fast runs on one link: their TTFT and completion with "
     "per-run credit on and off.",
+    report=tables_report(__name__),
 )
 def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
     if ctx.smoke:

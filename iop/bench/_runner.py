@@ -18,6 +18,7 @@ It never asserts timings: it measures them.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +26,15 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-__all__ = ["RUNNERS", "ReportFn", "ReportInput", "RunContext", "Runner", "register"]
+__all__ = [
+    "RUNNERS",
+    "ReportFn",
+    "ReportInput",
+    "RunContext",
+    "Runner",
+    "register",
+    "tables_report",
+]
 
 OptionsT = TypeVar("OptionsT", bound=msgspec.Struct)
 
@@ -92,6 +101,21 @@ class Runner(Generic[OptionsT]):
     summary: str
     run: Callable[[OptionsT, RunContext], dict[str, Any]]
     report: ReportFn | None = None
+
+
+def tables_report(module: str) -> ReportFn:
+    """A report made of ``module``'s ``tables(result) -> {key: markdown}`` and
+    ``plots(result, img_dir) -> [png]``, on the median result, each table
+    ended with the footer (its plots are linked from the prose around the
+    markers, under fixed names)."""
+
+    def report(r: ReportInput) -> dict[str, str]:
+        mod = importlib.import_module(module)
+        mod.plots(r.median, r.img_dir)
+        tables: dict[str, str] = mod.tables(r.median)
+        return {key: f"{text}\n\n{r.footer}" for key, text in tables.items()}
+
+    return report
 
 
 # Filled by ``register`` as runner modules are imported (``iop.bench._cli``

@@ -24,7 +24,7 @@ import msgspec
 import trio
 
 from iop.bench._backpressure import CpuWindow, Stack, sim_stats, slow_reader, stack
-from iop.bench._runner import RunContext, register
+from iop.bench._runner import RunContext, register, tables_report
 
 __all__ = ["Options", "plots", "run", "tables"]
 
@@ -50,6 +50,7 @@ def _smoke(opts: Options) -> Options:
     Options,
     "Slow clients on long streams: edge/node memory while connected; CPU and the "
     "backend's socket after they leave.",
+    report=tables_report(__name__),
 )
 def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
     if ctx.smoke:
