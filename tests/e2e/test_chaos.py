@@ -18,7 +18,7 @@ events and the requests are the same for a seed; which run a kill catches
 depends on the machine's timing, so a seed does not replay byte for byte,
 and no assertion depends on which it catches.
 
-What every run must show (docs/operations.md, "Chaos test"):
+What every run must show (docs/operations.md, "The chaos test"):
 
 * every request ends with exactly one terminal outcome as its client saw it
   (a finish reason or one error, then ``[DONE]`` for a stream; one status and
