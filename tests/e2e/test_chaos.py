@@ -47,6 +47,7 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Final
 from urllib.parse import urlsplit
@@ -103,9 +104,6 @@ class NodeSpec:
     seed: int  # the sim's: the node's signature in the text it writes
     http: bool = False  # a vllm instance on an `iop sim` process of its own
 
-    def sim(self) -> SimConfig:
-        return SimConfig(ttft_s=self.ttft_s, tokens_per_s=self.tokens_per_s, seed=self.seed)
-
 
 NODES: Final = (
     NodeSpec("fast", ttft_s=0.05, tokens_per_s=200.0, max_concurrency=3, max_queue=2, seed=101),
@@ -116,7 +114,6 @@ NODES: Final = (
     ),
 )
 SLOWEST_RATE: Final = min(n.tokens_per_s for n in NODES)
-SLOWEST_TTFT: Final = max(n.ttft_s for n in NODES)
 
 DEADLINES: Final = {
     "first_token_timeout_s": FIRST_TOKEN_TIMEOUT_S,
@@ -226,8 +223,9 @@ class ChaosNode:
         """Open fds of the current process, its idle pool to the backend left out."""
         return _fds(self.proc.pid, exclude_peer_port=self.backend_port)
 
-    def listed(self) -> bool:
-        return any(n["id"] == self.spec.node_id for n in admin(self.edge)["nodes"])
+    def gone(self) -> bool:
+        """The edge no longer lists this node."""
+        return all(n["id"] != self.spec.node_id for n in admin(self.edge)["nodes"])
 
 
 # --- the clients ----------------------------------------------------------------------
@@ -416,7 +414,7 @@ def drive_chaos(
             victim.freeze()
             log.freezes += 1
             poll(
-                lambda v=victim: not v.listed(),  # type: ignore[misc]
+                partial(ChaosNode.gone, victim),
                 timeout=SETTLE_S,
                 what=f"the edge to drop frozen node {victim.spec.node_id}",
             )
@@ -447,15 +445,19 @@ def fd_links(pid: int) -> list[str]:
     return links
 
 
-def admin(edge: Edge) -> dict[str, Any]:
-    """``/admin/nodes`` on a connection of its own, closed after the answer: no
-    connection of the test's lingers in the edge's counts."""
+def admin_get(edge: Edge, path: str) -> dict[str, Any]:
+    """An admin JSON page on a connection of its own, closed after the answer:
+    no connection of the test's lingers in the edge's counts."""
     resp = httpx.get(
-        f"{edge.url}/admin/nodes", headers={"Connection": "close"}, timeout=5.0, trust_env=False
+        f"{edge.url}{path}", headers={"Connection": "close"}, timeout=5.0, trust_env=False
     )
     resp.raise_for_status()
     data: dict[str, Any] = resp.json()
     return data
+
+
+def admin(edge: Edge) -> dict[str, Any]:
+    return admin_get(edge, "/admin/nodes")
 
 
 def counts(edge: Edge) -> dict[str, int]:
@@ -662,18 +664,20 @@ def test_chaos(procs: Procs) -> None:
         n.ready()
     settle(edge, nodes)
 
-    # Every run as its client saw it and as the edge recorded it.
+    # Every run as its client saw it and as the edge recorded it: the list of
+    # runs has each one's outcome, first output and last node; a run that
+    # failed over is read whole, for its placements.
+    recent = {r["run_id"]: r for r in admin_get(edge, "/admin/runs?limit=1000")["recent"]}
     for out in results:
-        if out.run_id is not None:
-            resp = httpx.get(
-                f"{edge.url}/admin/runs/{out.run_id}",
-                headers={"Connection": "close"},
-                timeout=5.0,
-                trust_env=False,
-            )
-            if resp.status_code == 200:
-                out.timeline = resp.json()
-                out.attempts = max(1, len(out.timeline.get("placements") or []))
+        summary = recent.get(out.run_id or "")
+        if summary is None:
+            continue
+        if summary["attempts"] > 1:
+            out.timeline = admin_get(edge, f"/admin/runs/{out.run_id}")
+        else:
+            one = [{"attempt": 1, "node": summary["node"]}] if summary["attempts"] else []
+            out.timeline = {**summary, "placements": one}
+        out.attempts = max(1, len(out.timeline["placements"]))
     problems = [
         p for out in sorted(results, key=lambda o: o.plan.index) for p in check_outcome(out, by_id)
     ]
