@@ -34,8 +34,9 @@ What every run must show (docs/operations.md, "The chaos test"):
   seed, so its text is its signature: the client's text is a prefix of the
   script of the node that ran the run's last attempt);
 * once the chaos stops and every node is back, the edge has no run and
-  nothing queued, and its task, socket and fd counts are back to where they
-  were before the load; every killed node process was reaped.
+  nothing queued, its task, socket and fd counts and each node's fds are
+  back to where they were before the load, the ``iop sim`` backend has
+  nothing open, and every killed node process was reaped.
 """
 
 from __future__ import annotations
