@@ -147,6 +147,25 @@ def _nothing() -> None:
     pass
 
 
+def live_tasks() -> int:
+    """Trio tasks alive in this process: the root task and every task under it.
+
+    A walk of the task tree (``trio.lowlevel.Task.child_nurseries``), for
+    ``/admin/nodes``: a leak check (tests/e2e/test_chaos.py) compares it
+    before and after a load, and an operator sees tasks that outlive their
+    runs. Cost: one visit per task, only when the admin view is asked for.
+    """
+    root = trio.lowlevel.current_root_task()
+    todo = [] if root is None else [root]
+    count = 0
+    while todo:
+        task = todo.pop()
+        count += 1
+        for nursery in task.child_nurseries:
+            todo.extend(nursery.child_tasks)
+    return count
+
+
 class _NodeIdInUse(LinkError):
     """A second connection presented the id of a node whose link is alive."""
 
@@ -863,6 +882,7 @@ class EdgeCore:
                 "routing": self.routing_view(),
                 "runs": runs,
                 "runs_started": self.runs_started,
+                "tasks": live_tasks(),
                 "outcomes": self.metrics.outcomes(),
                 "tenants": self.tenants.snapshot(trio.current_time()),
             }

@@ -46,6 +46,18 @@ and both were wrong for an OpenAI-compatible server:
   that keeps dribbling keeps its connection. The close (``send_eof`` and
   ``aclose``, neither of which blocks) runs shielded.
 
+* **The keep-alive timer outlives its connection, or dies at birth.**
+  Hypercorn's idle timer is a task beside the connection's reader. When a
+  client closes the connection after an answer, the reader returns but the
+  connection's task group waits for the timer, so the socket and its tasks
+  stay for ``keep_alive_timeout_s``: the edge stops the timer once the
+  connection is closed. After a quart route's response, the timer is
+  restarted from the app's task just as quart-trio cancels it (on the
+  ``http.disconnect`` hypercorn queued a moment before), so the new timer is
+  cancelled before it starts and an idle connection stays open for good:
+  the edge sends that restart shielded (docs/architecture.md, "Facts about
+  our dependencies: hypercorn").
+
 Hypercorn has no hook for its protocol class: ``ProtocolWrapper`` builds an
 ``H11Protocol`` found in ``hypercorn.protocol``'s namespace. ``install()``
 puts ``EdgeH11Protocol`` there once; it is a subclass that behaves exactly
@@ -71,7 +83,7 @@ import h11
 import hypercorn.protocol
 import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.events import Closed, Event, RawData
+from hypercorn.events import Closed, Event, RawData, Updated
 from hypercorn.protocol.h11 import H11Protocol
 from hypercorn.typing import H11SendableEvent
 
@@ -163,14 +175,17 @@ class EdgeH11Protocol(H11Protocol):
         if self._edge_limit() is not None:
             send = self.send
 
-            async def send_closing_shielded(event: Event) -> None:
-                if isinstance(event, Closed):
+            # A close, and the idle timer's restart or stop, must not be
+            # cut short by a cancel of the task that asks for them (module
+            # docstring); neither blocks.
+            async def send_shielded(event: Event) -> None:
+                if isinstance(event, Closed | Updated):
                     with trio.CancelScope(shield=True):
                         await send(event)
                 else:
                     await send(event)
 
-            self.send = send_closing_shielded
+            self.send = send_shielded
 
     def _edge_limit(self) -> int | None:
         cfg = self.config
@@ -179,6 +194,9 @@ class EdgeH11Protocol(H11Protocol):
     async def handle(self, event: Event) -> None:
         with contextlib.suppress(_Refused):
             await super().handle(event)
+        if isinstance(event, Closed) and self._edge_limit() is not None:
+            # The connection is over (module docstring): its idle timer goes too.
+            await self.send(Updated(idle=False))
 
     async def _send_h11_event(self, event: H11SendableEvent) -> None:
         if self._edge_limit() is None:

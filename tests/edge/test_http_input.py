@@ -321,6 +321,66 @@ async def test_a_head_that_never_ends_is_closed_after_keep_alive_timeout_s() -> 
                 assert await _receive_or_eof(stream) == b""
 
 
+async def test_an_idle_connection_after_a_get_is_closed_after_keep_alive_timeout_s() -> None:
+    """After a response from a quart route, hypercorn restarts the idle timer
+    from the app's task while quart-trio cancels that task's nursery (on the
+    ``http.disconnect`` that ends the stream): the timer died at birth and an
+    idle keep-alive connection stayed open for good (iop/edge/_http1.py)."""
+    async with edge(config(keep_alive_timeout_s=0.5)) as (handle, _, _):
+        host, port = handle.url.removeprefix("http://").rsplit(":", 1)
+        stream = await trio.open_tcp_stream(host, int(port))
+        async with stream:
+            await stream.send_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            with trio.fail_after(3):  # 6x the limit, a hang without the fix
+                head = await _receive_or_eof(stream)
+                assert head.startswith(b"HTTP/1.1 200")
+                while await _receive_or_eof(stream):
+                    pass
+
+
+async def test_a_connection_the_client_closes_is_released_at_once() -> None:
+    """A client that closes its keep-alive connection after an answer takes
+    its handler with it: hypercorn's reader sees the EOF, but its task group
+    used to wait for the idle timer, so the socket and two tasks stayed for
+    ``keep_alive_timeout_s`` after the client left (iop/edge/_http1.py)."""
+    from iop.events import Complete, Delta, Start
+
+    async with edge(config(keep_alive_timeout_s=30)) as (handle, node, _):
+        assert node is not None
+        assert _connection_handlers() == 0
+        host, port = handle.url.removeprefix("http://").rsplit(":", 1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer, node, Start(), Delta("hi"), Complete())
+            stream = await trio.open_tcp_stream(host, int(port))
+            body = _chat()
+            await stream.send_all(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            with trio.fail_after(10):
+                assert (await stream.receive_some(65536)).startswith(b"HTTP/1.1 200")
+        await stream.aclose()
+        # Its handler ends once the edge reads the EOF, well before the 30 s timer.
+        with trio.fail_after(3):
+            while _connection_handlers():
+                await trio.sleep(0.01)
+
+
+def _connection_handlers() -> int:
+    """Tasks serving an accepted connection (trio's ``serve_listeners`` names them)."""
+    root = trio.lowlevel.current_root_task()
+    todo = [] if root is None else [root]
+    count = 0
+    while todo:
+        task = todo.pop()
+        count += task.name.endswith("._run_handler")
+        for nursery in task.child_nurseries:
+            todo.extend(nursery.child_tasks)
+    return count
+
+
 async def test_a_dribbled_body_gets_408_and_the_connection_is_closed() -> None:
     async with edge(config(body_read_timeout_s=0.5)) as (handle, node, _):
         assert node is not None
