@@ -59,6 +59,12 @@ __all__ = [
     "load_config",
 ]
 
+# The most load reports a node may send an edge a second: well under the
+# edge's default budget of messages that cost no credit (50/s,
+# ``LinkSettings.control_rate_per_s``), which pings and capability updates
+# share; the edge also asks for at most a quarter of its own budget.
+MAX_LOAD_REPORTS_PER_S: Final = 20.0
+
 DEFAULT_MAX_CONCURRENCY: Final = 8  # seed 003's effectiveCapacity default
 
 # 16 MiB: whole tool-call arguments arrive in one SSE line from Ollama and
@@ -409,6 +415,12 @@ class NodeSection(_Config, frozen=True, kw_only=True):
         max_frame_bytes: Largest frame the node accepts from an edge (told
             to the edge in the hello; the edge refuses a run whose Assign
             would not fit with a 413 instead of sending it).
+        load_reports_per_s: Most ``LoadReport`` messages a second the node
+            sends each edge (its instances' in-flight runs, queue depth and
+            engine figures; changes in between are coalesced into the next,
+            and the last state always goes). 0: none (the edge places on
+            its own counts). The edge's welcome may lower it
+            (``Welcome.load_reports_per_s``); at most 20.
     """
 
     id: str = msgspec.field(default_factory=lambda: default_node_id())
@@ -420,10 +432,19 @@ class NodeSection(_Config, frozen=True, kw_only=True):
     # An edge with the default server.max_body_bytes (8 MiB) sends Assign
     # frames of up to ~19 MiB (EdgeConfig.link_frame_bytes): 32 MiB has room.
     max_frame_bytes: int = 32 * 1024 * 1024
+    # 10/s: a change reaches the edges within 0.1 s, and a node whose runs
+    # start and end thousands of times a second still sends ten small
+    # messages a second per edge, a fifth of the edge's default budget for
+    # messages that cost no credit (link.control_rate_per_s = 50).
+    load_reports_per_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.id:
             raise ValueError("node id must not be empty")
+        if not 0 <= self.load_reports_per_s <= MAX_LOAD_REPORTS_PER_S:
+            raise ValueError(
+                f"load_reports_per_s must be from 0 (off) to {MAX_LOAD_REPORTS_PER_S:g}"
+            )
         if self.max_frame_bytes < 64 * 1024:
             raise ValueError("max_frame_bytes must be >= 65536")
 

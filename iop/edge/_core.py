@@ -72,7 +72,7 @@ from iop.errors import (
     RequestError,
     RunAborted,
 )
-from iop.events import CancelReason, Error
+from iop.events import Cancelled, CancelReason, Error
 from iop.protocol import (
     CLOSE_BAD_TOKEN,
     CLOSE_GOING_AWAY,
@@ -148,10 +148,12 @@ async def _close(chan: FrameChannel, code: int, reason: str) -> None:
 class _Retry(Exception):
     """This attempt failed before any output; try another node."""
 
-    def __init__(self, node_id: str, why: str, error: Error | None = None) -> None:
+    def __init__(self, node_id: str, why: str, error: Error | Cancelled | None = None) -> None:
         super().__init__(why)
         self.node_id = node_id
         self.why = why
+        # What the node ended the attempt with (a refusal, or its queue
+        # timeout): the run's outcome when no other node can take it.
         self.error = error
 
 
@@ -225,6 +227,10 @@ class RemoteExecutor:
             finally:
                 lease.release()
         assert last is not None
+        if isinstance(last.error, Cancelled):
+            # The node's queue timeout: the run's own outcome (a run cancels
+            # by raising; its Cancelled comes from the runtime).
+            raise RunAborted(core.masker.mask(last.error.message), reason=last.error.reason)
         if last.error is not None:
             await send.send(mask_event(last.error, core.masker))
             return

@@ -65,8 +65,15 @@ from iop._secrets import SecretMasker, mask_event
 from iop.capabilities import Capabilities, ProviderStatus
 from iop.config import SchedulerSettings
 from iop.edge._prefix import PrefixIndex, prompt_blocks
-from iop.errors import RETRYABLE_CODES, ErrorCode, InvariantError, IopError, RunAborted
-from iop.events import CancelReason, Error, RuntimeEvent, Start, is_terminal
+from iop.errors import (
+    RETRYABLE_CANCEL_REASONS,
+    RETRYABLE_CODES,
+    ErrorCode,
+    InvariantError,
+    IopError,
+    RunAborted,
+)
+from iop.events import Cancelled, CancelReason, Error, RuntimeEvent, Start, is_terminal
 from iop.protocol import RELEASED_RUNS_REMEMBERED, EdgeSession, RunEventsReceived
 from iop.runtime import RunSink
 from iop.spec import ChatRequest, CompletionRequest, ExecutionSpec, OperationRequest
@@ -134,7 +141,7 @@ class RemoteRun:
         self.started = started
         self.done = trio.Event()
         self.output = False  # content, reasoning or a terminal reached the consumer
-        self.retry: Error | None = None
+        self.retry: Error | Cancelled | None = None
         self.violation: str | None = None
         self.lost: str | None = None
 
@@ -153,7 +160,11 @@ class RemoteRun:
                     unconsumed += 1
                     continue
                 self.started[0] = True
-            elif not self.output and isinstance(ev, Error) and ev.code in RETRYABLE_CODES:
+            elif not self.output and (
+                (isinstance(ev, Error) and ev.code in RETRYABLE_CODES)
+                or (isinstance(ev, Cancelled) and ev.reason in RETRYABLE_CANCEL_REASONS)
+            ):
+                # The node refused or never ran it: another node may.
                 self.retry = ev
                 self.done.set()
                 return unconsumed
