@@ -40,6 +40,7 @@ reader, one writer, no other task per link.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -51,9 +52,10 @@ import msgspec
 import trio
 
 from iop._secrets import SecretMasker, edge_secrets, mask_event
-from iop.config import EdgeConfig
+from iop.config import MAX_LOAD_REPORTS_PER_S, EdgeConfig
 from iop.edge._metrics import EdgeMetrics
 from iop.edge._registry import (
+    InstanceState,
     Lease,
     NodeConnection,
     NodeRegistry,
@@ -87,6 +89,7 @@ from iop.protocol import (
     EdgeSession,
     FrameChannel,
     LinkClosed,
+    LoadReported,
     NodeDraining,
     NodeJoined,
     RunEventsReceived,
@@ -492,6 +495,10 @@ class EdgeCore:
             max_frame_bytes=self.config.link_frame_bytes,
             control_rate_per_s=link.control_rate_per_s,
             control_burst=link.control_burst,
+            # A quarter of the budget the reports share with pings and
+            # capability updates: a node at this rate never runs it dry.
+            load_reports_per_s=min(MAX_LOAD_REPORTS_PER_S, link.control_rate_per_s / 4),
+            load_stale_s=self.config.scheduler.load_stale_s,
         )
         who = peer or "?"
         try:
@@ -681,6 +688,8 @@ class EdgeCore:
                 conn.update_instances(event.instances)
                 log.info("node %s updated its capabilities", conn.node_id)
                 self.scheduler.dispatch()
+            elif isinstance(event, LoadReported):
+                conn.on_load(event.instances, event.at)
             elif isinstance(event, NodeDraining):
                 conn.draining = True
                 conn.goodbye = event.reason
@@ -706,6 +715,7 @@ class EdgeCore:
                         {
                             **msgspec.to_builtins(i.caps),
                             "in_flight": i.in_flight,
+                            "reported": self._reported_view(i),
                         }
                         for i in conn.instances.values()
                     ],
@@ -732,6 +742,30 @@ class EdgeCore:
                 "outcomes": self.metrics.outcomes(),
             }
         )
+
+    def _reported_view(self, inst: InstanceState) -> dict[str, object] | None:
+        """What the node last reported of ``inst``'s load, how old, and
+        whether placement uses it (None: never reported)."""
+        rep = inst.reported
+        if rep is None:
+            return None
+        now = trio.current_time()
+        engine = None
+        if rep.engine_at > -math.inf:
+            engine = {
+                "running": rep.running,
+                "waiting": rep.waiting,
+                "kv_usage": rep.kv_usage,
+                "age_s": round(now - rep.engine_at, 3),
+            }
+        return {
+            "in_flight": rep.in_flight,
+            "queued": rep.queued,
+            "age_s": round(now - rep.at, 3),
+            "engine": engine,
+            "stale": self.scheduler.is_stale(inst, now),
+            "occupancy": self.scheduler.occupancy(inst, now),
+        }
 
     def _queue_view(self) -> dict[str, object]:
         """How runs left the queue, and the last one's time on the host's
