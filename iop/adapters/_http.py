@@ -936,6 +936,8 @@ class HTTPAdapter:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._http = HTTPBackend(cfg, kind=self.kind, provider=provider, transport=transport)
+        # llama.cpp without --metrics: read /slots instead (``engine_load``).
+        self._use_slots = False
 
     @property
     def name(self) -> str:
@@ -997,8 +999,6 @@ class HTTPAdapter:
                 return await self.engine_load()
             raise
         return figures_from_metrics(self.engine, parse_metrics(page, metric_names(self.engine)))
-
-    _use_slots = False
 
     async def aclose(self) -> None:
         await self._http.aclose()

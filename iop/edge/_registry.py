@@ -273,7 +273,7 @@ class ReportedLoad:
             out.waiting = _figure(engine.waiting, LOAD_FIGURE_CAP)
             out.kv_usage = _figure(engine.kv_usage, 1.0)
             age = engine.age_s
-            out.engine_at = now - max(age, 0.0) if age == age else -math.inf
+            out.engine_at = -math.inf if math.isnan(age) else now - max(age, 0.0)
         return out
 
 
@@ -608,9 +608,7 @@ class Scheduler:
         """The engine's reported KV-cache usage (0 when unknown or stale)."""
         rep = inst.reported
         stale = self.settings.load_stale_s
-        if rep is None or rep.kv_usage is None or now - rep.engine_at > stale:
-            return 0.0
-        if now - rep.at > stale:
+        if rep is None or rep.kv_usage is None or now - min(rep.at, rep.engine_at) > stale:
             return 0.0
         return rep.kv_usage
 

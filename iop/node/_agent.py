@@ -23,6 +23,13 @@ like any other outcome. The instance's total deadline counts from the moment
 the run was assigned; the first-token deadline starts once it has a slot.
 When the probe finds that the instances changed, each link queues a
 ``CapabilitiesUpdate``.
+
+Several edges may share the node; its slots are the authority on what an
+instance takes, whichever edge sent the run. Every change of an instance's
+slots or of its engine's figures (read by ``scrape_engine_load``, one task
+per instance whose engine publishes its load, in the agent's nursery) tells
+each link's session, which sends the edges a ``LoadReport``, coalesced to
+``node.load_reports_per_s`` (``iop.protocol._session``, "Load reports").
 """
 
 from __future__ import annotations

@@ -802,7 +802,6 @@ class NodeSession:
         self._load_refresh_every = math.inf
         self._load_dirty = False
         self._load_sent_at = -math.inf
-        self.load_reports_sent = 0
         self.node_id = node_id
         self.max_frame_bytes = max_frame_bytes
         # What the edge accepts (from its welcome; until then, what an edge
@@ -980,7 +979,6 @@ class NodeSession:
         self._out.messages.append(encode(LoadReport(instances=self._load_source())))
         self._load_dirty = False
         self._load_sent_at = now
-        self.load_reports_sent += 1
 
     def _answer(self, now: float) -> None:
         """An edge ping: get in step with it. The edge pings all its quiet

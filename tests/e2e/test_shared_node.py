@@ -37,9 +37,7 @@ def last_run(edge: Edge) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("reports", [10.0, 0.0], ids=["reports", "no-reports"])
-def test_a_node_filled_by_another_edge_is_avoided_or_refused(
-    procs: Procs, reports: float
-) -> None:
+def test_a_node_filled_by_another_edge_is_avoided_or_refused(procs: Procs, reports: float) -> None:
     sim = procs.sim()
     a = procs.edge({})
     b = procs.edge({}, name="edge-b")
@@ -74,9 +72,7 @@ def test_a_node_filled_by_another_edge_is_avoided_or_refused(
                 assert report["engine"] is not None  # the sim's /metrics
             else:
                 assert shared_report(a) is None
-            answer = client_a.chat.completions.create(
-                model=MODEL, messages=MESSAGES, max_tokens=4
-            )
+            answer = client_a.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
             assert answer.choices[0].message.content
             run = last_run(a)
             assert run["node"] == "spare"

@@ -370,3 +370,52 @@ def test_load_reports_per_s_is_bounded(rate: float) -> None:
 def test_load_stale_s_must_be_positive(stale: float) -> None:
     with pytest.raises(ValueError, match="load_stale_s"):
         SchedulerSettings(load_stale_s=stale)
+
+
+class ScriptedReader:
+    """An engine reader that fails in the ways a broken adapter can."""
+
+    load_scrape_interval_s = 1.0
+
+    def __init__(self, *steps: str) -> None:
+        self.steps = list(steps)
+
+    async def engine_load(self) -> EngineFigures:
+        step = self.steps.pop(0) if self.steps else "ok"
+        if step == "crash":
+            raise RuntimeError("adapter bug")
+        if step == "hang":
+            await trio.sleep_forever()
+        return EngineFigures(running=1.0)
+
+
+async def test_a_crashing_or_hanging_reader_is_logged_once_and_the_loop_goes_on(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    from iop.node._instances import SCRAPE_GUARD_S, Instance, scrape_engine_load
+
+    inst = Instance(sim(), VllmAdapter(vllm_instance()))
+    changes: list[float] = []
+    reader = ScriptedReader("crash", "hang", "crash", "ok")
+    caplog.set_level(logging.INFO, logger="iop.node")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scrape_engine_load, inst, reader, lambda: changes.append(1))
+        await trio.sleep(3 + SCRAPE_GUARD_S + 1)
+        nursery.cancel_scope.cancel()
+    failed = [r for r in caplog.records if "failed" in r.message]
+    assert len(failed) == 1
+    assert "RuntimeError: adapter bug" in failed[0].message
+    assert any("read again" in r.message for r in caplog.records)
+    assert inst.engine == EngineFigures(running=1.0)
+    assert changes == [1]  # once: the figures changed once
+
+
+async def test_a_reader_with_no_interval_returns_at_once() -> None:
+    from iop.node._instances import Instance, scrape_engine_load
+
+    reader = ScriptedReader("crash")
+    reader.load_scrape_interval_s = 0.0
+    inst = Instance(sim(), VllmAdapter(vllm_instance()))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scrape_engine_load, inst, reader, lambda: None)
+    assert reader.steps == ["crash"]  # never called
