@@ -74,7 +74,9 @@ changes of the interval are coalesced into one report at its end, built
 from the figures then (``load_source``), so the last state always goes. A
 node with nothing changing repeats its report every
 ``LOAD_REFRESH_FRACTION`` of ``load_stale_s``, so a quiet node's report is
-never stale at the edge while the node is alive.
+never stale at the edge while the node is alive; a heartbeat due before
+then carries the report instead of a ping, so an idle link sends no more
+frames for it.
 
 Liveness
 --------
@@ -1119,6 +1121,14 @@ class NodeSession:
             return
         if now >= self.next_load_at:
             self._queue_load(now)  # also says the node is alive: no ping
+        elif (
+            now >= self.next_ping_at
+            and not self.has_data_to_send
+            and now + self.heartbeat_interval_s >= self._load_sent_at + self._load_refresh_every
+        ):
+            # The refresh would be due before the next heartbeat: it is the
+            # heartbeat, so an idle link sends no more frames than before.
+            self._queue_load(now)
         if now >= self.next_ping_at and not self.has_data_to_send:
             self._nonce += 1
             self._out.messages.append(encode(Ping(nonce=self._nonce)))

@@ -3,6 +3,8 @@ session, and the edge's rate limit (sans-IO, explicit times)."""
 
 from __future__ import annotations
 
+import itertools
+
 import msgspec
 import pytest
 
@@ -133,3 +135,25 @@ def test_a_report_from_an_edge_is_a_protocol_error() -> None:
     session.receive(welcome(load_reports_per_s=1.0), 0.0)
     with pytest.raises(LinkProtocolError):
         session.receive(encode_batch([encode(LoadReport(instances=[]))]), 0.0)
+
+
+def test_an_idle_links_heartbeats_carry_the_refresh_and_no_more_frames() -> None:
+    session, _ = node()
+    session.receive(welcome(load_reports_per_s=10.0, load_stale_s=5.0), 0.0)
+    now, frames, pings, refreshes = 0.0, 0, 0, [0.0]
+    session.data_to_send(now)  # the first report, with the welcome
+    while now < 30.0:
+        now = session.next_tick_at
+        session.tick(now)
+        for frame in session.data_to_send(now):
+            frames += 1
+            for msg in decode_node_batch(frame):
+                if isinstance(msg, LoadReport):
+                    refreshes.append(now)
+                else:
+                    pings += 1
+    # One frame per heartbeat interval (the welcome's 1 s), as without load
+    # reports, and every one a report: never stale at the edge.
+    assert frames <= 31
+    assert pings == 0
+    assert max(b - a for a, b in itertools.pairwise(refreshes)) <= 5.0 / 3
