@@ -47,10 +47,11 @@ count, so a report older than ``load_stale_s`` (ignored: the edge's own
 count again), a missing one, or an absurd one (clamped, ``ReportedLoad``)
 can never make an instance look full and hold runs back; the node's own
 admission (``iop.node._slots``) refuses what it cannot take, and the run
-fails over (docs/operations.md, "How a run is placed"). Reading a stale
-"full" as saturation is the failure this avoids: a scheduler that did held
-requests back behind instances that had long recovered (head-of-line
-blocking).
+fails over (docs/operations.md, "How a run is placed"). Reading stale or
+missing metrics as saturation is the failure this avoids: llm-d's router
+scored such endpoints as full, and when metrics collection failed across
+the fleet it stopped dispatching altogether
+(https://github.com/llm-d/llm-d-router/pull/2165).
 
 Every waiter leaves the queue one way (``QueueExit``): placed, cancelled
 (its run ended while it waited: the client left, a deadline, shutdown) or

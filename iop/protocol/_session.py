@@ -996,10 +996,20 @@ class NodeSession:
         if self.has_data_to_send:
             return
         if now - self._out.last_sent >= self.heartbeat_interval_s / 4:
-            self._nonce += 1
-            self._out.messages.append(encode(Ping(nonce=self._nonce)))
+            self._heartbeat(now)
         else:
             self._in_step_at = now
+
+    def _heartbeat(self, now: float) -> None:
+        """A ping; or the load report, when its refresh would be due before the
+        next heartbeat: it says as much, and an idle link then sends no more
+        frames for its reports than it did for its pings."""
+        refresh = self._load_refresh_every
+        if refresh != math.inf and now + self.heartbeat_interval_s >= self._load_sent_at + refresh:
+            self._queue_load(now)
+            return
+        self._nonce += 1
+        self._out.messages.append(encode(Ping(nonce=self._nonce)))
 
     def _assign(self, msg: Assign) -> AssignReceived:
         if msg.run_id in self._runs:
@@ -1121,17 +1131,8 @@ class NodeSession:
             return
         if now >= self.next_load_at:
             self._queue_load(now)  # also says the node is alive: no ping
-        elif (
-            now >= self.next_ping_at
-            and not self.has_data_to_send
-            and now + self.heartbeat_interval_s >= self._load_sent_at + self._load_refresh_every
-        ):
-            # The refresh would be due before the next heartbeat: it is the
-            # heartbeat, so an idle link sends no more frames than before.
-            self._queue_load(now)
         if now >= self.next_ping_at and not self.has_data_to_send:
-            self._nonce += 1
-            self._out.messages.append(encode(Ping(nonce=self._nonce)))
+            self._heartbeat(now)
         if now >= self._flush_check_at:
             for run_id in self._held_old:
                 run = self._runs.get(run_id)

@@ -17,6 +17,7 @@ from iop.protocol import (
     LoadReport,
     LoadReported,
     NodeSession,
+    Ping,
     Welcome,
     decode_node_batch,
     encode,
@@ -156,4 +157,27 @@ def test_an_idle_links_heartbeats_carry_the_refresh_and_no_more_frames() -> None
     # reports, and every one a report: never stale at the edge.
     assert frames <= 31
     assert pings == 0
+    assert max(b - a for a, b in itertools.pairwise(refreshes)) <= 5.0 / 3
+
+
+def test_answers_to_the_edges_pings_carry_the_refresh_too() -> None:
+    session, _ = node()
+    session.receive(welcome(load_reports_per_s=10.0, load_stale_s=5.0), 0.0)
+    session.data_to_send(0.0)
+    ping = encode_batch([encode(Ping(nonce=1))])
+    now, frames, refreshes = 0.0, 0, [0.0]
+    sweep = 2.0  # the edge's sweeps, every heartbeat_timeout_s
+    while now < 30.0:
+        now = min(session.next_tick_at, sweep)
+        if now == sweep:
+            session.receive(ping, now)
+            sweep += 2.0
+        else:
+            session.tick(now)
+        for frame in session.data_to_send(now):
+            frames += 1
+            if any(isinstance(m, LoadReport) for m in decode_node_batch(frame)):
+                refreshes.append(now)
+    # No frame of its own for the refresh: heartbeats and answers carry it.
+    assert frames <= 31
     assert max(b - a for a, b in itertools.pairwise(refreshes)) <= 5.0 / 3
