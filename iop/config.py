@@ -889,6 +889,87 @@ class ResponsesSettings(_Config, frozen=True, kw_only=True):
             raise ValueError("store_ttl_s must be > 0")
 
 
+_TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+class TenantSettings(_Config, frozen=True, kw_only=True):
+    """One client of the edge: its keys, the models it may use, and its limits.
+
+    Keys are stored as SHA-256 digests (lower-case hex), never in clear:
+    ``iop keys create`` makes a key and prints this table for it. A limit of
+    0 is no limit. Limits are token buckets refilled continuously
+    (``iop.edge._tenants``): a tenant may burst its whole minute at once and
+    then gets ``limit / 60`` more every second.
+
+    Attributes:
+        name: Names the tenant in logs, metrics labels and the admin page
+            (letters, digits, ``_.-``; at most 64).
+        key_sha256: Digests of the tenant's keys (several: rotate a key by
+            adding the new one before removing the old).
+        models: Models the tenant may use; empty: every model. A model not
+            on the list is answered 404 as if it did not exist, and is not
+            listed by ``/v1/models``.
+        requests_per_minute: Requests admitted per minute (429 above).
+        tokens_per_minute: Input + output tokens per minute. A request
+            reserves its estimated prompt tokens plus its ``max_tokens``
+            (``tenancy.default_max_tokens`` when it sets none) at
+            admission; its real usage is settled when it ends.
+        max_concurrent_runs: Runs at once, queued ones included (429 above).
+        priority: The tenant's class in the edge's queue: ``high`` runs are
+            served before ``normal`` ones, ``normal`` before ``low``.
+        weight: The tenant's share of its class when runs queue: two
+            tenants of weights 1 and 3 with bursts queued get slots 1:3.
+    """
+
+    name: str
+    key_sha256: list[str]
+    models: list[str] = []
+    requests_per_minute: int = 0
+    tokens_per_minute: int = 0
+    max_concurrent_runs: int = 0
+    priority: Literal["high", "normal", "low"] = "normal"
+    weight: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 0.001 <= self.weight <= 1000:
+            raise ValueError(f"tenant {self.name!r}: weight must be between 0.001 and 1000")
+        if not _TENANT_NAME.fullmatch(self.name):
+            raise ValueError(
+                f"tenant name {self.name!r} must be 1-64 letters, digits or _.- "
+                "(it is a metrics label)"
+            )
+        if not self.key_sha256:
+            raise ValueError(f"tenant {self.name!r} has no key_sha256")
+        for digest in self.key_sha256:
+            if not _SHA256_HEX.fullmatch(digest):
+                raise ValueError(
+                    f"tenant {self.name!r}: key_sha256 entries are 64 lower-case hex "
+                    "digits (the SHA-256 of the key; `iop keys hash` prints it), "
+                    f"got {digest[:16]!r}..."
+                )
+        if min(self.requests_per_minute, self.tokens_per_minute, self.max_concurrent_runs) < 0:
+            raise ValueError(f"tenant {self.name!r}: limits must be >= 0 (0: no limit)")
+
+
+class TenancySettings(_Config, frozen=True, kw_only=True):
+    """What applies to every tenant.
+
+    Attributes:
+        default_max_tokens: Output tokens a request that sets no
+            ``max_tokens`` reserves against its tenant's
+            ``tokens_per_minute`` until it ends.
+    """
+
+    # 1,024: a long chat answer; the reservation is settled to the real
+    # usage when the run ends, so a generous guess only delays admission.
+    default_max_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be >= 1")
+
+
 class EdgeConfig(_Config, frozen=True, kw_only=True):
     """The edge: HTTP server, node link, scheduler, wait timeouts, model policies.
 
@@ -904,6 +985,26 @@ class EdgeConfig(_Config, frozen=True, kw_only=True):
     timelines: TimelineSettings = TimelineSettings()
     tracing: TracingSettings = TracingSettings()
     models: dict[str, OutputPolicy] = {}
+    tenancy: TenancySettings = TenancySettings()
+    tenants: list[TenantSettings] = []
+
+    def __post_init__(self) -> None:
+        names: set[str] = set()
+        digests: dict[str, str] = {}
+        for t in self.tenants:
+            if t.name in names:
+                raise ValueError(f"tenant name {t.name!r} is used twice")
+            names.add(t.name)
+            for d in t.key_sha256:
+                if d in digests:
+                    raise ValueError(
+                        f"a key_sha256 of tenant {t.name!r} is also tenant {digests[d]!r}'s"
+                    )
+                digests[d] = t.name
+        if self.tenants and self.server.api_keys:
+            clash = {hashlib.sha256(k.encode()).hexdigest() for k in self.server.api_keys}
+            if clash & digests.keys():
+                raise ValueError("a key in server.api_keys is also a tenant's key")
 
     def policy_for(self, model: str) -> OutputPolicy:
         return self.models.get(model) or self.models.get("*") or OutputPolicy()

@@ -122,6 +122,17 @@ class Placement(msgspec.Struct, kw_only=True):
     # when placement scored them ("node/instance" -> score).
     why: str = ""
     scores: dict[str, float] = {}
+    # The instances with a free slot it was chosen from (drained, draining,
+    # excluded and full ones are none): (node, instance, in flight, slots)
+    # just before the choice; the JSON has "node/instance" -> load.
+    candidates: list[tuple[str, str, int, int]] = []
+
+    def loads(self) -> dict[str, float]:
+        """Each candidate's load (in flight over slots) by ``"node/instance"``."""
+        return {
+            f"{node}/{instance}": round(in_flight / max(slots, 1), 4)
+            for node, instance, in_flight, slots in self.candidates
+        }
 
 
 class NodeTimeline(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -240,6 +251,8 @@ class Timeline(msgspec.Struct, kw_only=True):
     run_id: str
     model: str = ""
     operation: str = ""
+    # The client's tenant (iop.edge._tenants): "" where there is none (a node).
+    tenant: str = ""
     stream: bool = True
     received_unix: float = 0.0
     received: float = 0.0
@@ -341,6 +354,7 @@ class Timeline(msgspec.Struct, kw_only=True):
             "run_id": self.run_id,
             "model": self.model,
             "operation": self.operation,
+            "tenant": self.tenant,
             "stream": self.stream,
             "phase": self.phase,
             "received_unix": self.received_unix,
@@ -357,6 +371,7 @@ class Timeline(msgspec.Struct, kw_only=True):
                     "result": p.result,
                     "why": p.why,
                     "scores": p.scores,
+                    "candidates": p.loads(),
                 }
                 for p in self.placements
             ],
@@ -382,6 +397,7 @@ class Timeline(msgspec.Struct, kw_only=True):
         return {
             "run_id": self.run_id,
             "model": self.model,
+            "tenant": self.tenant,
             "phase": self.phase,
             "received_unix": self.received_unix,
             "node": None if last is None else last.node,

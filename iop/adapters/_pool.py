@@ -21,6 +21,19 @@ goes back on the stack if httpcore left it idle (the body was read to its
 end), else it is gone (closed early, or cancelled: that is what tells the
 backend to stop generating). At most ``max_idle`` wait; more are closed.
 
+An early answer: a server with a smaller body limit than the edge's (the
+sim's ``MAX_REQUEST_BYTES``, 4 MiB, against the edge's 8 MiB) answers 413
+after reading part of a body and reads no more. When the kernel's socket
+buffers take the rest, the write succeeds and httpcore, seeing the whole
+request sent and the whole response read, leaves the connection idle; but
+the server is still behind the bytes it never read, and the next request on
+that connection waits for an answer that never comes (the run's
+first-token timeout, a 504). So a write larger than ``HEAD_MAX_BYTES`` that
+finds the server's answer already waiting (or a write that fails) marks the
+connection, and it is closed with its response, never reused. A server that
+answers a whole large body very fast may be taken for one that answered
+early: that costs one new connection, nothing else.
+
 Why not httpx's own pool (httpcore 1.0.9 ``AsyncConnectionPool``), measured
 in ``docs/benchmarks.md`` ("Where the fixed cost goes"):
 
@@ -136,6 +149,9 @@ class _SocketStream(httpcore.AsyncNetworkStream):
     def __init__(self, stream: trio.SocketStream | trio.SSLStream[trio.SocketStream]) -> None:
         self._stream = stream
         self._held: bytes | None = None  # a small write not sent yet (module docstring)
+        # The server answered while a large write was still going out: it may
+        # not have taken the body in full (module docstring, "early answer").
+        self.answered_early = False
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
         if self._held is not None:
@@ -176,16 +192,25 @@ class _SocketStream(httpcore.AsyncNetworkStream):
                 # The server answered before taking the whole body (an early
                 # 413 from a smaller body limit) and stopped reading: httpcore
                 # reads that answer after a WriteError, not after a timeout.
+                self.answered_early = True
                 raise httpcore.WriteError("the server answered before taking the body") from exc
             raise httpcore.WriteTimeout(str(exc)) from exc
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            self.answered_early = True  # whatever it answers, the body did not all go
             raise httpcore.WriteError(str(exc)) from exc
+        if len(data) > HEAD_MAX_BYTES and self._peer_answered():
+            # The kernel's buffers took the rest of a body the server had
+            # stopped reading, and its answer is already here: the request
+            # looks complete to httpcore, which would keep the connection
+            # idle, but the server is still behind the unread bytes.
+            self.answered_early = True
 
     def _peer_answered(self) -> bool:
         """Whether the server has sent something (its response) meanwhile."""
         stream = self._stream
-        plain = stream if isinstance(stream, trio.SocketStream) else stream.transport_stream
-        return plain.socket.is_readable()
+        plain = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+        # (Only a socket can tell; a stream that is none, a test's, never answered early.)
+        return isinstance(plain, trio.SocketStream) and plain.socket.is_readable()
 
     async def aclose(self) -> None:
         self._held = None
@@ -345,10 +370,13 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
                 # request that broke off): it is not reused.
                 self._open.discard(conn)
                 raise
+        stream = response.extensions.get("network_stream")
+        body = _PooledBody(cast(_CoreBody, response.stream), origin, conn, self)
+        body.answered_early = isinstance(stream, _SocketStream) and stream.answered_early
         return httpx.Response(
             status_code=response.status,
             headers=response.headers,
-            stream=_PooledBody(cast(_CoreBody, response.stream), origin, conn, self),
+            stream=body,
             extensions=response.extensions,
         )
 
@@ -371,9 +399,12 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
         self._open.add(conn)
         return conn
 
-    async def _checkin(self, origin: httpcore.Origin, conn: httpcore.AsyncHTTPConnection) -> None:
-        """A response of ``conn`` is closed: keep it for the next request, or let it go."""
-        if not conn.is_idle() or self._closed:
+    async def _checkin(
+        self, origin: httpcore.Origin, conn: httpcore.AsyncHTTPConnection, *, reusable: bool = True
+    ) -> None:
+        """A response of ``conn`` is closed: keep it for the next request, or let it go
+        (always when not ``reusable``: its server may not have read the whole request)."""
+        if not reusable or not conn.is_idle() or self._closed:
             self._open.discard(conn)
             if not conn.is_closed():
                 await conn.aclose()
@@ -428,6 +459,9 @@ class _PooledBody(httpx.AsyncByteStream):
         self._pool = pool
         self._parts: AsyncIterator[bytes] | None = None
         self._closed = False
+        # The server answered before it took the whole request body: the
+        # connection is closed with the response, never reused.
+        self.answered_early = False
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self
@@ -454,4 +488,6 @@ class _PooledBody(httpx.AsyncByteStream):
                 await self._stream.aclose()
         finally:
             with trio.CancelScope(shield=True):  # it only closes, bounded (module docstring)
-                await self._pool._checkin(self._origin, self._conn)
+                await self._pool._checkin(
+                    self._origin, self._conn, reusable=not self.answered_early
+                )

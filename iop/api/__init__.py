@@ -28,7 +28,7 @@ from iop.api.chat import CHAT, ChatSurface
 from iop.api.completions import COMPLETIONS, CompletionsSurface
 from iop.api.embeddings import EMBEDDINGS, EmbeddingsSurface
 from iop.api.messages import AUTH_FAILED as ANTHROPIC_AUTH_FAILED
-from iop.api.messages import MESSAGES, MessagesSurface
+from iop.api.messages import MESSAGES, MessagesSurface, estimate_input_tokens
 from iop.api.messages import api_key as anthropic_api_key
 from iop.api.responses import ResponsesSurface
 
@@ -57,6 +57,7 @@ __all__ = [
     "anthropic_api_key",
     "anthropic_model_body",
     "anthropic_model_list_body",
+    "estimate_input_tokens",
     "model_body",
     "model_list_body",
     "shape_failure",

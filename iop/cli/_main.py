@@ -32,13 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"iop {__version__}")
     _add_log_level(parser, default="info")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    from iop.cli import _edge, _node, _run, _sim, _up
+    from iop.cli import _edge, _keys, _node, _run, _sim, _up
 
     _up.add_parser(sub)
     _edge.add_parser(sub)
     _node.add_parser(sub)
     _sim.add_parser(sub)
     _run.add_parser(sub)
+    _keys.add_parser(sub)
     for command in sub.choices.values():
         # Also after the subcommand (`iop edge --log-level debug`); SUPPRESS
         # keeps a value given before it when this one is absent.

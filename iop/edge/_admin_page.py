@@ -1,9 +1,13 @@
-"""The admin pages: ``GET /admin`` (nodes, instances, load, live and recent
-runs) and a run's timeline (``GET /admin/runs/{id}`` from a browser) as HTML.
+"""The admin pages: ``GET /admin`` (nodes, instances, load, operator drains
+with their Drain/Undrain buttons, the routing policy, live and recent runs)
+and a run's timeline (``GET /admin/runs/{id}`` from a browser: its spans,
+moments and placements, with the candidates each was chosen from) as HTML.
 
 Rendered on the server from ``EdgeCore.snapshot()`` and ``EdgeCore.runs_view()``
 (the same data as ``GET /admin/nodes`` and ``GET /admin/runs``), escaped,
-with no script: the page reloads itself every few seconds. A run's timeline
+with no script: the page reloads itself every few seconds, and its buttons
+are forms that post to the edge (drain, undrain, log out; the edge refuses
+them cross-origin). A run's timeline
 is a table of its moments and a chart of its spans drawn with plain
 ``div``s whose offsets and widths are percentages of the run's duration. When admin keys are configured, ``render_login_page`` is what a
 browser without a session gets: a plain form that posts the key to
@@ -37,7 +41,7 @@ th{background:#f3f3f3}.num{text-align:right}
 .ok{color:#176b1a}.bad{color:#b00020}.muted{color:#777}
 header{display:flex;align-items:baseline;gap:1em}header form{margin-left:auto}
 label{display:block;margin:.8em 0 .3em}input{font:inherit;padding:.3em;width:22em}
-button{font:inherit;padding:.3em 1em;margin-top:.8em}
+button{font:inherit;padding:.3em 1em;margin-top:.8em}td form button{margin:0;padding:.1em .6em}
 .chart{width:100%;max-width:60em;margin:.6em 0}
 .span{display:flex;align-items:center;gap:.6em;margin:.15em 0}
 .span .name{width:13em;flex:none}.span .track{flex:1;position:relative;height:1em;background:#f3f3f3}
@@ -92,6 +96,61 @@ def _run_link(run_id: str) -> str:
     return f"<td><a href='/admin/runs/{escape(run_id, quote=True)}'>{escape(run_id)}</a></td>"
 
 
+def _drain_form(node_id: str, drained: bool) -> str:
+    """The Drain (or Undrain) button of one node: a form posting to the edge."""
+    verb = "undrain" if drained else "drain"
+    action = f"/admin/nodes/{escape(node_id, quote=True)}/{verb}"
+    title = (
+        "Let this node take runs again"
+        if drained
+        else "Send no new runs to this node; its runs go on (a reason: the API)"
+    )
+    return (
+        f"<td><form method='post' action='{action}'>"
+        f"<button type='submit' title='{title}'>{verb.capitalize()}</button></form></td>"
+    )
+
+
+def _drain_cell(mark: Any) -> str:
+    if not mark:
+        return _cell("no")
+    said = f": {mark.get('reason')}" if mark.get("reason") else ""
+    return _cell(f"drained by {mark.get('by') or '?'}{said}", "bad")
+
+
+def _routing(snapshot: dict[str, Any]) -> str:
+    """The routing section: the policy and its weights, the queue, the prefix index."""
+    r: dict[str, Any] = snapshot.get("routing") or {}
+    if not r:
+        return ""
+    index = r.get("prefix_index") or {}
+    facts = [
+        f"Placement: {r.get('placement')}",
+        f"affinity {'on' if r.get('affinity') else 'off'}",
+        f"failover {'on' if r.get('failover') else 'off'}",
+    ]
+    rows = [
+        ("prefix_weight", r.get("prefix_weight")),
+        ("load_weight", r.get("load_weight")),
+        ("affinity_weight", r.get("affinity_weight")),
+        ("balance_abs_threshold", r.get("balance_abs_threshold")),
+        ("balance_rel_threshold", r.get("balance_rel_threshold")),
+        ("queued / max_queue", f"{snapshot.get('queued', 0)} / {r.get('max_queue')}"),
+        ("max_queue_delay_s", r.get("max_queue_delay_s")),
+        ("queue_timeout_s", r.get("queue_timeout_s")),
+        (
+            "prefix index entries",
+            f"{index.get('entries', 0)} / {index.get('max_entries', 0)}"
+            f" ({index.get('evicted', 0)} evicted)",
+        ),
+    ]
+    return f"<h2>Routing</h2><p>{escape(', '.join(facts))}.</p>" + _table(
+        ["[scheduler]", "value"],
+        ["<tr>" + _cell(k) + _cell(v, "num") + "</tr>" for k, v in rows],
+        "",
+    )
+
+
 def render_admin_page(
     snapshot: dict[str, Any], runs: dict[str, Any] | None = None, *, logout: bool = False
 ) -> bytes:
@@ -105,7 +164,11 @@ def render_admin_page(
             detail = str(inst.get("provider_detail", ""))
             instance_rows.append(
                 "<tr>"
-                + _cell(node["id"] + (" (draining)" if node.get("draining") else ""))
+                + _cell(
+                    node["id"]
+                    + (" (drained)" if node.get("drained") else "")
+                    + (" (draining)" if node.get("draining") else "")
+                )
                 + _cell(inst.get("instance", ""))
                 + _cell(inst.get("adapter", ""))
                 + _cell(inst.get("provider", ""))
@@ -123,9 +186,28 @@ def render_admin_page(
         + _cell(n.get("software", ""))
         + _cell(f"{n.get('connected_for_s', 0)} s", "num")
         + _cell("yes" if n.get("draining") else "no")
+        + _drain_cell(n.get("drained"))
         + _cell(len(n.get("runs", [])), "num")
+        + _cell(sum(int(i.get("in_flight", 0)) for i in n.get("instances", [])), "num")
+        + _drain_form(n["id"], bool(n.get("drained")))
         + "</tr>"
         for n in nodes
+    ]
+    connected = {n["id"] for n in nodes}
+    # Drained ids that are not connected now: they stay drained when they come back.
+    node_rows += [
+        "<tr>"
+        + _cell(node_id)
+        + _cell("")
+        + _cell("not connected", "muted")
+        + _cell("")
+        + _drain_cell(mark)
+        + _cell(0, "num")
+        + _cell(0, "num")
+        + _drain_form(node_id, True)
+        + "</tr>"
+        for node_id, mark in (snapshot.get("drained") or {}).items()
+        if node_id not in connected
     ]
     runs = runs or {}
     phases = {r["run_id"]: r.get("phase", "") for r in runs.get("live", [])}
@@ -157,6 +239,7 @@ def render_admin_page(
         "<tr>" + _cell(k) + _cell(v, "num") + "</tr>"
         for k, v in sorted(snapshot.get("outcomes", {}).items())
     ]
+    tenant_rows = [_tenant_row(t) for t in snapshot.get("tenants", [])]
     state = "draining" if snapshot.get("draining") else "serving"
     body = (
         f"{_HEAD}<meta http-equiv='refresh' content='{REFRESH_S}'>"
@@ -174,7 +257,21 @@ def render_admin_page(
             "No node is connected.",
         )
         + "<h2>Nodes</h2>"
-        + _table(["node", "software", "connected for", "draining", "runs"], node_rows, "None.")
+        + _table(
+            [
+                "node",
+                "software",
+                "connected for",
+                "said goodbye",
+                "operator drain",
+                "runs",
+                "slots in use",
+                "",
+            ],
+            node_rows,
+            "None.",
+        )
+        + _routing(snapshot)
         + "<h2>Runs in flight</h2>"
         + _table(["run", "model", "phase", "age"], run_rows, "None.")
         + "<h2>Recent runs</h2>"
@@ -185,9 +282,48 @@ def render_admin_page(
         )
         + "<h2>Outcomes</h2>"
         + _table(["outcome", "runs"], outcome_rows, "No run has ended yet.")
+        + "<h2>Tenants</h2>"
+        + _table(
+            [
+                "tenant",
+                "class / weight",
+                "models",
+                "running",
+                "requests left",
+                "tokens left",
+                "admitted",
+                "refused",
+                "tokens in / out",
+            ],
+            tenant_rows,
+            "None.",
+        )
         + "</body></html>"
     )
     return body.encode()
+
+
+def _tenant_row(t: dict[str, Any]) -> str:
+    limits = t.get("limits", {})
+
+    def left(kind: str) -> str:
+        lim = limits.get(kind)
+        return "no limit" if lim is None else f"{lim['remaining']} / {lim['limit']}"
+
+    cap = t.get("max_concurrent_runs") or 0
+    return (
+        "<tr>"
+        + _cell(t.get("name", ""))
+        + _cell(f"{t.get('priority', '')} / {t.get('weight', '')}")
+        + _cell(", ".join(t.get("models", [])) or "all")
+        + _cell(f"{t.get('running', 0)}" + (f" / {cap}" if cap else ""), "num")
+        + _cell(left("requests"), "num")
+        + _cell(left("tokens"), "num")
+        + _cell(t.get("admitted", 0), "num")
+        + _cell(t.get("refused", 0), "num" if not t.get("refused") else "bad")
+        + _cell(f"{t.get('tokens_in', 0)} / {t.get('tokens_out', 0)}", "num")
+        + "</tr>"
+    )
 
 
 # (label, start key, end key, css class) of a run's spans, edge then node.
@@ -284,6 +420,26 @@ def render_run_page(timeline: dict[str, Any], *, logout: bool = False) -> bytes:
             )
         )
     moments.sort(key=lambda m: m[0])
+    placement_rows = []
+    for p in t.get("placements", []):
+        scores: dict[str, Any] = p.get("scores") or {}
+        loads: dict[str, Any] = p.get("candidates") or {}
+        chosen = f"{p.get('node')}/{p.get('instance')}"
+        names = list(loads) + [n for n in scores if n not in loads]
+        seen = ", ".join(
+            f"{n}{' (chosen)' if n == chosen else ''}: load {loads.get(n, '?')}"
+            + (f", score {scores[n]}" if n in scores else "")
+            for n in names
+        )
+        placement_rows.append(
+            "<tr>"
+            + _cell(p.get("attempt"), "num")
+            + _cell(chosen)
+            + _cell(p.get("why") or "")
+            + _cell(seen)
+            + _cell(p.get("result") or "running")
+            + "</tr>"
+        )
     moment_rows = [
         "<tr>" + _cell(f"{at:.1f} ms", "num") + _cell(label) + _cell(where) + "</tr>"
         for at, label, where in moments
@@ -322,6 +478,12 @@ def render_run_page(timeline: dict[str, Any], *, logout: bool = False) -> bytes:
             else "<p class='muted'>None yet.</p>"
         )
         + clock
+        + "<h2>Placement</h2>"
+        + _table(
+            ["attempt", "chosen", "why", "candidates", "result"],
+            placement_rows,
+            "Not placed yet.",
+        )
         + "<h2>Moments</h2>"
         + _table(["at", "moment", "where"], moment_rows, "None yet.")
         + "</body></html>"

@@ -5,8 +5,9 @@ Routes: the API surfaces (``POST /v1/chat/completions``, ``/v1/responses``,
 ``iop.api``), ``GET /v1/models`` and ``GET /v1/models/{id}`` (OpenAI's or
 Anthropic's shapes, ``iop.api._models``), ``GET /healthz``, ``GET /readyz``,
 ``GET /metrics``, the admin pages (``GET /admin`` as HTML, or its login form;
-``POST /admin/login`` and ``/admin/logout``; ``GET /admin/nodes`` as JSON:
-``_admin_auth`` says who may open them). The node link WebSocket
+``POST /admin/login`` and ``/admin/logout``; ``GET /admin/nodes`` as JSON;
+``POST /admin/nodes/{id}/drain`` and ``/undrain``, from a script or the
+page's buttons: ``_admin_auth`` says who may open them). The node link WebSocket
 (``/v1/link``) is served beside this app, at the ASGI level
 (``iop.edge._link_asgi``). Every error a client sees is its API's error
 body (OpenAI's, except on a surface route whose surface has its own) with
@@ -87,7 +88,7 @@ from iop.api import (
     shape_failure,
     wants_anthropic,
 )
-from iop.edge._admin_auth import COOKIE_NAME, AdminGate, Verdict, key_matches
+from iop.edge._admin_auth import COOKIE_NAME, AdminGate, Verdict
 from iop.edge._admin_page import (
     RECENT_ON_PAGE,
     render_admin_page,
@@ -99,6 +100,14 @@ from iop.edge._link_asgi import LINK_PATH
 from iop.edge._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from iop.edge._stall import ConnectionStall, client_gone_reason, current_connection
 from iop.edge._surface_asgi import BodyReader, EndKnownBody, SurfaceAnswer, SurfaceASGI
+from iop.edge._tenants import (
+    RateLimited,
+    Tenant,
+    estimate_tokens,
+    no_access,
+    rate_headers,
+    retry_headers,
+)
 from iop.errors import ErrorCode, IopError, RequestError
 from iop.events import (
     Cancelled,
@@ -108,6 +117,7 @@ from iop.events import (
     Start,
     TerminalEvent,
     TokenCount,
+    Usage,
     is_terminal,
 )
 from iop.runtime import Run, new_run_id
@@ -133,6 +143,19 @@ COALESCE_MAX: Final = 64
 # Finished runs ``GET /admin/runs`` lists unless ``?limit=`` says otherwise.
 ADMIN_RUNS_LIMIT: Final = 100
 
+# A drain's reason: a line for the page and the log (a ticket, "kernel
+# upgrade"), not a document; its body (JSON or the page's form) is a few
+# hundred bytes, so anything past 4 KiB is not a drain request.
+DRAIN_REASON_MAX_CHARS: Final = 200
+DRAIN_BODY_MAX_BYTES: Final = 4096
+
+
+class DrainBody(msgspec.Struct, forbid_unknown_fields=True):
+    """The optional JSON body of ``POST /admin/nodes/{id}/drain``."""
+
+    reason: str = ""
+
+
 _SSE_HEADERS: Final = {
     "Content-Type": "text/event-stream",
     "Cache-Control": "no-cache",
@@ -152,16 +175,19 @@ def _error(
     *,
     code: str | None = None,
     param: str | None = None,
-    headers: dict[str, str] | None = None,
+    headers: Mapping[str, str] | None = None,
     surface: Surface = CHAT,
 ) -> Response:
     """An error response in ``surface``'s shape (OpenAI's unless a route says otherwise)."""
     sent, body = surface.error_body(status, message, code=code, param=param)
-    return _json_response(body, sent, headers)
+    return _json_response(body, sent, None if headers is None else dict(headers))
 
 
-def _from_exc(exc: IopError, surface: Surface = CHAT) -> Response:
-    headers = {"Retry-After": "1"} if exc.status == 429 else None
+def _from_exc(
+    exc: IopError, surface: Surface = CHAT, headers: Mapping[str, str] | None = None
+) -> Response:
+    if headers is None and exc.status == 429:
+        headers = {"Retry-After": "1"}
     param = exc.param if isinstance(exc, RequestError) else None
     return _error(
         exc.status, exc.message, code=exc.code, param=param, headers=headers, surface=surface
@@ -333,7 +359,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
     app.config["RESPONSE_TIMEOUT"] = None
     app.config["BODY_TIMEOUT"] = cfg.server.body_read_timeout_s
     app.config["MAX_CONTENT_LENGTH"] = cfg.server.max_body_bytes
-    keys = [k.encode() for k in cfg.server.api_keys]
+    tenants = core.tenants
     gate = AdminGate(
         cfg.server.admin_keys or cfg.server.api_keys,
         session_s=cfg.server.admin_session_s,
@@ -347,7 +373,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
     messages = MessagesSurface(max_depth=cfg.server.max_json_depth)
 
     def authorized(key: str) -> bool:
-        return not keys or key_matches(key.encode(), keys)
+        return tenants.identify(key) is not None
 
     def admin_verdict() -> Verdict:
         verdict = gate.check(request.cookies.get(COOKIE_NAME), request.headers.get("Authorization"))
@@ -416,7 +442,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             msgspec.json.encode({"status": "ready", "nodes": len(core.registry.nodes)})
         )
 
-    def model_reader() -> tuple[Surface, Response | None]:
+    def model_reader() -> tuple[Surface, Tenant | None, Response | None]:
         """The surface whose shapes a model route answers in, and its 401 if
         the key is missing or wrong (``iop.api._models``: Anthropic's shapes
         for a request with ``anthropic-version``, else OpenAI's). Either key
@@ -426,20 +452,30 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         ``Access-Control-Allow-*`` header)."""
         headers = _headers()
         surface = messages if wants_anthropic(headers) else CHAT
-        if authorized(anthropic_key(headers)):
-            return surface, None
+        tenant = tenants.identify(anthropic_key(headers))
+        if tenant is not None:
+            return surface, tenant, None
         if surface is messages:
-            return surface, _error(
-                401, ANTHROPIC_AUTH_FAILED, code=ErrorCode.INVALID_API_KEY, surface=messages
+            return (
+                surface,
+                None,
+                _error(
+                    401, ANTHROPIC_AUTH_FAILED, code=ErrorCode.INVALID_API_KEY, surface=messages
+                ),
             )
-        return surface, _error(401, "Incorrect API key provided.", code=ErrorCode.INVALID_API_KEY)
+        return (
+            surface,
+            None,
+            _error(401, "Incorrect API key provided.", code=ErrorCode.INVALID_API_KEY),
+        )
 
     @app.get("/v1/models")
     async def models() -> Response:
-        surface, refused = model_reader()
+        surface, tenant, refused = model_reader()
         if refused is not None:
             return refused
-        served = [(m.id, m.nodes) for m in core.models()]
+        assert tenant is not None
+        served = [(m.id, m.nodes) for m in core.models() if tenant.may_use(m.id)]
         if surface is messages:
             return _json_response(anthropic_model_list_body(served, int(core.started_at)))
         return _json_response(model_list_body(served, int(core.started_at)))
@@ -447,11 +483,12 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
     # ``path``: model ids may hold ``/`` (``Qwen/Qwen3-8B``), sent as is or as %2F.
     @app.get("/v1/models/<path:model_id>")
     async def model(model_id: str) -> Response:
-        surface, refused = model_reader()
+        surface, tenant, refused = model_reader()
         if refused is not None:
             return refused
+        assert tenant is not None
         found = next((m for m in core.models() if m.id == model_id), None)
-        if found is None:
+        if found is None or not tenant.may_use(model_id):
             return _error(
                 404,
                 f"The model '{model_id}' does not exist",
@@ -500,6 +537,110 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         if refused is not None:
             return refused
         return _json_response(msgspec.json.encode(core.snapshot()))
+
+    def admin_who() -> str:
+        """Who an allowed admin request is, for the log: how it got in, from where."""
+        if gate.open:
+            via = "open admin (no admin key set)"
+        elif request.headers.get("Authorization", "").startswith("Bearer "):
+            via = "admin key"
+        else:
+            via = "admin session"
+        return f"{via} from {request.remote_addr}"
+
+    async def drain_reason(form: bool) -> str | Response:
+        """The drain's reason from the page's form or the JSON body (may be
+        absent), or the refusal of a body that is not one."""
+        length = request.content_length
+        if length is not None and length > DRAIN_BODY_MAX_BYTES:
+            return _error(
+                413,
+                f"A drain request's body is at most {DRAIN_BODY_MAX_BYTES} bytes.",
+                code=ErrorCode.REQUEST_ENTITY_TOO_LARGE,
+                headers={"Connection": "close"},
+            )
+        if form:
+            reason = str((await request.form).get("reason", ""))
+        else:
+            unsupported = _unsupported_content_type(request.headers.get("Content-Type"))
+            if unsupported is not None:
+                return _error(415, unsupported, code=ErrorCode.UNSUPPORTED_MEDIA_TYPE)
+            body = await request.get_data(cache=False)
+            assert isinstance(body, bytes)
+            if len(body) > DRAIN_BODY_MAX_BYTES:
+                return _error(
+                    413,
+                    f"A drain request's body is at most {DRAIN_BODY_MAX_BYTES} bytes.",
+                    code=ErrorCode.REQUEST_ENTITY_TOO_LARGE,
+                    headers={"Connection": "close"},
+                )
+            try:
+                reason = msgspec.json.decode(body, type=DrainBody).reason if body.strip() else ""
+            except msgspec.DecodeError as exc:
+                return _error(
+                    400,
+                    f'The body must be empty or {{"reason": "..."}}: {exc}',
+                    code=ErrorCode.INVALID_JSON,
+                )
+        # One line: no control characters (a newline would forge a log line).
+        reason = " ".join("".join(c if c.isprintable() else " " for c in reason).split())
+        if len(reason) > DRAIN_REASON_MAX_CHARS:
+            return _error(
+                400,
+                f"reason is at most {DRAIN_REASON_MAX_CHARS} characters",
+                code=ErrorCode.INVALID_VALUE,
+                param="reason",
+            )
+        return reason
+
+    async def drain_or_undrain(node_id: str, drain: bool) -> Response:
+        """``POST /admin/nodes/{id}/drain`` (``drain``) or ``/undrain``.
+
+        The page's buttons post a form (with the session cookie: refused
+        cross-origin, like login and logout, and answered with a redirect to
+        the page); a script posts JSON or nothing with a Bearer admin key and
+        gets the node's drain state as JSON.
+        """
+        if not _same_origin():
+            return _cross_origin_refused()
+        form = request.mimetype == "application/x-www-form-urlencoded"
+        if form:
+            verdict = admin_verdict()
+            if verdict is Verdict.THROTTLED:
+                return _login_page(_throttled_message(gate), 429, gate)
+            if verdict is Verdict.DENIED:
+                return _login_page(None, 401, gate)
+        else:
+            refused = admin_refusal()
+            if refused is not None:
+                return refused
+        reason = await drain_reason(form) if drain else ""
+        if isinstance(reason, Response):
+            return reason
+        try:
+            if drain:
+                changed = core.drain_node(node_id, reason=reason, by=admin_who())
+            else:
+                changed = core.undrain_node(node_id, by=admin_who())
+        except KeyError:
+            return _error(
+                404,
+                f"No node {node_id!r} is connected or drained.",
+                code=ErrorCode.NODE_NOT_FOUND,
+            )
+        if form:
+            return _see_other("/admin")
+        return _json_response(msgspec.json.encode({**core.drain_view(node_id), "changed": changed}))
+
+    # ``path``: node ids are the operator's strings (any but "/" is likely;
+    # the converter takes that too).
+    @app.post("/admin/nodes/<path:node_id>/drain")
+    async def admin_drain(node_id: str) -> Response:
+        return await drain_or_undrain(node_id, drain=True)
+
+    @app.post("/admin/nodes/<path:node_id>/undrain")
+    async def admin_undrain(node_id: str) -> Response:
+        return await drain_or_undrain(node_id, drain=False)
 
     @app.get("/admin/runs")
     async def admin_runs() -> Response:
@@ -592,14 +733,26 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         (``_surface_asgi``); the quart route gives the same answer.
         """
         surface = route.surface
-        if not authorized(route.key_of(headers)):
+        tenant = tenants.identify(route.key_of(headers))
+        if tenant is None:
             return _error(401, route.auth_failed, code=ErrorCode.INVALID_API_KEY, surface=surface)
         unsupported = _unsupported_content_type(headers.get("content-type"))
         if unsupported is not None:
             return _error(415, unsupported, code=ErrorCode.UNSUPPORTED_MEDIA_TYPE, surface=surface)
         body = await read_body()
+        anthropic = isinstance(surface, MessagesSurface)
+        limit_headers: dict[str, str] | None = None
         try:
             call = surface.parse(body, headers)
+            if not tenant.may_use(call.request.model):
+                raise no_access(call.request.model)
+            ticket = tenants.admit(
+                tenant,
+                estimate_tokens(call.request, cfg.tenancy.default_max_tokens),
+                trio.current_time(),
+            )
+            if ticket.limits:
+                limit_headers = rate_headers(ticket.limits, anthropic)
             spec = ExecutionSpec(
                 run_id=new_run_id(),
                 request=call.request,
@@ -607,7 +760,14 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
                 # A client's trace context (checked): the run joins its trace.
                 traceparent=valid_traceparent(headers.get("traceparent")),
             )
-            run = core.start_run(spec, collect=not call.stream)
+            try:
+                run = core.start_run(spec, collect=not call.stream, ticket=ticket)
+            except IopError:
+                tenants.finish(ticket, Usage(), trio.current_time())  # it never ran
+                raise
+        except RateLimited as exc:
+            core.metrics.tenant_refused.labels(tenant.name, exc.limit).inc()
+            return _from_exc(exc, surface, retry_headers(exc, anthropic))
         except IopError as exc:
             return _from_exc(exc, surface)
         connection = current_connection()
@@ -622,18 +782,21 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             if not call.stream:
                 collector = surface.collector(call, ctx)
                 handed_over = True  # _complete owns the run
-                return await _complete(run, collector)
+                return await _complete(run, collector, limit_headers)
             stream = surface.stream(call, ctx)
             first = await _first_output(run, cfg.server.keepalive_interval_s)
             early = _early_failure(first, surface)
             if early is not None:
                 run.events.close()
+                if limit_headers:
+                    early.headers.update(limit_headers)
                 return early
             handed_over = True
             sse = _RunBody(
                 run, stream, _sse_body(run, stream, first, cfg.server.keepalive_interval_s)
             )
-            return Response(sse, status=200, headers=_SSE_HEADERS)
+            sse_headers = _SSE_HEADERS if not limit_headers else {**_SSE_HEADERS, **limit_headers}
+            return Response(sse, status=200, headers=sse_headers)
         finally:
             if not handed_over:
                 run.cancel(*client_gone_reason())
@@ -660,7 +823,8 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         """Anthropic's count_tokens: a tokenize run on the model's backend; IOP's
         estimate (said so in a header) when the backend has no tokenizer."""
         headers = _headers()
-        if not authorized(anthropic_key(headers)):
+        tenant = tenants.identify(anthropic_key(headers))
+        if tenant is None:
             return _error(
                 401, ANTHROPIC_AUTH_FAILED, code=ErrorCode.INVALID_API_KEY, surface=messages
             )
@@ -671,6 +835,8 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         assert isinstance(body, bytes)
         try:
             counted = messages.parse_count_tokens(body)
+            if not tenant.may_use(counted.model):
+                raise no_access(counted.model)
         except RequestError as exc:
             return _from_exc(exc, messages)
         tokenize = TokenizeRequest(
@@ -899,7 +1065,9 @@ def _cut_off_when_slow(connection: ConnectionStall) -> Callable[[TerminalEvent],
     return on_outcome
 
 
-async def _complete(run: Run, collector: Collector) -> Response:
+async def _complete(
+    run: Run, collector: Collector, extra_headers: dict[str, str] | None = None
+) -> Response:
     done = False
     try:
         async for ev in run.events:
@@ -918,4 +1086,6 @@ async def _complete(run: Run, collector: Collector) -> Response:
         run.events.close()
     status, body = collector.result()
     headers = {"Retry-After": "1"} if status == 429 else None
+    if extra_headers:
+        headers = {**extra_headers, **(headers or {})}
     return _json_response(body, status, headers)

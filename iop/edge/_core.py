@@ -55,14 +55,17 @@ from iop._secrets import SecretMasker, edge_secrets, mask_event
 from iop.config import MAX_LOAD_REPORTS_PER_S, EdgeConfig
 from iop.edge._metrics import EdgeMetrics
 from iop.edge._registry import (
+    EVEN_SHARE,
     InstanceState,
     Lease,
     NodeConnection,
+    NodeDrain,
     NodeRegistry,
     RemoteRun,
     Scheduler,
     affinity_key,
 )
+from iop.edge._tenants import Tenants, Ticket, charged_usage
 from iop.edge._timeline_export import TimelineExport
 from iop.errors import (
     ErrorCode,
@@ -194,6 +197,7 @@ class RemoteExecutor:
         last: _Retry | None = None
         affinity = affinity_key(spec.request) if core.config.scheduler.affinity else None
         prefix = core.scheduler.prompt_blocks(spec.request)
+        share = core.tenants.share_of(send.timeline.tenant)
         attempts = MAX_ATTEMPTS if core.config.scheduler.failover else 1
         for attempt in range(attempts):
             if last is not None and not core.scheduler.could_serve(model, frozenset(excluded), op):
@@ -208,6 +212,7 @@ class RemoteExecutor:
                         # A failover's wait shows as the gap between placements.
                         timeline=send.timeline if attempt == 0 else None,
                         prefix=prefix,
+                        share=share,
                     )
             except RunAborted:
                 if last is not None and last.error is not None:
@@ -250,6 +255,7 @@ class RemoteExecutor:
             at=trio.current_time(),
             why=lease.why,
             scores=lease.scores,
+            candidates=lease.candidates,
         )
         rr = RemoteRun(run_id, send, self._core.masker, self._started, placement.at)
         ended = False  # the node is done with the run: nothing to cancel
@@ -337,6 +343,10 @@ class EdgeCore:
         # from nodes to clients, /admin, /admin/nodes and /metrics.
         self.masker = SecretMasker(value for value, _ in edge_secrets(config))
         self.metrics = EdgeMetrics(self.registry, self.scheduler, supervisor, self.masker)
+        # Client keys, their tenants and limits; the admitted runs' tickets,
+        # settled when each run ends (``record_outcome``).
+        self.tenants = Tenants(config.tenants, config.server.api_keys, config.tenancy)
+        self._tickets: dict[str, Ticket] = {}
         # The timelines of recent finished runs, and their export (open_edge_core runs it).
         self.timelines = TimelineRing(config.timelines.recent)
         self.export = export
@@ -350,11 +360,15 @@ class EdgeCore:
     def models(self) -> list[ModelEntry]:
         return [ModelEntry(m, tuple(nodes)) for m, nodes in sorted(self.registry.models().items())]
 
-    def start_run(self, spec: ExecutionSpec, *, collect: bool = False) -> Run:
+    def start_run(
+        self, spec: ExecutionSpec, *, collect: bool = False, ticket: Ticket | None = None
+    ) -> Run:
         """Admit and start a run on the cluster.
 
         Args:
             spec: The run.
+            ticket: The client's admission by its tenant (``iop.edge._tenants``),
+                settled when the run ends; its tenant's share orders the queue.
             collect: The caller reads the events only to build one answer
                 (a non-streaming request): the node may send them in a few
                 merged messages instead of one per token (``Assign.collect``).
@@ -396,7 +410,7 @@ class EdgeCore:
                 code=ErrorCode.MODEL_NOT_FOUND,
                 param="model",
             )
-        self.scheduler.admit(model, op)
+        self.scheduler.admit(model, op, EVEN_SHARE if ticket is None else ticket.tenant.share)
         self.runs_started += 1
         window = self.config.link.run_window
         trace = None
@@ -414,6 +428,9 @@ class EdgeCore:
         timeline = run.timeline
         timeline.stream = not collect
         timeline.max_stalls = self.config.timelines.max_stalls
+        if ticket is not None:
+            # Before the run's task starts: its queue share is its tenant's.
+            self.hold_ticket(run, ticket)
         if self.tracing is not None:
             trace = self.tracing.request(timeline, spec.traceparent, f"{op} {model}")
             executor._trace = self._traces[spec.run_id] = trace
@@ -443,18 +460,31 @@ class EdgeCore:
             if not listed and (caps.targets or inst.usable):
                 continue
             name = f"{conn.node_id}/{caps.instance}"
-            if conn.draining:
+            drained = self.registry.drained.get(conn.node_id)
+            if drained is not None:
+                said = f" ({drained.reason})" if drained.reason else ""
+                why.append(f"node {conn.node_id} is drained by an operator{said}")
+            elif conn.draining:
                 why.append(f"node {conn.node_id} is draining")
             elif not inst.usable:
                 cause = caps.provider_detail or "no reason given"
                 maybe = "" if listed else " (its models are unknown)"
                 why.append(f"instance {name}{maybe} is unavailable: {cause}")
-        return list(dict.fromkeys(why))  # one "node X is draining" per node
+        return list(dict.fromkeys(why))  # one "node X is draining" (or drained) per node
+
+    def hold_ticket(self, run: Run, ticket: Ticket) -> None:
+        """``run`` was admitted with ``ticket``: settle it when the run ends."""
+        run.timeline.tenant = ticket.tenant.name
+        self._tickets[run.run_id] = ticket
 
     def record_outcome(self, run: Run) -> None:
         """Count a finished run (the metrics' run counter, which /admin reads too)
         and keep its timeline."""
-        self.metrics.record(run, trio.current_time())
+        now = trio.current_time()
+        self.metrics.record(run, now)
+        ticket = self._tickets.pop(run.run_id, None)
+        if ticket is not None:
+            self.tenants.finish(ticket, charged_usage(run.outcome), now)
         self.timelines.add(run.timeline)
         if self.export is not None:
             self.export.add(run.timeline)
@@ -699,9 +729,97 @@ class EdgeCore:
 
     # --- admin / lifecycle --------------------------------------------------------
 
+    def known_node(self, node_id: str) -> bool:
+        """Whether ``node_id`` is connected or drained (what drain and undrain act on)."""
+        return node_id in self.registry.nodes or node_id in self.registry.drained
+
+    def drain_node(self, node_id: str, *, reason: str = "", by: str = "") -> bool:
+        """An operator's drain of ``node_id``: no new runs go there until
+        ``undrain_node``, across its reconnects; its runs go on to their end.
+
+        Returns:
+            Whether it changed anything (False: already drained, kept as it was).
+
+        Raises:
+            KeyError: No node of that id is connected or drained.
+        """
+        if not self.known_node(node_id):
+            raise KeyError(node_id)
+        if node_id in self.registry.drained:
+            return False
+        self.registry.drained[node_id] = NodeDrain(reason=reason, by=by, since_unix=time.time())
+        conn = self.registry.nodes.get(node_id)
+        log.warning(
+            "node %s drained by %s%s: no new runs go there; %d run(s) on it go on",
+            node_id,
+            by or "?",
+            f" ({reason})" if reason else "",
+            0 if conn is None else len(conn.runs),
+        )
+        return True
+
+    def undrain_node(self, node_id: str, *, by: str = "") -> bool:
+        """Undo ``drain_node``: ``node_id`` takes runs again (queued ones first).
+
+        Returns:
+            Whether it changed anything (False: it was not drained).
+
+        Raises:
+            KeyError: No node of that id is connected or drained.
+        """
+        if not self.known_node(node_id):
+            raise KeyError(node_id)
+        if self.registry.drained.pop(node_id, None) is None:
+            return False
+        log.warning("node %s undrained by %s: it takes runs again", node_id, by or "?")
+        self.scheduler.dispatch()
+        return True
+
+    def drain_view(self, node_id: str) -> dict[str, object]:
+        """One node id's drain state (what drain and undrain answer)."""
+        drained = self.registry.drained.get(node_id)
+        conn = self.registry.nodes.get(node_id)
+        return self.masker.mask_tree(
+            {
+                "id": node_id,
+                "drained": None if drained is None else msgspec.to_builtins(drained),
+                "connected": conn is not None,
+                "runs": 0 if conn is None else len(conn.runs),
+            }
+        )
+
+    def routing_view(self) -> dict[str, object]:
+        """The scheduler's policy, its weights and the prefix index's size."""
+        s = self.config.scheduler
+        prefixes = self.scheduler.prefixes
+        return {
+            "placement": s.placement,
+            "affinity": s.affinity,
+            "failover": s.failover,
+            "prefix_weight": s.prefix_weight,
+            "load_weight": s.load_weight,
+            "affinity_weight": s.affinity_weight,
+            "balance_abs_threshold": s.balance_abs_threshold,
+            "balance_rel_threshold": s.balance_rel_threshold,
+            "max_queue": s.max_queue,
+            "max_queue_delay_s": s.max_queue_delay_s,
+            "queue_timeout_s": s.queue_timeout_s,
+            "prefix_index": {
+                "entries": len(prefixes),
+                "max_entries": prefixes.max_entries,
+                "evicted": prefixes.evicted,
+            },
+        }
+
     def snapshot(self) -> dict[str, object]:
-        """The admin view: nodes, instances, load, runs."""
+        """The admin view: nodes, instances, load, drains, routing, runs."""
         now = time.time()
+        drained = self.registry.drained
+
+        def drained_view(node_id: str) -> object:
+            mark = drained.get(node_id)
+            return None if mark is None else msgspec.to_builtins(mark)
+
         nodes = []
         for conn in self.registry.nodes.values():
             nodes.append(
@@ -710,6 +828,7 @@ class EdgeCore:
                     "software": conn.software,
                     "connected_for_s": round(now - conn.connected_at, 1),
                     "draining": conn.draining,
+                    "drained": drained_view(conn.node_id),
                     "runs": sorted(conn.runs),
                     "instances": [
                         {
@@ -737,9 +856,13 @@ class EdgeCore:
                 "nodes": nodes,
                 "queued": self.scheduler.queued,
                 "queue": self._queue_view(),
+                # Every drained id, connected or not (it stays drained when it comes back).
+                "drained": {node_id: drained_view(node_id) for node_id in sorted(drained)},
+                "routing": self.routing_view(),
                 "runs": runs,
                 "runs_started": self.runs_started,
                 "outcomes": self.metrics.outcomes(),
+                "tenants": self.tenants.snapshot(trio.current_time()),
             }
         )
 

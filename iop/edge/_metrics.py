@@ -4,7 +4,7 @@ Run metrics are recorded once per run when it ends (``EdgeMetrics.record``,
 called from the run supervisor's ``on_finished``), so the hot path (chunk in,
 chunk out) pays nothing for them. The run counter is the edge's one count of
 outcomes: the admin view reads it too (``EdgeMetrics.outcomes``). Gauges
-(queue depth, runs in flight, nodes, per-instance load) and the scheduler's
+(queue depth, runs in flight, nodes, per-instance load, operator drains) and the scheduler's
 count of queue exits are read at scrape time by a collector from the node
 registry, the scheduler and the run supervisor it is given, so this module
 knows nothing of ``EdgeCore``. Each
@@ -95,6 +95,15 @@ class _LiveCollector(Collector):
             "than scheduler.load_stale_s: placed on the edge's own counts.",
             value=self._scheduler.stale_instances(),
         )
+        drained = GaugeMetricFamily(
+            "iop_node_drained",
+            "1 while an operator has drained the node (POST /admin/nodes/{id}/drain), "
+            "connected or not; 0 for a connected node that is not drained.",
+            labels=["node"],
+        )
+        for node_id in sorted(self._registry.nodes.keys() | self._registry.drained.keys()):
+            drained.add_metric([node_id], 1 if node_id in self._registry.drained else 0)
+        yield drained
 
 
 class EdgeMetrics:
@@ -143,6 +152,27 @@ class EdgeMetrics:
             ["model", "kind"],
             registry=self.registry,
         )
+        # Tenants: names from the edge's config only (iop.config.TenantSettings),
+        # so the label sets are bounded by the config.
+        self.tenant_runs = Counter(
+            "iop_tenant_runs",
+            "Runs ended, by tenant and outcome (complete, error or cancelled).",
+            ["tenant", "outcome"],
+            registry=self.registry,
+        )
+        self.tenant_tokens = Counter(
+            "iop_tenant_tokens",
+            "Tokens of ended runs (complete or cancelled), by tenant and kind (input, output).",
+            ["tenant", "kind"],
+            registry=self.registry,
+        )
+        self.tenant_refused = Counter(
+            "iop_tenant_rate_limited",
+            "Requests refused with 429 by their tenant's limits, by tenant and limit "
+            "(requests, tokens, concurrency).",
+            ["tenant", "limit"],
+            registry=self.registry,
+        )
         self.registry.register(_LiveCollector(nodes, scheduler, supervisor))
 
     def record(self, run: Run, now: float) -> None:
@@ -167,6 +197,14 @@ class EdgeMetrics:
         else:
             outcome, reason = "unknown", ""
         self.runs.labels(model, outcome, reason).inc()
+        tenant = run.timeline.tenant
+        if tenant:
+            self.tenant_runs.labels(tenant, outcome).inc()
+            if isinstance(o, Complete | Cancelled):
+                if o.usage.input_tokens:
+                    self.tenant_tokens.labels(tenant, "input").inc(o.usage.input_tokens)
+                if o.usage.output_tokens:
+                    self.tenant_tokens.labels(tenant, "output").inc(o.usage.output_tokens)
         self.duration.labels(model, outcome).observe(max(0.0, now - run.started_at))
         if run.first_output_at is not None:
             self.ttft.labels(model).observe(max(0.0, run.first_output_at - run.started_at))

@@ -11,10 +11,11 @@ tokenize) and has a free slot (``in_flight < max_concurrency``), unless the run'
 conversation was served before by an instance that still has a free slot:
 then it goes there again (session affinity, so the backend's prefix cache
 holds the prompt's head; see ``affinity_key``). When none has, the run
-waits in a FIFO queue, bounded by ``queue_timeout_s`` (->
+waits in the queue, bounded by ``queue_timeout_s`` (->
 ``Cancelled(queue_timeout)``). Every change of capacity (a run ends, a node
 joins or updates its capabilities) calls ``dispatch()``, which hands free
-slots to waiters in arrival order; waiters never poll.
+slots to waiters by class, then tenants' fair shares, then arrival (first
+come first served with one tenant); waiters never poll.
 
 Admission (``admit``, and ``acquire`` for a run that would have to wait):
 a run that finds a free slot always starts; one that would have to queue is
@@ -52,6 +53,13 @@ missing metrics as saturation is the failure this avoids: llm-d's router
 scored such endpoints as full, and when metrics collection failed across
 the fleet it stopped dispatching altogether
 (https://github.com/llm-d/llm-d-router/pull/2165).
+Operator drains (``NodeRegistry.drained``, by node id): a drained node is
+no candidate for new runs, as one that said goodbye is not
+(``NodeConnection.draining``), but the two stay apart: a goodbye belongs to
+one link and ends with it, an operator's drain to the id, so it outlives the
+node's reconnects until an operator undrains it. Runs already placed on a
+drained node run to their end; queued runs wait for other candidates (or for
+the undrain).
 
 Every waiter leaves the queue one way (``QueueExit``): placed, cancelled
 (its run ended while it waited: the client left, a deadline, shutdown) or
@@ -100,6 +108,7 @@ from iop.timeline import NodeTimeline, Timeline
 __all__ = [
     "Lease",
     "NodeConnection",
+    "NodeDrain",
     "NodeRegistry",
     "QueueExit",
     "QueueExitAt",
@@ -402,11 +411,27 @@ class NodeConnection:
         self.cancel_scope.cancel()
 
 
+class NodeDrain(msgspec.Struct, frozen=True, kw_only=True):
+    """An operator's drain of a node id (``POST /admin/nodes/{id}/drain``).
+
+    Attributes:
+        reason: What the operator said, if anything.
+        by: Who asked: how they were let in, and from where.
+        since_unix: When (wall clock).
+    """
+
+    reason: str = ""
+    by: str = ""
+    since_unix: float = 0.0
+
+
 class NodeRegistry:
-    """Connected nodes by id (``EdgeCore`` refuses an id whose link is alive)."""
+    """Connected nodes by id (``EdgeCore`` refuses an id whose link is alive),
+    and the ids an operator drained (connected or not: module docstring)."""
 
     def __init__(self) -> None:
         self.nodes: dict[str, NodeConnection] = {}
+        self.drained: dict[str, NodeDrain] = {}
         self.joined = trio.Event()  # set once any node has connected
 
     def add(self, conn: NodeConnection) -> NodeConnection | None:
@@ -432,7 +457,7 @@ class NodeRegistry:
         """Model -> node ids serving it (usable instances of live nodes)."""
         out: dict[str, list[str]] = {}
         for conn, inst in self.instances():
-            if conn.draining or not inst.usable:
+            if conn.draining or conn.node_id in self.drained or not inst.usable:
                 continue
             for t in inst.caps.targets:
                 nodes = out.setdefault(t, [])
@@ -451,6 +476,9 @@ AFFINITY_HEAD_MESSAGES: Final = 2
 # spread across instances like unrelated conversations.
 AFFINITY_PROMPT_HEAD_CHARS: Final = 2048
 AFFINITY_PROMPT_HEAD_IDS: Final = 512
+# Candidates a placement keeps for the run's timeline: every instance of a
+# cluster of a few nodes; a bigger one's timeline must not grow with it.
+PLACEMENT_CANDIDATES_KEPT: Final = 32
 
 
 def affinity_key(request: OperationRequest) -> str | None:
@@ -491,6 +519,8 @@ class Lease:
     # and with ``prefix`` placement each candidate's score.
     why: str = ""
     scores: dict[str, float] = field(default_factory=dict)
+    # The instances it was chosen from: (node, instance, in flight, slots).
+    candidates: list[tuple[str, str, int, int]] = field(default_factory=list)
 
     def release(self) -> None:
         if not self.released:
@@ -520,8 +550,28 @@ class QueueExitAt(msgspec.Struct, frozen=True):
     monotonic_s: float
 
 
-# What a waiter waits for: a free slot for (model, operation) outside these nodes.
-_WaitKey = tuple[str, str, frozenset[str]]
+@dataclass(frozen=True, slots=True)
+class QueueShare:
+    """Whose a queued run is, for fair queueing (docs/operations.md, "Tenants and limits").
+
+    Attributes:
+        tenant: The run's tenant (``iop.edge._tenants``).
+        priority: Its class: 0 (high) is served before 1 (normal) before 2 (low).
+        weight: Its tenant's share of its class (> 0).
+    """
+
+    tenant: str = ""
+    priority: int = 1
+    weight: float = 1.0
+
+
+EVEN_SHARE: Final = QueueShare()
+"""A run with no tenant: class normal, weight 1."""
+
+# What a waiter waits for: a free slot for (model, operation) outside these
+# nodes; and whose it is (class and tenant), so that a group is one tenant's
+# runs in arrival order.
+_WaitKey = tuple[str, str, frozenset[str], int, str]
 
 
 @dataclass(eq=False)
@@ -532,6 +582,10 @@ class _Waiter:
     operation: str = "chat"
     prefix: Sequence[bytes] = ()  # the prompt's blocks (iop.edge._prefix)
     seq: int = 0  # arrival order across groups
+    share: QueueShare = EVEN_SHARE
+    # Virtual start and finish tags (start-time fair queueing, ``dispatch``).
+    start: float = 0.0
+    finish: float = 0.0
     queued_at: float = 0.0
     ahead: int = 0  # waiters of its group ahead of it when it came
     event: trio.Event = field(default_factory=trio.Event)
@@ -539,7 +593,7 @@ class _Waiter:
 
     @property
     def key(self) -> _WaitKey:
-        return (self.model, self.operation, self.exclude)
+        return (self.model, self.operation, self.exclude, self.share.priority, self.share.tenant)
 
 
 def _least_loaded(
@@ -577,6 +631,13 @@ class Scheduler:
         self._groups: dict[_WaitKey, dict[_Waiter, None]] = {}
         self._queued = 0
         self._arrivals = itertools.count()
+        # Fair queueing: each class's virtual time (the start tag of the
+        # last waiter served) and each tenant's last finish tag in it. Keys
+        # are config tenants: bounded.
+        self._vtime: dict[int, float] = {}
+        self._last_finish: dict[tuple[int, str], float] = {}
+        # Waiters per (class, tenant): the queue's share rule (``_queue_full_for``).
+        self._tenant_queued: dict[tuple[int, str], int] = {}
         # Conversation key -> (node, instance) that last served it; LRU-bounded.
         self._affinity: OrderedDict[str, tuple[str, str]] = OrderedDict()
         # What each instance's prefix cache probably holds (``placement = "prefix"``).
@@ -630,7 +691,9 @@ class Scheduler:
         now = trio.current_time()
         return sum(1 for _, inst in self.registry.instances() if self.is_stale(inst, now))
 
-    def queue_delay(self, model: str, operation: str = "chat") -> float:
+    def queue_delay(
+        self, model: str, operation: str = "chat", share: QueueShare = EVEN_SHARE
+    ) -> float:
         """How long a run for ``model`` joining the queue now would wait: an estimate.
 
         FIFO makes it cheap: the oldest waiter of a group has seen every
@@ -645,8 +708,10 @@ class Scheduler:
         """
         now = trio.current_time()
         worst = 0.0
-        for (m, op, _), group in self._groups.items():
-            if m != model or op != operation:
+        for (m, op, _, priority, tenant), group in self._groups.items():
+            # Its own tenant's groups: with fair queueing, that is the line
+            # it joins (another tenant's flood is not ahead of it).
+            if (m, op, priority, tenant) != (model, operation, share.priority, share.tenant):
                 continue
             head = next(iter(group))
             age = now - head.queued_at
@@ -656,10 +721,13 @@ class Scheduler:
     def _candidates(
         self, model: str, exclude: frozenset[str] = frozenset(), operation: str = "chat"
     ) -> Iterator[tuple[NodeConnection, InstanceState]]:
-        """Instances that may run ``operation`` on ``model``: live, not
-        draining, not excluded, up, and advertising the operation."""
+        """Instances that may run ``operation`` on ``model``: live, neither
+        draining nor drained, not excluded, up, and advertising the operation."""
+        drained = self.registry.drained
         for conn, inst in self.registry.instances():
-            if conn.draining or conn.node_id in exclude or not inst.usable:
+            if conn.draining or conn.node_id in exclude or conn.node_id in drained:
+                continue
+            if not inst.usable:
                 continue
             if model in inst.caps.targets and inst.caps.serves(operation):
                 yield conn, inst
@@ -688,6 +756,11 @@ class Scheduler:
         ]
         if not free:
             return None
+        # As plain tuples: the timeline's JSON formats them, when someone looks.
+        candidates = [
+            (c.node_id, i.caps.instance, i.in_flight, i.caps.max_concurrency)
+            for c, i in free[:PLACEMENT_CANDIDATES_KEPT]
+        ]
         preferred = self._affinity.get(affinity) if affinity is not None else None
         placement = self.settings.placement
         scores: dict[str, float] = {}
@@ -705,7 +778,7 @@ class Scheduler:
             self._remember(affinity, where)
         if prefix:
             self.prefixes.routed(where, prefix)
-        return Lease(conn, inst, self, why=why, scores=scores)
+        return Lease(conn, inst, self, why=why, scores=scores, candidates=candidates)
 
     def _by_prefix(
         self,
@@ -758,7 +831,7 @@ class Scheduler:
         (free or busy)."""
         return any(True for _ in self._candidates(model, exclude, operation))
 
-    def admit(self, model: str, operation: str = "chat") -> None:
+    def admit(self, model: str, operation: str = "chat", share: QueueShare = EVEN_SHARE) -> None:
         """Refuse a run up front when it could only wait and the queue is full
         or too far behind (see the module's docstring).
 
@@ -766,11 +839,27 @@ class Scheduler:
             IopError: 429 ``queue_full`` (the HTTP layer adds Retry-After).
         """
         if not self._has_room(model, operation):
-            self._refuse_if_behind(model, operation)
+            self._refuse_if_behind(model, operation, share)
 
-    def _refuse_if_behind(self, model: str, operation: str) -> None:
+    def _queue_full_for(self, share: QueueShare) -> bool:
+        """Whether a run of ``share``'s tenant may not join the queue for its size.
+
+        Under ``max_queue`` anyone may. At it, a tenant still may while it
+        holds fewer than an even part of ``max_queue`` among the tenants
+        with runs queued (itself included): one tenant's flood cannot lock
+        the others out of the queue. The even parts sum to ``max_queue``,
+        so the queue never holds more than twice ``max_queue``.
+        """
+        limit = self.settings.max_queue
+        if self._queued < limit:
+            return False
+        mine = (share.priority, share.tenant)
+        tenants = len(self._tenant_queued) + (mine not in self._tenant_queued)
+        return self._tenant_queued.get(mine, 0) >= limit / tenants
+
+    def _refuse_if_behind(self, model: str, operation: str, share: QueueShare = EVEN_SHARE) -> None:
         """Raise 429 when a run for ``model`` may not join the queue now."""
-        if self._queued >= self.settings.max_queue:
+        if self._queue_full_for(share):
             raise IopError(
                 f"all nodes serving {model!r} are busy and the queue is full "
                 f"({self.settings.max_queue} waiting)",
@@ -779,7 +868,7 @@ class Scheduler:
             )
         limit = self.settings.max_queue_delay_s
         if limit:
-            delay = self.queue_delay(model, operation)
+            delay = self.queue_delay(model, operation, share)
             if delay >= limit:
                 raise IopError(
                     f"all nodes serving {model!r} are busy and a run queued now would "
@@ -800,12 +889,15 @@ class Scheduler:
         operation: str = "chat",
         timeline: Timeline | None = None,
         prefix: Sequence[bytes] = (),
+        share: QueueShare = EVEN_SHARE,
     ) -> Lease:
         """A slot for ``operation`` on ``model``, waiting in the queue if needed.
 
         ``timeline`` (the run's) gets when the run was admitted, or when it
         was queued, why, and when it left the queue with a slot. ``prefix``:
         the prompt's blocks, for ``prefix`` placement (``prompt_blocks``).
+        ``share``: whose the run is, for the order in which waiters are
+        served (``dispatch``).
 
         Raises:
             IopError: 429 when the queue is full or too far behind.
@@ -818,7 +910,7 @@ class Scheduler:
                 if timeline is not None:
                     timeline.admitted = trio.current_time()
                 return lease
-        self._refuse_if_behind(model, operation)
+        self._refuse_if_behind(model, operation, share)
         waiter = _Waiter(
             model,
             exclude,
@@ -826,12 +918,21 @@ class Scheduler:
             operation,
             prefix,
             seq=next(self._arrivals),
+            share=share,
             queued_at=trio.current_time(),
         )
+        cls = share.priority
+        waiter.start = max(
+            self._vtime.get(cls, 0.0), self._last_finish.get((cls, share.tenant), 0.0)
+        )
+        waiter.finish = waiter.start + 1.0 / share.weight
+        self._last_finish[cls, share.tenant] = waiter.finish
         group = self._groups.setdefault(waiter.key, {})
         waiter.ahead = len(group)
         group[waiter] = None
         self._queued += 1
+        mine = (cls, share.tenant)
+        self._tenant_queued[mine] = self._tenant_queued.get(mine, 0) + 1
         if timeline is not None:
             timeline.queued = waiter.queued_at
             timeline.why_queued = (
@@ -878,6 +979,15 @@ class Scheduler:
         """Take a waiter out of the queue (one without a lease is always in it)."""
         group = self._groups[waiter.key]
         del group[waiter]
+        tenant = (waiter.share.priority, waiter.share.tenant)
+        left = self._tenant_queued[tenant] - 1
+        if left:
+            self._tenant_queued[tenant] = left
+        else:
+            del self._tenant_queued[tenant]
+        if how is not QueueExit.PLACED and self._last_finish.get(tenant) == waiter.finish:
+            # Its tenant's last waiter left unserved: it costs the tenant no turn.
+            self._last_finish[tenant] = waiter.start
         self._queued -= 1
         if not group:
             del self._groups[waiter.key]
@@ -885,11 +995,22 @@ class Scheduler:
         self.last_exit = QueueExitAt(how, time.monotonic())
 
     def dispatch(self) -> None:
-        """Hand free slots to waiters, first come first served.
+        """Hand free slots to waiters: classes in order, tenants by fair share.
 
-        Each round takes the oldest waiter of the groups not yet known to be
-        stuck; a group whose oldest waiter finds no slot is stuck for the rest
-        of this call (its other waiters need the same slots).
+        Each round takes, among the groups not yet known to be stuck, the
+        oldest waiter of the group that comes first by (class, virtual
+        finish tag, arrival): a higher class is always served first; within
+        a class, start-time fair queueing (Goyal, Vin and Cheng, SIGCOMM
+        1996, https://doi.org/10.1145/248156.248171) with every run costing
+        one: a run's start tag is the larger of its class's virtual time
+        and its tenant's previous finish tag, its finish tag the start plus
+        ``1 / weight``, and serving a run moves the class's virtual time to
+        its start tag. A tenant with a burst queued thus takes turns with
+        the others in proportion to the weights, and one that was idle
+        comes back at the present virtual time, with no credit saved up.
+        With one tenant this is first come first served. A group whose
+        oldest waiter finds no slot is stuck for the rest of this call (its
+        other waiters need the same slots).
         """
         stuck: set[_WaitKey] = set()
         while self._queued:
@@ -898,7 +1019,11 @@ class Scheduler:
                 if key in stuck:
                     continue
                 first = next(iter(group))
-                if head is None or first.seq < head.seq:
+                if head is None or (first.share.priority, first.finish, first.seq) < (
+                    head.share.priority,
+                    head.finish,
+                    head.seq,
+                ):
                     head = first
             if head is None:
                 return
@@ -907,5 +1032,7 @@ class Scheduler:
                 stuck.add(head.key)
                 continue
             self._remove(head, QueueExit.PLACED)
+            cls = head.share.priority
+            self._vtime[cls] = max(self._vtime.get(cls, 0.0), head.start)
             head.lease = lease
             head.event.set()

@@ -33,9 +33,10 @@ from iop.adapters._pool import (
     _SocketStream,
 )
 from iop.adapters.vllm import VllmAdapter
-from iop.config import VllmInstance
-from iop.events import Complete, Delta
-from iop.runtime import collect_run
+from iop.config import Deadlines, SimConfig, VllmInstance
+from iop.events import Complete, Delta, Error
+from iop.runtime import collect_run, open_run_supervisor
+from iop.sim import MAX_REQUEST_BYTES, serve_sim
 from iop.spec import ChatRequest, ExecutionSpec, Message
 from iop.testing import (
     CHAT_COMPLETIONS_PATH,
@@ -580,3 +581,46 @@ async def test_an_early_answer_to_a_body_the_server_stopped_reading_is_the_respo
                     await response.aclose()
         done.set()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_connection_whose_body_the_server_refused_is_not_reused() -> None:
+    """After an early 413 to a body larger than the backend's limit, the
+    connection is closed, not kept idle: the next run on it would wait for an
+    answer until its first-token timeout (the server is still behind the
+    body's unread bytes), a 504 on the edge."""
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        url: str = await nursery.start(
+            partial(
+                serve_sim,
+                SimConfig(ttft_s=0.0, output_tokens=3),
+                "127.0.0.1",
+                0,
+                shutdown_trigger=stop.wait,
+            )
+        )
+        adapter = VllmAdapter(VllmInstance(name="v", endpoint=url))
+        pool = adapter._http._transport
+        assert isinstance(pool, KeepAliveTransport)
+        deadlines = Deadlines(first_token_timeout_s=NOTICE_S, idle_timeout_s=NOTICE_S)
+        big = "x " * MAX_REQUEST_BYTES  # twice the sim's limit, under the edge's 8 MiB
+        outcomes = []
+        try:
+            async with open_run_supervisor() as sup:
+                for i, content in enumerate([big, "hi"]):
+                    request = ChatRequest(
+                        model="iop-sim", messages=[Message(role="user", content=content)]
+                    )
+                    spec = ExecutionSpec(run_id=f"r{i}", request=request)
+                    run = sup.start_run(adapter, spec, deadlines)
+                    async with run.events:
+                        outcomes.append([ev async for ev in run.events][-1])
+                    if i == 0:
+                        assert pool.idle_connections == 0
+        finally:
+            await adapter.aclose()
+            stop.set()
+    refused, answered = outcomes
+    assert isinstance(refused, Error), refused
+    assert refused.status == 413
+    assert isinstance(answered, Complete), answered

@@ -3,7 +3,8 @@ against a real ``iop edge`` (and node and sim) on loopback.
 
 A person opens ``/admin``, sees the login form, types a wrong key and then the
 admin key, sees the nodes table, reloads (the session cookie persists), opens
-``/admin/nodes`` and logs out. The browser is Debian's ``chromium`` package
+``/admin/nodes`` and logs out; opens a run's timeline and its placement; sees
+the routing state and drains and undrains the node with its buttons. The browser is Debian's ``chromium`` package
 (Playwright never downloads one here: ``executable_path``), in a fresh profile.
 When Chromium or Playwright is missing the test skips with the reason, except
 under ``IOP_REQUIRE_BROWSER=1`` (CI, ``.ci/run``), where it fails.
@@ -182,6 +183,12 @@ def test_a_runs_timeline_in_a_browser(
     expect(page.get_by_text("outcome complete:stop")).to_be_visible()
     for moment in ("backend request sent", "backend first byte", "node's terminal"):
         expect(page.get_by_role("cell", name=moment, exact=True)).to_be_visible()
+    # Where it ran, why, and what it was chosen from.
+    expect(page.get_by_role("heading", name="Placement")).to_be_visible()
+    node = cluster.node.node_id
+    expect(
+        page.get_by_role("cell", name=f"{node}/vllm-sim (chosen): load 0.0", exact=True)
+    ).to_be_visible()
     # The chart: one bar per span, inside the page's width.
     bars = page.locator(".span .bar")
     assert bars.count() >= 4
@@ -191,3 +198,40 @@ def test_a_runs_timeline_in_a_browser(
     shot = tmp_path / "timeline.png"
     page.screenshot(path=str(shot), full_page=True)
     assert shot.stat().st_size > 0
+
+
+def test_drain_and_undrain_a_node_from_the_page(
+    chromium: str, cluster: Cluster, page: Any, tmp_path: Path
+) -> None:
+    from playwright.sync_api import expect
+
+    edge = cluster.edge
+    node = cluster.node.node_id
+    admin = f"{edge.url}/admin"
+    page.goto(admin)
+    page.get_by_label("Admin key").fill(ADMIN_KEY)
+    with page.expect_navigation(url=admin):
+        page.get_by_role("button", name="Log in").click()
+
+    # The routing state: the policy, its weights, the queue and the prefix index.
+    expect(page.get_by_role("heading", name="Routing")).to_be_visible()
+    expect(page.get_by_text("Placement: least_loaded, affinity on, failover on.")).to_be_visible()
+    expect(page.get_by_role("cell", name="load_weight", exact=True)).to_be_visible()
+    expect(page.get_by_role("cell", name="prefix index entries", exact=True)).to_be_visible()
+
+    # Drain: the form posts (same origin, with the session cookie) and the page comes back.
+    with page.expect_navigation(url=admin) as nav:
+        page.get_by_role("button", name="Drain", exact=True).click()
+    assert nav.value.status == 200
+    expect(
+        page.get_by_role("cell", name="drained by admin session from 127.0.0.1", exact=True)
+    ).to_be_visible()
+    expect(page.get_by_role("cell", name=f"{node} (drained)", exact=True)).to_be_visible()
+    assert edge.admin()["drained"][node]["by"] == "admin session from 127.0.0.1"
+    page.screenshot(path=str(tmp_path / "drained.png"), full_page=True)
+
+    with page.expect_navigation(url=admin) as nav:
+        page.get_by_role("button", name="Undrain", exact=True).click()
+    assert nav.value.status == 200
+    expect(page.get_by_role("button", name="Drain", exact=True)).to_be_visible()
+    assert edge.admin()["drained"] == {}

@@ -286,3 +286,150 @@ async def test_get_login_goes_to_admin() -> None:
         resp = await client.get("/admin/login")
         assert resp.status_code == 303
         assert resp.headers["location"] == "/admin"
+
+
+def bearer(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+async def test_a_script_drains_and_undrains_a_node(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="iop.edge")
+    async with edge(config(api_keys=[API_KEY], admin_keys=[ADMIN_KEY])) as (handle, _, client):
+        # An admin key, not a client key.
+        resp = await client.post("/admin/nodes/n1/drain", headers=bearer(API_KEY))
+        assert resp.status_code == 401
+        validate_error(resp.json())
+
+        resp = await client.post(
+            "/admin/nodes/n1/drain", headers=bearer(ADMIN_KEY), json={"reason": "kernel\nupgrade"}
+        )
+        assert resp.status_code == 200, resp.text
+        body = resp.json()
+        assert body["changed"] is True
+        assert body["connected"] is True
+        assert body["drained"]["reason"] == "kernel upgrade"  # one line
+        assert body["drained"]["by"] == "admin key from 127.0.0.1"
+        again = await client.post("/admin/nodes/n1/drain", headers=bearer(ADMIN_KEY))
+        assert again.json()["changed"] is False
+        assert again.json()["drained"]["reason"] == "kernel upgrade"
+
+        nodes = (await client.get("/admin/nodes", headers=bearer(ADMIN_KEY))).json()
+        assert nodes["nodes"][0]["drained"]["reason"] == "kernel upgrade"
+        assert list(nodes["drained"]) == ["n1"]
+        assert 'iop_node_drained{node="n1"} 1.0' in (await client.get("/metrics")).text
+        # The last node drained: a request is refused at once, saying why.
+        resp = await client.post(
+            "/v1/chat/completions",
+            headers=bearer(API_KEY),
+            json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        )
+        assert resp.status_code == 503
+        validate_error(resp.json())
+        assert resp.json()["error"]["code"] == "model_unavailable"
+        assert (
+            "node n1 is drained by an operator (kernel upgrade)" in resp.json()["error"]["message"]
+        )
+
+        resp = await client.post("/admin/nodes/n1/undrain", headers=bearer(ADMIN_KEY))
+        assert resp.status_code == 200
+        assert resp.json() == {
+            "id": "n1",
+            "drained": None,
+            "connected": True,
+            "runs": 0,
+            "changed": True,
+        }
+        assert handle.core.registry.drained == {}
+
+        for verb in ("drain", "undrain"):
+            resp = await client.post(f"/admin/nodes/gpu-9/{verb}", headers=bearer(ADMIN_KEY))
+            assert resp.status_code == 404
+            validate_error(resp.json())
+            assert resp.json()["error"]["code"] == "node_not_found"
+    assert "node n1 drained by admin key from 127.0.0.1 (kernel upgrade)" in caplog.text
+    assert "node n1 undrained by admin key from 127.0.0.1" in caplog.text
+    assert ADMIN_KEY not in caplog.text
+
+
+async def test_a_drain_request_is_bounded_and_checked() -> None:
+    async with edge(config(admin_keys=[ADMIN_KEY])) as (handle, _, client):
+        url, auth = "/admin/nodes/n1/drain", bearer(ADMIN_KEY)
+        cases = [
+            ({"json": {"reason": "x" * 201}}, 400, "invalid_value"),
+            ({"json": {"why": "x"}}, 400, "invalid_json"),
+            (
+                {"content": b"not json", "headers": {"Content-Type": "application/json"}},
+                400,
+                "invalid_json",
+            ),
+            ({"json": {"reason": "x" * 5000}}, 413, "request_entity_too_large"),
+            (
+                {"content": b"reason", "headers": {"Content-Type": "text/plain"}},
+                415,
+                "unsupported_media_type",
+            ),
+        ]
+        for kwargs, status, code in cases:
+            headers = {**auth, **kwargs.pop("headers", {})}  # type: ignore[dict-item]
+            resp = await client.post(url, headers=headers, **kwargs)  # type: ignore[arg-type]
+            assert (resp.status_code, resp.json()["error"]["code"]) == (status, code), kwargs
+            validate_error(resp.json())
+        assert handle.core.registry.drained == {}
+        # A cross-site form carrying the cookie is refused before anything else.
+        token = await logged_in(client, ADMIN_KEY)
+        resp = await client.post(
+            url,
+            data={"reason": "x"},
+            headers={**with_cookie(token), "Origin": "https://evil.example"},
+        )
+        assert resp.status_code == 403
+        assert resp.json()["error"]["code"] == "cross_origin"
+        assert handle.core.registry.drained == {}
+
+
+async def test_the_pages_drain_button_posts_a_form_and_comes_back() -> None:
+    async with edge(config(admin_keys=[ADMIN_KEY])) as (handle, _, client):
+        token = await logged_in(client, ADMIN_KEY)
+        page = (await client.get("/admin", headers=with_cookie(token))).text
+        assert "action='/admin/nodes/n1/drain'" in page
+        assert "Placement: least_loaded" in page
+        # Without a session, a form gets the login page, and nothing changes.
+        resp = await client.post("/admin/nodes/n1/drain", data={"reason": "x"})
+        assert resp.status_code == 401
+        assert is_login_page(resp)
+        resp = await client.post(
+            "/admin/nodes/n1/drain", data={"reason": "disk <b>"}, headers=with_cookie(token)
+        )
+        assert resp.status_code == 303
+        assert resp.headers["location"] == "/admin"
+        assert handle.core.registry.drained["n1"].by == "admin session from 127.0.0.1"
+        page = (await client.get("/admin", headers=with_cookie(token))).text
+        assert "action='/admin/nodes/n1/undrain'" in page
+        assert "disk &lt;b&gt;" in page
+        # A browser posts a form without fields as an empty urlencoded body.
+        form = {"Content-Type": "application/x-www-form-urlencoded"}
+        resp = await client.post(
+            "/admin/nodes/n1/undrain", content=b"", headers={**with_cookie(token), **form}
+        )
+        assert resp.status_code == 303
+        assert handle.core.registry.drained == {}
+
+
+async def test_an_open_admin_drains_too_and_says_so() -> None:
+    async with edge() as (handle, node, client):
+        resp = await client.post("/admin/nodes/n1/drain")
+        assert resp.status_code == 200
+        assert resp.json()["drained"]["by"] == "open admin (no admin key set) from 127.0.0.1"
+        resp = await client.get("/admin")
+        assert "n1 (drained)" in resp.text
+        assert "action='/admin/nodes/n1/undrain'" in resp.text
+        # A drained node that left keeps its row (and its button).
+        assert node is not None
+        await node.chan.aclose()
+        with trio.fail_after(10):
+            while handle.core.registry.nodes:
+                await trio.sleep(0.01)
+        resp = await client.get("/admin")
+        assert "action='/admin/nodes/n1/undrain'" in resp.text
+        assert "not connected" in resp.text
+        assert (await client.post("/admin/nodes/n1/undrain")).json()["connected"] is False

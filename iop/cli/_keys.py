@@ -1,0 +1,125 @@
+"""``iop keys``: make a client key for a tenant, and print its config.
+
+``iop keys create NAME`` draws a new random key, prints the key once (to
+stderr, or into ``--key-file`` with mode 0600) and the ``[[tenants]]``
+table that admits it (to stdout, so it can be appended to an edge config):
+the config holds only the key's SHA-256, never the key (docs/operations.md,
+"Tenants and limits"). ``iop keys hash`` prints the digest of a key read
+from stdin, for keys made elsewhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import secrets
+import sys
+from typing import Any
+
+from iop.config import TenantSettings
+from iop.errors import ConfigError
+
+__all__ = ["add_parser", "new_key", "tenant_toml"]
+
+KEY_PREFIX = "iop-"
+# 32 random bytes (256 bits), URL-safe base64: 43 characters after the prefix.
+KEY_BYTES = 32
+
+
+def new_key() -> str:
+    """A fresh client key: ``iop-`` and 256 random bits."""
+    return KEY_PREFIX + secrets.token_urlsafe(KEY_BYTES)
+
+
+def tenant_toml(t: TenantSettings) -> str:
+    """The ``[[tenants]]`` table of ``t``, as the edge config reads it."""
+    lines = ["[[tenants]]", f"name = {json.dumps(t.name)}"]
+    lines.append("key_sha256 = [" + ", ".join(json.dumps(d) for d in t.key_sha256) + "]")
+    if t.models:
+        lines.append("models = [" + ", ".join(json.dumps(m) for m in t.models) + "]")
+    for key in ("requests_per_minute", "tokens_per_minute", "max_concurrent_runs"):
+        value = getattr(t, key)
+        if value:
+            lines.append(f"{key} = {value}")
+    return "\n".join(lines) + "\n"
+
+
+def _create(args: argparse.Namespace) -> int:
+    key = new_key()
+    try:
+        tenant = TenantSettings(
+            name=args.name,
+            key_sha256=[hashlib.sha256(key.encode()).hexdigest()],
+            models=args.model or [],
+            requests_per_minute=args.rpm,
+            tokens_per_minute=args.tpm,
+            max_concurrent_runs=args.concurrency,
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if args.key_file:
+        fd = os.open(args.key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(key + "\n")
+        print(f"iop keys: the key of tenant {tenant.name} is in {args.key_file}", file=sys.stderr)
+    else:
+        print(
+            f"iop keys: the key of tenant {tenant.name} (shown once; the config keeps only "
+            f"its SHA-256):\n{key}",
+            file=sys.stderr,
+        )
+    sys.stdout.write(tenant_toml(tenant))
+    return 0
+
+
+def _hash(args: argparse.Namespace) -> int:
+    key = sys.stdin.readline().rstrip("\r\n")
+    if not key:
+        print("iop keys hash: no key on stdin", file=sys.stderr)
+        return 2
+    print(f'key_sha256 = ["{hashlib.sha256(key.encode()).hexdigest()}"]')
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "keys",
+        help="make client keys for tenants and print their config",
+        description=(
+            "Client keys for the edge's tenants. The edge config holds each key's "
+            "SHA-256 only (`[[tenants]] key_sha256`), never the key itself."
+        ),
+    )
+    keys = p.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
+    c = keys.add_parser(
+        "create",
+        help="draw a new key; print it once and the [[tenants]] table that admits it",
+        description=(
+            "Draw a new random key (iop- and 256 random bits). The key goes to stderr "
+            "(or --key-file, created with mode 0600); the [[tenants]] table goes to "
+            "stdout, ready to append to the edge config: "
+            "`iop keys create team-a --rpm 600 >> edge.toml`. Limits of 0 are no limit."
+        ),
+    )
+    c.add_argument("name", help="the tenant's name (letters, digits, _.-; in logs and metrics)")
+    c.add_argument("--rpm", type=int, default=0, help="requests per minute (default: no limit)")
+    c.add_argument(
+        "--tpm", type=int, default=0, help="input + output tokens per minute (default: no limit)"
+    )
+    c.add_argument("--concurrency", type=int, default=0, help="runs at once (default: no limit)")
+    c.add_argument(
+        "--model",
+        action="append",
+        metavar="MODEL",
+        help="a model the tenant may use (repeat; default: every model)",
+    )
+    c.add_argument("--key-file", metavar="PATH", help="write the key here (mode 0600) instead")
+    c.set_defaults(func=_create)
+    h = keys.add_parser(
+        "hash",
+        help="print the key_sha256 line of a key read from stdin",
+        description="Read one key from stdin and print its `key_sha256` config line.",
+    )
+    h.set_defaults(func=_hash)

@@ -1,0 +1,489 @@
+"""Client keys as tenants: who is asking, what they may use, and their limits.
+
+Sans-IO: every method takes the time (``now``, seconds on any monotonic
+clock) and nothing here awaits, so the rules are tested without a clock
+(tests/edge/test_tenants.py).
+
+Who is asking. A request's key is hashed (SHA-256) and looked up among the
+configured tenants' digests (``[[tenants]] key_sha256``): the edge never
+holds a tenant's key in clear. A key of ``server.api_keys`` is the tenant
+``default`` (no limits, every model); with neither configured the edge is
+open and every request is the tenant ``anonymous``.
+
+The limits (docs/operations.md, "Tenants and limits"):
+
+* requests per minute and tokens per minute are token buckets of capacity
+  *limit*, refilled at *limit / 60* per second: a tenant may spend its
+  minute at once, then gets a steady trickle. A request takes 1 from the
+  request bucket and *reserves* its estimated tokens (prompt estimate plus
+  ``max_tokens``) from the token bucket; when its run ends the reservation
+  is settled against the usage the run reported (refunded, or charged
+  further: a bucket may go below zero, and the tenant then waits for it to
+  refill);
+* concurrent runs are a count, released when the run ends.
+
+A request over a limit is refused with 429 before it reaches the queue:
+``RateLimited`` says which limit, when to retry, and the state of each
+bucket for the response headers (OpenAI's ``x-ratelimit-*``, Anthropic's
+``anthropic-ratelimit-*``: ``headers_openai``, ``headers_anthropic``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Final
+
+from iop.api import estimate_input_tokens
+from iop.config import TenancySettings, TenantSettings
+from iop.edge._registry import EVEN_SHARE, QueueShare
+from iop.errors import ErrorCode, RequestError
+from iop.events import Cancelled, Complete, Error, Usage
+from iop.spec import (
+    ChatRequest,
+    CompletionRequest,
+    EmbeddingRequest,
+    OperationRequest,
+    TokenizeRequest,
+)
+
+__all__ = [
+    "ANONYMOUS",
+    "DEFAULT",
+    "Bucket",
+    "Limited",
+    "RateLimited",
+    "Tenant",
+    "Tenants",
+    "Ticket",
+    "charged_usage",
+    "estimate_tokens",
+    "headers_anthropic",
+    "headers_openai",
+    "no_access",
+    "rate_headers",
+    "retry_headers",
+]
+
+ANONYMOUS: Final = "anonymous"
+"""The tenant of every request when the edge has no keys at all."""
+DEFAULT: Final = "default"
+"""The tenant of the keys in ``server.api_keys``."""
+
+# A tenant's ``priority`` as the scheduler's class number (0 is served first).
+PRIORITIES: Final = {"high": 0, "normal": 1, "low": 2}
+
+# The chars-per-token ratio of iop.api.messages._tokens, for prompts that are
+# not chat messages.
+_CHARS_PER_TOKEN: Final = 4
+
+
+class Bucket:
+    """A token bucket of ``capacity``, refilled at ``capacity / 60`` per second.
+
+    The level may go below zero (a settled run that used more than it
+    reserved); it is never above ``capacity``.
+    """
+
+    __slots__ = ("_at", "_level", "capacity", "rate")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.rate = capacity / 60.0
+        self._level = float(capacity)
+        # Full from its first use: the constructor needs no clock.
+        self._at: float | None = None
+
+    def level(self, now: float) -> float:
+        """The bucket's level at ``now``."""
+        if self._at is None:
+            self._at = now
+        elif now > self._at:
+            self._level = min(float(self.capacity), self._level + (now - self._at) * self.rate)
+            self._at = now
+        return self._level
+
+    def wait_for(self, cost: float, now: float) -> float:
+        """Seconds until ``cost`` can be taken (0: now). ``cost`` above the
+        capacity can never be taken: ``math.inf``."""
+        if cost > self.capacity:
+            return math.inf
+        short = cost - self.level(now)
+        return 0.0 if short <= 0 else short / self.rate
+
+    def take(self, cost: float, now: float) -> None:
+        """Take ``cost`` (the caller checked ``wait_for``); may go below zero."""
+        self._level = self.level(now) - cost
+
+    def give(self, amount: float, now: float) -> None:
+        """Give ``amount`` back (capped at the capacity)."""
+        self._level = min(float(self.capacity), self.level(now) + amount)
+
+    def until_full(self, now: float) -> float:
+        """Seconds until the bucket is full again (OpenAI's "reset")."""
+        return (self.capacity - self.level(now)) / self.rate
+
+
+@dataclass(slots=True)
+class Tenant:
+    """One tenant's live state: its settings, buckets, runs and counters."""
+
+    name: str
+    models: frozenset[str]
+    requests: Bucket | None
+    tokens: Bucket | None
+    max_concurrent: int
+    share: QueueShare = EVEN_SHARE
+    running: int = 0
+    # Counters since the edge started (the admin page and /metrics).
+    admitted: int = 0
+    refused: int = 0
+    tokens_in: int = 0
+    tokens_out: int = 0
+
+    def may_use(self, model: str) -> bool:
+        return not self.models or model in self.models
+
+    def visible(self, models: Iterable[str]) -> list[str]:
+        """Of ``models``, those this tenant may use."""
+        return [m for m in models if self.may_use(m)]
+
+
+@dataclass(frozen=True, slots=True)
+class Limited:
+    """The state of one limit, for the response headers."""
+
+    kind: str  # "requests" or "tokens"
+    limit: int
+    remaining: int
+    reset_s: float
+
+
+@dataclass(slots=True)
+class Ticket:
+    """An admitted request: what it reserved, settled once by ``Tenants.finish``."""
+
+    tenant: Tenant
+    reserved_tokens: int
+    limits: tuple[Limited, ...]
+    settled: bool = False
+
+
+class RateLimited(RequestError):
+    """A request over one of its tenant's limits (429).
+
+    Attributes:
+        limit: Which limit: ``requests``, ``tokens`` or ``concurrency``
+            (the one that frees up last, when several are crossed).
+        retry_after_s: When the request could be admitted, at the earliest
+            (``math.inf``: never, it is larger than the limit itself).
+        limits: Every limit of the tenant, for the response headers.
+    """
+
+    def __init__(
+        self, message: str, *, limit: str, retry_after_s: float, limits: tuple[Limited, ...]
+    ) -> None:
+        super().__init__(message, status=429, code=ErrorCode.RATE_LIMIT_EXCEEDED)
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+        self.limits = limits
+
+    @property
+    def retry_after_header(self) -> str:
+        """``Retry-After`` in whole seconds (at least 1)."""
+        if math.isinf(self.retry_after_s):
+            return "60"
+        return str(max(1, math.ceil(self.retry_after_s)))
+
+
+def estimate_tokens(request: OperationRequest, default_max_tokens: int) -> int:
+    """What a request reserves against ``tokens_per_minute``: its prompt,
+    estimated as ``count_tokens`` does (docs/api.md, "count_tokens"), plus
+    the output it may produce."""
+    if isinstance(request, ChatRequest):
+        out = request.max_completion_tokens or request.max_tokens or default_max_tokens
+        return estimate_input_tokens(request) + out
+    if isinstance(request, CompletionRequest):
+        prompt = request.prompt
+        # A prompt of token ids is its length in tokens.
+        given = (
+            math.ceil(len(prompt) / _CHARS_PER_TOKEN) if isinstance(prompt, str) else len(prompt)
+        )
+        return given + (request.max_tokens or default_max_tokens)
+    if isinstance(request, EmbeddingRequest):
+        return sum(
+            math.ceil(len(i) / _CHARS_PER_TOKEN) if isinstance(i, str) else len(i)
+            for i in request.inputs
+        )
+    assert isinstance(request, TokenizeRequest)
+    return 0
+
+
+def digest(key: str) -> str:
+    """The SHA-256 of a key, as ``key_sha256`` holds it."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+class Tenants:
+    """Every tenant of the edge, found by key, admitted and settled.
+
+    Args:
+        tenants: ``[[tenants]]`` of the edge's config.
+        api_keys: ``server.api_keys``: the tenant ``default``.
+        tenancy: ``[tenancy]``.
+    """
+
+    def __init__(
+        self,
+        tenants: Sequence[TenantSettings],
+        api_keys: Sequence[str],
+        tenancy: TenancySettings,
+    ) -> None:
+        self.tenancy = tenancy
+        self.open = not tenants and not api_keys
+        self._by_digest: dict[str, Tenant] = {}
+        self.all: dict[str, Tenant] = {}
+        if self.open:
+            self.all[ANONYMOUS] = _unlimited(ANONYMOUS)
+        if api_keys:
+            default = self.all[DEFAULT] = _unlimited(DEFAULT)
+            for key in api_keys:
+                self._by_digest[digest(key)] = default
+        for t in tenants:
+            tenant = Tenant(
+                name=t.name,
+                models=frozenset(t.models),
+                requests=Bucket(t.requests_per_minute) if t.requests_per_minute else None,
+                tokens=Bucket(t.tokens_per_minute) if t.tokens_per_minute else None,
+                max_concurrent=t.max_concurrent_runs,
+                share=QueueShare(t.name, PRIORITIES[t.priority], t.weight),
+            )
+            self.all[t.name] = tenant
+            for d in t.key_sha256:
+                self._by_digest[d] = tenant
+
+    def identify(self, key: str) -> Tenant | None:
+        """The tenant of ``key``; None for a missing or wrong key.
+
+        The lookup is by the key's SHA-256: its timing can tell an attacker
+        about digests, from which no key can be found."""
+        if self.open:
+            return self.all[ANONYMOUS]
+        if not key:
+            return None
+        return self._by_digest.get(digest(key))
+
+    def limits(self, tenant: Tenant, now: float) -> tuple[Limited, ...]:
+        """The state of ``tenant``'s rate limits now."""
+        out: list[Limited] = []
+        for kind, bucket in (("requests", tenant.requests), ("tokens", tenant.tokens)):
+            if bucket is not None:
+                out.append(
+                    Limited(
+                        kind,
+                        bucket.capacity,
+                        max(0, math.floor(bucket.level(now))),
+                        bucket.until_full(now),
+                    )
+                )
+        return tuple(out)
+
+    def admit(self, tenant: Tenant, tokens: int, now: float) -> Ticket:
+        """Admit one request of ``tenant`` that reserves ``tokens``.
+
+        Raises:
+            RateLimited: Over a limit: nothing is taken.
+        """
+        waits: list[tuple[float, str, str]] = []
+        if tenant.max_concurrent and tenant.running >= tenant.max_concurrent:
+            waits.append(
+                (
+                    1.0,
+                    "concurrency",
+                    f"Rate limit reached for tenant {tenant.name}: {tenant.running} of "
+                    f"{tenant.max_concurrent} concurrent runs in use.",
+                )
+            )
+        if tenant.requests is not None:
+            wait = tenant.requests.wait_for(1, now)
+            if wait > 0:
+                waits.append(
+                    (
+                        wait,
+                        "requests",
+                        f"Rate limit reached for tenant {tenant.name} on requests per minute: "
+                        f"limit {tenant.requests.capacity}. Please try again in {_human(wait)}.",
+                    )
+                )
+        if tenant.tokens is not None:
+            wait = tenant.tokens.wait_for(tokens, now)
+            if math.isinf(wait):
+                waits.append(
+                    (
+                        wait,
+                        "tokens",
+                        f"Request too large for tenant {tenant.name} on tokens per minute: "
+                        f"limit {tenant.tokens.capacity}, requested {tokens} (the prompt's "
+                        "estimate plus max_tokens). Lower max_tokens or shorten the prompt.",
+                    )
+                )
+            elif wait > 0:
+                waits.append(
+                    (
+                        wait,
+                        "tokens",
+                        f"Rate limit reached for tenant {tenant.name} on tokens per minute: "
+                        f"limit {tenant.tokens.capacity}, requested {tokens}. "
+                        f"Please try again in {_human(wait)}.",
+                    )
+                )
+        if waits:
+            tenant.refused += 1
+            wait, limit, message = max(waits)
+            raise RateLimited(
+                message, limit=limit, retry_after_s=wait, limits=self.limits(tenant, now)
+            )
+        if tenant.requests is not None:
+            tenant.requests.take(1, now)
+        if tenant.tokens is not None:
+            tenant.tokens.take(tokens, now)
+        tenant.running += 1
+        tenant.admitted += 1
+        return Ticket(tenant, tokens, self.limits(tenant, now))
+
+    def finish(self, ticket: Ticket, usage: Usage | None, now: float) -> None:
+        """Settle ``ticket`` once its run ended, with the usage it reported
+        (None: none; the reservation stands). A second call does nothing."""
+        if ticket.settled:
+            return
+        ticket.settled = True
+        tenant = ticket.tenant
+        tenant.running -= 1
+        if usage is None:
+            return
+        tenant.tokens_in += usage.input_tokens
+        tenant.tokens_out += usage.output_tokens
+        if tenant.tokens is not None:
+            used = usage.input_tokens + usage.output_tokens
+            tenant.tokens.give(ticket.reserved_tokens - used, now)
+
+    def share_of(self, name: str) -> QueueShare:
+        """The queue share of the tenant ``name`` (an even one if unknown)."""
+        tenant = self.all.get(name)
+        return EVEN_SHARE if tenant is None else tenant.share
+
+    def snapshot(self, now: float) -> list[dict[str, object]]:
+        """Every tenant's state, for ``/admin/tenants`` and the admin page."""
+        out: list[dict[str, object]] = []
+        for t in self.all.values():
+            limits = {
+                lim.kind: {"limit": lim.limit, "remaining": lim.remaining}
+                for lim in self.limits(t, now)
+            }
+            out.append(
+                {
+                    "name": t.name,
+                    "models": sorted(t.models),
+                    "priority": next(k for k, v in PRIORITIES.items() if v == t.share.priority),
+                    "weight": t.share.weight,
+                    "running": t.running,
+                    "max_concurrent_runs": t.max_concurrent,
+                    "limits": limits,
+                    "admitted": t.admitted,
+                    "refused": t.refused,
+                    "tokens_in": t.tokens_in,
+                    "tokens_out": t.tokens_out,
+                }
+            )
+        return out
+
+
+def charged_usage(outcome: object) -> Usage | None:
+    """What a run's tenant is charged: the usage a completed or cancelled run
+    reported (a cancelled run's is estimated from what it streamed); nothing
+    for a run that failed (the platform's failure, not the tenant's use);
+    None (the reservation stands) when the outcome is unknown."""
+    if isinstance(outcome, Complete | Cancelled):
+        return outcome.usage
+    if isinstance(outcome, Error):
+        return Usage()
+    return None
+
+
+def _unlimited(name: str) -> Tenant:
+    return Tenant(
+        name=name,
+        models=frozenset(),
+        requests=None,
+        tokens=None,
+        max_concurrent=0,
+        share=QueueShare(name),
+    )
+
+
+def _human(seconds: float) -> str:
+    if seconds < 1:
+        return f"{max(1, round(seconds * 1000))}ms"
+    return f"{seconds:.1f}s" if seconds < 60 else _duration(seconds)
+
+
+def _duration(seconds: float) -> str:
+    """OpenAI's reset format: ``12ms``, ``1s``, ``6m0s``, ``1h2m3s``."""
+    if seconds < 1:
+        return f"{max(0, math.ceil(seconds * 1000))}ms"
+    total = math.ceil(seconds)
+    h, rest = divmod(total, 3600)
+    m, s = divmod(rest, 60)
+    if h:
+        return f"{h}h{m}m{s}s"
+    if m:
+        return f"{m}m{s}s"
+    return f"{s}s"
+
+
+def headers_openai(limits: Iterable[Limited]) -> dict[str, str]:
+    """OpenAI's rate-limit headers (https://platform.openai.com/docs/guides/rate-limits)."""
+    out: dict[str, str] = {}
+    for lim in limits:
+        out[f"x-ratelimit-limit-{lim.kind}"] = str(lim.limit)
+        out[f"x-ratelimit-remaining-{lim.kind}"] = str(lim.remaining)
+        out[f"x-ratelimit-reset-{lim.kind}"] = _duration(lim.reset_s)
+    return out
+
+
+def headers_anthropic(limits: Iterable[Limited], wall: float | None = None) -> dict[str, str]:
+    """Anthropic's rate-limit headers (https://docs.anthropic.com/en/api/rate-limits):
+    each reset an RFC 3339 time."""
+    wall = time.time() if wall is None else wall
+    out: dict[str, str] = {}
+    for lim in limits:
+        at = datetime.fromtimestamp(wall + lim.reset_s, UTC).replace(microsecond=0)
+        out[f"anthropic-ratelimit-{lim.kind}-limit"] = str(lim.limit)
+        out[f"anthropic-ratelimit-{lim.kind}-remaining"] = str(lim.remaining)
+        out[f"anthropic-ratelimit-{lim.kind}-reset"] = at.isoformat().replace("+00:00", "Z")
+    return out
+
+
+def rate_headers(limits: Iterable[Limited], anthropic: bool) -> dict[str, str]:
+    """The rate-limit headers of a response, in the surface's family."""
+    return headers_anthropic(limits) if anthropic else headers_openai(limits)
+
+
+def no_access(model: str) -> RequestError:
+    """A model the tenant may not use: as OpenAI answers a model the key
+    cannot see, so a tenant learns nothing of the models it may not use."""
+    return RequestError(
+        f"The model `{model}` does not exist or you do not have access to it.",
+        status=404,
+        code=ErrorCode.MODEL_NOT_FOUND,
+        param="model",
+    )
+
+
+def retry_headers(exc: RateLimited, anthropic: bool) -> dict[str, str]:
+    """The headers of a 429 for ``exc``, in the surface's family."""
+    return {"Retry-After": exc.retry_after_header, **rate_headers(exc.limits, anthropic)}

@@ -1,0 +1,106 @@
+"""``iop keys``: a key made by the CLI admits its tenant on a real edge process."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import openai
+import pytest
+
+from iop.config import EdgeConfig, decode_config
+from iop.testing import Proc, toml_dumps
+from iop.testing._processes import EDGE_READY
+
+
+def iop(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "iop", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_create_prints_the_key_once_and_a_table_holding_only_its_digest() -> None:
+    made = iop("keys", "create", "team-a", "--rpm", "60", "--tpm", "1000", "--model", "m")
+    assert made.returncode == 0, made.stderr
+    key = made.stderr.strip().splitlines()[-1]
+    assert key.startswith("iop-")
+    assert len(key) == 4 + 43
+    assert key not in made.stdout
+    table = tomllib.loads(made.stdout)
+    cfg = decode_config(table, EdgeConfig, source="stdout")
+    (tenant,) = cfg.tenants
+    assert tenant.name == "team-a"
+    assert tenant.key_sha256 == [hashlib.sha256(key.encode()).hexdigest()]
+    assert (tenant.requests_per_minute, tenant.tokens_per_minute, tenant.models) == (
+        60,
+        1000,
+        ["m"],
+    )
+    again = iop("keys", "create", "team-a")
+    assert again.stderr.strip().splitlines()[-1] != key
+
+
+def test_create_writes_the_key_to_a_private_file_and_never_overwrites(tmp_path: Path) -> None:
+    path = tmp_path / "team-a.key"
+    made = iop("keys", "create", "team-a", "--key-file", str(path))
+    assert made.returncode == 0, made.stderr
+    key = path.read_text().strip()
+    assert key not in made.stderr
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert hashlib.sha256(key.encode()).hexdigest() in made.stdout
+    again = iop("keys", "create", "team-a", "--key-file", str(path))
+    assert again.returncode != 0
+    assert path.read_text().strip() == key
+
+
+def test_a_bad_name_is_a_config_error_that_says_why() -> None:
+    made = iop("keys", "create", "team a")
+    assert made.returncode == 2
+    assert "metrics label" in made.stderr
+
+
+def test_hash_prints_the_digest_line_of_a_key_on_stdin() -> None:
+    out = iop("keys", "hash", stdin="sk-abc\n")
+    assert out.returncode == 0
+    assert out.stdout.strip() == f'key_sha256 = ["{hashlib.sha256(b"sk-abc").hexdigest()}"]'
+    assert iop("keys", "hash", stdin="").returncode == 2
+
+
+@pytest.mark.timeout(60)
+def test_a_created_key_opens_a_real_edge_and_its_limit_holds(tmp_path: Path) -> None:
+    made = iop("keys", "create", "team-a", "--rpm", "1")
+    key = made.stderr.strip().splitlines()[-1]
+    config = tomllib.loads(made.stdout) | {"server": {"port": 0}}
+    path = tmp_path / "edge.toml"
+    path.write_text(toml_dumps(config))
+    edge = Proc("edge", ["edge", "--config", str(path), "--node-token", "t" * 16], tmp_path)
+    try:
+        url = edge.wait_stdout(EDGE_READY, 30)[1]
+        with openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0) as client:
+            # No node: the first request is admitted (and fails 503), the second is over the limit.
+            with pytest.raises(openai.InternalServerError):
+                client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "hi"}]
+                )
+            with pytest.raises(openai.RateLimitError) as err:
+                client.chat.completions.create(
+                    model="m", messages=[{"role": "user", "content": "hi"}]
+                )
+            assert err.value.response.headers["x-ratelimit-limit-requests"] == "1"
+        with (
+            openai.OpenAI(base_url=url + "/v1", api_key="iop-wrong", max_retries=0) as wrong,
+            pytest.raises(openai.AuthenticationError),
+        ):
+            wrong.models.list()
+    finally:
+        edge.stop()
