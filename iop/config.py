@@ -59,6 +59,12 @@ __all__ = [
     "load_config",
 ]
 
+# The most load reports a node may send an edge a second: well under the
+# edge's default budget of messages that cost no credit (50/s,
+# ``LinkSettings.control_rate_per_s``), which pings and capability updates
+# share; the edge also asks for at most a quarter of its own budget.
+MAX_LOAD_REPORTS_PER_S: Final = 20.0
+
 DEFAULT_MAX_CONCURRENCY: Final = 8  # seed 003's effectiveCapacity default
 
 # 16 MiB: whole tool-call arguments arrive in one SSE line from Ollama and
@@ -86,6 +92,10 @@ DEFAULT_PROBE_MAX_BODY_BYTES: Final = 4 * 1024 * 1024
 # bounds what one run can make the node buffer; bigger batches need a bigger
 # limit (or several requests).
 DEFAULT_MAX_EMBEDDING_BODY_BYTES: Final = 64 * 1024 * 1024
+# 1 MiB: the load gauges are a few lines, and a whole metrics page with its
+# histograms is tens of KiB per model; the scrape reads it every second, so
+# the bound is what a broken or hostile engine can make the node buffer.
+DEFAULT_LOAD_SCRAPE_MAX_BYTES: Final = 1024 * 1024
 # 1 MiB: a /tokenize answer lists every token id (about 7 bytes each), so this
 # counts prompts of about 150k tokens; the ids are read only to be counted.
 DEFAULT_MAX_TOKENIZE_BODY_BYTES: Final = 1024 * 1024
@@ -180,6 +190,13 @@ class HTTPInstance(InstanceBase, frozen=True, kw_only=True):
             from the backend; a bigger one fails the run (502).
         max_tokenize_body_bytes: Largest ``/tokenize`` (or
             ``/apply-template``) response read from the backend.
+        load_scrape_interval_s: How often the node reads the engine's
+            published load (``/metrics``, or llama.cpp's ``/slots``) for its
+            load reports; 0: never. Only for an engine that publishes it
+            (``vllm``; ``openai_compat`` with ``engine`` set).
+        load_scrape_timeout_s: Deadline of one such read.
+        load_scrape_max_bytes: Largest page read; a bigger one fails the
+            scrape (the figures then age and the edge stops using them).
     """
 
     endpoint: str
@@ -192,9 +209,18 @@ class HTTPInstance(InstanceBase, frozen=True, kw_only=True):
     malformed_chunk_limit: int = 8
     max_embedding_body_bytes: int = DEFAULT_MAX_EMBEDDING_BODY_BYTES
     max_tokenize_body_bytes: int = DEFAULT_MAX_TOKENIZE_BODY_BYTES
+    # 1 s: the edge ignores figures older than scheduler.load_stale_s (5 s),
+    # and a scrape costs the engine one small page a second.
+    load_scrape_interval_s: float = 1.0
+    load_scrape_timeout_s: float = 1.0
+    load_scrape_max_bytes: int = DEFAULT_LOAD_SCRAPE_MAX_BYTES
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.load_scrape_interval_s < 0 or not self.load_scrape_timeout_s > 0:
+            raise ValueError("load_scrape_interval_s must be >= 0, load_scrape_timeout_s > 0")
+        if self.load_scrape_max_bytes < 1024:
+            raise ValueError("load_scrape_max_bytes must be >= 1024")
         if self.max_embedding_body_bytes < 1:
             raise ValueError("max_embedding_body_bytes must be >= 1")
         if self.max_tokenize_body_bytes < 1:
@@ -216,9 +242,14 @@ class OpenAICompatInstance(HTTPInstance, frozen=True, tag="openai_compat", kw_on
 
     Attributes:
         provider: Free-form label reported with capabilities and probes.
+        engine: The engine behind the endpoint, whose published load the
+            node reads for its load reports (``vllm``, ``sglang``:
+            ``/metrics``; ``llamacpp``: ``/metrics`` when started with
+            ``--metrics``, else ``/slots``); ``none``: read nothing.
     """
 
     provider: str = ""
+    engine: Literal["none", "vllm", "sglang", "llamacpp"] = "none"
 
 
 class VllmInstance(HTTPInstance, frozen=True, tag="vllm", kw_only=True):
@@ -413,6 +444,12 @@ class NodeSection(_Config, frozen=True, kw_only=True):
             yet (beyond its credit, or, with the edge's per-run credit off,
             not yet sent) before its adapter waits and stops reading its
             backend: the bounded channel between adapter and link.
+        load_reports_per_s: Most ``LoadReport`` messages a second the node
+            sends each edge (its instances' in-flight runs, queue depth and
+            engine figures; changes in between are coalesced into the next,
+            and the last state always goes). 0: none (the edge places on
+            its own counts). The edge's welcome may lower it
+            (``Welcome.load_reports_per_s``); at most 20.
     """
 
     id: str = msgspec.field(default_factory=lambda: default_node_id())
@@ -426,12 +463,21 @@ class NodeSection(_Config, frozen=True, kw_only=True):
     max_frame_bytes: int = 32 * 1024 * 1024
     # Why 16: iop.protocol._session (RUN_BACKLOG).
     run_backlog: int = 16
+    # 10/s: a change reaches the edges within 0.1 s, and a node whose runs
+    # start and end thousands of times a second still sends ten small
+    # messages a second per edge, a fifth of the edge's default budget for
+    # messages that cost no credit (link.control_rate_per_s = 50).
+    load_reports_per_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not self.id:
             raise ValueError("node id must not be empty")
         if self.run_backlog < 1:
             raise ValueError("run_backlog must be >= 1")
+        if not 0 <= self.load_reports_per_s <= MAX_LOAD_REPORTS_PER_S:
+            raise ValueError(
+                f"load_reports_per_s must be from 0 (off) to {MAX_LOAD_REPORTS_PER_S:g}"
+            )
         if self.max_frame_bytes < 64 * 1024:
             raise ValueError("max_frame_bytes must be >= 65536")
 
@@ -725,6 +771,12 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             idlest's: past both, placement is least-loaded (SGLang's
             cache-aware router's rule), so a hot prefix cannot pile
             everything on one instance.
+        kv_weight: With ``prefix`` placement, score lost at a full KV cache
+            (the engine's reported usage, 0 to 1, in proportion).
+        load_stale_s: A node's load report (or the engine figures in it)
+            older than this is ignored: the instance is scored on the
+            edge's own count, never as full. Told to nodes, which repeat
+            an unchanged report every third of it.
     """
 
     max_queue: int = 256
@@ -752,6 +804,14 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
     # batches of hundreds; these are sized for the slots of a node.
     balance_abs_threshold: int = 4
     balance_rel_threshold: float = 1.5
+    # Half the load term's: llm-d's scorer weights prefix : queue : KV as
+    # 2 : 2 : 1 (docs/operations.md, "How a run is placed").
+    kv_weight: float = 0.5
+    # 5 s: a node repeats its report every 1.7 s and scrapes its engine
+    # every second (instance load_scrape_interval_s), so a live node's
+    # figures are never this old; a node whose reports or scrapes stopped
+    # is read on the edge's own counts within 5 s.
+    load_stale_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.max_queue < 0:
@@ -760,8 +820,10 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             raise ValueError("prefix_block_chars must be >= 16")
         if self.prefix_index_bytes < 0:
             raise ValueError("prefix_index_bytes must be >= 0")
-        if min(self.prefix_weight, self.load_weight, self.affinity_weight) < 0:
+        if min(self.prefix_weight, self.load_weight, self.affinity_weight, self.kv_weight) < 0:
             raise ValueError("placement weights must be >= 0")
+        if not self.load_stale_s > 0:
+            raise ValueError("load_stale_s must be > 0")
         if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
             raise ValueError("balance_abs_threshold must be >= 0, balance_rel_threshold >= 1")
         if self.max_queue_delay_s < 0:

@@ -49,6 +49,7 @@ import errno
 from typing import Final, TypeVar
 
 __all__ = [
+    "RETRYABLE_CANCEL_REASONS",
     "RETRYABLE_CODES",
     "BackendError",
     "BackendHTTPError",
@@ -188,6 +189,12 @@ RETRYABLE_CODES: Final[frozenset[str]] = frozenset(
         ErrorCode.BACKEND_UNAVAILABLE,
     }
 )
+
+# A node's ``Cancelled`` before any output that another node may not give:
+# the run waited in the node's own queue for its ``queue_timeout_s`` (the
+# node's slots were taken, e.g. by another edge's runs) and never ran. A
+# ``Cancelled`` the edge asked for never reaches the run (the edge forgot it).
+RETRYABLE_CANCEL_REASONS: Final[frozenset[CancelReason]] = frozenset({CancelReason.QUEUE_TIMEOUT})
 
 
 class IopError(Exception):

@@ -20,6 +20,7 @@ SANS_IO_MODULES = [
     "iop.wire",
     "iop.wire._sse",
     "iop.wire._chunks",
+    "iop.wire._engine_load",
     "iop.wire._errors",
     "iop.wire._holdback",
     "iop.wire._openai_stream",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import httpx
 
-from iop.adapters._base import Adapter, require_model_and_messages
+from iop.adapters._base import Adapter, EngineLoadReader, require_model_and_messages
 from iop.adapters._http import build_chat_body, join_openai_path
 from iop.adapters.openai_compat import OpenAICompatAdapter
 from iop.adapters.sim import SimAdapter
@@ -20,6 +20,7 @@ from iop.config import InstanceConfig, OpenAICompatInstance, SimInstance, VllmIn
 
 __all__ = [
     "Adapter",
+    "EngineLoadReader",
     "OpenAICompatAdapter",
     "SimAdapter",
     "VllmAdapter",

@@ -11,14 +11,15 @@ their ``async with`` blocks release the upstream connection.
 
 from __future__ import annotations
 
-from typing import ClassVar, Protocol
+from typing import ClassVar, Protocol, runtime_checkable
 
 from iop.capabilities import Capabilities, ProbeResult
 from iop.errors import InvariantError, RequestError
 from iop.runtime import EventSender
 from iop.spec import ChatRequest, ExecutionSpec
+from iop.wire._engine_load import EngineFigures
 
-__all__ = ["Adapter", "require_model", "require_model_and_messages"]
+__all__ = ["Adapter", "EngineLoadReader", "require_model", "require_model_and_messages"]
 
 
 class Adapter(Protocol):
@@ -45,6 +46,25 @@ class Adapter(Protocol):
 
     async def aclose(self) -> None:
         """Release the instance's resources (idempotent)."""
+        ...
+
+
+@runtime_checkable
+class EngineLoadReader(Protocol):
+    """An adapter whose engine publishes its load (``vllm``; ``openai_compat``
+    with ``engine`` set); the node scrapes it for its load reports."""
+
+    @property
+    def load_scrape_interval_s(self) -> float:
+        """How often to call ``engine_load`` (0: never)."""
+        ...
+
+    async def engine_load(self) -> EngineFigures:
+        """The engine's published load, read now.
+
+        Raises:
+            IopError: It could not be read.
+        """
         ...
 
 

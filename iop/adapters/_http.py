@@ -76,6 +76,14 @@ from iop.spec import (
     Tool,
 )
 from iop.timeline import current_timeline
+from iop.wire._engine_load import (
+    EngineDialect,
+    EngineFigures,
+    figures_from_metrics,
+    metric_names,
+    parse_llamacpp_slots,
+    parse_metrics,
+)
 from iop.wire._errors import ERROR_EXCERPT_BYTES, excerpt, openai_error_code, parse_error_body
 from iop.wire._openai_stream import ChatStreamParser
 
@@ -650,6 +658,53 @@ class HTTPBackend:
             await send.send(parser.complete(text_tool_fallback=text_tool_fallback))
             await _drain(chunks)
 
+    # --- the engine's published load -----------------------------------------
+
+    def root_url(self, path: str) -> str:
+        """``path`` at the server's root: engines publish ``/metrics`` and
+        ``/slots`` there, beside ``/v1``, whichever the endpoint names."""
+        parts = urlsplit(self.endpoint)
+        base = parts.path.rstrip("/")
+        if base.endswith("/v1"):
+            base = base[: -len("/v1")]
+        return urlunsplit(parts._replace(path=base + path, query=""))
+
+    async def fetch_page(self, path: str) -> bytes:
+        """``GET path`` at the root, within ``load_scrape_timeout_s``, at most
+        ``load_scrape_max_bytes``.
+
+        Raises:
+            BackendError: Unreachable, non-2xx (``BackendHTTPError``), timed
+                out, or a body over the limit.
+        """
+        cfg = self.cfg
+        body = b""
+        with trio.move_on_after(cfg.load_scrape_timeout_s) as scope:
+            request = httpx.Request(
+                "GET",
+                self.root_url(path),
+                headers=self._get_headers,
+                extensions={"timeout": self._timeout},
+            )
+            try:
+                resp = await self._transport.handle_async_request(request)
+                try:
+                    if not 200 <= resp.status_code < 300:
+                        raise BackendHTTPError(
+                            f"{path}: status code {resp.status_code}",
+                            backend_status=resp.status_code,
+                        )
+                    body = await self.read_limited(
+                        resp, cfg.load_scrape_max_bytes, "load_scrape_max_bytes"
+                    )
+                finally:
+                    await resp.aclose()
+            except httpx.HTTPError as exc:
+                raise map_transport_error(exc, f"{path} request failed") from exc
+        if scope.cancelled_caught:
+            raise BackendTimeout(f"{path}: no answer within {cfg.load_scrape_timeout_s:g}s")
+        return body
+
     # --- other operations ---------------------------------------------------
 
     async def read_limited(self, response: httpx.Response, limit: int, key: str) -> bytes:
@@ -881,6 +936,8 @@ class HTTPAdapter:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self._http = HTTPBackend(cfg, kind=self.kind, provider=provider, transport=transport)
+        # llama.cpp without --metrics: read /slots instead (``engine_load``).
+        self._use_slots = False
 
     @property
     def name(self) -> str:
@@ -906,6 +963,42 @@ class HTTPAdapter:
 
     async def probe(self, target: str = "") -> ProbeResult:
         return await self._http.probe(target)
+
+    # The engine whose load ``engine_load`` reads (subclasses set it).
+    engine: EngineDialect = EngineDialect.NONE
+
+    @property
+    def load_scrape_interval_s(self) -> float:
+        """How often the node should call ``engine_load`` (0: never)."""
+        if self.engine is EngineDialect.NONE:
+            return 0.0
+        return self._http.cfg.load_scrape_interval_s
+
+    async def engine_load(self) -> EngineFigures:
+        """The engine's published load, read now (``iop.wire._engine_load``).
+
+        llama.cpp publishes ``/metrics`` only when started with
+        ``--metrics``: when it answers 404 or 501 there, its ``/slots`` is
+        read from then on (busy slots, without a queue figure).
+
+        Raises:
+            BackendError: The page could not be read, or is not what the
+                engine publishes.
+        """
+        http = self._http
+        if self._use_slots:
+            figures = parse_llamacpp_slots(await http.fetch_page("/slots"))
+            if figures is None:
+                raise BackendProtocolError("/slots: not a list of slots")
+            return figures
+        try:
+            page = await http.fetch_page("/metrics")
+        except BackendHTTPError as exc:
+            if self.engine is EngineDialect.LLAMACPP and exc.backend_status in (404, 501):
+                self._use_slots = True
+                return await self.engine_load()
+            raise
+        return figures_from_metrics(self.engine, parse_metrics(page, metric_names(self.engine)))
 
     async def aclose(self) -> None:
         await self._http.aclose()

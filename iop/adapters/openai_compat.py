@@ -22,6 +22,7 @@ from iop.config import OpenAICompatInstance
 from iop.events import Start
 from iop.runtime import EventSender
 from iop.spec import ExecutionSpec
+from iop.wire._engine_load import EngineDialect
 
 __all__ = ["OpenAICompatAdapter"]
 
@@ -38,6 +39,7 @@ class OpenAICompatAdapter(HTTPAdapter):
     ) -> None:
         super().__init__(cfg, provider=cfg.provider, transport=transport)
         self.cfg = cfg
+        self.engine = EngineDialect(cfg.engine)
 
     async def execute_chat(self, spec: ExecutionSpec, send: EventSender) -> None:
         model = require_model_and_messages(self.kind, spec)

@@ -30,6 +30,7 @@ from iop.config import VllmInstance
 from iop.events import Start
 from iop.runtime import EventSender
 from iop.spec import ChatRequest, ExecutionSpec
+from iop.wire._engine_load import EngineDialect
 from iop.wire._errors import parse_error_body
 from iop.wire._tool_prompt import (
     fallback_messages,
@@ -57,6 +58,7 @@ class VllmAdapter(HTTPAdapter):
     ) -> None:
         super().__init__(cfg, provider="vllm", transport=transport)
         self.cfg = cfg
+        self.engine = EngineDialect.VLLM
 
     async def execute_chat(self, spec: ExecutionSpec, send: EventSender) -> None:
         model = require_model_and_messages(self.kind, spec)

@@ -43,6 +43,7 @@ reader, one writer, no other task per link.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -54,10 +55,11 @@ import msgspec
 import trio
 
 from iop._secrets import SecretMasker, edge_secrets, mask_event
-from iop.config import EdgeConfig
+from iop.config import MAX_LOAD_REPORTS_PER_S, EdgeConfig
 from iop.edge._metrics import EdgeMetrics
 from iop.edge._registry import (
     EVEN_SHARE,
+    InstanceState,
     Lease,
     NodeConnection,
     NodeDrain,
@@ -78,7 +80,7 @@ from iop.errors import (
     RequestError,
     RunAborted,
 )
-from iop.events import CancelReason, Error
+from iop.events import Cancelled, CancelReason, Error
 from iop.protocol import (
     CLOSE_BAD_TOKEN,
     CLOSE_GOING_AWAY,
@@ -94,6 +96,7 @@ from iop.protocol import (
     EdgeSession,
     FrameChannel,
     LinkClosed,
+    LoadReported,
     NodeDraining,
     NodeJoined,
     RunEventsReceived,
@@ -179,10 +182,12 @@ async def _close(chan: FrameChannel, code: int, reason: str) -> None:
 class _Retry(Exception):
     """This attempt failed before any output; try another node."""
 
-    def __init__(self, node_id: str, why: str, error: Error | None = None) -> None:
+    def __init__(self, node_id: str, why: str, error: Error | Cancelled | None = None) -> None:
         super().__init__(why)
         self.node_id = node_id
         self.why = why
+        # What the node ended the attempt with (a refusal, or its queue
+        # timeout): the run's outcome when no other node can take it.
         self.error = error
 
 
@@ -258,6 +263,10 @@ class RemoteExecutor:
             finally:
                 lease.release()
         assert last is not None
+        if isinstance(last.error, Cancelled):
+            # The node's queue timeout: the run's own outcome (a run cancels
+            # by raising; its Cancelled comes from the runtime).
+            raise RunAborted(core.masker.mask(last.error.message), reason=last.error.reason)
         if last.error is not None:
             await send.send(mask_event(last.error, core.masker))
             return
@@ -552,6 +561,10 @@ class EdgeCore:
             max_frame_bytes=self.config.link_frame_bytes,
             control_rate_per_s=link.control_rate_per_s,
             control_burst=link.control_burst,
+            # A quarter of the budget the reports share with pings and
+            # capability updates: a node at this rate never runs it dry.
+            load_reports_per_s=min(MAX_LOAD_REPORTS_PER_S, link.control_rate_per_s / 4),
+            load_stale_s=self.config.scheduler.load_stale_s,
         )
         who = peer or "?"
         try:
@@ -742,6 +755,8 @@ class EdgeCore:
                 conn.update_instances(event.instances)
                 log.info("node %s updated its capabilities", conn.node_id)
                 self.scheduler.dispatch()
+            elif isinstance(event, LoadReported):
+                conn.on_load(event.instances, event.at)
             elif isinstance(event, NodeDraining):
                 conn.draining = True
                 conn.goodbye = event.reason
@@ -856,6 +871,7 @@ class EdgeCore:
                         {
                             **msgspec.to_builtins(i.caps),
                             "in_flight": i.in_flight,
+                            "reported": self._reported_view(i),
                         }
                         for i in conn.instances.values()
                     ],
@@ -887,6 +903,30 @@ class EdgeCore:
                 "tenants": self.tenants.snapshot(trio.current_time()),
             }
         )
+
+    def _reported_view(self, inst: InstanceState) -> dict[str, object] | None:
+        """What the node last reported of ``inst``'s load, how old, and
+        whether placement uses it (None: never reported)."""
+        rep = inst.reported
+        if rep is None:
+            return None
+        now = trio.current_time()
+        engine = None
+        if rep.engine_at > -math.inf:
+            engine = {
+                "running": rep.running,
+                "waiting": rep.waiting,
+                "kv_usage": rep.kv_usage,
+                "age_s": round(now - rep.engine_at, 3),
+            }
+        return {
+            "in_flight": rep.in_flight,
+            "queued": rep.queued,
+            "age_s": round(now - rep.at, 3),
+            "engine": engine,
+            "stale": self.scheduler.is_stale(inst, now),
+            "occupancy": self.scheduler.occupancy(inst, now),
+        }
 
     def _queue_view(self) -> dict[str, object]:
         """How runs left the queue, and the last one's time on the host's

@@ -89,6 +89,12 @@ class _LiveCollector(Collector):
         yield in_flight
         yield slots
         yield up
+        yield GaugeMetricFamily(
+            "iop_load_stale_instances",
+            "Instances whose node's load report, or the engine figures in it, is older "
+            "than scheduler.load_stale_s: placed on the edge's own counts.",
+            value=self._scheduler.stale_instances(),
+        )
         drained = GaugeMetricFamily(
             "iop_node_drained",
             "1 while an operator has drained the node (POST /admin/nodes/{id}/drain), "

@@ -37,6 +37,22 @@ waiter. With one FIFO scanned whole, every finished run cost a pick for
 each of up to ``max_queue`` waiters, and an overloaded edge spent its CPU
 there.
 
+Load reports: a node sends its instances' live load (``LoadReport``: runs
+in flight and queued on the node across every edge, and the engine's own
+figures when it publishes them). Placement scores an instance by the larger
+of the edge's own count and the node's in-flight plus queued, plus the
+engine's waiting requests (``Scheduler.occupancy``); with ``prefix``
+placement the engine's KV-cache usage costs ``kv_weight``. A report is a
+hint and only orders the candidates: a free slot is still the edge's own
+count, so a report older than ``load_stale_s`` (ignored: the edge's own
+count again), a missing one, or an absurd one (clamped, ``ReportedLoad``)
+can never make an instance look full and hold runs back; the node's own
+admission (``iop.node._slots``) refuses what it cannot take, and the run
+fails over (docs/operations.md, "How a run is placed"). Reading stale or
+missing metrics as saturation is the failure this avoids: llm-d's router
+scored such endpoints as full, and when metrics collection failed across
+the fleet it stopped dispatching altogether
+(https://github.com/llm-d/llm-d-router/pull/2165).
 Operator drains (``NodeRegistry.drained``, by node id): a drained node is
 no candidate for new runs, as one that said goodbye is not
 (``NodeConnection.draining``), but the two stay apart: a goodbye belongs to
@@ -60,6 +76,7 @@ import enum
 import hashlib
 import itertools
 import logging
+import math
 import random
 import time
 from collections import OrderedDict, deque
@@ -74,9 +91,16 @@ from iop._secrets import SecretMasker, mask_event
 from iop.capabilities import Capabilities, ProviderStatus
 from iop.config import SchedulerSettings
 from iop.edge._prefix import PrefixIndex, prompt_blocks
-from iop.errors import RETRYABLE_CODES, ErrorCode, InvariantError, IopError, RunAborted
-from iop.events import CancelReason, Error, RuntimeEvent, Start, is_terminal
-from iop.protocol import RELEASED_RUNS_REMEMBERED, EdgeSession, RunEventsReceived
+from iop.errors import (
+    RETRYABLE_CANCEL_REASONS,
+    RETRYABLE_CODES,
+    ErrorCode,
+    InvariantError,
+    IopError,
+    RunAborted,
+)
+from iop.events import Cancelled, CancelReason, Error, RuntimeEvent, Start, is_terminal
+from iop.protocol import RELEASED_RUNS_REMEMBERED, EdgeSession, InstanceLoad, RunEventsReceived
 from iop.runtime import RunSink
 from iop.spec import ChatRequest, CompletionRequest, ExecutionSpec, OperationRequest
 from iop.timeline import NodeTimeline, Timeline
@@ -89,6 +113,7 @@ __all__ = [
     "QueueExit",
     "QueueExitAt",
     "RemoteRun",
+    "ReportedLoad",
     "Scheduler",
     "affinity_key",
 ]
@@ -157,7 +182,7 @@ class RemoteRun:
         self.started = started
         self.done = trio.Event()
         self.output = False  # content, reasoning or a terminal reached the consumer
-        self.retry: Error | None = None
+        self.retry: Error | Cancelled | None = None
         self.violation: str | None = None
         self.lost: str | None = None
 
@@ -182,7 +207,11 @@ class RemoteRun:
                     unconsumed += 1
                     continue
                 self.started[0] = True
-            elif not self.output and isinstance(ev, Error) and ev.code in RETRYABLE_CODES:
+            elif not self.output and (
+                (isinstance(ev, Error) and ev.code in RETRYABLE_CODES)
+                or (isinstance(ev, Cancelled) and ev.reason in RETRYABLE_CANCEL_REASONS)
+            ):
+                # The node refused or never ran it: another node may.
                 self.retry = ev
                 self.done.set()
                 return unconsumed
@@ -228,11 +257,67 @@ def _keep_node_timeline(
         timeline.node = moved
 
 
+# A reported count above this is read as this: more runs than any instance
+# holds, so an absurd report ranks its instance last without overflowing a
+# score; the report is only a hint (the node's admission decides).
+LOAD_FIGURE_CAP: Final = 1_000_000
+
+
+def _count(value: int) -> int:
+    return min(max(value, 0), LOAD_FIGURE_CAP)
+
+
+def _figure(value: float | None, cap: float) -> float | None:
+    """A reported engine figure within [0, cap]; None for NaN or none."""
+    if value is None or math.isnan(value):
+        return None
+    return min(max(value, 0.0), cap)
+
+
+@dataclass(eq=False, slots=True)
+class ReportedLoad:
+    """What a node last reported of one instance, made safe to score.
+
+    Attributes:
+        in_flight: Runs holding a slot on the node (every edge's).
+        queued: Runs waiting in the node's queue.
+        at: When the report came (edge clock).
+        running: The engine's running requests (None: not published).
+        waiting: The engine's waiting requests.
+        kv_usage: The engine's KV-cache usage, 0 to 1.
+        engine_at: When the engine's figures were taken (edge clock:
+            the report's arrival less their age).
+    """
+
+    in_flight: int
+    queued: int
+    at: float
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None
+    engine_at: float = -math.inf
+
+    @classmethod
+    def of(cls, load: InstanceLoad, now: float) -> ReportedLoad:
+        """``load`` clamped: negative counts are 0, huge ones ``LOAD_FIGURE_CAP``,
+        NaN figures unknown, a KV usage within 0..1, a NaN age stale."""
+        out = cls(_count(load.in_flight), _count(load.queued), now)
+        engine = load.engine
+        if engine is not None:
+            out.running = _figure(engine.running, LOAD_FIGURE_CAP)
+            out.waiting = _figure(engine.waiting, LOAD_FIGURE_CAP)
+            out.kv_usage = _figure(engine.kv_usage, 1.0)
+            age = engine.age_s
+            out.engine_at = -math.inf if math.isnan(age) else now - max(age, 0.0)
+        return out
+
+
 @dataclass(eq=False)
 class InstanceState:
     node_id: str
     caps: Capabilities
     in_flight: int = 0
+    reported: ReportedLoad | None = None
 
     @property
     def usable(self) -> bool:
@@ -273,10 +358,21 @@ class NodeConnection:
         old = self.instances
         self.instances = {
             c.instance: InstanceState(
-                self.node_id, c, old[c.instance].in_flight if c.instance in old else 0
+                self.node_id,
+                c,
+                old[c.instance].in_flight if c.instance in old else 0,
+                old[c.instance].reported if c.instance in old else None,
             )
             for c in caps
         }
+
+    def on_load(self, loads: list[InstanceLoad], now: float) -> None:
+        """The node's load report: kept per instance it advertised (others ignored)."""
+        instances = self.instances
+        for load in loads:
+            inst = instances.get(load.instance)
+            if inst is not None:
+                inst.reported = ReportedLoad.of(load, now)
 
     def assign(
         self,
@@ -571,7 +667,9 @@ class _Waiter:
 
 
 def _least_loaded(
-    free: list[tuple[NodeConnection, InstanceState]], preferred: tuple[str, str] | None
+    free: list[tuple[NodeConnection, InstanceState]],
+    preferred: tuple[str, str] | None,
+    occupancy: Callable[[InstanceState], float],
 ) -> tuple[NodeConnection, InstanceState, str]:
     """The conversation's instance if it is free, else the least loaded one."""
     best: tuple[float, NodeConnection, InstanceState] | None = None
@@ -580,7 +678,7 @@ def _least_loaded(
             # The instance that served this conversation before: its
             # prefix cache likely holds the prompt's head.
             return conn, inst, "affinity"
-        load = inst.in_flight / max(inst.caps.max_concurrency, 1)
+        load = occupancy(inst) / max(inst.caps.max_concurrency, 1)
         if best is None or load < best[0]:
             best = (load, conn, inst)
     assert best is not None
@@ -619,6 +717,49 @@ class Scheduler:
     @property
     def queued(self) -> int:
         return self._queued
+
+    def occupancy(self, inst: InstanceState, now: float) -> float:
+        """The runs ``inst`` is busy with, as placement scores it.
+
+        The larger of the edge's own count and the node's reported in-flight
+        plus queued runs (the node may serve other edges), plus the engine's
+        waiting requests; a report older than ``load_stale_s`` counts as
+        none (the edge's own count), engine figures older than that too.
+        """
+        own = float(inst.in_flight)
+        rep = inst.reported
+        stale = self.settings.load_stale_s
+        if rep is None or now - rep.at > stale:
+            return own
+        load = max(own, float(rep.in_flight + rep.queued))
+        if rep.waiting is not None and now - rep.engine_at <= stale:
+            load += rep.waiting
+        return load
+
+    def kv_usage(self, inst: InstanceState, now: float) -> float:
+        """The engine's reported KV-cache usage (0 when unknown or stale)."""
+        rep = inst.reported
+        stale = self.settings.load_stale_s
+        if rep is None or rep.kv_usage is None or now - min(rep.at, rep.engine_at) > stale:
+            return 0.0
+        return rep.kv_usage
+
+    def is_stale(self, inst: InstanceState, now: float) -> bool:
+        """Whether ``inst``'s report, or the engine figures in it, are too old
+        to be used (``iop_load_stale_instances``); never reported: False."""
+        rep = inst.reported
+        if rep is None:
+            return False
+        stale = self.settings.load_stale_s
+        if now - rep.at > stale:
+            return True
+        has_engine = rep.running is not None or rep.waiting is not None or rep.kv_usage is not None
+        return has_engine and now - rep.engine_at > stale
+
+    def stale_instances(self) -> int:
+        """Instances whose load report is ignored as stale right now."""
+        now = trio.current_time()
+        return sum(1 for _, inst in self.registry.instances() if self.is_stale(inst, now))
 
     def queue_delay(
         self, model: str, operation: str = "chat", share: QueueShare = EVEN_SHARE
@@ -699,7 +840,8 @@ class Scheduler:
         elif placement == "prefix":
             conn, inst, why, scores = self._by_prefix(free, prefix, preferred)
         else:
-            conn, inst, why = _least_loaded(free, preferred)
+            now = trio.current_time()
+            conn, inst, why = _least_loaded(free, preferred, lambda i: self.occupancy(i, now))
         inst.in_flight += 1
         where = (conn.node_id, inst.caps.instance)
         if affinity is not None:
@@ -718,21 +860,26 @@ class Scheduler:
         minus its load, plus affinity (weights in ``[scheduler]``); or the
         least loaded while the candidates' loads are too far apart."""
         s = self.settings
-        flights = [inst.in_flight for _, inst in free]
+        now = trio.current_time()
+        flights = [self.occupancy(inst, now) for _, inst in free]
         busiest, idlest = max(flights), min(flights)
         if (
             busiest - idlest > s.balance_abs_threshold
             and busiest > idlest * s.balance_rel_threshold
         ):
-            conn, inst, _ = _least_loaded(free, None)
-            return conn, inst, f"least-loaded: in flight {busiest} against {idlest}", {}
+            conn, inst, _ = _least_loaded(free, None, lambda i: self.occupancy(i, now))
+            return conn, inst, f"least-loaded: in flight {busiest:g} against {idlest:g}", {}
         scores: dict[str, float] = {}
         best: tuple[float, int, NodeConnection, InstanceState] | None = None
         for i, (conn, inst) in enumerate(free):
             where = (conn.node_id, inst.caps.instance)
             matched = self.prefixes.matched(where, prefix) / len(prefix) if prefix else 0.0
-            load = inst.in_flight / max(inst.caps.max_concurrency, 1)
-            score = s.prefix_weight * matched - s.load_weight * load
+            load = flights[i] / max(inst.caps.max_concurrency, 1)
+            score = (
+                s.prefix_weight * matched
+                - s.load_weight * load
+                - s.kv_weight * self.kv_usage(inst, now)
+            )
             if where == preferred:
                 score += s.affinity_weight
             scores[f"{where[0]}/{where[1]}"] = round(score, 4)

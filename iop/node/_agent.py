@@ -23,6 +23,13 @@ like any other outcome. The instance's total deadline counts from the moment
 the run was assigned; the first-token deadline starts once it has a slot.
 When the probe finds that the instances changed, each link queues a
 ``CapabilitiesUpdate``.
+
+Several edges may share the node; its slots are the authority on what an
+instance takes, whichever edge sent the run. Every change of an instance's
+slots or of its engine's figures (read by ``scrape_engine_load``, one task
+per instance whose engine publishes its load, in the agent's nursery) tells
+each link's session, which sends the edges a ``LoadReport``, coalesced to
+``node.load_reports_per_s`` (``iop.protocol._session``, "Load reports").
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import trio
 
 from iop import __version__
 from iop._secrets import SecretMasker, node_secrets
-from iop.adapters import Adapter, build_adapter
+from iop.adapters import Adapter, EngineLoadReader, build_adapter
 from iop.capabilities import Capabilities, ProviderStatus
 from iop.config import NodeConfig, NodeEdge
 from iop.errors import (
@@ -51,7 +58,13 @@ from iop.errors import (
 )
 from iop.events import CancelReason, Error
 from iop.node._dial import MIN_RECONNECT_DELAY_S, STABLE_LINK_S, ConnectFactory, Dialer
-from iop.node._instances import PROBE_GUARD_S, Instance, RunExecutor, probe
+from iop.node._instances import (
+    PROBE_GUARD_S,
+    Instance,
+    RunExecutor,
+    probe,
+    scrape_engine_load,
+)
 from iop.node._link import NodeLink, NodeRun
 from iop.node._ws import DEFAULT_CONNECT_TIMEOUT_S, open_ws_link
 from iop.protocol import (
@@ -59,6 +72,7 @@ from iop.protocol import (
     CLOSE_HEARTBEAT,
     AssignReceived,
     FrameChannel,
+    InstanceLoad,
     NodeSession,
     Welcome,
     Welcomed,
@@ -207,6 +221,8 @@ class NodeAgent:
         self._masker = SecretMasker(value for value, _ in node_secrets(config))
         self._supervisor = supervisor
         self._instances = {cfg.name: Instance(cfg, adapters[cfg.name]) for cfg in config.instances}
+        for inst in self._instances.values():
+            inst.slots.on_change = self._load_changed
         self._welcome_timeout_s = welcome_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._links: set[NodeLink] = set()
@@ -276,6 +292,34 @@ class NodeAgent:
             await trio.sleep(self.config.node.probe_interval_s)
             await self.refresh_capabilities()
 
+    # --- load reports ------------------------------------------------------------
+
+    def _load_report(self) -> list[InstanceLoad]:
+        """Every instance's load now (a link's session asks when a report is due)."""
+        now = trio.current_time()
+        return [inst.load(now) for inst in self._instances.values()]
+
+    def _load_changed(self) -> None:
+        """An instance's slots or engine figures changed: each link reports it
+        (coalesced by its session to ``node.load_reports_per_s``)."""
+        now = trio.current_time()
+        for link in self._links:
+            if link.session.load_changed(now):
+                link.driver.wake()
+
+    def start_scrapers(self, nursery: trio.Nursery) -> None:
+        """Start reading the engine load of every instance whose engine publishes it."""
+        for inst in self._instances.values():
+            reader = inst.adapter
+            if isinstance(reader, EngineLoadReader) and reader.load_scrape_interval_s > 0:
+                nursery.start_soon(
+                    scrape_engine_load,
+                    inst,
+                    reader,
+                    self._load_changed,
+                    name=f"load scrape {inst.name}",
+                )
+
     # --- dialling edges -----------------------------------------------------------
 
     def _default_connect(self, edge: NodeEdge) -> AbstractAsyncContextManager[FrameChannel]:
@@ -344,6 +388,8 @@ class NodeAgent:
             now=trio.current_time(),
             heartbeat_timeout_s=self._welcome_timeout_s,
             max_frame_bytes=self.config.node.max_frame_bytes,
+            load_reports_per_s=self.config.node.load_reports_per_s,
+            load_source=self._load_report,
         )
         link = NodeLink(
             edge,
@@ -623,6 +669,7 @@ async def open_node_agent(
                 tracing=tracing,
             )
             await nursery.start(agent._probe_loop)
+            agent.start_scrapers(nursery)
             try:
                 yield agent
             finally:

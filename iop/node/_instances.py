@@ -7,23 +7,42 @@ for one run: a slot of the instance (the wait is wrapped in
 the adapter. ``probe`` asks every instance's adapter what it serves,
 concurrently and within ``PROBE_GUARD_S``; a probe that fails or hangs
 reports its instance as unavailable, with why.
+
+``scrape_engine_load`` reads, every ``load_scrape_interval_s``, what an
+instance's engine publishes about its load (``EngineLoadReader``), for the
+node's load reports (``Instance.load``). A failed scrape keeps the last
+figures, which age in the reports until the edge ignores them
+(``scheduler.load_stale_s``); failures are logged when the scrape starts
+failing and when it recovers, not once per scrape.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Callable
 from typing import Final
 
 import trio
 
-from iop.adapters import Adapter
+from iop.adapters import Adapter, EngineLoadReader
 from iop.capabilities import Capabilities, ProviderStatus, provider_detail
 from iop.config import Deadlines, InstanceConfig
+from iop.errors import IopError
 from iop.node._slots import InstanceSlots
+from iop.protocol import EngineLoad, InstanceLoad
 from iop.runtime import RunSink
 from iop.spec import ExecutionSpec
+from iop.wire import EngineFigures
 
-__all__ = ["PROBE_GUARD_S", "Instance", "RunExecutor", "probe"]
+__all__ = [
+    "PROBE_GUARD_S",
+    "SCRAPE_GUARD_S",
+    "Instance",
+    "RunExecutor",
+    "probe",
+    "scrape_engine_load",
+]
 
 log = logging.getLogger("iop.node")
 
@@ -31,6 +50,9 @@ log = logging.getLogger("iop.node")
 # probe timeout (2 s for HTTP ones); this only keeps a broken adapter from
 # wedging the probe loop.
 PROBE_GUARD_S: Final = 30.0
+# The same for one load scrape (the adapter's own deadline is
+# ``load_scrape_timeout_s``, 1 s by default).
+SCRAPE_GUARD_S: Final = 10.0
 
 
 class Instance:
@@ -42,6 +64,30 @@ class Instance:
         self.adapter = adapter
         self.deadlines: Deadlines = cfg.deadlines
         self.slots = InstanceSlots(cfg.max_concurrency, cfg.max_queue, cfg.queue_timeout_s)
+        # The engine's figures at the last good scrape, and when (trio clock).
+        self.engine: EngineFigures | None = None
+        self.engine_at = -math.inf
+
+    def load(self, now: float) -> InstanceLoad:
+        """The instance's load for a load report, engine figures with their age."""
+        slots = self.slots
+        engine = None
+        if self.engine is not None:
+            e = self.engine
+            engine = EngineLoad(
+                running=e.running,
+                waiting=e.waiting,
+                kv_usage=e.kv_usage,
+                age_s=round(max(0.0, now - self.engine_at), 3),
+            )
+        return InstanceLoad(
+            instance=self.name,
+            in_flight=slots.in_flight,
+            queued=slots.queued,
+            max_concurrency=slots.max_concurrency,
+            max_queue=slots.max_queue,
+            engine=engine,
+        )
 
     def fallback_capabilities(self, detail: str = "not probed yet") -> Capabilities:
         """What to advertise when the adapter cannot say (its probe crashed)."""
@@ -102,3 +148,53 @@ async def probe(instances: list[Instance]) -> list[Capabilities]:
         for i, inst in enumerate(instances):
             nursery.start_soon(one, i, inst)
     return results
+
+
+async def scrape_engine_load(
+    inst: Instance,
+    reader: EngineLoadReader,
+    on_change: Callable[[], None],
+    *,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Read ``inst``'s engine load every ``reader.load_scrape_interval_s`` until cancelled.
+
+    New figures are kept in ``inst`` (``engine``, ``engine_at``) and, when
+    they differ from the last, ``on_change`` is called (a load report is
+    due). Returns at once if the interval is 0.
+    """
+    interval = reader.load_scrape_interval_s
+    task_status.started()
+    if not interval > 0:
+        return
+    failing = False
+    while True:
+        why = ""
+        figures: EngineFigures | None = None
+        with trio.move_on_after(SCRAPE_GUARD_S) as guard:
+            try:
+                figures = await reader.engine_load()
+            except IopError as exc:
+                why = exc.message
+            except Exception as exc:  # a broken adapter: logged, the loop goes on
+                why = f"{type(exc).__name__}: {exc}"
+        if guard.cancelled_caught:
+            why = f"no answer within {SCRAPE_GUARD_S:g}s"
+        if figures is None:
+            if not failing:
+                log.warning(
+                    "instance %s: reading the engine's load failed (%s); its figures age "
+                    "until the edge ignores them. Logged again when it recovers.",
+                    inst.name,
+                    why,
+                )
+                failing = True
+        else:
+            if failing:
+                log.info("instance %s: the engine's load is read again", inst.name)
+                failing = False
+            inst.engine_at = trio.current_time()
+            if figures != inst.engine:
+                inst.engine = figures
+                on_change()
+        await trio.sleep(interval)

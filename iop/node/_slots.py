@@ -9,6 +9,9 @@ for at most ``queue_timeout_s``:
 * waited too long: ``RunAborted(reason=CancelReason.QUEUE_TIMEOUT)``; the runtime turns
   it into ``Cancelled(queue_timeout)``.
 
+Every change of ``in_flight`` or ``queued`` calls ``on_change`` (the node's
+load reports: ``iop.node._agent``); it must not block.
+
 A released slot is *handed over* to the first waiter (``in_flight`` does not
 drop in between), so a newcomer can never overtake the queue, and each slot is
 given to exactly one waiter. A waiter that is cancelled or times out leaves
@@ -18,7 +21,7 @@ on. Nothing polls: waiters sleep on their own ``trio.Event``.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import trio
@@ -59,6 +62,7 @@ class InstanceSlots:
         self.max_queue = max_queue
         self.queue_timeout_s = queue_timeout_s
         self.in_flight = 0
+        self.on_change: Callable[[], None] | None = None
         # Insertion-ordered: the first key is the oldest waiter; removal of a
         # cancelled waiter is O(1).
         self._waiters: dict[_Waiter, None] = {}
@@ -92,12 +96,17 @@ class InstanceSlots:
         await trio.lowlevel.checkpoint()
         if self.in_flight < self.max_concurrency and not self._waiters:
             self.in_flight += 1
+            self._changed()
         else:
             await self._wait_for_slot()
 
     def release(self) -> None:
         """Give back a slot ``take`` gave."""
         self._release()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
 
     async def _wait_for_slot(self) -> None:
         if len(self._waiters) >= self.max_queue:
@@ -109,6 +118,7 @@ class InstanceSlots:
             )
         waiter = _Waiter()
         self._waiters[waiter] = None
+        self._changed()
         try:
             with trio.move_on_after(self.queue_timeout_s):
                 await waiter.woken.wait()
@@ -129,6 +139,7 @@ class InstanceSlots:
             self._release()
         else:
             del self._waiters[waiter]
+            self._changed()
 
     def _release(self) -> None:
         if self._waiters:
@@ -139,3 +150,4 @@ class InstanceSlots:
             waiter.woken.set()
         else:
             self.in_flight -= 1
+        self._changed()

@@ -26,6 +26,13 @@ checked in the ``Hello``.
      |                                      |  or an answer to the edge's ping
      |  <----------------- Ping(nonce)       |  the edge's sweep, every heartbeat_timeout_s
      |  CapabilitiesUpdate(instances) ----> |  when a probe changes something
+     |  LoadReport(instances) ------------> |  when the load changes, at most
+     |                                      |  Welcome.load_reports_per_s a second
+
+``LoadReport`` is new in protocol 3 without a version bump: a node sends it
+only to an edge whose ``Welcome`` asked for it (``load_reports_per_s`` > 0),
+so an older edge, which would refuse the unknown tag, never gets one, and an
+older node simply never sends one (the edge then places on its own counts).
 """
 
 from __future__ import annotations
@@ -47,8 +54,11 @@ __all__ = [
     "CapabilitiesUpdate",
     "Credit",
     "EdgeMessage",
+    "EngineLoad",
     "Goodbye",
     "Hello",
+    "InstanceLoad",
+    "LoadReport",
     "NodeMessage",
     "Ping",
     "RunEvents",
@@ -125,7 +135,54 @@ class Goodbye(_Msg, frozen=True, kw_only=True, tag="bye"):
     reason: str = ""
 
 
-NodeMessage = Hello | CapabilitiesUpdate | RunEvents | Ping | Goodbye
+class EngineLoad(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What an instance's engine published about its load (``iop.adapters``
+    scrapes it), as far as it says; None: not published.
+
+    Attributes:
+        running: Requests the engine is executing (vLLM
+            ``num_requests_running``, SGLang ``num_running_reqs``, llama.cpp
+            slots processing).
+        waiting: Requests queued inside the engine.
+        kv_usage: Share of its KV cache in use, 0 to 1.
+        age_s: How old the figures were when the report was sent.
+    """
+
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None
+    age_s: float = 0.0
+
+
+class InstanceLoad(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One instance's load on the node, across every edge that uses it.
+
+    Attributes:
+        instance: The instance's name.
+        in_flight: Runs holding a slot.
+        queued: Runs waiting for one.
+        max_concurrency: Its slots.
+        max_queue: Its queue bound.
+        engine: The engine's own figures, when it publishes them.
+    """
+
+    instance: str
+    in_flight: int
+    queued: int
+    max_concurrency: int
+    max_queue: int
+    engine: EngineLoad | None = None
+
+
+class LoadReport(_Msg, frozen=True, kw_only=True, tag="load"):
+    """The node's instances' live load; sent on change, coalesced, and again
+    before ``Welcome.load_stale_s`` would make the last one stale. It is a
+    hint for placement: the node's own admission decides."""
+
+    instances: list[InstanceLoad]
+
+
+NodeMessage = Hello | CapabilitiesUpdate | RunEvents | Ping | Goodbye | LoadReport
 
 
 # --- edge -> node -------------------------------------------------------------
@@ -141,6 +198,11 @@ class Welcome(_Msg, frozen=True, kw_only=True, tag="welcome"):
     # The largest frame the edge accepts from this node (0: an edge from
     # before this field; the node keeps its own limit).
     max_frame_bytes: int = 0
+    # Load reports the edge takes a second (0: an edge from before
+    # ``LoadReport``, which must get none), and the age past which it
+    # ignores one: the node sends its report again before that.
+    load_reports_per_s: float = 0.0
+    load_stale_s: float = 0.0
 
 
 class Assign(_Msg, frozen=True, kw_only=True, tag="assign"):

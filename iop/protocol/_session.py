@@ -59,9 +59,24 @@ and the node ends a run whose single event would not fit with ``Error``
 
 Event messages are bounded by credit and terminal ones by assigns, so the
 only messages a node could flood the edge with are the ones that cost no
-credit (``ping``, ``caps``, ``bye``): those draw from a token bucket
+credit (``ping``, ``caps``, ``bye``, ``load``): those draw from a token bucket
 (``control_rate_per_s``, ``control_burst``) and an empty bucket raises
 ``LinkLimitError`` with ``CLOSE_RATE``.
+
+Load reports
+------------
+The edge's welcome says how many load reports a second it takes
+(``load_reports_per_s``; 0 from an edge that predates them, which then gets
+none) and when it ignores one as stale (``load_stale_s``). The node sends at
+the lower of that rate and its own: a change (``NodeSession.load_changed``)
+goes at once when the last report is at least an interval old, else the
+changes of the interval are coalesced into one report at its end, built
+from the figures then (``load_source``), so the last state always goes. A
+node with nothing changing repeats its report every
+``LOAD_REFRESH_FRACTION`` of ``load_stale_s``, so a quiet node's report is
+never stale at the edge while the node is alive; a heartbeat due before
+then carries the report instead of a ping, so an idle link sends no more
+frames for it.
 
 Liveness
 --------
@@ -93,7 +108,7 @@ import enum
 import hmac
 import math
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Final
 
 import msgspec
@@ -125,6 +140,8 @@ from iop.protocol._messages import (
     Credit,
     Goodbye,
     Hello,
+    InstanceLoad,
+    LoadReport,
     Ping,
     RunEvents,
     Welcome,
@@ -149,6 +166,7 @@ __all__ = [
     "DEFAULT_RUN_WINDOW",
     "EDGE_SILENCE_FACTOR",
     "LEGACY_MAX_FRAME_BYTES",
+    "LOAD_REFRESH_FRACTION",
     "MIN_PEER_FRAME_BYTES",
     "RELEASED_RUNS_REMEMBERED",
     "RUN_BACKLOG",
@@ -160,6 +178,7 @@ __all__ = [
     "EdgeLinkEvent",
     "EdgeSession",
     "LinkState",
+    "LoadReported",
     "NodeDraining",
     "NodeJoined",
     "NodeLinkEvent",
@@ -228,6 +247,9 @@ COLLECT_FLUSH_S: Final = 1.0
 # A collected run's consecutive text deltas are merged up to this many
 # characters per event (a bound on the copying each merge costs).
 COLLECT_MERGE_CHARS: Final = 2048
+# A node repeats an unchanged load report after this share of the edge's
+# ``load_stale_s``: three chances before the edge would ignore it.
+LOAD_REFRESH_FRACTION: Final = 1 / 3
 # The largest msgpack array header (``array_header``): a frame's bytes are
 # this plus its messages'.
 _BATCH_HEADER_MAX: Final = 5
@@ -329,6 +351,13 @@ class NodeDraining(msgspec.Struct, frozen=True):
     reason: str
 
 
+class LoadReported(msgspec.Struct, frozen=True):
+    """The node's instances' live load (``LoadReport``), received at ``at``."""
+
+    instances: list[InstanceLoad]
+    at: float
+
+
 class Welcomed(msgspec.Struct, frozen=True):
     welcome: Welcome
 
@@ -346,7 +375,7 @@ class CancelReceived(msgspec.Struct, frozen=True):
     cancel: Cancel
 
 
-EdgeLinkEvent = NodeJoined | CapabilitiesChanged | RunEventsReceived | NodeDraining
+EdgeLinkEvent = NodeJoined | CapabilitiesChanged | RunEventsReceived | NodeDraining | LoadReported
 NodeLinkEvent = Welcomed | AssignReceived | CreditReceived | CancelReceived
 
 
@@ -415,6 +444,10 @@ class EdgeSession:
         max_frame_bytes: Largest frame after it (sent to the node in the welcome).
         control_rate_per_s: Sustained rate of messages that cost no credit.
         control_burst: Of those, how many may come at once.
+        load_reports_per_s: Load reports a second the node may send (told
+            to it in the welcome; 0: none); they draw from the same bucket.
+        load_stale_s: Age past which the edge ignores a load report (told
+            to the node, which repeats its report before then).
     """
 
     def __init__(
@@ -428,7 +461,11 @@ class EdgeSession:
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
         control_rate_per_s: float = DEFAULT_CONTROL_RATE_PER_S,
         control_burst: int = DEFAULT_CONTROL_BURST,
+        load_reports_per_s: float = 0.0,
+        load_stale_s: float = 0.0,
     ) -> None:
+        self.load_reports_per_s = load_reports_per_s
+        self.load_stale_s = load_stale_s
         self._tokens = [t.encode() for t in tokens]
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
@@ -527,6 +564,8 @@ class EdgeSession:
                 continue
             if isinstance(msg, CapabilitiesUpdate):
                 events.append(CapabilitiesChanged(msg.instances))
+            elif isinstance(msg, LoadReport):
+                events.append(LoadReported(msg.instances, now))
             elif isinstance(msg, Goodbye):
                 events.append(NodeDraining(msg.reason))
             else:
@@ -567,6 +606,8 @@ class EdgeSession:
                 heartbeat_interval_s=self.heartbeat_interval_s,
                 heartbeat_timeout_s=self.heartbeat_timeout_s,
                 max_frame_bytes=self.max_frame_bytes,
+                load_reports_per_s=self.load_reports_per_s,
+                load_stale_s=self.load_stale_s,
             )
         )
 
@@ -747,6 +788,10 @@ class NodeSession:
             (replaced by the edge's value once welcomed).
         max_frame_bytes: Largest frame the node accepts (told to the edge
             in the hello).
+        load_reports_per_s: Most load reports a second (the edge's welcome
+            may lower it; 0: none).
+        load_source: The instances' load right now, for a report that is
+            due (called by the session, at most once per report).
     """
 
     def __init__(
@@ -757,7 +802,18 @@ class NodeSession:
         now: float,
         heartbeat_timeout_s: float = 5.0,
         max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES,
+        load_reports_per_s: float = 0.0,
+        load_source: Callable[[], list[InstanceLoad]] | None = None,
     ) -> None:
+        self._load_rate = load_reports_per_s
+        self._load_source = load_source
+        # Off until a welcome that asks for reports (``_start_load``).
+        self._load_every = math.inf
+        self._load_refresh_every = math.inf
+        self._load_dirty = False
+        self._load_sent_at = -math.inf
+        # The last load report queued (``_load_queued``: is it still waiting?).
+        self._load_msg: bytes | None = None
         self.node_id = node_id
         self.max_frame_bytes = max_frame_bytes
         # What the edge accepts (from its welcome; until then, what an edge
@@ -798,18 +854,39 @@ class NodeSession:
 
     @property
     def next_tick_at(self) -> float:
-        """When ``tick`` next has something to do: a ping, or held events to flush.
+        """When ``tick`` next has something to do: a ping, held events to
+        flush, or a load report to send.
 
         No ping while something is queued for the writer: it goes out when
         the writer can send, and says as much. (A writer held up by the
         link's flow control leaves ``last_sent`` behind: a deadline taken
         from it would be in the past, and the reader would wake to ``tick``
-        without pause, a core spent doing nothing.)
+        without pause, a core spent doing nothing.) Likewise no new load
+        report while the last one still waits for the writer: at most one is
+        queued, however long the link is held up.
         """
-        ping_at = math.inf if self.has_data_to_send else self.next_ping_at
+        at = math.inf if self.has_data_to_send else self.next_ping_at
         if self._held_old or self._held_new:
-            return min(ping_at, self._flush_check_at)
-        return ping_at
+            at = min(at, self._flush_check_at)
+        if self._load_queued:
+            return at
+        return min(at, self.next_load_at)
+
+    @property
+    def _load_queued(self) -> bool:
+        """Whether the last load report is still among the queued messages."""
+        msg = self._load_msg
+        return msg is not None and any(m is msg for m in self._out.messages)
+
+    @property
+    def next_load_at(self) -> float:
+        """When the next load report goes (inf: none planned)."""
+        if self._load_every == math.inf:
+            return math.inf
+        last = self._load_sent_at
+        if self._load_dirty:
+            return last + self._load_every
+        return last + self._load_refresh_every
 
     @property
     def has_data_to_send(self) -> bool:
@@ -882,6 +959,7 @@ class NodeSession:
             self.heartbeat_interval_s = welcome.heartbeat_interval_s
             if welcome.max_frame_bytes:
                 self.peer_max_frame_bytes = welcome.max_frame_bytes
+            self._start_load(welcome, now)
             return [Welcomed(welcome)]
         batch = decode_edge_batch(frame)
         self.last_seen = now
@@ -900,6 +978,50 @@ class NodeSession:
                 raise LinkProtocolError(f"unexpected {type(msg).__name__} on an open link")
         return events
 
+    def _start_load(self, welcome: Welcome, now: float) -> None:
+        """Load reports at the lower of the edge's rate and ours; the first one now."""
+        rate = min(self._load_rate, welcome.load_reports_per_s)
+        if self._load_source is None or not rate > 0 or not math.isfinite(rate):
+            return
+        self._load_every = 1.0 / rate
+        if welcome.load_stale_s > 0 and math.isfinite(welcome.load_stale_s):
+            self._load_refresh_every = max(
+                welcome.load_stale_s * LOAD_REFRESH_FRACTION, self._load_every
+            )
+        self._load_dirty = True
+        self._queue_load(now)
+
+    def load_changed(self, now: float) -> bool:
+        """The load changed: a report goes now if the last is an interval old,
+        else at the end of the interval (``tick``), with the figures then.
+
+        Returns:
+            Whether the driver must be woken: a report was queued, or one is
+            now due at a tick (``next_tick_at`` moved up). False while a
+            report is pending already, so a burst of changes costs no wake-ups.
+        """
+        if self._load_every == math.inf or self.state is not LinkState.OPEN:
+            return False
+        if self._load_queued:
+            # The last report still waits for the writer (a link held up):
+            # the next one follows it, with the figures of then.
+            self._load_dirty = True
+            return False
+        if now >= self._load_sent_at + self._load_every:
+            self._queue_load(now)
+            return True
+        if self._load_dirty:
+            return False
+        self._load_dirty = True
+        return True
+
+    def _queue_load(self, now: float) -> None:
+        assert self._load_source is not None
+        self._load_msg = encode(LoadReport(instances=self._load_source()))
+        self._out.messages.append(self._load_msg)
+        self._load_dirty = False
+        self._load_sent_at = now
+
     def _answer(self, now: float) -> None:
         """An edge ping: get in step with it. The edge pings all its quiet
         links in one sweep (``EdgeSession.sweep``); if each node's frames
@@ -914,10 +1036,20 @@ class NodeSession:
         if self.has_data_to_send:
             return
         if now - self._out.last_sent >= self.heartbeat_interval_s / 4:
-            self._nonce += 1
-            self._out.messages.append(encode(Ping(nonce=self._nonce)))
+            self._heartbeat(now)
         else:
             self._in_step_at = now
+
+    def _heartbeat(self, now: float) -> None:
+        """A ping; or the load report, when its refresh would be due before the
+        next heartbeat: it says as much, and an idle link then sends no more
+        frames for its reports than it did for its pings."""
+        refresh = self._load_refresh_every
+        if refresh != math.inf and now + self.heartbeat_interval_s >= self._load_sent_at + refresh:
+            self._queue_load(now)
+            return
+        self._nonce += 1
+        self._out.messages.append(encode(Ping(nonce=self._nonce)))
 
     def _assign(self, msg: Assign) -> AssignReceived:
         if msg.run_id in self._runs:
@@ -1037,9 +1169,10 @@ class NodeSession:
         make the events collected runs held since before the last check sendable."""
         if self.state is not LinkState.OPEN:
             return
+        if now >= self.next_load_at and not self._load_queued:
+            self._queue_load(now)  # also says the node is alive: no ping
         if now >= self.next_ping_at and not self.has_data_to_send:
-            self._nonce += 1
-            self._out.messages.append(encode(Ping(nonce=self._nonce)))
+            self._heartbeat(now)
         if now >= self._flush_check_at:
             for run_id in self._held_old:
                 run = self._runs.get(run_id)

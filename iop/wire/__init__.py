@@ -5,10 +5,18 @@ Nothing in this package does I/O or imports trio, httpx or quart
 chat streams become RuntimeEvents, where backend error bodies are normalised,
 where tool calls are accumulated from deltas or parsed out of text, and where
 streamed text is held back until it is known not to be a tag (``<think>``, a
-tool-call opener).
+tool-call opener), and where an engine's published load is read.
 """
 
 from iop.wire._chunks import ChatChunk, ChunkToolCall
+from iop.wire._engine_load import (
+    EngineDialect,
+    EngineFigures,
+    figures_from_metrics,
+    metric_names,
+    parse_llamacpp_slots,
+    parse_metrics,
+)
 from iop.wire._errors import ERROR_EXCERPT_BYTES, BackendErrorInfo, parse_error_body
 from iop.wire._holdback import HoldBack, Tags
 from iop.wire._openai_stream import ChatStreamParser, map_finish_reason
@@ -38,6 +46,8 @@ __all__ = [
     "ChatChunk",
     "ChatStreamParser",
     "ChunkToolCall",
+    "EngineDialect",
+    "EngineFigures",
     "HoldBack",
     "ParsedToolText",
     "SSEDecoder",
@@ -47,8 +57,12 @@ __all__ = [
     "ToolTextFilter",
     "encode_comment",
     "encode_event",
+    "figures_from_metrics",
     "map_finish_reason",
+    "metric_names",
     "parse_error_body",
+    "parse_llamacpp_slots",
+    "parse_metrics",
     "parse_tool_calls",
     "unstreamed_cleaned_text",
 ]

@@ -456,6 +456,41 @@ async def test_a_request_after_a_cancellation_completes(
     assert await _busy_slots(http) == 0
 
 
+# --- the engine's published load ---------------------------------------------------
+
+
+async def test_the_engines_load_is_read_from_the_real_server(
+    llama: LlamaCppEndpoint, http: httpx.AsyncClient
+) -> None:
+    """``engine = "llamacpp"``: ``/metrics`` (requests processing and deferred)
+    while a generation runs and after; ``/slots`` says the same."""
+    await _wait_idle(http, SERVER_IDLE_BOUND_S)
+    cfg = OpenAICompatInstance(name="llama", endpoint=llama.url, engine="llamacpp")
+    reader = OpenAICompatAdapter(cfg)
+    try:
+        idle = await reader.engine_load()
+        assert (idle.running, idle.waiting) == (0.0, 0.0), idle
+        spec = _spec("Write a long story.", max_tokens=LONG_MAX_TOKENS, ignore_eos=True)
+        async with open_run_supervisor() as sup:
+            run = sup.start_run(reader, spec, DEADLINES)
+            async with run.events:
+                deltas = 0
+                async for ev in run.events:
+                    deltas += isinstance(ev, Delta)
+                    if deltas >= 3:
+                        break
+                busy = await reader.engine_load()
+                slots = await _busy_slots(http)
+                run.cancel(CancelReason.CLIENT_DISCONNECT)
+                async for _ in run.events:
+                    pass
+        assert busy.running == 1.0 == slots, (busy, slots)
+        assert busy.waiting == 0.0
+        print(f"\nllama.cpp load while generating: {busy}")
+    finally:
+        await reader.aclose()
+
+
 # --- the Trio service ----------------------------------------------------------------
 
 

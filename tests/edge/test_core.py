@@ -267,7 +267,20 @@ async def test_failover_before_first_output(autojump_clock: trio.testing.MockClo
         nursery.cancel_scope.cancel()
 
 
-async def test_node_error_before_start_fails_over(autojump_clock: trio.testing.MockClock) -> None:
+@pytest.mark.parametrize(
+    "refusal",
+    [
+        Error(message="busy", status=429, code="queue_full"),
+        Error(message="draining", status=503, code="node_draining"),
+        Error(message="no such instance", status=404, code="unknown_instance"),
+        Error(message="down", status=503, code="backend_unavailable"),
+        Cancelled(reason=CancelReason.QUEUE_TIMEOUT, message="no free slot"),
+    ],
+    ids=lambda ev: getattr(ev, "code", "") or str(ev.reason),
+)
+async def test_node_error_before_start_fails_over(
+    autojump_clock: trio.testing.MockClock, refusal: RuntimeEvent
+) -> None:
     async with open_edge_core(config()) as core, trio.open_nursery() as nursery:
         a = await connect(core, nursery, [caps(slots=1)], "a")
         b = await connect(core, nursery, [caps(slots=1)], "b")
@@ -275,7 +288,7 @@ async def test_node_error_before_start_fails_over(autojump_clock: trio.testing.M
         await trio.testing.wait_all_tasks_blocked()
         first, other = (a, b) if a.assigned else (b, a)
         await first.assigns.receive()
-        await first.send("r1", Error(message="busy", status=429, code="queue_full"))
+        await first.send("r1", refusal)
         await other.assigns.receive()
         await other.send("r1", Start(), Complete())
         assert await drain_events(run) == [Start(), Complete()]

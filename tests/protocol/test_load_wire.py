@@ -1,0 +1,183 @@
+"""LoadReport on the wire: the welcome's gate, coalescing in the node's
+session, and the edge's rate limit (sans-IO, explicit times)."""
+
+from __future__ import annotations
+
+import itertools
+
+import msgspec
+import pytest
+
+from iop.errors import LinkLimitError, LinkProtocolError
+from iop.protocol import (
+    CLOSE_RATE,
+    EdgeSession,
+    EngineLoad,
+    InstanceLoad,
+    LoadReport,
+    LoadReported,
+    NodeSession,
+    Ping,
+    Welcome,
+    decode_node_batch,
+    encode,
+    encode_batch,
+)
+
+FIGURES = [
+    InstanceLoad(
+        instance="i0",
+        in_flight=2,
+        queued=1,
+        max_concurrency=4,
+        max_queue=8,
+        engine=EngineLoad(running=2.0, waiting=3.0, kv_usage=0.5, age_s=0.2),
+    )
+]
+
+
+def node(rate: float = 10.0) -> tuple[NodeSession, list[int]]:
+    calls = [0]
+
+    def source() -> list[InstanceLoad]:
+        calls[0] += 1
+        return FIGURES
+
+    return NodeSession(
+        node_id="n", token="t", now=0.0, load_reports_per_s=rate, load_source=source
+    ), calls
+
+
+def welcome(**kw: object) -> bytes:
+    fields = {
+        "protocol_version": 3,
+        "node_id": "n",
+        "heartbeat_interval_s": 1.0,
+        "heartbeat_timeout_s": 2.0,
+        **kw,
+    }
+    return encode(msgspec.convert(fields, Welcome))
+
+
+def reports(session: NodeSession, now: float) -> list[LoadReport]:
+    out = []
+    for frame in session.data_to_send(now):
+        out += [m for m in decode_node_batch(frame) if isinstance(m, LoadReport)]
+    return out
+
+
+def test_a_report_round_trips_and_an_old_peer_decodes_the_welcome() -> None:
+    frame = encode_batch([encode(LoadReport(instances=FIGURES))])
+    assert decode_node_batch(frame) == [LoadReport(instances=FIGURES)]
+    old = msgspec.msgpack.encode(
+        {
+            "t": "welcome",
+            "protocol_version": 3,
+            "node_id": "n",
+            "heartbeat_interval_s": 1.0,
+            "heartbeat_timeout_s": 2.0,
+        }
+    )
+    got = msgspec.msgpack.decode(old, type=Welcome)
+    assert (got.load_reports_per_s, got.load_stale_s) == (0.0, 0.0)
+
+
+def test_an_edge_from_before_load_reports_gets_none() -> None:
+    session, calls = node()
+    session.receive(welcome(), 0.0)  # no load_reports_per_s: an older edge
+    assert not session.load_changed(0.0)
+    session.tick(100.0)
+    assert reports(session, 100.0) == []
+    assert calls == [0]
+
+
+def test_changes_within_an_interval_become_one_report_at_its_end() -> None:
+    session, calls = node(rate=4.0)
+    session.receive(welcome(load_reports_per_s=10.0, load_stale_s=6.0), 0.0)
+    assert len(reports(session, 0.0)) == 1  # the first, with the welcome
+    for i in range(1, 100):
+        session.load_changed(i * 0.001)  # 99 changes in 0.1 s
+    assert reports(session, 0.1) == []
+    assert session.next_tick_at == pytest.approx(0.25)  # the lower rate: ours
+    session.tick(0.25)
+    assert len(reports(session, 0.25)) == 1
+    assert calls == [2]  # built once per report, not per change
+    # Nothing changed since: the next is the refresh, a third of load_stale_s later.
+    assert session.next_load_at == pytest.approx(2.25)
+
+
+def test_the_edge_counts_reports_against_its_control_budget() -> None:
+    edge = EdgeSession(
+        tokens=["t"],
+        heartbeat_interval_s=1.0,
+        heartbeat_timeout_s=2.0,
+        now=0.0,
+        control_rate_per_s=1.0,
+        control_burst=3,
+        load_reports_per_s=0.25,
+        load_stale_s=5.0,
+    )
+    node_session, _ = node()
+    edge.receive(node_session.hello([]), 0.0)
+    w = msgspec.msgpack.decode(edge.welcome(), type=Welcome)
+    assert (w.load_reports_per_s, w.load_stale_s) == (0.25, 5.0)
+    frame = encode_batch([encode(LoadReport(instances=FIGURES))])
+    (event,) = edge.receive(frame, 1.0)
+    assert event == LoadReported(FIGURES, 1.0)
+    edge.receive(frame, 1.0)
+    edge.receive(frame, 1.0)
+    with pytest.raises(LinkLimitError) as info:
+        edge.receive(frame, 1.0)  # a node that ignores the rate: cut off
+    assert info.value.close_code == CLOSE_RATE
+
+
+def test_a_report_from_an_edge_is_a_protocol_error() -> None:
+    session, _ = node()
+    session.receive(welcome(load_reports_per_s=1.0), 0.0)
+    with pytest.raises(LinkProtocolError):
+        session.receive(encode_batch([encode(LoadReport(instances=[]))]), 0.0)
+
+
+def test_an_idle_links_heartbeats_carry_the_refresh_and_no_more_frames() -> None:
+    session, _ = node()
+    session.receive(welcome(load_reports_per_s=10.0, load_stale_s=5.0), 0.0)
+    now, frames, pings, refreshes = 0.0, 0, 0, [0.0]
+    session.data_to_send(now)  # the first report, with the welcome
+    while now < 30.0:
+        now = session.next_tick_at
+        session.tick(now)
+        for frame in session.data_to_send(now):
+            frames += 1
+            for msg in decode_node_batch(frame):
+                if isinstance(msg, LoadReport):
+                    refreshes.append(now)
+                else:
+                    pings += 1
+    # One frame per heartbeat interval (the welcome's 1 s), as without load
+    # reports, and every one a report: never stale at the edge.
+    assert frames <= 31
+    assert pings == 0
+    assert max(b - a for a, b in itertools.pairwise(refreshes)) <= 5.0 / 3
+
+
+def test_answers_to_the_edges_pings_carry_the_refresh_too() -> None:
+    session, _ = node()
+    session.receive(welcome(load_reports_per_s=10.0, load_stale_s=5.0), 0.0)
+    session.data_to_send(0.0)
+    ping = encode_batch([encode(Ping(nonce=1))])
+    now, frames, refreshes = 0.0, 0, [0.0]
+    sweep = 2.0  # the edge's sweeps, every heartbeat_timeout_s
+    while now < 30.0:
+        now = min(session.next_tick_at, sweep)
+        if now == sweep:
+            session.receive(ping, now)
+            sweep += 2.0
+        else:
+            session.tick(now)
+        for frame in session.data_to_send(now):
+            frames += 1
+            if any(isinstance(m, LoadReport) for m in decode_node_batch(frame)):
+                refreshes.append(now)
+    # No frame of its own for the refresh: heartbeats and answers carry it.
+    assert frames <= 31
+    assert max(b - a for a, b in itertools.pairwise(refreshes)) <= 5.0 / 3
