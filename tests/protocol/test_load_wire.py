@@ -181,3 +181,24 @@ def test_answers_to_the_edges_pings_carry_the_refresh_too() -> None:
     # No frame of its own for the refresh: heartbeats and answers carry it.
     assert frames <= 31
     assert max(b - a for a, b in itertools.pairwise(refreshes)) <= 5.0 / 3
+
+
+def test_a_held_up_writer_keeps_at_most_one_report_queued() -> None:
+    """A link whose writer cannot send (its TCP window full, or the edge not
+    reading while per-run credit is off) gets no pile of reports, and no
+    tick due in the past that would wake the reader without pause."""
+    session, calls = node(rate=10.0)
+    session.receive(welcome(load_reports_per_s=10.0, load_stale_s=6.0), 0.0)
+    # The writer does not take data_to_send for 30 s; the load keeps changing.
+    for i in range(1, 300):
+        now = i * 0.1
+        session.load_changed(now)
+        assert session.next_tick_at > now - 1e-9 or session.next_tick_at == float("inf")
+        session.tick(now)
+    assert calls == [1]  # the first report, still queued: no second one built
+    (first,) = reports(session, 30.0)
+    assert first == LoadReport(instances=FIGURES)
+    # Once it went, the changes since are reported within an interval.
+    session.tick(30.1)
+    assert len(reports(session, 30.1)) == 1
+    assert calls == [2]
