@@ -445,6 +445,11 @@ class _Waiter:
         return (self.model, self.operation, self.exclude)
 
 
+def _load(inst: InstanceState) -> float:
+    """Runs in flight over slots: 0 idle, 1 full."""
+    return inst.in_flight / max(inst.caps.max_concurrency, 1)
+
+
 def _least_loaded(
     free: list[tuple[NodeConnection, InstanceState]], preferred: tuple[str, str] | None
 ) -> tuple[NodeConnection, InstanceState, str]:
@@ -455,7 +460,7 @@ def _least_loaded(
             # The instance that served this conversation before: its
             # prefix cache likely holds the prompt's head.
             return conn, inst, "affinity"
-        load = inst.in_flight / max(inst.caps.max_concurrency, 1)
+        load = _load(inst)
         if best is None or load < best[0]:
             best = (load, conn, inst)
     assert best is not None
@@ -572,22 +577,27 @@ class Scheduler:
     ) -> tuple[NodeConnection, InstanceState, str, dict[str, float]]:
         """The best scored candidate: the expected cached share of the prompt,
         minus its load, plus affinity (weights in ``[scheduler]``); or the
-        least loaded while the candidates' loads are too far apart."""
+        least loaded when the best is too much busier than the idlest.
+
+        The balance rule weighs the instance the score chose against the
+        idlest, not the busiest against the idlest (SGLang's cache-aware
+        router's rule), and in shares of their slots (load, as the score
+        has it), not in runs: one hot instance elsewhere is no reason to
+        send a prompt away from the instance that holds its prefix, at the
+        price of a whole prefill there and a second copy of the prefix in
+        the caches; and 4 runs more is a pile on 8 slots but not on 64
+        (docs/benchmarks.md, "Placement: prefix-aware against least-loaded").
+        """
         s = self.settings
-        flights = [inst.in_flight for _, inst in free]
-        busiest, idlest = max(flights), min(flights)
-        if (
-            busiest - idlest > s.balance_abs_threshold
-            and busiest > idlest * s.balance_rel_threshold
-        ):
-            conn, inst, _ = _least_loaded(free, None)
-            return conn, inst, f"least-loaded: in flight {busiest} against {idlest}", {}
         scores: dict[str, float] = {}
         best: tuple[float, int, NodeConnection, InstanceState] | None = None
+        idlest: InstanceState | None = None
         for i, (conn, inst) in enumerate(free):
             where = (conn.node_id, inst.caps.instance)
             matched = self.prefixes.matched(where, prefix) / len(prefix) if prefix else 0.0
-            load = inst.in_flight / max(inst.caps.max_concurrency, 1)
+            load = _load(inst)
+            if idlest is None or load < _load(idlest):
+                idlest = inst
             score = s.prefix_weight * matched - s.load_weight * load
             if where == preferred:
                 score += s.affinity_weight
@@ -596,7 +606,16 @@ class Scheduler:
             if best is None or score > best[0]:
                 best = (score, i, conn, inst)
         assert best is not None
+        assert idlest is not None
         score, _, conn, inst = best
+        chosen, least = _load(inst), _load(idlest)
+        if chosen - least > s.balance_load_threshold and chosen > least * s.balance_rel_threshold:
+            why = (
+                f"least-loaded: in flight {inst.in_flight}/{inst.caps.max_concurrency} "
+                f"against {idlest.in_flight}/{idlest.caps.max_concurrency}"
+            )
+            conn, inst, _ = _least_loaded(free, None)
+            return conn, inst, why, scores
         return conn, inst, f"prefix: best score {score:.3f} of {len(free)}", scores
 
     def _remember(self, key: str, where: tuple[str, str]) -> None:
