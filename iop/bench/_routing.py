@@ -71,6 +71,7 @@ import msgspec
 import trio
 
 from iop.bench._runner import RunContext, register
+from iop.sim import tokenize
 from iop.testing import EDGE_READY, NODE_READY, SIM_READY, Proc, poll, toml_dumps
 
 __all__ = ["Options", "plots", "run", "tables"]
@@ -83,9 +84,9 @@ WORKLOADS: Final[tuple[Workload, ...]] = ("shared", "unique")
 MODEL: Final = "iop-sim"
 NODE_TOKEN: Final = "bench-routing-token"
 CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
-# Words of the prompts: 2 to 6 lower-case letters, one toy token each
-# (iop/sim/_tokenizer.py cuts a word with its leading space into pieces of
-# at most 6 bytes).
+# Words of the prompts: 2 to 5 lower-case letters, one toy token each with
+# its leading space (iop/sim/_tokenizer.py cuts a word with its leading space
+# into pieces of at most 6 bytes).
 _LETTERS: Final = "abcdefghijklmnopqrstuvwxyz"
 
 
@@ -168,7 +169,12 @@ def _smoke(opts: Options) -> Options:
 
 
 def _words(rng: random.Random, n: int) -> str:
-    return " ".join("".join(rng.choices(_LETTERS, k=rng.randint(2, 6))) for _ in range(n))
+    return "".join(" " + "".join(rng.choices(_LETTERS, k=rng.randint(2, 5))) for _ in range(n))
+
+
+def _text(head: str, rng: random.Random, tokens: int) -> str:
+    """``head`` and then random words: ``tokens`` toy tokens in all."""
+    return head + _words(rng, max(0, tokens - len(tokenize(head))))
 
 
 @dataclass(frozen=True)
@@ -193,7 +199,7 @@ def _requests(opts: Options, workload: Workload, salt: str) -> list[_Request]:
     draws = random.Random(f"{opts.seed}/tenants")
     rng = random.Random(f"{opts.seed}/words")
     systems = [
-        f"cell{salt} tenant{t} " + _words(random.Random(f"{opts.seed}/{t}"), opts.prefix_tokens - 2)
+        _text(f"cell {salt} tenant {t}", random.Random(f"{opts.seed}/{t}"), opts.prefix_tokens)
         for t in range(opts.tenants)
     ]
     warm = list(range(opts.tenants))
@@ -202,11 +208,11 @@ def _requests(opts: Options, workload: Workload, salt: str) -> list[_Request]:
     out: list[_Request] = []
     at = 0.0
     for i, tenant in enumerate(tenants):
-        user = f"request{i} " + _words(rng, opts.user_tokens - 1)
+        user = _text(f"request {i}", rng, opts.user_tokens)
         if workload == "shared":
             system = systems[tenant]
         else:
-            system = f"cell{salt} request{i} " + _words(rng, opts.prefix_tokens - 2)
+            system = _text(f"cell {salt} request {i}", rng, opts.prefix_tokens)
             tenant = -1
         out.append(
             _Request(
@@ -629,6 +635,7 @@ def _median_cells(
             "tok_s": med(cells, "throughput_tok_s"),
             "ans_s": med(cells, "answers_per_s"),
             "hit": med(cells, "hit_rate"),
+            "hit_req": med(cells, "hit_requests"),
             "spread": med(cells, "instances_per_tenant"),
             "foreign": med(cells, "foreign_cpu_pct"),
             "errors": sum(sum(c["errors"].values()) for c in cells),
@@ -646,8 +653,8 @@ def tables(result: dict[str, Any] | list[dict[str, Any]]) -> dict[str, str]:
     cells = _median_cells(result)
     rows = [
         "| workload | placement | TTFT p50 ms | TTFT p90 ms | tokens/s | answers/s "
-        "| cache hit rate | instances per tenant | errors | foreign CPU % |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| cache hit rate | full prefills | instances per tenant | errors | foreign CPU % |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for w in WORKLOADS:
         for p in PLACEMENTS:
@@ -658,6 +665,7 @@ def tables(result: dict[str, Any] | list[dict[str, Any]]) -> dict[str, str]:
                 f"| {w} | {p} | {_f(c['p50'], '.0f')} | {_f(c['p90'], '.0f')} "
                 f"| {_f(c['tok_s'], '.1f')} | {_f(c['ans_s'], '.2f')} "
                 f"| {_f(None if c['hit'] is None else c['hit'] * 100, '.1f')} % "
+                f"| {_f(None if c['hit_req'] is None else (1 - c['hit_req']) * 100, '.1f')} % "
                 f"| {_f(c['spread'], '.2f')} | {c['errors']} | {_f(c['foreign'], '.0f')} |"
             )
     n = max((c["n"] for c in cells.values()), default=0)
@@ -720,7 +728,8 @@ def plots(result: dict[str, Any] | list[dict[str, Any]], img_dir: Path) -> list[
     ):
         ax.set_xticks(x, list(PLACEMENTS))
         ax.set_title(title)
-        ax.legend(fontsize=8, loc="lower right")
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.2)  # room for the legend above the bars
+        ax.legend(fontsize=8, loc="upper right", ncols=2)
     fig.tight_layout()
     path = img_dir / "bench_routing.png"
     fig.savefig(path, dpi=110)
