@@ -765,12 +765,14 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             over slots).
         affinity_weight: Score of the instance that last served the
             conversation.
-        balance_abs_threshold: With ``prefix`` placement, the candidates'
-            in-flight runs may differ by this many before...
-        balance_rel_threshold: ...the busiest also has this many times the
-            idlest's: past both, placement is least-loaded (SGLang's
-            cache-aware router's rule), so a hot prefix cannot pile
-            everything on one instance.
+        balance_load_threshold: With ``prefix`` placement, the chosen
+            instance's load (in-flight over slots) may exceed the idlest
+            candidate's by this much before...
+        balance_rel_threshold: ...it also has this many times the idlest's
+            load: past both, placement is least-loaded (SGLang's cache-aware
+            router's rule, weighed on the chosen instance and in shares of
+            the slots), so a hot prefix cannot pile everything on one
+            instance.
         kv_weight: With ``prefix`` placement, score lost at a full KV cache
             (the engine's reported usage, 0 to 1, in proportion).
         load_stale_s: A node's load report (or the engine figures in it)
@@ -800,9 +802,13 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
     prefix_weight: float = 1.0
     load_weight: float = 1.0
     affinity_weight: float = 0.5
-    # SGLang's cache-aware router has the same two thresholds, sized for
-    # batches of hundreds; these are sized for the slots of a node.
-    balance_abs_threshold: int = 4
+    # SGLang's cache-aware router has the same two thresholds, as counts of
+    # requests sized for batches of hundreds. Here the first is a share of
+    # the instance's slots, so that one number fits 8 slots and 64: half
+    # (4 runs of the default 8). A count of 4 on instances of 16 slots
+    # gave up a cached prefix for a whole prefill on every Poisson swing of
+    # load (docs/benchmarks.md, "Placement: prefix-aware against least-loaded").
+    balance_load_threshold: float = 0.5
     balance_rel_threshold: float = 1.5
     # Half the load term's: llm-d's scorer weights prefix : queue : KV as
     # 2 : 2 : 1 (docs/operations.md, "How a run is placed").
@@ -824,8 +830,8 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             raise ValueError("placement weights must be >= 0")
         if not self.load_stale_s > 0:
             raise ValueError("load_stale_s must be > 0")
-        if self.balance_abs_threshold < 0 or self.balance_rel_threshold < 1:
-            raise ValueError("balance_abs_threshold must be >= 0, balance_rel_threshold >= 1")
+        if self.balance_load_threshold < 0 or self.balance_rel_threshold < 1:
+            raise ValueError("balance_load_threshold must be >= 0, balance_rel_threshold >= 1")
         if self.max_queue_delay_s < 0:
             raise ValueError("max_queue_delay_s must be >= 0 (0 disables it)")
 

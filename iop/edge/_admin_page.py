@@ -133,7 +133,7 @@ def _routing(snapshot: dict[str, Any]) -> str:
         ("prefix_weight", r.get("prefix_weight")),
         ("load_weight", r.get("load_weight")),
         ("affinity_weight", r.get("affinity_weight")),
-        ("balance_abs_threshold", r.get("balance_abs_threshold")),
+        ("balance_load_threshold", r.get("balance_load_threshold")),
         ("balance_rel_threshold", r.get("balance_rel_threshold")),
         ("queued / max_queue", f"{snapshot.get('queued', 0)} / {r.get('max_queue')}"),
         ("max_queue_delay_s", r.get("max_queue_delay_s")),

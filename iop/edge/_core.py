@@ -836,7 +836,7 @@ class EdgeCore:
             "prefix_weight": s.prefix_weight,
             "load_weight": s.load_weight,
             "affinity_weight": s.affinity_weight,
-            "balance_abs_threshold": s.balance_abs_threshold,
+            "balance_load_threshold": s.balance_load_threshold,
             "balance_rel_threshold": s.balance_rel_threshold,
             "max_queue": s.max_queue,
             "max_queue_delay_s": s.max_queue_delay_s,

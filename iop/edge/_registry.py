@@ -858,23 +858,31 @@ class Scheduler:
     ) -> tuple[NodeConnection, InstanceState, str, dict[str, float]]:
         """The best scored candidate: the expected cached share of the prompt,
         minus its load, plus affinity (weights in ``[scheduler]``); or the
-        least loaded while the candidates' loads are too far apart."""
+        least loaded when the best is too much busier than the idlest.
+
+        The balance rule weighs the instance the score chose against the
+        idlest, not the busiest against the idlest (SGLang's cache-aware
+        router's rule), and in shares of their slots (load, as the score
+        has it), not in runs: one hot instance elsewhere is no reason to
+        send a prompt away from the instance that holds its prefix, at the
+        price of a whole prefill there and a second copy of the prefix in
+        the caches; and 4 runs more is a pile on 8 slots but not on 64
+        (docs/benchmarks.md, "Placement: prefix-aware against least-loaded").
+        """
         s = self.settings
         now = trio.current_time()
-        flights = [self.occupancy(inst, now) for _, inst in free]
-        busiest, idlest = max(flights), min(flights)
-        if (
-            busiest - idlest > s.balance_abs_threshold
-            and busiest > idlest * s.balance_rel_threshold
-        ):
-            conn, inst, _ = _least_loaded(free, None, lambda i: self.occupancy(i, now))
-            return conn, inst, f"least-loaded: in flight {busiest:g} against {idlest:g}", {}
+        # Each candidate's load: its occupancy (the edge's count, or the
+        # node's fresh report when larger) over its slots.
+        loads = [self.occupancy(inst, now) / max(inst.caps.max_concurrency, 1) for _, inst in free]
         scores: dict[str, float] = {}
         best: tuple[float, int, NodeConnection, InstanceState] | None = None
+        idlest: int | None = None
         for i, (conn, inst) in enumerate(free):
             where = (conn.node_id, inst.caps.instance)
             matched = self.prefixes.matched(where, prefix) / len(prefix) if prefix else 0.0
-            load = flights[i] / max(inst.caps.max_concurrency, 1)
+            load = loads[i]
+            if idlest is None or load < loads[idlest]:
+                idlest = i
             score = (
                 s.prefix_weight * matched
                 - s.load_weight * load
@@ -887,7 +895,18 @@ class Scheduler:
             if best is None or score > best[0]:
                 best = (score, i, conn, inst)
         assert best is not None
-        score, _, conn, inst = best
+        assert idlest is not None
+        score, at, conn, inst = best
+        chosen, least = loads[at], loads[idlest]
+        if chosen - least > s.balance_load_threshold and chosen > least * s.balance_rel_threshold:
+            idle = free[idlest][1]
+            why = (
+                f"least-loaded: in flight {self.occupancy(inst, now):g}/"
+                f"{inst.caps.max_concurrency} against {self.occupancy(idle, now):g}/"
+                f"{idle.caps.max_concurrency}"
+            )
+            conn, inst, _ = _least_loaded(free, None, lambda i: self.occupancy(i, now))
+            return conn, inst, why, scores
         return conn, inst, f"prefix: best score {score:.3f} of {len(free)}", scores
 
     def _remember(self, key: str, where: tuple[str, str]) -> None:

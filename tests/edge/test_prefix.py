@@ -123,7 +123,7 @@ async def test_a_shared_prefix_goes_back_to_the_instance_that_holds_it(
 async def test_too_much_load_on_the_warm_instance_turns_placement_to_least_loaded(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    cfg = prefix_config(balance_abs_threshold=2, balance_rel_threshold=1.5, load_weight=0.0)
+    cfg = prefix_config(balance_load_threshold=0.25, balance_rel_threshold=1.5, load_weight=0.0)
     async with open_edge_core(cfg) as core, trio.open_nursery() as nursery:  # type: ignore[arg-type]
         a = await connect(core, nursery, [caps(slots=8)], "a")
         await connect(core, nursery, [caps(slots=8)], "b")
@@ -132,11 +132,71 @@ async def test_too_much_load_on_the_warm_instance_turns_placement_to_least_loade
             runs.append(core.start_run(spec(chat(SYSTEM, f"q{i}"), f"r{i}")))
             await trio.testing.wait_all_tasks_blocked()
         first = "a" if "r0" in a.assigned else "b"
-        # With no weight on load the prefix wins until the loads are 3 apart
-        # (and more than 1.5 times): then the idle instance takes one.
+        # With no weight on load the prefix wins until the loads are more
+        # than a quarter of the 8 slots apart (3 runs, and more than 1.5
+        # times): then the idle instance takes one.
         whys = [r.timeline.placements[0].why for r in runs]
-        assert whys[3].startswith("least-loaded: in flight 3 against 0")
+        assert whys[3] == "least-loaded: in flight 3/8 against 0/8"
         assert ("a" if "r3" in a.assigned else "b") != first
+        for r in runs:
+            r.cancel(CancelReason.CLIENT_DISCONNECT)
+            await drain_events(r)
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_balance_rule_weighs_the_preferred_instance_not_the_busiest(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Three instances of 8 slots, the default thresholds (half the slots,
+    # and 1.5 times). One prefix piles 5 runs on a, the support prompt has
+    # one run on b, c is idle: the cluster is out of balance (5 against 0),
+    # but the support prompt's instance is not (1 against 0). Its next turn
+    # goes to b, where its prefix is; the pile's next run goes to c.
+    poet = "You are a poet. " * 80
+    async with open_edge_core(prefix_config()) as core, trio.open_nursery() as nursery:  # type: ignore[arg-type]
+        nodes = {n: await connect(core, nursery, [caps(slots=8)], n) for n in "abc"}
+        runs = []
+        for i, (system, user) in enumerate(
+            [
+                (poet, "p0"),
+                (SYSTEM, "s0"),
+                *[(poet, f"p{k}") for k in range(1, 5)],
+                (SYSTEM, "s1"),
+                (poet, "p5"),
+            ]
+        ):
+            runs.append(core.start_run(spec(chat(system, user), f"r{i}")))
+            await trio.testing.wait_all_tasks_blocked()
+        where = [next(n for n, fake in nodes.items() if f"r{i}" in fake.assigned) for i in range(8)]
+        assert where[:6] == ["a", "b", "a", "a", "a", "a"]
+        assert where[6] == "b"
+        assert runs[6].timeline.placements[0].why.startswith("prefix: best score")
+        assert where[7] == "c"
+        assert runs[7].timeline.placements[0].why == "least-loaded: in flight 5/8 against 0/8"
+        # The scores that lost to the balance rule are still shown.
+        assert set(runs[7].timeline.placements[0].scores) == {"a/i0", "b/i0", "c/i0"}
+        for r in runs:
+            r.cancel(CancelReason.CLIENT_DISCONNECT)
+            await drain_events(r)
+        nursery.cancel_scope.cancel()
+
+
+async def test_the_balance_threshold_is_a_share_of_the_slots(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Two instances of 16 slots: one prompt's runs stay with its prefix
+    # while they are up to half the slots (8 runs) ahead of the idle
+    # instance; the tenth goes to the idle one. (A threshold of 4 runs,
+    # right for 8 slots, gave up the cache at the sixth.)
+    async with open_edge_core(prefix_config()) as core, trio.open_nursery() as nursery:  # type: ignore[arg-type]
+        a = await connect(core, nursery, [caps(slots=16)], "a")
+        await connect(core, nursery, [caps(slots=16)], "b")
+        runs = []
+        for i in range(10):
+            runs.append(core.start_run(spec(chat(SYSTEM, f"q{i}"), f"r{i}")))
+            await trio.testing.wait_all_tasks_blocked()
+        assert [f"r{i}" in a.assigned for i in range(10)] == [True] * 9 + [False]
+        assert runs[9].timeline.placements[0].why == "least-loaded: in flight 9/16 against 0/16"
         for r in runs:
             r.cancel(CancelReason.CLIENT_DISCONNECT)
             await drain_events(r)
@@ -165,3 +225,5 @@ def test_placement_settings_refuse_nonsense() -> None:
         SchedulerSettings(prefix_block_chars=1)
     with pytest.raises(ValueError, match="balance_rel_threshold"):
         SchedulerSettings(balance_rel_threshold=0.5)
+    with pytest.raises(ValueError, match="balance_load_threshold"):
+        SchedulerSettings(balance_load_threshold=-0.1)

@@ -1,0 +1,745 @@
+"""Placement against a prefix cache: random, least-loaded, affinity, prefix-aware.
+
+Issue 11's measurement of ``[scheduler] placement``. Four ``iop sim``
+processes stand for four engines (each its own KV prefix cache, prefill
+time and running batch: ``iop/sim/_engine.py``), behind one ``iop node`` with
+one ``vllm`` instance per sim, behind an ``iop edge`` started once per
+placement. A Poisson load generator in this process sends streamed chat
+completions; each *cell* is one (workload, placement) pair.
+
+Workloads
+---------
+``shared``
+    ``tenants`` tenants, each with its own system prompt of about
+    ``prefix_tokens`` tokens (seeded random words, one toy token each), and
+    a short unique user turn of ``user_tokens`` tokens. Each request's
+    tenant is drawn uniformly. An instance's cache holds ``kv_cache_blocks``
+    blocks, fewer than every tenant's prefix (the defaults: 12 of 32 per
+    instance, 48 across four), so which tenants meet on which instance
+    decides the hit rate.
+``unique``
+    The same lengths, every prompt different from its first word: nothing
+    to reuse; what it measures is whether a placement's preference for
+    cached prefixes costs load balance.
+
+Placements: ``random``; ``least_loaded`` with ``affinity = false``;
+``affinity`` (``least_loaded`` with ``affinity = true``: a conversation,
+here a tenant's system prompt plus its user turn, goes back to the instance
+that served it); ``prefix`` (``iop/edge/_prefix.py``).
+
+A cell's measurement
+--------------------
+A fresh edge and node (the placement's state starts empty). The sims stay
+up for the whole run, and every cell's prompts start with a word of their
+own, so no block cached in an earlier cell can match: a full LRU cache of
+dead blocks behaves as an empty one. The warm-up sends one request per
+tenant (a random order) at the measured rate; the window is the next
+``requests`` arrivals. Figures of the window's requests:
+
+* TTFT from the *scheduled* arrival (a late client counts against the
+  system, not for it) to the first content chunk; p50, p90, p99;
+* throughput: completion tokens of the window's answers over the time from
+  its first arrival to its last answer; and answers per second;
+* hit rate: ``usage.prompt_tokens_details.cached_tokens`` over
+  ``prompt_tokens`` of the window's answers (the sim's own count of the
+  blocks it found cached; its ``/metrics`` counters over the whole cell are
+  kept too);
+* placement: how often each rule decided (the timelines' ``why``, exported
+  by the edge to JSONL), runs per instance, and on how many instances each
+  tenant's requests ran;
+* CPU of every process of the run over the window, and the machine's busy
+  CPU that none of them used ("foreign", % of one core).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import random
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import httpx
+import msgspec
+import trio
+
+from iop.bench._runner import ReportInput, RunContext, register
+from iop.sim import tokenize
+from iop.testing import EDGE_READY, NODE_READY, SIM_READY, Proc, poll, toml_dumps
+
+__all__ = ["Options", "plots", "run", "tables"]
+
+Placement = Literal["random", "least_loaded", "affinity", "prefix"]
+Workload = Literal["shared", "unique"]
+
+PLACEMENTS: Final[tuple[Placement, ...]] = ("random", "least_loaded", "affinity", "prefix")
+WORKLOADS: Final[tuple[Workload, ...]] = ("shared", "unique")
+MODEL: Final = "iop-sim"
+NODE_TOKEN: Final = "bench-routing-token"
+CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
+# Words of the prompts: 2 to 5 lower-case letters, one toy token each with
+# its leading space (iop/sim/_tokenizer.py cuts a word with its leading space
+# into pieces of at most 6 bytes).
+_LETTERS: Final = "abcdefghijklmnopqrstuvwxyz"
+
+
+class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The ``routing`` runner's options (a scenario's ``[args]``).
+
+    Attributes:
+        workloads: Which workloads to run (``shared``, ``unique``).
+        placements: Which placements to compare, each a cell per workload.
+        instances: Engines (``iop sim`` processes), one ``vllm`` instance each.
+        tenants: Distinct system prompts of the ``shared`` workload.
+        prefix_tokens: Tokens of a system prompt.
+        user_tokens: Tokens of a user turn.
+        output_tokens: Tokens of an answer.
+        rate: Requests per second offered (Poisson arrivals).
+        requests: Requests in a cell's measured window.
+        ttft_s: The sims' fixed time to first token (scheduling, one decode step).
+        tokens_per_s: The sims' decode rate per request.
+        prefill_tokens_per_s: The sims' prefill rate for uncached prompt tokens.
+        kv_cache_blocks: Each sim's prefix cache, in blocks of ``kv_block_tokens``.
+        kv_block_tokens: Tokens per cache block.
+        max_num_seqs: Each sim's running batch; the rest wait in the engine.
+        decode_slowdown: Each other running request stretches a token's delay so much.
+        max_concurrency: The node's slots per instance (the edge's view).
+        seed: Seeds the prompts and the arrivals (the same in every cell).
+        client_timeout_s: A request not answered within this fails.
+        scheduler: More of the edge's ``[scheduler]`` keys, for every cell
+            (``placement`` and ``affinity`` are the cell's).
+    """
+
+    workloads: list[Workload] = msgspec.field(default_factory=lambda: list(WORKLOADS))
+    placements: list[Placement] = msgspec.field(default_factory=lambda: list(PLACEMENTS))
+    instances: int = 4
+    tenants: int = 32
+    prefix_tokens: int = 2048
+    user_tokens: int = 24
+    output_tokens: int = 32
+    rate: float = 12.0
+    requests: int = 150
+    ttft_s: float = 0.02
+    tokens_per_s: float = 40.0
+    prefill_tokens_per_s: float = 6000.0
+    kv_cache_blocks: int = 1536
+    kv_block_tokens: int = 16
+    max_num_seqs: int = 8
+    decode_slowdown: float = 0.05
+    max_concurrency: int = 16
+    seed: int = 0
+    client_timeout_s: float = 60.0
+    scheduler: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.instances < 1 or self.tenants < 1 or self.requests < 1:
+            raise ValueError("instances, tenants and requests must be >= 1")
+        if self.rate <= 0:
+            raise ValueError("rate must be > 0")
+        if not self.workloads or not self.placements:
+            raise ValueError("workloads and placements must not be empty")
+
+
+def _smoke(opts: Options) -> Options:
+    """Seconds, not minutes: two engines, a few tenants, short prompts."""
+    return msgspec.structs.replace(
+        opts,
+        instances=2,
+        tenants=3,
+        prefix_tokens=96,
+        user_tokens=8,
+        output_tokens=4,
+        rate=40.0,
+        requests=8,
+        ttft_s=0.0,
+        tokens_per_s=0.0,
+        kv_cache_blocks=16,
+        client_timeout_s=20.0,
+    )
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return "".join(" " + "".join(rng.choices(_LETTERS, k=rng.randint(2, 5))) for _ in range(n))
+
+
+def _text(head: str, rng: random.Random, tokens: int) -> str:
+    """``head`` and then random words: ``tokens`` toy tokens in all."""
+    return head + _words(rng, max(0, tokens - len(tokenize(head))))
+
+
+@dataclass(frozen=True)
+class _Request:
+    index: int
+    at: float  # scheduled arrival, seconds after the cell's start
+    tenant: int  # -1: the unique workload
+    messages: list[dict[str, str]]
+    measured: bool
+
+
+def _requests(opts: Options, workload: Workload, salt: str) -> list[_Request]:
+    """A cell's arrivals: the warm-up (one per tenant), then the window.
+
+    The same seed gives every cell of a workload the same tenants' order,
+    the same draws and the same gaps; ``salt`` (the cell's own first word)
+    keeps the caches of earlier cells out of it.
+    """
+    # One generator per kind of draw: the arrivals and the tenants' order
+    # are the same in both workloads whatever the prompts' words take.
+    arrivals = random.Random(f"{opts.seed}/arrivals")
+    draws = random.Random(f"{opts.seed}/tenants")
+    rng = random.Random(f"{opts.seed}/words")
+    systems = [
+        _text(f"cell {salt} tenant {t}", random.Random(f"{opts.seed}/{t}"), opts.prefix_tokens)
+        for t in range(opts.tenants)
+    ]
+    warm = list(range(opts.tenants))
+    draws.shuffle(warm)
+    tenants = warm + [draws.randrange(opts.tenants) for _ in range(opts.requests)]
+    out: list[_Request] = []
+    at = 0.0
+    for i, tenant in enumerate(tenants):
+        user = _text(f"request {i}", rng, opts.user_tokens)
+        if workload == "shared":
+            system = systems[tenant]
+        else:
+            system = _text(f"cell {salt} request {i}", rng, opts.prefix_tokens)
+            tenant = -1
+        out.append(
+            _Request(
+                index=i,
+                at=at,
+                tenant=tenant,
+                messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+                measured=i >= len(warm),
+            )
+        )
+        at += arrivals.expovariate(opts.rate)
+    return out
+
+
+# --------------------------------------------------------------------------- the client
+
+
+@dataclass
+class _Sample:
+    index: int
+    tenant: int
+    measured: bool
+    scheduled: float  # trio clock
+    run_id: str = ""
+    ttft_s: float = math.nan
+    end: float = math.nan
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str = ""
+
+
+async def _one(client: httpx.AsyncClient, url: str, req: _Request, s: _Sample) -> None:
+    body = {
+        "model": MODEL,
+        "messages": req.messages,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                s.error = f"http {r.status_code}"
+                await r.aread()
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if not s.run_id:
+                    s.run_id = str(chunk.get("id", "")).removeprefix("chatcmpl-")
+                if math.isnan(s.ttft_s):
+                    for choice in chunk.get("choices") or ():
+                        if (choice.get("delta") or {}).get("content"):
+                            s.ttft_s = trio.current_time() - s.scheduled
+                            break
+                usage = chunk.get("usage")
+                if usage:
+                    s.completion_tokens = int(usage.get("completion_tokens") or 0)
+                    s.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+                    details = usage.get("prompt_tokens_details") or {}
+                    s.cached_tokens = int(details.get("cached_tokens") or 0)
+        s.end = trio.current_time()
+        if math.isnan(s.ttft_s):
+            s.error = "no content"
+    except httpx.HTTPError as exc:
+        s.error = type(exc).__name__
+
+
+async def _drive(url: str, reqs: list[_Request], timeout_s: float) -> tuple[list[_Sample], float]:
+    """Send ``reqs`` at their scheduled times, whatever is still outstanding."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    timeout = httpx.Timeout(timeout_s, connect=10.0)
+    samples: list[_Sample] = []
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+        t0 = trio.current_time() + 0.05
+        async with trio.open_nursery() as nursery:
+            for req in reqs:
+                await trio.sleep_until(t0 + req.at)
+                s = _Sample(req.index, req.tenant, req.measured, t0 + req.at)
+                samples.append(s)
+                nursery.start_soon(_one, client, url, req, s)
+    return samples, t0
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _cpu_s(pid: int) -> float:
+    """utime + stime of ``pid`` (proc(5), fields 14 and 15)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def _machine_busy_s() -> float:
+    with open("/proc/stat") as f:
+        parts = [int(x) for x in f.readline().split()[1:]]
+    return (sum(parts[:8]) - parts[3] - parts[4]) / CLK_TCK
+
+
+@dataclass
+class _Stack:
+    python: str
+    workdir: Path
+    procs: list[Proc] = field(default_factory=list)
+
+    def start(self, name: str, *args: str) -> Proc:
+        p = Proc(name, list(args), self.workdir, python=self.python)
+        self.procs.append(p)
+        return p
+
+    def stop(self, p: Proc) -> None:
+        p.stop()
+        self.procs.remove(p)
+
+    def stop_all(self) -> None:
+        for p in reversed(list(self.procs)):
+            with contextlib.suppress(Exception):
+                p.stop()
+        self.procs.clear()
+
+
+def _start_sims(stack: _Stack, opts: Options) -> list[tuple[Proc, str]]:
+    flags = [
+        "--model", MODEL,
+        "--ttft", f"{opts.ttft_s:g}",
+        "--tokens-per-s", f"{opts.tokens_per_s:g}",
+        "--output-tokens", str(opts.output_tokens),
+        "--reasoning-tokens", "0",
+        "--prefill-tokens-per-s", f"{opts.prefill_tokens_per_s:g}",
+        "--kv-cache-blocks", str(opts.kv_cache_blocks),
+        "--kv-block-tokens", str(opts.kv_block_tokens),
+        "--max-num-seqs", str(opts.max_num_seqs),
+        "--decode-slowdown", f"{opts.decode_slowdown:g}",
+    ]  # fmt: skip
+    sims = [stack.start(f"sim{i}", "sim", "--port", "0", *flags) for i in range(opts.instances)]
+    return [(p, p.wait_stdout(SIM_READY)[1]) for p in sims]
+
+
+def _edge_config(
+    placement: Placement, export: Path, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    scheduler: dict[str, Any] = {
+        **(extra or {}),
+        "placement": "least_loaded" if placement == "affinity" else placement,
+        "affinity": placement in ("affinity", "prefix"),
+    }
+    return {"scheduler": scheduler, "timelines": {"export_path": str(export)}}
+
+
+def _start_cluster(
+    stack: _Stack, opts: Options, placement: Placement, sims: list[str], tag: str
+) -> tuple[Proc, Proc, str, Path]:
+    export = stack.workdir / f"timelines-{tag}.jsonl"
+    edge_toml = stack.workdir / f"edge-{tag}.toml"
+    edge_toml.write_text(toml_dumps(_edge_config(placement, export, opts.scheduler)))
+    edge = stack.start(
+        f"edge-{tag}", "edge", "--port", "0", "--node-token", NODE_TOKEN, "--config", str(edge_toml)
+    )
+    m = edge.wait_stdout(EDGE_READY)
+    url, link = m[1], m[2]
+    node_cfg = {
+        "node": {
+            "id": "node",
+            "probe_interval_s": 30.0,
+            "edges": [{"url": link, "token": NODE_TOKEN}],
+        },
+        "instances": [
+            {
+                "adapter": "vllm",
+                "name": f"gpu{i}",
+                "endpoint": sim,
+                "max_concurrency": opts.max_concurrency,
+            }
+            for i, sim in enumerate(sims)
+        ],
+    }
+    node_toml = stack.workdir / f"node-{tag}.toml"
+    node_toml.write_text(toml_dumps(node_cfg))
+    node = stack.start(f"node-{tag}", "node", "--config", str(node_toml))
+    node.wait_stdout(NODE_READY)
+    with httpx.Client(timeout=5.0, trust_env=False) as c:
+
+        def ready() -> bool:
+            nodes = c.get(url + "/admin/nodes").json().get("nodes", [])
+            return any(len(n.get("instances", [])) == len(sims) for n in nodes)
+
+        poll(ready, timeout=30.0, what="the node's instances at the edge", interval=0.1)
+    return edge, node, url, export
+
+
+def _sim_counters(sims: list[str]) -> list[dict[str, float]]:
+    out = []
+    with httpx.Client(timeout=5.0, trust_env=False) as c:
+        for sim in sims:
+            text = c.get(sim + "/metrics").text
+            vals: dict[str, float] = {}
+            for line in text.splitlines():
+                if line.startswith("vllm:"):
+                    name, _, value = line.partition(" ")
+                    vals[name.split("{", 1)[0].removeprefix("vllm:")] = float(value)
+            out.append(vals)
+    return out
+
+
+def _wait_idle(sims: list[str]) -> None:
+    poll(
+        lambda: all(
+            v.get("num_requests_running", 0) == 0 and v.get("num_requests_waiting", 0) == 0
+            for v in _sim_counters(sims)
+        ),
+        timeout=60.0,
+        what="the sims to finish their requests",
+        interval=0.2,
+    )
+
+
+# --------------------------------------------------------------------------- figures
+
+
+def _pct(values: list[float], p: float) -> float | None:
+    """Nearest-rank percentile; None with no values."""
+    vals = sorted(v for v in values if not math.isnan(v))
+    if not vals:
+        return None
+    return vals[max(0, min(len(vals) - 1, math.ceil(p / 100 * len(vals)) - 1))]
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v * 1000, 1)
+
+
+def _placements(export: Path) -> dict[str, tuple[str, str, dict[str, float]]]:
+    """run id -> (instance, why, scores) of its last placement, from the exported timelines."""
+    out: dict[str, tuple[str, str, dict[str, float]]] = {}
+    if not export.exists():
+        return out
+    for line in export.read_text().splitlines():
+        with contextlib.suppress(ValueError, KeyError, IndexError, TypeError):
+            tl = json.loads(line)
+            p = tl["placements"][-1]
+            out[str(tl["run_id"])] = (str(p["instance"]), str(p["why"]), dict(p["scores"]))
+    return out
+
+
+def _rule(why: str) -> str:
+    """A placement's rule, without its numbers: ``prefix``, ``least-loaded: ...``."""
+    head, _, rest = why.partition(":")
+    if head == "least-loaded" and rest:
+        return "least-loaded (balance)"
+    return head or "?"
+
+
+def _cell_figures(
+    samples: list[_Sample], placements: dict[str, tuple[str, str, dict[str, float]]]
+) -> dict[str, Any]:
+    win = [s for s in samples if s.measured]
+    ok = [s for s in win if not s.error]
+    ttft = [s.ttft_s for s in ok]
+    first = min(s.scheduled for s in win)
+    last = max((s.end for s in ok), default=first)
+    span = max(last - first, 1e-9)
+    prompt = sum(s.prompt_tokens for s in ok)
+    cached = sum(s.cached_tokens for s in ok)
+    where = [placements.get(s.run_id) for s in ok]
+    per_instance = Counter(w[0] for w in where if w is not None)
+    rules = Counter(_rule(w[1]) for w in where if w is not None)
+    spread: dict[int, set[str]] = {}
+    for s, w in zip(ok, where, strict=True):
+        if s.tenant >= 0 and w is not None:
+            spread.setdefault(s.tenant, set()).add(w[0])
+    hits = [s for s in ok if s.prompt_tokens and s.cached_tokens * 2 >= s.prompt_tokens]
+    return {
+        "requests": len(win),
+        "errors": dict(Counter(s.error for s in win if s.error)),
+        "ttft_ms": {
+            "p50": _ms(_pct(ttft, 50)),
+            "p90": _ms(_pct(ttft, 90)),
+            "p99": _ms(_pct(ttft, 99)),
+            "mean": _ms(statistics.fmean(ttft)) if ttft else None,
+            "hit_p50": _ms(_pct([s.ttft_s for s in hits], 50)),
+            "miss_p50": _ms(_pct([s.ttft_s for s in ok if s not in hits], 50)),
+        },
+        "e2e_ms_p50": _ms(_pct([s.end - s.scheduled for s in ok], 50)),
+        "throughput_tok_s": round(sum(s.completion_tokens for s in ok) / span, 2),
+        "answers_per_s": round(len(ok) / span, 3),
+        "span_s": round(span, 3),
+        "hit_rate": round(cached / prompt, 4) if prompt else None,
+        "hit_requests": round(len(hits) / len(ok), 4) if ok else None,
+        "prompt_tokens_mean": round(prompt / len(ok), 1) if ok else None,
+        "per_instance": dict(sorted(per_instance.items())),
+        "rules": dict(rules),
+        "instances_per_tenant": (
+            round(statistics.fmean(len(v) for v in spread.values()), 2) if spread else None
+        ),
+        "timelines_found": sum(1 for w in where if w is not None),
+    }
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def _cell(
+    stack: _Stack,
+    opts: Options,
+    workload: Workload,
+    placement: Placement,
+    sims: list[tuple[Proc, str]],
+    tag: str,
+) -> dict[str, Any]:
+    urls = [u for _, u in sims]
+    _wait_idle(urls)
+    edge, node, url, export = _start_cluster(stack, opts, placement, urls, tag)
+    procs = {"edge": edge, "node": node} | {p.name: p for p, _ in sims}
+    reqs = _requests(opts, workload, tag)
+    before = _sim_counters(urls)
+    cpu0 = {k: _cpu_s(p.pid) for k, p in procs.items()}
+    me0, busy0, t0 = time.process_time(), _machine_busy_s(), time.monotonic()
+    load0 = os.getloadavg()[0]
+    samples, _ = trio.run(_drive, url, reqs, opts.client_timeout_s)
+    wall = time.monotonic() - t0
+    cpu = {k: round(_cpu_s(p.pid) - cpu0[k], 3) for k, p in procs.items()}
+    client_cpu = time.process_time() - me0
+    busy = _machine_busy_s() - busy0
+    after = _sim_counters(urls)
+    stack.stop(node)
+    stack.stop(edge)  # flushes the timelines' export
+    placements = _placements(export)
+    with (stack.workdir / f"samples-{tag}.jsonl").open("w") as f:
+        for s in samples:
+            where = placements.get(s.run_id, ("", "", {}))
+            row = dataclasses.asdict(s) | dict(
+                zip(("instance", "why", "scores"), where, strict=True)
+            )
+            f.write(json.dumps(row) + "\n")
+    ours = sum(cpu.values()) + client_cpu
+    queries = sum(a.get("prefix_cache_queries_total", 0) - b.get("prefix_cache_queries_total", 0)
+                  for a, b in zip(after, before, strict=True))  # fmt: skip
+    hits = sum(a.get("prefix_cache_hits_total", 0) - b.get("prefix_cache_hits_total", 0)
+               for a, b in zip(after, before, strict=True))  # fmt: skip
+    return {
+        "workload": workload,
+        "placement": placement,
+        **_cell_figures(samples, placements),
+        "sim_metrics_hit_rate": round(hits / queries, 4) if queries else None,
+        "wall_s": round(wall, 2),
+        "cpu_s": cpu | {"client": round(client_cpu, 3)},
+        "foreign_cpu_pct": round(max(0.0, busy - ours) / wall * 100, 1),
+        "load_avg": [round(load0, 2), round(os.getloadavg()[0], 2)],
+    }
+
+
+@register(
+    "routing",
+    Options,
+    "Placement against a prefix cache: TTFT, throughput and hit rate of random, "
+    "least-loaded, affinity and prefix-aware placement on shared and unique prompts.",
+    report=lambda r: _report(r),
+)
+def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
+    """Every (workload, placement) cell of ``opts`` on one set of sims."""
+    if ctx.smoke:
+        opts = _smoke(opts)
+    started = time.monotonic()
+    stack = _Stack(ctx.python, ctx.workdir)
+    # The placements' order turns with the repeat, so none always runs first.
+    k = ctx.repeat % len(opts.placements)
+    order = opts.placements[k:] + opts.placements[:k]
+    cells: list[dict[str, Any]] = []
+    try:
+        sims = _start_sims(stack, opts)
+        for workload in opts.workloads:
+            for placement in order:
+                tag = f"r{ctx.repeat}-{workload}-{placement}"
+                cells.append(_cell(stack, opts, workload, placement, sims, tag))
+    finally:
+        stack.stop_all()
+    return {
+        "options": msgspec.to_builtins(opts),
+        "repeat": ctx.repeat,
+        "smoke": ctx.smoke,
+        "cells": cells,
+        "elapsed_s": round(time.monotonic() - started, 1),
+        "cpus": os.cpu_count(),
+    }
+
+
+# --------------------------------------------------------------------------- report
+
+
+def _results(result: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return result if isinstance(result, list) else [result]
+
+
+def _median_cells(
+    result: dict[str, Any] | list[dict[str, Any]],
+) -> dict[tuple[str, str], dict[str, Any]]:
+    """(workload, placement) -> the median over the repeats of each figure."""
+    by: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for res in _results(result):
+        for c in res["cells"]:
+            by.setdefault((c["workload"], c["placement"]), []).append(c)
+
+    def med(cells: list[dict[str, Any]], *path: str) -> float | None:
+        vals = []
+        for c in cells:
+            v: Any = c
+            for p in path:
+                v = v.get(p) if isinstance(v, dict) else None
+            if isinstance(v, int | float):
+                vals.append(float(v))
+        return statistics.median(vals) if vals else None
+
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for key, cells in by.items():
+        out[key] = {
+            "n": len(cells),
+            "p50": med(cells, "ttft_ms", "p50"),
+            "p90": med(cells, "ttft_ms", "p90"),
+            "tok_s": med(cells, "throughput_tok_s"),
+            "ans_s": med(cells, "answers_per_s"),
+            "hit": med(cells, "hit_rate"),
+            "hit_req": med(cells, "hit_requests"),
+            "spread": med(cells, "instances_per_tenant"),
+            "foreign": med(cells, "foreign_cpu_pct"),
+            "errors": sum(sum(c["errors"].values()) for c in cells),
+        }
+    return out
+
+
+def _f(v: float | None, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def tables(result: dict[str, Any] | list[dict[str, Any]]) -> dict[str, str]:
+    """Markdown tables by marker key: ``routing`` (every cell) and
+    ``routing-target`` (the issue's two targets, met or not)."""
+    cells = _median_cells(result)
+    rows = [
+        "| workload | placement | TTFT p50 ms | TTFT p90 ms | tokens/s | answers/s "
+        "| cache hit rate | full prefills | instances per tenant | errors | foreign CPU % |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for w in WORKLOADS:
+        for p in PLACEMENTS:
+            c = cells.get((w, p))
+            if c is None:
+                continue
+            rows.append(
+                f"| {w} | {p} | {_f(c['p50'], '.0f')} | {_f(c['p90'], '.0f')} "
+                f"| {_f(c['tok_s'], '.1f')} | {_f(c['ans_s'], '.2f')} "
+                f"| {_f(None if c['hit'] is None else c['hit'] * 100, '.1f')} % "
+                f"| {_f(None if c['hit_req'] is None else (1 - c['hit_req']) * 100, '.1f')} % "
+                f"| {_f(c['spread'], '.2f')} | {c['errors']} | {_f(c['foreign'], '.0f')} |"
+            )
+    n = max((c["n"] for c in cells.values()), default=0)
+    rows.append("")
+    rows.append(f"Median of {n} repeat(s) per cell.")
+    out = {"routing": "\n".join(rows)}
+    target = [
+        "| target | least-loaded | prefix | ratio | met |",
+        "| --- | ---: | ---: | ---: | --- |",
+    ]
+    ll, px = cells.get(("shared", "least_loaded")), cells.get(("shared", "prefix"))
+    if ll and px and ll["p90"] and px["p90"]:
+        ratio = ll["p90"] / px["p90"]
+        target.append(
+            f"| shared: TTFT p90 at least halved | {ll['p90']:.0f} ms | {px['p90']:.0f} ms "
+            f"| {ratio:.2f}x | {'yes' if ratio >= 2 else 'no'} |"
+        )
+    ll, px = cells.get(("unique", "least_loaded")), cells.get(("unique", "prefix"))
+    if ll and px and ll["tok_s"] and px["tok_s"]:
+        ratio = px["tok_s"] / ll["tok_s"]
+        # "No throughput lost": within 2 %, the run-to-run spread of an open
+        # loop's completions on this box.
+        target.append(
+            f"| unique: no throughput lost | {ll['tok_s']:.1f} tok/s | {px['tok_s']:.1f} tok/s "
+            f"| {ratio:.3f} | {'yes' if ratio >= 0.98 else 'no'} |"
+        )
+    out["routing-target"] = "\n".join(target)
+    return out
+
+
+def plots(result: dict[str, Any] | list[dict[str, Any]], img_dir: Path) -> list[Path]:
+    """``bench_routing.png``: TTFT p50/p90 and hit rate per placement, both workloads."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cells = _median_cells(result)
+    img_dir.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    x = list(range(len(PLACEMENTS)))
+    width = 0.38
+    for wi, w in enumerate(WORKLOADS):
+        got = [cells.get((w, p)) for p in PLACEMENTS]
+        off = [i + (wi - 0.5) * width for i in x]
+        p90 = [c["p90"] if c and c["p90"] else 0 for c in got]
+        p50 = [c["p50"] if c and c["p50"] else 0 for c in got]
+        axes[0].bar(off, p90, width, label=f"{w}: p90", alpha=0.55)
+        axes[0].scatter(off, p50, marker="_", s=300, color="black", zorder=3)
+        axes[1].bar(off, [c["tok_s"] if c and c["tok_s"] else 0 for c in got], width, label=w)
+        axes[2].bar(off, [(c["hit"] or 0) * 100 if c else 0 for c in got], width, label=w)
+    for ax, title in zip(
+        axes,
+        (
+            "TTFT p90 (bars), p50 (ticks), ms",
+            "throughput, completion tokens/s",
+            "cache hit rate, %",
+        ),
+        strict=True,
+    ):
+        ax.set_xticks(x, list(PLACEMENTS))
+        ax.set_title(title)
+        ax.set_ylim(top=ax.get_ylim()[1] * 1.2)  # room for the legend above the bars
+        ax.legend(fontsize=8, loc="upper right", ncols=2)
+    fig.tight_layout()
+    path = img_dir / "bench_routing.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def _report(r: ReportInput) -> dict[str, str]:
+    """``iop bench report``: the tables over every repeat (each figure their
+    median), the plot, and the footer under each table."""
+    plots(r.repeats, r.img_dir)
+    return {key: f"{text}\n\n{r.footer}" for key, text in tables(r.repeats).items()}

@@ -1,0 +1,112 @@
+"""The ``routing`` runner (``iop.bench._routing``): a smoke run on real
+processes reports every cell with the figures it promises, its scenario
+file decodes, and its tables and plot come out of a result.
+
+Shapes only: timings on a shared machine at smoke sizes mean nothing
+(docs/benchmarks.md, "Placement: prefix-aware against least-loaded").
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from iop.bench._routing import Options, plots, run, tables
+from iop.bench._runner import RUNNERS, RunContext
+
+SCENARIO = Path(__file__).resolve().parents[1] / "configs" / "bench" / "routing.toml"
+
+
+def test_a_smoke_run_measures_every_cell(tmp_path: Path) -> None:
+    opts = Options(workloads=["shared", "unique"], placements=["prefix"])
+    result = run(opts, RunContext(python=sys.executable, workdir=tmp_path, smoke=True))
+    json.dumps(result)  # JSON-able as it is
+    assert [(c["workload"], c["placement"]) for c in result["cells"]] == [
+        ("shared", "prefix"),
+        ("unique", "prefix"),
+    ]
+    smoke_requests = result["options"]["requests"]
+    for cell in result["cells"]:
+        assert cell["errors"] == {}
+        assert cell["requests"] == smoke_requests
+        assert set(cell["ttft_ms"]) >= {"p50", "p90", "p99"}
+        assert cell["ttft_ms"]["p90"] is not None
+        assert cell["throughput_tok_s"] > 0
+        # Every run's placement came back from the edge's exported timelines.
+        assert cell["timelines_found"] == smoke_requests
+        assert sum(cell["per_instance"].values()) == smoke_requests
+        assert set(cell["rules"]) <= {"prefix", "least-loaded (balance)"}
+        assert set(cell["cpu_s"]) >= {"edge", "node", "sim0", "sim1", "client"}
+    shared, unique = result["cells"]
+    # Each tenant's prompt came again after the warm-up: the sims found
+    # cached blocks; unique prompts never share one.
+    assert shared["hit_rate"] > 0
+    assert unique["hit_rate"] == 0
+    assert unique["instances_per_tenant"] is None
+    # Every process was stopped.
+    assert not any(p.alive for p in _procs_of(tmp_path))
+
+
+def _procs_of(workdir: Path) -> list[Any]:
+    from iop.testing import Proc
+
+    return [p for p in Proc.ALL if p.stdout_path.parent == workdir]
+
+
+def test_the_scenario_file_names_the_runner_and_its_options() -> None:
+    data = tomllib.loads(SCENARIO.read_text())
+    assert data["runner"] == "routing" in RUNNERS
+    opts = msgspec.convert(data["args"], Options)
+    assert opts.workloads == ["shared", "unique"]
+    assert opts.placements == ["random", "least_loaded", "affinity", "prefix"]
+    # The issue's shape: 32 tenants, 2k-token prefixes, 4 instances; each
+    # cache too small for every tenant's prefix.
+    assert (opts.tenants, opts.prefix_tokens, opts.instances) == (32, 2048, 4)
+    assert opts.kv_cache_blocks * opts.kv_block_tokens < opts.tenants * opts.prefix_tokens
+    with pytest.raises(msgspec.ValidationError, match="rqeuests"):
+        msgspec.convert({**data["args"], "rqeuests": 1}, Options)
+
+
+def _cell(workload: str, placement: str, p90: float, tok_s: float) -> dict[str, Any]:
+    return {
+        "workload": workload,
+        "placement": placement,
+        "errors": {},
+        "ttft_ms": {"p50": p90 / 2, "p90": p90},
+        "throughput_tok_s": tok_s,
+        "answers_per_s": tok_s / 32,
+        "hit_rate": 0.5,
+        "instances_per_tenant": 1.5,
+        "foreign_cpu_pct": 10.0,
+    }
+
+
+def test_the_tables_median_the_repeats_and_judge_the_targets(tmp_path: Path) -> None:
+    repeats = [
+        {
+            "cells": [
+                _cell("shared", "least_loaded", p90, 300.0),
+                _cell("shared", "prefix", p90 / 4, 300.0),
+                _cell("unique", "least_loaded", 500.0, tok),
+                _cell("unique", "prefix", 500.0, tok * 0.9),
+            ]
+        }
+        for p90, tok in ((400.0, 300.0), (600.0, 320.0), (500.0, 310.0))
+    ]
+    out = tables(repeats)
+    assert set(out) == {"routing", "routing-target"}
+    assert "| shared | prefix | 62 | 125 |" in out["routing"]
+    assert "Median of 3 repeat(s)" in out["routing"]
+    target = out["routing-target"].splitlines()
+    assert target[2].endswith("| 500 ms | 125 ms | 4.00x | yes |")
+    assert target[3].endswith("| 0.900 | no |")
+    pytest.importorskip("matplotlib")
+    (png,) = plots(repeats, tmp_path)
+    assert png.name == "bench_routing.png"
+    assert png.read_bytes().startswith(b"\x89PNG")
