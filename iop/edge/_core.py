@@ -52,6 +52,7 @@ import trio
 
 from iop._secrets import SecretMasker, edge_secrets, mask_event
 from iop.config import EdgeConfig
+from iop.edge._cluster import SharedLimits, default_edge_id
 from iop.edge._metrics import EdgeMetrics
 from iop.edge._registry import (
     EVEN_SHARE,
@@ -63,7 +64,7 @@ from iop.edge._registry import (
     Scheduler,
     affinity_key,
 )
-from iop.edge._tenants import Tenants, Ticket, charged_usage
+from iop.edge._tenants import Tenant, Tenants, Ticket, charged_usage
 from iop.edge._timeline_export import TimelineExport
 from iop.errors import (
     ErrorCode,
@@ -75,7 +76,7 @@ from iop.errors import (
     RequestError,
     RunAborted,
 )
-from iop.events import CancelReason, Error
+from iop.events import CancelReason, Error, Usage
 from iop.protocol import (
     CLOSE_BAD_TOKEN,
     CLOSE_GOING_AWAY,
@@ -338,6 +339,17 @@ class EdgeCore:
         # settled when each run ends (``record_outcome``).
         self.tenants = Tenants(config.tenants, config.server.api_keys, config.tenancy)
         self._tickets: dict[str, Ticket] = {}
+        # With [cluster] valkey_url: the limits every edge shares (open_edge_core runs it).
+        self.cluster: SharedLimits | None = None
+        if config.cluster.valkey_url:
+            self.cluster = SharedLimits(
+                config.cluster,
+                self.tenants,
+                config.tenants,
+                config.tenancy,
+                config.cluster.edge_id or default_edge_id(config.server.port),
+                self.metrics.registry,
+            )
         # The timelines of recent finished runs, and their export (open_edge_core runs it).
         self.timelines = TimelineRing(config.timelines.recent)
         self.export = export
@@ -463,6 +475,25 @@ class EdgeCore:
                 why.append(f"instance {name}{maybe} is unavailable: {cause}")
         return list(dict.fromkeys(why))  # one "node X is draining" (or drained) per node
 
+    async def admit(self, tenant: Tenant, tokens: int) -> Ticket:
+        """Admit a request of ``tenant`` reserving ``tokens``: by this edge's
+        buckets, or by every edge's in Valkey (``[cluster]``).
+
+        Raises:
+            RateLimited: Over one of the tenant's limits.
+        """
+        if self.cluster is None:
+            return self.tenants.admit(tenant, tokens, trio.current_time())
+        return await self.cluster.admit(tenant, tokens, trio.current_time())
+
+    def settle(self, ticket: Ticket, usage: Usage | None) -> None:
+        """Settle ``ticket`` where it was reserved (once)."""
+        now = trio.current_time()
+        if self.cluster is None:
+            self.tenants.finish(ticket, usage, now)
+        else:
+            self.cluster.finish(ticket, usage, now)
+
     def hold_ticket(self, run: Run, ticket: Ticket) -> None:
         """``run`` was admitted with ``ticket``: settle it when the run ends."""
         run.timeline.tenant = ticket.tenant.name
@@ -475,7 +506,7 @@ class EdgeCore:
         self.metrics.record(run, now)
         ticket = self._tickets.pop(run.run_id, None)
         if ticket is not None:
-            self.tenants.finish(ticket, charged_usage(run.outcome), now)
+            self.settle(ticket, charged_usage(run.outcome))
         self.timelines.add(run.timeline)
         if self.export is not None:
             self.export.add(run.timeline)
@@ -847,6 +878,7 @@ class EdgeCore:
                 "runs_started": self.runs_started,
                 "outcomes": self.metrics.outcomes(),
                 "tenants": self.tenants.snapshot(trio.current_time()),
+                "cluster": None if self.cluster is None else self.cluster.snapshot(),
             }
         )
 
@@ -929,6 +961,8 @@ async def open_edge_core(config: EdgeConfig) -> AsyncIterator[EdgeCore]:
             ):
                 core = EdgeCore(config, sup, export=export, tracing=tracing)
                 links.start_soon(core.link_clock.run, name="edge link clock")
+                if core.cluster is not None:
+                    await links.start(core.cluster.run, name="edge cluster")
                 try:
                     yield core
                 finally:
