@@ -6,7 +6,8 @@ on PATH), ``iop sim``, ``nodes`` ``iop node`` processes each dialling every
 edge, and the edges (``[cluster]`` on that Valkey, so every admission is a
 round trip to it). Then:
 
-* **throughput**, for 1 and then 2 edges (the second edge started for it):
+* **throughput**, for one edge without ``[cluster]`` (``compare_local``:
+  what the round trips cost), then 1 and 2 edges (the second edge started for it):
   ``clients`` closed-loop clients, split evenly across the edges, send short
   non-streaming chats for ``duration_s``; the answers per second and the CPU
   per answer of each process (``/proc/PID/stat``, robust to the box's other
@@ -53,6 +54,8 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     max_concurrency: int = 64
     output_tokens: int = 8
     limit: int = 60
+    # Also one edge without [cluster]: what the round trips to Valkey cost.
+    compare_local: bool = True
 
 
 def valkey_binary() -> str:
@@ -131,10 +134,10 @@ class _Stack:
         self.sim = sim
         self.sim_url = sim.wait_stdout(SIM_READY).group(1)
 
-    def start_edge(self, name: str) -> None:
+    def start_edge(self, name: str, *, cluster: bool = True) -> None:
         wd = self.ctx.workdir
         port = free_port()
-        cfg = {
+        cfg: dict[str, Any] = {
             "server": {"api_keys": [_OPERATOR]},
             "scheduler": {"max_queue": 1024},
             "cluster": {
@@ -158,6 +161,8 @@ class _Stack:
                 },
             ],
         }
+        if not cluster:
+            del cfg["cluster"]
         path = wd / f"{name}.toml"
         path.write_text(toml_dumps(cfg))
         args = ["edge", "--port", str(port), "--node-token", _TOKEN, "--config", str(path)]
@@ -207,6 +212,12 @@ class _Stack:
                 return _nodes_of(url) >= want
 
             poll(linked, timeout=30, what=f"{url} to have {want} nodes")
+
+    def stop_edges(self) -> None:
+        for proc, _, _ in self.edges:
+            proc.stop()
+            self.procs.remove(proc)
+        self.edges = []
 
     def stop(self) -> None:
         for p in reversed(self.procs):
@@ -340,6 +351,13 @@ def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
     stack = _Stack(opts, ctx)
     try:
         stack.start_base()
+        local = None
+        if opts.compare_local:
+            stack.start_edge("edge-local", cluster=False)
+            stack.start_nodes()
+            local = _throughput(stack, opts, duration)
+            local["edges"] = "1, no Valkey"
+            stack.stop_edges()
         stack.start_edge("edge-a")
         stack.start_nodes()
         one = _throughput(stack, opts, duration)
@@ -355,7 +373,7 @@ def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
     return {
         "options": msgspec.to_builtins(opts),
         "cores": os.cpu_count(),
-        "throughput": [one, two],
+        "throughput": [t for t in (local, one, two) if t is not None],
         "scaling": round(two["answers_per_s"] / max(0.1, one["answers_per_s"]), 2),
         "limit": {
             "limit": opts.limit,
@@ -380,6 +398,8 @@ def tables(result: dict[str, Any]) -> str:
         "| --- | --- | --- | --- |",
     ]
     for t in result["throughput"]:
+        if t is None:
+            continue
         cpu = t["cpu_ms_per_answer"]
         edges = sum(v for k, v in cpu.items() if k.startswith("edge"))
         nodes = sum(v for k, v in cpu.items() if k.startswith("node"))
