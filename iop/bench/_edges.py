@@ -245,7 +245,8 @@ def _body(opts: Options) -> dict[str, Any]:
 
 
 async def _closed_loop(urls: list[str], opts: Options, duration_s: float) -> dict[str, int]:
-    counts = {"ok": 0, "error": 0}
+    """Answers ("ok") and failures by kind ("transport", or the HTTP status and code)."""
+    counts = {"ok": 0}
     body = _body(opts)
     deadline = trio.current_time() + duration_s
     limits = httpx.Limits(max_connections=opts.clients)
@@ -254,10 +255,14 @@ async def _closed_loop(urls: list[str], opts: Options, duration_s: float) -> dic
         while trio.current_time() < deadline:
             try:
                 r = await client.post("/v1/chat/completions", json=body)
-            except httpx.TransportError:
-                counts["error"] += 1
-                continue
-            counts["ok" if r.status_code == 200 else "error"] += 1
+            except httpx.TransportError as exc:
+                kind = f"transport {type(exc).__name__}"
+            else:
+                if r.status_code == 200:
+                    counts["ok"] += 1
+                    continue
+                kind = f"{r.status_code} {r.text[:120]}"
+            counts[kind] = counts.get(kind, 0) + 1
 
     clients = [
         httpx.AsyncClient(
@@ -293,7 +298,8 @@ def _throughput(stack: _Stack, opts: Options, duration_s: float) -> dict[str, An
     return {
         "edges": len(urls),
         "ok": counts["ok"],
-        "errors": counts["error"],
+        "errors": sum(v for k, v in counts.items() if k != "ok"),
+        "error_kinds": {k: v for k, v in counts.items() if k != "ok"},
         "wall_s": round(wall, 2),
         "answers_per_s": round(counts["ok"] / wall, 1),
         "cpu_ms_per_answer": {k: round(v * 1000 / ok, 3) for k, v in cpu.items()},
