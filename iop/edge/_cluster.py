@@ -26,7 +26,10 @@ Keys (``P`` is ``key_prefix``)::
 
 A slot cannot leak when an edge dies: ``RESERVE`` counts only the slots of
 edges whose membership key exists and deletes the others, so a killed
-edge's slots are free ``membership_ttl_s`` after its last heartbeat. (The
+edge's slots are free ``membership_ttl_s`` after its last heartbeat. Nor
+when a reservation times out on a live edge (Valkey may have taken the slot
+with no ticket here to release it): once Valkey answers again, ``RESYNC``
+sets the edge's slots to the ones its tickets hold. (The
 scripts touch keys they are not passed, so this works on one Valkey, not on
 a Valkey Cluster.)
 
@@ -183,6 +186,17 @@ redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
 return redis.call('ZCARD', KEYS[2])
 """
 
+RESYNC: Final = """
+-- KEYS: tenants' concurrency hashes. ARGV: edge id, then the slots this
+-- edge holds for each (0: none). Sets them to what the edge knows it holds.
+for i = 1, #KEYS do
+  local n = tonumber(ARGV[i + 1])
+  if n > 0 then redis.call('HSET', KEYS[i], ARGV[1], n)
+  else redis.call('HDEL', KEYS[i], ARGV[1]) end
+end
+return 1
+"""
+
 LEAVE: Final = """
 -- KEYS: this edge's membership key, the members sorted set, then every
 -- tenant's concurrency hash. ARGV: edge id. An edge that starts or stops
@@ -262,6 +276,11 @@ class SharedLimits:
             registry=registry,
         )
         self.dropped = 0
+        # The concurrency slots this edge holds in Valkey, per tenant: what
+        # a resync writes back after a reservation timed out (it may have
+        # been taken in Valkey with no ticket here to release it).
+        self._held: dict[str, int] = {}
+        self._resync = False
 
     # --- keys -----------------------------------------------------------------
 
@@ -312,6 +331,8 @@ class SharedLimits:
                     ],
                 )
             except _Unreachable as exc:
+                # A reservation that timed out may still have been taken.
+                self._resync = True
                 self._went_down(exc)
             else:
                 return self._decide(tenant, tokens, reply)
@@ -327,6 +348,12 @@ class SharedLimits:
         tenant.running += 1
         tenant.admitted += 1
         return Ticket(tenant, tokens, inner.limits, via=Via.FAIL_OPEN, inner=inner)
+
+    def _hold(self, tenant: Tenant) -> bool:
+        if not tenant.max_concurrent:
+            return False
+        self._held[tenant.name] = self._held.get(tenant.name, 0) + 1
+        return True
 
     def _decide(self, tenant: Tenant, tokens: int, reply: list[Any]) -> Ticket:
         ok, rl, rr, tl, tr, running, wr, wt, wc = reply
@@ -345,7 +372,7 @@ class SharedLimits:
                 tokens,
                 tuple(limits),
                 via=Via.SHARED,
-                holds_slot=tenant.max_concurrent > 0,
+                holds_slot=self._hold(tenant),
             )
         tenant.refused += 1
         waits: list[tuple[float, str, str]] = []
@@ -415,6 +442,8 @@ class SharedLimits:
         give = 0.0
         if usage is not None and tenant.tokens is not None:
             give = ticket.reserved_tokens - (usage.input_tokens + usage.output_tokens)
+        if ticket.holds_slot:
+            self._held[tenant.name] -= 1
         if give == 0 and not ticket.holds_slot:
             return
         if len(self._pending) >= MAX_PENDING_SETTLEMENTS:
@@ -490,6 +519,7 @@ class SharedLimits:
                 "settle": client.register_script(SETTLE),
                 "heartbeat": client.register_script(HEARTBEAT),
                 "leave": client.register_script(LEAVE),
+                "resync": client.register_script(RESYNC),
             }
             self.gauge_up.set(0)
             slot_keys = [self._slots_key(t.name) for t in self._settings]
@@ -531,6 +561,8 @@ class SharedLimits:
                 next_beat = trio.current_time() + (beat if self.up else s.retry_interval_s)
             if self.up:
                 await self._flush()
+            if self.up and self._resync and not self._pending:
+                await self._write_held()
             with trio.move_on_at(next_beat):
                 await self._wake.wait()
             self._wake = trio.Event()
@@ -545,9 +577,28 @@ class SharedLimits:
                     [self.edge_id, item.tpm, item.give, 1 if item.release else 0],
                 )
             except _Unreachable as exc:
+                # Written or not: it is retried, and the slots rewritten after.
+                self._resync = True
                 self._went_down(exc)
                 return
             self._pending.popleft()
+
+    async def _write_held(self) -> None:
+        """Set this edge's slots in Valkey to the ones it holds (after a
+        reservation timed out: it may hold one in Valkey that no ticket
+        will release). A reservation in flight meanwhile is counted once
+        it is answered: at worst one slot is under-counted until it ends."""
+        names = [t.name for t in self._settings if t.max_concurrent_runs]
+        try:
+            await self._call(
+                "resync",
+                [self._slots_key(n) for n in names],
+                [self.edge_id, *(self._held.get(n, 0) for n in names)],
+            )
+        except _Unreachable as exc:
+            self._went_down(exc)
+            return
+        self._resync = False
 
     @property
     def pending(self) -> int:

@@ -165,6 +165,31 @@ async def test_concurrency_is_released_and_a_dead_edges_slots_expire(
         await b.admit(b.tenants.all["acme"], 0, trio.current_time())
 
 
+async def test_a_slot_taken_by_a_timed_out_reservation_is_given_back(
+    valkey_server: Valkey,
+) -> None:
+    """Valkey may take a slot for a reservation whose answer came too late:
+    once it answers again, the edge rewrites its slots to its tickets'."""
+    p = _prefix()
+    async with edge(valkey_server.url, p, [_tenant(max_concurrent_runs=2)], "a") as a:
+        tenant = a.tenants.all["acme"]
+        held = await a.admit(tenant, 0, trio.current_time())
+        client = coredis.Redis.from_url(valkey_server.url)
+        async with client:
+            # As a late reservation would leave it: one slot more in Valkey.
+            await client.hincrby(f"{p}c:acme", "a", 1)
+            with pytest.raises(RateLimited):
+                await a.admit(tenant, 0, trio.current_time())
+            a._resync = True
+            a._wake.set()
+            with trio.fail_after(5):
+                while a._resync:
+                    await trio.sleep(0.01)
+            assert await client.hget(f"{p}c:acme", "a") == b"1"
+        await a.admit(tenant, 0, trio.current_time())
+        a.finish(held, Usage(), trio.current_time())
+
+
 async def test_fail_open_to_a_local_share_and_back(tmp_path: Path) -> None:
     """Valkey killed: each edge admits its share (limit / live edges); back
     up: shared counters again. Never an exception other than RateLimited."""
