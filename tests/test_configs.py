@@ -26,7 +26,9 @@ def _kind(path: Path) -> type[object]:
     return SimFile
 
 
-EXAMPLES = sorted(CONFIGS.rglob("*.toml"))
+# configs/bench/ holds `iop bench` scenarios, not process configs
+# (tests/test_bench_edges.py checks its own).
+EXAMPLES = sorted(p for p in CONFIGS.rglob("*.toml") if "bench" not in p.relative_to(CONFIGS).parts)
 
 
 def test_there_are_examples_for_every_process() -> None:
