@@ -73,6 +73,7 @@ from iop.edge._tenants import (
     Via,
     _human,
 )
+from iop.errors import ConfigError
 from iop.events import Usage
 
 __all__ = ["RESERVE", "SETTLE", "SharedLimits", "default_edge_id"]
@@ -503,8 +504,13 @@ class SharedLimits:
 
         Started in the edge core's nursery; returns only when cancelled,
         after leaving the cluster (a shielded, bounded last round trip)."""
-        import coredis
-        from coredis.retry import NoRetryPolicy
+        try:
+            import coredis
+            from coredis.retry import NoRetryPolicy
+        except ImportError as exc:
+            raise ConfigError(
+                "cluster.valkey_url needs the Valkey client: pip install 'iop[cluster]'"
+            ) from exc
 
         s = self.settings
         client = coredis.Redis.from_url(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import sys
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,6 +23,7 @@ from prometheus_client import CollectorRegistry
 from iop.config import ClusterSettings, TenancySettings, TenantSettings
 from iop.edge._cluster import SharedLimits
 from iop.edge._tenants import RateLimited, Tenants, Via
+from iop.errors import ConfigError
 from iop.events import Usage
 from iop.testing import free_port
 from tests._valkey import Valkey
@@ -235,3 +237,14 @@ async def test_valkey_never_there_admits_by_the_local_share(tmp_path: Path) -> N
         assert await _admit_all(a, 5) == (3, 2)
         ticket = a.tenants.all["acme"]
         assert ticket.running == 3
+
+
+async def test_without_coredis_the_config_error_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setitem(sys.modules, "coredis", None)
+    with pytest.RaisesGroup(
+        pytest.RaisesExc(ConfigError, match=r"iop\[cluster\]"), flatten_subgroups=True
+    ):
+        async with edge("redis://127.0.0.1:1/0", _prefix(), [_tenant(requests_per_minute=1)], "a"):
+            pass
