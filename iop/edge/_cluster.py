@@ -28,8 +28,10 @@ A slot cannot leak when an edge dies: ``RESERVE`` counts only the slots of
 edges whose membership key exists and deletes the others, so a killed
 edge's slots are free ``membership_ttl_s`` after its last heartbeat. Nor
 when a reservation times out on a live edge (Valkey may have taken the slot
-with no ticket here to release it): once Valkey answers again, ``RESYNC``
-sets the edge's slots to the ones its tickets hold. (The
+with no ticket here to release it), nor when a partition outlasts the
+membership (the other edges drop the slots this edge still holds): once
+Valkey answers again, ``RESYNC`` sets the edge's slots to the ones its
+tickets hold. (The
 scripts touch keys they are not passed, so this works on one Valkey, not on
 a Valkey Cluster.)
 
@@ -332,8 +334,6 @@ class SharedLimits:
                     ],
                 )
             except _Unreachable as exc:
-                # A reservation that timed out may still have been taken.
-                self._resync = True
                 self._went_down(exc)
             else:
                 return self._decide(tenant, tokens, reply)
@@ -479,6 +479,10 @@ class SharedLimits:
             raise _Unreachable(str(exc) or type(exc).__name__) from exc
 
     def _went_down(self, exc: Exception) -> None:
+        # Once back, rewrite this edge's slots: a reservation may have been
+        # taken unanswered, and a partition longer than membership_ttl_s
+        # lets the other edges drop the slots this edge still holds.
+        self._resync = True
         if self.up:
             self.up = False
             self.gauge_up.set(0)
@@ -584,7 +588,6 @@ class SharedLimits:
                 )
             except _Unreachable as exc:
                 # Written or not: it is retried, and the slots rewritten after.
-                self._resync = True
                 self._went_down(exc)
                 return
             self._pending.popleft()
