@@ -538,6 +538,10 @@ class SharedLimits:
                 await self._call("leave", [self._member, self._members, *slot_keys], [self.edge_id])
             except _Unreachable as exc:
                 log.warning("cluster: Valkey unreachable at start (%s): local share", exc)
+                self._resync = True
+            else:
+                # Before the first request: shared from the start.
+                await self._heartbeat()
             task_status.started()
             try:
                 await self._loop()
@@ -554,20 +558,10 @@ class SharedLimits:
     async def _loop(self) -> None:
         s = self.settings
         beat = s.membership_ttl_s / 3
-        next_beat = trio.current_time()
+        next_beat = trio.current_time() + (beat if self.up else s.retry_interval_s)
         while True:
-            now = trio.current_time()
-            if now >= next_beat:
-                try:
-                    edges = await self._call(
-                        "heartbeat",
-                        [self._member, self._members],
-                        [self.edge_id, math.ceil(s.membership_ttl_s * 1000)],
-                    )
-                except _Unreachable as exc:
-                    self._went_down(exc)
-                else:
-                    self._came_up(int(edges))
+            if trio.current_time() >= next_beat:
+                await self._heartbeat()
                 next_beat = trio.current_time() + (beat if self.up else s.retry_interval_s)
             if self.up:
                 await self._flush()
@@ -576,6 +570,19 @@ class SharedLimits:
             with trio.move_on_at(next_beat):
                 await self._wake.wait()
             self._wake = trio.Event()
+
+    async def _heartbeat(self) -> None:
+        """Refresh the membership and count the live edges (up or down)."""
+        try:
+            edges = await self._call(
+                "heartbeat",
+                [self._member, self._members],
+                [self.edge_id, math.ceil(self.settings.membership_ttl_s * 1000)],
+            )
+        except _Unreachable as exc:
+            self._went_down(exc)
+        else:
+            self._came_up(int(edges))
 
     async def _flush(self) -> None:
         while self._pending and self.up:
