@@ -69,8 +69,3 @@ class Valkey:
             self.proc.kill()
             self.proc.wait(10)
         self.proc = None
-
-    def flush(self) -> None:
-        with socket.create_connection(("127.0.0.1", self.port), timeout=2) as s:
-            s.sendall(b"FLUSHALL\r\n")
-            assert s.recv(16).startswith(b"+OK")
