@@ -283,6 +283,7 @@ class SharedLimits:
         # a resync writes back after a reservation timed out (it may have
         # been taken in Valkey with no ticket here to release it).
         self._held: dict[str, int] = {}
+        self.last_limits: dict[str, tuple[Limited, ...]] = {}
         self._resync = False
 
     # --- keys -----------------------------------------------------------------
@@ -365,6 +366,9 @@ class SharedLimits:
         if tenant.tokens is not None:
             cap = tenant.tokens.capacity
             limits.append(Limited("tokens", cap, max(0, math.floor(float(tl))), float(tr)))
+        # What /admin shows for the tenant: the shared buckets as this edge
+        # last saw them (its own Bucket objects are not used with a cluster).
+        self.last_limits[tenant.name] = tuple(limits)
         if int(ok) == 1:
             tenant.running += 1
             tenant.admitted += 1
@@ -620,6 +624,15 @@ class SharedLimits:
     def pending(self) -> int:
         """Settlements not yet written to Valkey."""
         return len(self._pending)
+
+    def tenant_limits(self, tenants: list[dict[str, object]]) -> None:
+        """Put the shared buckets' last seen state into ``Tenants.snapshot``'s rows."""
+        for row in tenants:
+            seen = self.last_limits.get(str(row["name"]))
+            if seen is not None:
+                row["limits"] = {
+                    lim.kind: {"limit": lim.limit, "remaining": lim.remaining} for lim in seen
+                }
 
     def snapshot(self) -> dict[str, object]:
         """For ``/admin``: the cluster's state as this edge sees it."""

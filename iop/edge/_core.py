@@ -864,6 +864,9 @@ class EdgeCore:
             }
             for r in self.supervisor.runs.values()
         ]
+        tenants = self.tenants.snapshot(trio.current_time())
+        if self.cluster is not None:
+            self.cluster.tenant_limits(tenants)
         # Nodes report names, providers and models: strings the edge does not control.
         return self.masker.mask_tree(
             {
@@ -877,7 +880,7 @@ class EdgeCore:
                 "runs": runs,
                 "runs_started": self.runs_started,
                 "outcomes": self.metrics.outcomes(),
-                "tenants": self.tenants.snapshot(trio.current_time()),
+                "tenants": tenants,
                 "cluster": None if self.cluster is None else self.cluster.snapshot(),
             }
         )

@@ -155,6 +155,12 @@ async def test_a_tenants_limit_holds_across_both_edges(stack: Stack) -> None:
     assert RPM <= admitted <= RPM + 1 + math.floor(elapsed * RPM / 60), (admitted, elapsed)
     # Both edges took their turns: each admitted about half.
     assert all(side.count(200) >= RPM // 2 - 1 for side in per_edge), per_edge
+    # Each edge's admin view shows the shared bucket (nearly empty), not its own.
+    for e in stack.edges:
+        view = e.admin()
+        assert view["cluster"]["valkey_up"] is True
+        (row,) = [t for t in view["tenants"] if t["name"] == "limited"]
+        assert row["limits"]["requests"]["remaining"] <= 1 + math.floor(elapsed * RPM / 60)
 
 
 async def test_valkey_killed_and_back_no_5xx(stack: Stack) -> None:

@@ -248,3 +248,15 @@ async def test_without_coredis_the_config_error_says_what_to_install(
     ):
         async with edge("redis://127.0.0.1:1/0", _prefix(), [_tenant(requests_per_minute=1)], "a"):
             pass
+
+
+def test_the_admin_page_says_whose_limits_it_shows() -> None:
+    from iop.edge._admin_page import render_admin_page
+
+    up = {"edge_id": "edge-<a>", "valkey_up": True, "live_edges": 2, "pending_settlements": 0}
+    page = render_admin_page({"cluster": up}).decode()
+    assert "shared in Valkey by 2 live edge(s)" in page
+    assert "edge-&lt;a&gt;" in page
+    down = {**up, "valkey_up": False}
+    assert "local share (limit / 2 live edges)" in render_admin_page({"cluster": down}).decode()
+    assert "Valkey" not in render_admin_page({"cluster": None}).decode()
