@@ -351,7 +351,7 @@ async def _burst(urls: list[str], n: int) -> dict[str, Any]:
     "Throughput with one edge vs two sharing Valkey; a tenant's limit error across edges.",
 )
 def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
-    duration = 2.0 if ctx.smoke else opts.duration_s
+    duration = 1.0 if ctx.smoke else opts.duration_s
     if ctx.smoke:
         opts = msgspec.structs.replace(opts, clients=min(opts.clients, 4), nodes=1)
     stack = _Stack(opts, ctx)
