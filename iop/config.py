@@ -33,6 +33,7 @@ __all__ = [
     "DEFAULT_MAX_TOKENIZE_BODY_BYTES",
     "DEFAULT_MAX_TOOL_CALL_BYTES",
     "DEFAULT_PROBE_MAX_BODY_BYTES",
+    "ClusterSettings",
     "Deadlines",
     "EdgeConfig",
     "EdgeServer",
@@ -989,6 +990,56 @@ class TenancySettings(_Config, frozen=True, kw_only=True):
             raise ValueError("default_max_tokens must be >= 1")
 
 
+class ClusterSettings(_Config, frozen=True, kw_only=True):
+    """Several edges sharing their tenants' limits in Valkey (``iop.edge._cluster``).
+
+    The issue and docs call it ``[edge.cluster]``; in the edge's own file it
+    is ``[cluster]``. Without ``valkey_url`` every limit stays in this
+    edge's memory (one edge: nothing to share).
+
+    Attributes:
+        valkey_url: ``redis://host:port/db`` (or ``rediss://``) of the Valkey
+            (or Redis) server the edges share; empty: no cluster.
+        edge_id: This edge's name among the edges (its concurrency slots
+            and membership are kept under it); empty: ``hostname:port``.
+        key_prefix: Prefix of every key the edge writes (several clusters
+            may share one Valkey).
+        membership_ttl_s: An edge that stops refreshing its membership is
+            counted dead after this; the concurrency slots it held are
+            released then. Refreshed every third of it.
+        connect_timeout_s: Deadline of opening a connection to Valkey.
+        command_timeout_s: Deadline of one round trip (an admission waits at
+            most this for Valkey before it falls back to the local share).
+        retry_interval_s: While Valkey is unreachable, how often it is probed.
+    """
+
+    valkey_url: str = ""
+    edge_id: str = ""
+    key_prefix: str = "iop:"
+    # 10 s: an edge killed holds its tenants' concurrency slots this long;
+    # three refreshes in it survive a missed one.
+    membership_ttl_s: float = 10.0
+    connect_timeout_s: float = 0.5
+    # 1 s: a round trip on a LAN is well under 1 ms, but a busy edge's event
+    # loop may read the answer hundreds of ms late (a burst of 180 requests on
+    # two loaded cores: docs/benchmarks.md, "Several edges"), and a timeout
+    # turns the edge to its local share for a probe interval. Past 1 s the
+    # request should not wait for the store any longer.
+    command_timeout_s: float = 1.0
+    retry_interval_s: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.valkey_url and not self.valkey_url.startswith(
+            ("redis://", "rediss://", "valkey://", "valkeys://", "unix://")
+        ):
+            raise ValueError("valkey_url must be a redis://, rediss:// or unix:// URL")
+        for name in ("membership_ttl_s", "connect_timeout_s", "command_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+        if not self.retry_interval_s > 0:
+            raise ValueError("retry_interval_s must be > 0")
+
+
 class EdgeConfig(_Config, frozen=True, kw_only=True):
     """The edge: HTTP server, node link, scheduler, wait timeouts, model policies.
 
@@ -1006,6 +1057,7 @@ class EdgeConfig(_Config, frozen=True, kw_only=True):
     models: dict[str, OutputPolicy] = {}
     tenancy: TenancySettings = TenancySettings()
     tenants: list[TenantSettings] = []
+    cluster: ClusterSettings = ClusterSettings()
 
     def __post_init__(self) -> None:
         names: set[str] = set()

@@ -85,6 +85,13 @@ def edge_config_from_args(args: argparse.Namespace) -> EdgeConfig:
         link = msgspec.structs.replace(link, node_tokens=[*link.node_tokens, *tokens])
     if not link.node_tokens:
         raise ConfigError("no node token configured: set link.node_tokens or pass --node-token")
+    if cfg.cluster.valkey_url:
+        import importlib.util
+
+        if importlib.util.find_spec("coredis") is None:
+            raise ConfigError(
+                "cluster.valkey_url needs the Valkey client: pip install 'iop[cluster]'"
+            )
     return msgspec.structs.replace(cfg, server=server, link=link)
 
 

@@ -283,6 +283,7 @@ def render_admin_page(
         + "<h2>Outcomes</h2>"
         + _table(["outcome", "runs"], outcome_rows, "No run has ended yet.")
         + "<h2>Tenants</h2>"
+        + _cluster_line(snapshot.get("cluster"))
         + _table(
             [
                 "tenant",
@@ -301,6 +302,29 @@ def render_admin_page(
         + "</body></html>"
     )
     return body.encode()
+
+
+def _cluster_line(cluster: Any) -> str:
+    """With ``[cluster]``: whose limits the table shows (docs/operations.md,
+    "Running several edges")."""
+    if not isinstance(cluster, dict):
+        return ""
+    if cluster.get("valkey_up"):
+        how = (
+            f"Limits are shared in Valkey by {int(cluster.get('live_edges', 1))} live edge(s); "
+            "what is left is as of this edge's last admission."
+        )
+        css = "ok"
+    else:
+        how = (
+            "Valkey is unreachable: this edge admits by its local share "
+            f"(limit / {int(cluster.get('live_edges', 1))} live edges)."
+        )
+        css = "bad"
+    return (
+        f"<p class='{css}'>Edge {escape(str(cluster.get('edge_id', '')))}: {escape(how)} "
+        f"Settlements waiting: {int(cluster.get('pending_settlements', 0))}.</p>"
+    )
 
 
 def _tenant_row(t: dict[str, Any]) -> str:

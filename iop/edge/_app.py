@@ -746,10 +746,8 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             call = surface.parse(body, headers)
             if not tenant.may_use(call.request.model):
                 raise no_access(call.request.model)
-            ticket = tenants.admit(
-                tenant,
-                estimate_tokens(call.request, cfg.tenancy.default_max_tokens),
-                trio.current_time(),
+            ticket = await core.admit(
+                tenant, estimate_tokens(call.request, cfg.tenancy.default_max_tokens)
             )
             if ticket.limits:
                 limit_headers = rate_headers(ticket.limits, anthropic)
@@ -763,7 +761,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             try:
                 run = core.start_run(spec, collect=not call.stream, ticket=ticket)
             except IopError:
-                tenants.finish(ticket, Usage(), trio.current_time())  # it never ran
+                core.settle(ticket, Usage())  # it never ran
                 raise
         except RateLimited as exc:
             core.metrics.tenant_refused.labels(tenant.name, exc.limit).inc()

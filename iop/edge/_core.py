@@ -56,6 +56,7 @@ import trio
 
 from iop._secrets import SecretMasker, edge_secrets, mask_event
 from iop.config import MAX_LOAD_REPORTS_PER_S, EdgeConfig
+from iop.edge._cluster import SharedLimits, default_edge_id
 from iop.edge._metrics import EdgeMetrics
 from iop.edge._registry import (
     EVEN_SHARE,
@@ -68,7 +69,7 @@ from iop.edge._registry import (
     Scheduler,
     affinity_key,
 )
-from iop.edge._tenants import Tenants, Ticket, charged_usage
+from iop.edge._tenants import Tenant, Tenants, Ticket, charged_usage
 from iop.edge._timeline_export import TimelineExport
 from iop.errors import (
     ErrorCode,
@@ -80,7 +81,7 @@ from iop.errors import (
     RequestError,
     RunAborted,
 )
-from iop.events import Cancelled, CancelReason, Error
+from iop.events import Cancelled, CancelReason, Error, Usage
 from iop.protocol import (
     CLOSE_BAD_TOKEN,
     CLOSE_GOING_AWAY,
@@ -383,6 +384,17 @@ class EdgeCore:
         # settled when each run ends (``record_outcome``).
         self.tenants = Tenants(config.tenants, config.server.api_keys, config.tenancy)
         self._tickets: dict[str, Ticket] = {}
+        # With [cluster] valkey_url: the limits every edge shares (open_edge_core runs it).
+        self.cluster: SharedLimits | None = None
+        if config.cluster.valkey_url:
+            self.cluster = SharedLimits(
+                config.cluster,
+                self.tenants,
+                config.tenants,
+                config.tenancy,
+                config.cluster.edge_id or default_edge_id(config.server.port),
+                self.metrics.registry,
+            )
         # The timelines of recent finished runs, and their export (open_edge_core runs it).
         self.timelines = TimelineRing(config.timelines.recent)
         self.export = export
@@ -508,6 +520,25 @@ class EdgeCore:
                 why.append(f"instance {name}{maybe} is unavailable: {cause}")
         return list(dict.fromkeys(why))  # one "node X is draining" (or drained) per node
 
+    async def admit(self, tenant: Tenant, tokens: int) -> Ticket:
+        """Admit a request of ``tenant`` reserving ``tokens``: by this edge's
+        buckets, or by every edge's in Valkey (``[cluster]``).
+
+        Raises:
+            RateLimited: Over one of the tenant's limits.
+        """
+        if self.cluster is None:
+            return self.tenants.admit(tenant, tokens, trio.current_time())
+        return await self.cluster.admit(tenant, tokens, trio.current_time())
+
+    def settle(self, ticket: Ticket, usage: Usage | None) -> None:
+        """Settle ``ticket`` where it was reserved (once)."""
+        now = trio.current_time()
+        if self.cluster is None:
+            self.tenants.finish(ticket, usage, now)
+        else:
+            self.cluster.finish(ticket, usage, now)
+
     def hold_ticket(self, run: Run, ticket: Ticket) -> None:
         """``run`` was admitted with ``ticket``: settle it when the run ends."""
         run.timeline.tenant = ticket.tenant.name
@@ -520,7 +551,7 @@ class EdgeCore:
         self.metrics.record(run, now)
         ticket = self._tickets.pop(run.run_id, None)
         if ticket is not None:
-            self.tenants.finish(ticket, charged_usage(run.outcome), now)
+            self.settle(ticket, charged_usage(run.outcome))
         self.timelines.add(run.timeline)
         if self.export is not None:
             self.export.add(run.timeline)
@@ -886,6 +917,9 @@ class EdgeCore:
             }
             for r in self.supervisor.runs.values()
         ]
+        tenants = self.tenants.snapshot(trio.current_time())
+        if self.cluster is not None:
+            self.cluster.tenant_limits(tenants)
         # Nodes report names, providers and models: strings the edge does not control.
         return self.masker.mask_tree(
             {
@@ -900,7 +934,8 @@ class EdgeCore:
                 "runs_started": self.runs_started,
                 "tasks": live_tasks(),
                 "outcomes": self.metrics.outcomes(),
-                "tenants": self.tenants.snapshot(trio.current_time()),
+                "tenants": tenants,
+                "cluster": None if self.cluster is None else self.cluster.snapshot(),
             }
         )
 
@@ -1007,6 +1042,8 @@ async def open_edge_core(config: EdgeConfig) -> AsyncIterator[EdgeCore]:
             ):
                 core = EdgeCore(config, sup, export=export, tracing=tracing)
                 links.start_soon(core.link_clock.run, name="edge link clock")
+                if core.cluster is not None:
+                    await links.start(core.cluster.run, name="edge cluster")
                 try:
                     yield core
                 finally:

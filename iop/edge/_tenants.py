@@ -30,6 +30,7 @@ bucket for the response headers (OpenAI's ``x-ratelimit-*``, Anthropic's
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import math
 import time
@@ -60,6 +61,7 @@ __all__ = [
     "Tenant",
     "Tenants",
     "Ticket",
+    "Via",
     "charged_usage",
     "estimate_tokens",
     "headers_anthropic",
@@ -163,14 +165,28 @@ class Limited:
     reset_s: float
 
 
+class Via(enum.Enum):
+    """Where a ticket's reservation was made, so it is settled there."""
+
+    LOCAL = "local"  # this edge's buckets (``Tenants``): one edge, no cluster
+    SHARED = "shared"  # Valkey's (``iop.edge._cluster``): every edge's
+    FAIL_OPEN = "fail_open"  # this edge's share while Valkey is unreachable
+
+
 @dataclass(slots=True)
 class Ticket:
-    """An admitted request: what it reserved, settled once by ``Tenants.finish``."""
+    """An admitted request: what it reserved, settled once by ``Tenants.finish``
+    (or by ``iop.edge._cluster.SharedLimits.finish`` when not ``LOCAL``)."""
 
     tenant: Tenant
     reserved_tokens: int
     limits: tuple[Limited, ...]
     settled: bool = False
+    via: Via = Via.LOCAL
+    # SHARED: the ticket holds one of the tenant's concurrency slots in Valkey.
+    holds_slot: bool = False
+    # FAIL_OPEN: the ticket of the local share it was admitted by.
+    inner: Ticket | None = None
 
 
 class RateLimited(RequestError):

@@ -231,13 +231,15 @@ async def running_node(
         yield agent
 
 
-async def link(nursery: trio.Nursery, agent: NodeAgent, *, ping: bool = True) -> FakeEdge:
+async def link(
+    nursery: trio.Nursery, agent: NodeAgent, *, ping: bool = True, to: NodeEdge = EDGE
+) -> FakeEdge:
     edge_chan, node_chan = memory_link_pair()
     edge = FakeEdge(edge_chan)
 
     async def serve() -> None:
         try:
-            await agent.serve_link(node_chan, edge=EDGE)
+            await agent.serve_link(node_chan, edge=to)
         except LinkError as exc:
             edge.node_error = exc
         finally:
@@ -477,6 +479,32 @@ async def test_queue_full_is_a_429(autojump_clock: trio.abc.Clock) -> None:
         await edge.cancel("r1", CancelReason.EXPLICIT)
         await edge.wait_finished("r1")
         await edge.close()
+
+
+async def test_two_edges_share_the_nodes_slots(autojump_clock: trio.abc.Clock) -> None:
+    """The node's admission is the one authority on its slots: a run from a
+    second edge finds the slot a first edge's run holds (docs/operations.md,
+    "Running several edges"), and is refused retryably (queue_full)."""
+    busy = sim(output_tokens=100, tokens_per_s=10, max_concurrency=1, max_queue=0)
+    other = NodeEdge(url="ws://edge-b.test/v1/link", token=TOKEN)
+    async with running_node(busy) as agent, trio.open_nursery() as nursery:
+        a = await link(nursery, agent)
+        b = await link(nursery, agent, to=other)
+        await a.assign("r1")
+        await a.wait_events("r1", 2)
+        await b.assign("r2")
+        events = await b.wait_finished("r2")
+        assert isinstance(events[0], Error)
+        assert (events[0].status, events[0].code) == (429, "queue_full")
+        assert agent.snapshot().instances[0].in_flight == 1
+        await a.cancel("r1", CancelReason.EXPLICIT)
+        await a.wait_finished("r1")
+        # The slot is free: the second edge's next run gets it.
+        await b.assign("r3", max_tokens=5)
+        last = (await b.wait_finished("r3"))[-1]
+        assert isinstance(last, Complete), last
+        await a.close()
+        await b.close()
 
 
 async def test_queue_timeout_cancels_the_waiting_run(autojump_clock: trio.abc.Clock) -> None:

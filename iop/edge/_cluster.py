@@ -1,0 +1,649 @@
+"""Several edges sharing their tenants' limits in Valkey (``[cluster]``).
+
+Theory of operation. Each edge is stateless per request: what the edges
+must agree on lives in one Valkey (or Redis) server, written only by the
+Lua scripts below, each one atomic on the server and one round trip:
+
+* ``RESERVE`` at admission: refill the tenant's request and token buckets
+  (the same token buckets as ``iop.edge._tenants.Bucket``: capacity
+  *limit*, refilled at *limit / 60* per second, full when absent), count
+  the concurrency slots held by *live* edges, and take 1 request, the
+  estimated tokens and a slot, all or nothing. The clock is the server's
+  (``TIME``), so the edges' clocks need not agree.
+* ``SETTLE`` when the run ends: give back (or charge further) the tokens
+  the run did not use (or overran), release the slot.
+* ``HEARTBEAT`` every third of ``membership_ttl_s``: refresh this edge's
+  membership key (with a TTL) and count the live edges.
+
+Keys (``P`` is ``key_prefix``)::
+
+    P b:{tenant}   hash  rl, ra, tl, ta: the request and token buckets'
+                         levels and when they were last written; expires
+                         once the buckets would be full again
+    P c:{tenant}   hash  edge id -> concurrency slots it holds
+    P m:{edge id}  string, with TTL membership_ttl_s: the edge is live
+    P members      sorted set edge id -> membership expiry (ms)
+
+A slot cannot leak when an edge dies: ``RESERVE`` counts only the slots of
+edges whose membership key exists and deletes the others, so a killed
+edge's slots are free ``membership_ttl_s`` after its last heartbeat. Nor
+when a reservation times out on a live edge (Valkey may have taken the slot
+with no ticket here to release it), nor when a partition outlasts the
+membership (the other edges drop the slots this edge still holds): once
+Valkey answers again, ``RESYNC`` sets the edge's slots to the ones its
+tickets hold. (The
+scripts touch keys they are not passed, so this works on one Valkey, not on
+a Valkey Cluster.)
+
+Fail-open. A Valkey error or a round trip past ``command_timeout_s`` turns
+the edge to *local* buckets sized *limit / live edges* (the last count the
+heartbeat saw), logs the transition once, sets ``iop_cluster_valkey_up`` to
+0 and counts each admission so decided (``iop_cluster_fail_open_total``). A
+probe every ``retry_interval_s`` turns it back to the shared counters. No
+request is ever answered 5xx because of Valkey. Settlements that could not
+be written wait (bounded) and are written when Valkey is back; those of
+tickets admitted locally are settled locally.
+
+Session-affinity pins stay in each edge's memory (``iop.edge._registry``):
+a pin only picks the node with a warm prompt cache, a miss costs a cold
+prefill, not a wrong answer, and sharing it would add a round trip to the
+hot path (docs/operations.md, "Running several edges").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import secrets
+import socket
+from collections import deque
+from collections.abc import Sequence
+from typing import Any, Final
+
+import msgspec
+import trio
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from iop.config import ClusterSettings, TenancySettings, TenantSettings
+from iop.edge._tenants import (
+    Limited,
+    RateLimited,
+    Tenant,
+    Tenants,
+    Ticket,
+    Via,
+    _human,
+)
+from iop.errors import ConfigError
+from iop.events import Usage
+
+__all__ = ["RESERVE", "SETTLE", "SharedLimits", "default_edge_id"]
+
+log = logging.getLogger("iop.edge.cluster")
+
+# Settlements kept while Valkey is unreachable (each is a tenant name and two
+# numbers): a minute of a busy edge; past it the oldest are dropped (their
+# tokens stay charged, their slots are freed with the edge's membership).
+MAX_PENDING_SETTLEMENTS: Final = 10_000
+
+_BUCKET = """
+local function level(lf, af, cap, now)
+  local l = tonumber(redis.call('HGET', KEYS[1], lf))
+  local at = tonumber(redis.call('HGET', KEYS[1], af))
+  if l == nil or at == nil then return cap end
+  if now > at then l = math.min(cap, l + (now - at) * cap / 60) end
+  return l
+end
+local function until_full(l, cap) return (cap - l) / (cap / 60) end
+"""
+
+RESERVE: Final = (
+    _BUCKET
+    + """
+-- KEYS: bucket hash, concurrency hash. ARGV: edge id, rpm, tpm, max
+-- concurrent, tokens, membership key prefix.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local rpm, tpm = tonumber(ARGV[2]), tonumber(ARGV[3])
+local maxc, cost = tonumber(ARGV[4]), tonumber(ARGV[5])
+local rl, tl = 0, 0
+if rpm > 0 then rl = level('rl', 'ra', rpm, now) end
+if tpm > 0 then tl = level('tl', 'ta', tpm, now) end
+local running = 0
+if maxc > 0 then
+  local held = redis.call('HGETALL', KEYS[2])
+  for i = 1, #held, 2 do
+    if redis.call('EXISTS', ARGV[6] .. held[i]) == 1 then
+      running = running + tonumber(held[i + 1])
+    else
+      redis.call('HDEL', KEYS[2], held[i])
+    end
+  end
+end
+local wc, wr, wt = 0, 0, 0
+if maxc > 0 and running >= maxc then wc = 1 end
+if rpm > 0 and rl < 1 then wr = (1 - rl) / (rpm / 60) end
+if tpm > 0 then
+  if cost > tpm then wt = -1 elseif tl < cost then wt = (cost - tl) / (tpm / 60) end
+end
+local ok = 0
+if wc == 0 and wr == 0 and wt == 0 then
+  ok = 1
+  local ttl = 0
+  if rpm > 0 then
+    rl = rl - 1
+    redis.call('HSET', KEYS[1], 'rl', tostring(rl), 'ra', tostring(now))
+    ttl = math.max(ttl, until_full(rl, rpm))
+  end
+  if tpm > 0 then
+    tl = tl - cost
+    redis.call('HSET', KEYS[1], 'tl', tostring(tl), 'ta', tostring(now))
+    ttl = math.max(ttl, until_full(tl, tpm))
+  end
+  if ttl > 0 then redis.call('PEXPIRE', KEYS[1], math.ceil(ttl * 1000) + 1000) end
+  if maxc > 0 then
+    redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
+    running = running + 1
+  end
+end
+local rr, tr = 0, 0
+if rpm > 0 then rr = until_full(rl, rpm) end
+if tpm > 0 then tr = until_full(tl, tpm) end
+return {ok, tostring(rl), tostring(rr), tostring(tl), tostring(tr), running,
+        tostring(wr), tostring(wt), wc}
+"""
+)
+
+SETTLE: Final = (
+    _BUCKET
+    + """
+-- KEYS: bucket hash, concurrency hash. ARGV: edge id, tpm, tokens given
+-- back (negative: charged), 1 to release a concurrency slot.
+if tonumber(ARGV[4]) == 1 then
+  local n = redis.call('HINCRBY', KEYS[2], ARGV[1], -1)
+  if n <= 0 then redis.call('HDEL', KEYS[2], ARGV[1]) end
+end
+local tpm, give = tonumber(ARGV[2]), tonumber(ARGV[3])
+if tpm > 0 and give ~= 0 then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+  local tl = math.min(tpm, level('tl', 'ta', tpm, now) + give)
+  redis.call('HSET', KEYS[1], 'tl', tostring(tl), 'ta', tostring(now))
+  local ttl = until_full(tl, tpm)
+  if ttl > 0 then redis.call('PEXPIRE', KEYS[1], math.ceil(ttl * 1000) + 1000) end
+end
+return 1
+"""
+)
+
+HEARTBEAT: Final = """
+-- KEYS: this edge's membership key, the members sorted set. ARGV: edge id,
+-- TTL (ms). Returns the live edges.
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local ttl = tonumber(ARGV[2])
+redis.call('SET', KEYS[1], '1', 'PX', ttl)
+redis.call('ZADD', KEYS[2], now + ttl, ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+return redis.call('ZCARD', KEYS[2])
+"""
+
+RESYNC: Final = """
+-- KEYS: tenants' concurrency hashes. ARGV: edge id, then the slots this
+-- edge holds for each (0: none). Sets them to what the edge knows it holds.
+for i = 1, #KEYS do
+  local n = tonumber(ARGV[i + 1])
+  if n > 0 then redis.call('HSET', KEYS[i], ARGV[1], n)
+  else redis.call('HDEL', KEYS[i], ARGV[1]) end
+end
+return 1
+"""
+
+LEAVE: Final = """
+-- KEYS: this edge's membership key, the members sorted set, then every
+-- tenant's concurrency hash. ARGV: edge id. An edge that starts or stops
+-- holds no slot.
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+for i = 3, #KEYS do redis.call('HDEL', KEYS[i], ARGV[1]) end
+return 1
+"""
+
+
+def default_edge_id(port: int) -> str:
+    """``hostname:port``; with no fixed port, ``hostname:`` and a random suffix."""
+    host = socket.gethostname()
+    return f"{host}:{port}" if port else f"{host}:{secrets.token_hex(4)}"
+
+
+def limited(tenant: Tenant) -> bool:
+    """Whether ``tenant`` has a limit to share (else admission is local and exact)."""
+    return tenant.requests is not None or tenant.tokens is not None or tenant.max_concurrent > 0
+
+
+class _Settlement(msgspec.Struct, frozen=True):
+    tenant: str
+    tpm: int
+    give: float
+    release: bool
+
+
+class SharedLimits:
+    """The tenants' limits of every edge, in Valkey, with a local fail-open share.
+
+    Args:
+        settings: ``[cluster]`` (``valkey_url`` set).
+        tenants: The edge's tenants (their settings and counters).
+        tenant_settings: ``[[tenants]]``: the fail-open share is sized from them.
+        tenancy: ``[tenancy]``.
+        edge_id: This edge's id (``settings.edge_id`` or ``default_edge_id``).
+        registry: The edge's metrics registry.
+    """
+
+    def __init__(
+        self,
+        settings: ClusterSettings,
+        tenants: Tenants,
+        tenant_settings: Sequence[TenantSettings],
+        tenancy: TenancySettings,
+        edge_id: str,
+        registry: CollectorRegistry,
+    ) -> None:
+        self.settings = settings
+        self.tenants = tenants
+        self.edge_id = edge_id
+        self._settings = list(tenant_settings)
+        self._tenancy = tenancy
+        self.up = False  # until the first heartbeat: the local share
+        self.live_edges = 1
+        self._share = self._local_share(1)
+        self._pending: deque[_Settlement] = deque()
+        self._wake = trio.Event()
+        self._scripts: dict[str, Any] = {}
+        p = settings.key_prefix
+        self._members = f"{p}members"
+        self._member = f"{p}m:{edge_id}"
+        self.gauge_up = Gauge(
+            "iop_cluster_valkey_up",
+            "1 while this edge counts its tenants' limits in the shared Valkey, 0 while it "
+            "uses its local share (limit / live edges).",
+            registry=registry,
+        )
+        self.gauge_edges = Gauge(
+            "iop_cluster_edges", "Live edges seen in Valkey (last count).", registry=registry
+        )
+        self.fail_open = Counter(
+            "iop_cluster_fail_open",
+            "Admissions decided by the local share because Valkey was unreachable.",
+            registry=registry,
+        )
+        self.dropped = 0
+        # The concurrency slots this edge holds in Valkey, per tenant: what
+        # a resync writes back after a reservation timed out (it may have
+        # been taken in Valkey with no ticket here to release it).
+        self._held: dict[str, int] = {}
+        self.last_limits: dict[str, tuple[Limited, ...]] = {}
+        self._resync = False
+
+    # --- keys -----------------------------------------------------------------
+
+    def _bucket_key(self, tenant: str) -> str:
+        return f"{self.settings.key_prefix}b:{tenant}"
+
+    def _slots_key(self, tenant: str) -> str:
+        return f"{self.settings.key_prefix}c:{tenant}"
+
+    def _local_share(self, edges: int) -> Tenants:
+        def share(limit: int) -> int:
+            return max(1, math.ceil(limit / edges)) if limit else 0
+
+        scaled = [
+            msgspec.structs.replace(
+                t,
+                requests_per_minute=share(t.requests_per_minute),
+                tokens_per_minute=share(t.tokens_per_minute),
+                max_concurrent_runs=share(t.max_concurrent_runs),
+            )
+            for t in self._settings
+        ]
+        return Tenants(scaled, [], self._tenancy)
+
+    # --- admission ------------------------------------------------------------
+
+    async def admit(self, tenant: Tenant, tokens: int, now: float) -> Ticket:
+        """Admit one request of ``tenant`` reserving ``tokens``: one round trip.
+
+        Raises:
+            RateLimited: Over a limit (shared, or the local share while
+                Valkey is unreachable): nothing is taken.
+        """
+        if not limited(tenant):
+            return self.tenants.admit(tenant, tokens, now)
+        if self.up:
+            try:
+                reply = await self._call(
+                    "reserve",
+                    [self._bucket_key(tenant.name), self._slots_key(tenant.name)],
+                    [
+                        self.edge_id,
+                        tenant.requests.capacity if tenant.requests else 0,
+                        tenant.tokens.capacity if tenant.tokens else 0,
+                        tenant.max_concurrent,
+                        tokens,
+                        f"{self.settings.key_prefix}m:",
+                    ],
+                )
+            except _Unreachable as exc:
+                self._went_down(exc)
+            else:
+                return self._decide(tenant, tokens, reply)
+        self.fail_open.inc()
+        share = self._share.all.get(tenant.name)
+        if share is None:  # a tenant of api_keys: unlimited
+            return self.tenants.admit(tenant, tokens, now)
+        try:
+            inner = self._share.admit(share, tokens, now)
+        except RateLimited:
+            tenant.refused += 1
+            raise
+        tenant.running += 1
+        tenant.admitted += 1
+        return Ticket(tenant, tokens, inner.limits, via=Via.FAIL_OPEN, inner=inner)
+
+    def _hold(self, tenant: Tenant) -> bool:
+        if not tenant.max_concurrent:
+            return False
+        self._held[tenant.name] = self._held.get(tenant.name, 0) + 1
+        return True
+
+    def _decide(self, tenant: Tenant, tokens: int, reply: list[Any]) -> Ticket:
+        ok, rl, rr, tl, tr, running, wr, wt, wc = reply
+        limits: list[Limited] = []
+        if tenant.requests is not None:
+            cap = tenant.requests.capacity
+            limits.append(Limited("requests", cap, max(0, math.floor(float(rl))), float(rr)))
+        if tenant.tokens is not None:
+            cap = tenant.tokens.capacity
+            limits.append(Limited("tokens", cap, max(0, math.floor(float(tl))), float(tr)))
+        # What /admin shows for the tenant: the shared buckets as this edge
+        # last saw them (its own Bucket objects are not used with a cluster).
+        self.last_limits[tenant.name] = tuple(limits)
+        if int(ok) == 1:
+            tenant.running += 1
+            tenant.admitted += 1
+            return Ticket(
+                tenant,
+                tokens,
+                tuple(limits),
+                via=Via.SHARED,
+                holds_slot=self._hold(tenant),
+            )
+        tenant.refused += 1
+        waits: list[tuple[float, str, str]] = []
+        if int(wc):
+            waits.append(
+                (
+                    1.0,
+                    "concurrency",
+                    f"Rate limit reached for tenant {tenant.name}: {int(running)} of "
+                    f"{tenant.max_concurrent} concurrent runs in use.",
+                )
+            )
+        if float(wr) > 0 and tenant.requests is not None:
+            waits.append(
+                (
+                    float(wr),
+                    "requests",
+                    f"Rate limit reached for tenant {tenant.name} on requests per minute: "
+                    f"limit {tenant.requests.capacity}. Please try again in {_human(float(wr))}.",
+                )
+            )
+        if float(wt) != 0 and tenant.tokens is not None:
+            cap = tenant.tokens.capacity
+            if float(wt) < 0:
+                waits.append(
+                    (
+                        math.inf,
+                        "tokens",
+                        f"Request too large for tenant {tenant.name} on tokens per minute: "
+                        f"limit {cap}, requested {tokens} (the prompt's estimate plus "
+                        "max_tokens). Lower max_tokens or shorten the prompt.",
+                    )
+                )
+            else:
+                waits.append(
+                    (
+                        float(wt),
+                        "tokens",
+                        f"Rate limit reached for tenant {tenant.name} on tokens per minute: "
+                        f"limit {cap}, requested {tokens}. "
+                        f"Please try again in {_human(float(wt))}.",
+                    )
+                )
+        wait, limit, message = max(waits)
+        raise RateLimited(message, limit=limit, retry_after_s=wait, limits=tuple(limits))
+
+    def finish(self, ticket: Ticket, usage: Usage | None, now: float) -> None:
+        """Settle ``ticket`` where it was reserved; a second call does nothing.
+
+        A shared settlement is written by ``run`` (this is called from the
+        run supervisor's callback, which cannot wait)."""
+        if ticket.via is Via.LOCAL:
+            self.tenants.finish(ticket, usage, now)
+            return
+        if ticket.settled:
+            return
+        ticket.settled = True
+        tenant = ticket.tenant
+        tenant.running -= 1
+        if usage is not None:
+            tenant.tokens_in += usage.input_tokens
+            tenant.tokens_out += usage.output_tokens
+        if ticket.via is Via.FAIL_OPEN:
+            assert ticket.inner is not None
+            self._share.finish(ticket.inner, usage, now)
+            return
+        give = 0.0
+        if usage is not None and tenant.tokens is not None:
+            give = ticket.reserved_tokens - (usage.input_tokens + usage.output_tokens)
+        if ticket.holds_slot:
+            self._held[tenant.name] -= 1
+        if give == 0 and not ticket.holds_slot:
+            return
+        if len(self._pending) >= MAX_PENDING_SETTLEMENTS:
+            self._pending.popleft()
+            self.dropped += 1
+        tpm = tenant.tokens.capacity if tenant.tokens is not None else 0
+        self._pending.append(_Settlement(tenant.name, tpm, give, ticket.holds_slot))
+        self._wake.set()
+
+    # --- Valkey ---------------------------------------------------------------
+
+    async def _call(self, which: str, keys: list[str], args: list[Any]) -> Any:
+        """One script, within ``command_timeout_s``; any failure is ``_Unreachable``."""
+        import anyio
+        import coredis.exceptions
+
+        script = self._scripts[which]
+        try:
+            with trio.fail_after(self.settings.command_timeout_s):
+                return await script(keys=keys, args=args)
+        except trio.TooSlowError as exc:
+            raise _Unreachable("no answer in command_timeout_s") from exc
+        except (
+            coredis.exceptions.RedisError,
+            OSError,
+            # coredis's connections are anyio streams: a connection torn
+            # down under a command (or with the client at shutdown).
+            anyio.ClosedResourceError,
+            anyio.BrokenResourceError,
+            anyio.EndOfStream,
+        ) as exc:
+            raise _Unreachable(str(exc) or type(exc).__name__) from exc
+
+    def _went_down(self, exc: Exception) -> None:
+        # Once back, rewrite this edge's slots: a reservation may have been
+        # taken unanswered, and a partition longer than membership_ttl_s
+        # lets the other edges drop the slots this edge still holds.
+        self._resync = True
+        if self.up:
+            self.up = False
+            self.gauge_up.set(0)
+            self._share = self._local_share(self.live_edges)
+            log.warning(
+                "cluster: Valkey unreachable (%s): limits fail open to this edge's share "
+                "(limit / %d live edges) until it is back",
+                exc,
+                self.live_edges,
+            )
+            self._wake.set()
+
+    def _came_up(self, edges: int) -> None:
+        self.live_edges = max(1, edges)
+        self.gauge_edges.set(self.live_edges)
+        if not self.up:
+            self.up = True
+            self.gauge_up.set(1)
+            log.info("cluster: Valkey reachable: shared limits across %d live edges", edges)
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep the membership, write settlements, probe Valkey while down.
+
+        Started in the edge core's nursery; returns only when cancelled,
+        after leaving the cluster (a shielded, bounded last round trip)."""
+        try:
+            import coredis
+            from coredis.retry import NoRetryPolicy
+        except ImportError as exc:
+            raise ConfigError(
+                "cluster.valkey_url needs the Valkey client: pip install 'iop[cluster]'"
+            ) from exc
+
+        s = self.settings
+        client = coredis.Redis.from_url(
+            s.valkey_url,
+            retry_policy=NoRetryPolicy(),
+            connect_timeout=s.connect_timeout_s,
+            stream_timeout=s.command_timeout_s,
+        )
+        async with client:
+            self._scripts = {
+                "reserve": client.register_script(RESERVE),
+                "settle": client.register_script(SETTLE),
+                "heartbeat": client.register_script(HEARTBEAT),
+                "leave": client.register_script(LEAVE),
+                "resync": client.register_script(RESYNC),
+            }
+            self.gauge_up.set(0)
+            slot_keys = [self._slots_key(t.name) for t in self._settings]
+            try:
+                # A restarted edge of the same id holds nothing yet.
+                await self._call("leave", [self._member, self._members, *slot_keys], [self.edge_id])
+            except _Unreachable as exc:
+                log.warning("cluster: Valkey unreachable at start (%s): local share", exc)
+                self._resync = True
+            else:
+                # Before the first request: shared from the start.
+                await self._heartbeat()
+            task_status.started()
+            try:
+                await self._loop()
+            finally:
+                with trio.move_on_after(s.command_timeout_s) as cleanup:
+                    cleanup.shield = True
+                    # Usually cancelled with the client's own tasks: the
+                    # membership TTL frees the slots instead.
+                    with contextlib.suppress(_Unreachable):
+                        await self._call(
+                            "leave", [self._member, self._members, *slot_keys], [self.edge_id]
+                        )
+
+    async def _loop(self) -> None:
+        s = self.settings
+        beat = s.membership_ttl_s / 3
+        next_beat = trio.current_time() + (beat if self.up else s.retry_interval_s)
+        while True:
+            if trio.current_time() >= next_beat:
+                await self._heartbeat()
+                next_beat = trio.current_time() + (beat if self.up else s.retry_interval_s)
+            if self.up:
+                await self._flush()
+            if self.up and self._resync and not self._pending:
+                await self._write_held()
+            with trio.move_on_at(next_beat):
+                await self._wake.wait()
+            self._wake = trio.Event()
+
+    async def _heartbeat(self) -> None:
+        """Refresh the membership and count the live edges (up or down)."""
+        try:
+            edges = await self._call(
+                "heartbeat",
+                [self._member, self._members],
+                [self.edge_id, math.ceil(self.settings.membership_ttl_s * 1000)],
+            )
+        except _Unreachable as exc:
+            self._went_down(exc)
+        else:
+            self._came_up(int(edges))
+
+    async def _flush(self) -> None:
+        while self._pending and self.up:
+            item = self._pending[0]
+            try:
+                await self._call(
+                    "settle",
+                    [self._bucket_key(item.tenant), self._slots_key(item.tenant)],
+                    [self.edge_id, item.tpm, item.give, 1 if item.release else 0],
+                )
+            except _Unreachable as exc:
+                # Written or not: it is retried, and the slots rewritten after.
+                self._went_down(exc)
+                return
+            self._pending.popleft()
+
+    async def _write_held(self) -> None:
+        """Set this edge's slots in Valkey to the ones it holds (after a
+        reservation timed out: it may hold one in Valkey that no ticket
+        will release). A reservation in flight meanwhile is counted once
+        it is answered: at worst one slot is under-counted until it ends."""
+        names = [t.name for t in self._settings if t.max_concurrent_runs]
+        try:
+            await self._call(
+                "resync",
+                [self._slots_key(n) for n in names],
+                [self.edge_id, *(self._held.get(n, 0) for n in names)],
+            )
+        except _Unreachable as exc:
+            self._went_down(exc)
+            return
+        self._resync = False
+
+    @property
+    def pending(self) -> int:
+        """Settlements not yet written to Valkey."""
+        return len(self._pending)
+
+    def tenant_limits(self, tenants: list[dict[str, object]]) -> None:
+        """Put the shared buckets' last seen state into ``Tenants.snapshot``'s rows."""
+        for row in tenants:
+            seen = self.last_limits.get(str(row["name"]))
+            if seen is not None:
+                row["limits"] = {
+                    lim.kind: {"limit": lim.limit, "remaining": lim.remaining} for lim in seen
+                }
+
+    def snapshot(self) -> dict[str, object]:
+        """For ``/admin``: the cluster's state as this edge sees it."""
+        return {
+            "edge_id": self.edge_id,
+            "valkey_up": self.up,
+            "live_edges": self.live_edges,
+            "pending_settlements": len(self._pending),
+            "dropped_settlements": self.dropped,
+        }
+
+
+class _Unreachable(Exception):
+    """Valkey did not answer a script in time, or refused it."""
