@@ -690,6 +690,13 @@ class HTTPBackend:
                 resp = await self._transport.handle_async_request(request)
                 try:
                     if not 200 <= resp.status_code < 300:
+                        # Read a short error body whole, so that the
+                        # connection goes back to the pool: a backend with
+                        # no such page (a 404 every scrape) would otherwise
+                        # cost a connection each time, and close the idle
+                        # one its next run would have used.
+                        with contextlib.suppress(BackendError):
+                            await self.read_limited(resp, DRAIN_MAX_BYTES, "load_scrape_max_bytes")
                         raise BackendHTTPError(
                             f"{path}: status code {resp.status_code}",
                             backend_status=resp.status_code,

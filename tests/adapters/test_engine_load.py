@@ -113,3 +113,22 @@ def test_bad_scrape_settings_are_refused() -> None:
         compat("vllm", load_scrape_max_bytes=10)
     with pytest.raises(msgspec.ValidationError, match="engine"):
         compat("tgi")
+
+
+async def test_a_backend_with_no_metrics_page_keeps_its_connection() -> None:
+    """A 404 to every scrape (a server that is not the engine it was said
+    to be, or a fake one) must not cost a connection each time: its short
+    body is read, and the connection goes back to the pool."""
+    from iop.testing import open_fake_backend
+
+    async with open_fake_backend() as fb:
+        cfg = msgspec.convert({"name": "v", "endpoint": fb.url + "/v1"}, VllmInstance)
+        adapter = VllmAdapter(cfg)
+        try:
+            for _ in range(3):
+                with pytest.raises(BackendHTTPError):
+                    await adapter.engine_load()
+        finally:
+            await adapter.aclose()
+        assert [r.path for r in fb.requests] == ["/metrics"] * 3
+        assert len(fb.connections) == 1
