@@ -10,7 +10,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from iop.bench import RUNNERS, RunContext
+from iop.bench import RUNNERS, ReportInput, RunContext
 from iop.bench._edges import Options, tables
 
 SCENARIO = Path(__file__).resolve().parents[1] / "configs" / "bench" / "edges.toml"
@@ -39,3 +39,16 @@ def test_the_edges_runner_measures_both_setups_and_the_limit(tmp_path: Path) -> 
     assert lim["non_429_refusals"] == []
     assert len(lim["admitted_per_edge"]) == 2
     assert "| 2 |" in tables(result)
+    # What `iop bench report` writes between <!-- bench:edges --> markers.
+    assert runner.report is not None
+    reported = runner.report(
+        ReportInput(
+            scenario="edges",
+            median=result,
+            repeats=[result],
+            foreign_cpu_pct=[0.0],
+            img_dir=tmp_path / "img",
+            footer="_footer_",
+        )
+    )
+    assert reported == {"edges": f"{tables(result)}\n\n_footer_"}

@@ -104,7 +104,8 @@ class Runner(Generic[OptionsT]):
 
 
 def tables_report(module: str) -> ReportFn:
-    """A report made of ``module``'s ``tables(result) -> {key: markdown}`` and
+    """A report made of ``module``'s ``tables(result) -> {key: markdown}`` (or
+    one table as a string, for the scenario's own marker) and
     ``plots(result, img_dir) -> [png]``, on the median result, each table
     ended with the footer (its plots are linked from the prose around the
     markers, under fixed names)."""
@@ -112,7 +113,9 @@ def tables_report(module: str) -> ReportFn:
     def report(r: ReportInput) -> dict[str, str]:
         mod = importlib.import_module(module)
         mod.plots(r.median, r.img_dir)
-        tables: dict[str, str] = mod.tables(r.median)
+        made: dict[str, str] | str = mod.tables(r.median)
+        # One table as a string is the scenario's own block.
+        tables = {r.scenario: made} if isinstance(made, str) else made
         return {key: f"{text}\n\n{r.footer}" for key, text in tables.items()}
 
     return report
