@@ -41,7 +41,7 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 def _smoke(opts: Options) -> Options:
     return msgspec.structs.replace(
-        opts, readers=2, hold_s=1.0, after_s=0.5, max_tokens=min(opts.max_tokens, 20_000)
+        opts, readers=2, hold_s=1.0, after_s=0.5, max_tokens=min(opts.max_tokens, 3000)
     )
 
 
