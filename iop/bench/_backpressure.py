@@ -16,14 +16,12 @@ process of the run used (``foreign_cpu_pct_of_core``).
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import socket
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -31,6 +29,7 @@ import httpx
 import msgspec
 import trio
 
+from iop.bench._stress import CpuWindow, rss_kb
 from iop.testing import EDGE_READY, SIM_READY, Proc, free_port, poll, toml_dumps
 
 __all__ = [
@@ -51,33 +50,7 @@ MODEL: Final = "iop-sim"
 # KiB, so that the edge's writes block after a few dozen chunks, not after
 # the megabytes loopback autotuning would grant.
 SLOW_RCVBUF: Final = 4096
-CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
 _CONTENT: Final = re.compile(rb'"content":"[^"]')
-
-
-def rss_kb(pid: int) -> int:
-    """VmRSS of a process, in KiB (proc(5))."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no VmRSS for pid {pid}")
-
-
-def cpu_s(pid: int) -> float:
-    """utime + stime of a process, in seconds (proc(5), fields 14 and 15)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def machine_cpu_s() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine since boot (/proc/stat)."""
-    with open("/proc/stat") as f:
-        parts = [int(x) for x in f.readline().split()[1:]]
-    idle = parts[3] + parts[4]
-    total = sum(parts[:8])
-    return (total - idle) / CLK_TCK, total / CLK_TCK
 
 
 def median(values: list[float]) -> float | None:
@@ -86,38 +59,6 @@ def median(values: list[float]) -> float | None:
         return None
     mid = len(vals) // 2
     return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
-
-
-@dataclass
-class CpuWindow:
-    """CPU of the stack's processes (and of this one) over a stretch of time."""
-
-    pids: dict[str, int]
-    cpu0: dict[str, float] = field(default_factory=dict)
-    own0: float = 0.0
-    busy0: float = 0.0
-    total0: float = 0.0
-    t0: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.cpu0 = {k: cpu_s(p) for k, p in self.pids.items()}
-        self.own0 = time.process_time()
-        self.busy0, self.total0 = machine_cpu_s()
-        self.t0 = time.perf_counter()
-
-    def stop(self) -> dict[str, Any]:
-        wall = time.perf_counter() - self.t0
-        cpu = {k: cpu_s(p) - self.cpu0[k] for k, p in self.pids.items()}
-        own = time.process_time() - self.own0
-        busy1, _ = machine_cpu_s()
-        ours = sum(cpu.values()) + own
-        return {
-            "wall_s": round(wall, 3),
-            "cpu_s": {k: round(v, 3) for k, v in cpu.items()} | {"client": round(own, 3)},
-            "cpu_pct_of_core": {k: round(100 * v / wall, 1) for k, v in cpu.items()}
-            | {"client": round(100 * own / wall, 1)},
-            "foreign_cpu_pct_of_core": round(100 * max(0.0, busy1 - self.busy0 - ours) / wall, 1),
-        }
 
 
 class Stack:

@@ -33,12 +33,12 @@ import httpx
 import msgspec
 import trio
 
+from iop.bench._platform import proc_cpu_s as _cpu_s
 from iop.bench._runner import RunContext, register, tables_report
 from iop.testing import EDGE_READY, NODE_READY, SIM_READY, Proc, free_port, poll, toml_dumps
 
 __all__ = ["Options", "plots", "run", "tables", "valkey_binary"]
 
-_CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
 _KEY_FREE: Final = "iop-bench-edges-free"
 _KEY_LIMITED: Final = "iop-bench-edges-limited"
 _OPERATOR: Final = "iop-bench-edges-operator"
@@ -77,11 +77,6 @@ def valkey_binary() -> str:
 
 def _digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
-
-
-def _cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _CLK_TCK  # utime + stime
 
 
 def _wait_port(port: int, proc: Proc) -> None:

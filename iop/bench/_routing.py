@@ -70,6 +70,8 @@ import httpx
 import msgspec
 import trio
 
+from iop.bench._platform import machine_cpu_s
+from iop.bench._platform import proc_cpu_s as _cpu_s
 from iop.bench._runner import ReportInput, RunContext, register
 from iop.sim import tokenize
 from iop.testing import EDGE_READY, NODE_READY, SIM_READY, Proc, poll, toml_dumps
@@ -83,7 +85,6 @@ PLACEMENTS: Final[tuple[Placement, ...]] = ("random", "least_loaded", "affinity"
 WORKLOADS: Final[tuple[Workload, ...]] = ("shared", "unique")
 MODEL: Final = "iop-sim"
 NODE_TOKEN: Final = "bench-routing-token"
-CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
 # Words of the prompts: 2 to 5 lower-case letters, one toy token each with
 # its leading space (iop/sim/_tokenizer.py cuts a word with its leading space
 # into pieces of at most 6 bytes).
@@ -301,17 +302,8 @@ async def _drive(url: str, reqs: list[_Request], timeout_s: float) -> tuple[list
 # --------------------------------------------------------------------------- processes
 
 
-def _cpu_s(pid: int) -> float:
-    """utime + stime of ``pid`` (proc(5), fields 14 and 15)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
 def _machine_busy_s() -> float:
-    with open("/proc/stat") as f:
-        parts = [int(x) for x in f.readline().split()[1:]]
-    return (sum(parts[:8]) - parts[3] - parts[4]) / CLK_TCK
+    return machine_cpu_s()[0]
 
 
 @dataclass
