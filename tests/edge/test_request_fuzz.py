@@ -31,7 +31,7 @@ from tests.edge.test_core import FakeNode
 pytestmark = pytest.mark.timeout(120)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(raw=chat_bodies())
 def test_property_the_parser_accepts_or_gives_an_openai_400(raw: bytes) -> None:
     try:

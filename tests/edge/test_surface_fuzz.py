@@ -50,7 +50,7 @@ EMBEDDINGS = EmbeddingsSurface()
 _RESPONSES_OK = {"model": "m", "input": "hi"}
 _MESSAGES_OK = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
 
-_SANS_IO = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_SANS_IO = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _fits_link(request: OperationRequest) -> None:

@@ -482,7 +482,7 @@ def _check_well_formed(events: list[dict[str, Any]]) -> None:
 
 
 @given(body=_body, terminal=st.one_of(_done, _failed), started=st.booleans())
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_any_shaped_sequence_is_a_well_formed_stream(
     body: list[Shaped], terminal: Shaped, started: bool
 ) -> None:

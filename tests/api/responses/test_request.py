@@ -669,7 +669,7 @@ _obj = st.dictionaries(_KEYS, _json, max_size=5)
     text=st.fixed_dictionaries({"format": _obj}) | _json,
     reasoning=_obj | _json,
 )
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 def test_any_json_is_a_request_or_a_400_never_a_crash(
     input: Any, tools: Any, tool_choice: Any, text: Any, reasoning: Any
 ) -> None:
