@@ -204,11 +204,28 @@ class SlowReader:
             what="the edge to end the slow reader's run (slow_client)",
         )
 
-        def closed() -> float | None:
-            self.read_available()
-            return self.closed_by_server_at
-
-        return poll(closed, timeout=timeout, what="the edge to close the slow reader's connection")
+        # What the edge had written is still in its kernel's send buffer
+        # (it grows to megabytes) behind the close, and the tiny receive
+        # window lets through a few KiB per read: read without pause until
+        # the close, or a poll's interval per window would take longer than
+        # the timeout under load.
+        deadline = time.monotonic() + timeout
+        while self.closed_by_server_at is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(
+                    f"timed out after {timeout:g}s waiting for the edge to close "
+                    "the slow reader's connection"
+                )
+            self.sock.settimeout(min(left, 0.5))
+            try:
+                if not self.sock.recv(_READ_BYTES):
+                    self.closed_by_server_at = time.monotonic()
+            except TimeoutError:
+                continue
+            except OSError:  # a reset
+                self.closed_by_server_at = time.monotonic()
+        return self.closed_by_server_at
 
     def close(self) -> None:
         self.sock.close()
