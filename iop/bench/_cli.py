@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import iop.bench
+from iop.bench._platform import _term_as_int
 from iop.bench._results import CpuMeter, marker_keys, median_tree, rewrite_markers
 from iop.bench._runner import RUNNERS, ReportInput, RunContext
 from iop.bench._scenario import Scenario, ScenarioError, load_scenario
@@ -245,12 +246,6 @@ def cmd_list(scenarios: Path) -> int:
 
 
 # --------------------------------------------------------------------------- run
-
-
-def _term_as_int(signum: int, frame: object) -> None:
-    # SIGTERM becomes SIGINT, which trio turns into a clean KeyboardInterrupt
-    # (raising from this handler could tear a running trio.run apart).
-    os.kill(os.getpid(), signal.SIGINT)
 
 
 def _interrupted(exc: BaseException) -> bool:

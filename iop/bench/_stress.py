@@ -133,6 +133,7 @@ import trio
 from iop.bench._platform import (
     REPO,
     _int_list,
+    _term_as_int,
     find_py_spy,
     machine_cpu_s,
     machine_info,
@@ -2226,11 +2227,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.loss_trials >= args.real_nodes:
         ap.error("--loss-trials must be below --real-nodes (the last one is SIGKILLed)")
     return args
-
-
-def _term_as_int(signum: int, frame: object) -> None:
-    # SIGTERM becomes SIGINT, which trio turns into a clean KeyboardInterrupt.
-    os.kill(os.getpid(), signal.SIGINT)
 
 
 def main(argv: list[str] | None = None) -> int:
