@@ -98,7 +98,8 @@ def test_another_tenants_response_is_answered_as_an_unknown_id(
     again = a.responses.create(model=MODEL, input="hi", previous_response_id=first.id)
     assert again.status == "completed"
     assert again.previous_response_id == first.id
-    assert again.usage is not None and alone.usage is not None
+    assert again.usage is not None
+    assert alone.usage is not None
     assert first.usage is not None
     assert again.usage.input_tokens > first.usage.input_tokens > alone.usage.input_tokens
 
