@@ -1076,6 +1076,31 @@ class EdgeConfig(_Config, frozen=True, kw_only=True):
             clash = {hashlib.sha256(k.encode()).hexdigest() for k in self.server.api_keys}
             if clash & digests.keys():
                 raise ValueError("a key in server.api_keys is also a tenant's key")
+            # Two tenants of one name would share what is kept by name (stored
+            # responses, metrics): "default" is iop.edge._tenants.DEFAULT.
+            if "default" in names:
+                raise ValueError(
+                    "tenant name 'default' is the tenant of server.api_keys: name it otherwise"
+                )
+        # Each tenant's share of the response store (iop.api.responses._store)
+        # is 1/n of each cap: at least one entry and one byte.
+        n = self.tenant_count
+        for key, cap in (
+            ("store_max_entries", self.responses.store_max_entries),
+            ("store_max_bytes", self.responses.store_max_bytes),
+        ):
+            if cap < n:
+                raise ValueError(
+                    f"responses.{key} ({cap}) is less than the {n} tenants: "
+                    "each tenant is guaranteed 1/n of it"
+                )
+
+    @property
+    def tenant_count(self) -> int:
+        """How many tenants the edge has (``iop.edge._tenants.Tenants``): the
+        ``[[tenants]]``, plus ``default`` for ``server.api_keys``, or the one
+        ``anonymous`` of an edge with no keys at all."""
+        return len(self.tenants) + (1 if self.server.api_keys or not self.tenants else 0)
 
     def policy_for(self, model: str) -> OutputPolicy:
         return self.models.get(model) or self.models.get("*") or OutputPolicy()

@@ -19,7 +19,7 @@ deadlines and credit flow control.
 
 Lifecycle, as the HTTP layer drives it::
 
-    call = surface.parse(body, headers)           # RequestError -> error_body
+    call = surface.parse(body, headers, tenant=name)  # RequestError -> error_body
     run  = core.start_run(ExecutionSpec(run_id, call.request, ...))
     if call.stream:
         enc = surface.stream(call, ctx)
@@ -40,6 +40,9 @@ The edge routes a surface with one line in ``iop.edge._app.surface_routes``::
     SurfaceRoute("/v1/messages", MESSAGES, key_of=some_reader)  # e.g. x-api-key
 
 where ``key_of`` reads the client's API key from the (lower-cased) headers.
+The key's tenant (``iop.edge._tenants``) is passed to ``parse`` by name: what
+a surface keeps between requests (the Responses store) is kept per tenant,
+so no tenant reaches another's.
 """
 
 from __future__ import annotations
@@ -144,12 +147,14 @@ class Surface(Protocol):
         """Short name for logs and metrics (``chat``, ``responses``, ``messages``...)."""
         ...
 
-    def parse(self, body: bytes, headers: Mapping[str, str]) -> Call:
+    def parse(self, body: bytes, headers: Mapping[str, str], *, tenant: str) -> Call:
         """Decode and check a request body.
 
         ``headers`` are the request's headers, names lower-cased
         (``anthropic-version``, ``anthropic-beta``...). The API key was
-        checked before (the route's key reader, ``iop.edge._app``).
+        checked before (the route's key reader, ``iop.edge._app``) and
+        ``tenant`` is the name of its tenant: state a surface keeps between
+        requests is that tenant's alone.
 
         Raises:
             RequestError: A 4xx with the surface's wording and ``param``.

@@ -232,7 +232,9 @@ def surface_routes(core: EdgeCore) -> list[SurfaceRoute]:
         SurfaceRoute("/v1/chat/completions", ChatSurface(max_depth=depth)),
         SurfaceRoute(
             "/v1/responses",
-            ResponsesSurface.from_settings(core.config.responses, max_depth=depth),
+            ResponsesSurface.from_settings(
+                core.config.responses, tenants=len(core.tenants.all), max_depth=depth
+            ),
         ),
         SurfaceRoute(
             "/v1/messages", MessagesSurface(max_depth=depth), anthropic_key, ANTHROPIC_AUTH_FAILED
@@ -743,7 +745,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         anthropic = isinstance(surface, MessagesSurface)
         limit_headers: dict[str, str] | None = None
         try:
-            call = surface.parse(body, headers)
+            call = surface.parse(body, headers, tenant=tenant.name)
             if not tenant.may_use(call.request.model):
                 raise no_access(call.request.model)
             ticket = await core.admit(

@@ -95,7 +95,7 @@ class ToySurface:
     def name(self) -> str:
         return "toy"
 
-    def parse(self, body: bytes, headers: Mapping[str, str]) -> Call:
+    def parse(self, body: bytes, headers: Mapping[str, str], *, tenant: str) -> Call:
         text = body.decode()
         if text == "boom":
             raise RuntimeError("the toy surface broke")

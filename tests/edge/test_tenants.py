@@ -253,6 +253,18 @@ def test_anthropic_headers_give_each_reset_as_an_rfc3339_time() -> None:
         ),
         ('[[tenants]]\nname = "a"\nkey_sha256 = ["' + "0" * 64 + '"]\nrpm = 3\n', "rpm"),
         ("[tenancy]\ndefault_max_tokens = 0\n", "default_max_tokens"),
+        (
+            '[server]\napi_keys = ["k"]\n'
+            '[[tenants]]\nname = "default"\nkey_sha256 = ["' + "0" * 64 + '"]\n',
+            "'default' is the tenant of server.api_keys",
+        ),
+        (
+            "[responses]\nstore_max_entries = 2\n"
+            '[server]\napi_keys = ["k"]\n'
+            '[[tenants]]\nname = "a"\nkey_sha256 = ["' + "0" * 64 + '"]\n'
+            '[[tenants]]\nname = "b"\nkey_sha256 = ["' + "1" * 64 + '"]\n',
+            "responses.store_max_entries (2) is less than the 3 tenants",
+        ),
     ],
 )
 def test_a_wrong_tenant_config_is_refused_saying_why(toml: str, says: str) -> None:

@@ -38,7 +38,7 @@ class ChatSurface:
     def name(self) -> str:
         return "chat"
 
-    def parse(self, body: bytes, headers: Mapping[str, str]) -> Call:
+    def parse(self, body: bytes, headers: Mapping[str, str], *, tenant: str = "") -> Call:
         """``parse_chat_request``; raises its ``RequestError`` (400)."""
         request = parse_chat_request(body, max_depth=self._max_depth)
         return Call(request=request, stream=request.stream, model=request.model)

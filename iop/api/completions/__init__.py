@@ -37,7 +37,7 @@ class CompletionsSurface:
     def name(self) -> str:
         return "completions"
 
-    def parse(self, body: bytes, headers: Mapping[str, str]) -> Call:
+    def parse(self, body: bytes, headers: Mapping[str, str], *, tenant: str = "") -> Call:
         parsed = parse_completion(body, max_depth=self._max_depth)
         return Call(
             request=parsed.request,

@@ -239,7 +239,7 @@ class EmbeddingsSurface:
     def name(self) -> str:
         return "embeddings"
 
-    def parse(self, body: bytes, headers: Mapping[str, str]) -> Call:
+    def parse(self, body: bytes, headers: Mapping[str, str], *, tenant: str = "") -> Call:
         request = parse_embeddings(body, max_depth=self._max_depth)
         return Call(request=request, stream=False, model=request.model, native=request)
 

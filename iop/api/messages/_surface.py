@@ -99,7 +99,7 @@ class MessagesSurface:
     def name(self) -> str:
         return "messages"
 
-    def parse(self, body: bytes, headers: Mapping[str, str]) -> Call:
+    def parse(self, body: bytes, headers: Mapping[str, str], *, tenant: str = "") -> Call:
         """Decode, check and translate a ``/v1/messages`` body (``_request``).
 
         Raises:

@@ -58,8 +58,10 @@ comment before: Codex ends a turn after ``stream_idle_timeout_ms`` without an
 *event* (comments do not count), so a long queue wait or prefill needs real
 events.
 
-Ids: the response is ``resp_<run id>``; items ``msg_<run id>_<n>``,
-``rs_<run id>_<n>`` and ``fc_<run id>_<n>`` with ``n`` the output index.
+Ids: the response is the ``response_id`` given (the edge's surface gives a
+random one: a stored response is looked up by it, ``_store``), else
+``resp_<run id>``; items ``msg_<run id>_<n>``, ``rs_<run id>_<n>`` and
+``fc_<run id>_<n>`` with ``n`` the output index.
 
 A response that completed or is incomplete, with ``store`` not false, is
 handed to ``keep`` (the surface's store) as its conversation: the history
@@ -175,10 +177,12 @@ class ResponsesCall(msgspec.Struct, frozen=True, kw_only=True):
     Attributes:
         echo: What the Response shows of the request.
         history: The conversation without instructions (stored with the output).
+        tenant: The tenant that asked: the response is stored as its own.
     """
 
     echo: ResponseEcho
     history: tuple[Message, ...]
+    tenant: str = ""
 
 
 # --- the Response object ----------------------------------------------------------------
@@ -285,11 +289,11 @@ class _Response(msgspec.Struct, frozen=True, kw_only=True):
     metadata: dict[str, str]
 
 
-def _template(call: Call, ctx: RunContext) -> _Response:
+def _template(call: Call, ctx: RunContext, response_id: str | None) -> _Response:
     native = call.native
     echo = native.echo if isinstance(native, ResponsesCall) else ResponseEcho()
     return _Response(
-        id=f"resp_{ctx.run_id}",
+        id=f"resp_{ctx.run_id}" if response_id is None else response_id,
         created_at=int(ctx.created),
         status="in_progress",
         instructions=echo.instructions,
@@ -432,9 +436,14 @@ class _Record:
     __slots__ = ("_clock", "_history", "_keep", "_t0", "response")
 
     def __init__(
-        self, call: Call, ctx: RunContext, keep: Keep | None, clock: Callable[[], float] | None
+        self,
+        call: Call,
+        ctx: RunContext,
+        keep: Keep | None,
+        clock: Callable[[], float] | None,
+        response_id: str | None,
     ) -> None:
-        self.response = _template(call, ctx)
+        self.response = _template(call, ctx, response_id)
         self._history = _history(call)
         self._keep = keep if self.response.store else None
         self._clock = clock
@@ -458,6 +467,7 @@ class ResponsesStream:
         ctx: The run's id, creation time and output policy.
         keep: Stores the finished conversation (None: not stored).
         clock: Monotonic seconds, for ``completed_at``.
+        response_id: The response's id (None: ``resp_<run id>``).
     """
 
     def __init__(
@@ -467,9 +477,10 @@ class ResponsesStream:
         *,
         keep: Keep | None = None,
         clock: Callable[[], float] | None = None,
+        response_id: str | None = None,
     ) -> None:
         self._run_id = ctx.run_id
-        self._record = _Record(call, ctx, keep, clock)
+        self._record = _Record(call, ctx, keep, clock, response_id)
         self._response = self._record.response
         self._shaper = OutputShaper(call.chat, ctx.policy, ctx.run_id)
         self._state = _State.FRESH
@@ -773,7 +784,7 @@ class ResponsesCollector:
     ``(status, OpenAI error body)`` for one that failed or was cancelled.
 
     Args:
-        call, ctx, keep, clock: As for :class:`ResponsesStream`.
+        call, ctx, keep, clock, response_id: As for :class:`ResponsesStream`.
     """
 
     def __init__(
@@ -783,9 +794,10 @@ class ResponsesCollector:
         *,
         keep: Keep | None = None,
         clock: Callable[[], float] | None = None,
+        response_id: str | None = None,
     ) -> None:
         self._run_id = ctx.run_id
-        self._record = _Record(call, ctx, keep, clock)
+        self._record = _Record(call, ctx, keep, clock, response_id)
         self._response = self._record.response
         # Buffered: a collector wants the whole policy applied at the end
         # (XML completion wrapping), as chat's does.

@@ -3,8 +3,18 @@
 :class:`ResponsesSurface` holds the one piece of state the surface needs,
 the store of earlier responses for ``previous_response_id``
 (``_store.ResponseStore``), and a monotonic clock; the edge creates one per
-process with the store sized by ``[responses]`` (``iop.config``). Parsing is
-``_request``; output is ``_output``.
+process with the store sized by ``[responses]`` (``iop.config``) and shared
+by its tenants. Parsing is ``_request``; output is ``_output``.
+
+Tenants. A response is stored as the asking tenant's (``parse``'s
+``tenant``, carried in ``ResponsesCall.tenant`` to where the finished
+response is kept) and looked up among that tenant's responses only, so
+another tenant's id gets the very answer an unknown id gets. The edge's
+surface (``from_settings``) also names each response with a random id
+(``resp_`` + 32 hex digits from ``secrets``), not ``resp_<run id>``: run
+ids are in logs and on ``/admin/runs``. The scoping is the guarantee; the
+random id only keeps a response's id from being known to anyone the client
+did not give it to.
 
 An unknown or expired ``previous_response_id`` is a 400 with code
 ``previous_response_not_found`` and OpenAI's message ``Previous response with
@@ -15,8 +25,10 @@ start the conversation over with its full input.
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Final
 
 from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH
@@ -41,6 +53,17 @@ __all__ = ["PREVIOUS_NOT_FOUND_STATUS", "ResponsesSurface"]
 
 PREVIOUS_NOT_FOUND_STATUS: Final = 400
 """OpenAI's status for an unknown ``previous_response_id`` (module docstring)."""
+
+
+def run_response_id(run_id: str) -> str:
+    """``resp_<run id>``: readable ids for a surface whose ids nobody else sees."""
+    return f"resp_{run_id}"
+
+
+def random_response_id(run_id: str) -> str:
+    """``resp_`` + 128 random bits as hex: nothing another tenant sees gives it."""
+    del run_id
+    return f"resp_{secrets.token_hex(16)}"
 
 
 def _choice_echo(choice: ToolChoice | None) -> object:
@@ -92,9 +115,11 @@ class ResponsesSurface:
     """``POST /v1/responses`` (see the module docstring).
 
     Args:
-        store: The stored responses (``ResponseStore.from_settings``).
+        store: The stored responses.
         max_depth: Deepest JSON nesting a body may have (``server.max_json_depth``).
         clock: Monotonic seconds (the store's TTL, ``completed_at``).
+        response_id: A response's id from its run's id (``from_settings``
+            gives :func:`random_response_id`).
     """
 
     def __init__(
@@ -103,27 +128,32 @@ class ResponsesSurface:
         *,
         max_depth: int = DEFAULT_MAX_JSON_DEPTH,
         clock: Callable[[], float] = time.monotonic,
+        response_id: Callable[[str], str] = run_response_id,
     ) -> None:
         self._store = store
         self._max_depth = max_depth
         self._clock = clock
+        self._response_id = response_id
 
     @classmethod
     def from_settings(
         cls,
         settings: ResponsesSettings,
         *,
+        tenants: int = 1,
         max_depth: int = DEFAULT_MAX_JSON_DEPTH,
         clock: Callable[[], float] = time.monotonic,
     ) -> ResponsesSurface:
-        """A surface with a store sized by the edge's ``[responses]`` section,
-        refusing bodies nested deeper than ``max_depth`` (``server.max_json_depth``)."""
+        """The edge's surface: a store sized by its ``[responses]`` section and
+        shared by ``tenants`` tenants, random response ids, and bodies nested
+        deeper than ``max_depth`` (``server.max_json_depth``) refused."""
         store = ResponseStore(
             max_entries=settings.store_max_entries,
             max_bytes=settings.store_max_bytes,
             ttl_s=settings.store_ttl_s,
+            tenants=tenants,
         )
-        return cls(store, max_depth=max_depth, clock=clock)
+        return cls(store, max_depth=max_depth, clock=clock, response_id=random_response_id)
 
     @property
     def name(self) -> str:
@@ -133,18 +163,19 @@ class ResponsesSurface:
     def store(self) -> ResponseStore:
         return self._store
 
-    def parse(self, body: bytes, headers: Mapping[str, str]) -> Call:
-        """Decode, check and translate a request (``_request``).
+    def parse(self, body: bytes, headers: Mapping[str, str], *, tenant: str = "") -> Call:
+        """Decode, check and translate a request of ``tenant`` (``_request``).
 
         Raises:
             RequestError: 400 in OpenAI's wording; an unknown or expired
-                ``previous_response_id`` included (module docstring).
+                ``previous_response_id``, or another tenant's, included
+                (module docstring).
         """
         del headers  # nothing of the Responses API is in headers
         req, extra = decode_request(body, max_depth=self._max_depth)
         prior: tuple[Message, ...] = ()
         if req.previous_response_id is not None:
-            found = self._store.get(req.previous_response_id, now=self._clock())
+            found = self._store.get(req.previous_response_id, now=self._clock(), tenant=tenant)
             if found is None:
                 raise RequestError(
                     f"Previous response with id '{req.previous_response_id}' not found.",
@@ -154,7 +185,7 @@ class ResponsesSurface:
                 )
             prior = found
         chat, history, tools, choice = translate(req, extra, prior)
-        native = ResponsesCall(echo=_echo(req, tools, choice), history=history)
+        native = ResponsesCall(echo=_echo(req, tools, choice), history=history, tenant=tenant)
         return Call(request=chat, stream=bool(req.stream), model=req.model, native=native)
 
     def error_body(
@@ -163,14 +194,31 @@ class ResponsesSurface:
         """OpenAI's error body, with ``status`` as it is (an error status, else 500)."""
         return openai_error(error_status(status), message, code=code, param=param)
 
-    def _keep(self, response_id: str, conversation: tuple[Message, ...]) -> None:
-        self._store.put(response_id, conversation, now=self._clock())
+    def _keep(self, tenant: str, response_id: str, conversation: tuple[Message, ...]) -> None:
+        self._store.put(response_id, conversation, now=self._clock(), tenant=tenant)
+
+    def _kept_as(self, call: Call) -> Callable[[str, tuple[Message, ...]], None]:
+        """Where ``call``'s response is stored: as its tenant's."""
+        native = call.native
+        return partial(self._keep, native.tenant if isinstance(native, ResponsesCall) else "")
 
     def stream(self, call: Call, ctx: RunContext) -> ResponsesStream:
-        return ResponsesStream(call, ctx, keep=self._keep, clock=self._clock)
+        return ResponsesStream(
+            call,
+            ctx,
+            keep=self._kept_as(call),
+            clock=self._clock,
+            response_id=self._response_id(ctx.run_id),
+        )
 
     def collector(self, call: Call, ctx: RunContext) -> ResponsesCollector:
-        return ResponsesCollector(call, ctx, keep=self._keep, clock=self._clock)
+        return ResponsesCollector(
+            call,
+            ctx,
+            keep=self._kept_as(call),
+            clock=self._clock,
+            response_id=self._response_id(ctx.run_id),
+        )
 
 
 def _is_a_surface(surface: ResponsesSurface) -> Surface:
