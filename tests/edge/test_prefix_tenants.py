@@ -59,11 +59,14 @@ def test_two_tenants_identical_prompts_get_distinct_keys_blocks_and_salts() -> N
     alice, bob = tenants.all["alice"], tenants.all["bob"]
     request = chat()
     salt_a, salt_b = tenants.cache_salt(alice, request), tenants.cache_salt(bob, request)
-    assert salt_a and salt_b and salt_a != salt_b
+    assert salt_a
+    assert salt_b
+    assert salt_a != salt_b
     # vLLM's advice for a salt: 256 bits, 43 characters of base64
-    # (vllm/entrypoints/openai/protocol.py, ``cache_salt``); nothing of the
+    # (https://github.com/vllm-project/vllm/pull/17045); nothing of the
     # tenant's name in it.
-    assert len(salt_a) == 43 and "alice" not in salt_a
+    assert len(salt_a) == 43
+    assert "alice" not in salt_a
     assert tenants.cache_salt(alice, chat(user="another turn")) == salt_a
 
     assert affinity_key(request, salt_a) != affinity_key(request, salt_b)
@@ -71,8 +74,16 @@ def test_two_tenants_identical_prompts_get_distinct_keys_blocks_and_salts() -> N
     assert len(blocks_a) == len(blocks_b) >= 10
     assert not set(blocks_a) & set(blocks_b)
     # Within a tenant, a conversation is still one conversation.
-    assert affinity_key(chat(user="next"), salt_a) == affinity_key(request, salt_a)
-    assert prompt_blocks(chat(user="next"), 64, salt_a)[:8] == blocks_a[:8]
+    later = ChatRequest(
+        model="m",
+        messages=[
+            *request.messages,
+            Message(role="assistant", content="Hello."),
+            Message(role="user", content="And the refund code?"),
+        ],
+    )
+    assert affinity_key(later, salt_a) == affinity_key(request, salt_a)
+    assert prompt_blocks(later, 64, salt_a)[: len(blocks_a)] == blocks_a
     # A completion prompt and an explicit session (``user``) are scoped too.
     prompt = CompletionRequest(model="m", prompt=SECRET)
     assert affinity_key(prompt, salt_a) != affinity_key(prompt, salt_b)
@@ -98,7 +109,8 @@ def test_one_tenant_edges_send_no_salt_and_default_is_isolated_among_tenants() -
     assert keys_only.cache_salt(keys_only.all["default"], request) == ""
     mixed = Tenants(two_tenants(), ("operator-key",), TenancySettings())
     default = mixed.cache_salt(mixed.all["default"], request)
-    assert default and default != mixed.cache_salt(mixed.all["alice"], request)
+    assert default
+    assert default != mixed.cache_salt(mixed.all["alice"], request)
 
 
 def test_a_configured_key_makes_the_salt_the_same_on_every_edge() -> None:
@@ -129,15 +141,6 @@ def test_a_clients_own_salt_is_folded_into_its_tenants() -> None:
     assert tenants.cache_salt(alice, chat(cache_salt="session-1")) == mine
     # Bob sending Alice's salt as his own gets a salt of his own.
     assert tenants.cache_salt(bob, chat(cache_salt=plain)) not in (plain, mine)
-
-
-def test_the_salt_key_is_a_secret_of_some_length() -> None:
-    with pytest.raises(msgspec.ValidationError, match="cache_salt_key"):
-        msgspec.convert({"cache_salt_key": "short"}, TenancySettings)
-    with pytest.raises(msgspec.ValidationError, match="share_prefix_cache"):
-        msgspec.convert(
-            {"name": "a", "key_sha256": [sha("k")], "share_prefix_cache": "yes"}, TenantSettings
-        )
 
 
 # --- where runs go ----------------------------------------------------------------------
@@ -202,7 +205,9 @@ async def test_another_tenants_guess_is_not_drawn_to_the_warm_instance(
             "r-alice": tenants.cache_salt(tenants.all["alice"], chat()),
             "r-bob": tenants.cache_salt(tenants.all["bob"], chat()),
         }
-        assert salts["r-alice"] and salts["r-bob"] and salts["r-alice"] != salts["r-bob"]
+        assert salts["r-alice"]
+        assert salts["r-bob"]
+        assert salts["r-alice"] != salts["r-bob"]
         for r in runs:
             r.cancel(CancelReason.CLIENT_DISCONNECT)
             await drain_events(r)
@@ -228,4 +233,3 @@ async def test_tenants_that_share_follow_each_others_prefixes(
             r.cancel(CancelReason.CLIENT_DISCONNECT)
             await drain_events(r)
         n.cancel_scope.cancel()
-
