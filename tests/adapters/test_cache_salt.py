@@ -3,10 +3,9 @@
 "Prefix caches"), read byte for byte off a ``FakeBackend`` on a loopback
 socket.
 
-vLLM (``cache_salt`` in chat and completion requests,
-vllm/entrypoints/openai/protocol.py) and SGLang get the salt, in place of
-any a client sent itself (the edge folded that into it); an
-OpenAI-compatible server of no known engine gets none, since one that
+vLLM (``cache_salt`` in chat and completion requests) and SGLang get the
+salt, in place of any a client sent itself (the edge folded that into it);
+an OpenAI-compatible server of another engine gets none, since one that
 refuses unknown fields would fail every run; a run without a salt (a
 tenant that shares its cache) sends none, and a client's own key then
 passes through as before.
