@@ -60,15 +60,14 @@ def _system(rng: random.Random) -> str:
 
 def _cached(edge: Edge, key: str, system: str) -> int:
     """The cached prompt tokens of one chat of the tenant of ``key``."""
-    with openai.OpenAI(
-        base_url=f"{edge.url}/v1", api_key=key, max_retries=0, timeout=30
-    ) as client:
+    with openai.OpenAI(base_url=f"{edge.url}/v1", api_key=key, max_retries=0, timeout=30) as client:
         answer = client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "system", "content": system}, {"role": "user", "content": "hi"}],
         )
     usage = answer.usage
-    assert usage is not None and usage.prompt_tokens_details is not None, answer
+    assert usage is not None, answer
+    assert usage.prompt_tokens_details is not None, answer
     cached = usage.prompt_tokens_details.cached_tokens
     assert cached is not None
     return cached

@@ -202,7 +202,7 @@ async def test_over_http_a_salt_is_its_own_cache_and_must_not_be_empty() -> None
         assert await cached(cache_salt="tenant-b") == 0
         assert await cached() == 0
         assert await cached(cache_salt="tenant-a") > 0
-        # vLLM's check (vllm/entrypoints/openai/protocol.py): a non-empty string.
+        # vLLM's check (``check_cache_salt_support``): a non-empty string.
         for bad in ("", 7):
             refused = await client.post(
                 f"{url}/v1/chat/completions", json=chat(messages=messages, cache_salt=bad)
