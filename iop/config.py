@@ -909,6 +909,10 @@ class ResponsesSettings(_Config, frozen=True, kw_only=True):
             raise ValueError("store_ttl_s must be > 0")
 
 
+# 16 characters: the edge's salts are only as unguessable as this key, and a
+# random key of 16 characters is beyond guessing (docs/configuration.md).
+MIN_CACHE_SALT_KEY_CHARS: Final = 16
+
 _TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
@@ -940,6 +944,11 @@ class TenantSettings(_Config, frozen=True, kw_only=True):
             served before ``normal`` ones, ``normal`` before ``low``.
         weight: The tenant's share of its class when runs queue: two
             tenants of weights 1 and 3 with bursts queued get slots 1:3.
+        share_prefix_cache: Whether the tenant's prompts share prefix
+            caches with the other tenants that set it (a public system
+            prompt served to several tenants). False: its own, kept apart
+            by the edge's placement and, where the backend can, by the
+            backend (docs/operations.md, "Tenants and limits").
     """
 
     name: str
@@ -950,6 +959,7 @@ class TenantSettings(_Config, frozen=True, kw_only=True):
     max_concurrent_runs: int = 0
     priority: Literal["high", "normal", "low"] = "normal"
     weight: float = 1.0
+    share_prefix_cache: bool = False
 
     def __post_init__(self) -> None:
         if not 0.001 <= self.weight <= 1000:
@@ -979,15 +989,26 @@ class TenancySettings(_Config, frozen=True, kw_only=True):
         default_max_tokens: Output tokens a request that sets no
             ``max_tokens`` reserves against its tenant's
             ``tokens_per_minute`` until it ends.
+        cache_salt_key: The secret a tenant's ``cache_salt`` is derived
+            from (``iop.edge._tenants``). Empty: a random one made when the
+            edge starts. Set it, the same on every edge, so that a tenant's
+            salt (and its backend cache) is the same through every edge and
+            across restarts.
     """
 
     # 1,024: a long chat answer; the reservation is settled to the real
     # usage when the run ends, so a generous guess only delays admission.
     default_max_tokens: int = 1024
+    cache_salt_key: str = ""
 
     def __post_init__(self) -> None:
         if self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be >= 1")
+        if self.cache_salt_key and len(self.cache_salt_key) < MIN_CACHE_SALT_KEY_CHARS:
+            raise ValueError(
+                f"cache_salt_key must be at least {MIN_CACHE_SALT_KEY_CHARS} characters "
+                "(a random secret; empty: one made at start)"
+            )
 
 
 class ClusterSettings(_Config, frozen=True, kw_only=True):

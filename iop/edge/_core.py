@@ -224,8 +224,11 @@ class RemoteExecutor:
         model, op = spec.model, spec.operation
         excluded: set[str] = set()
         last: _Retry | None = None
-        affinity = affinity_key(spec.request) if core.config.scheduler.affinity else None
-        prefix = core.scheduler.prompt_blocks(spec.request)
+        # A tenant's conversations and prefixes are its own: the run's cache
+        # salt scopes them as it scopes the backend's cache (start_run).
+        scope = spec.cache_salt
+        affinity = affinity_key(spec.request, scope) if core.config.scheduler.affinity else None
+        prefix = core.scheduler.prompt_blocks(spec.request, scope)
         share = core.tenants.share_of(send.timeline.tenant)
         attempts = MAX_ATTEMPTS if core.config.scheduler.failover else 1
         for attempt in range(attempts):
@@ -416,7 +419,8 @@ class EdgeCore:
         Args:
             spec: The run.
             ticket: The client's admission by its tenant (``iop.edge._tenants``),
-                settled when the run ends; its tenant's share orders the queue.
+                settled when the run ends; its tenant's share orders the queue,
+                and its tenant's cache salt keeps the run's prefix cache apart.
             collect: The caller reads the events only to build one answer
                 (a non-streaming request): the node may send them in a few
                 merged messages instead of one per token (``Assign.collect``).
@@ -459,6 +463,12 @@ class EdgeCore:
                 param="model",
             )
         self.scheduler.admit(model, op, EVEN_SHARE if ticket is None else ticket.tenant.share)
+        if ticket is not None:
+            # The tenant's own prefix cache, on the edge and on the backend
+            # (iop.edge._tenants, "Prefix caches").
+            salt = self.tenants.cache_salt(ticket.tenant, spec.request)
+            if salt:
+                spec = msgspec.structs.replace(spec, cache_salt=salt)
         self.runs_started += 1
         window = self.config.link.run_window or RUN_BUFFER_WITHOUT_CREDIT
         trace = None

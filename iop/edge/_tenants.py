@@ -26,18 +26,37 @@ A request over a limit is refused with 429 before it reaches the queue:
 ``RateLimited`` says which limit, when to retry, and the state of each
 bucket for the response headers (OpenAI's ``x-ratelimit-*``, Anthropic's
 ``anthropic-ratelimit-*``: ``headers_openai``, ``headers_anthropic``).
+
+Prefix caches (docs/operations.md, "Tenants and limits", "Prefix caches").
+A cached prefix answers faster and says so (``cached_tokens``), so a tenant
+that may hit another's cache can test guesses of its prompts. Every tenant
+of an edge with several has a cache of its own: ``Tenants.cache_salt`` is
+the run's ``ExecutionSpec.cache_salt``, which scopes the edge's affinity
+and prefix index (``iop.edge._registry``, ``iop.edge._prefix``) and is sent
+to backends that isolate per request (vLLM's ``cache_salt``). A salt is a
+keyed BLAKE2b of the tenant's name (and of the client's own ``cache_salt``,
+so a client may still split its tenant's cache, and can never name
+another's), under ``tenancy.cache_salt_key`` or a random key made at start:
+the backend learns neither name nor key, and nobody without the key can
+compute another tenant's salt. Tenants with ``share_prefix_cache`` share one
+unsalted cache, as does every run of an edge with one tenant (the open
+edge's ``anonymous``, or ``default`` with no ``[[tenants]]``).
 """
 
 from __future__ import annotations
 
+import base64
 import enum
 import hashlib
 import math
+import secrets
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Final
+
+import msgspec
 
 from iop.api import estimate_input_tokens
 from iop.config import TenancySettings, TenantSettings
@@ -82,6 +101,13 @@ PRIORITIES: Final = {"high": 0, "normal": 1, "low": 2}
 # The chars-per-token ratio of iop.api.messages._tokens, for prompts that are
 # not chat messages.
 _CHARS_PER_TOKEN: Final = 4
+
+# A salt is 32 bytes, 43 characters of URL-safe base64: vLLM asks for a salt
+# "long enough to be unpredictable (e.g., 43 characters base64-encoded,
+# corresponding to 256 bit)" (the field's description since
+# https://github.com/vllm-project/vllm/pull/17045).
+_SALT_BYTES: Final = 32
+_SALT_PERSON: Final = b"iop-cache-salt"
 
 
 class Bucket:
@@ -140,6 +166,8 @@ class Tenant:
     tokens: Bucket | None
     max_concurrent: int
     share: QueueShare = EVEN_SHARE
+    # Its prompts get a prefix cache of their own (``Tenants.cache_salt``).
+    isolated: bool = False
     running: int = 0
     # Counters since the edge started (the admin page and /metrics).
     admitted: int = 0
@@ -263,10 +291,18 @@ class Tenants:
         self.open = not tenants and not api_keys
         self._by_digest: dict[str, Tenant] = {}
         self.all: dict[str, Tenant] = {}
+        # What salts are keyed with: the configured secret, or one of this
+        # process's own (a restarted edge's tenants start with cold caches).
+        configured = tenancy.cache_salt_key.encode()
+        self._salt_key = (
+            hashlib.sha256(configured).digest() if configured else secrets.token_bytes(32)
+        )
         if self.open:
             self.all[ANONYMOUS] = _unlimited(ANONYMOUS)
         if api_keys:
-            default = self.all[DEFAULT] = _unlimited(DEFAULT)
+            # Among tenants, ``default`` is one more; alone, it has nobody to
+            # be kept from.
+            default = self.all[DEFAULT] = _unlimited(DEFAULT, isolated=bool(tenants))
             for key in api_keys:
                 self._by_digest[digest(key)] = default
         for t in tenants:
@@ -277,6 +313,7 @@ class Tenants:
                 tokens=Bucket(t.tokens_per_minute) if t.tokens_per_minute else None,
                 max_concurrent=t.max_concurrent_runs,
                 share=QueueShare(t.name, PRIORITIES[t.priority], t.weight),
+                isolated=not t.share_prefix_cache,
             )
             self.all[t.name] = tenant
             for d in t.key_sha256:
@@ -387,6 +424,25 @@ class Tenants:
             used = usage.input_tokens + usage.output_tokens
             tenant.tokens.give(ticket.reserved_tokens - used, now)
 
+    def cache_salt(self, tenant: Tenant, request: OperationRequest) -> str:
+        """The cache salt of a run of ``tenant`` (``ExecutionSpec.cache_salt``).
+
+        Empty for a tenant that shares its cache. Else a keyed digest of the
+        tenant's name and the client's own ``cache_salt`` (any JSON value, or
+        none): the same for every run of the tenant with the same client
+        salt, and never another tenant's (module docstring).
+        """
+        if not tenant.isolated:
+            return ""
+        extra = getattr(request, "extra_body", None) or {}
+        mac = hashlib.blake2b(
+            msgspec.json.encode([tenant.name, extra.get("cache_salt")]),
+            key=self._salt_key,
+            digest_size=_SALT_BYTES,
+            person=_SALT_PERSON,
+        )
+        return base64.urlsafe_b64encode(mac.digest()).rstrip(b"=").decode()
+
     def share_of(self, name: str) -> QueueShare:
         """The queue share of the tenant ``name`` (an even one if unknown)."""
         tenant = self.all.get(name)
@@ -430,7 +486,7 @@ def charged_usage(outcome: object) -> Usage | None:
     return None
 
 
-def _unlimited(name: str) -> Tenant:
+def _unlimited(name: str, *, isolated: bool = False) -> Tenant:
     return Tenant(
         name=name,
         models=frozenset(),
@@ -438,6 +494,7 @@ def _unlimited(name: str) -> Tenant:
         tokens=None,
         max_concurrent=0,
         share=QueueShare(name),
+        isolated=isolated,
     )
 
 

@@ -265,6 +265,18 @@ def test_anthropic_headers_give_each_reset_as_an_rfc3339_time() -> None:
             '[[tenants]]\nname = "b"\nkey_sha256 = ["' + "1" * 64 + '"]\n',
             "responses.store_max_entries (2) is less than the 3 tenants",
         ),
+        (
+            '[[tenants]]\nname = "a"\nkey_sha256 = ["' + "0" * 64 + '"]\n'
+            'share_prefix_cache = "yes"\n',
+            "share_prefix_cache",
+        ),
+        (
+            '[[tenants]]\nname = "a"\nkey_sha256 = ["' + "0" * 64 + '"]\n'
+            "share_prefix_caches = true\n",
+            "share_prefix_caches",
+        ),
+        ('[tenancy]\ncache_salt_key = "fifteen-chars!!"\n', "at least 16 characters"),
+        ('[tenancy]\ncache_salt = "a-salt-key-long-enough"\n', "cache_salt"),
     ],
 )
 def test_a_wrong_tenant_config_is_refused_saying_why(toml: str, says: str) -> None:
