@@ -990,10 +990,11 @@ class TenancySettings(_Config, frozen=True, kw_only=True):
             ``max_tokens`` reserves against its tenant's
             ``tokens_per_minute`` until it ends.
         cache_salt_key: The secret a tenant's ``cache_salt`` is derived
-            from (``iop.edge._tenants``). Empty: a random one made when the
-            edge starts. Set it, the same on every edge, so that a tenant's
-            salt (and its backend cache) is the same through every edge and
-            across restarts.
+            from (``iop.edge._tenants``). Empty: a fixed public key, which
+            isolates tenants as well (no client chooses its salt) but lets
+            someone who reaches a backend directly compute a tenant's salt
+            from its name. Set it, the same on every edge, where backends
+            are reachable other than through the edge.
     """
 
     # 1,024: a long chat answer; the reservation is settled to the real
@@ -1007,7 +1008,7 @@ class TenancySettings(_Config, frozen=True, kw_only=True):
         if self.cache_salt_key and len(self.cache_salt_key) < MIN_CACHE_SALT_KEY_CHARS:
             raise ValueError(
                 f"cache_salt_key must be at least {MIN_CACHE_SALT_KEY_CHARS} characters "
-                "(a random secret; empty: one made at start)"
+                "(a random secret; empty: a fixed public key)"
             )
 
 

@@ -36,9 +36,13 @@ and prefix index (``iop.edge._registry``, ``iop.edge._prefix``) and is sent
 to backends that isolate per request (vLLM's ``cache_salt``). A salt is a
 keyed BLAKE2b of the tenant's name (and of the client's own ``cache_salt``,
 so a client may still split its tenant's cache, and can never name
-another's), under ``tenancy.cache_salt_key`` or a random key made at start:
-the backend learns neither name nor key, and nobody without the key can
-compute another tenant's salt. Tenants with ``share_prefix_cache`` share one
+another's), under ``tenancy.cache_salt_key`` or, when none is set, a fixed
+public key, so that a tenant's salt is the same through every edge and
+across restarts. Isolation does not rest on the key's secrecy: a client
+never chooses the salt its run carries (its own is folded into its
+tenant's), so no request through the edge can carry another tenant's. The
+key keeps the salts from being computed by someone who reaches a backend
+directly, without the edge; that needs the key set. Tenants with ``share_prefix_cache`` share one
 unsalted cache, as does every run of an edge with one tenant (the open
 edge's ``anonymous``, or ``default`` with no ``[[tenants]]``).
 """
@@ -49,7 +53,6 @@ import base64
 import enum
 import hashlib
 import math
-import secrets
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -89,6 +92,10 @@ __all__ = [
     "rate_headers",
     "retry_headers",
 ]
+
+# The key salts are derived under when ``tenancy.cache_salt_key`` is empty
+# (module docstring): public, so that every edge derives the same salts.
+_PUBLIC_SALT_KEY: Final = b"iop-cache-salt-v1"
 
 ANONYMOUS: Final = "anonymous"
 """The tenant of every request when the edge has no keys at all."""
@@ -291,12 +298,13 @@ class Tenants:
         self.open = not tenants and not api_keys
         self._by_digest: dict[str, Tenant] = {}
         self.all: dict[str, Tenant] = {}
-        # What salts are keyed with: the configured secret, or one of this
-        # process's own (a restarted edge's tenants start with cold caches).
-        configured = tenancy.cache_salt_key.encode()
-        self._salt_key = (
-            hashlib.sha256(configured).digest() if configured else secrets.token_bytes(32)
-        )
+        # What salts are keyed with: the configured secret, or a fixed public
+        # key (module docstring: isolation comes from clients never choosing
+        # their salt; the key's secrecy only matters against someone who can
+        # reach a backend directly).
+        self._salt_key = hashlib.sha256(
+            tenancy.cache_salt_key.encode() or _PUBLIC_SALT_KEY
+        ).digest()
         if self.open:
             self.all[ANONYMOUS] = _unlimited(ANONYMOUS)
         if api_keys:

@@ -113,7 +113,7 @@ def test_one_tenant_edges_send_no_salt_and_default_is_isolated_among_tenants() -
     assert default != mixed.cache_salt(mixed.all["alice"], request)
 
 
-def test_a_configured_key_makes_the_salt_the_same_on_every_edge() -> None:
+def test_the_salt_is_the_same_on_every_edge_and_a_key_changes_it() -> None:
     request = chat()
     key = TenancySettings(cache_salt_key="a-shared-secret-of-the-edges")
     one, two = Tenants(two_tenants(), (), key), Tenants(two_tenants(), (), key)
@@ -122,11 +122,16 @@ def test_a_configured_key_makes_the_salt_the_same_on_every_edge() -> None:
     assert other.cache_salt(other.all["alice"], request) != one.cache_salt(
         one.all["alice"], request
     )
-    # Without a key each edge makes its own at start: a salt nobody can compute.
-    fresh = Tenants(two_tenants(), (), TenancySettings())
-    assert fresh.cache_salt(fresh.all["alice"], request) != one.cache_salt(
-        one.all["alice"], request
+    # Without a key every edge (and a restarted one) derives the same salts,
+    # from a public key: still one per tenant, and not the keyed ones.
+    fresh, again = (
+        Tenants(two_tenants(), (), TenancySettings()),
+        Tenants(two_tenants(), (), TenancySettings()),
     )
+    unkeyed = fresh.cache_salt(fresh.all["alice"], request)
+    assert unkeyed == again.cache_salt(again.all["alice"], request)
+    assert unkeyed != fresh.cache_salt(fresh.all["bob"], request)
+    assert unkeyed != one.cache_salt(one.all["alice"], request)
 
 
 def test_a_clients_own_salt_is_folded_into_its_tenants() -> None:
