@@ -17,7 +17,9 @@ vLLM and any OpenAI-compatible server (``HTTPAdapter.execute`` dispatches on
   ``{"prompt"}``). The ``openai_compat`` dialect sends ``content`` and
   ``prompt`` both (each server ignores the key it does not know) and
   counts ``count`` or else ``tokens``; a server with neither endpoint (404,
-  405, 501) gets IOP's estimate, flagged ``estimated``.
+  405, 501) gets IOP's estimate, flagged ``estimated``, and so does an
+  answer over ``max_tokenize_body_bytes`` (a long prompt's ids: about 7
+  bytes each in vLLM's answer, more than its text).
 
 A backend that keeps prefix caches apart per request (``cache_salt``:
 vLLM, SGLang) gets the run's ``ExecutionSpec.cache_salt`` in its chat and
@@ -748,15 +750,24 @@ class HTTPBackend:
                 names the config key that sets it).
             BackendStreamError: The body broke off.
         """
+        body = await self.read_at_most(response, limit)
+        if body is None:
+            raise BackendProtocolError(f"{self.kind} response body exceeds {key}={limit} bytes")
+        return body
+
+    async def read_at_most(self, response: httpx.Response, limit: int) -> bytes | None:
+        """A 2xx body, whole, or None once it is past ``limit`` bytes (the rest
+        is not read: leaving the response's context closes the connection).
+
+        Raises:
+            BackendStreamError: The body broke off.
+        """
         buf = bytearray()
         try:
             async for piece in response.aiter_bytes():
                 buf += piece
                 if len(buf) > limit:
-                    # Leaving the response's context closes the connection unread.
-                    raise BackendProtocolError(
-                        f"{self.kind} response body exceeds {key}={limit} bytes"
-                    )
+                    return None
         except httpx.HTTPError as exc:
             raise map_transport_error(exc, f"{self.kind} response read failed") from exc
         return bytes(buf)
@@ -857,16 +868,26 @@ class HTTPBackend:
         await send.send(Complete(usage=Usage(input_tokens=tokens, estimated=estimated)))
 
     async def _post_small(self, path: str, body: Mapping[str, Any]) -> bytes | None:
-        """POST ``body``; the 2xx body (bounded), None for "no such endpoint"."""
+        """POST ``body``; the 2xx body, or None for "no such endpoint" and for
+        an answer over ``max_tokenize_body_bytes``: the count is then IOP's
+        estimate (docs/api.md, "count_tokens"), never a 502 for a prompt the
+        edge accepted."""
         async with self.post_json(path, body, what=f"{self.kind} {path} failed") as response:
             if response.status_code in _NO_ENDPOINT:
                 await self.read_error_body(response)
                 return None
             if not response.is_success:
                 raise self.http_error(response, await self.read_error_body(response))
-            return await self.read_limited(
-                response, self.cfg.max_tokenize_body_bytes, "max_tokenize_body_bytes"
-            )
+            limit = self.cfg.max_tokenize_body_bytes
+            raw = await self.read_at_most(response, limit)
+            if raw is None:
+                log.info(
+                    "%s %s answer exceeds max_tokenize_body_bytes=%d: counting by IOP's estimate",
+                    self.kind,
+                    path,
+                    limit,
+                )
+            return raw
 
     async def _tokenize(self, body: Mapping[str, Any]) -> int | None:
         raw = await self._post_small("/tokenize", body)

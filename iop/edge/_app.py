@@ -821,7 +821,12 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
     @app.post(COUNT_TOKENS_PATH)
     async def count_tokens() -> Response:
         """Anthropic's count_tokens: a tokenize run on the model's backend; IOP's
-        estimate (said so in a header) when the backend has no tokenizer."""
+        estimate (said so in a header) when the backend has no tokenizer.
+
+        A request of its tenant like any other: it takes one from
+        ``requests_per_minute`` and a place of ``max_concurrent_runs`` while
+        it runs (429 over either), and reserves and is charged no tokens:
+        it generates none (docs/operations.md, "Tenants and limits")."""
         headers = _headers()
         tenant = tenants.identify(anthropic_key(headers))
         if tenant is None:
@@ -837,11 +842,16 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             counted = messages.parse_count_tokens(body)
             if not tenant.may_use(counted.model):
                 raise no_access(counted.model)
+            tokenize = TokenizeRequest(
+                model=counted.model, messages=counted.messages, tools=counted.tools
+            )
+            ticket = await core.admit(tenant, estimate_tokens(tokenize, 0))
+        except RateLimited as exc:
+            core.metrics.tenant_refused.labels(tenant.name, exc.limit).inc()
+            return _from_exc(exc, messages, retry_headers(exc, anthropic=True))
         except RequestError as exc:
             return _from_exc(exc, messages)
-        tokenize = TokenizeRequest(
-            model=counted.model, messages=counted.messages, tools=counted.tools
-        )
+        limit_headers = rate_headers(ticket.limits, anthropic=True) if ticket.limits else {}
         spec = ExecutionSpec(
             run_id=new_run_id(),
             request=tokenize,
@@ -849,8 +859,9 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             traceparent=valid_traceparent(headers.get("traceparent")),
         )
         try:
-            run = core.start_run(spec, collect=True)
+            run = core.start_run(spec, collect=True, ticket=ticket)
         except IopError as exc:
+            core.settle(ticket, Usage())  # it never ran
             if exc.code != ErrorCode.OPERATION_NOT_SUPPORTED:
                 return _from_exc(exc, messages)
             run = None  # no instance of the model counts tokens: estimate here
@@ -873,7 +884,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
                 failed = shape_failure(end)
                 return _error(failed.status, failed.message, code=failed.code, surface=messages)
         status, out, extra = messages.count_tokens(counted, exact=exact)
-        return _json_response(out, status, extra)
+        return _json_response(out, status, {**limit_headers, **extra})
 
     surfaces[COUNT_TOKENS_PATH] = messages
 

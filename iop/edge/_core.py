@@ -69,7 +69,7 @@ from iop.edge._registry import (
     Scheduler,
     affinity_key,
 )
-from iop.edge._tenants import Tenant, Tenants, Ticket, charged_usage
+from iop.edge._tenants import Tenant, Tenants, Ticket, charged_usage, estimate_prompt_tokens
 from iop.edge._timeline_export import TimelineExport
 from iop.errors import (
     ErrorCode,
@@ -482,6 +482,10 @@ class EdgeCore:
             buffer=window + 2,
             stall_at=window,
             write_stall_timeout_s=self.config.server.write_stall_timeout,
+            # What a cancel after the first output charges for the prompt:
+            # the estimate admission reserved (docs/operations.md, "Tenants
+            # and limits").
+            prompt_tokens=estimate_prompt_tokens(spec.request),
         )
         timeline = run.timeline
         timeline.stream = not collect
@@ -558,10 +562,11 @@ class EdgeCore:
         """Count a finished run (the metrics' run counter, which /admin reads too)
         and keep its timeline."""
         now = trio.current_time()
-        self.metrics.record(run, now)
+        charged = charged_usage(run.outcome, run.spec.operation)
+        self.metrics.record(run, now, charged)
         ticket = self._tickets.pop(run.run_id, None)
         if ticket is not None:
-            self.settle(ticket, charged_usage(run.outcome))
+            self.settle(ticket, charged)
         self.timelines.add(run.timeline)
         if self.export is not None:
             self.export.add(run.timeline)

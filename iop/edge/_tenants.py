@@ -19,7 +19,9 @@ The limits (docs/operations.md, "Tenants and limits"):
   ``max_tokens``) from the token bucket; when its run ends the reservation
   is settled against the usage the run reported (refunded, or charged
   further: a bucket may go below zero, and the tenant then waits for it to
-  refill);
+  refill). A run cancelled after its first output is charged its prompt
+  (``charged_usage``); a token count (``count_tokens``) takes a request and
+  reserves no tokens;
 * concurrent runs are a count, released when the run ends.
 
 A request over a limit is refused with 429 before it reaches the queue:
@@ -70,6 +72,7 @@ from iop.spec import (
     ChatRequest,
     CompletionRequest,
     EmbeddingRequest,
+    Operation,
     OperationRequest,
     TokenizeRequest,
 )
@@ -85,6 +88,7 @@ __all__ = [
     "Ticket",
     "Via",
     "charged_usage",
+    "estimate_prompt_tokens",
     "estimate_tokens",
     "headers_anthropic",
     "headers_openai",
@@ -252,19 +256,28 @@ class RateLimited(RequestError):
 
 
 def estimate_tokens(request: OperationRequest, default_max_tokens: int) -> int:
-    """What a request reserves against ``tokens_per_minute``: its prompt,
-    estimated as ``count_tokens`` does (docs/api.md, "count_tokens"), plus
-    the output it may produce."""
+    """What a request reserves against ``tokens_per_minute``: its prompt
+    (``estimate_prompt_tokens``) plus the output it may produce."""
+    prompt = estimate_prompt_tokens(request)
     if isinstance(request, ChatRequest):
-        out = request.max_completion_tokens or request.max_tokens or default_max_tokens
-        return estimate_input_tokens(request) + out
+        return prompt + (request.max_completion_tokens or request.max_tokens or default_max_tokens)
+    if isinstance(request, CompletionRequest):
+        return prompt + (request.max_tokens or default_max_tokens)
+    return prompt
+
+
+def estimate_prompt_tokens(request: OperationRequest) -> int:
+    """A request's prompt, estimated as ``count_tokens`` does (docs/api.md,
+    "count_tokens"): what it reserves, and what it is charged for its prompt
+    when it is cancelled after its first output (``iop.runtime``'s
+    ``Run.prompt_tokens``). A token count's is 0: it generates nothing, so
+    it reserves and is charged no tokens."""
+    if isinstance(request, ChatRequest):
+        return estimate_input_tokens(request)
     if isinstance(request, CompletionRequest):
         prompt = request.prompt
         # A prompt of token ids is its length in tokens.
-        given = (
-            math.ceil(len(prompt) / _CHARS_PER_TOKEN) if isinstance(prompt, str) else len(prompt)
-        )
-        return given + (request.max_tokens or default_max_tokens)
+        return math.ceil(len(prompt) / _CHARS_PER_TOKEN) if isinstance(prompt, str) else len(prompt)
     if isinstance(request, EmbeddingRequest):
         return sum(
             math.ceil(len(i) / _CHARS_PER_TOKEN) if isinstance(i, str) else len(i)
@@ -482,13 +495,15 @@ class Tenants:
         return out
 
 
-def charged_usage(outcome: object) -> Usage | None:
+def charged_usage(outcome: object, operation: Operation) -> Usage | None:
     """What a run's tenant is charged: the usage a completed or cancelled run
-    reported (a cancelled run's is estimated from what it streamed); nothing
-    for a run that failed (the platform's failure, not the tenant's use);
-    None (the reservation stands) when the outcome is unknown."""
+    reported (a cancelled run's is its prompt once the backend had read it,
+    and what it streamed: ``iop.runtime``, "What a ``Cancelled`` run used");
+    nothing for a run that failed (the platform's failure, not the tenant's
+    use) nor for a token count (it generates nothing); None (the
+    reservation stands) when the outcome is unknown."""
     if isinstance(outcome, Complete | Cancelled):
-        return outcome.usage
+        return Usage() if operation == "tokenize" else outcome.usage
     if isinstance(outcome, Error):
         return Usage()
     return None
