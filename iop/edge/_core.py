@@ -551,7 +551,7 @@ class EdgeCore:
         self.metrics.record(run, now)
         ticket = self._tickets.pop(run.run_id, None)
         if ticket is not None:
-            self.settle(ticket, charged_usage(run.outcome))
+            self.settle(ticket, charged_usage(run.outcome, run.spec.operation))
         self.timelines.add(run.timeline)
         if self.export is not None:
             self.export.add(run.timeline)

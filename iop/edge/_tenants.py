@@ -418,11 +418,15 @@ class Tenants:
         return out
 
 
-def charged_usage(outcome: object) -> Usage | None:
+def charged_usage(outcome: object, operation: str = "chat") -> Usage | None:
     """What a run's tenant is charged: the usage a completed or cancelled run
     reported (a cancelled run's is estimated from what it streamed); nothing
-    for a run that failed (the platform's failure, not the tenant's use);
+    for a run that failed (the platform's failure, not the tenant's use), nor
+    for a token count (``tokenize``: its usage is the prompt it counted, which
+    nobody generated, and Anthropic's count_tokens costs no tokens either);
     None (the reservation stands) when the outcome is unknown."""
+    if operation == "tokenize" and outcome is not None:
+        return Usage()
     if isinstance(outcome, Complete | Cancelled):
         return outcome.usage
     if isinstance(outcome, Error):
