@@ -583,9 +583,13 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
         drain_timeout_s: On SIGINT/SIGTERM, how long in-flight runs may finish
             before they are cancelled with reason ``shutdown``.
         api_keys: Client API keys (``Authorization: Bearer``); empty = open.
-        admin_keys: Keys that open ``/admin`` and ``/admin/nodes`` (as a
-            Bearer header or typed into the login page). Empty: the
-            ``api_keys`` do; both empty: the admin pages are open.
+        admin_keys: Keys that open ``/admin*`` (as a Bearer header or typed
+            into the login page) and ``/metrics``; never a client key. Empty
+            with client keys set (``api_keys`` or ``[[tenants]]``): the admin
+            views are off; empty with no key at all: they are open.
+        metrics_keys: Keys that open ``/metrics`` only (a Prometheus scrape
+            credential); never a client key. ``/metrics`` is open while no
+            client key and no metrics key is set.
         admin_session_s: Lifetime of the session cookie the login page sets.
         admin_login_failures_per_minute: Wrong admin keys (all clients
             together) after which admin logins are refused with 429 until
@@ -614,6 +618,7 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
     drain_timeout_s: float = 10.0
     api_keys: list[str] = []
     admin_keys: list[str] = []
+    metrics_keys: list[str] = []
     # A working day: the key is typed once a shift, and a browser left logged
     # in on a shared machine does not stay in past it.
     admin_session_s: float = 8 * 3600.0
@@ -632,8 +637,8 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
             raise ValueError("admin_session_s must be > 0")
         if self.admin_login_failures_per_minute < 1:
             raise ValueError("admin_login_failures_per_minute must be >= 1")
-        if any(not k for k in (*self.api_keys, *self.admin_keys)):
-            raise ValueError("api_keys and admin_keys must not contain an empty key")
+        if any(not k for k in (*self.api_keys, *self.admin_keys, *self.metrics_keys)):
+            raise ValueError("api_keys, admin_keys and metrics_keys must not contain an empty key")
         if self.write_stall_timeout_s < 0:
             raise ValueError("write_stall_timeout_s must be >= 0 (0 disables it)")
         self._check_http_limits()
@@ -1115,6 +1120,18 @@ class EdgeConfig(_Config, frozen=True, kw_only=True):
                 raise ValueError(
                     f"responses.{key} ({cap}) is less than the {n} tenants: "
                     "each tenant is guaranteed 1/n of it"
+                )
+        # A client key never opens what shows every tenant (docs/operations.md,
+        # "Tenants and limits": "Who sees what").
+        client = digests.keys() | {
+            hashlib.sha256(k.encode()).hexdigest() for k in self.server.api_keys
+        }
+        for name in ("admin_keys", "metrics_keys"):
+            keys = getattr(self.server, name)
+            if any(hashlib.sha256(k.encode()).hexdigest() in client for k in keys):
+                raise ValueError(
+                    f"a key in server.{name} is also a client key (server.api_keys or a "
+                    "tenant's key_sha256): give the operator keys of their own"
                 )
 
     @property

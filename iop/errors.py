@@ -131,6 +131,8 @@ class ErrorCode(enum.StrEnum):
     INVALID_API_KEY = "invalid_api_key"  # the API key (or admin key) is missing or wrong
     TOO_MANY_WRONG_KEYS = "too_many_wrong_keys"  # admin logins are braked
     CROSS_ORIGIN = "cross_origin"  # an admin form posted from another site
+    ADMIN_DISABLED = "admin_disabled"  # client keys set, no admin key: the admin views are off
+    METRICS_DISABLED = "metrics_disabled"  # client keys set, no metrics or admin key
     NODE_NOT_FOUND = "node_not_found"  # drain/undrain of a node id neither connected nor drained
 
     # --- a request body OpenAI would refuse (OpenAI's codes) -------------------------
