@@ -25,6 +25,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Final
 
+import coredis
 import pytest
 import trio
 from prometheus_client import CollectorRegistry
@@ -253,3 +254,17 @@ async def test_back_in_valkey_one_probe_after_a_pause(tmp_path: Path) -> None:
             assert (await _admit(a)).via is Via.SHARED
     finally:
         v.kill()
+
+
+async def test_an_edge_that_stops_leaves_on_a_client_of_its_own(valkey_server: Valkey) -> None:
+    """The last round trip (``leave``) runs on a fresh client in a shielded
+    scope: the loop's own client is cancelled with the edge."""
+    async with shared(valkey_server.url, [_tenant(max_concurrent_runs=2)]) as a:
+        await _until(lambda: a.up, "up")
+        await _admit(a)
+        prefix = a.settings.key_prefix
+    client = coredis.Redis.from_url(valkey_server.url)
+    async with client:
+        assert await client.exists([f"{prefix}m:a"]) == 0
+        assert await client.zcard(f"{prefix}members") == 0
+        assert await client.hget(f"{prefix}c:acme", "a") is None
