@@ -59,8 +59,7 @@ async def _trials(port: int, pid: int, args: argparse.Namespace) -> list[float]:
         t = limits.tenants.all["t"]
         for i in range(args.trials):
             with trio.fail_after(60):
-                while not limits.up:
-                    await trio.sleep(0.005)
+                await limits.wait_until(up=True)
             assert (await limits.admit(t, 0, trio.current_time())).via is Via.SHARED
             os.kill(pid, signal.SIGSTOP)
             try:
@@ -71,8 +70,7 @@ async def _trials(port: int, pid: int, args: argparse.Namespace) -> list[float]:
                 os.kill(pid, signal.SIGCONT)
             resumed = trio.current_time()
             with trio.fail_after(60):
-                while not limits.up:
-                    await trio.sleep(0.005)
+                await limits.wait_until(up=True)
             out.append(trio.current_time() - resumed)
             print(f"trial {i + 1}: back in Valkey {out[-1]:.3f} s after SIGCONT", flush=True)
         nursery.cancel_scope.cancel()
@@ -89,8 +87,11 @@ def main() -> None:
     port = free_port()
     with tempfile.TemporaryDirectory() as d:
         server = subprocess.Popen(
-            [valkey_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-            + ["--appendonly", "no", "--dir", d],
+            [
+                valkey_binary(),
+                *("--port", str(port), "--bind", "127.0.0.1"),
+                *("--save", "", "--appendonly", "no", "--dir", d),
+            ],
             stdout=subprocess.DEVNULL,
         )
         try:

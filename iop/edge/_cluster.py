@@ -296,6 +296,7 @@ class SharedLimits:
         self._share_edges = 1
         self._pending: deque[_Settlement] = deque()
         self._wake = trio.Event()
+        self._changed = trio.Event()  # set, and replaced, when ``up`` changes
         self._scripts: dict[str, Any] = {}
         # When the loop next heartbeats (trio time); see the module docstring.
         self._next_beat = -math.inf
@@ -531,6 +532,10 @@ class SharedLimits:
                 reply = await script(keys=keys, args=args)
             return decode(reply)
         except Exception as exc:
+            # coredis turns a cancellation that lands while it sets up a
+            # connection into its ConnectionError (docs/architecture.md,
+            # "coredis"): this task cancelled is no Valkey fault.
+            await trio.lowlevel.checkpoint_if_cancelled()
             if isinstance(exc, trio.TooSlowError):
                 reason = "no answer in command_timeout_s"
             elif isinstance(exc, BadReply):
@@ -561,6 +566,8 @@ class SharedLimits:
             self._share_edges = self.live_edges
         if self.up:
             self.up = False
+            self._changed.set()
+            self._changed = trio.Event()
             self.gauge_up.set(0)
             log.warning(
                 "cluster: Valkey failed (%s): limits fail open to this edge's share "
@@ -575,6 +582,8 @@ class SharedLimits:
         self._next_beat = trio.current_time() + self.settings.membership_ttl_s / 3
         if not self.up:
             self.up = True
+            self._changed.set()
+            self._changed = trio.Event()
             self.gauge_up.set(1)
             log.info("cluster: Valkey reachable: shared limits across %d live edges", edges)
 
@@ -636,12 +645,15 @@ class SharedLimits:
                 async with fresh():
                     await self._loop()
         finally:
+            # On a client of its own (the loop's is cancelled with it), and
+            # only while Valkey answers: else the membership's TTL frees the
+            # slots, and stopping need not wait command_timeout_s for it.
             with trio.move_on_after(self.settings.command_timeout_s) as cleanup:
                 cleanup.shield = True
-                # On a client of its own: the loop's is cancelled with it.
-                async with fresh():
-                    with contextlib.suppress(_Fault):
-                        await self._call("leave", leave, [self.edge_id], decode_done)
+                if self.up:
+                    async with fresh():
+                        with contextlib.suppress(_Fault):
+                            await self._call("leave", leave, [self.edge_id], decode_done)
 
     def _beat(self) -> tuple[list[str], list[Any]]:
         ttl_ms = math.ceil(self.settings.membership_ttl_s * 1000)
@@ -704,6 +716,12 @@ class SharedLimits:
             self._went_down(exc)
             return
         self._resync = False
+
+    async def wait_until(self, *, up: bool) -> None:
+        """Return once the edge counts in Valkey (``up``) or on its local
+        share (not ``up``); the caller puts the deadline on it."""
+        while self.up is not up:
+            await self._changed.wait()
 
     @property
     def pending(self) -> int:

@@ -20,7 +20,8 @@ import logging
 import os
 import secrets
 import signal
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+import socket
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Final
@@ -72,9 +73,15 @@ async def shared(
         n.cancel_scope.cancel()
 
 
-async def _until(check: Callable[[], bool], what: str, deadline: float = 15.0) -> None:
+async def _until(limits: SharedLimits, *, up: bool, deadline: float = 15.0) -> None:
     with trio.fail_after(deadline):
-        while not check():
+        await limits.wait_until(up=up)
+
+
+async def _settled(limits: SharedLimits) -> None:
+    """Until every settlement is written (polled: no event says so)."""
+    with trio.fail_after(15):
+        while limits.pending:
             await trio.sleep(0.01)
 
 
@@ -115,9 +122,9 @@ async def test_a_heartbeat_answered_wrong_fails_open_then_back(
         retry_interval_s=0.05,
         command_timeout_s=0.5,
     ) as a:
-        await _until(lambda: a.up, "up")
+        await _until(a, up=True)
         proxy.answer(scripts_rule([HEARTBEAT], fault))
-        await _until(lambda: not a.up, "the local share")
+        await _until(a, up=False)
         assert a.gauge_up._value.get() == 0
         # The local share, exactly: 4 / 1 live edge.
         assert await _admit_all(a, 5) == (4, 1)
@@ -127,7 +134,7 @@ async def test_a_heartbeat_answered_wrong_fails_open_then_back(
         assert a.live_edges == 1
 
         proxy.answer(None)
-        await _until(lambda: a.up, "back in Valkey")
+        await _until(a, up=True)
         assert a.gauge_up._value.get() == 1
         assert (await _admit(a)).via is Via.SHARED
         assert a.fail_open._value.get() == 5
@@ -159,7 +166,7 @@ async def test_an_admission_answered_wrong_fails_open_then_back(
         a.finish(ticket, Usage(input_tokens=1, output_tokens=1), trio.current_time())
 
         proxy.answer(None)
-        await _until(lambda: a.up, "back in Valkey")
+        await _until(a, up=True)
         assert (await _admit(a)).via is Via.SHARED
         assert a.fail_open._value.get() == 4
 
@@ -182,12 +189,13 @@ async def test_a_settlement_answered_wrong_is_written_once_valkey_answers_well(
         assert ticket.via is Via.SHARED
         proxy.answer(scripts_rule([SETTLE], FAULTS[fault]))
         a.finish(ticket, Usage(input_tokens=50, output_tokens=50), trio.current_time())
-        await _until(lambda: not a.up, "the local share")
+        await _until(a, up=False)
         assert a.pending == 1
         (line,) = _fault_lines(caplog)
         assert "settle" in line
         proxy.answer(None)
-        await _until(lambda: a.up and not a.pending, "the settlement written")
+        await _until(a, up=True)
+        await _settled(a)
         # 500 tokens came back in Valkey.
         assert (await _admit(a, 600)).via is Via.SHARED
 
@@ -204,10 +212,13 @@ async def test_a_resync_answered_wrong_is_retried(
         proxy.answer(scripts_rule([RESYNC], FAULTS[fault]))
         a._resync = True
         a._wake.set()
-        await _until(lambda: not a.up, "the local share")
+        await _until(a, up=False)
         assert a._resync
         proxy.answer(None)
-        await _until(lambda: a.up and not a._resync, "the slots rewritten")
+        await _until(a, up=True)
+        with trio.fail_after(15):
+            while a._resync:
+                await trio.sleep(0.01)
 
 
 @pytest.mark.parametrize("fault", ["array-for-integer", "huge-integer", "garbage", "never-ends"])
@@ -223,7 +234,7 @@ async def test_an_edge_starting_on_wrong_answers_starts_on_its_share(
         assert not a.up
         assert await _admit_all(a, 3) == (2, 1)
         proxy.answer(None)
-        await _until(lambda: a.up, "back in Valkey")
+        await _until(a, up=True)
         assert (await _admit(a)).via is Via.SHARED
 
 
@@ -250,7 +261,7 @@ async def test_back_in_valkey_one_probe_after_a_pause(tmp_path: Path) -> None:
                 assert not a.up
             finally:
                 os.kill(v.proc.pid, signal.SIGCONT)
-            await _until(lambda: a.up, "back in Valkey", deadline=30.0)
+            await _until(a, up=True, deadline=30.0)
             assert (await _admit(a)).via is Via.SHARED
     finally:
         v.kill()
@@ -260,7 +271,7 @@ async def test_an_edge_that_stops_leaves_on_a_client_of_its_own(valkey_server: V
     """The last round trip (``leave``) runs on a fresh client in a shielded
     scope: the loop's own client is cancelled with the edge."""
     async with shared(valkey_server.url, [_tenant(max_concurrent_runs=2)]) as a:
-        await _until(lambda: a.up, "up")
+        await _until(a, up=True)
         await _admit(a)
         prefix = a.settings.key_prefix
     client = coredis.Redis.from_url(valkey_server.url)
@@ -268,3 +279,20 @@ async def test_an_edge_that_stops_leaves_on_a_client_of_its_own(valkey_server: V
         assert await client.exists([f"{prefix}m:a"]) == 0
         assert await client.zcard(f"{prefix}members") == 0
         assert await client.hget(f"{prefix}c:acme", "a") is None
+
+
+async def test_cancelled_while_connecting_is_no_fault(caplog: pytest.LogCaptureFixture) -> None:
+    """coredis turns a cancellation that lands while it sets a connection up
+    into its ConnectionError: the edge stopping then is not a Valkey fault
+    (no "Valkey failed" line), and the cancellation goes through."""
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    # Accepts connections (the kernel's backlog) and never answers.
+    with socket.create_server(("127.0.0.1", 0)) as silent:
+        url = f"redis://127.0.0.1:{silent.getsockname()[1]}/0"
+        with trio.move_on_after(0.3) as scope:
+            async with shared(
+                url, [_tenant(requests_per_minute=1)], command_timeout_s=5, connect_timeout_s=5
+            ):
+                pass
+    assert scope.cancelled_caught
+    assert not [r for r in caplog.records if "Valkey failed" in r.getMessage()]
