@@ -618,7 +618,8 @@ class SharedLimits:
         """Keep the membership, write settlements, probe Valkey while down.
 
         Started in the edge core's nursery; returns only when cancelled,
-        after leaving the cluster (a shielded, bounded last round trip)."""
+        after leaving the cluster while Valkey answers (a shielded last
+        round trip, bounded by ``command_timeout_s``)."""
         fresh = self._client()
         slots = [self._slots_key(t.name) for t in self._settings]
         leave = [self._member, self._members, *slots]
