@@ -1037,7 +1037,8 @@ class ClusterSettings(_Config, frozen=True, kw_only=True):
         connect_timeout_s: Deadline of opening a connection to Valkey.
         command_timeout_s: Deadline of one round trip (an admission waits at
             most this for Valkey before it falls back to the local share).
-        retry_interval_s: While Valkey is unreachable, how often it is probed.
+        retry_interval_s: After a Valkey fault, how often it is probed (the
+            first probe this long after the fault).
     """
 
     valkey_url: str = ""
