@@ -33,6 +33,7 @@ from tests.e2e._platform import MODEL, Edge, Node, Sim, start_edge, start_node
 
 KEY: Final = "iop-e2e-cluster-faults"
 OPERATOR: Final = "iop-e2e-cluster-faults-operator"
+ADMIN: Final = "iop-e2e-cluster-faults-admin"  # reads /metrics
 # High enough that the few requests of each case are all admitted, by
 # Valkey or by the local share (the limit / 1 live edge).
 RPM: Final = 6000
@@ -55,7 +56,7 @@ def stack(sim: Sim, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]
     proxy = RespProxy(valkey.port)
     proxy.start()
     config: dict[str, Any] = {
-        "server": {"api_keys": [OPERATOR]},
+        "server": {"api_keys": [OPERATOR], "admin_keys": [ADMIN]},
         "cluster": {
             "valkey_url": proxy.url,
             "edge_id": "edge-faults",
@@ -91,7 +92,7 @@ def stack(sim: Sim, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]
 
 
 def _metric(edge: Edge, name: str) -> float:
-    text = edge.get("/metrics").text
+    text = edge.admin_get("/metrics").text
     m = re.search(rf"^{name}(?:_total)? (\S+)$", text, re.MULTILINE)
     return float(m.group(1)) if m else math.nan
 
