@@ -514,6 +514,8 @@ class LlamaCppInstance(InstanceBase, frozen=True, tag="llamacpp", kw_only=True):
         # starts; these fail at load time, naming the key.
         if not self.alias.strip():
             raise ValueError("alias must not be empty")
+        if not self.host.strip():
+            raise ValueError("host must not be empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0..65535, got {self.port}")
         for name in ("ctx", "parallel", "threads"):
@@ -1275,6 +1277,15 @@ class EmbeddedBackend(_Config, frozen=True, kw_only=True):
     supervise: SuperviseSettings = SuperviseSettings()
     # A human-watchable pace for a demo: 50 tokens/s after 50 ms.
     sim: SimConfig = SimConfig(tokens_per_s=50.0, ttft_s=0.05)
+
+    def __post_init__(self) -> None:
+        # The llamacpp instance checks them too, but only once iop up runs:
+        # here a bad value is a config error that names the key and file.
+        for name in ("threads", "parallel", "ctx"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.ctx < self.parallel:
+            raise ValueError(f"ctx {self.ctx} leaves no context for {self.parallel} slots")
 
 
 class UpConfig(_Config, frozen=True, kw_only=True):

@@ -97,6 +97,30 @@ def test_a_llamacpp_instance_serves_its_alias_with_its_slots() -> None:
     assert DEFAULT_LLAMACPP_ALIAS == DEFAULT_ALIAS
 
 
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ({"embedded": {"parallel": 0}}, "parallel must be >= 1"),
+        ({"embedded": {"ctx": 2, "parallel": 4}}, "ctx 2 leaves no context for 4 slots"),
+        (
+            {"instances": [{"adapter": "llamacpp", "name": "l", "host": " "}]},
+            "host must not be empty",
+        ),
+        (
+            {"instances": [{"adapter": "llamacpp", "name": "l", "port": 70000}]},
+            "port must be 0..65535",
+        ),
+        (
+            {"instances": [{"adapter": "llamacpp", "name": "l", "ready_timeout_s": 0}]},
+            "ready_timeout_s must be > 0",
+        ),
+    ],
+)
+def test_the_llamacpp_settings_fail_at_load_time(config: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        decode_config(config, UpConfig, source="up.toml")
+
+
 def test_headline_drops_the_log_tail() -> None:
     exc = BackendUnavailable("it exited (code 1); last lines of its log:\n  boom\n  bang")
     assert headline(exc) == "it exited (code 1)"
