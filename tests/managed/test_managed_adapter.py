@@ -134,9 +134,12 @@ async def test_while_the_server_is_down_the_instance_says_why_and_refuses_runs()
         await nursery.start(adapter.supervisor.serve)
         up = await adapter.capabilities()
         proc.die.set()
+        # Down at the exit, then down with the restart's delay once the life's
+        # end is decided: wait for the second.
         with trio.fail_after(5):
-            while adapter.supervisor.state is BackendState.UP:
+            while "restarting in" not in adapter.supervisor.detail:
                 await trio.sleep(0.01)
+        assert adapter.supervisor.state is BackendState.DOWN
         down = await adapter.capabilities()
         probe = await adapter.probe(ALIAS)
         refused = (await collect_run(adapter, spec(), DEADLINES))[-1]
