@@ -132,6 +132,7 @@ class ErrorCode(enum.StrEnum):
     TOO_MANY_WRONG_KEYS = "too_many_wrong_keys"  # admin logins are braked
     CROSS_ORIGIN = "cross_origin"  # an admin form posted from another site
     NODE_NOT_FOUND = "node_not_found"  # drain/undrain of a node id neither connected nor drained
+    RELOAD_UNAVAILABLE = "reload_unavailable"  # POST /admin/reload on an edge with no config file
 
     # --- a request body OpenAI would refuse (OpenAI's codes) -------------------------
     INVALID_JSON = "invalid_json"  # the body is not JSON

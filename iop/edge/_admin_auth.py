@@ -91,6 +91,24 @@ class AdminGate:
         self._window_end = -math.inf
         self._failures = 0
 
+    def reconfigure(
+        self, keys: Sequence[str], *, session_s: float, failures_per_minute: int
+    ) -> None:
+        """Take the admin keys and limits of a reloaded config.
+
+        When a key is taken away, every session ends (a new secret): a
+        session does not say which key opened it, and one opened with a
+        revoked key must not outlive it. Sessions issued afterwards last
+        the new ``session_s``.
+        """
+        new = [k.encode() for k in keys]
+        if not set(self._keys) <= set(new):
+            self._secret = secrets.token_bytes(_SECRET_BYTES)
+            self._revoked.clear()
+        self._keys = new
+        self.session_s = session_s
+        self.failures_per_minute = failures_per_minute
+
     def __repr__(self) -> str:
         return f"<AdminGate keys={len(self._keys)} session_s={self.session_s:g}>"
 
