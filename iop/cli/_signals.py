@@ -14,6 +14,12 @@ inside ``open_stop_signals()``:
 The receiver is open before the service starts, so a signal during a slow
 start (a model loading, the first probe) is not lost: the service then
 drains as soon as it is up.
+
+The commands that reload their config (``iop edge``, ``iop node``,
+``iop up``) open it with ``reload=True``: SIGHUP then asks for a reload
+(``reload_requested``; ``iop.cli._reloader.watch_reloads`` does it) instead
+of ending the process. A SIGHUP during the start is kept and served once the
+service is up; several while one reload runs make one more.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import trio
 __all__ = ["StopSignals", "open_stop_signals"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+RELOAD_SIGNAL = signal.SIGHUP
 
 
 class StopSignals:
@@ -42,10 +49,24 @@ class StopSignals:
         self.drain = trio.Event()
         self.exit_code = 0
         self._log = log
+        # Set by a SIGHUP not yet served (one pending reload at most).
+        self._reload = trio.Event()
+
+    async def reload_requested(self) -> None:
+        """Wait for a SIGHUP (one that came before the call counts once)."""
+        await self._reload.wait()
+        self._reload = trio.Event()
 
     async def _watch(self, signals: AsyncIterator[int], hard: trio.CancelScope) -> None:
         async for signum in signals:
             name = signal.Signals(signum).name
+            if signum == RELOAD_SIGNAL:
+                if self.drain.is_set():
+                    self._log.info("%s received while draining: no reload", name)
+                else:
+                    self._log.info("%s received: reloading the config", name)
+                    self._reload.set()
+                continue
             if not self.drain.is_set():
                 self._log.info("%s received: draining (a second signal stops at once)", name)
                 self.drain.set()
@@ -57,14 +78,21 @@ class StopSignals:
 
 
 @asynccontextmanager
-async def open_stop_signals(log: logging.Logger) -> AsyncIterator[StopSignals]:
+async def open_stop_signals(
+    log: logging.Logger, *, reload: bool = False
+) -> AsyncIterator[StopSignals]:
     """Watch SIGINT/SIGTERM while the body runs; a second signal cancels the body.
 
     The body ends normally after a hard stop (the cancellation is absorbed
     here); read ``exit_code`` afterwards.
+
+    Args:
+        log: Where the signals are logged.
+        reload: Also watch SIGHUP, for ``StopSignals.reload_requested``.
     """
     stop = StopSignals(log)
-    with trio.open_signal_receiver(*STOP_SIGNALS) as signals, trio.CancelScope() as hard:
+    watched = (*STOP_SIGNALS, RELOAD_SIGNAL) if reload else STOP_SIGNALS
+    with trio.open_signal_receiver(*watched) as signals, trio.CancelScope() as hard:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stop._watch, signals, hard)
             yield stop

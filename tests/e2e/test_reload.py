@@ -33,8 +33,19 @@ import httpx
 import pytest
 import trio
 
-from iop.testing import toml_dumps
-from tests.e2e._platform import MODEL, TOKEN, Edge, Node, Procs, Sim, poll, start_edge, start_node
+from iop.testing import UP_READY, toml_dumps
+from tests.e2e._platform import (
+    MODEL,
+    TOKEN,
+    Edge,
+    Node,
+    Proc,
+    Procs,
+    Sim,
+    poll,
+    start_edge,
+    start_node,
+)
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -43,6 +54,7 @@ ADMIN: Final = "iop-e2e-reload-admin-key"
 KEY_ALICE: Final = "iop-e2e-reload-alice-key"
 KEY_ALICE_2: Final = "iop-e2e-reload-alice-key-2"
 KEY_BOB: Final = "iop-e2e-reload-bob-key"
+ADMIN_HEADERS: Final = {"Authorization": f"Bearer {ADMIN}"}
 # A node token of the edge's file (the module's node uses TOKEN, given as a flag).
 FILE_TOKEN: Final = "iop-e2e-reload-file-token"
 
@@ -152,11 +164,11 @@ def s(setup: Setup) -> Iterator[Setup]:
 
 
 def reload_edge(edge: Edge) -> httpx.Response:
-    return edge.post("/admin/reload", headers={"Authorization": f"Bearer {ADMIN}"})
+    return edge.post("/admin/reload", headers=ADMIN_HEADERS)
 
 
 def admin(edge: Edge) -> dict[str, Any]:
-    r = edge.get("/admin/nodes", headers={"Authorization": f"Bearer {ADMIN}"})
+    r = httpx.get(f"{edge.url}/admin/nodes", headers=ADMIN_HEADERS, trust_env=False)
     r.raise_for_status()
     data: dict[str, Any] = r.json()
     return data
@@ -255,7 +267,7 @@ async def test_twenty_reloads_while_32_streams_run_drop_none(s: Setup) -> None:
         node_sent = 0
         for i in range(RELOADS):
             s.write_edge(_variant(i + 1))
-            r = await client.post("/admin/reload", headers={"Authorization": f"Bearer {ADMIN}"})
+            r = await client.post("/admin/reload", headers=ADMIN_HEADERS)
             assert r.status_code == 200, r.text
             reply = r.json()
             assert reply["status"] == "applied", reply
@@ -264,14 +276,14 @@ async def test_twenty_reloads_while_32_streams_run_drop_none(s: Setup) -> None:
             if i % 5 == 4:
                 # The node's instance of all 32 streams gets a new adapter: the
                 # old one serves them to their end.
-                s.write_node(_node_config(s.sim.url, s.edge.link_url, max_queue=60 + i))
+                s.write_node(_node_config(s.sim.url, s.edge.link_url, max_queue=100 + i))
                 s.node.proc.send(signal.SIGHUP)
                 node_sent += 1
                 with trio.fail_after(30):
                     while node_reloads(s.node) < node_before + node_sent:
                         await trio.sleep(0.05)
         # Every stream was still running when the last reload was done.
-        live = admin(s.edge)["runs"]
+        live = (await client.get("/admin/nodes", headers=ADMIN_HEADERS)).json()["runs"]
         assert len(live) == STREAMS, live
         go_on.set()
     for out in results:
@@ -300,7 +312,7 @@ async def test_a_revoked_key_is_refused_after_one_reload_while_its_stream_finish
         del cfg["tenants"][1]  # bob
         cfg["tenants"][0]["key_sha256"].append(_digest(KEY_ALICE_2))
         s.write_edge(cfg)
-        r = await client.post("/admin/reload", headers={"Authorization": f"Bearer {ADMIN}"})
+        r = await client.post("/admin/reload", headers=ADMIN_HEADERS)
         assert r.status_code == 200, r.text
         reply = r.json()
         assert reply["status"] == "applied"
@@ -444,3 +456,44 @@ def test_a_revoked_node_token_refuses_that_nodes_next_dial(s: Setup, procs: Proc
     again.proc.wait_stderr(r"refused node n2", timeout=20)
     s.edge.proc.wait_stderr(r"refusing node from .*token", timeout=10)
     assert "n2" not in [n["id"] for n in admin(s.edge)["nodes"]]
+
+
+def test_iop_up_reloads_its_edge_and_its_instances(tmp_path: Path) -> None:
+    """One file, one reload: the edge's keys and the node's instances of ``iop up``."""
+    config: dict[str, Any] = {
+        "edge": {"server": {"api_keys": [KEY_ALICE], "admin_keys": [ADMIN]}},
+        "instances": [{"adapter": "sim", "name": "one", "sim": {"output_tokens": 4}}],
+    }
+    path = tmp_path / "up.toml"
+    path.write_text(toml_dumps(config))
+    proc = Proc("iop-up", ["up", "--port", "0", "--config", str(path)], tmp_path)
+    try:
+        url = proc.wait_stdout(UP_READY).group(1)
+        config["edge"]["server"]["api_keys"] = [KEY_BOB]
+        config["instances"].append(
+            {"adapter": "sim", "name": "two", "sim": {"model": "reload-two", "output_tokens": 4}}
+        )
+        path.write_text(toml_dumps(config))
+        with httpx.Client(base_url=url, timeout=30, trust_env=False) as c:
+            r = c.post("/admin/reload", headers=ADMIN_HEADERS)
+            assert r.status_code == 200, r.text
+            assert r.json()["applied"] == ["edge.server.api_keys", "instances[two] (added)"]
+            bob = {"Authorization": f"Bearer {KEY_BOB}"}
+            poll(
+                lambda: (
+                    "reload-two"
+                    in [m["id"] for m in c.get("/v1/models", headers=bob).json()["data"]]
+                ),
+                timeout=10,
+                what="the added instance's model to be listed",
+            )
+            ok = c.post("/v1/chat/completions", json=_body("reload-two", stream=False), headers=bob)
+            assert ok.status_code == 200, ok.text
+            gone = c.post(
+                "/v1/chat/completions",
+                json=_body(stream=False),
+                headers={"Authorization": f"Bearer {KEY_ALICE}"},
+            )
+            assert gone.status_code == 401, gone.text
+    finally:
+        assert proc.stop() == 0, proc.logs()
