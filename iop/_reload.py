@@ -272,8 +272,10 @@ class ReloadOutcome(msgspec.Struct, frozen=True, kw_only=True):
     """What one reload did: the reply of ``POST /admin/reload``, and its log line.
 
     Attributes:
-        status: ``applied`` (something changed), ``unchanged`` (the file
-            says what runs), ``refused`` (the file failed: nothing changed).
+        status: ``applied`` (a live key changed), ``unchanged`` (nothing the
+            process runs with changed, though keys that need a restart may
+            have: ``restart_required``), ``refused`` (the file failed:
+            nothing changed).
         source: The file read.
         applied: Keys applied live.
         restart_required: Keys changed in the file that need a restart: not
@@ -289,9 +291,8 @@ class ReloadOutcome(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def of(cls, plan: ReloadPlan[Any], source: str) -> ReloadOutcome:
-        changed = plan.applied or plan.restart_required
         return cls(
-            status="applied" if changed else "unchanged",
+            status="applied" if plan.applied else "unchanged",
             source=source,
             applied=list(plan.applied),
             restart_required=list(plan.restart_required),
@@ -305,14 +306,12 @@ class ReloadOutcome(msgspec.Struct, frozen=True, kw_only=True):
         """The outcome as one log line's message (after ``reload (VIA)``)."""
         if self.status == "refused":
             return f"refused: {self.error}; the running config is unchanged"
-        if self.status == "unchanged":
-            return f"{self.source} is unchanged"
         parts = []
         if self.applied:
             parts.append("applied " + ", ".join(self.applied))
         if self.restart_required:
             parts.append("not applied until a restart: " + ", ".join(self.restart_required))
-        return "; ".join(parts)
+        return "; ".join(parts) or f"{self.source} is unchanged"
 
 
 class Reloading(Protocol):

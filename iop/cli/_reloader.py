@@ -20,6 +20,7 @@ from typing import Generic, TypeVar
 
 import trio
 
+from iop._log import scrub
 from iop._reload import ReloadOutcome, Rules, plan_reload
 from iop._secrets import Secret, register_secrets
 from iop.cli._signals import StopSignals
@@ -97,7 +98,8 @@ class Reloader(Generic[C]):
             register_secrets(self._secrets(new))
             plan = plan_reload(self.running, new, self._rules, restart=self._restart)
         except ConfigError as exc:
-            return ReloadOutcome.refused(self.source, exc.message)
+            # The reply is not a log line: values that look secret go too.
+            return ReloadOutcome.refused(self.source, scrub(exc.message))
         except Exception as exc:
             # A bug must not take the running process down: the config stays.
             self._log.exception("reload crashed; the running config is unchanged")
