@@ -97,6 +97,9 @@ class Reloader(Generic[C]):
             new = await trio.to_thread.run_sync(self._load)
             register_secrets(self._secrets(new))
             plan = plan_reload(self.running, new, self._rules, restart=self._restart)
+            if plan.applied:
+                # Checks what it must before it changes anything (ConfigError).
+                self._apply(plan.config)
         except ConfigError as exc:
             # The reply is not a log line: values that look secret go too.
             return ReloadOutcome.refused(self.source, scrub(exc.message))
@@ -104,8 +107,6 @@ class Reloader(Generic[C]):
             # A bug must not take the running process down: the config stays.
             self._log.exception("reload crashed; the running config is unchanged")
             return ReloadOutcome.refused(self.source, f"internal error: {type(exc).__name__}")
-        if plan.applied:
-            self._apply(plan.config)
         self.running = plan.config
         return ReloadOutcome.of(plan, self.source)
 

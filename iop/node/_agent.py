@@ -367,13 +367,20 @@ class NodeAgent:
             raise ConfigError(f"instance names must be unique, got {names}")
         assert self._nursery is not None, "apply_config needs open_node_agent's nursery"
         old = self._instances
+        # First what may fail (an adapter's constructor), then the swap.
+        built = {
+            cfg.name: build_adapter(cfg)
+            for cfg in config.instances
+            if cfg.name not in old or old[cfg.name].cfg != cfg
+        }
         instances: dict[str, Instance] = {}
         for cfg in config.instances:
             inst = old.get(cfg.name)
-            if inst is not None and inst.cfg == cfg:
+            adapter = built.get(cfg.name)
+            if adapter is None:
+                assert inst is not None
                 instances[cfg.name] = inst
                 continue
-            adapter = build_adapter(cfg)
             self._owned.add(adapter)
             if inst is None:
                 inst = Instance(cfg, adapter)
