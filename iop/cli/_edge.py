@@ -130,7 +130,9 @@ def edge_reloader(args: argparse.Namespace, core: EdgeCore) -> Reloader[EdgeConf
 async def _main(cfg: EdgeConfig, args: argparse.Namespace) -> int:
     async with open_stop_signals(log, reload=True) as stop, trio.open_nursery() as nursery:
         handle = await nursery.start(partial(serve_edge, cfg, shutdown=stop.drain))
-        reloader = handle.core.reloader = edge_reloader(args, handle.core)
+        reloader = edge_reloader(args, handle.core)
+        if args.config:  # else POST /admin/reload answers 409 (SIGHUP logs why)
+            handle.core.reloader = reloader
         await nursery.start(watch_reloads, stop, reloader)
         print(describe_edge(handle), flush=True)
         # serve_edge returns once the first signal's drain is done.

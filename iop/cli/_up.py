@@ -197,7 +197,7 @@ async def _up(cfg: UpConfig, args: argparse.Namespace) -> int:
                     handle.core.apply_config(new.edge)
                     agent.apply_config(_node_config(new, handle.link_url, instances))
 
-                reloader = handle.core.reloader = Reloader(
+                reloader = Reloader(
                     source=args.config,
                     running=cfg,
                     load=partial(up_config_from_args, args, node_tokens=cfg.edge.link.node_tokens),
@@ -208,6 +208,8 @@ async def _up(cfg: UpConfig, args: argparse.Namespace) -> int:
                     # The embedded backend serves until a restart.
                     restart=() if cfg.instances else ("instances",),
                 )
+                if args.config:  # else POST /admin/reload answers 409 (SIGHUP logs why)
+                    handle.core.reloader = reloader
                 await nursery.start(watch_reloads, stop, reloader)
                 node_scope = trio.CancelScope()
 

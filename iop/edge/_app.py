@@ -7,7 +7,8 @@ Anthropic's shapes, ``iop.api._models``), ``GET /healthz``, ``GET /readyz``,
 ``GET /metrics``, the admin pages (``GET /admin`` as HTML, or its login form;
 ``POST /admin/login`` and ``/admin/logout``; ``GET /admin/nodes`` as JSON;
 ``POST /admin/nodes/{id}/drain`` and ``/undrain``, from a script or the
-page's buttons: ``_admin_auth`` says who may open them). The node link WebSocket
+page's buttons; ``POST /admin/reload``: ``_admin_auth`` says who may open
+them). The node link WebSocket
 (``/v1/link``) is served beside this app, at the ASGI level
 (``iop.edge._link_asgi``). Every error a client sees is its API's error
 body (OpenAI's, except on a surface route whose surface has its own) with

@@ -1,6 +1,7 @@
 """A config reload's tenants (``Tenants.reconfigure``), the admin gate's keys
 (``AdminGate.reconfigure``) and the edge core's whole step
-(``EdgeCore.apply_config``), without a clock: what stays live, what changes."""
+(``EdgeCore.apply_config``): what stays live, what changes; and what
+``POST /admin/reload`` answers, on a real socket."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import msgspec
 import pytest
 import trio
 
+from iop._reload import ReloadOutcome
 from iop.config import EdgeConfig, TenancySettings, TenantSettings
 from iop.edge import open_edge_core
 from iop.edge._admin_auth import AdminGate, Verdict
 from iop.edge._tenants import ANONYMOUS, DEFAULT, RateLimited, Tenants
 from iop.events import Usage
+from tests.edge.test_app import config, edge
 
 KEY_A = "iop-reload-key-a"
 KEY_B = "iop-reload-key-b"
@@ -161,3 +164,39 @@ async def test_the_core_applies_a_reload_in_one_step() -> None:
         assert core.masker.mask("key iop-new-operator-key") == "key ***"
         assert core.metrics.masker is core.masker
         await trio.lowlevel.checkpoint()
+
+
+class _Reloads:
+    """A stand-in for the CLI's reloader: answers what it is told to."""
+
+    def __init__(self, outcome: ReloadOutcome) -> None:
+        self.outcome = outcome
+        self.via: list[str] = []
+
+    async def reload(self, via: str) -> ReloadOutcome:
+        self.via.append(via)
+        return self.outcome
+
+
+async def test_post_admin_reload_answers_the_plan_or_why_not() -> None:
+    async with edge(config(admin_keys=["iop-reload-admin"]), with_node=False) as (h, _, c):
+        admin = {"Authorization": "Bearer iop-reload-admin"}
+        assert (await c.post("/admin/reload")).status_code == 401
+        # No config file to re-read.
+        resp = await c.post("/admin/reload", headers=admin)
+        assert resp.status_code == 409
+        assert resp.json()["error"]["code"] == "reload_unavailable"
+        plan = ReloadOutcome(status="applied", source="edge.toml", applied=["tenants"])
+        h.core.reloader = reloads = _Reloads(plan)
+        resp = await c.post("/admin/reload", headers=admin)
+        assert resp.status_code == 200
+        assert resp.json() == msgspec.to_builtins(plan)
+        assert reloads.via == ["POST /admin/reload by admin key from 127.0.0.1"]
+        reloads.outcome = ReloadOutcome.refused("edge.toml", "edge.toml: unknown key 'x'")
+        resp = await c.post("/admin/reload", headers=admin)
+        assert resp.status_code == 422
+        assert resp.json()["error"] == "edge.toml: unknown key 'x'"
+        # A page of another site cannot make the edge reload.
+        resp = await c.post("/admin/reload", headers={**admin, "Origin": "https://evil.example"})
+        assert resp.status_code == 403
+        assert len(reloads.via) == 2
