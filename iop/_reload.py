@@ -42,6 +42,7 @@ from typing import Any, Final, Generic, Literal, Protocol, TypeVar
 
 import msgspec
 
+from iop.config import LlamaCppInstance
 from iop.errors import ConfigError
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "ReloadPlan",
     "Reloading",
     "changed_keys",
+    "managed_instances",
     "plan_reload",
     "rule_for",
 ]
@@ -79,6 +81,7 @@ EDGE_RULES: Final[Rules] = {
     "server": RESTART,
     "server.api_keys": LIVE,
     "server.admin_keys": LIVE,
+    "server.metrics_keys": LIVE,
     "server.admin_session_s": LIVE,
     "server.admin_login_failures_per_minute": LIVE,
     "server.keepalive_interval_s": LIVE,
@@ -195,6 +198,47 @@ def changed_keys(old: object, new: object, path: str = "") -> list[str]:
     return [path]
 
 
+def managed_instances(running: object, new: object) -> list[str]:
+    """``instances[NAME]`` of every ``llamacpp`` instance of either config: a
+    backend the node runs itself is started once, with the node, so a change
+    of one (added, removed, changed) waits for a restart (``plan_reload``'s
+    ``restart``)."""
+    names = {
+        inst.name
+        for config in (running, new)
+        for inst in getattr(config, "instances", ())
+        if isinstance(inst, LlamaCppInstance)
+    }
+    return [f"instances[{name}]" for name in sorted(names)]
+
+
+def _forced(path: str, restart: Collection[str]) -> str | None:
+    """The key of ``restart`` that covers ``path`` (a field, or one item of a
+    named list: ``instances[llm]``), or None."""
+    bare = _bare(path)
+    for key in restart:
+        if "[" in key:
+            if path == key or path.startswith((key + ".", key + " (")):
+                return key
+        elif bare == key or bare.startswith(key + "."):
+            return key
+    return None
+
+
+def _revert_items(running: list[Any], new: list[Any], names: set[str]) -> list[Any]:
+    """``new`` with the items named ``names`` as they run: changed ones back to
+    the running item, added ones left out, removed ones kept."""
+    old = {item.name: item for item in running}
+    out = [
+        old[item.name] if item.name in names else item
+        for item in new
+        if item.name not in names or item.name in old
+    ]
+    present = {item.name for item in out}
+    out += [old[name] for name in sorted(names) if name in old and name not in present]
+    return out
+
+
 def _get(config: object, path: str) -> object:
     for name in path.split("."):
         config = getattr(config, name)
@@ -236,8 +280,9 @@ def plan_reload(
         running: The config the process runs with.
         new: The file's config, validated.
         rules: How each key takes effect.
-        restart: Keys that need a restart here whatever ``rules`` say
-            (``iop up`` serving its embedded backend: its ``instances``).
+        restart: Keys that need a restart here whatever ``rules`` say: a
+            field (``iop up`` serving its embedded backend: ``instances``)
+            or an item of a named list (``managed_instances``).
 
     Raises:
         ConfigError: The file's live keys do not validate together with the
@@ -246,16 +291,26 @@ def plan_reload(
     applied: list[str] = []
     restart_required: list[str] = []
     kept: dict[str, object] = {}
+    kept_items: dict[str, set[str]] = {}
     for path in changed_keys(running, new):
-        bare = _bare(path)
-        forced = any(bare == key or bare.startswith(key + ".") for key in restart)
-        if forced or rule_for(path, rules) is RESTART:
-            restart_required.append(path)
-            # The key itself, or for an item of a named list the whole list.
-            field = path.split("[", 1)[0].split(" (", 1)[0]
-            kept[field] = _get(running, field)
-        else:
+        forced = _forced(path, restart)
+        if forced is None and rule_for(path, rules) is not RESTART:
             applied.append(path)
+            continue
+        restart_required.append(path)
+        # The key itself; in a named list, the item a forced key names, or
+        # the whole list.
+        field = path.split("[", 1)[0].split(" (", 1)[0]
+        if forced is not None and "[" in forced:
+            kept_items.setdefault(field, set()).add(forced.split("[", 1)[1].rstrip("]"))
+        else:
+            kept[field] = _get(running, field)
+    for field, names in kept_items.items():
+        if field not in kept:
+            before, after = _get(running, field), _get(new, field)
+            assert isinstance(before, list)
+            assert isinstance(after, list)
+            kept[field] = _revert_items(before, after, names)
     config = new
     for field, value in kept.items():
         try:

@@ -321,12 +321,20 @@ class ExecutionSpec(_Base, frozen=True):
         traceparent: The W3C trace context the run belongs to (the edge's
             attempt span, or the client's context when the edge does not
             trace; ``iop.tracing``); empty when there is none.
+        cache_salt: The backend prefix cache the run may use and fill:
+            runs of one salt share it, runs of another never do (vLLM's
+            per-request ``cache_salt``). The edge's digest of the run's
+            tenant (``iop.edge._tenants``), never its name or key; empty:
+            no salt (a tenant that shares its cache, or an edge with one
+            tenant). Adapters of backends that isolate per request send it;
+            the others ignore it.
     """
 
     run_id: str
     request: OperationRequest
     target: str = ""
     traceparent: str = ""
+    cache_salt: str = ""
 
     @property
     def operation(self) -> Operation:

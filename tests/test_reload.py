@@ -23,6 +23,7 @@ from iop._reload import (
     Apply,
     ReloadOutcome,
     changed_keys,
+    managed_instances,
     plan_reload,
     rule_for,
 )
@@ -229,6 +230,34 @@ def test_node_plan(patch: dict[str, Any], applied: list[str], restart: list[str]
     assert sorted(plan.applied) == sorted(applied)
     assert list(plan.restart_required) == restart
     assert changed_keys(new, plan.config) == restart
+
+
+def test_a_backend_the_node_runs_itself_waits_for_a_restart_and_the_rest_applies() -> None:
+    llm = {"adapter": "llamacpp", "name": "llm"}
+    running = node({"instances": [*NODE["instances"], llm]})
+    new = node(
+        {
+            "instances": [
+                {"adapter": "vllm", "name": "a", "endpoint": "http://a2:8000"},  # b removed
+                {**llm, "ctx": 2048},
+                {"adapter": "llamacpp", "name": "llm2"},
+            ]
+        }
+    )
+    restart = managed_instances(running, new)
+    assert restart == ["instances[llm]", "instances[llm2]"]
+    plan = plan_reload(running, new, NODE_RULES, restart=restart)
+    assert plan.applied == ("instances[a].endpoint", "instances[b] (removed)")
+    assert plan.restart_required == ("instances[llm2] (added)", "instances[llm].ctx")
+    # What runs: a's new endpoint, no b, llm as it runs, no llm2.
+    assert [i.name for i in plan.config.instances] == ["a", "llm"]
+    assert plan.config.instances[0] == new.instances[0]
+    assert plan.config.instances[1] == running.instances[2]
+    # A managed instance removed from the file stays until a restart.
+    gone = node()
+    plan = plan_reload(running, gone, NODE_RULES, restart=managed_instances(running, gone))
+    assert plan.restart_required == ("instances[llm] (removed)",)
+    assert plan.config == running
 
 
 def test_up_plan_keeps_its_node_token_and_its_embedded_backend() -> None:

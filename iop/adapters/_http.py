@@ -17,7 +17,17 @@ vLLM and any OpenAI-compatible server (``HTTPAdapter.execute`` dispatches on
   ``{"prompt"}``). The ``openai_compat`` dialect sends ``content`` and
   ``prompt`` both (each server ignores the key it does not know) and
   counts ``count`` or else ``tokens``; a server with neither endpoint (404,
-  405, 501) gets IOP's estimate, flagged ``estimated``.
+  405, 501) gets IOP's estimate, flagged ``estimated``, and so does an
+  answer over ``max_tokenize_body_bytes`` (a long prompt's ids: about 7
+  bytes each in vLLM's answer, more than its text).
+
+A backend that keeps prefix caches apart per request (``cache_salt``:
+vLLM, SGLang) gets the run's ``ExecutionSpec.cache_salt`` in its chat and
+completion requests, in place of any the client sent (the edge folded that
+in); the adapter says whether its backend does (``HTTPBackend``'s
+``cache_salt``). Others get none: a server that refuses unknown fields
+would fail every run (docs/operations.md, "Tenants and limits", "Prefix
+caches").
 
 Each request is made inside the run's cancel scope with the response in an
 ``async with``: a cancelled run closes its connection, whatever it was
@@ -207,13 +217,15 @@ def build_chat_body(
     *,
     model: str,
     passthrough: tuple[str, ...] = ("tools", "tool_choice", "format", "think", "keep_alive"),
+    cache_salt: str = "",
 ) -> dict[str, Any]:
     """The JSON body of an upstream streaming chat request.
 
     Precedence, lowest first (seed 003's ``buildRequestBody``): the client's
     ``options`` copied to top level, unmodelled keys (``extra_body``),
     standard sampling fields, the pass-through fields, and finally the
-    adapter-owned fields, which always win.
+    adapter-owned fields, which always win: among them ``cache_salt`` when
+    not empty (``HTTPBackend.salt_of``).
     """
     req = spec.request
     if not isinstance(req, ChatRequest):
@@ -237,6 +249,8 @@ def build_chat_body(
     # Ask for the usage chunk: every backend here honours it (docs/architecture.md,
     # "Facts about the backends: Usage").
     body["stream_options"] = {"include_usage": True}
+    if cache_salt:
+        body["cache_salt"] = cache_salt
     return body
 
 
@@ -258,11 +272,14 @@ _COMPLETION_FIELDS: Final = (
 )
 
 
-def build_completion_body(request: CompletionRequest, *, model: str) -> dict[str, Any]:
+def build_completion_body(
+    request: CompletionRequest, *, model: str, cache_salt: str = ""
+) -> dict[str, Any]:
     """The JSON body of an upstream streaming ``/v1/completions`` request.
 
     Same precedence as chat: ``extra_body``, then the modelled fields, then
-    the adapter's own (model, prompt, stream, stream_options), which win.
+    the adapter's own (model, prompt, stream, stream_options, and
+    ``cache_salt`` when not empty), which win.
     """
     body: dict[str, Any] = dict(request.extra_body or {})
     for name in _COMPLETION_FIELDS:
@@ -273,6 +290,8 @@ def build_completion_body(request: CompletionRequest, *, model: str) -> dict[str
     body["prompt"] = request.prompt
     body["stream"] = True
     body["stream_options"] = {"include_usage": True}
+    if cache_salt:
+        body["cache_salt"] = cache_salt
     return body
 
 
@@ -358,6 +377,8 @@ class HTTPBackend:
         kind: Adapter kind, used in messages (``vllm``, ``openai_compat``).
         provider: Provider label for capabilities and probes.
         transport: An httpx transport to use instead of the network (tests).
+        cache_salt: Whether the backend keeps prefix caches apart by a
+            request's ``cache_salt``: then it is sent (``salt_of``).
     """
 
     def __init__(
@@ -367,10 +388,12 @@ class HTTPBackend:
         kind: str,
         provider: str = "",
         transport: httpx.AsyncBaseTransport | None = None,
+        cache_salt: bool = False,
     ) -> None:
         self.cfg = cfg
         self.kind = kind
         self.provider = provider
+        self.sends_cache_salt = cache_salt
         self.endpoint = cfg.endpoint.rstrip("/")
         self._last_targets: tuple[str, ...] = ()
         # Requests go straight to the transport: an httpx.AsyncClient in
@@ -390,6 +413,11 @@ class HTTPBackend:
 
     async def aclose(self) -> None:
         await self._transport.aclose()
+
+    def salt_of(self, spec: ExecutionSpec) -> str:
+        """The ``cache_salt`` to send for ``spec``: its own, if this backend
+        takes one; else none."""
+        return spec.cache_salt if self.sends_cache_salt else ""
 
     def url(self, path: str) -> str:
         return join_openai_path(self.endpoint, path)
@@ -722,15 +750,24 @@ class HTTPBackend:
                 names the config key that sets it).
             BackendStreamError: The body broke off.
         """
+        body = await self.read_at_most(response, limit)
+        if body is None:
+            raise BackendProtocolError(f"{self.kind} response body exceeds {key}={limit} bytes")
+        return body
+
+    async def read_at_most(self, response: httpx.Response, limit: int) -> bytes | None:
+        """A 2xx body, whole, or None once it is past ``limit`` bytes (the rest
+        is not read: leaving the response's context closes the connection).
+
+        Raises:
+            BackendStreamError: The body broke off.
+        """
         buf = bytearray()
         try:
             async for piece in response.aiter_bytes():
                 buf += piece
                 if len(buf) > limit:
-                    # Leaving the response's context closes the connection unread.
-                    raise BackendProtocolError(
-                        f"{self.kind} response body exceeds {key}={limit} bytes"
-                    )
+                    return None
         except httpx.HTTPError as exc:
             raise map_transport_error(exc, f"{self.kind} response read failed") from exc
         return bytes(buf)
@@ -742,7 +779,7 @@ class HTTPBackend:
             raise InvariantError(f"completion executed for a {spec.operation} run")
         model = require_model(self.kind, spec)
         await send.send(Start(target=model))
-        body = build_completion_body(request, model=model)
+        body = build_completion_body(request, model=model, cache_salt=self.salt_of(spec))
         log.info("%s executing completion run_id=%s target=%s", self.kind, spec.run_id, model)
         async with self.post_json(
             "/v1/completions", body, what=f"{self.kind} request failed"
@@ -831,16 +868,26 @@ class HTTPBackend:
         await send.send(Complete(usage=Usage(input_tokens=tokens, estimated=estimated)))
 
     async def _post_small(self, path: str, body: Mapping[str, Any]) -> bytes | None:
-        """POST ``body``; the 2xx body (bounded), None for "no such endpoint"."""
+        """POST ``body``; the 2xx body, or None for "no such endpoint" and for
+        an answer over ``max_tokenize_body_bytes``: the count is then IOP's
+        estimate (docs/api.md, "count_tokens"), never a 502 for a prompt the
+        edge accepted."""
         async with self.post_json(path, body, what=f"{self.kind} {path} failed") as response:
             if response.status_code in _NO_ENDPOINT:
                 await self.read_error_body(response)
                 return None
             if not response.is_success:
                 raise self.http_error(response, await self.read_error_body(response))
-            return await self.read_limited(
-                response, self.cfg.max_tokenize_body_bytes, "max_tokenize_body_bytes"
-            )
+            limit = self.cfg.max_tokenize_body_bytes
+            raw = await self.read_at_most(response, limit)
+            if raw is None:
+                log.info(
+                    "%s %s answer exceeds max_tokenize_body_bytes=%d: counting by IOP's estimate",
+                    self.kind,
+                    path,
+                    limit,
+                )
+            return raw
 
     async def _tokenize(self, body: Mapping[str, Any]) -> int | None:
         raw = await self._post_small("/tokenize", body)
@@ -941,8 +988,11 @@ class HTTPAdapter:
         *,
         provider: str,
         transport: httpx.AsyncBaseTransport | None = None,
+        cache_salt: bool = False,
     ) -> None:
-        self._http = HTTPBackend(cfg, kind=self.kind, provider=provider, transport=transport)
+        self._http = HTTPBackend(
+            cfg, kind=self.kind, provider=provider, transport=transport, cache_salt=cache_salt
+        )
         # llama.cpp without --metrics: read /slots instead (``engine_load``).
         self._use_slots = False
 

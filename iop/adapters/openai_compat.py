@@ -7,6 +7,13 @@ copied to top-level fields with the adapter's own fields winning,
 pass-through of ``tools``/``format``/``think``/``keep_alive``, and probing via
 ``/v1/models``. Unlike the seed, messages keep their full OpenAI shape (tool
 calls, tool results, content parts) and standard sampling fields are passed.
+
+The run's ``cache_salt`` goes only to SGLang (``engine = "sglang"``), whose
+OpenAI server keeps prefix caches apart by it as vLLM does (it isolates
+since https://github.com/sgl-project/sglang/pull/23300); the other servers
+have no such field (llama.cpp, Ollama, Lemonade), and one that refuses
+unknown fields would fail every run (docs/operations.md, "Tenants and
+limits", "Prefix caches").
 """
 
 from __future__ import annotations
@@ -37,14 +44,16 @@ class OpenAICompatAdapter(HTTPAdapter):
     def __init__(
         self, cfg: OpenAICompatInstance, *, transport: httpx.AsyncBaseTransport | None = None
     ) -> None:
-        super().__init__(cfg, provider=cfg.provider, transport=transport)
+        super().__init__(
+            cfg, provider=cfg.provider, transport=transport, cache_salt=cfg.engine == "sglang"
+        )
         self.cfg = cfg
         self.engine = EngineDialect(cfg.engine)
 
     async def execute_chat(self, spec: ExecutionSpec, send: EventSender) -> None:
         model = require_model_and_messages(self.kind, spec)
         await send.send(Start(target=model))
-        body = build_chat_body(spec, model=model)
+        body = build_chat_body(spec, model=model, cache_salt=self._http.salt_of(spec))
         log.info(
             "openai_compat executing run_id=%s provider=%s target=%s endpoint=%s",
             spec.run_id,

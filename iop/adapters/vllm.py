@@ -14,6 +14,13 @@ Both of vLLM's error body shapes (nested since 0.10.1, flat before) are
 understood (``iop.wire._errors``), reasoning is read from
 ``reasoning_content`` or ``reasoning``, and usage keeps cached and reasoning
 tokens (``iop.wire._openai_stream``).
+
+Chat and completion requests carry the run's ``cache_salt``
+(``ExecutionSpec.cache_salt``), which vLLM hashes into a prompt's first KV
+block so that only requests of the same salt share cached blocks
+(https://docs.vllm.ai/en/latest/design/prefix_caching/, since
+https://github.com/vllm-project/vllm/pull/17045; a vLLM on its V0 engine
+refuses the field with a 400).
 """
 
 from __future__ import annotations
@@ -56,14 +63,16 @@ class VllmAdapter(HTTPAdapter):
     def __init__(
         self, cfg: VllmInstance, *, transport: httpx.AsyncBaseTransport | None = None
     ) -> None:
-        super().__init__(cfg, provider="vllm", transport=transport)
+        super().__init__(cfg, provider="vllm", transport=transport, cache_salt=True)
         self.cfg = cfg
         self.engine = EngineDialect.VLLM
 
     async def execute_chat(self, spec: ExecutionSpec, send: EventSender) -> None:
         model = require_model_and_messages(self.kind, spec)
         await send.send(Start(target=model))
-        body = build_chat_body(spec, model=model, passthrough=_VLLM_PASSTHROUGH)
+        body = build_chat_body(
+            spec, model=model, passthrough=_VLLM_PASSTHROUGH, cache_salt=self._http.salt_of(spec)
+        )
         log.info(
             "vllm executing run_id=%s target=%s endpoint=%s",
             spec.run_id,

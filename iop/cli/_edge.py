@@ -45,9 +45,11 @@ def add_parser(sub: Any) -> None:
         help="serve the OpenAI-compatible API and accept node links",
         description=(
             "Serve the OpenAI API (POST /v1/chat/completions, GET /v1/models), health "
-            "(GET /healthz, GET /readyz), Prometheus metrics (GET /metrics) and the admin "
-            "view (GET /admin as a page, GET /admin/nodes as JSON; behind server.api_keys "
-            "when set), and accept nodes on the /v1/link WebSocket."
+            "(GET /healthz, GET /readyz), Prometheus metrics (GET /metrics; behind "
+            "server.metrics_keys or server.admin_keys once clients have keys) and the admin "
+            "view (GET /admin as a page, GET /admin/nodes as JSON; behind server.admin_keys, "
+            "off when clients have keys and no admin key is set), and accept nodes on the "
+            "/v1/link WebSocket."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -128,12 +130,13 @@ def edge_reloader(args: argparse.Namespace, core: EdgeCore) -> Reloader[EdgeConf
 
 
 async def _main(cfg: EdgeConfig, args: argparse.Namespace) -> int:
-    async with open_stop_signals(log, reload=True) as stop, trio.open_nursery() as nursery:
+    # Without a file there is nothing to re-read: SIGHUP (a closed terminal) stops it.
+    reload = bool(args.config)
+    async with open_stop_signals(log, reload=reload) as stop, trio.open_nursery() as nursery:
         handle = await nursery.start(partial(serve_edge, cfg, shutdown=stop.drain))
-        reloader = edge_reloader(args, handle.core)
-        if args.config:  # else POST /admin/reload answers 409 (SIGHUP logs why)
-            handle.core.reloader = reloader
-        await nursery.start(watch_reloads, stop, reloader)
+        if reload:  # else POST /admin/reload answers 409
+            reloader = handle.core.reloader = edge_reloader(args, handle.core)
+            await nursery.start(watch_reloads, stop, reloader)
         print(describe_edge(handle), flush=True)
         # serve_edge returns once the first signal's drain is done.
     log.info("stopped")

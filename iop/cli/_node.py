@@ -5,8 +5,10 @@ hello with its instances' capabilities, executes the runs the edges assign,
 and reconnects with backoff when a link drops. SIGINT or SIGTERM drains it:
 no new runs, in-flight runs get ``node.drain_timeout_s`` to finish, then the
 rest are cancelled (reason ``shutdown``) and the process exits 0. A second
-signal stops at once. SIGHUP re-reads the config file and applies what
-changed (``iop.cli._reloader``; docs/operations.md, "Reloading").
+signal stops at once. SIGUSR1 restarts the backends the node runs itself
+(``llamacpp`` instances) that are down, a crash loop included. SIGHUP
+re-reads the config file and applies what changed (``iop.cli._reloader``;
+docs/operations.md, "Reloading").
 """
 
 from __future__ import annotations
@@ -19,11 +21,11 @@ from typing import Any
 import trio
 
 from iop._log import scrub
-from iop._reload import NODE_RULES
+from iop._reload import NODE_RULES, managed_instances
 from iop._secrets import node_secrets, register_secrets
 from iop.cli._reloader import Reloader, watch_reloads
 from iop.cli._signals import open_stop_signals
-from iop.config import HTTPInstance, InstanceConfig, NodeConfig, load_config
+from iop.config import HTTPInstance, InstanceConfig, LlamaCppInstance, NodeConfig, load_config
 from iop.errors import ConfigError
 from iop.node import NodeAgent, open_node_agent
 
@@ -65,7 +67,8 @@ def add_parser(sub: Any) -> None:
             "executes the runs the edges assign, and reconnects with exponential backoff "
             "when a link drops. SIGINT/SIGTERM drain it: new runs are refused, in-flight "
             "runs get node.drain_timeout_s to finish, then it exits 0; a second signal "
-            "stops at once (exit 130 for SIGINT, 143 for SIGTERM). SIGHUP (or "
+            "stops at once (exit 130 for SIGINT, 143 for SIGTERM). SIGUSR1 restarts the "
+            "backends the node runs itself (llamacpp instances) that are down. SIGHUP (or "
             "iop reload --pid PID) re-reads the config and applies its instances "
             "(added, removed, changed) without touching the runs in flight."
         ),
@@ -106,7 +109,12 @@ def startup_line(agent: NodeAgent) -> str:
     caps = {c.instance: c for c in agent.capabilities}
     parts = []
     for inst in cfg.instances:
-        where = inst.endpoint if isinstance(inst, HTTPInstance) else "in-process"
+        if isinstance(inst, HTTPInstance):
+            where = inst.endpoint
+        elif isinstance(inst, LlamaCppInstance):
+            where = "started by the node"
+        else:
+            where = "in-process"
         c = caps.get(inst.name)
         targets = ", ".join(c.targets) if c and c.targets else "none yet"
         status = str(c.provider_status) if c else "unknown"
@@ -123,7 +131,11 @@ def startup_line(agent: NodeAgent) -> str:
 async def _run_node(cfg: NodeConfig, path: str) -> int:
     # The signals are watched before anything slow (the first probe), so an
     # early signal is not lost.
-    async with open_stop_signals(log, reload=True) as stop, open_node_agent(cfg) as agent:
+    async with (
+        open_stop_signals(log, restart=True, reload=True) as stop,
+        open_node_agent(cfg) as agent,
+    ):
+        stop.on_restart = agent.restart_backends
         print(startup_line(agent), flush=True)
         reloader = Reloader(
             source=path,
@@ -133,6 +145,7 @@ async def _run_node(cfg: NodeConfig, path: str) -> int:
             apply=agent.apply_config,
             secrets=node_secrets,
             log=log,
+            restart=managed_instances,
         )
         async with trio.open_nursery() as nursery:
             await nursery.start(agent.serve)

@@ -10,8 +10,8 @@ Two ways to reach the process (docs/operations.md, "Reloading"):
 
 Where the edge listens and its admin key come from ``--url`` and ``--key``,
 or from its config file (``--config``): ``server.host``/``server.port`` and
-the first of ``server.admin_keys`` (else ``server.api_keys``). The file is
-read leniently for that, so a file that fails validation is still sent for,
+the first of ``server.admin_keys`` (a client key never opens ``/admin``).
+The file is read leniently for that, so a file that fails validation is still sent for,
 and the edge's reply names what is wrong with it.
 
 Exit status: 0 applied or unchanged (also when keys need a restart: they are
@@ -71,7 +71,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--url", help="the edge's base URL (default: from --config)")
     p.add_argument(
         "--key",
-        help="an admin key (default: $IOP_ADMIN_KEY, else the config's first admin or API key)",
+        help="an admin key (default: $IOP_ADMIN_KEY, else the config's first admin key)",
     )
     p.add_argument(
         "--pid", type=int, help="send SIGHUP to this process instead (a node: it has no HTTP)"
@@ -135,7 +135,7 @@ def _where(args: argparse.Namespace) -> tuple[str, str | None]:
         url = f"http://{host}:{server.get('port', _DEFAULT_PORT)}"
     key = args.key or os.environ.get("IOP_ADMIN_KEY")
     if not key:
-        keys = server.get("admin_keys") or server.get("api_keys") or []
+        keys = server.get("admin_keys") or []
         if keys and isinstance(keys, list):
             key = str(expand_env(keys[0], where="server.admin_keys[0]"))
     return url, key

@@ -46,7 +46,9 @@ class Reloader(Generic[C]):
         secrets: The config's secrets, registered for masking before
             anything logs them.
         log: Where the outcome is logged.
-        restart: Keys that need a restart here whatever ``rules`` say.
+        restart: Keys that need a restart here whatever ``rules`` say, or
+            what says them from the running and the new config
+            (``iop._reload.managed_instances``).
     """
 
     def __init__(
@@ -59,7 +61,7 @@ class Reloader(Generic[C]):
         apply: Callable[[C], None],
         secrets: Callable[[C], Iterable[Secret]],
         log: logging.Logger,
-        restart: Collection[str] = (),
+        restart: Collection[str] | Callable[[C, C], Collection[str]] = (),
     ) -> None:
         self.source = source
         self.running = running
@@ -96,7 +98,8 @@ class Reloader(Generic[C]):
         try:
             new = await trio.to_thread.run_sync(self._load)
             register_secrets(self._secrets(new))
-            plan = plan_reload(self.running, new, self._rules, restart=self._restart)
+            restart = self._restart(self.running, new) if callable(self._restart) else self._restart
+            plan = plan_reload(self.running, new, self._rules, restart=restart)
             if plan.applied:
                 # Checks what it must before it changes anything (ConfigError).
                 self._apply(plan.config)

@@ -15,18 +15,25 @@ The receiver is open before the service starts, so a signal during a slow
 start (a model loading, the first probe) is not lost: the service then
 drains as soon as it is up.
 
-The commands that reload their config (``iop edge``, ``iop node``,
-``iop up``) open it with ``reload=True``: SIGHUP then asks for a reload
-(``reload_requested``; ``iop.cli._reloader.watch_reloads`` does it) instead
-of ending the process. A SIGHUP during the start is kept and served once the
-service is up; several while one reload runs make one more.
+``iop up`` and ``iop node`` also take **SIGUSR1** (``restart=True``): the
+operator's restart of the backends the process runs itself that are down,
+in a backoff or stopped by a crash loop (``StopSignals.on_restart``, set
+once the node runs; docs/operations.md, "When a managed backend dies").
+
+``iop edge``, ``iop node`` and ``iop up`` started with a config file open it
+with ``reload=True``: SIGHUP then asks for a reload (``reload_requested``;
+``iop.cli._reloader.watch_reloads`` does it) instead of ending the process.
+A SIGHUP during the start is kept and served once the service is up;
+several while one reload runs make one more. Without a config file there is
+nothing to re-read, and SIGHUP (a closing terminal) ends the process as
+before.
 """
 
 from __future__ import annotations
 
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import trio
@@ -34,6 +41,7 @@ import trio
 __all__ = ["StopSignals", "open_stop_signals"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+RESTART_SIGNAL = signal.SIGUSR1
 RELOAD_SIGNAL = signal.SIGHUP
 
 
@@ -43,11 +51,14 @@ class StopSignals:
     Attributes:
         drain: Set by the first signal.
         exit_code: 0, or 128 + the number of the signal that stopped at once.
+        on_restart: What SIGUSR1 does: restarts the managed backends that
+            are down and returns their names (None: nothing runs yet).
     """
 
     def __init__(self, log: logging.Logger) -> None:
         self.drain = trio.Event()
         self.exit_code = 0
+        self.on_restart: Callable[[], list[str]] | None = None
         self._log = log
         # Set by a SIGHUP not yet served (one pending reload at most).
         self._reload = trio.Event()
@@ -57,8 +68,22 @@ class StopSignals:
         await self._reload.wait()
         self._reload = trio.Event()
 
+    def _restart(self) -> None:
+        name = RESTART_SIGNAL.name
+        if self.on_restart is None:
+            self._log.warning("%s received while starting: nothing to restart yet", name)
+            return
+        names = self.on_restart()
+        if names:
+            self._log.info("%s received: restarting %s", name, ", ".join(names))
+        else:
+            self._log.info("%s received: no managed backend is down", name)
+
     async def _watch(self, signals: AsyncIterator[int], hard: trio.CancelScope) -> None:
         async for signum in signals:
+            if signum == RESTART_SIGNAL:
+                self._restart()
+                continue
             name = signal.Signals(signum).name
             if signum == RELOAD_SIGNAL:
                 if self.drain.is_set():
@@ -79,7 +104,7 @@ class StopSignals:
 
 @asynccontextmanager
 async def open_stop_signals(
-    log: logging.Logger, *, reload: bool = False
+    log: logging.Logger, *, restart: bool = False, reload: bool = False
 ) -> AsyncIterator[StopSignals]:
     """Watch SIGINT/SIGTERM while the body runs; a second signal cancels the body.
 
@@ -88,10 +113,15 @@ async def open_stop_signals(
 
     Args:
         log: Where the signals are logged.
-        reload: Also watch SIGHUP, for ``StopSignals.reload_requested``.
+        restart: Also take SIGUSR1, for ``StopSignals.on_restart``.
+        reload: Also take SIGHUP, for ``StopSignals.reload_requested``.
     """
     stop = StopSignals(log)
-    watched = (*STOP_SIGNALS, RELOAD_SIGNAL) if reload else STOP_SIGNALS
+    watched = (
+        *STOP_SIGNALS,
+        *((RESTART_SIGNAL,) if restart else ()),
+        *((RELOAD_SIGNAL,) if reload else ()),
+    )
     with trio.open_signal_receiver(*watched) as signals, trio.CancelScope() as hard:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stop._watch, signals, hard)

@@ -6,6 +6,11 @@ server (from the ``xllamacpp`` wheel) running SmolLM2-135M-Instruct (from the
 endpoint on a laptop without a GPU. When those packages are missing (or the
 CPU lacks AVX2) it says so and serves the deterministic ``sim`` backend.
 
+The server is the node's ``llamacpp`` instance (``iop.managed``): the node
+starts it, restarts it when it dies or hangs (``[embedded.supervise]``), and
+stops it; a server that dies never takes ``iop up`` with it. SIGUSR1 restarts
+it after a crash loop.
+
 The node dials the edge over loopback exactly as a remote node would, so what
 runs here is the distributed platform, not a shortcut.
 """
@@ -15,14 +20,13 @@ from __future__ import annotations
 import argparse
 import logging
 import secrets
-from contextlib import AsyncExitStack
 from functools import partial
 from typing import Any
 
 import msgspec
 import trio
 
-from iop._reload import UP_RULES
+from iop._reload import UP_RULES, managed_instances
 from iop._secrets import register_secrets, up_secrets
 from iop.cli._edge import describe_edge
 from iop.cli._reloader import Reloader, watch_reloads
@@ -30,15 +34,15 @@ from iop.cli._signals import open_stop_signals
 from iop.config import (
     EmbeddedBackend,
     InstanceConfig,
+    LlamaCppInstance,
     NodeConfig,
     NodeEdge,
-    OpenAICompatInstance,
     SimInstance,
     UpConfig,
     load_config,
 )
 from iop.edge import EdgeHandle, serve_edge
-from iop.managed import LlamaCppSettings, llamacpp_available, serve_llamacpp
+from iop.managed import llamacpp_available
 from iop.node import open_node_agent
 
 __all__ = ["add_parser"]
@@ -66,8 +70,10 @@ its model 'iop-sim' answers a request with tools with a well-formed call of
 the named tool (or the first one).
 
 SIGINT/SIGTERM drain and exit 0; a second signal stops at once (exit 130 for
-SIGINT, 143 for SIGTERM). SIGHUP, `iop reload` and POST /admin/reload re-read
---config and apply what changed, to the edge and to the node's [[instances]].
+SIGINT, 143 for SIGTERM). The llama.cpp server is restarted when it dies or
+stops answering; after a crash loop, SIGUSR1 restarts it. With --config,
+SIGHUP, `iop reload` and POST /admin/reload re-read the file and apply what
+changed, to the edge and to the node's [[instances]].
 """
 
 
@@ -138,39 +144,26 @@ def _node_config(cfg: UpConfig, link_url: str, instances: list[InstanceConfig]) 
     )
 
 
-def llamacpp_settings(emb: EmbeddedBackend) -> LlamaCppSettings:
-    """How ``iop up`` runs the embedded llama.cpp server."""
-    return LlamaCppSettings(
-        threads=emb.threads, parallel=emb.parallel, ctx=emb.ctx, embeddings=emb.embeddings
-    )
-
-
-def llamacpp_instance(emb: EmbeddedBackend, url: str, alias: str) -> OpenAICompatInstance:
-    """The node's instance for the embedded llama.cpp server at ``url``."""
-    operations = ["chat", "completion", "tokenize"]
-    if emb.embeddings:
-        operations.insert(2, "embedding")
-    return OpenAICompatInstance(
+def llamacpp_instance(emb: EmbeddedBackend) -> LlamaCppInstance:
+    """The node's instance that runs the embedded llama.cpp server."""
+    return LlamaCppInstance(
         name="llamacpp",
-        provider="llama.cpp",
-        endpoint=url,
-        max_concurrency=emb.parallel,
-        targets=[alias],
-        operations=operations,
+        threads=emb.threads,
+        parallel=emb.parallel,
+        ctx=emb.ctx,
+        embeddings=emb.embeddings,
+        supervise=emb.supervise,
     )
 
 
-async def _embedded_instances(
-    cfg: UpConfig, stack: AsyncExitStack, nursery: trio.Nursery
-) -> list[InstanceConfig]:
+def embedded_instances(cfg: UpConfig) -> list[InstanceConfig]:
+    """The instances of ``iop up`` when its config has none: llama.cpp, or ``sim``."""
     emb = cfg.embedded
     if emb.kind == "llamacpp":
         reason = llamacpp_available()
         if reason is None:
             log.info("starting llama.cpp (SmolLM2-135M-Instruct) ...")
-            endpoint = await nursery.start(serve_llamacpp, llamacpp_settings(emb))
-            log.info("llama.cpp ready at %s (model loaded in %.1fs)", endpoint.url, endpoint.load_s)
-            return [llamacpp_instance(emb, endpoint.url, endpoint.alias)]
+            return [llamacpp_instance(emb)]
         log.warning(
             "the embedded llama.cpp backend is unavailable (%s); "
             "serving the simulated backend 'iop-sim' instead",
@@ -180,22 +173,21 @@ async def _embedded_instances(
 
 
 async def _up(cfg: UpConfig, args: argparse.Namespace) -> int:
-    async with (
-        open_stop_signals(log, reload=True) as stop,
-        AsyncExitStack() as stack,
-        trio.open_nursery() as backends,
-    ):
-        instances = cfg.instances or await _embedded_instances(cfg, stack, backends)
+    reload = bool(args.config)  # without a file SIGHUP (a closed terminal) stops it
+    async with open_stop_signals(log, restart=True, reload=reload) as stop:
+        instances = cfg.instances or embedded_instances(cfg)
         async with trio.open_nursery() as nursery:
             handle: EdgeHandle = await nursery.start(
                 partial(serve_edge, cfg.edge, shutdown=stop.drain)
             )
             node_cfg = _node_config(cfg, handle.link_url, instances)
             async with open_node_agent(node_cfg) as agent:
+                stop.on_restart = agent.restart_backends
 
                 def apply(new: UpConfig) -> None:
-                    handle.core.apply_config(new.edge)
+                    # The node first: it may refuse (ConfigError) before it changes anything.
                     agent.apply_config(_node_config(new, handle.link_url, instances))
+                    handle.core.apply_config(new.edge)
 
                 reloader = Reloader(
                     source=args.config,
@@ -205,12 +197,13 @@ async def _up(cfg: UpConfig, args: argparse.Namespace) -> int:
                     apply=apply,
                     secrets=up_secrets,
                     log=log,
-                    # The embedded backend serves until a restart.
-                    restart=() if cfg.instances else ("instances",),
+                    # The embedded backend serves until a restart, and a
+                    # backend the node runs itself is started once.
+                    restart=managed_instances if cfg.instances else ("instances",),
                 )
-                if args.config:  # else POST /admin/reload answers 409 (SIGHUP logs why)
+                if reload:  # else POST /admin/reload answers 409
                     handle.core.reloader = reloader
-                await nursery.start(watch_reloads, stop, reloader)
+                    await nursery.start(watch_reloads, stop, reloader)
                 node_scope = trio.CancelScope()
 
                 async def run_node(
@@ -230,6 +223,5 @@ async def _up(cfg: UpConfig, args: argparse.Namespace) -> int:
                 await stop.drain.wait()
                 await agent.drain(agent.config.node.drain_timeout_s)  # a reload may change it
                 node_scope.cancel()
-        backends.cancel_scope.cancel()
     log.info("stopped")
     return stop.exit_code

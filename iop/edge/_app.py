@@ -90,11 +90,19 @@ from iop.api import (
     wants_anthropic,
 )
 from iop.config import EdgeConfig
-from iop.edge._admin_auth import COOKIE_NAME, AdminGate, Verdict
+from iop.edge._admin_auth import (
+    ADMIN_OFF_MESSAGE,
+    COOKIE_NAME,
+    METRICS_OFF_MESSAGE,
+    AdminGate,
+    MetricsGate,
+    Verdict,
+)
 from iop.edge._admin_page import (
     RECENT_ON_PAGE,
     render_admin_page,
     render_login_page,
+    render_off_page,
     render_run_page,
 )
 from iop.edge._core import EdgeCore
@@ -305,6 +313,14 @@ def _login_page(message: str | None, status: int, gate: AdminGate) -> Response:
     return _html(render_login_page(message), status, headers)
 
 
+def _admin_off_page() -> Response:
+    return _html(render_off_page(ADMIN_OFF_MESSAGE), 403)
+
+
+def _admin_off() -> Response:
+    return _error(403, ADMIN_OFF_MESSAGE, code=ErrorCode.ADMIN_DISABLED)
+
+
 def _see_other(location: str) -> Response:
     return Response(b"", status=303, headers={**_ADMIN_HEADERS, "Location": location})
 
@@ -368,11 +384,20 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
     app.config["BODY_TIMEOUT"] = cfg.server.body_read_timeout_s
     app.config["MAX_CONTENT_LENGTH"] = cfg.server.max_body_bytes
     tenants = core.tenants
+    # Who may open /admin and /metrics: _admin_auth. A client key never does.
     gate = AdminGate(
-        cfg.server.admin_keys or cfg.server.api_keys,
+        cfg.server.admin_keys,
         session_s=cfg.server.admin_session_s,
         failures_per_minute=cfg.server.admin_login_failures_per_minute,
+        clients_keyed=not tenants.open,
     )
+    metrics_gate = MetricsGate(
+        cfg.server.metrics_keys, cfg.server.admin_keys, clients_keyed=not tenants.open
+    )
+    if gate.off:
+        log.warning("%s", ADMIN_OFF_MESSAGE)
+    if metrics_gate.off:
+        log.warning("%s", METRICS_OFF_MESSAGE)
 
     # The API surfaces by route: errors on their routes (401, 404, 413...) take
     # their shape. The routes themselves: ``surface_routes``.
@@ -512,11 +537,18 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        verdict = metrics_gate.check(request.headers.get("Authorization"))
+        if verdict is Verdict.DISABLED:
+            return _error(403, METRICS_OFF_MESSAGE, code=ErrorCode.METRICS_DISABLED)
+        if verdict is not Verdict.ALLOWED:
+            return _error(401, "Incorrect API key provided.", code=ErrorCode.INVALID_API_KEY)
         return Response(core.metrics.render(), status=200, content_type=METRICS_CONTENT_TYPE)
 
     @app.get("/admin")
     async def admin_page() -> Response:
         verdict = admin_verdict()
+        if verdict is Verdict.DISABLED:
+            return _admin_off_page()
         if verdict is Verdict.THROTTLED:
             return _login_page(_throttled_message(gate), 429, gate)
         if verdict is Verdict.DENIED:
@@ -528,6 +560,8 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
     def admin_refusal() -> Response | None:
         """The JSON refusal of an admin API request, or None when it may go on."""
         verdict = admin_verdict()
+        if verdict is Verdict.DISABLED:
+            return _admin_off()
         if verdict is Verdict.THROTTLED:
             return _error(
                 429,
@@ -614,6 +648,8 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         form = request.mimetype == "application/x-www-form-urlencoded"
         if form:
             verdict = admin_verdict()
+            if verdict is Verdict.DISABLED:
+                return _admin_off_page()
             if verdict is Verdict.THROTTLED:
                 return _login_page(_throttled_message(gate), 429, gate)
             if verdict is Verdict.DENIED:
@@ -650,15 +686,24 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
     async def admin_undrain(node_id: str) -> Response:
         return await drain_or_undrain(node_id, drain=False)
 
-    def reconfigure_gate(config: EdgeConfig) -> None:
+    def reconfigure_gates(config: EdgeConfig) -> None:
+        # After the tenants (EdgeCore.apply_config): whether clients have keys.
         server = config.server
+        keyed = not tenants.open
+        was_off, metrics_was_off = gate.off, metrics_gate.off
         gate.reconfigure(
-            server.admin_keys or server.api_keys,
+            server.admin_keys,
             session_s=server.admin_session_s,
             failures_per_minute=server.admin_login_failures_per_minute,
+            clients_keyed=keyed,
         )
+        metrics_gate.reconfigure(server.metrics_keys, server.admin_keys, clients_keyed=keyed)
+        if gate.off and not was_off:
+            log.warning("%s", ADMIN_OFF_MESSAGE)
+        if metrics_gate.off and not metrics_was_off:
+            log.warning("%s", METRICS_OFF_MESSAGE)
 
-    core.reload_hooks.append(reconfigure_gate)
+    core.reload_hooks.append(reconfigure_gates)
 
     @app.post("/admin/reload")
     async def admin_reload() -> Response:
@@ -700,6 +745,8 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         browser = _wants_html(request.headers.get("Accept", ""))
         if browser:
             verdict = admin_verdict()
+            if verdict is Verdict.DISABLED:
+                return _admin_off_page()
             if verdict is Verdict.THROTTLED:
                 return _login_page(_throttled_message(gate), 429, gate)
             if verdict is Verdict.DENIED:
@@ -730,6 +777,8 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             return _cross_origin_refused()
         form = await request.form
         verdict = gate.login(form.get("key", ""))
+        if verdict is Verdict.DISABLED:
+            return _admin_off_page()
         if verdict is Verdict.THROTTLED:
             return _login_page(_throttled_message(gate), 429, gate)
         if verdict is Verdict.DENIED:
@@ -857,7 +906,12 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
     @app.post(COUNT_TOKENS_PATH)
     async def count_tokens() -> Response:
         """Anthropic's count_tokens: a tokenize run on the model's backend; IOP's
-        estimate (said so in a header) when the backend has no tokenizer."""
+        estimate (said so in a header) when the backend has no tokenizer.
+
+        A request of its tenant like any other: it takes one from
+        ``requests_per_minute`` and a place of ``max_concurrent_runs`` while
+        it runs (429 over either), and reserves and is charged no tokens:
+        it generates none (docs/operations.md, "Tenants and limits")."""
         headers = _headers()
         tenant = tenants.identify(anthropic_key(headers))
         if tenant is None:
@@ -873,8 +927,15 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             counted = messages.parse_count_tokens(body)
             if not tenant.may_use(counted.model):
                 raise no_access(counted.model)
+            # A count is a run on a node: one request of its tenant's limits
+            # and a place in its tenant's line, not a free one beside them.
+            ticket = await core.admit(tenant, 0)
+        except RateLimited as exc:
+            core.metrics.tenant_refused.labels(tenant.name, exc.limit).inc()
+            return _from_exc(exc, messages, retry_headers(exc, anthropic=True))
         except RequestError as exc:
             return _from_exc(exc, messages)
+        limit_headers = rate_headers(ticket.limits, anthropic=True) if ticket.limits else {}
         tokenize = TokenizeRequest(
             model=counted.model, messages=counted.messages, tools=counted.tools
         )
@@ -885,8 +946,9 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             traceparent=valid_traceparent(headers.get("traceparent")),
         )
         try:
-            run = core.start_run(spec, collect=True)
+            run = core.start_run(spec, collect=True, ticket=ticket)
         except IopError as exc:
+            core.settle(ticket, Usage())  # it never ran
             if exc.code != ErrorCode.OPERATION_NOT_SUPPORTED:
                 return _from_exc(exc, messages)
             run = None  # no instance of the model counts tokens: estimate here
@@ -909,7 +971,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
                 failed = shape_failure(end)
                 return _error(failed.status, failed.message, code=failed.code, surface=messages)
         status, out, extra = messages.count_tokens(counted, exact=exact)
-        return _json_response(out, status, extra)
+        return _json_response(out, status, {**extra, **limit_headers})
 
     surfaces[COUNT_TOKENS_PATH] = messages
 

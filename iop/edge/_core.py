@@ -70,7 +70,7 @@ from iop.edge._registry import (
     Scheduler,
     affinity_key,
 )
-from iop.edge._tenants import Tenant, Tenants, Ticket, charged_usage
+from iop.edge._tenants import Tenant, Tenants, Ticket, charged_usage, estimate_prompt_tokens
 from iop.edge._timeline_export import TimelineExport
 from iop.errors import (
     ErrorCode,
@@ -225,8 +225,11 @@ class RemoteExecutor:
         model, op = spec.model, spec.operation
         excluded: set[str] = set()
         last: _Retry | None = None
-        affinity = affinity_key(spec.request) if core.config.scheduler.affinity else None
-        prefix = core.scheduler.prompt_blocks(spec.request)
+        # A tenant's conversations and prefixes are its own: the run's cache
+        # salt scopes them as it scopes the backend's cache (start_run).
+        scope = spec.cache_salt
+        affinity = affinity_key(spec.request, scope) if core.config.scheduler.affinity else None
+        prefix = core.scheduler.prompt_blocks(spec.request, scope)
         share = core.tenants.share_of(send.timeline.tenant)
         attempts = MAX_ATTEMPTS if core.config.scheduler.failover else 1
         for attempt in range(attempts):
@@ -447,7 +450,8 @@ class EdgeCore:
         Args:
             spec: The run.
             ticket: The client's admission by its tenant (``iop.edge._tenants``),
-                settled when the run ends; its tenant's share orders the queue.
+                settled when the run ends; its tenant's share orders the queue,
+                and its tenant's cache salt keeps the run's prefix cache apart.
             collect: The caller reads the events only to build one answer
                 (a non-streaming request): the node may send them in a few
                 merged messages instead of one per token (``Assign.collect``).
@@ -490,6 +494,12 @@ class EdgeCore:
                 param="model",
             )
         self.scheduler.admit(model, op, EVEN_SHARE if ticket is None else ticket.tenant.share)
+        if ticket is not None:
+            # The tenant's own prefix cache, on the edge and on the backend
+            # (iop.edge._tenants, "Prefix caches").
+            salt = self.tenants.cache_salt(ticket.tenant, spec.request)
+            if salt:
+                spec = msgspec.structs.replace(spec, cache_salt=salt)
         self.runs_started += 1
         window = self.config.link.run_window or RUN_BUFFER_WITHOUT_CREDIT
         trace = None
@@ -503,6 +513,10 @@ class EdgeCore:
             buffer=window + 2,
             stall_at=window,
             write_stall_timeout_s=self.config.server.write_stall_timeout,
+            # What a cancel after the first output charges for the prompt:
+            # the estimate admission reserved (docs/operations.md, "Tenants
+            # and limits").
+            prompt_tokens=estimate_prompt_tokens(spec.request),
         )
         timeline = run.timeline
         timeline.stream = not collect
@@ -579,10 +593,11 @@ class EdgeCore:
         """Count a finished run (the metrics' run counter, which /admin reads too)
         and keep its timeline."""
         now = trio.current_time()
-        self.metrics.record(run, now)
+        charged = charged_usage(run.outcome, run.spec.operation)
+        self.metrics.record(run, now, charged)
         ticket = self._tickets.pop(run.run_id, None)
         if ticket is not None:
-            self.settle(ticket, charged_usage(run.outcome))
+            self.settle(ticket, charged)
         self.timelines.add(run.timeline)
         if self.export is not None:
             self.export.add(run.timeline)

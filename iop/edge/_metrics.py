@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from iop.events import Cancelled, Complete, Error
+from iop.events import Cancelled, Complete, Error, Usage
 
 if TYPE_CHECKING:
     from iop._secrets import SecretMasker
@@ -162,7 +162,8 @@ class EdgeMetrics:
         )
         self.tenant_tokens = Counter(
             "iop_tenant_tokens",
-            "Tokens of ended runs (complete or cancelled), by tenant and kind (input, output).",
+            "Tokens charged to tenants by their ended runs (what their limits count), "
+            "by tenant and kind (input, output).",
             ["tenant", "kind"],
             registry=self.registry,
         )
@@ -175,8 +176,9 @@ class EdgeMetrics:
         )
         self.registry.register(_LiveCollector(nodes, scheduler, supervisor))
 
-    def record(self, run: Run, now: float) -> None:
-        """Count one ended run (called once per run, off the hot path)."""
+    def record(self, run: Run, now: float, charged: Usage | None) -> None:
+        """Count one ended run (called once per run, off the hot path), and
+        for its tenant what it was ``charged`` (``iop.edge._tenants.charged_usage``)."""
         model = run.spec.model
         o = run.outcome
         if isinstance(o, Complete):
@@ -200,11 +202,11 @@ class EdgeMetrics:
         tenant = run.timeline.tenant
         if tenant:
             self.tenant_runs.labels(tenant, outcome).inc()
-            if isinstance(o, Complete | Cancelled):
-                if o.usage.input_tokens:
-                    self.tenant_tokens.labels(tenant, "input").inc(o.usage.input_tokens)
-                if o.usage.output_tokens:
-                    self.tenant_tokens.labels(tenant, "output").inc(o.usage.output_tokens)
+            if charged is not None:
+                if charged.input_tokens:
+                    self.tenant_tokens.labels(tenant, "input").inc(charged.input_tokens)
+                if charged.output_tokens:
+                    self.tenant_tokens.labels(tenant, "output").inc(charged.output_tokens)
         self.duration.labels(model, outcome).observe(max(0.0, now - run.started_at))
         if run.first_output_at is not None:
             self.ttft.labels(model).observe(max(0.0, run.first_output_at - run.started_at))
@@ -229,8 +231,10 @@ class EdgeMetrics:
     def render(self) -> bytes:
         """The registry in Prometheus' text format, the edge's secrets masked.
 
-        Label values (node ids, instance names, models) come from nodes and
-        clients; /metrics is scraped without an API key.
+        Label values (node ids, instance names, models) come from nodes,
+        which may echo a secret; a client chooses none of them (``model`` is
+        one a node serves, ``tenant`` a configured name: docs/operations.md,
+        "Tenants and limits"). Who may scrape: ``iop.edge._admin_auth``.
         """
         text = generate_latest(self.registry)
         if not self.masker:

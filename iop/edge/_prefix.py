@@ -14,6 +14,13 @@ A prompt's blocks (``prompt_blocks``) are cut from its rendered messages
 characters each (about a quarter as many tokens), with no tokenizer: an
 approximation of the backend's blocks, which is all placement needs.
 
+Per tenant: a prompt's blocks are seeded with its run's cache scope (the
+run's ``cache_salt``, ``iop.edge._tenants``), as vLLM seeds a salted
+prompt's first block, so one tenant's prompt never matches what another
+tenant's identical prompt left on an instance: placement cannot draw a
+tenant's guess to the instance that holds another's prompt
+(docs/operations.md, "Tenants and limits", "Prefix caches").
+
 Bounded (production-stack #687: a prefix tree without a bound took its router
 down): one least-recently-used map of (instance, block) across all
 instances, at most ``scheduler.prefix_index_bytes`` over ``ENTRY_BYTES``
@@ -58,17 +65,19 @@ def _rendered(request: OperationRequest) -> bytes | None:
     return None
 
 
-def prompt_blocks(request: OperationRequest, block_chars: int) -> list[bytes]:
+def prompt_blocks(request: OperationRequest, block_chars: int, scope: str = "") -> list[bytes]:
     """The chained hashes of the full ``block_chars`` blocks of ``request``'s prompt.
 
     The JSON of the rendered messages grows at the end as a conversation
     does, so two turns of one conversation share their leading blocks.
+    ``scope`` (the run's cache salt) seeds the chain: prompts of different
+    scopes share no block; the empty scope is the shared cache.
     """
     text = _rendered(request)
     if text is None:
         return []
     out: list[bytes] = []
-    parent = _SEED
+    parent = _SEED + scope.encode()
     for start in range(0, len(text) - block_chars + 1, block_chars):
         parent = hashlib.blake2b(
             parent + text[start : start + block_chars], digest_size=16

@@ -10,7 +10,8 @@ and its operation (``Capabilities.operations``: chat, completion, embedding,
 tokenize) and has a free slot (``in_flight < max_concurrency``), unless the run's
 conversation was served before by an instance that still has a free slot:
 then it goes there again (session affinity, so the backend's prefix cache
-holds the prompt's head; see ``affinity_key``). When none has, the run
+holds the prompt's head; see ``affinity_key``; a conversation is its
+tenant's alone unless tenants share their caches). When none has, the run
 waits in the queue, bounded by ``queue_timeout_s`` (->
 ``Cancelled(queue_timeout)``). Every change of capacity (a run ends, a node
 joins or updates its capabilities) calls ``dispatch()``, which hands free
@@ -355,16 +356,23 @@ class NodeConnection:
     held: deque[RunEventsReceived] = field(default_factory=deque)
 
     def update_instances(self, caps: list[Capabilities]) -> None:
+        """The node's new capabilities; an instance it still has keeps its state.
+
+        The same ``InstanceState`` object, not a copy: the leases of runs in
+        flight hold it, and their release must free the slot the scheduler
+        counts now (a copy kept the count of its time, and an update during
+        runs, e.g. a backend that died under them, left the instance full).
+        """
         old = self.instances
-        self.instances = {
-            c.instance: InstanceState(
-                self.node_id,
-                c,
-                old[c.instance].in_flight if c.instance in old else 0,
-                old[c.instance].reported if c.instance in old else None,
-            )
-            for c in caps
-        }
+        instances = {}
+        for c in caps:
+            inst = old.get(c.instance)
+            if inst is None:
+                inst = InstanceState(self.node_id, c)
+            else:
+                inst.caps = c
+            instances[c.instance] = inst
+        self.instances = instances
 
     def on_load(self, loads: list[InstanceLoad], now: float) -> None:
         """The node's load report: kept per instance it advertised (others ignored)."""
@@ -551,14 +559,24 @@ AFFINITY_PROMPT_HEAD_IDS: Final = 512
 PLACEMENT_CANDIDATES_KEPT: Final = 32
 
 
-def affinity_key(request: OperationRequest) -> str | None:
+def affinity_key(request: OperationRequest, scope: str = "") -> str | None:
     """A stable key for the conversation ``request`` belongs to.
 
     The client's ``user`` field when set (an explicit session), else a hash
     of the model and the conversation's head messages (chat) or the prompt's
     head (legacy completions). Embeddings and token counts without ``user``
-    have no conversation and no prefix to reuse: None.
+    have no conversation and no prefix to reuse: None. ``scope`` (the run's
+    cache salt: its tenant's, ``iop.edge._tenants``) comes first, so that
+    another tenant's identical head or ``user`` is another conversation;
+    the empty scope is the shared cache.
     """
+    key = _unscoped_affinity_key(request)
+    if key is None or not scope:
+        return key
+    return f"{len(scope)}:{scope}:{key}"  # the length keeps any scope unambiguous
+
+
+def _unscoped_affinity_key(request: OperationRequest) -> str | None:
     user = getattr(request, "user", None)
     if user:
         return f"user:{request.model}:{user}"
@@ -805,11 +823,12 @@ class Scheduler:
     def serves(self, model: str, operation: str = "chat") -> bool:
         return self.could_serve(model, frozenset(), operation)
 
-    def prompt_blocks(self, request: OperationRequest) -> list[bytes]:
-        """``request``'s prompt blocks when placement looks at them, else none."""
+    def prompt_blocks(self, request: OperationRequest, scope: str = "") -> list[bytes]:
+        """``request``'s prompt blocks in ``scope`` (the run's cache salt)
+        when placement looks at them, else none."""
         if self.settings.placement != "prefix":
             return []
-        return prompt_blocks(request, self.settings.prefix_block_chars)
+        return prompt_blocks(request, self.settings.prefix_block_chars, scope)
 
     def _pick(
         self,

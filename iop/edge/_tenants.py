@@ -19,17 +19,39 @@ The limits (docs/operations.md, "Tenants and limits"):
   ``max_tokens``) from the token bucket; when its run ends the reservation
   is settled against the usage the run reported (refunded, or charged
   further: a bucket may go below zero, and the tenant then waits for it to
-  refill);
+  refill). A run cancelled after its first output is charged its prompt
+  (``charged_usage``); a token count (``count_tokens``) takes a request and
+  reserves no tokens;
 * concurrent runs are a count, released when the run ends.
 
 A request over a limit is refused with 429 before it reaches the queue:
 ``RateLimited`` says which limit, when to retry, and the state of each
 bucket for the response headers (OpenAI's ``x-ratelimit-*``, Anthropic's
 ``anthropic-ratelimit-*``: ``headers_openai``, ``headers_anthropic``).
+
+Prefix caches (docs/operations.md, "Tenants and limits", "Prefix caches").
+A cached prefix answers faster and says so (``cached_tokens``), so a tenant
+that may hit another's cache can test guesses of its prompts. Every tenant
+of an edge with several has a cache of its own: ``Tenants.cache_salt`` is
+the run's ``ExecutionSpec.cache_salt``, which scopes the edge's affinity
+and prefix index (``iop.edge._registry``, ``iop.edge._prefix``) and is sent
+to backends that isolate per request (vLLM's ``cache_salt``). A salt is a
+keyed BLAKE2b of the tenant's name (and of the client's own ``cache_salt``,
+so a client may still split its tenant's cache, and can never name
+another's), under ``tenancy.cache_salt_key`` or, when none is set, a fixed
+public key, so that a tenant's salt is the same through every edge and
+across restarts. Isolation does not rest on the key's secrecy: a client
+never chooses the salt its run carries (its own is folded into its
+tenant's), so no request through the edge can carry another tenant's. The
+key keeps the salts from being computed by someone who reaches a backend
+directly, without the edge; that needs the key set. Tenants with ``share_prefix_cache`` share one
+unsalted cache, as does every run of an edge with one tenant (the open
+edge's ``anonymous``, or ``default`` with no ``[[tenants]]``).
 """
 
 from __future__ import annotations
 
+import base64
 import enum
 import hashlib
 import math
@@ -38,6 +60,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Final
+
+import msgspec
 
 from iop.api import estimate_input_tokens
 from iop.config import TenancySettings, TenantSettings
@@ -48,6 +72,7 @@ from iop.spec import (
     ChatRequest,
     CompletionRequest,
     EmbeddingRequest,
+    Operation,
     OperationRequest,
     TokenizeRequest,
 )
@@ -63,6 +88,7 @@ __all__ = [
     "Ticket",
     "Via",
     "charged_usage",
+    "estimate_prompt_tokens",
     "estimate_tokens",
     "headers_anthropic",
     "headers_openai",
@@ -70,6 +96,10 @@ __all__ = [
     "rate_headers",
     "retry_headers",
 ]
+
+# The key salts are derived under when ``tenancy.cache_salt_key`` is empty
+# (module docstring): public, so that every edge derives the same salts.
+_PUBLIC_SALT_KEY: Final = b"iop-cache-salt-v1"
 
 ANONYMOUS: Final = "anonymous"
 """The tenant of every request when the edge has no keys at all."""
@@ -82,6 +112,13 @@ PRIORITIES: Final = {"high": 0, "normal": 1, "low": 2}
 # The chars-per-token ratio of iop.api.messages._tokens, for prompts that are
 # not chat messages.
 _CHARS_PER_TOKEN: Final = 4
+
+# A salt is 32 bytes, 43 characters of URL-safe base64: vLLM asks for a salt
+# "long enough to be unpredictable (e.g., 43 characters base64-encoded,
+# corresponding to 256 bit)" (the field's description since
+# https://github.com/vllm-project/vllm/pull/17045).
+_SALT_BYTES: Final = 32
+_SALT_PERSON: Final = b"iop-cache-salt"
 
 
 class Bucket:
@@ -148,6 +185,8 @@ class Tenant:
     tokens: Bucket | None
     max_concurrent: int
     share: QueueShare = EVEN_SHARE
+    # Its prompts get a prefix cache of their own (``Tenants.cache_salt``).
+    isolated: bool = False
     running: int = 0
     # Counters since the edge started (the admin page and /metrics).
     admitted: int = 0
@@ -225,19 +264,28 @@ class RateLimited(RequestError):
 
 
 def estimate_tokens(request: OperationRequest, default_max_tokens: int) -> int:
-    """What a request reserves against ``tokens_per_minute``: its prompt,
-    estimated as ``count_tokens`` does (docs/api.md, "count_tokens"), plus
-    the output it may produce."""
+    """What a request reserves against ``tokens_per_minute``: its prompt
+    (``estimate_prompt_tokens``) plus the output it may produce."""
+    prompt = estimate_prompt_tokens(request)
     if isinstance(request, ChatRequest):
-        out = request.max_completion_tokens or request.max_tokens or default_max_tokens
-        return estimate_input_tokens(request) + out
+        return prompt + (request.max_completion_tokens or request.max_tokens or default_max_tokens)
+    if isinstance(request, CompletionRequest):
+        return prompt + (request.max_tokens or default_max_tokens)
+    return prompt
+
+
+def estimate_prompt_tokens(request: OperationRequest) -> int:
+    """A request's prompt, estimated as ``count_tokens`` does (docs/api.md,
+    "count_tokens"): what it reserves, and what it is charged for its prompt
+    when it is cancelled after its first output (``iop.runtime``'s
+    ``Run.prompt_tokens``). A token count's is 0: it generates nothing, so
+    it reserves and is charged no tokens."""
+    if isinstance(request, ChatRequest):
+        return estimate_input_tokens(request)
     if isinstance(request, CompletionRequest):
         prompt = request.prompt
         # A prompt of token ids is its length in tokens.
-        given = (
-            math.ceil(len(prompt) / _CHARS_PER_TOKEN) if isinstance(prompt, str) else len(prompt)
-        )
-        return given + (request.max_tokens or default_max_tokens)
+        return math.ceil(len(prompt) / _CHARS_PER_TOKEN) if isinstance(prompt, str) else len(prompt)
     if isinstance(request, EmbeddingRequest):
         return sum(
             math.ceil(len(i) / _CHARS_PER_TOKEN) if isinstance(i, str) else len(i)
@@ -285,20 +333,31 @@ class Tenants:
 
         A tenant that stays (by name) keeps its live state: its buckets'
         levels (capped at a lowered limit), its running count and its
-        counters; only its keys, models and limits change. A tenant that is
-        gone is forgotten: its keys are refused from now on, while its
-        admitted runs go on and are settled on the state they hold. Nothing
-        awaits: a request is identified either before or after the change.
+        counters; only its keys, models, limits and cache isolation change.
+        A tenant that is gone is forgotten: its keys are refused from now on,
+        while its admitted runs go on and are settled on the state they hold.
+        Nothing awaits: a request is identified either before or after the
+        change.
         """
         before = self.all
         self.tenancy = tenancy
         self.open = not tenants and not api_keys
         by_digest: dict[str, Tenant] = {}
         everyone: dict[str, Tenant] = {}
+        # What salts are keyed with: the configured secret, or a fixed public
+        # key (module docstring: isolation comes from clients never choosing
+        # their salt; the key's secrecy only matters against someone who can
+        # reach a backend directly).
+        self._salt_key = hashlib.sha256(
+            tenancy.cache_salt_key.encode() or _PUBLIC_SALT_KEY
+        ).digest()
         if self.open:
             everyone[ANONYMOUS] = before.get(ANONYMOUS) or _unlimited(ANONYMOUS)
         if api_keys:
             default = everyone[DEFAULT] = before.get(DEFAULT) or _unlimited(DEFAULT)
+            # Among tenants, ``default`` is one more; alone, it has nobody to
+            # be kept from.
+            default.isolated = bool(tenants)
             for key in api_keys:
                 by_digest[digest(key)] = default
         for t in tenants:
@@ -312,6 +371,7 @@ class Tenants:
             tenant.tokens = _rebucket(tenant.tokens, t.tokens_per_minute, now)
             tenant.max_concurrent = t.max_concurrent_runs
             tenant.share = QueueShare(t.name, PRIORITIES[t.priority], t.weight)
+            tenant.isolated = not t.share_prefix_cache
             everyone[t.name] = tenant
             for d in t.key_sha256:
                 by_digest[d] = tenant
@@ -423,6 +483,25 @@ class Tenants:
             used = usage.input_tokens + usage.output_tokens
             tenant.tokens.give(ticket.reserved_tokens - used, now)
 
+    def cache_salt(self, tenant: Tenant, request: OperationRequest) -> str:
+        """The cache salt of a run of ``tenant`` (``ExecutionSpec.cache_salt``).
+
+        Empty for a tenant that shares its cache. Else a keyed digest of the
+        tenant's name and the client's own ``cache_salt`` (any JSON value, or
+        none): the same for every run of the tenant with the same client
+        salt, and never another tenant's (module docstring).
+        """
+        if not tenant.isolated:
+            return ""
+        extra = getattr(request, "extra_body", None) or {}
+        mac = hashlib.blake2b(
+            msgspec.json.encode([tenant.name, extra.get("cache_salt")]),
+            key=self._salt_key,
+            digest_size=_SALT_BYTES,
+            person=_SALT_PERSON,
+        )
+        return base64.urlsafe_b64encode(mac.digest()).rstrip(b"=").decode()
+
     def share_of(self, name: str) -> QueueShare:
         """The queue share of the tenant ``name`` (an even one if unknown)."""
         tenant = self.all.get(name)
@@ -454,13 +533,15 @@ class Tenants:
         return out
 
 
-def charged_usage(outcome: object) -> Usage | None:
+def charged_usage(outcome: object, operation: Operation) -> Usage | None:
     """What a run's tenant is charged: the usage a completed or cancelled run
-    reported (a cancelled run's is estimated from what it streamed); nothing
-    for a run that failed (the platform's failure, not the tenant's use);
-    None (the reservation stands) when the outcome is unknown."""
+    reported (a cancelled run's is its prompt once the backend had read it,
+    and what it streamed: ``iop.runtime``, "What a ``Cancelled`` run used");
+    nothing for a run that failed (the platform's failure, not the tenant's
+    use) nor for a token count (it generates nothing); None (the
+    reservation stands) when the outcome is unknown."""
     if isinstance(outcome, Complete | Cancelled):
-        return outcome.usage
+        return Usage() if operation == "tokenize" else outcome.usage
     if isinstance(outcome, Error):
         return Usage()
     return None
@@ -477,7 +558,7 @@ def _rebucket(bucket: Bucket | None, limit: int, now: float) -> Bucket | None:
     return bucket
 
 
-def _unlimited(name: str) -> Tenant:
+def _unlimited(name: str, *, isolated: bool = False) -> Tenant:
     return Tenant(
         name=name,
         models=frozenset(),
@@ -485,6 +566,7 @@ def _unlimited(name: str) -> Tenant:
         tokens=None,
         max_concurrent=0,
         share=QueueShare(name),
+        isolated=isolated,
     )
 
 

@@ -24,13 +24,22 @@ the run was assigned; the first-token deadline starts once it has a slot.
 When the probe finds that the instances changed, each link queues a
 ``CapabilitiesUpdate``.
 
+An instance whose backend the node runs itself (a ``llamacpp`` instance:
+``iop.managed``) has a supervisor, started in the agent's nursery before the
+first probe (which so sees whether the first start served). Each change of
+its state (gone, restarting, a crash loop, serving again) makes the probe
+loop probe at once, so the edges hear of it without waiting for
+``probe_interval_s``; ``restart_backends`` is the operator's restart
+(SIGUSR1).
+
 A config reload (``apply_config``; docs/operations.md, "Reloading") adds,
 removes and replaces instances while the node runs: an instance removed is
 no longer advertised (a ``CapabilitiesUpdate`` at once) and refuses new
 runs, a changed one gets a new adapter for the runs that start from then on;
 the runs already going keep the adapter they started on, which is closed
 once the last of them ends. Then every instance is probed at once, and what
-the probe finds goes to the edges as above.
+the probe finds goes to the edges as above. A ``llamacpp`` instance is
+started once: a change of one waits for a restart (``iop._reload``).
 
 Several edges may share the node; its slots are the authority on what an
 instance takes, whichever edge sent the run. Every change of an instance's
@@ -52,9 +61,9 @@ import trio
 
 from iop import __version__
 from iop._secrets import SecretMasker, node_secrets
-from iop.adapters import Adapter, EngineLoadReader, build_adapter
+from iop.adapters import Adapter, EngineLoadReader
 from iop.capabilities import Capabilities, ProviderStatus
-from iop.config import NodeConfig, NodeEdge
+from iop.config import LlamaCppInstance, NodeConfig, NodeEdge
 from iop.errors import (
     ConfigError,
     ErrorCode,
@@ -65,6 +74,7 @@ from iop.errors import (
     LinkProtocolError,
 )
 from iop.events import CancelReason, Error
+from iop.managed import SupervisedAdapter, Supervisor, build_instance_adapter
 from iop.node._dial import MIN_RECONNECT_DELAY_S, STABLE_LINK_S, ConnectFactory, Dialer
 from iop.node._instances import (
     PROBE_GUARD_S,
@@ -255,7 +265,13 @@ class NodeAgent:
         self._caps_version = 0
         # Bumped by every reload: a probe of the instances before it is stale.
         self._generation = 0
-        self._probe_now = trio.Event()
+        # Backends the node runs itself; a change of one's state makes a probe due.
+        self._supervisors: list[Supervisor[object]] = []
+        for adapter in adapters.values():
+            if isinstance(adapter, SupervisedAdapter):
+                adapter.supervisor.on_change = self._probe_soon
+                self._supervisors.append(adapter.supervisor)
+        self._probe_due = trio.Event()
         # Runs on links, across all links, for drain.
         self._link_runs = 0
         self._idle = trio.Event()
@@ -309,11 +325,37 @@ class NodeAgent:
         await self.refresh_capabilities()
         task_status.started()
         while True:
-            # Every probe_interval_s (a reload may change it), or at once after a reload.
+            # Every probe_interval_s (a reload may change it), or at once
+            # after a reload or a managed backend's change.
             with trio.move_on_after(self.config.node.probe_interval_s):
-                await self._probe_now.wait()
-            self._probe_now = trio.Event()
+                await self._probe_due.wait()
+            # Before the probe: a change during it makes the next one due.
+            self._probe_due = trio.Event()
             await self.refresh_capabilities()
+
+    def _probe_soon(self) -> None:
+        """A managed backend's state changed: probe now, not at the next interval."""
+        self._probe_due.set()
+
+    # --- managed backends -----------------------------------------------------------
+
+    async def start_backends(self, nursery: trio.Nursery) -> None:
+        """Start the supervisor of every backend the node runs itself, one after another.
+
+        Each start returns once its backend's first start served or failed
+        (a failed one is restarted in the background).
+        """
+        for sup in self._supervisors:
+            await nursery.start(sup.serve, name=f"supervise {sup.name}")
+
+    def restart_backends(self) -> list[str]:
+        """The operator's restart: every managed backend that is down starts now.
+
+        Returns:
+            The names of the instances restarted (those down: in a backoff
+            or a crash loop).
+        """
+        return [sup.name for sup in self._supervisors if sup.restart()]
 
     # --- load reports ------------------------------------------------------------
 
@@ -360,19 +402,30 @@ class NodeAgent:
         after. New adapters are built here (``build_adapter`` does no IO).
 
         Raises:
-            ConfigError: Two instances share a name.
+            ConfigError: Two instances share a name, or a ``llamacpp``
+                instance would change (its server is started with the node:
+                ``iop._reload.managed_instances`` keeps it as it runs).
         """
         names = [cfg.name for cfg in config.instances]
         if len(set(names)) != len(names):
             raise ConfigError(f"instance names must be unique, got {names}")
         assert self._nursery is not None, "apply_config needs open_node_agent's nursery"
         old = self._instances
+        changed = [
+            cfg for cfg in config.instances if cfg.name not in old or old[cfg.name].cfg != cfg
+        ]
+        removed = [inst.cfg for name, inst in old.items() if name not in names]
+        managed = [
+            cfg.name
+            for cfg in (*changed, *removed, *(old[c.name].cfg for c in changed if c.name in old))
+            if isinstance(cfg, LlamaCppInstance)
+        ]
+        if managed:
+            raise ConfigError(
+                f"instance {managed[0]!r} runs its own server: a change needs a restart"
+            )
         # First what may fail (an adapter's constructor), then the swap.
-        built = {
-            cfg.name: build_adapter(cfg)
-            for cfg in config.instances
-            if cfg.name not in old or old[cfg.name].cfg != cfg
-        }
+        built = {cfg.name: build_instance_adapter(cfg) for cfg in changed}
         instances: dict[str, Instance] = {}
         for cfg in config.instances:
             inst = old.get(cfg.name)
@@ -410,7 +463,7 @@ class NodeAgent:
             self._caps_version += 1
             for link in self._links:
                 self._push_capabilities(link)
-        self._probe_now.set()
+        self._probe_soon()
         self._load_changed()
 
     def _retire(self, inst: Instance, adapter: Adapter) -> None:
@@ -743,11 +796,12 @@ async def open_node_agent(
     welcome_timeout_s: float = WELCOME_TIMEOUT_S,
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
 ) -> AsyncIterator[NodeAgent]:
-    """Open a node agent: build its adapters, probe them once, start the probe loop.
+    """Open a node agent: build its adapters, start the backends it runs itself,
+    probe them once, start the probe loop.
 
     On exit the probe loop stops, runs still going are cancelled with
-    ``shutdown``, and the adapters this function built are closed (injected
-    ones belong to the caller).
+    ``shutdown``, the backends the node runs are stopped, and the adapters
+    this function built are closed (injected ones belong to the caller).
 
     Args:
         config: The node's config.
@@ -766,7 +820,11 @@ async def open_node_agent(
     unknown = set(injected) - set(names)
     if unknown:
         raise ValueError(f"adapters given for unconfigured instances: {sorted(unknown)}")
-    built = {cfg.name: build_adapter(cfg) for cfg in config.instances if cfg.name not in injected}
+    built = {
+        cfg.name: build_instance_adapter(cfg)
+        for cfg in config.instances
+        if cfg.name not in injected
+    }
     # The adapters to close at exit: these, and those a reload builds.
     owned = set(built.values())
     tracing = Tracing.from_settings(config.tracing, "iop-node")
@@ -784,6 +842,7 @@ async def open_node_agent(
                 tracing=tracing,
                 owned=owned,
             )
+            await agent.start_backends(nursery)
             await nursery.start(agent._probe_loop)
             agent.start_scrapers(nursery)
             try:

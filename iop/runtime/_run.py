@@ -52,6 +52,33 @@ client disconnect or a deadline into an internal error. Errors are handled
 ``Cancelled`` from such a group and the rest must not escape the run task, or
 it would take the supervisor's nursery, and every other run, down with it.
 
+What a ``Cancelled`` run used (``Cancelled.usage``, always ``estimated``;
+what the edge charges its tenant, docs/operations.md "Tenants and
+limits"): its output, one token per streamed chunk, and its prompt once the
+backend has read it. The backend has read the prompt when the run had its
+first output (``Delta``, ``ReasoningDelta``, ``EmbeddingData`` or
+``TokenCount``: the moment ``Run.first_output_at`` is set, which also
+forbids failover): the backend answered, so the prompt was read and
+prefilled, and no cancel after that takes it back. A run cancelled before
+(queued, or waiting on the backend's first byte) used no prompt:
+
+==================================  ===========================================
+cancelled before the first output   no tokens
+cancelled after it                  ``input_tokens``: the prompt's count the
+                                    run's producer reported (a remote run's
+                                    ``Cancelled``), else ``Run.prompt_tokens``
+                                    (the starter's figure: the edge's
+                                    admission estimate); ``output_tokens``:
+                                    the chunks streamed
+==================================  ===========================================
+
+That holds for every ``Cancelled`` the run ends with: the runtime's own
+(each ``Cancelled`` row of the first table) and one an adapter sends (the
+edge's link executor passes on the node's, whose run does not know the
+prompt's figure). Its prompt is counted once the first output reached this
+run: at the edge, a node's output still on the link when the client left
+does not count.
+
 Cancelling the run's scope is what closes the adapter's upstream response:
 httpx closes the TCP connection when its stream context exits, and that is
 what makes vLLM or llama.cpp abort the generation.
@@ -69,6 +96,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from typing import Final, Protocol, cast
 
+import msgspec
 import trio
 
 from iop.config import Deadlines
@@ -278,6 +306,8 @@ class Run:
         spec: What is being run.
         events: Receive side of the run's bounded event channel. It ends
             (``EndOfChannel``) right after the terminal event.
+        prompt_tokens: The prompt's tokens a cancel after the first output
+            charges (the module docstring, "What a ``Cancelled`` run used").
     """
 
     # Slots: an edge or a node holds one per open stream.
@@ -292,6 +322,7 @@ class Run:
         "first_output_at",
         "on_outcome",
         "outcome",
+        "prompt_tokens",
         "spec",
         "started_at",
         "state",
@@ -306,10 +337,14 @@ class Run:
         events: RunEvents | None,
         *,
         write_stall_timeout_s: float | None = None,
+        prompt_tokens: int = 0,
     ) -> None:
         self.spec = spec
         self.deadlines = deadlines
         self.write_stall_timeout_s = write_stall_timeout_s
+        # What the prompt counts if the run is cancelled after its first
+        # output (the module docstring's second table).
+        self.prompt_tokens = prompt_tokens
         self._events = events
         self.state = RunState.PENDING
         self.outcome: TerminalEvent | None = None
@@ -474,8 +509,9 @@ class _RunSink:
             self._phase = _Phase.TOTAL
             self._run._scope.deadline = self.total_deadline
 
-    def _admit(self, event: RuntimeEvent) -> None:
-        """Check ``event`` against the grammar and move the run's state."""
+    def _admit(self, event: RuntimeEvent) -> RuntimeEvent:
+        """Check ``event`` against the grammar and move the run's state; the
+        event to forward (a ``Cancelled`` with the prompt it used)."""
         run = self._run
         state = run.state
         if state is RunState.DONE or self.pending_terminal is not None:
@@ -497,7 +533,19 @@ class _RunSink:
                 run.state = RunState.STREAMING
                 run.first_output_at = run.timeline.first_output = trio.current_time()
         else:  # terminal: the run is DONE only once the consumer has it
+            if kind is Cancelled:
+                event = self._with_prompt(cast(Cancelled, event))
             self.pending_terminal = cast(TerminalEvent, event)
+        return event
+
+    def _with_prompt(self, cancelled: Cancelled) -> Cancelled:
+        """``cancelled`` charged the prompt, if the run had output and its
+        producer did not count the prompt itself."""
+        prompt = self._run.prompt_tokens
+        if self._run.first_output_at is None or cancelled.usage.input_tokens or not prompt:
+            return cancelled
+        usage = msgspec.structs.replace(cancelled.usage, input_tokens=prompt, estimated=True)
+        return msgspec.structs.replace(cancelled, usage=usage)
 
     def _sent(self) -> None:
         """The event reached the consumer's side: re-arm the phase's deadline."""
@@ -512,7 +560,7 @@ class _RunSink:
 
     async def send(self, event: RuntimeEvent) -> None:
         run = self._run
-        self._admit(event)
+        event = self._admit(event)
         try:
             # Still a cancellation point, but no schedule point while the
             # channel has room: the producer keeps going and the consumer
@@ -549,7 +597,7 @@ class _RunSink:
 
     def push_nowait(self, event: RuntimeEvent) -> None:
         run = self._run
-        self._admit(event)
+        event = self._admit(event)
         try:
             self._send.send_nowait(event)
         except trio.WouldBlock:
@@ -624,7 +672,15 @@ class _RunSink:
                 self._arm(_after(now, run.write_stall_timeout_s), _Phase.STALLED)
 
     def partial_usage(self) -> Usage:
-        return Usage(output_tokens=self.output_chunks, estimated=True)
+        """What the run used so far (the module docstring, "What a
+        ``Cancelled`` run used")."""
+        run = self._run
+        read = run.first_output_at is not None
+        return Usage(
+            input_tokens=run.prompt_tokens if read else 0,
+            output_tokens=self.output_chunks,
+            estimated=True,
+        )
 
 
 def _error_from(exc: BaseException) -> Error:
@@ -822,6 +878,7 @@ class RunSupervisor:
         write_stall_timeout_s: float | None = None,
         outlet: Outlet | None = None,
         stall_at: int | None = None,
+        prompt_tokens: int = 0,
     ) -> Run:
         """Start a run as a task of the supervisor's nursery and return its handle.
 
@@ -835,6 +892,8 @@ class RunSupervisor:
                 waits): with this many events unread the consumer counts as
                 stalled (only the total deadline and ``write_stall_timeout_s``
                 apply until it reads).
+            prompt_tokens: What the prompt counts in the usage of a run
+                cancelled after its first output (``Run.prompt_tokens``).
         """
         if spec.run_id in self.runs:
             raise InvariantError(f"run id {spec.run_id} is already running")
@@ -842,7 +901,13 @@ class RunSupervisor:
         if outlet is None:
             channel = OneToOneChannel[RuntimeEvent](buffer)
             outlet, events = channel, RunEvents(channel)
-        run = Run(spec, deadlines, events, write_stall_timeout_s=write_stall_timeout_s)
+        run = Run(
+            spec,
+            deadlines,
+            events,
+            write_stall_timeout_s=write_stall_timeout_s,
+            prompt_tokens=prompt_tokens,
+        )
         self.runs[spec.run_id] = run
         if self._idle.is_set():
             self._idle = trio.Event()

@@ -13,7 +13,9 @@ answers exactly as before):
   is a hit only when the whole prefix up to it is the same. The leading run
   of cached blocks is the request's cached prefix; every full block of the
   prompt is then inserted (least recently used blocks go first when the
-  cache is full);
+  cache is full). A request's ``cache_salt`` seeds the chain, as vLLM hashes
+  it into the first block: requests of different salts (or one salted and
+  one not) share no block;
 * **prefill time**: the first token comes ``ttft_s`` plus the *uncached*
   prompt tokens over ``prefill_tokens_per_s`` after the request starts
   running;
@@ -53,11 +55,12 @@ __all__ = ["Admission", "Engine", "PrefixCache", "block_hashes"]
 _HASH_SEED: Final = b"iop-sim-prefix"
 
 
-def block_hashes(token_ids: Sequence[int], block_tokens: int) -> list[bytes]:
+def block_hashes(token_ids: Sequence[int], block_tokens: int, salt: str = "") -> list[bytes]:
     """The chained hash of each full block of ``token_ids``: block i's hash
-    covers every token before its end, so equal hashes mean equal prefixes."""
+    covers every token before its end (and ``salt``), so equal hashes mean
+    equal prefixes of equal salts."""
     out: list[bytes] = []
-    parent = _HASH_SEED
+    parent = _HASH_SEED + salt.encode()
     for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
         h = hashlib.blake2b(parent, digest_size=16)
         # The toy tokenizer's ids are the pieces' bytes: up to 8 of them.
@@ -134,14 +137,15 @@ class Engine:
             c.kv_cache_blocks or c.prefill_tokens_per_s or c.max_num_seqs or c.decode_slowdown
         )
 
-    def admit(self, prompt_ids: Sequence[int], request_cfg: SimConfig) -> Admission:
+    def admit(self, prompt_ids: Sequence[int], request_cfg: SimConfig, salt: str = "") -> Admission:
         """Look the prompt up in the cache, then cache its blocks.
 
         ``request_cfg`` (the server's config with the request's overrides)
-        gives the prefill rate; the cache's shape is the server's.
+        gives the prefill rate; the cache's shape is the server's. ``salt``:
+        the request's ``cache_salt`` (empty: none).
         """
         block = max(1, self.config.kv_block_tokens)
-        hashes = block_hashes(prompt_ids, block)
+        hashes = block_hashes(prompt_ids, block, salt)
         cached = self.cache.cached_blocks(hashes) * block if self.config.kv_cache_blocks else 0
         self.cache.insert(hashes)
         total = len(prompt_ids)

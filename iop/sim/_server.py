@@ -58,6 +58,7 @@ from iop.sim._vllm_wire import (
     SSE_CONTENT_TYPE,
     Ending,
     StreamPlan,
+    cache_salt,
     completion_body,
     error_body,
     injected_http_error,
@@ -298,6 +299,7 @@ def create_sim_app(cfg: SimConfig) -> SimApp:
             chat = parse_chat_request(raw)
             if chat.model != cfg.model:
                 raise model_not_found(chat.model)
+            salt = cache_salt(chat.extra_body)
             script = build_script(chat, cfg)
         except RequestError as exc:
             log.debug("sim: refused request (%d): %s", exc.status, exc.message)
@@ -307,7 +309,7 @@ def create_sim_app(cfg: SimConfig) -> SimApp:
         run = None
         if app.engine.enabled:
             prompt = tokenize_chat(chat.messages, tools=chat.tools or ())
-            admission = app.engine.admit(prompt, script.config)
+            admission = app.engine.admit(prompt, script.config, salt)
             run = _EngineRun(app.engine, admission, script.config)
             script = msgspec.structs.replace(
                 script, prompt_tokens=admission.prompt_tokens, cached_tokens=admission.cached_tokens

@@ -31,6 +31,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+from collections.abc import Mapping
 from http import HTTPStatus
 from typing import Any, Final
 
@@ -53,6 +54,7 @@ __all__ = [
     "Ending",
     "Frame",
     "StreamPlan",
+    "cache_salt",
     "completion_body",
     "error_body",
     "error_type",
@@ -145,6 +147,24 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
             "Stream options can only be defined when `stream=True`.", param="stream_options"
         )
     return request
+
+
+def cache_salt(extra_body: Mapping[str, Any] | None) -> str:
+    """A request's ``cache_salt`` ("" when it has none), checked as vLLM
+    checks it: a non-empty string (``check_cache_salt_support`` since
+    https://github.com/vllm-project/vllm/pull/17045).
+
+    Raises:
+        RequestError: 400, the salt is not a non-empty string.
+    """
+    if not extra_body or "cache_salt" not in extra_body:
+        return ""
+    salt = extra_body["cache_salt"]
+    if not isinstance(salt, str) or not salt:
+        raise RequestError(
+            "Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt"
+        )
+    return salt
 
 
 def model_not_found(model: str) -> RequestError:

@@ -340,17 +340,33 @@ async def test_tokenize_server_error_is_mapped() -> None:
     assert "boom" in end.message
 
 
-async def test_tokenize_body_past_the_limit_fails() -> None:
-    async with open_fake_backend() as fb:
-        fb.script("/tokenize", Reply.json({"tokens": list(range(1000))}))
-        events = await run(
-            vllm(fb.url, max_tokenize_body_bytes=100), TokenizeRequest(model="m", prompt="x")
+async def test_a_tokenize_answer_past_the_limit_is_counted_by_the_estimate() -> None:
+    """A long prompt's ids outgrow max_tokenize_body_bytes (the sim's, as
+    vLLM's answer: ``{"count", "max_model_len", "tokens", "token_strs"}``):
+    the count is IOP's estimate, said so, never a 502 (docs/api.md,
+    "count_tokens")."""
+    prompt = "word " * 1000  # 1,000 ids of a dozen digits each: ~13 KB of answer
+    async with sim_server() as url:
+        exact = await run(vllm(url), TokenizeRequest(model=MODEL, prompt=prompt))
+        over = await run(
+            vllm(url, max_tokenize_body_bytes=4096), TokenizeRequest(model=MODEL, prompt=prompt)
         )
-    assert events[-1] == Error(
-        message="vllm response body exceeds max_tokenize_body_bytes=100 bytes",
-        status=502,
-        code="backend_protocol_error",
-    )
+    assert exact[1] == TokenCount(count=len(tokenize(prompt)))
+    assert over[1] == TokenCount(count=(len(prompt) + 3) // 4, estimated=True)
+    assert over[-1] == Complete(usage=Usage(input_tokens=1250, estimated=True))
+
+
+async def test_an_apply_template_answer_past_the_limit_is_counted_by_the_estimate() -> None:
+    async with open_fake_backend() as fb:
+        fb.script("/apply-template", Reply.json({"prompt": "x" * 1000}))
+        request = TokenizeRequest(model="m", messages=[Message(role="user", content="x" * 40)])
+        events = await run(compat(fb.url, max_tokenize_body_bytes=100), request)
+        (template,) = await fb.wait_requests(1, 5.0)
+        # The rest of the answer is left unread: its connection is closed.
+        await fb.wait_client_closed(5.0)
+    assert template.path == "/apply-template"
+    # 44 characters (text and role) and 4 tokens of template.
+    assert events[1] == TokenCount(count=11 + 4, estimated=True)
 
 
 # --- capabilities -------------------------------------------------------------------

@@ -157,7 +157,8 @@ def test_iop_reload_asks_the_edge_its_file_names(
     assert _where(_args(config=str(edge))) == ("http://127.0.0.1:9123", "iop-admin-from-env")
     up = tmp_path / "up.toml"
     up.write_text('[edge.server]\nport = 9124\napi_keys = ["k-client"]\n')
-    assert _where(_args(config=str(up))) == ("http://127.0.0.1:9124", "k-client")
+    # A client key never opens /admin: none is sent.
+    assert _where(_args(config=str(up))) == ("http://127.0.0.1:9124", None)
     monkeypatch.setenv("IOP_ADMIN_KEY", "k-env")
     assert _where(_args(config=str(up), url="http://e:1")) == ("http://e:1", "k-env")
     broken = tmp_path / "broken.toml"

@@ -22,13 +22,14 @@ from iop.edge._tenants import (
     RateLimited,
     Tenants,
     charged_usage,
+    estimate_prompt_tokens,
     estimate_tokens,
     headers_anthropic,
     headers_openai,
 )
 from iop.errors import ConfigError
 from iop.events import Cancelled, CancelReason, Complete, Delta, Error, Start, Usage
-from iop.spec import ChatRequest, CompletionRequest, EmbeddingRequest, Message
+from iop.spec import ChatRequest, CompletionRequest, EmbeddingRequest, Message, TokenizeRequest
 from tests.edge.test_app import CHAT, answer, config, edge
 from tests.edge.test_core import FakeNode
 
@@ -177,10 +178,14 @@ def test_a_refused_request_takes_nothing() -> None:
 
 def test_what_a_run_is_charged_by_its_outcome() -> None:
     used = Usage(input_tokens=3, output_tokens=4)
-    assert charged_usage(Complete(usage=used)) == used
-    assert charged_usage(Cancelled(reason=CancelReason.CLIENT_DISCONNECT, usage=used)) == used
-    assert charged_usage(Error(code="backend_error", message="x")) == Usage()
-    assert charged_usage(None) is None
+    cancelled = Cancelled(reason=CancelReason.CLIENT_DISCONNECT, usage=used)
+    assert charged_usage(Complete(usage=used), "chat") == used
+    assert charged_usage(cancelled, "chat") == used
+    assert charged_usage(Error(code="backend_error", message="x"), "chat") == Usage()
+    assert charged_usage(None, "chat") is None
+    # A token count generates nothing: its count is no use of the model.
+    assert charged_usage(Complete(usage=Usage(input_tokens=2404)), "tokenize") == Usage()
+    assert charged_usage(cancelled, "tokenize") == Usage()
 
 
 def test_what_a_request_reserves() -> None:
@@ -192,6 +197,17 @@ def test_what_a_request_reserves() -> None:
     assert estimate_tokens(CompletionRequest(model="m", prompt=[1, 2, 3], max_tokens=5), 9) == 8
     assert estimate_tokens(CompletionRequest(model="m", prompt="abcdefgh"), 9) == 11
     assert estimate_tokens(EmbeddingRequest(model="m", inputs=["abcd" * 10, [1, 2]]), 9) == 12
+    # A token count reserves nothing.
+    assert estimate_tokens(TokenizeRequest(model="m", messages=chat.messages), 9) == 0
+
+
+def test_what_a_prompt_counts_when_its_run_is_cancelled_after_output() -> None:
+    chat = ChatRequest(model="m", messages=[Message(role="user", content="x" * 400)], max_tokens=50)
+    assert estimate_prompt_tokens(chat) == 104
+    assert estimate_prompt_tokens(CompletionRequest(model="m", prompt="abcdefgh")) == 2
+    assert estimate_prompt_tokens(CompletionRequest(model="m", prompt=[1, 2, 3])) == 3
+    assert estimate_prompt_tokens(EmbeddingRequest(model="m", inputs=["abcd", [1, 2]])) == 3
+    assert estimate_prompt_tokens(TokenizeRequest(model="m", prompt="x" * 400)) == 0
 
 
 # --- the headers --------------------------------------------------------------------
@@ -265,6 +281,18 @@ def test_anthropic_headers_give_each_reset_as_an_rfc3339_time() -> None:
             '[[tenants]]\nname = "b"\nkey_sha256 = ["' + "1" * 64 + '"]\n',
             "responses.store_max_entries (2) is less than the 3 tenants",
         ),
+        (
+            '[[tenants]]\nname = "a"\nkey_sha256 = ["' + "0" * 64 + '"]\n'
+            'share_prefix_cache = "yes"\n',
+            "share_prefix_cache",
+        ),
+        (
+            '[[tenants]]\nname = "a"\nkey_sha256 = ["' + "0" * 64 + '"]\n'
+            "share_prefix_caches = true\n",
+            "share_prefix_caches",
+        ),
+        ('[tenancy]\ncache_salt_key = "fifteen-chars!!"\n', "at least 16 characters"),
+        ('[tenancy]\ncache_salt = "a-salt-key-long-enough"\n', "cache_salt"),
     ],
 )
 def test_a_wrong_tenant_config_is_refused_saying_why(toml: str, says: str) -> None:
@@ -280,8 +308,13 @@ def test_a_key_both_in_api_keys_and_a_tenant_is_refused() -> None:
 # --- on the edge's HTTP side --------------------------------------------------------
 
 
+# The operator's: with tenants, /admin and /metrics need an admin key.
+ADMIN_KEY = "sk-tenants-admin"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
 def tenant_config(*ts: TenantSettings) -> EdgeConfig:
-    return msgspec.structs.replace(config(), tenants=list(ts))
+    return msgspec.structs.replace(config(admin_keys=[ADMIN_KEY]), tenants=list(ts))
 
 
 def openai_client(url: str, key: str) -> openai.AsyncOpenAI:
@@ -348,7 +381,7 @@ async def handle_get(url: str, path: str) -> bytes:
     import httpx
 
     async with httpx.AsyncClient(base_url=url) as c:
-        r = await c.get(path)
+        r = await c.get(path, headers=ADMIN)
         r.raise_for_status()
         return r.content
 
@@ -444,16 +477,39 @@ async def test_a_cancelled_run_frees_its_tenants_slot_and_is_in_the_admin_view()
         with trio.fail_after(5):
             while a.running:
                 await trio.sleep(0.01)
-        summary = (await client.get("/admin/nodes")).json()
+        summary = (await client.get("/admin/nodes", headers=ADMIN)).json()
         (row,) = summary["tenants"]
         assert row["name"] == "a"
         assert row["admitted"] == 1
         assert row["refused"] == 1
-        runs = (await client.get("/admin/runs")).json()
+        runs = (await client.get("/admin/runs", headers=ADMIN)).json()
         assert runs["recent"][0]["tenant"] == "a"
-        page = (await client.get("/admin", headers={"Accept": "text/html"})).text
+        page = (await client.get("/admin", headers={**ADMIN, "Accept": "text/html"})).text
         assert "<h2>Tenants</h2>" in page
         assert "<td>a</td><td>normal / 1.0</td><td>all</td>" in page
+
+
+async def test_a_run_the_node_cancels_after_output_is_charged_its_prompt() -> None:
+    """The node's Cancelled (an idle timeout there) knows no prompt figure:
+    the edge's run puts in the one admission reserved."""
+    cfg = tenant_config(tenant("a", KEY_A, tokens_per_minute=10_000))
+    body = {**CHAT, "messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 50}
+    async with edge(cfg) as (handle, node, client):
+        assert node is not None
+        headers = {"Authorization": f"Bearer {KEY_A}"}
+        async with trio.open_nursery() as n:
+            cancelled = Cancelled(
+                reason=CancelReason.IDLE_TIMEOUT, usage=Usage(output_tokens=1, estimated=True)
+            )
+            n.start_soon(answer, node, Start(), Delta("x"), cancelled)
+            resp = await client.post("/v1/chat/completions", json=body, headers=headers)
+        assert resp.status_code == 504
+        a = handle.core.tenants.all["a"]
+        with trio.fail_after(5):
+            while a.running:
+                await trio.sleep(0.01)
+        # 100 tokens of text and 4 for the message; the output's one chunk.
+        assert (a.tokens_in, a.tokens_out) == (104, 1)
 
 
 async def test_count_tokens_of_a_model_the_tenant_may_not_use_is_a_404() -> None:

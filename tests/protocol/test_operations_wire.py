@@ -83,3 +83,38 @@ def test_new_events_round_trip_and_a_4096_dim_vector_is_16_kib() -> None:
     assert got.events == [vector, TokenCount(count=3), Complete()]
     single = len(encode(RunEvents(run_id="r1", seq=0, events=[vector])))
     assert 4096 * 4 < single < 4096 * 4 + 100
+
+
+def test_a_specs_cache_salt_is_defaulted_both_ways() -> None:
+    """New edge, old node: the old spec decodes the new one (unknown fields
+    are skipped). Old edge, new node: no salt. And no salt, no bytes: an
+    edge of one tenant sends what it sent before the field existed."""
+    request = ChatRequest(model="m", messages=[Message(role="user", content="hi")])
+    salted = Assign(
+        run_id="r1",
+        instance="i0",
+        spec=ExecutionSpec(run_id="r1", request=request, cache_salt="s" * 43),
+        credit=4,
+    )
+    assert decode_edge_message(encode(salted)) == salted
+
+    class OldSpec(msgspec.Struct, frozen=True, kw_only=True):
+        run_id: str
+        request: OperationRequest
+        target: str = ""
+        traceparent: str = ""
+
+    raw = msgspec.msgpack.decode(encode(salted))
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(raw["spec"]), type=OldSpec).run_id == "r1"
+
+    plain = Assign(
+        run_id="r1", instance="i0", spec=ExecutionSpec(run_id="r1", request=request), credit=4
+    )
+    assert b"cache_salt" not in encode(plain)
+    old = msgspec.msgpack.encode(
+        {"t": "assign", "run_id": "r1", "instance": "i0", "credit": 4,
+         "spec": {"run_id": "r1", "request": {"op": "chat", "model": "m", "messages": []}}}
+    )  # fmt: skip
+    got = decode_edge_message(old)
+    assert isinstance(got, Assign)
+    assert got.spec.cache_salt == ""

@@ -23,6 +23,7 @@ from iop.events import (
     RuntimeEvent,
     Start,
     TokenCount,
+    Usage,
     is_terminal,
 )
 from iop.runtime import EventSender, RunState, collect_run, open_run_supervisor
@@ -313,6 +314,121 @@ async def test_cancel_after_complete_is_ignored() -> None:
             events = [ev async for ev in run.events]
     assert outcome == Complete()
     assert events == [Start(), Complete()]
+
+
+# --- what a cancelled run used (the module docstring's second table) ---------------
+
+
+async def _cancelled_usage(
+    body: Callable[[EventSender], Awaitable[None]],
+    *,
+    cancel_after: int,
+    reason: CancelReason = CancelReason.CLIENT_DISCONNECT,
+) -> Usage:
+    """The usage of a run of ``body`` (prompt 2,404 tokens) the consumer
+    cancels once it has taken ``cancel_after`` events."""
+    async with open_run_supervisor() as sup:
+        run = sup.start_run(ScriptedAdapter(body), SPEC, NO_DEADLINES, prompt_tokens=2404)
+        got = 0
+        async with run.events:
+            async for _ev in run.events:
+                got += 1
+                if got == cancel_after:
+                    run.cancel(reason)
+    outcome = run.outcome
+    assert isinstance(outcome, Cancelled)
+    return outcome.usage
+
+
+async def _streams_forever(send: EventSender) -> None:
+    await send.send(Start())
+    while True:
+        await send.send(Delta("x"))
+        await trio.sleep(1)
+
+
+@pytest.mark.parametrize(
+    "reason", [CancelReason.CLIENT_DISCONNECT, CancelReason.SLOW_CLIENT, CancelReason.EXPLICIT]
+)
+async def test_a_cancel_after_the_first_output_used_the_prompt(
+    autojump_clock: trio.testing.MockClock, reason: CancelReason
+) -> None:
+    usage = await _cancelled_usage(_streams_forever, cancel_after=2, reason=reason)
+    assert usage == Usage(input_tokens=2404, output_tokens=1, estimated=True)
+
+
+async def test_a_cancel_before_the_first_output_used_nothing(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def waits(send: EventSender) -> None:
+        await send.send(Start())  # the adapter is about to call its backend
+        await trio.sleep_forever()
+
+    usage = await _cancelled_usage(waits, cancel_after=1)
+    assert usage == Usage(estimated=True)
+
+
+async def test_a_first_output_of_any_kind_means_the_prompt_was_read(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def embeds(send: EventSender) -> None:
+        await send.send(Start())
+        await send.send(EmbeddingData.of(0, [1.0]))
+        await trio.sleep_forever()
+
+    usage = await _cancelled_usage(embeds, cancel_after=2)
+    assert usage == Usage(input_tokens=2404, estimated=True)
+
+
+async def test_a_deadline_after_the_first_output_used_the_prompt(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def body(send: EventSender) -> None:
+        await send.send(Start())
+        await send.send(Delta("a"))
+        await trio.sleep_forever()
+
+    d = Deadlines(first_token_timeout_s=1, idle_timeout_s=10, request_timeout_s=None)
+    async with open_run_supervisor() as sup:
+        run = sup.start_run(ScriptedAdapter(body), SPEC, d, prompt_tokens=7)
+        outcome = await run.wait()
+    assert outcome == Cancelled(
+        reason=CancelReason.IDLE_TIMEOUT,
+        message="backend silent for idle_timeout_s=10",
+        usage=Usage(input_tokens=7, output_tokens=1, estimated=True),
+    )
+
+
+@pytest.mark.parametrize(
+    ("reported", "charged"),
+    [
+        # A node's run does not know the prompt: the edge's figure fills in.
+        (Usage(output_tokens=3, estimated=True), 2404),
+        # A producer that counted the prompt keeps its count.
+        (Usage(input_tokens=2500, output_tokens=3), 2500),
+    ],
+)
+async def test_a_cancelled_passed_on_after_output_carries_the_prompt(
+    reported: Usage, charged: int
+) -> None:
+    remote = Cancelled(reason=CancelReason.IDLE_TIMEOUT, usage=reported)
+    adapter = script(Start(), Delta("a"), remote)
+    async with open_run_supervisor() as sup:
+        run = sup.start_run(adapter, SPEC, NO_DEADLINES, prompt_tokens=2404)
+        async with run.events:
+            events = [ev async for ev in run.events]
+    assert events[-1] == run.outcome
+    assert isinstance(run.outcome, Cancelled)
+    assert run.outcome.reason is CancelReason.IDLE_TIMEOUT
+    assert run.outcome.usage.input_tokens == charged
+    assert run.outcome.usage.output_tokens == 3
+
+
+async def test_a_cancelled_passed_on_before_output_carries_no_prompt() -> None:
+    remote = Cancelled(reason=CancelReason.QUEUE_TIMEOUT)
+    async with open_run_supervisor() as sup:
+        run = sup.start_run(script(Start(), remote), SPEC, NO_DEADLINES, prompt_tokens=2404)
+        assert await run.wait() == remote
 
 
 async def test_shutdown_delivers_cancelled_and_propagates(

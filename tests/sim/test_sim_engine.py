@@ -170,3 +170,42 @@ async def test_without_the_engine_keys_nothing_changes() -> None:
         resp = await client.post(f"{url}/v1/chat/completions", json=chat())
         assert resp.json()["usage"]["prompt_tokens_details"] is None
         assert not app.engine.enabled
+
+
+def test_a_salt_keeps_equal_prompts_apart() -> None:
+    """vLLM's ``cache_salt`` is hashed into the first block, so every block
+    of a salted prompt differs from the same prompt's under another salt
+    (https://docs.vllm.ai/en/latest/design/prefix_caching/)."""
+    engine = Engine(ENGINE)
+    prompt = list(range(10))
+    assert engine.admit(prompt, ENGINE, salt="a").cached_tokens == 0
+    assert engine.admit(prompt, ENGINE, salt="b").cached_tokens == 0
+    assert engine.admit(prompt, ENGINE).cached_tokens == 0
+    assert engine.admit(prompt, ENGINE, salt="a").cached_tokens == 8
+    assert not set(block_hashes(prompt, 4, "a")) & set(block_hashes(prompt, 4, "b"))
+    assert block_hashes(prompt, 4, "") == block_hashes(prompt, 4)
+
+
+async def test_over_http_a_salt_is_its_own_cache_and_must_not_be_empty() -> None:
+    system = {"role": "system", "content": "You are a careful assistant. " * 40}
+    messages = [system, {"role": "user", "content": "What is 2 + 2?"}]
+    async with running_sim(ENGINE) as (_, url), httpx.AsyncClient(timeout=WAIT_S) as client:
+
+        async def cached(**salt: object) -> int:
+            resp = await client.post(
+                f"{url}/v1/chat/completions", json=chat(messages=messages, **salt)
+            )
+            assert resp.status_code == 200, resp.text
+            return int(resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+        assert await cached(cache_salt="tenant-a") == 0
+        assert await cached(cache_salt="tenant-b") == 0
+        assert await cached() == 0
+        assert await cached(cache_salt="tenant-a") > 0
+        # vLLM's check (``check_cache_salt_support``): a non-empty string.
+        for bad in ("", 7):
+            refused = await client.post(
+                f"{url}/v1/chat/completions", json=chat(messages=messages, cache_salt=bad)
+            )
+            assert refused.status_code == 400
+            assert "cache_salt" in refused.json()["error"]["message"]
