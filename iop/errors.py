@@ -137,6 +137,7 @@ class ErrorCode(enum.StrEnum):
     ADMIN_DISABLED = "admin_disabled"  # client keys set, no admin key: the admin views are off
     METRICS_DISABLED = "metrics_disabled"  # client keys set, no metrics or admin key
     NODE_NOT_FOUND = "node_not_found"  # drain/undrain of a node id neither connected nor drained
+    RELOAD_UNAVAILABLE = "reload_unavailable"  # POST /admin/reload on an edge with no config file
 
     # --- a request body OpenAI would refuse (OpenAI's codes) -------------------------
     INVALID_JSON = "invalid_json"  # the body is not JSON

@@ -16,6 +16,7 @@ SANS_IO_MODULES = [
     "iop.errors",
     "iop.spec",
     "iop.config",
+    "iop._reload",
     "iop.capabilities",
     "iop.wire",
     "iop.wire._sse",

@@ -10,10 +10,12 @@ from typing import Any
 import msgspec
 import trio
 
+from iop._reload import EDGE_RULES
 from iop._secrets import edge_secrets, register_secrets
+from iop.cli._reloader import Reloader, watch_reloads
 from iop.cli._signals import open_stop_signals
 from iop.config import EdgeConfig, load_config
-from iop.edge import EdgeHandle, serve_edge
+from iop.edge import EdgeCore, EdgeHandle, serve_edge
 from iop.errors import ConfigError
 
 __all__ = ["add_parser", "describe_edge"]
@@ -31,6 +33,9 @@ port serves no link.
 SIGINT/SIGTERM drain: new requests get 503, in-flight runs get
 server.drain_timeout_s to finish, then the process exits 0. A second signal
 stops at once (exit 130 for SIGINT, 143 for SIGTERM).
+SIGHUP, `iop reload` and POST /admin/reload re-read --config and apply what
+changed (tenants and keys, node tokens, scheduler settings...); the flags
+still override the file. Runs in flight are not touched.
 """
 
 
@@ -100,7 +105,7 @@ def edge_config_from_args(args: argparse.Namespace) -> EdgeConfig:
 def _cmd_edge(args: argparse.Namespace) -> int:
     cfg = edge_config_from_args(args)
     register_secrets(edge_secrets(cfg))
-    return trio.run(_main, cfg)
+    return trio.run(_main, cfg, args)
 
 
 def describe_edge(handle: EdgeHandle) -> str:
@@ -111,9 +116,27 @@ def describe_edge(handle: EdgeHandle) -> str:
     )
 
 
-async def _main(cfg: EdgeConfig) -> int:
-    async with open_stop_signals(log) as stop, trio.open_nursery() as nursery:
+def edge_reloader(args: argparse.Namespace, core: EdgeCore) -> Reloader[EdgeConfig]:
+    """What reloads ``core`` from ``--config`` (with the flags on top)."""
+    return Reloader(
+        source=args.config,
+        running=core.config,
+        load=partial(edge_config_from_args, args),
+        rules=EDGE_RULES,
+        apply=core.apply_config,
+        secrets=edge_secrets,
+        log=log,
+    )
+
+
+async def _main(cfg: EdgeConfig, args: argparse.Namespace) -> int:
+    # Without a file there is nothing to re-read: SIGHUP (a closed terminal) stops it.
+    reload = bool(args.config)
+    async with open_stop_signals(log, reload=reload) as stop, trio.open_nursery() as nursery:
         handle = await nursery.start(partial(serve_edge, cfg, shutdown=stop.drain))
+        if reload:  # else POST /admin/reload answers 409
+            reloader = handle.core.reloader = edge_reloader(args, handle.core)
+            await nursery.start(watch_reloads, stop, reloader)
         print(describe_edge(handle), flush=True)
         # serve_edge returns once the first signal's drain is done.
     log.info("stopped")

@@ -6,19 +6,24 @@ and reconnects with backoff when a link drops. SIGINT or SIGTERM drains it:
 no new runs, in-flight runs get ``node.drain_timeout_s`` to finish, then the
 rest are cancelled (reason ``shutdown``) and the process exits 0. A second
 signal stops at once. SIGUSR1 restarts the backends the node runs itself
-(``llamacpp`` instances) that are down, a crash loop included.
+(``llamacpp`` instances) that are down, a crash loop included. SIGHUP
+re-reads the config file and applies what changed (``iop.cli._reloader``;
+docs/operations.md, "Reloading").
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+from functools import partial
 from typing import Any
 
 import trio
 
 from iop._log import scrub
+from iop._reload import NODE_RULES, managed_instances
 from iop._secrets import node_secrets, register_secrets
+from iop.cli._reloader import Reloader, watch_reloads
 from iop.cli._signals import open_stop_signals
 from iop.config import HTTPInstance, InstanceConfig, LlamaCppInstance, NodeConfig, load_config
 from iop.errors import ConfigError
@@ -63,7 +68,9 @@ def add_parser(sub: Any) -> None:
             "when a link drops. SIGINT/SIGTERM drain it: new runs are refused, in-flight "
             "runs get node.drain_timeout_s to finish, then it exits 0; a second signal "
             "stops at once (exit 130 for SIGINT, 143 for SIGTERM). SIGUSR1 restarts the "
-            "backends the node runs itself (llamacpp instances) that are down."
+            "backends the node runs itself (llamacpp instances) that are down. SIGHUP (or "
+            "iop reload --pid PID) re-reads the config and applies its instances "
+            "(added, removed, changed) without touching the runs in flight."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -88,7 +95,7 @@ def _load(path: str) -> NodeConfig:
 def _cmd_node(args: argparse.Namespace) -> int:
     cfg = _load(args.config)
     register_secrets(node_secrets(cfg))
-    return trio.run(_run_node, cfg)
+    return trio.run(_run_node, cfg, args.config)
 
 
 def _kind(inst: InstanceConfig) -> str:
@@ -121,16 +128,30 @@ def startup_line(agent: NodeAgent) -> str:
     )
 
 
-async def _run_node(cfg: NodeConfig) -> int:
+async def _run_node(cfg: NodeConfig, path: str) -> int:
     # The signals are watched before anything slow (the first probe), so an
     # early signal is not lost.
-    async with open_stop_signals(log, restart=True) as stop, open_node_agent(cfg) as agent:
+    async with (
+        open_stop_signals(log, restart=True, reload=True) as stop,
+        open_node_agent(cfg) as agent,
+    ):
         stop.on_restart = agent.restart_backends
         print(startup_line(agent), flush=True)
+        reloader = Reloader(
+            source=path,
+            running=cfg,
+            load=partial(_load, path),
+            rules=NODE_RULES,
+            apply=agent.apply_config,
+            secrets=node_secrets,
+            log=log,
+            restart=managed_instances,
+        )
         async with trio.open_nursery() as nursery:
             await nursery.start(agent.serve)
+            await nursery.start(watch_reloads, stop, reloader)
             await stop.drain.wait()
-            await agent.drain(cfg.node.drain_timeout_s)
+            await agent.drain(agent.config.node.drain_timeout_s)  # a reload may change it
             nursery.cancel_scope.cancel()
     log.info("stopped")
     return stop.exit_code

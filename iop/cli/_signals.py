@@ -19,8 +19,14 @@ drains as soon as it is up.
 operator's restart of the backends the process runs itself that are down,
 in a backoff or stopped by a crash loop (``StopSignals.on_restart``, set
 once the node runs; docs/operations.md, "When a managed backend dies").
-Not SIGHUP: a closing terminal sends that, and ``iop up`` must still stop
-then.
+
+``iop edge``, ``iop node`` and ``iop up`` started with a config file open it
+with ``reload=True``: SIGHUP then asks for a reload (``reload_requested``;
+``iop.cli._reloader.watch_reloads`` does it) instead of ending the process.
+A SIGHUP during the start is kept and served once the service is up;
+several while one reload runs make one more. Without a config file there is
+nothing to re-read, and SIGHUP (a closing terminal) ends the process as
+before.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ __all__ = ["StopSignals", "open_stop_signals"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 RESTART_SIGNAL = signal.SIGUSR1
+RELOAD_SIGNAL = signal.SIGHUP
 
 
 class StopSignals:
@@ -53,6 +60,13 @@ class StopSignals:
         self.exit_code = 0
         self.on_restart: Callable[[], list[str]] | None = None
         self._log = log
+        # Set by a SIGHUP not yet served (one pending reload at most).
+        self._reload = trio.Event()
+
+    async def reload_requested(self) -> None:
+        """Wait for a SIGHUP (one that came before the call counts once)."""
+        await self._reload.wait()
+        self._reload = trio.Event()
 
     def _restart(self) -> None:
         name = RESTART_SIGNAL.name
@@ -71,6 +85,13 @@ class StopSignals:
                 self._restart()
                 continue
             name = signal.Signals(signum).name
+            if signum == RELOAD_SIGNAL:
+                if self.drain.is_set():
+                    self._log.info("%s received while draining: no reload", name)
+                else:
+                    self._log.info("%s received: reloading the config", name)
+                    self._reload.set()
+                continue
             if not self.drain.is_set():
                 self._log.info("%s received: draining (a second signal stops at once)", name)
                 self.drain.set()
@@ -83,7 +104,7 @@ class StopSignals:
 
 @asynccontextmanager
 async def open_stop_signals(
-    log: logging.Logger, *, restart: bool = False
+    log: logging.Logger, *, restart: bool = False, reload: bool = False
 ) -> AsyncIterator[StopSignals]:
     """Watch SIGINT/SIGTERM while the body runs; a second signal cancels the body.
 
@@ -93,9 +114,14 @@ async def open_stop_signals(
     Args:
         log: Where the signals are logged.
         restart: Also take SIGUSR1, for ``StopSignals.on_restart``.
+        reload: Also take SIGHUP, for ``StopSignals.reload_requested``.
     """
     stop = StopSignals(log)
-    watched = (*STOP_SIGNALS, RESTART_SIGNAL) if restart else STOP_SIGNALS
+    watched = (
+        *STOP_SIGNALS,
+        *((RESTART_SIGNAL,) if restart else ()),
+        *((RELOAD_SIGNAL,) if reload else ()),
+    )
     with trio.open_signal_receiver(*watched) as signals, trio.CancelScope() as hard:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(stop._watch, signals, hard)

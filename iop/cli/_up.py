@@ -26,8 +26,10 @@ from typing import Any
 import msgspec
 import trio
 
+from iop._reload import UP_RULES, managed_instances
 from iop._secrets import register_secrets, up_secrets
 from iop.cli._edge import describe_edge
+from iop.cli._reloader import Reloader, watch_reloads
 from iop.cli._signals import open_stop_signals
 from iop.config import (
     EmbeddedBackend,
@@ -69,7 +71,9 @@ the named tool (or the first one).
 
 SIGINT/SIGTERM drain and exit 0; a second signal stops at once (exit 130 for
 SIGINT, 143 for SIGTERM). The llama.cpp server is restarted when it dies or
-stops answering; after a crash loop, SIGUSR1 restarts it.
+stops answering; after a crash loop, SIGUSR1 restarts it. With --config,
+SIGHUP, `iop reload` and POST /admin/reload re-read the file and apply what
+changed, to the edge and to the node's [[instances]].
 """
 
 
@@ -99,7 +103,11 @@ def add_parser(sub: Any) -> None:
     p.set_defaults(func=_cmd_up)
 
 
-def up_config_from_args(args: argparse.Namespace) -> UpConfig:
+def up_config_from_args(
+    args: argparse.Namespace, *, node_tokens: list[str] | None = None
+) -> UpConfig:
+    """``--config`` with the flags on top; ``node_tokens``: the running
+    process's, kept by a reload when the file sets none."""
     cfg = load_config(args.config, UpConfig) if args.config else UpConfig()
     server = msgspec.structs.replace(
         cfg.edge.server,
@@ -108,7 +116,8 @@ def up_config_from_args(args: argparse.Namespace) -> UpConfig:
     link = cfg.edge.link
     if not link.node_tokens:
         # The node is ours: a fresh random token per process.
-        link = msgspec.structs.replace(link, node_tokens=[secrets.token_urlsafe(24)])
+        tokens = node_tokens or [secrets.token_urlsafe(24)]
+        link = msgspec.structs.replace(link, node_tokens=tokens)
     embedded = cfg.embedded
     if args.backend:
         embedded = msgspec.structs.replace(embedded, kind=args.backend)
@@ -119,7 +128,20 @@ def up_config_from_args(args: argparse.Namespace) -> UpConfig:
 def _cmd_up(args: argparse.Namespace) -> int:
     cfg = up_config_from_args(args)
     register_secrets(up_secrets(cfg))
-    return trio.run(_up, cfg)
+    return trio.run(_up, cfg, args)
+
+
+def _node_config(cfg: UpConfig, link_url: str, instances: list[InstanceConfig]) -> NodeConfig:
+    """The node of ``iop up``: dialling its edge, serving ``cfg``'s instances
+    (or ``instances``, the embedded backend's, when it has none)."""
+    return NodeConfig(
+        node=msgspec.structs.replace(
+            cfg.node, edges=[NodeEdge(url=link_url, token=cfg.edge.link.node_tokens[0])]
+        ),
+        instances=cfg.instances or instances,
+        # One [edge.tracing] for both: the node's spans as iop-node.
+        tracing=msgspec.structs.replace(cfg.edge.tracing, service_name=""),
+    )
 
 
 def llamacpp_instance(emb: EmbeddedBackend) -> LlamaCppInstance:
@@ -150,24 +172,38 @@ def embedded_instances(cfg: UpConfig) -> list[InstanceConfig]:
     return [SimInstance(name="sim", max_concurrency=64, sim=emb.sim)]
 
 
-async def _up(cfg: UpConfig) -> int:
-    async with open_stop_signals(log, restart=True) as stop:
+async def _up(cfg: UpConfig, args: argparse.Namespace) -> int:
+    reload = bool(args.config)  # without a file SIGHUP (a closed terminal) stops it
+    async with open_stop_signals(log, restart=True, reload=reload) as stop:
         instances = cfg.instances or embedded_instances(cfg)
         async with trio.open_nursery() as nursery:
             handle: EdgeHandle = await nursery.start(
                 partial(serve_edge, cfg.edge, shutdown=stop.drain)
             )
-            node_cfg = NodeConfig(
-                node=msgspec.structs.replace(
-                    cfg.node,
-                    edges=[NodeEdge(url=handle.link_url, token=cfg.edge.link.node_tokens[0])],
-                ),
-                instances=instances,
-                # One [edge.tracing] for both: the node's spans as iop-node.
-                tracing=msgspec.structs.replace(cfg.edge.tracing, service_name=""),
-            )
+            node_cfg = _node_config(cfg, handle.link_url, instances)
             async with open_node_agent(node_cfg) as agent:
                 stop.on_restart = agent.restart_backends
+
+                def apply(new: UpConfig) -> None:
+                    # The node first: it may refuse (ConfigError) before it changes anything.
+                    agent.apply_config(_node_config(new, handle.link_url, instances))
+                    handle.core.apply_config(new.edge)
+
+                reloader = Reloader(
+                    source=args.config,
+                    running=cfg,
+                    load=partial(up_config_from_args, args, node_tokens=cfg.edge.link.node_tokens),
+                    rules=UP_RULES,
+                    apply=apply,
+                    secrets=up_secrets,
+                    log=log,
+                    # The embedded backend serves until a restart, and a
+                    # backend the node runs itself is started once.
+                    restart=managed_instances if cfg.instances else ("instances",),
+                )
+                if reload:  # else POST /admin/reload answers 409
+                    handle.core.reloader = reloader
+                    await nursery.start(watch_reloads, stop, reloader)
                 node_scope = trio.CancelScope()
 
                 async def run_node(
@@ -185,7 +221,7 @@ async def _up(cfg: UpConfig) -> int:
                 # The first signal sets drain: the edge drains its runs
                 # (serve_edge watches the same event) while the node does.
                 await stop.drain.wait()
-                await agent.drain(cfg.node.drain_timeout_s)
+                await agent.drain(agent.config.node.drain_timeout_s)  # a reload may change it
                 node_scope.cancel()
     log.info("stopped")
     return stop.exit_code

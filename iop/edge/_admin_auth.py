@@ -4,7 +4,8 @@ cookies, metrics keys, a brake on guessing.
 Theory of operation. The admin keys are ``server.admin_keys``, and only
 those: a client key (a tenant's ``key_sha256``, or ``server.api_keys``) never
 opens the admin views, which show every tenant's runs and can drain nodes
-(docs/operations.md, "Tenants and limits"). Three states, fixed at start-up:
+(docs/operations.md, "Tenants and limits"). Three states, set at start-up
+and by a config reload (``AdminGate.reconfigure``):
 
 * **keyed**: admin keys are set; a request needs one (below);
 * **off**: clients have keys and no admin key is set; every admin request
@@ -144,6 +145,30 @@ class AdminGate:
         self._window_end = -math.inf
         self._failures = 0
 
+    def reconfigure(
+        self,
+        keys: Sequence[str],
+        *,
+        session_s: float,
+        failures_per_minute: int,
+        clients_keyed: bool = False,
+    ) -> None:
+        """Take the admin keys and limits of a reloaded config.
+
+        When a key is taken away, every session ends (a new secret): a
+        session does not say which key opened it, and one opened with a
+        revoked key must not outlive it. Sessions issued afterwards last
+        the new ``session_s``.
+        """
+        new = [k.encode() for k in keys]
+        if not set(self._keys) <= set(new):
+            self._secret = secrets.token_bytes(_SECRET_BYTES)
+            self._revoked.clear()
+        self._keys = new
+        self.off = not keys and clients_keyed
+        self.session_s = session_s
+        self.failures_per_minute = failures_per_minute
+
     def __repr__(self) -> str:
         state = " off" if self.off else ""
         return f"<AdminGate keys={len(self._keys)}{state} session_s={self.session_s:g}>"
@@ -265,6 +290,12 @@ class MetricsGate:
     def __init__(
         self, metrics_keys: Sequence[str], admin_keys: Sequence[str], *, clients_keyed: bool
     ) -> None:
+        self.reconfigure(metrics_keys, admin_keys, clients_keyed=clients_keyed)
+
+    def reconfigure(
+        self, metrics_keys: Sequence[str], admin_keys: Sequence[str], *, clients_keyed: bool
+    ) -> None:
+        """Take the keys of a reloaded config (or the first)."""
         self._keys = [k.encode() for k in (*metrics_keys, *admin_keys)]
         self.open = not clients_keyed and not metrics_keys
         self.off = not self.open and not self._keys

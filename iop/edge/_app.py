@@ -7,7 +7,8 @@ Anthropic's shapes, ``iop.api._models``), ``GET /healthz``, ``GET /readyz``,
 ``GET /metrics``, the admin pages (``GET /admin`` as HTML, or its login form;
 ``POST /admin/login`` and ``/admin/logout``; ``GET /admin/nodes`` as JSON;
 ``POST /admin/nodes/{id}/drain`` and ``/undrain``, from a script or the
-page's buttons: ``_admin_auth`` says who may open them). The node link WebSocket
+page's buttons; ``POST /admin/reload``: ``_admin_auth`` says who may open
+them). The node link WebSocket
 (``/v1/link``) is served beside this app, at the ASGI level
 (``iop.edge._link_asgi``). Every error a client sees is its API's error
 body (OpenAI's, except on a surface route whose surface has its own) with
@@ -88,6 +89,7 @@ from iop.api import (
     shape_failure,
     wants_anthropic,
 )
+from iop.config import EdgeConfig
 from iop.edge._admin_auth import (
     ADMIN_OFF_MESSAGE,
     COOKIE_NAME,
@@ -236,14 +238,18 @@ def surface_routes(core: EdgeCore) -> list[SurfaceRoute]:
     """The API surfaces the edge serves. Adding one is one line here; a surface
     that keeps state (a response store) is built here from ``core.config``."""
     depth = core.config.server.max_json_depth
+    responses = ResponsesSurface.from_settings(
+        core.config.responses, tenants=len(core.tenants.all), max_depth=depth
+    )
+
+    def reshare(config: EdgeConfig) -> None:
+        # Each tenant's share of the store follows the tenants a reload leaves.
+        responses.store.tenants = len(core.tenants.all)
+
+    core.reload_hooks.append(reshare)
     return [
         SurfaceRoute("/v1/chat/completions", ChatSurface(max_depth=depth)),
-        SurfaceRoute(
-            "/v1/responses",
-            ResponsesSurface.from_settings(
-                core.config.responses, tenants=len(core.tenants.all), max_depth=depth
-            ),
-        ),
+        SurfaceRoute("/v1/responses", responses),
         SurfaceRoute(
             "/v1/messages", MessagesSurface(max_depth=depth), anthropic_key, ANTHROPIC_AUTH_FAILED
         ),
@@ -680,6 +686,44 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
     async def admin_undrain(node_id: str) -> Response:
         return await drain_or_undrain(node_id, drain=False)
 
+    def reconfigure_gates(config: EdgeConfig) -> None:
+        # After the tenants (EdgeCore.apply_config): whether clients have keys.
+        server = config.server
+        keyed = not tenants.open
+        was_off, metrics_was_off = gate.off, metrics_gate.off
+        gate.reconfigure(
+            server.admin_keys,
+            session_s=server.admin_session_s,
+            failures_per_minute=server.admin_login_failures_per_minute,
+            clients_keyed=keyed,
+        )
+        metrics_gate.reconfigure(server.metrics_keys, server.admin_keys, clients_keyed=keyed)
+        if gate.off and not was_off:
+            log.warning("%s", ADMIN_OFF_MESSAGE)
+        if metrics_gate.off and not metrics_was_off:
+            log.warning("%s", METRICS_OFF_MESSAGE)
+
+    core.reload_hooks.append(reconfigure_gates)
+
+    @app.post("/admin/reload")
+    async def admin_reload() -> Response:
+        """Re-read the config file and apply what changed (docs/operations.md,
+        "Reloading"): 200 with the plan, or 422 with why the file was refused."""
+        if not _same_origin():
+            return _cross_origin_refused()
+        refused = admin_refusal()
+        if refused is not None:
+            return refused
+        if core.reloader is None:
+            return _error(
+                409,
+                "This edge has no config file to re-read (it was started without --config).",
+                code=ErrorCode.RELOAD_UNAVAILABLE,
+            )
+        outcome = await core.reloader.reload(f"POST /admin/reload by {admin_who()}")
+        status = 422 if outcome.status == "refused" else 200
+        return _json_response(msgspec.json.encode(outcome), status)
+
     @app.get("/admin/runs")
     async def admin_runs() -> Response:
         refused = admin_refusal()
@@ -789,7 +833,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             if not tenant.may_use(call.request.model):
                 raise no_access(call.request.model)
             ticket = await core.admit(
-                tenant, estimate_tokens(call.request, cfg.tenancy.default_max_tokens)
+                tenant, estimate_tokens(call.request, core.config.tenancy.default_max_tokens)
             )
             if ticket.limits:
                 limit_headers = rate_headers(ticket.limits, anthropic)
@@ -815,7 +859,9 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             run.on_outcome = _cut_off_when_slow(connection)
             connection.timeline = run.timeline  # its write stalls are the run's
         ctx = RunContext(
-            run_id=spec.run_id, created=int(time.time()), policy=cfg.policy_for(call.request.model)
+            run_id=spec.run_id,
+            created=int(time.time()),
+            policy=core.config.policy_for(call.request.model),
         )
         handed_over = False  # until then, leaving here cancels the run
         try:
@@ -824,7 +870,8 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
                 handed_over = True  # _complete owns the run
                 return await _complete(run, collector, limit_headers)
             stream = surface.stream(call, ctx)
-            first = await _first_output(run, cfg.server.keepalive_interval_s)
+            keepalive_s = core.config.server.keepalive_interval_s
+            first = await _first_output(run, keepalive_s)
             early = _early_failure(first, surface)
             if early is not None:
                 run.events.close()
@@ -832,9 +879,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
                     early.headers.update(limit_headers)
                 return early
             handed_over = True
-            sse = _RunBody(
-                run, stream, _sse_body(run, stream, first, cfg.server.keepalive_interval_s)
-            )
+            sse = _RunBody(run, stream, _sse_body(run, stream, first, keepalive_s))
             sse_headers = _SSE_HEADERS if not limit_headers else {**_SSE_HEADERS, **limit_headers}
             return Response(sse, status=200, headers=sse_headers)
         finally:

@@ -336,11 +336,11 @@ class SharedLimits:
     def _slots_key(self, tenant: str) -> str:
         return f"{self.settings.key_prefix}c:{tenant}"
 
-    def _local_share(self, edges: int) -> Tenants:
+    def _scaled(self, edges: int) -> list[TenantSettings]:
         def share(limit: int) -> int:
             return max(1, math.ceil(limit / edges)) if limit else 0
 
-        scaled = [
+        return [
             msgspec.structs.replace(
                 t,
                 requests_per_minute=share(t.requests_per_minute),
@@ -349,7 +349,19 @@ class SharedLimits:
             )
             for t in self._settings
         ]
-        return Tenants(scaled, [], self._tenancy)
+
+    def _local_share(self, edges: int) -> Tenants:
+        return Tenants(self._scaled(edges), [], self._tenancy)
+
+    def reconfigure(
+        self, tenant_settings: Sequence[TenantSettings], tenancy: TenancySettings, now: float
+    ) -> None:
+        """A reloaded config's tenants (``Tenants.reconfigure`` says what stays):
+        the limits sent to Valkey are read from the tenants at each admission;
+        the local share is resized, keeping its levels."""
+        self._settings = list(tenant_settings)
+        self._tenancy = tenancy
+        self._share.reconfigure(self._scaled(self.live_edges), [], tenancy, now=now)
 
     # --- admission ------------------------------------------------------------
 

@@ -54,6 +54,7 @@ from typing import Final
 import msgspec
 import trio
 
+from iop._reload import Reloading
 from iop._secrets import SecretMasker, edge_secrets, mask_event
 from iop.config import MAX_LOAD_REPORTS_PER_S, EdgeConfig
 from iop.edge._cluster import SharedLimits, default_edge_id
@@ -405,6 +406,36 @@ class EdgeCore:
         self._traces: dict[str, RunTrace] = {}
         # One timer for every link's liveness and pings (``open_edge_core`` runs it).
         self.link_clock = LinkClock(config.link.heartbeat_timeout_s)
+        # What serves POST /admin/reload (the CLI sets it: it knows the file),
+        # and what else holds a live key: called by ``apply_config``.
+        self.reloader: Reloading | None = None
+        self.reload_hooks: list[Callable[[EdgeConfig], None]] = []
+
+    def apply_config(self, config: EdgeConfig) -> None:
+        """Run with a reloaded config, whose keys that need a restart are the
+        running ones (``iop._reload.plan_reload``).
+
+        One synchronous step, so no request sees half of it. What is in
+        flight keeps what it started with: a run its deadlines, node and
+        tenant's ticket; a node link the token it was admitted with and its
+        limits. What starts next gets the new config: a request's key is
+        looked up in the new tenants, a run placed by the new weights, a link
+        admitted by the new tokens.
+        """
+        now = trio.current_time()
+        self.config = config
+        self.scheduler.settings = config.scheduler
+        self.tenants.reconfigure(config.tenants, config.server.api_keys, config.tenancy, now=now)
+        if self.cluster is not None:
+            self.cluster.reconfigure(config.tenants, config.tenancy, now)
+        # New keys and tokens are masked too; old ones stay masked.
+        self.masker = self.metrics.masker = self.masker.with_secrets(
+            value for value, _ in edge_secrets(config)
+        )
+        for hook in self.reload_hooks:
+            hook(config)
+        # A longer queue or new shares may let waiting runs go.
+        self.scheduler.dispatch()
 
     # --- runs -----------------------------------------------------------------
 

@@ -123,7 +123,7 @@ class EdgeMetrics:
         supervisor: RunSupervisor,
         masker: SecretMasker,
     ) -> None:
-        self._masker = masker
+        self.masker = masker
         self.registry = CollectorRegistry(auto_describe=True)
         self.runs = Counter(
             "iop_runs",
@@ -237,6 +237,6 @@ class EdgeMetrics:
         "Tenants and limits"). Who may scrape: ``iop.edge._admin_auth``.
         """
         text = generate_latest(self.registry)
-        if not self._masker:
+        if not self.masker:
             return text
-        return self._masker.mask(text.decode()).encode()
+        return self.masker.mask(text.decode()).encode()

@@ -117,7 +117,7 @@ async def serve_edge(
         async def trigger() -> None:
             await stop.wait()
             log.info("edge: shutting down")
-            await core.drain(config.server.drain_timeout_s)
+            await core.drain(core.config.server.drain_timeout_s)  # a reload may change it
             drained.set()  # the links are closed (1001): the link's listener may stop
 
         async with trio.open_nursery() as nursery:

@@ -166,6 +166,14 @@ class Bucket:
         """Seconds until the bucket is full again (OpenAI's "reset")."""
         return (self.capacity - self.level(now)) / self.rate
 
+    def resize(self, capacity: int, now: float) -> None:
+        """A new limit (a config reload): the level stays what it is, capped at
+        the new capacity; from now on it refills at ``capacity / 60``."""
+        level = self.level(now)
+        self.capacity = capacity
+        self.rate = capacity / 60.0
+        self._level = min(float(capacity), level)
+
 
 @dataclass(slots=True)
 class Tenant:
@@ -311,6 +319,31 @@ class Tenants:
         self.open = not tenants and not api_keys
         self._by_digest: dict[str, Tenant] = {}
         self.all: dict[str, Tenant] = {}
+        self.reconfigure(tenants, api_keys, tenancy, now=0.0)
+
+    def reconfigure(
+        self,
+        tenants: Sequence[TenantSettings],
+        api_keys: Sequence[str],
+        tenancy: TenancySettings,
+        *,
+        now: float,
+    ) -> None:
+        """Take the tenants of a reloaded config (docs/operations.md, "Reloading").
+
+        A tenant that stays (by name) keeps its live state: its buckets'
+        levels (capped at a lowered limit), its running count and its
+        counters; only its keys, models, limits and cache isolation change.
+        A tenant that is gone is forgotten: its keys are refused from now on,
+        while its admitted runs go on and are settled on the state they hold.
+        Nothing awaits: a request is identified either before or after the
+        change.
+        """
+        before = self.all
+        self.tenancy = tenancy
+        self.open = not tenants and not api_keys
+        by_digest: dict[str, Tenant] = {}
+        everyone: dict[str, Tenant] = {}
         # What salts are keyed with: the configured secret, or a fixed public
         # key (module docstring: isolation comes from clients never choosing
         # their salt; the key's secrecy only matters against someone who can
@@ -319,26 +352,31 @@ class Tenants:
             tenancy.cache_salt_key.encode() or _PUBLIC_SALT_KEY
         ).digest()
         if self.open:
-            self.all[ANONYMOUS] = _unlimited(ANONYMOUS)
+            everyone[ANONYMOUS] = before.get(ANONYMOUS) or _unlimited(ANONYMOUS)
         if api_keys:
+            default = everyone[DEFAULT] = before.get(DEFAULT) or _unlimited(DEFAULT)
             # Among tenants, ``default`` is one more; alone, it has nobody to
             # be kept from.
-            default = self.all[DEFAULT] = _unlimited(DEFAULT, isolated=bool(tenants))
+            default.isolated = bool(tenants)
             for key in api_keys:
-                self._by_digest[digest(key)] = default
+                by_digest[digest(key)] = default
         for t in tenants:
-            tenant = Tenant(
-                name=t.name,
-                models=frozenset(t.models),
-                requests=Bucket(t.requests_per_minute) if t.requests_per_minute else None,
-                tokens=Bucket(t.tokens_per_minute) if t.tokens_per_minute else None,
-                max_concurrent=t.max_concurrent_runs,
-                share=QueueShare(t.name, PRIORITIES[t.priority], t.weight),
-                isolated=not t.share_prefix_cache,
-            )
-            self.all[t.name] = tenant
+            tenant = before.get(t.name)
+            if tenant is None:
+                tenant = Tenant(
+                    name=t.name, models=frozenset(), requests=None, tokens=None, max_concurrent=0
+                )
+            tenant.models = frozenset(t.models)
+            tenant.requests = _rebucket(tenant.requests, t.requests_per_minute, now)
+            tenant.tokens = _rebucket(tenant.tokens, t.tokens_per_minute, now)
+            tenant.max_concurrent = t.max_concurrent_runs
+            tenant.share = QueueShare(t.name, PRIORITIES[t.priority], t.weight)
+            tenant.isolated = not t.share_prefix_cache
+            everyone[t.name] = tenant
             for d in t.key_sha256:
-                self._by_digest[d] = tenant
+                by_digest[d] = tenant
+        self.all = everyone
+        self._by_digest = by_digest
 
     def identify(self, key: str) -> Tenant | None:
         """The tenant of ``key``; None for a missing or wrong key.
@@ -507,6 +545,17 @@ def charged_usage(outcome: object, operation: Operation) -> Usage | None:
     if isinstance(outcome, Error):
         return Usage()
     return None
+
+
+def _rebucket(bucket: Bucket | None, limit: int, now: float) -> Bucket | None:
+    """A tenant's bucket for ``limit`` (0: none), the live one kept when there is one."""
+    if not limit:
+        return None
+    if bucket is None:
+        return Bucket(limit)
+    if bucket.capacity != limit:
+        bucket.resize(limit, now)
+    return bucket
 
 
 def _unlimited(name: str, *, isolated: bool = False) -> Tenant:

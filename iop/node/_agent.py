@@ -32,6 +32,15 @@ loop probe at once, so the edges hear of it without waiting for
 ``probe_interval_s``; ``restart_backends`` is the operator's restart
 (SIGUSR1).
 
+A config reload (``apply_config``; docs/operations.md, "Reloading") adds,
+removes and replaces instances while the node runs: an instance removed is
+no longer advertised (a ``CapabilitiesUpdate`` at once) and refuses new
+runs, a changed one gets a new adapter for the runs that start from then on;
+the runs already going keep the adapter they started on, which is closed
+once the last of them ends. Then every instance is probed at once, and what
+the probe finds goes to the edges as above. A ``llamacpp`` instance is
+started once: a change of one waits for a restart (``iop._reload``).
+
 Several edges may share the node; its slots are the authority on what an
 instance takes, whichever edge sent the run. Every change of an instance's
 slots or of its engine's figures (read by ``scrape_engine_load``, one task
@@ -54,7 +63,7 @@ from iop import __version__
 from iop._secrets import SecretMasker, node_secrets
 from iop.adapters import Adapter, EngineLoadReader
 from iop.capabilities import Capabilities, ProviderStatus
-from iop.config import NodeConfig, NodeEdge
+from iop.config import LlamaCppInstance, NodeConfig, NodeEdge
 from iop.errors import (
     ConfigError,
     ErrorCode,
@@ -221,9 +230,14 @@ class NodeAgent:
         welcome_timeout_s: float = WELCOME_TIMEOUT_S,
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         tracing: Tracing | None = None,
+        owned: set[Adapter] | None = None,
     ) -> None:
         self.config = config
         self._tracing = tracing
+        # The adapters this agent built (closed by it or by open_node_agent).
+        self._owned = owned if owned is not None else set()
+        # Where scrapes and retired adapters' closes run (open_node_agent's).
+        self._nursery: trio.Nursery | None = None
         self.node_id = config.node.id
         # The node is the only process that knows its instances' header
         # values: every message it sends the edge goes through this first.
@@ -249,6 +263,8 @@ class NodeAgent:
             inst.fallback_capabilities() for inst in self._instances.values()
         ]
         self._caps_version = 0
+        # Bumped by every reload: a probe of the instances before it is stale.
+        self._generation = 0
         # Backends the node runs itself; a change of one's state makes a probe due.
         self._supervisors: list[Supervisor[object]] = []
         for adapter in adapters.values():
@@ -276,7 +292,11 @@ class NodeAgent:
         Returns:
             The capabilities, in config order.
         """
-        results = await probe(list(self._instances.values()))
+        while True:
+            generation = self._generation
+            results = await probe(list(self._instances.values()))
+            if generation == self._generation:
+                break  # else a reload changed the instances meanwhile: again
         if results != self._capabilities:
             self._capabilities = results
             self._caps_version += 1
@@ -305,6 +325,8 @@ class NodeAgent:
         await self.refresh_capabilities()
         task_status.started()
         while True:
+            # Every probe_interval_s (a reload may change it), or at once
+            # after a reload or a managed backend's change.
             with trio.move_on_after(self.config.node.probe_interval_s):
                 await self._probe_due.wait()
             # Before the probe: a change during it makes the next one due.
@@ -351,17 +373,118 @@ class NodeAgent:
                 link.driver.wake()
 
     def start_scrapers(self, nursery: trio.Nursery) -> None:
-        """Start reading the engine load of every instance whose engine publishes it."""
+        """Start reading the engine load of every instance whose engine publishes
+        it, in ``nursery``; a reload starts and stops its scrapes there too."""
+        self._nursery = nursery
         for inst in self._instances.values():
-            reader = inst.adapter
-            if isinstance(reader, EngineLoadReader) and reader.load_scrape_interval_s > 0:
-                nursery.start_soon(
-                    scrape_engine_load,
-                    inst,
-                    reader,
-                    self._load_changed,
-                    name=f"load scrape {inst.name}",
-                )
+            self._start_scraper(inst)
+
+    def _start_scraper(self, inst: Instance) -> None:
+        reader = inst.adapter
+        assert self._nursery is not None
+        if isinstance(reader, EngineLoadReader) and reader.load_scrape_interval_s > 0:
+            scope = inst.scraper = trio.CancelScope()
+
+            async def scrape() -> None:
+                with scope:
+                    await scrape_engine_load(inst, reader, self._load_changed)
+
+            self._nursery.start_soon(scrape, name=f"load scrape {inst.name}")
+
+    # --- reloading ---------------------------------------------------------------
+
+    def apply_config(self, config: NodeConfig) -> None:
+        """Run with a reloaded config, whose keys that need a restart are the
+        running ones (``iop._reload.plan_reload``): instances added, removed
+        or changed (module docstring), reconnect delays, probe interval.
+
+        Synchronous: an assign is served by the instances either before or
+        after. New adapters are built here (``build_adapter`` does no IO).
+
+        Raises:
+            ConfigError: Two instances share a name, or a ``llamacpp``
+                instance would change (its server is started with the node:
+                ``iop._reload.managed_instances`` keeps it as it runs).
+        """
+        names = [cfg.name for cfg in config.instances]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"instance names must be unique, got {names}")
+        assert self._nursery is not None, "apply_config needs open_node_agent's nursery"
+        old = self._instances
+        changed = [
+            cfg for cfg in config.instances if cfg.name not in old or old[cfg.name].cfg != cfg
+        ]
+        removed = [inst.cfg for name, inst in old.items() if name not in names]
+        managed = [
+            cfg.name
+            for cfg in (*changed, *removed, *(old[c.name].cfg for c in changed if c.name in old))
+            if isinstance(cfg, LlamaCppInstance)
+        ]
+        if managed:
+            raise ConfigError(
+                f"instance {managed[0]!r} runs its own server: a change needs a restart"
+            )
+        # First what may fail (an adapter's constructor), then the swap.
+        built = {cfg.name: build_instance_adapter(cfg) for cfg in changed}
+        instances: dict[str, Instance] = {}
+        for cfg in config.instances:
+            inst = old.get(cfg.name)
+            adapter = built.get(cfg.name)
+            if adapter is None:
+                assert inst is not None
+                instances[cfg.name] = inst
+                continue
+            self._owned.add(adapter)
+            if inst is None:
+                inst = Instance(cfg, adapter)
+                inst.slots.on_change = self._load_changed
+            else:
+                self._retire(inst, inst.replace(cfg, adapter))
+            instances[cfg.name] = inst
+            self._start_scraper(inst)
+        for name, inst in old.items():
+            if name not in instances:
+                inst.removed = True
+                self._retire(inst, inst.adapter)
+        self._instances = instances
+        self._generation += 1
+        self.config = config
+        self._dialer.settings = config.node
+        self._dialer.instance_names = list(instances)
+        # Header values of new instances are masked too; old ones stay masked.
+        self._masker = self._masker.with_secrets(value for value, _ in node_secrets(config))
+        for link in self._links:
+            link.masker = self._masker
+        # Removed instances leave the edges now; the rest as the probe finds them.
+        probed = {c.instance: c for c in self._capabilities}
+        kept = [probed[name] for name in instances if name in probed and name in old]
+        if kept != self._capabilities:
+            self._capabilities = kept
+            self._caps_version += 1
+            for link in self._links:
+                self._push_capabilities(link)
+        self._probe_soon()
+        self._load_changed()
+
+    def _retire(self, inst: Instance, adapter: Adapter) -> None:
+        """Stop ``adapter``'s scrape; close it once no run uses it."""
+        if inst.scraper is not None:
+            inst.scraper.cancel()
+            inst.scraper = None
+        assert self._nursery is not None
+        self._nursery.start_soon(self._close_when_unused, inst, adapter)
+
+    async def _close_when_unused(self, inst: Instance, adapter: Adapter) -> None:
+        await inst.unused(adapter)
+        if adapter not in self._owned:
+            return  # injected: its owner closes it
+        self._owned.discard(adapter)
+        log.info("instance %s: an adapter it no longer uses is closed", inst.name)
+        with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
+            try:
+                await adapter.aclose()
+            except IopError as exc:
+                log.warning("closing an old adapter of instance %s failed: %s", inst.name, exc)
 
     # --- dialling edges -----------------------------------------------------------
 
@@ -702,6 +825,8 @@ async def open_node_agent(
         for cfg in config.instances
         if cfg.name not in injected
     }
+    # The adapters to close at exit: these, and those a reload builds.
+    owned = set(built.values())
     tracing = Tracing.from_settings(config.tracing, "iop-node")
     try:
         async with (
@@ -715,6 +840,7 @@ async def open_node_agent(
                 welcome_timeout_s=welcome_timeout_s,
                 connect_timeout_s=connect_timeout_s,
                 tracing=tracing,
+                owned=owned,
             )
             await agent.start_backends(nursery)
             await nursery.start(agent._probe_loop)
@@ -726,7 +852,7 @@ async def open_node_agent(
                 supervisor.cancel_all(CancelReason.SHUTDOWN)
     finally:
         with trio.move_on_after(CLOSE_TIMEOUT_S, shield=True):
-            for adapter in built.values():
+            for adapter in list(owned):
                 try:
                     await adapter.aclose()
                 except IopError as exc:

@@ -86,8 +86,8 @@ class Dialer:
         draining: Callable[[], bool],
     ) -> None:
         self.node_id = node_id
-        self._settings = settings
-        self._instance_names = instance_names
+        self.settings = settings
+        self.instance_names = instance_names
         self._serve_link = serve_link
         self._draining = draining
         self._rng = random.Random()
@@ -107,7 +107,7 @@ class Dialer:
                         "connected to edge %s as node %s, instances: %s",
                         edge.url,
                         self.node_id,
-                        ", ".join(self._instance_names) or "(none)",
+                        ", ".join(self.instance_names) or "(none)",
                     )
             except* LinkError as group:
                 failure = first_leaf(group, LinkError)
@@ -120,7 +120,7 @@ class Dialer:
                 return
             lived = trio.current_time() - connected_at
             if _refused(failure):
-                delay = self._settings.reconnect_max_s
+                delay = self.settings.reconnect_max_s
                 if isinstance(failure, LinkClosed) and failure.close_code == CLOSE_ID_IN_USE:
                     hint = (
                         f"another live node already uses the id {self.node_id!r} on that "
@@ -165,8 +165,8 @@ class Dialer:
 
     def _backoff(self, failures: int) -> float:
         """Exponential backoff with jitter, within [reconnect_min_s, reconnect_max_s]."""
-        lo = max(self._settings.reconnect_min_s, MIN_RECONNECT_DELAY_S)
-        hi = self._settings.reconnect_max_s
+        lo = max(self.settings.reconnect_min_s, MIN_RECONNECT_DELAY_S)
+        hi = self.settings.reconnect_max_s
         nominal = min(hi, lo * 2.0 ** min(failures, 32))
         # "Equal jitter": spread reconnects of many nodes after an edge restart.
         return max(lo, self._rng.uniform(nominal / 2, nominal))

@@ -56,7 +56,15 @@ SCRAPE_GUARD_S: Final = 10.0
 
 
 class Instance:
-    """One configured backend: adapter, deadlines, slots."""
+    """One configured backend: adapter, deadlines, slots.
+
+    A config reload that changes the instance gives it a new adapter
+    (``replace``) and keeps its slots (resized): runs that execute keep the
+    adapter they started on, which is closed once the last of them ends
+    (``unused``); runs that start afterwards, queued ones included, get the
+    new one. A removed instance (``removed``) serves its queued and running
+    runs to their end, then its adapter is closed.
+    """
 
     def __init__(self, cfg: InstanceConfig, adapter: Adapter) -> None:
         self.cfg = cfg
@@ -67,6 +75,56 @@ class Instance:
         # The engine's figures at the last good scrape, and when (trio clock).
         self.engine: EngineFigures | None = None
         self.engine_at = -math.inf
+        self.removed = False
+        # The engine-load scrape of the current adapter (the agent's task).
+        self.scraper: trio.CancelScope | None = None
+        # Runs executing, per adapter; and, while ``unused`` waits, set when
+        # one of them ends.
+        self._uses: dict[Adapter, int] = {}
+        self._ended: trio.Event | None = None
+
+    def replace(self, cfg: InstanceConfig, adapter: Adapter) -> Adapter:
+        """Serve ``cfg`` with ``adapter`` from now on; returns the adapter replaced."""
+        old = self.adapter
+        self.cfg = cfg
+        self.adapter = adapter
+        self.deadlines = cfg.deadlines
+        self.slots.resize(cfg.max_concurrency, cfg.max_queue, cfg.queue_timeout_s)
+        return old
+
+    def hold(self) -> Adapter:
+        """The adapter a run starts on (``release`` it when the run ends)."""
+        adapter = self.adapter
+        self._uses[adapter] = self._uses.get(adapter, 0) + 1
+        return adapter
+
+    def release(self, adapter: Adapter) -> None:
+        n = self._uses[adapter] - 1
+        if n:
+            self._uses[adapter] = n
+        else:
+            del self._uses[adapter]
+        if self._ended is not None:
+            self._ended.set()
+            self._ended = None
+
+    def in_use(self, adapter: Adapter) -> bool:
+        """Whether a run executes on ``adapter``, or (the adapter of a removed
+        instance) holds or waits for one of its slots."""
+        if adapter in self._uses:
+            return True
+        return (
+            adapter is self.adapter
+            and self.removed
+            and bool(self.slots.in_flight + self.slots.queued)
+        )
+
+    async def unused(self, adapter: Adapter) -> None:
+        """Wait until no run uses ``adapter`` (``in_use``)."""
+        while self.in_use(adapter):
+            if self._ended is None:
+                self._ended = trio.Event()
+            await self._ended.wait()
 
     def load(self, now: float) -> InstanceLoad:
         """The instance's load for a load report, engine figures with their age."""
@@ -116,13 +174,16 @@ class RunExecutor:
         # take/release, not ``async with slots.acquire()`` in an exit stack:
         # the stack and the generator cost 1.4 KiB per open stream
         # (docs/benchmarks.md, "Memory", "Second pass").
-        slots = self._instance.slots
+        instance = self._instance
+        slots = instance.slots
         with send.queued():  # waiting for a slot is not the backend's latency
             await slots.take()
+        adapter = instance.hold()  # a reload may replace it: this run keeps it
         try:
-            await self._instance.adapter.execute(spec, send)
+            await adapter.execute(spec, send)
         finally:
             slots.release()
+            instance.release(adapter)  # after the slot: ``unused`` counts both
 
 
 async def probe(instances: list[Instance]) -> list[Capabilities]:

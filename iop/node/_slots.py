@@ -104,6 +104,28 @@ class InstanceSlots:
         """Give back a slot ``take`` gave."""
         self._release()
 
+    def resize(self, max_concurrency: int, max_queue: int, queue_timeout_s: float) -> None:
+        """New limits (a config reload). Held slots and queued runs stay: a
+        lower ``max_concurrency`` is reached as runs end (none is taken
+        away), a higher one hands its new slots to the oldest waiters now; a
+        lower ``max_queue`` refuses newcomers until the queue is below it; a
+        new ``queue_timeout_s`` is the wait of runs that queue from now on."""
+        if max_concurrency < 1 or max_queue < 0:
+            raise ValueError("max_concurrency must be >= 1 and max_queue >= 0")
+        self.max_concurrency = max_concurrency
+        self.max_queue = max_queue
+        self.queue_timeout_s = queue_timeout_s
+        while self._waiters and self.in_flight < self.max_concurrency:
+            self.in_flight += 1
+            self._grant_oldest()
+        self._changed()
+
+    def _grant_oldest(self) -> None:
+        waiter = next(iter(self._waiters))
+        del self._waiters[waiter]
+        waiter.granted = True
+        waiter.woken.set()
+
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change()
@@ -142,12 +164,10 @@ class InstanceSlots:
             self._changed()
 
     def _release(self) -> None:
-        if self._waiters:
+        if self._waiters and self.in_flight <= self.max_concurrency:
             # Hand the slot straight to the oldest waiter: in_flight unchanged.
-            waiter = next(iter(self._waiters))
-            del self._waiters[waiter]
-            waiter.granted = True
-            waiter.woken.set()
+            self._grant_oldest()
         else:
+            # No waiter, or more slots held than there are since a resize.
             self.in_flight -= 1
         self._changed()

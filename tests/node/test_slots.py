@@ -200,3 +200,57 @@ async def test_take_and_release_are_acquire_without_a_context_manager(
     with pytest.raises(RunAborted):  # the timeout leaves no slot held
         await slots.take()
     assert (slots.in_flight, slots.queued) == (1, 0)
+
+
+# --- a config reload: new limits, the slots held and queued stay ------------------------
+
+
+async def test_a_larger_concurrency_hands_its_new_slots_to_the_oldest_waiters(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    slots = InstanceSlots(1, 10, 100.0)
+    order: list[str] = []
+    releases = {name: trio.Event() for name in "abcd"}
+    async with trio.open_nursery() as nursery:
+        for name in "abcd":
+            nursery.start_soon(hold, slots, name, order, releases[name])
+            await trio.testing.wait_all_tasks_blocked()
+        assert order == ["a"]
+        slots.resize(3, 10, 100.0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert sorted(order) == ["a", "b", "c"]  # the two oldest waiters, not "d"
+        assert (slots.in_flight, slots.queued) == (3, 1)
+        for event in releases.values():
+            event.set()
+    assert (slots.in_flight, slots.queued) == (0, 0)
+
+
+async def test_a_smaller_concurrency_is_reached_as_runs_end(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    slots = InstanceSlots(3, 10, 100.0)
+    order: list[str] = []
+    releases = {name: trio.Event() for name in "abcd"}
+    async with trio.open_nursery() as nursery:
+        for name in "abc":
+            nursery.start_soon(hold, slots, name, order, releases[name])
+            await trio.testing.wait_all_tasks_blocked()
+        slots.resize(1, 0, 100.0)
+        assert slots.in_flight == 3  # nothing running is taken away
+        # A lower queue bound refuses the next waiter.
+        with pytest.raises(IopError, match="max_queue=0"):
+            await slots.take()
+        slots.resize(1, 10, 100.0)
+        nursery.start_soon(hold, slots, "d", order, releases["d"])
+        await trio.testing.wait_all_tasks_blocked()
+        for name in "ab":
+            releases[name].set()
+            await trio.testing.wait_all_tasks_blocked()
+        # Two ended: 1 slot held, at the new limit, so "d" still waits.
+        assert order == ["a", "b", "c"]
+        assert (slots.in_flight, slots.queued) == (1, 1)
+        releases["c"].set()
+        await trio.testing.wait_all_tasks_blocked()
+        assert order == ["a", "b", "c", "d"]
+        releases["d"].set()
+    assert (slots.in_flight, slots.queued) == (0, 0)
