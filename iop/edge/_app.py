@@ -103,7 +103,6 @@ from iop.edge._surface_asgi import BodyReader, EndKnownBody, SurfaceAnswer, Surf
 from iop.edge._tenants import (
     RateLimited,
     Tenant,
-    estimate_tokens,
     no_access,
     rate_headers,
     retry_headers,
@@ -749,7 +748,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             if not tenant.may_use(call.request.model):
                 raise no_access(call.request.model)
             ticket = await core.admit(
-                tenant, estimate_tokens(call.request, cfg.tenancy.default_max_tokens)
+                tenant, call.request, tenants.key_name(route.key_of(headers))
             )
             if ticket.limits:
                 limit_headers = rate_headers(ticket.limits, anthropic)
@@ -845,7 +844,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             tokenize = TokenizeRequest(
                 model=counted.model, messages=counted.messages, tools=counted.tools
             )
-            ticket = await core.admit(tenant, estimate_tokens(tokenize, 0))
+            ticket = await core.admit(tenant, tokenize, tenants.key_name(anthropic_key(headers)))
         except RateLimited as exc:
             core.metrics.tenant_refused.labels(tenant.name, exc.limit).inc()
             return _from_exc(exc, messages, retry_headers(exc, anthropic=True))
