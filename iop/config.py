@@ -56,8 +56,8 @@ __all__ = [
     "TenantKey",
     "TimelineSettings",
     "TracingSettings",
-    "UsageSettings",
     "UpConfig",
+    "UsageSettings",
     "VllmInstance",
     "decode_config",
     "expand_env",
@@ -1159,9 +1159,7 @@ class UsageSettings(_Config, frozen=True, kw_only=True):
                 f"{MAX_FLUSH_INTERVAL_S}"
             )
         if not MIN_LEDGER_BUFFER <= self.buffer <= MAX_LEDGER_BUFFER:
-            raise ValueError(
-                f"buffer must be between {MIN_LEDGER_BUFFER} and {MAX_LEDGER_BUFFER}"
-            )
+            raise ValueError(f"buffer must be between {MIN_LEDGER_BUFFER} and {MAX_LEDGER_BUFFER}")
 
 
 class ClusterSettings(_Config, frozen=True, kw_only=True):

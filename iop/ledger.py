@@ -42,9 +42,11 @@ __all__ = [
     "UsageRow",
     "cost_micros",
     "money",
+    "parse_day",
     "period_end",
     "period_key",
     "period_start",
+    "report_json",
     "rows_csv",
     "rows_table",
 ]
@@ -423,3 +425,46 @@ def rows_table(rows: Sequence[UsageRow], groups: Sequence[str]) -> str:
         ).rstrip()
 
     return "\n".join(line(c) for c in [header, *body]) + "\n"
+
+
+def parse_day(text: str) -> float:
+    """``YYYY-MM-DD`` as the Unix time its UTC day begins.
+
+    Raises:
+        ValueError: Not such a date.
+    """
+    try:
+        day = datetime.strptime(text, "%Y-%m-%d").replace(tzinfo=UTC)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a date YYYY-MM-DD") from None
+    return day.timestamp()
+
+
+def report_json(rows: Sequence[UsageRow], groups: Sequence[str]) -> dict[str, object]:
+    """A report as ``iop usage --format json`` and ``/admin/usage`` give it:
+    the groups, each row with its cost in micro-units and as a decimal
+    string, and the total."""
+
+    def row(r: UsageRow) -> dict[str, object]:
+        out: dict[str, object] = {g: getattr(r, g) for g in groups}
+        out.update(
+            runs=r.runs,
+            input_tokens=r.input_tokens,
+            output_tokens=r.output_tokens,
+            cached_tokens=r.cached_tokens,
+            cost_micros=r.cost_micros,
+            cost=money(r.cost_micros),
+        )
+        return out
+
+    total = UsageRow(
+        runs=sum(r.runs for r in rows),
+        input_tokens=sum(r.input_tokens for r in rows),
+        output_tokens=sum(r.output_tokens for r in rows),
+        cached_tokens=sum(r.cached_tokens for r in rows),
+        cost_micros=sum(r.cost_micros for r in rows),
+    )
+    summed = row(total)
+    for g in groups:
+        del summed[g]
+    return {"by": list(groups), "rows": [row(r) for r in rows], "total": summed}

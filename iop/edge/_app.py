@@ -119,6 +119,8 @@ from iop.events import (
     Usage,
     is_terminal,
 )
+from iop.ledger import GROUPS as USAGE_GROUPS
+from iop.ledger import parse_day, report_json
 from iop.runtime import Run, new_run_id
 from iop.spec import ExecutionSpec, TokenizeRequest
 from iop.tracing import valid_traceparent
@@ -643,6 +645,33 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
     async def admin_undrain(node_id: str) -> Response:
         return await drain_or_undrain(node_id, drain=False)
 
+    @app.get("/admin/usage")
+    async def admin_usage() -> Response:
+        """The usage ledger's sums (``iop usage --format json``'s answer):
+        ``by`` (comma-separated of day, tenant, model, key_name; default
+        ``day,tenant,model``), ``since`` / ``until`` (``YYYY-MM-DD``, UTC;
+        ``until`` excluded), ``tenant``. 404 without a ledger."""
+        refused = admin_refusal()
+        if refused is not None:
+            return refused
+        if core.ledger is None:
+            return _error(
+                404,
+                "This edge keeps no usage ledger ([usage] ledger_path is not set).",
+                code=ErrorCode.NOT_FOUND,
+            )
+        args = request.args
+        by = tuple(g for g in args.get("by", "day,tenant,model").split(",") if g)
+        try:
+            if set(by) - set(USAGE_GROUPS):
+                raise ValueError(f"by is a comma-separated list of {', '.join(USAGE_GROUPS)}")
+            since = parse_day(args["since"]) if "since" in args else None
+            until = parse_day(args["until"]) if "until" in args else None
+        except ValueError as exc:
+            return _error(400, str(exc), code=ErrorCode.INVALID_REQUEST)
+        rows = await core.ledger.report(by, since=since, until=until, tenant=args.get("tenant"))
+        return _json_response(msgspec.json.encode(report_json(rows, by)))
+
     @app.get("/admin/runs")
     async def admin_runs() -> Response:
         refused = admin_refusal()
@@ -747,9 +776,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             call = surface.parse(body, headers, tenant=tenant.name)
             if not tenant.may_use(call.request.model):
                 raise no_access(call.request.model)
-            ticket = await core.admit(
-                tenant, call.request, tenants.key_name(route.key_of(headers))
-            )
+            ticket = await core.admit(tenant, call.request, tenants.key_name(route.key_of(headers)))
             if ticket.limits:
                 limit_headers = rate_headers(ticket.limits, anthropic)
             spec = ExecutionSpec(

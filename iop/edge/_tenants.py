@@ -72,10 +72,10 @@ import msgspec
 
 from iop.api import estimate_input_tokens
 from iop.config import TenancySettings, TenantSettings
-from iop.ledger import Period, UsageRecord, money, period_end, period_key
 from iop.edge._registry import EVEN_SHARE, QueueShare
 from iop.errors import ErrorCode, RequestError
 from iop.events import Cancelled, Complete, Error, Usage
+from iop.ledger import Period, UsageRecord, money, period_end, period_key
 from iop.spec import (
     ChatRequest,
     CompletionRequest,
