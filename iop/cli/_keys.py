@@ -39,7 +39,9 @@ def tenant_toml(t: TenantSettings) -> str:
     if t.key_sha256:
         lines.append("key_sha256 = [" + ", ".join(json.dumps(d) for d in t.key_sha256) + "]")
     if t.keys:
-        named = (f"{{sha256 = {json.dumps(k.sha256)}, name = {json.dumps(k.name)}}}" for k in t.keys)
+        named = (
+            f"{{sha256 = {json.dumps(k.sha256)}, name = {json.dumps(k.name)}}}" for k in t.keys
+        )
         lines.append("keys = [" + ", ".join(named) + "]")
     if t.models:
         lines.append("models = [" + ", ".join(json.dumps(m) for m in t.models) + "]")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.lowlevel
 from prometheus_client import CollectorRegistry
 
 from iop.config import EdgeConfig, Price, TenancySettings, TenantSettings, UsageSettings
@@ -66,7 +67,10 @@ def test_cost_is_integer_micro_units_rounded_up() -> None:
     price = Price(input=Decimal("2.5"), output=Decimal("10"), cached_input=Decimal("1.25")).micros
     assert price == (2_500_000, 1_250_000, 10_000_000)
     # 1,000 input of which 400 cached, 100 output: 600*2.5 + 400*1.25 + 100*10 = 3,000 micros.
-    assert cost_micros(Usage(input_tokens=1000, cached_input_tokens=400, output_tokens=100), price) == 3000
+    assert (
+        cost_micros(Usage(input_tokens=1000, cached_input_tokens=400, output_tokens=100), price)
+        == 3000
+    )
     # One token at 0.15 per million is 0.15 micro-units: rounded up to 1.
     assert cost_micros(Usage(output_tokens=1), Price(output=Decimal("0.15")).micros) == 1
     assert cost_micros(Usage(input_tokens=10**9), None) == 0
@@ -146,7 +150,12 @@ def test_store_reports_by_day_tenant_model_and_sums_spend(tmp_path: Path) -> Non
         ("2026-12-04", "a", "n", 1),
     ]
     (total,) = store.report(())
-    assert (total.runs, total.input_tokens, total.output_tokens, total.cached_tokens) == (4, 40, 20, 3)
+    assert (total.runs, total.input_tokens, total.output_tokens, total.cached_tokens) == (
+        4,
+        40,
+        20,
+        3,
+    )
     assert total.cost_micros == 28
     assert [r.key_name for r in store.report(("key_name",))] == ["", "ci"]
     assert store.spent(day2) == {"a": 14}
@@ -234,7 +243,7 @@ async def test_a_cancelled_writer_still_writes_what_is_queued(tmp_path: Path) ->
             await nursery.start(ledger.run)
             for n in range(3):
                 ledger.add(record(n, 1e9))
-            await trio.sleep(0)
+            await trio.lowlevel.checkpoint()
             scope.cancel()
     assert LedgerStore(tmp_path / "u.db").report(())[0].runs == 3
 
@@ -244,7 +253,12 @@ async def test_a_cancelled_writer_still_writes_what_is_queued(tmp_path: Path) ->
 
 def _tenants(**limits: object) -> Tenants:
     t = decode(
-        {"name": "a", "key_sha256": [sha("ka")], "keys": [{"sha256": sha("kb"), "name": "ci"}], **limits},
+        {
+            "name": "a",
+            "key_sha256": [sha("ka")],
+            "keys": [{"sha256": sha("kb"), "name": "ci"}],
+            **limits,
+        },
         TenantSettings,
         source="t",
     )

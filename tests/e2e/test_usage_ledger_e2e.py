@@ -1,0 +1,405 @@
+"""The usage ledger on real processes: what clients received, what the ledger holds.
+
+docs/operations.md, "Usage and budgets". A few hundred mixed requests
+(every surface, streamed and not, complete, failed, cancelled before and
+after the first token) go through a real edge, node and sim at modest
+concurrency; each category comes with a key of its own, so the ledger's
+sums by key name are compared with what the clients were told:
+
+* completed runs: the ledger's input and output tokens equal, exactly, the
+  usage the clients received (the usage in each answer or final event);
+* failed runs and runs cancelled before their first token: recorded, and
+  charged nothing;
+* runs cancelled after their first token: recorded, charged their prompt
+  (the admission estimate) and at least the output the client read.
+
+Then the same after a graceful restart (nothing lost) and after ``kill -9``:
+every run the ledger had committed (its records counter, read before the
+kill) is there, and of runs that ended within the last flush interval the
+ledger holds a prefix, each row whole. A restarted edge restores the
+tenant's spend of the month from the ledger.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import signal
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import anthropic
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from iop.ledger import LedgerStore
+from tests.e2e._platform import MODEL, Edge, Procs, Sim, free_port, poll
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+OPERATOR: Final = "iop-e2e-usage-operator"
+# Prices per million tokens: every run has a cost, in whole micro-units.
+PRICES: Final = {MODEL: {"input": "0.5", "output": "1.5"}}
+KEYS: Final = ("complete", "failed", "cancel-before", "cancel-after")
+# 400 characters in one user message: ceil(400 / 4) + 4 = 104 tokens, the
+# admission's estimate (docs/api.md, "count_tokens"): what a run cancelled
+# after its first token is charged for its prompt.
+PROMPT: Final = "abcd" * 100
+PROMPT_ESTIMATE: Final = 104
+CONCURRENCY: Final = 6
+
+
+def _key(name: str) -> str:
+    return f"iop-e2e-usage-{name}"
+
+
+def _digest(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def _config(ledger: Path) -> dict[str, Any]:
+    return {
+        "server": {"keepalive_interval_s": 0.3, "drain_timeout_s": 5, "api_keys": [OPERATOR]},
+        "usage": {"ledger_path": str(ledger), "flush_interval_s": 0.2},
+        "prices": PRICES,
+        "tenants": [
+            {
+                "name": "alpha",
+                "keys": [{"sha256": _digest(_key(k)), "name": k} for k in KEYS],
+                # Large: never reached, but reserved, settled and restored.
+                "budget_per_month": 1000,
+            },
+            # An unnamed key: the ledger names it by its digest.
+            {"name": "beta", "key_sha256": [_digest(_key("beta"))]},
+        ],
+    }
+
+
+@dataclass
+class Sent:
+    key: str
+    input_tokens: int = 0
+    output_tokens: int = 0
+    seen_output: int = 0  # chunks read before a cancel
+
+
+# --- one request of each kind ---------------------------------------------------------------
+
+SIM_SHORT: Final = {"iop_sim": {"output_tokens": 12}}
+SIM_SLOW: Final = {"iop_sim": {"output_tokens": 400, "tokens_per_s": 40.0}}
+
+
+def _messages() -> Any:
+    return [{"role": "user", "content": PROMPT}]
+
+
+def chat(edge: Edge, key: str, stream: bool) -> Sent:
+    with openai.OpenAI(base_url=f"{edge.url}/v1", api_key=_key(key), max_retries=0) as c:
+        if not stream:
+            r = c.chat.completions.create(
+                model=MODEL, messages=_messages(), max_tokens=12, extra_body=SIM_SHORT
+            )
+            assert r.usage is not None
+            return Sent(key, r.usage.prompt_tokens, r.usage.completion_tokens)
+        sent = Sent(key)
+        for chunk in c.chat.completions.create(
+            model=MODEL,
+            messages=_messages(),
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=SIM_SHORT,
+        ):
+            if chunk.usage is not None:
+                sent.input_tokens = chunk.usage.prompt_tokens
+                sent.output_tokens = chunk.usage.completion_tokens
+        return sent
+
+
+def completion(edge: Edge, key: str, stream: bool) -> Sent:
+    with openai.OpenAI(base_url=f"{edge.url}/v1", api_key=_key(key), max_retries=0) as c:
+        if not stream:
+            r = c.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=12, extra_body=SIM_SHORT
+            )
+            assert r.usage is not None
+            return Sent(key, r.usage.prompt_tokens, r.usage.completion_tokens)
+        sent = Sent(key)
+        for chunk in c.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=12,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=SIM_SHORT,
+        ):
+            if chunk.usage is not None:
+                sent.input_tokens = chunk.usage.prompt_tokens
+                sent.output_tokens = chunk.usage.completion_tokens
+        return sent
+
+
+def messages(edge: Edge, key: str, stream: bool) -> Sent:
+    with anthropic.Anthropic(base_url=edge.url, api_key=_key(key), max_retries=0) as c:
+        if not stream:
+            r = c.messages.create(model=MODEL, messages=_messages(), max_tokens=12)
+            return Sent(key, r.usage.input_tokens, r.usage.output_tokens)
+        with c.messages.stream(model=MODEL, messages=_messages(), max_tokens=12) as s:
+            final = s.get_final_message()
+        return Sent(key, final.usage.input_tokens, final.usage.output_tokens)
+
+
+def responses(edge: Edge, key: str, stream: bool) -> Sent:
+    with openai.OpenAI(base_url=f"{edge.url}/v1", api_key=_key(key), max_retries=0) as c:
+        if not stream:
+            r = c.responses.create(model=MODEL, input=PROMPT, max_output_tokens=16)
+            assert r.usage is not None
+            return Sent(key, r.usage.input_tokens, r.usage.output_tokens)
+        sent = Sent(key)
+        for event in c.responses.create(
+            model=MODEL, input=PROMPT, max_output_tokens=16, stream=True
+        ):
+            if event.type == "response.completed":
+                assert event.response.usage is not None
+                sent.input_tokens = event.response.usage.input_tokens
+                sent.output_tokens = event.response.usage.output_tokens
+        return sent
+
+
+def failed(edge: Edge, key: str, stream: bool) -> Sent:
+    """The backend answers 500: the client gets an error, the tenant pays nothing."""
+
+    def ask(c: openai.OpenAI) -> None:
+        r = c.chat.completions.create(
+            model=MODEL,
+            messages=_messages(),
+            max_tokens=12,
+            stream=stream,
+            extra_body={"iop_sim": {"failure": "http_500"}},
+        )
+        if stream:
+            for _ in r:  # type: ignore[union-attr]
+                pass
+
+    with (
+        openai.OpenAI(base_url=f"{edge.url}/v1", api_key=_key(key), max_retries=0) as c,
+        pytest.raises(openai.APIError),
+    ):
+        ask(c)
+    return Sent(key)
+
+
+def cancel_before(edge: Edge, key: str, stream: bool) -> Sent:
+    """The client hangs up before the backend's first token (the edge's
+    opening chunk comes after keepalive_interval_s without output)."""
+    del stream
+    with (
+        openai.OpenAI(base_url=f"{edge.url}/v1", api_key=_key(key), max_retries=0) as c,
+        c.chat.completions.create(
+            model=MODEL,
+            messages=_messages(),
+            max_tokens=12,
+            stream=True,
+            extra_body={"iop_sim": {"failure": "stall_before_first_byte"}},
+        ) as s,
+    ):
+        first = next(iter(s))
+        assert not first.choices[0].delta.content
+    return Sent(key)
+
+
+def cancel_after(edge: Edge, key: str, stream: bool) -> Sent:
+    """The client hangs up after its first tokens: it pays for its prompt."""
+    del stream
+    sent = Sent(key, input_tokens=PROMPT_ESTIMATE)
+    with (
+        openai.OpenAI(base_url=f"{edge.url}/v1", api_key=_key(key), max_retries=0) as c,
+        c.chat.completions.create(
+            model=MODEL, messages=_messages(), max_tokens=400, stream=True, extra_body=SIM_SLOW
+        ) as s,
+    ):
+        for chunk in s:
+            if chunk.choices and chunk.choices[0].delta.content:
+                sent.seen_output += 1
+                if sent.seen_output == 2:
+                    break
+    return sent
+
+
+Kind = Callable[[Edge, str, bool], Sent]
+COMPLETE_KINDS: Final[tuple[Kind, ...]] = (chat, completion, messages, responses)
+
+
+def plan(n: int) -> list[tuple[Kind, str, bool]]:
+    """``n`` requests: mostly complete ones on every surface, streamed and not
+    (half of them by the unnamed key of tenant beta), with every 10th failed,
+    cancelled before or after its first token."""
+    out: list[tuple[Kind, str, bool]] = []
+    for i in range(n):
+        stream = i % 2 == 0
+        if i % 10 == 3:
+            out.append((failed, "failed", stream))
+        elif i % 10 == 6:
+            out.append((cancel_before, "cancel-before", True))
+        elif i % 10 == 9:
+            out.append((cancel_after, "cancel-after", True))
+        else:
+            key = "complete" if i % 4 < 2 else "beta"
+            out.append((COMPLETE_KINDS[i % len(COMPLETE_KINDS)], key, stream))
+    return out
+
+
+def send_all(edge: Edge, requests: list[tuple[Kind, str, bool]], workers: int) -> list[Sent]:
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda r: r[0](edge, r[1], r[2]), requests))
+
+
+# --- the ledger and the edge's counters ------------------------------------------------------
+
+
+def ledger_name(key: str) -> str:
+    return f"sha256:{_digest(_key(key))[:12]}" if key == "beta" else key
+
+
+def written(edge: Edge) -> int:
+    for family in text_string_to_metric_families(edge.get("/metrics").text):
+        if family.name == "iop_usage_ledger_records":
+            for sample in family.samples:
+                if sample.name.endswith("_total"):
+                    return int(sample.value)
+    return 0
+
+
+def wait_written(edge: Edge, n: int) -> None:
+    edge.wait_no_runs(timeout=30)
+    poll(lambda: written(edge) >= n, timeout=30, what=f"{n} runs in the ledger")
+    assert written(edge) == n
+
+
+def by_key(store_path: Path) -> dict[str, tuple[int, int, int]]:
+    """(runs, input, output) by key name, read from the file."""
+    store = LedgerStore(store_path, readonly=True)
+    try:
+        return {
+            r.key_name: (r.runs, r.input_tokens, r.output_tokens)
+            for r in store.report(("key_name",))
+        }
+    finally:
+        store.close()
+
+
+def check(store_path: Path, sent: list[Sent]) -> None:
+    """The ledger holds every run of ``sent``, exactly as the clients saw it."""
+    held = by_key(store_path)
+    runs = Counter(s.key for s in sent)
+    for key in ("complete", "beta"):
+        mine = [s for s in sent if s.key == key]
+        assert all(s.input_tokens > 0 and s.output_tokens > 0 for s in mine)
+        assert held[ledger_name(key)] == (
+            len(mine),
+            sum(s.input_tokens for s in mine),
+            sum(s.output_tokens for s in mine),
+        )
+    for key in ("failed", "cancel-before"):
+        assert held[key] == (runs[key], 0, 0)
+    n, tin, tout = held["cancel-after"]
+    assert n == runs["cancel-after"]
+    assert tin == PROMPT_ESTIMATE * n
+    assert tout >= sum(s.seen_output for s in sent if s.key == "cancel-after")
+    assert sum(h[0] for h in held.values()) == len(sent)
+    # Every row is whole: it has its node, instance, outcome and cost.
+    store = LedgerStore(store_path, readonly=True)
+    try:
+        rows = store.since(0)
+    finally:
+        store.close()
+    assert {r.outcome for r in rows} == {"complete", "error", "cancelled"}
+    assert all(r.node and r.instance and r.attempts >= 1 for r in rows if r.outcome != "error")
+    for r in rows:
+        assert r.cost_micros == math.ceil((r.input_tokens * 0.5 + r.output_tokens * 1.5) - 1e-9)
+
+
+def month_spent(edge: Edge) -> int:
+    resp = httpx.get(
+        f"{edge.url}/admin/nodes", headers={"Authorization": f"Bearer {OPERATOR}"}, timeout=10
+    )
+    tenant = next(t for t in resp.json()["tenants"] if t["name"] == "alpha")
+    spent: int = tenant["budgets"]["month"]["spent_micros"]
+    return spent
+
+
+def ledger_cost(store_path: Path, tenant: str) -> int:
+    store = LedgerStore(store_path, readonly=True)
+    try:
+        return store.report(("tenant",), tenant=tenant)[0].cost_micros
+    finally:
+        store.close()
+
+
+@pytest.fixture
+def sim(procs: Procs) -> Sim:
+    return procs.sim("sim", "--tokens-per-s", "400")
+
+
+def test_the_ledger_holds_what_clients_received_across_restarts(
+    procs: Procs, sim: Sim, tmp_path: Path
+) -> None:
+    path = tmp_path / "usage.db"
+    port = free_port()
+    config = _config(path)
+    edge = procs.edge(config, port=port, name="edge-1")
+    procs.node([edge], sim, node_id="n1")
+    edge.wait_ready(node_id="n1")
+
+    first = send_all(edge, plan(200), CONCURRENCY)
+    wait_written(edge, len(first))
+    check(path, first)
+    # /admin/usage serves the same sums as the file.
+    usage = httpx.get(
+        f"{edge.url}/admin/usage?by=key_name",
+        headers={"Authorization": f"Bearer {OPERATOR}"},
+        timeout=10,
+    ).json()
+    assert {
+        r["key_name"]: (r["runs"], r["input_tokens"], r["output_tokens"]) for r in usage["rows"]
+    } == by_key(path)
+    spent = month_spent(edge)
+    assert spent == ledger_cost(path, "alpha") > 0
+
+    # A graceful stop: nothing is lost, and the restarted edge has the month's spend.
+    edge.proc.send(signal.SIGTERM)
+    assert edge.proc.wait(20) == 0
+    check(path, first)
+    edge = procs.edge(config, port=port, name="edge-2")
+    edge.wait_ready(node_id="n1")
+    assert month_spent(edge) == spent
+
+    # Committed runs survive a kill -9.
+    second = send_all(edge, plan(60), CONCURRENCY)
+    wait_written(edge, len(second))
+    edge.proc.kill()
+    check(path, first + second)
+
+    # Runs that end within the flush interval before a kill -9 may be lost:
+    # of ten sequential runs the ledger holds the first m, each whole.
+    edge = procs.edge(config, port=port, name="edge-3")
+    edge.wait_ready(node_id="n1")
+    assert month_spent(edge) == ledger_cost(path, "alpha")
+    last = [chat(edge, "beta", False) for _ in range(10)]
+    edge.proc.kill()
+    store = LedgerStore(path, readonly=True)
+    try:
+        rows = store.since(0)
+    finally:
+        store.close()
+    tail = rows[len(first) + len(second) :]
+    assert len(tail) <= len(last)
+    assert [(r.input_tokens, r.output_tokens) for r in tail] == [
+        (s.input_tokens, s.output_tokens) for s in last[: len(tail)]
+    ]
