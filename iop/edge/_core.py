@@ -559,20 +559,39 @@ class EdgeCore:
             RateLimited: Over one of the tenant's limits or budgets.
         """
         tokens = estimate_tokens(request, self.config.tenancy.default_max_tokens)
-        cost = 0
-        if tenant.budgets:
-            prompt = estimate_prompt_tokens(request)
-            estimate = Usage(input_tokens=prompt, output_tokens=tokens - prompt)
-            cost = self.prices.cost(request.model, estimate)
-            self.tenants.check_budget(tenant, cost, time.time(), trio.current_time())
+        if not tenant.budgets:
+            ticket = await self._admit_rate(tenant, tokens)
+            ticket.key_name = key_name
+            return ticket
+        prompt = estimate_prompt_tokens(request)
+        estimate = Usage(input_tokens=prompt, output_tokens=tokens - prompt)
+        cost = self.prices.cost(request.model, estimate)
+        wall = time.time()
         if self.cluster is None:
+            # Checked, then taken after the rate limits: no await between.
+            self.tenants.check_budget(tenant, cost, wall, trio.current_time())
             ticket = self.tenants.admit(tenant, tokens, trio.current_time())
+            self.tenants.take_budget(ticket, cost, wall)
         else:
-            ticket = await self.cluster.admit(tenant, tokens, trio.current_time())
+            # Every edge's spend, in Valkey: reserved first (a refusal takes
+            # nothing), given back if the rate limits refuse.
+            hold = Ticket(tenant, 0, ())
+            await self.cluster.reserve_budget(hold, cost, wall, trio.current_time())
+            try:
+                ticket = await self.cluster.admit(tenant, tokens, trio.current_time())
+            except BaseException:
+                self.cluster.settle_budget(hold, 0, time.time())
+                raise
+            ticket.reserved_micros = hold.reserved_micros
+            ticket.periods = hold.periods
+            ticket.budget_shared = hold.budget_shared
         ticket.key_name = key_name
-        if tenant.budgets:
-            self.tenants.take_budget(ticket, cost, time.time())
         return ticket
+
+    async def _admit_rate(self, tenant: Tenant, tokens: int) -> Ticket:
+        if self.cluster is None:
+            return self.tenants.admit(tenant, tokens, trio.current_time())
+        return await self.cluster.admit(tenant, tokens, trio.current_time())
 
     def settle(self, ticket: Ticket, usage: Usage | None, cost: int | None = 0) -> None:
         """Settle ``ticket`` where it was reserved (once), and its budgets'
@@ -581,7 +600,11 @@ class EdgeCore:
             return
         now = trio.current_time()
         if ticket.periods:
-            self.tenants.settle_budget(ticket, None if usage is None else cost, time.time())
+            settled = None if usage is None else cost
+            if self.cluster is None:
+                self.tenants.settle_budget(ticket, settled, time.time())
+            else:
+                self.cluster.settle_budget(ticket, settled, time.time())
         if self.cluster is None:
             self.tenants.finish(ticket, usage, now)
         else:

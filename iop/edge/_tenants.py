@@ -264,6 +264,8 @@ class Ticket:
     # period of each budget it was reserved in.
     reserved_micros: int = 0
     periods: dict[str, str] = field(default_factory=dict)
+    # The reservation is in Valkey's budgets (``iop.edge._cluster``).
+    budget_shared: bool = False
     # The name of the key the request came with (the usage ledger's).
     key_name: str = ""
 

@@ -403,3 +403,68 @@ def test_the_ledger_holds_what_clients_received_across_restarts(
     assert [(r.input_tokens, r.output_tokens) for r in tail] == [
         (s.input_tokens, s.output_tokens) for s in last[: len(tail)]
     ]
+
+
+def test_a_spent_budget_is_a_429_in_each_surfaces_shape(
+    procs: Procs, sim: Sim, tmp_path: Path
+) -> None:
+    """A day's budget of 360 micro-units: one chat request reserving 352 (104
+    prompt tokens at 0.5 and 200 output at 1.5 per million) fits; it costs at
+    least 300 (its 200 output tokens), and then a reservation of 70 (12
+    output tokens) does not fit, on any surface."""
+    config = {
+        "server": {"api_keys": [OPERATOR]},
+        "usage": {"ledger_path": str(tmp_path / "usage.db")},
+        "prices": PRICES,
+        "tenants": [
+            {
+                "name": "thrifty",
+                "key_sha256": [_digest(_key("thrifty"))],
+                "budget_per_day": "0.00036",
+            }
+        ],
+    }
+    edge = procs.edge(config)
+    procs.node([edge], sim, node_id="n1")
+    edge.wait_ready(node_id="n1")
+    key = _key("thrifty")
+    with openai.OpenAI(base_url=f"{edge.url}/v1", api_key=key, max_retries=0) as oa:
+        oa.chat.completions.create(
+            model=MODEL,
+            messages=_messages(),
+            max_tokens=200,
+            extra_body={"iop_sim": {"output_tokens": 200}},
+        )
+        edge.wait_no_runs()
+        with pytest.raises(openai.RateLimitError) as chat_refused:
+            oa.chat.completions.create(model=MODEL, messages=_messages(), max_tokens=12)
+        with pytest.raises(openai.RateLimitError) as responses_refused:
+            oa.responses.create(model=MODEL, input=PROMPT, max_output_tokens=16)
+        with pytest.raises(openai.RateLimitError):
+            oa.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12)
+    with (
+        anthropic.Anthropic(base_url=edge.url, api_key=key, max_retries=0) as an,
+        pytest.raises(anthropic.RateLimitError) as messages_refused,
+    ):
+        an.messages.create(model=MODEL, messages=_messages(), max_tokens=12)
+    for refused in (chat_refused, responses_refused):
+        resp = refused.value.response
+        assert resp.status_code == 429
+        assert "Budget reached for tenant thrifty" in refused.value.message
+        assert resp.json()["error"]["code"] == "rate_limit_exceeded"
+        # Until the UTC day ends: at most a day.
+        assert 1 <= int(resp.headers["retry-after"]) <= 86400
+    body = messages_refused.value.response.json()
+    assert body["type"] == "error"
+    assert body["error"]["type"] == "rate_limit_error"
+    assert "per day" in body["error"]["message"]
+    # The tenant's spend is the one run's cost, as the ledger has it.
+    poll(lambda: written(edge) == 1, timeout=10, what="the run in the ledger")
+    spent = httpx.get(
+        f"{edge.url}/admin/nodes", headers={"Authorization": f"Bearer {OPERATOR}"}, timeout=10
+    ).json()["tenants"]
+    (thrifty,) = [t for t in spent if t["name"] == "thrifty"]
+    assert thrifty["budgets"]["day"] == {
+        "limit_micros": 360,
+        "spent_micros": ledger_cost(tmp_path / "usage.db", "thrifty"),
+    }

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import hashlib
 import math
+import secrets
 import sqlite3
+import time
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 
+import coredis
 import pytest
 import trio
 import trio.lowlevel
@@ -18,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from iop.config import EdgeConfig, Price, TenancySettings, TenantSettings, UsageSettings
 from iop.config import decode_config as decode
 from iop.edge._ledger import Ledger
-from iop.edge._tenants import RateLimited, Tenants
+from iop.edge._tenants import RateLimited, Tenants, Ticket
 from iop.errors import ConfigError
 from iop.events import Usage
 from iop.ledger import (
@@ -34,6 +37,8 @@ from iop.ledger import (
     rows_csv,
     rows_table,
 )
+from tests._valkey import Valkey
+from tests.edge.test_cluster import edge as cluster_edge
 
 
 def sha(key: str) -> str:
@@ -333,3 +338,40 @@ def test_a_restart_restores_budgets_and_rate_windows() -> None:
     assert tenant.requests.level(1000.0) < 10
     with pytest.raises(RateLimited, match="tokens per minute"):
         tenants.admit(tenant, 90, 1000.0)
+
+
+# --- budgets shared in Valkey ----------------------------------------------------------------
+
+
+async def test_two_edges_share_a_budget_in_valkey(valkey_server: Valkey) -> None:
+    prefix = f"t{secrets.token_hex(4)}:"
+    settings = [TenantSettings(name="acme", key_sha256=[sha("k")], budget_per_day=Decimal("0.001"))]
+    wall = time.time()
+    async with (
+        cluster_edge(valkey_server.url, prefix, settings, "a") as a,
+        cluster_edge(valkey_server.url, prefix, settings, "b") as b,
+    ):
+        on_a = Ticket(a.tenants.all["acme"], 0, ())
+        await a.reserve_budget(on_a, 600, wall, 0.0)
+        assert on_a.budget_shared
+        # Edge b sees a's reservation: 600 more do not fit in 1,000.
+        with pytest.raises(RateLimited) as refused:
+            await b.reserve_budget(Ticket(b.tenants.all["acme"], 0, ()), 600, wall, 0.0)
+        assert refused.value.limit == "budget_day"
+        assert "0.000600 of 0.001000" in refused.value.message
+        # a's run cost 100: settled in Valkey, b may now reserve 900.
+        a.settle_budget(on_a, 100, wall)
+        with trio.fail_after(5):
+            while a.pending:
+                await trio.sleep(0.01)
+        on_b = Ticket(b.tenants.all["acme"], 0, ())
+        await b.reserve_budget(on_b, 900, wall, 0.0)
+        with pytest.raises(RateLimited, match="spent or reserved"):
+            await a.reserve_budget(Ticket(a.tenants.all["acme"], 0, ()), 0, wall, 0.0)
+        client = coredis.Redis.from_url(valkey_server.url)
+        async with client:
+            key = f"{prefix}u:acme:{period_key('day', wall)}"
+            assert await client.get(key) == b"1000"
+            # It expires a day after the UTC day ends.
+            ttl = await client.ttl(key)
+            assert period_end("day", wall) - wall < ttl <= period_end("day", wall) - wall + 86401
