@@ -59,7 +59,7 @@ import math
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from functools import partial
-from typing import Final, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Final, NamedTuple, Protocol, cast, runtime_checkable
 from urllib.parse import urlsplit
 
 import msgspec
@@ -91,6 +91,7 @@ from iop.api import (
 from iop.edge._admin_auth import COOKIE_NAME, AdminGate, Verdict
 from iop.edge._admin_page import (
     RECENT_ON_PAGE,
+    USAGE_DAYS,
     render_admin_page,
     render_login_page,
     render_run_page,
@@ -120,7 +121,7 @@ from iop.events import (
     is_terminal,
 )
 from iop.ledger import GROUPS as USAGE_GROUPS
-from iop.ledger import parse_day, report_json
+from iop.ledger import parse_day, period_start, report_json
 from iop.runtime import Run, new_run_id
 from iop.spec import ExecutionSpec, TokenizeRequest
 from iop.tracing import valid_traceparent
@@ -516,8 +517,18 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             return _login_page(_throttled_message(gate), 429, gate)
         if verdict is Verdict.DENIED:
             return _login_page(None, 401, gate)
+        usage = None
+        if core.ledger is not None:
+            since = period_start("day", time.time()) - (USAGE_DAYS - 1) * 86400.0
+            rows = await core.ledger.report(("day",), since=since)
+            usage = cast("list[dict[str, Any]]", report_json(rows, ("day",))["rows"])
         return _html(
-            render_admin_page(core.snapshot(), core.runs_view(RECENT_ON_PAGE), logout=not gate.open)
+            render_admin_page(
+                core.snapshot(),
+                core.runs_view(RECENT_ON_PAGE),
+                logout=not gate.open,
+                usage=usage,
+            )
         )
 
     def admin_refusal() -> Response | None:

@@ -693,9 +693,7 @@ class SharedLimits:
         if self.up:
             budgets = list(tenant.budgets.values())
             keys = [self._budget_key(tenant.name, b.roll(wall)) for b in budgets]
-            expire = [
-                math.ceil(period_end(b.period, wall)) + BUDGET_KEY_GRACE_S for b in budgets
-            ]
+            expire = [math.ceil(period_end(b.period, wall)) + BUDGET_KEY_GRACE_S for b in budgets]
             try:
                 reply = await self._call(
                     "budget_reserve", keys, [cost, *(b.limit for b in budgets), *expire]

@@ -342,6 +342,17 @@ def ledger_cost(store_path: Path, tenant: str) -> int:
         store.close()
 
 
+def usage_today(edge: Edge) -> dict[str, Any]:
+    resp = httpx.get(
+        f"{edge.url}/admin/usage?by=day",
+        headers={"Authorization": f"Bearer {OPERATOR}"},
+        timeout=10,
+    )
+    resp.raise_for_status()
+    row: dict[str, Any] = resp.json()["rows"][-1]
+    return row
+
+
 @pytest.fixture
 def sim(procs: Procs) -> Sim:
     return procs.sim("sim", "--tokens-per-s", "400")
@@ -371,6 +382,15 @@ def test_the_ledger_holds_what_clients_received_across_restarts(
     } == by_key(path)
     spent = month_spent(edge)
     assert spent == ledger_cost(path, "alpha") > 0
+    # The admin page plots today's tokens (one bar, so far).
+    page = httpx.get(
+        f"{edge.url}/admin", headers={"Authorization": f"Bearer {OPERATOR}"}, timeout=10
+    ).text
+    today = usage_today(edge)
+    assert (
+        f"<title>{today['day']}: {today['input_tokens'] + today['output_tokens']}</title>" in page
+    )
+    assert f"<title>{today['day']}: {today['cost']}</title>" in page
 
     # A graceful stop: nothing is lost, and the restarted edge has the month's spend.
     edge.proc.send(signal.SIGTERM)

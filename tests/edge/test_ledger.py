@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import secrets
 import sqlite3
 import time
@@ -20,6 +21,7 @@ from prometheus_client import CollectorRegistry
 
 from iop.config import EdgeConfig, Price, TenancySettings, TenantSettings, UsageSettings
 from iop.config import decode_config as decode
+from iop.edge._admin_page import render_admin_page
 from iop.edge._ledger import Ledger
 from iop.edge._tenants import RateLimited, Tenants, Ticket
 from iop.errors import ConfigError
@@ -375,3 +377,28 @@ async def test_two_edges_share_a_budget_in_valkey(valkey_server: Valkey) -> None
             # It expires a day after the UTC day ends.
             ttl = await client.ttl(key)
             assert period_end("day", wall) - wall < ttl <= period_end("day", wall) - wall + 86401
+
+
+# --- the admin page ---------------------------------------------------------------------------
+
+
+def test_the_admin_page_plots_tokens_and_cost_a_day() -> None:
+    days = [
+        {"day": "2026-12-03", "runs": 2, "input_tokens": 30, "output_tokens": 10,
+         "cost_micros": 1_500_000, "cost": "1.500000"},
+        {"day": "2026-12-04", "runs": 1, "input_tokens": 10, "output_tokens": 10,
+         "cost_micros": 3_000_000, "cost": "3.000000"},
+    ]  # fmt: skip
+    page = render_admin_page({}, usage=days).decode()
+    assert "<h2>Usage (last 30 days, UTC)</h2>" in page
+    assert page.count("<svg class='usage'") == 2
+    # Each day a bar, its value in its tooltip; the highest is full height.
+    assert "<title>2026-12-03: 40</title>" in page
+    assert "<title>2026-12-04: 20</title>" in page
+    assert "<title>2026-12-04: 3.000000</title>" in page
+    assert "highest: 3.000000" in page
+    heights = re.findall(r"<rect class='tokens'[^>]* height='([0-9.]+)'", page)
+    assert [float(h) for h in heights] == [76.0, 38.0]
+    assert "<script" not in page
+    # No ledger: no section.
+    assert "Usage (last" not in render_admin_page({}).decode()
