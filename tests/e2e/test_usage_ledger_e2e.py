@@ -488,3 +488,44 @@ def test_a_spent_budget_is_a_429_in_each_surfaces_shape(
         "limit_micros": 360,
         "spent_micros": ledger_cost(tmp_path / "usage.db", "thrifty"),
     }
+
+
+def test_a_restart_keeps_the_minute_a_tenant_has_used(
+    procs: Procs, sim: Sim, tmp_path: Path
+) -> None:
+    """600 tokens a minute: one run of 104 + 400 tokens leaves too little for
+    another; after a graceful restart the ledger's last minute still does
+    (a fresh bucket would admit it)."""
+    config = {
+        "server": {"api_keys": [OPERATOR], "drain_timeout_s": 5},
+        "usage": {"ledger_path": str(tmp_path / "usage.db")},
+        "tenants": [
+            {"name": "minute", "key_sha256": [_digest(_key("minute"))], "tokens_per_minute": 600}
+        ],
+    }
+    port = free_port()
+    edge = procs.edge(config, port=port, name="edge-1")
+    procs.node([edge], sim, node_id="n1")
+    edge.wait_ready(node_id="n1")
+    ask: dict[str, Any] = {
+        "model": MODEL,
+        "messages": _messages(),
+        "max_tokens": 400,
+        "extra_body": {"iop_sim": {"output_tokens": 400}},
+    }
+    with openai.OpenAI(base_url=f"{edge.url}/v1", api_key=_key("minute"), max_retries=0) as c:
+        done = c.chat.completions.create(**ask)
+    assert done.usage is not None
+    assert done.usage.completion_tokens >= 400
+    edge.proc.send(signal.SIGTERM)
+    assert edge.proc.wait(20) == 0
+    edge = procs.edge(config, port=port, name="edge-2")
+    edge.wait_ready(node_id="n1")
+    with (
+        openai.OpenAI(base_url=f"{edge.url}/v1", api_key=_key("minute"), max_retries=0) as c,
+        pytest.raises(openai.RateLimitError) as refused,
+    ):
+        c.chat.completions.create(**ask)
+    assert "tokens per minute" in refused.value.message
+    remaining = int(refused.value.response.headers["x-ratelimit-remaining-tokens"])
+    assert remaining < 504
