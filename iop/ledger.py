@@ -32,6 +32,7 @@ from typing import Final, Literal
 import msgspec
 
 from iop.config import Price
+from iop.errors import ConfigError
 from iop.events import Usage
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "Prices",
     "UsageRecord",
     "UsageRow",
+    "check_ledger_path",
     "cost_micros",
     "money",
     "parse_day",
@@ -356,6 +358,18 @@ class LedgerStore:
                 )
             )
         return out
+
+
+def check_ledger_path(path: str) -> None:
+    """Open (and make) the ledger at ``path`` once, before the edge starts.
+
+    Raises:
+        ConfigError: It cannot be opened or is not a ledger, said with the key.
+    """
+    try:
+        LedgerStore(path).close()
+    except (OSError, sqlite3.Error) as exc:
+        raise ConfigError(f"[usage] ledger_path {path!r}: cannot open the ledger: {exc}") from exc
 
 
 def _record(row: Sequence[object]) -> UsageRecord:

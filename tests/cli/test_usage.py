@@ -94,3 +94,14 @@ def test_usage_says_what_is_wrong(tmp_path: Path) -> None:
     assert bad.returncode == 2
     assert "--by takes" in bad.stderr
     assert iop("usage", "--ledger", "x", "--since", "yesterday").returncode == 2
+
+
+def test_an_edge_whose_ledger_cannot_be_opened_does_not_start(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    config = tmp_path / "edge.toml"
+    config.write_text(toml_dumps({"usage": {"ledger_path": str(blocker / "usage.db")}}))
+    out = iop("edge", "--port", "0", "--node-token", "e2e-node-token-xyz", "--config", str(config))
+    assert out.returncode == 2
+    assert "config error: [usage] ledger_path" in out.stderr
+    assert "cannot open the ledger" in out.stderr
