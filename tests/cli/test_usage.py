@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
+import tomllib
 from datetime import UTC, datetime
 from pathlib import Path
 
+from iop.config import TenancySettings, TenantSettings, decode_config
+from iop.edge._tenants import Tenants
 from iop.ledger import LedgerStore, UsageRecord
 from iop.testing import toml_dumps
 from tests.cli.test_keys import iop
@@ -105,3 +109,14 @@ def test_an_edge_whose_ledger_cannot_be_opened_does_not_start(tmp_path: Path) ->
     assert out.returncode == 2
     assert "config error: [usage] ledger_path" in out.stderr
     assert "cannot open the ledger" in out.stderr
+
+
+def test_keys_create_names_the_key_for_the_ledger() -> None:
+    out = iop("keys", "create", "team-a", "--key-name", "ci")
+    assert out.returncode == 0, out.stderr
+    key = out.stderr.strip().splitlines()[-1]
+    table = tomllib.loads(out.stdout)["tenants"][0]
+    assert table["keys"] == [{"sha256": hashlib.sha256(key.encode()).hexdigest(), "name": "ci"}]
+    assert "key_sha256" not in table
+    tenant = decode_config(table, TenantSettings, source="stdout")
+    assert Tenants([tenant], [], TenancySettings()).key_name(key) == "ci"
