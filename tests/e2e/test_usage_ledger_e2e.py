@@ -39,6 +39,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from iop.ledger import LedgerStore
+from tests._valkey import Valkey
 from tests.e2e._platform import MODEL, Edge, Procs, Sim, free_port, poll
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -529,3 +530,60 @@ def test_a_restart_keeps_the_minute_a_tenant_has_used(
     assert "tokens per minute" in refused.value.message
     remaining = int(refused.value.response.headers["x-ratelimit-remaining-tokens"])
     assert remaining < 504
+
+
+def test_a_budget_spent_through_one_edge_is_spent_on_the_other(
+    procs: Procs, sim: Sim, tmp_path: Path
+) -> None:
+    """Two edges sharing a Valkey (``[cluster]``): a run through edge a
+    spends the day's budget (as in the test above), and edge b refuses the
+    next request, which its own spend alone would admit."""
+    valkey = Valkey(tmp_path / "valkey")
+    (tmp_path / "valkey").mkdir()
+    valkey.start()
+    try:
+        edges = []
+        for name in ("edge-a", "edge-b"):
+            edges.append(
+                procs.edge(
+                    {
+                        "server": {"api_keys": [OPERATOR]},
+                        "cluster": {"valkey_url": valkey.url, "edge_id": name},
+                        "prices": PRICES,
+                        "tenants": [
+                            {
+                                "name": "shared",
+                                "key_sha256": [_digest(_key("shared"))],
+                                "budget_per_day": "0.00036",
+                            }
+                        ],
+                    },
+                    name=name,
+                )
+            )
+        a, b = edges
+        procs.node(edges, sim, node_id="n1")
+        a.wait_ready(node_id="n1")
+        b.wait_ready(node_id="n1")
+        key = _key("shared")
+        with openai.OpenAI(base_url=f"{a.url}/v1", api_key=key, max_retries=0) as c:
+            c.chat.completions.create(
+                model=MODEL,
+                messages=_messages(),
+                max_tokens=200,
+                extra_body={"iop_sim": {"output_tokens": 200}},
+            )
+        # Settled in Valkey (a's settlement is written by its cluster task).
+        poll(
+            lambda: a.wait_no_runs()["cluster"]["pending_settlements"] == 0,
+            timeout=10,
+            what="edge a's settlement in Valkey",
+        )
+        with (
+            openai.OpenAI(base_url=f"{b.url}/v1", api_key=key, max_retries=0) as c,
+            pytest.raises(openai.RateLimitError) as refused,
+        ):
+            c.chat.completions.create(model=MODEL, messages=_messages(), max_tokens=12)
+        assert "Budget reached for tenant shared" in refused.value.message
+    finally:
+        valkey.kill()
