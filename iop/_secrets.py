@@ -215,9 +215,11 @@ def _instance_secrets(instances: Iterable[InstanceConfig], where: str) -> Iterat
 
 
 def edge_secrets(cfg: EdgeConfig, where: str = "edge") -> list[Secret]:
-    """Client API keys, admin keys, node tokens and the cache salt key of an edge config."""
-    out = [(k, f"{where}.server.api_keys[{i}]") for i, k in enumerate(cfg.server.api_keys)]
-    out += [(k, f"{where}.server.admin_keys[{i}]") for i, k in enumerate(cfg.server.admin_keys)]
+    """Client API keys, admin and metrics keys, node tokens and the cache salt key of an edge config."""
+    server = cfg.server
+    out = [(k, f"{where}.server.api_keys[{i}]") for i, k in enumerate(server.api_keys)]
+    out += [(k, f"{where}.server.admin_keys[{i}]") for i, k in enumerate(server.admin_keys)]
+    out += [(k, f"{where}.server.metrics_keys[{i}]") for i, k in enumerate(server.metrics_keys)]
     out += [(t, f"{where}.link.node_tokens[{i}]") for i, t in enumerate(cfg.link.node_tokens)]
     out += [(v, f"{where}.tracing.otlp_headers.{k}") for k, v in cfg.tracing.otlp_headers.items()]
     if cfg.tenancy.cache_salt_key:

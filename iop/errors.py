@@ -22,6 +22,7 @@ in IOP), or the backend (``BackendError`` and its children)::
     │   └── LinkClosed              the link closed (WebSocket close code, reason)
     └── BackendError                the inference backend failed                -> 5xx / backend's status
         ├── BackendUnavailable      connection refused, DNS, connect timeout    -> 503
+        ├── BackendLost             a backend IOP started died or hung mid-run  -> 503
         ├── BackendTimeout          a transport read/write timed out            -> 504
         ├── BackendHTTPError        the backend answered non-2xx (status, body) -> backend's status
         ├── BackendStreamError      the stream broke: reset, truncated, or an
@@ -53,6 +54,7 @@ __all__ = [
     "RETRYABLE_CODES",
     "BackendError",
     "BackendHTTPError",
+    "BackendLost",
     "BackendProtocolError",
     "BackendStreamError",
     "BackendTimeout",
@@ -96,6 +98,7 @@ class ErrorCode(enum.StrEnum):
     LINK_CLOSED = "link_closed"  # the link closed
     BACKEND_ERROR = "backend_error"  # the backend failed (no finer code applies)
     BACKEND_UNAVAILABLE = "backend_unavailable"  # the backend cannot be reached
+    BACKEND_LOST = "backend_lost"  # a backend IOP started died or hung during the run
     BACKEND_TIMEOUT = "backend_timeout"  # a read or write to the backend timed out
     BACKEND_HTTP_ERROR = "backend_http_error"  # the backend answered non-2xx
     BACKEND_STREAM_ERROR = "backend_stream_error"  # the backend's stream broke
@@ -131,6 +134,8 @@ class ErrorCode(enum.StrEnum):
     INVALID_API_KEY = "invalid_api_key"  # the API key (or admin key) is missing or wrong
     TOO_MANY_WRONG_KEYS = "too_many_wrong_keys"  # admin logins are braked
     CROSS_ORIGIN = "cross_origin"  # an admin form posted from another site
+    ADMIN_DISABLED = "admin_disabled"  # client keys set, no admin key: the admin views are off
+    METRICS_DISABLED = "metrics_disabled"  # client keys set, no metrics or admin key
     NODE_NOT_FOUND = "node_not_found"  # drain/undrain of a node id neither connected nor drained
 
     # --- a request body OpenAI would refuse (OpenAI's codes) -------------------------
@@ -187,6 +192,7 @@ RETRYABLE_CODES: Final[frozenset[str]] = frozenset(
         ErrorCode.NODE_DRAINING,
         ErrorCode.UNKNOWN_INSTANCE,
         ErrorCode.BACKEND_UNAVAILABLE,
+        ErrorCode.BACKEND_LOST,
     }
 )
 
@@ -372,6 +378,18 @@ class BackendUnavailable(BackendError):
     """The backend could not be reached (refused, DNS, connect timeout)."""
 
     code = ErrorCode.BACKEND_UNAVAILABLE
+    status = 503
+
+
+class BackendLost(BackendError):
+    """A backend IOP started itself (``iop.managed``) exited or hung while a run used it.
+
+    503 like ``BackendUnavailable`` (another node, or this one once the
+    backend is restarted, may serve it) and retryable before any output: the
+    edge fails the run over.
+    """
+
+    code = ErrorCode.BACKEND_LOST
     status = 503
 
 

@@ -8,6 +8,8 @@ machine and at smoke sizes, mean nothing (docs/bench.md).
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -297,3 +299,100 @@ def test_all_skips_what_needs_litellm_without_it(
     assert "no LiteLLM at" in capsys.readouterr().err
     assert main(["bench", "--all", "--scenarios", str(docs)]) == 2
     assert main(["bench"]) == 2
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def iop_bench(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The real command line, as a user runs it: a process of its own in ``cwd``."""
+    return subprocess.run(
+        [sys.executable, "-m", "iop", "bench", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def one_line_error(done: subprocess.CompletedProcess[str]) -> str:
+    """The single stderr line of a command refused with exit 2 (no traceback)."""
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("iop bench: ")
+    return line
+
+
+@pytest.mark.timeout(120)
+def test_a_relative_out_dir_holds_the_results_and_the_runs_logs(tmp_path: Path) -> None:
+    """The runners start processes in the run's work dir: a relative --out
+    (and scenario path) must not be read from there."""
+    scenario(tmp_path, 'runner = "cancel"\ndescription = "smoke"\n', "rel")
+    done = iop_bench(tmp_path, "run", "--smoke", "--out", "rel-out", "rel.toml")
+    assert done.returncode == 0, done.stderr
+    (path,) = (tmp_path / "rel-out").glob("bench-*.json")
+    entry = json.loads(path.read_text())["scenarios"]["rel"]
+    assert entry["median"] is not None, entry["repeats"]
+    assert list((tmp_path / "rel-out").glob("bench-*/rel-0/edge.toml"))
+
+
+@pytest.mark.parametrize(
+    ("content", "says"),
+    [
+        ("not json at all\n", "not a result of `iop bench run`"),
+        ("[1, 2]\n", "not a result of `iop bench run`"),
+        ('{"format": 1, "scenarios": {"x": {}}}\n', "not a result of `iop bench run`"),
+        ('{"format": 99, "scenarios": {}}\n', "format 99"),
+    ],
+    ids=["not-json", "a-list", "no-runner", "another-format"],
+)
+def test_report_of_a_file_that_is_not_a_result_is_one_line(
+    tmp_path: Path, content: str, says: str
+) -> None:
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "bad.json").write_text(content)
+    line = one_line_error(iop_bench(tmp_path, "report", "--docs", "docs", "bad.json"))
+    assert "bad.json" in line
+    assert says in line
+
+
+def test_report_of_a_result_whose_median_is_not_its_runners_is_one_line(tmp_path: Path) -> None:
+    """A result edited by hand (or from another version) whose median lacks
+    what its runner's tables read."""
+    doc = json.loads((Path(__file__).parent / "data" / "bench-result.json").read_text())
+    doc["scenarios"] = {"cancel": doc["scenarios"]["cancel"]}
+    doc["scenarios"]["cancel"]["median"] = {"unexpected": 1}
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "odd.json").write_text(json.dumps(doc))
+    line = one_line_error(iop_bench(tmp_path, "report", "--docs", "docs", "odd.json"))
+    assert "odd.json: cancel:" in line
+
+
+def test_a_page_with_a_marker_left_open_is_one_line_and_left_as_it_was(tmp_path: Path) -> None:
+    result = Path(__file__).parent / "data" / "bench-result.json"
+    (tmp_path / "docs").mkdir()
+    page = tmp_path / "docs" / "page.md"
+    page.write_text("<!-- bench:cancel -->\nno end marker\n")
+    line = one_line_error(iop_bench(tmp_path, "report", "--docs", "docs", str(result)))
+    assert "page.md" in line
+    assert "has no <!-- /bench:cancel -->" in line
+    assert page.read_text() == "<!-- bench:cancel -->\nno end marker\n"
+
+
+def test_other_bad_input_is_one_line(tmp_path: Path) -> None:
+    scenario(tmp_path, 'runner = "cancel"\n', "ok")
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "result.json").write_text('{"format": 1}')
+    for args, says in [
+        (["run", "missing.toml"], "missing.toml"),
+        (["run", "--out", "a-file", "ok.toml"], "a-file"),
+        (["report", "--docs", "docs", "missing.json"], "missing.json"),
+        (["report", "--docs", "docs", "docs"], "docs"),
+        (["report", "--docs", "no-docs", "result.json"], "no-docs"),
+    ]:
+        line = one_line_error(iop_bench(tmp_path, *args))
+        assert says in line, (args, line)
+    assert not list(tmp_path.glob("a-file/*"))

@@ -99,9 +99,13 @@ def test_with_secrets_adds_without_changing_the_original() -> None:
 # --- secrets of a config -------------------------------------------------------------
 
 
-def test_edge_secrets_are_api_keys_admin_keys_node_tokens_and_the_salt_key() -> None:
+def test_edge_secrets_are_client_admin_and_metrics_keys_node_tokens_and_the_salt_key() -> None:
     cfg = EdgeConfig(
-        server=EdgeServer(api_keys=["client-key-1", "client-key-2"], admin_keys=["admin-key-1"]),
+        server=EdgeServer(
+            api_keys=["client-key-1", "client-key-2"],
+            admin_keys=["admin-key-1"],
+            metrics_keys=["metrics-key-1"],
+        ),
         link=LinkSettings(node_tokens=["node-token-1"]),
         tenancy=TenancySettings(cache_salt_key="salt-key-of-the-edges"),
     )
@@ -109,6 +113,7 @@ def test_edge_secrets_are_api_keys_admin_keys_node_tokens_and_the_salt_key() -> 
         ("client-key-1", "edge.server.api_keys[0]"),
         ("client-key-2", "edge.server.api_keys[1]"),
         ("admin-key-1", "edge.server.admin_keys[0]"),
+        ("metrics-key-1", "edge.server.metrics_keys[0]"),
         ("node-token-1", "edge.link.node_tokens[0]"),
         ("salt-key-of-the-edges", "edge.tenancy.cache_salt_key"),
     ]

@@ -30,7 +30,16 @@ from typing import Any
 
 import iop.bench
 from iop.bench._platform import _term_as_int
-from iop.bench._results import CpuMeter, marker_keys, median_tree, rewrite_markers
+from iop.bench._results import (
+    CpuMeter,
+    ResultError,
+    ResultFile,
+    ScenarioResult,
+    marker_keys,
+    median_tree,
+    read_result,
+    rewrite_markers,
+)
 from iop.bench._runner import RUNNERS, ReportInput, RunContext
 from iop.bench._scenario import Scenario, ScenarioError, load_scenario
 
@@ -212,7 +221,7 @@ def main(args: argparse.Namespace) -> int:
             if out is None:
                 return code
             return cmd_report([out], args.docs, args.img_dir) or code
-    except ScenarioError as exc:
+    except (ScenarioError, ResultError) as exc:
         print(f"iop bench: {exc}", file=sys.stderr)
         return 2
     print("iop bench: give a subcommand (run, list, report) or --all; see iop bench --help")
@@ -276,6 +285,9 @@ def cmd_run(
         print("iop bench: --repeat must be within 1..20", file=sys.stderr)
         return 2, None
     scenarios = [load_scenario(f) for f in files]  # every file checked before any runs
+    # Absolute: the runners start their processes in the run's work dir, and
+    # pass them paths inside it.
+    out = out.resolve()
     if litellm is not None and not litellm.exists():
         print(
             f"iop bench: no LiteLLM at {litellm} (install: python3 -m venv "
@@ -291,7 +303,11 @@ def cmd_run(
         else:
             runnable.append(sc)
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"iop bench: --out {out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2, None
     path = out / f"bench-{stamp}.json"
     from iop.bench._platform import git_commit, machine_info
 
@@ -307,7 +323,7 @@ def cmd_run(
         "loadavg_start": [round(x, 2) for x in os.getloadavg()],
         "scenarios": {
             sc.name: {
-                "file": str(sc.path),
+                "file": str(sc.path.resolve()),
                 "runner": sc.runner.name,
                 "description": sc.description,
                 "args": sc.args,
@@ -373,10 +389,10 @@ def cmd_run(
 # --------------------------------------------------------------------------- report
 
 
-def _footer(doc: dict[str, Any], name: str, entry: dict[str, Any]) -> str:
-    file = Path(entry["file"])
+def _footer(doc: ResultFile, entry: ScenarioResult) -> str:
+    file = Path(entry.file)
     # Only where LiteLLM was measured (both runners record its version then).
-    used = doc.get("litellm") and (entry.get("median") or {}).get("litellm_version")
+    used = doc.litellm and (entry.median or {}).get("litellm_version")
     with_lite = " --litellm PATH" if used else ""
     try:
         shown = file.resolve().relative_to(REPO)
@@ -385,15 +401,16 @@ def _footer(doc: dict[str, Any], name: str, entry: dict[str, Any]) -> str:
         # tmp dir) is still the repo's file.
         shipped = file.parent.name == "bench" and file.parent.parent.name == "configs"
         shown = Path("configs/bench") / file.name if shipped else file
-    fc = entry.get("foreign_cpu_pct") or {}
+    fc = entry.foreign_cpu_pct or {}
     lo, hi = fc.get("min", "?"), fc.get("max", "?")
     foreign = f"{lo}" if lo == hi else f"{lo}\u2013{hi}"
-    n = sum(1 for r in entry["repeats"] if r.get("result") is not None)
+    n = sum(1 for r in entry.repeats if r.result is not None)
+    load = doc.loadavg_start[0] if doc.loadavg_start else "?"
     return (
-        f"_`iop bench run {shown}{with_lite}`: commit `{doc['commit']}`, {doc['started']}, "
+        f"_`iop bench run {shown}{with_lite}`: commit `{doc.commit}`, {doc.started}, "
         f"median of {n} repeat{'s' if n != 1 else ''}; foreign CPU "
         f"{foreign} % of a core, load average "
-        f"{doc['loadavg_start'][0]} at the start{' (smoke sizes: not figures)' if doc.get('smoke') else ''}._"
+        f"{load} at the start{' (smoke sizes: not figures)' if doc.smoke else ''}._"
     )
 
 
@@ -403,6 +420,14 @@ def _latest_results() -> list[Path]:
 
 
 def cmd_report(results: list[Path], docs: Path, img_dir: Path | None) -> int:
+    """Rewrite the marked blocks of ``docs`` from ``results``.
+
+    Raises:
+        ResultError: a result file that cannot be used, a ``docs`` that is not
+            a directory, or a page with a marker left open.
+    """
+    if not docs.is_dir():
+        raise ResultError(f"--docs {docs}: not a directory")
     files = results or _latest_results()
     if not files:
         print("iop bench: no results: run `iop bench run` (or --all) first", file=sys.stderr)
@@ -410,30 +435,40 @@ def cmd_report(results: list[Path], docs: Path, img_dir: Path | None) -> int:
     img = img_dir or docs / "img"
     blocks: dict[str, str] = {}
     for f in files:
-        doc = json.loads(f.read_text())
-        for name, entry in doc["scenarios"].items():
-            runner = RUNNERS.get(entry["runner"])
-            if entry.get("median") is None:
+        doc = read_result(f, RESULT_FORMAT)
+        for name, entry in doc.scenarios.items():
+            runner = RUNNERS.get(entry.runner)
+            if entry.median is None:
                 print(f"iop bench: {f.name}: {name} has no successful run", file=sys.stderr)
                 continue
             if runner is None or runner.report is None:
-                print(f"iop bench: {name}: runner {entry['runner']!r} writes no tables")
+                print(f"iop bench: {name}: runner {entry.runner!r} writes no tables")
                 continue
             inp = ReportInput(
                 scenario=name,
-                median=entry["median"],
-                repeats=[r["result"] for r in entry["repeats"] if r.get("result") is not None],
-                foreign_cpu_pct=[r["foreign_cpu_pct"] for r in entry["repeats"]],
+                median=entry.median,
+                repeats=[r.result for r in entry.repeats if r.result is not None],
+                foreign_cpu_pct=[r.foreign_cpu_pct for r in entry.repeats],
                 img_dir=img,
-                footer=_footer(doc, name, entry),
+                footer=_footer(doc, entry),
             )
-            blocks.update(runner.report(inp))
+            try:
+                blocks.update(runner.report(inp))
+            except (KeyError, IndexError, TypeError, ValueError) as exc:
+                # A median without what the runner's tables read: edited by
+                # hand, or written by another version of the runner.
+                raise ResultError(
+                    f"{f}: {name}: not a result runner {entry.runner!r} can report ({exc!r})"
+                ) from None
     pages = sorted(docs.glob("*.md"))
     seen: set[str] = set()
     for page in pages:
         text = page.read_text()
         seen.update(marker_keys(text))
-        new, done = rewrite_markers(text, blocks)
+        try:
+            new, done = rewrite_markers(text, blocks)
+        except ValueError as exc:
+            raise ResultError(f"{page}: {exc}; nothing of it was rewritten") from None
         if new != text:
             page.write_text(new)
         if done:

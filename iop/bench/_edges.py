@@ -133,7 +133,8 @@ class _Stack:
         wd = self.ctx.workdir
         port = free_port()
         cfg: dict[str, Any] = {
-            "server": {"api_keys": [_OPERATOR]},
+            # The operator's key opens /admin/nodes and /metrics (a client key never does).
+            "server": {"admin_keys": [_OPERATOR]},
             "scheduler": {"max_queue": 1024},
             "cluster": {
                 "valkey_url": f"redis://127.0.0.1:{self.valkey_port}/0",
@@ -334,7 +335,9 @@ async def _burst(urls: list[str], n: int) -> dict[str, Any]:
     fail_open = []
     for url in urls:
         async with httpx.AsyncClient(trust_env=False) as metrics:
-            r = await metrics.get(f"{url}/metrics")
+            r = await metrics.get(
+                f"{url}/metrics", headers={"Authorization": f"Bearer {_OPERATOR}"}
+            )
         m = re.search(r"^iop_cluster_fail_open_total (\S+)$", r.text, re.MULTILINE)
         fail_open.append(float(m.group(1)) if m else -1.0)
     return {"per_edge": admitted, "other": other, "elapsed_s": elapsed, "fail_open": fail_open}

@@ -6,6 +6,11 @@ every repeat's result as its runner returned it and the median of them
 (``median_tree``). ``rewrite_markers`` replaces the text between
 ``<!-- bench:KEY -->`` and ``<!-- /bench:KEY -->`` in a Markdown page and
 leaves every other byte as it was.
+
+``read_result`` reads a result file back for ``iop bench report`` as typed
+data (``ResultFile``): a file that is not one (not JSON, another shape, a
+format this version does not write) is a ``ResultError`` naming the file
+and what is wrong, never a traceback.
 """
 
 from __future__ import annotations
@@ -16,12 +21,20 @@ import resource
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+
+import msgspec
 
 __all__ = [
     "CpuMeter",
+    "Repeat",
+    "ResultError",
+    "ResultFile",
+    "ScenarioResult",
     "marker_keys",
     "median_tree",
+    "read_result",
     "rewrite_markers",
 ]
 
@@ -135,3 +148,66 @@ def rewrite_markers(text: str, blocks: dict[str, str]) -> tuple[str, list[str]]:
         text = text[: m.start()] + m[1] + body + m[3] + text[m.end() :]
         done.append(key)
     return text, done
+
+
+# --------------------------------------------------------------------------- reading back
+
+
+class ResultError(Exception):
+    """A file ``iop bench report`` cannot use (the message names it and says why)."""
+
+
+class Repeat(msgspec.Struct, kw_only=True):
+    """One repeat of one scenario: its runner's result (None when it failed)."""
+
+    repeat: int
+    foreign_cpu_pct: float
+    result: dict[str, Any] | None = None
+    error: str | None = None
+
+
+class ScenarioResult(msgspec.Struct, kw_only=True):
+    """One scenario's repeats and their median (None when no repeat succeeded)."""
+
+    file: str
+    runner: str
+    repeats: list[Repeat]
+    median: dict[str, Any] | None = None
+    foreign_cpu_pct: dict[str, float] | None = None  # {"min": ..., "max": ...}
+
+
+class ResultFile(msgspec.Struct, kw_only=True):
+    """What ``iop bench report`` reads of a result file (it holds more)."""
+
+    format: int
+    started: str
+    commit: str
+    loadavg_start: list[float]
+    scenarios: dict[str, ScenarioResult]
+    litellm: str | None = None
+    smoke: bool = False
+
+
+def read_result(path: Path, expected_format: int) -> ResultFile:
+    """The result file at ``path``, checked.
+
+    Raises:
+        ResultError: it cannot be read, is not JSON, is of another format
+            than ``expected_format``, or has not a result's shape.
+    """
+    try:
+        raw = msgspec.json.decode(path.read_bytes())
+    except OSError as exc:
+        raise ResultError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    except msgspec.DecodeError as exc:
+        raise ResultError(f"{path}: not a result of `iop bench run` (not JSON: {exc})") from None
+    found = raw.get("format") if isinstance(raw, dict) else None
+    if isinstance(found, int) and found != expected_format:
+        raise ResultError(
+            f"{path}: a result of format {found}; this version reads "
+            f"format {expected_format} (run the scenarios again)"
+        )
+    try:
+        return msgspec.convert(raw, ResultFile)
+    except msgspec.ValidationError as exc:
+        raise ResultError(f"{path}: not a result of `iop bench run` ({exc})") from None

@@ -40,9 +40,11 @@ def add_parser(sub: Any) -> None:
         help="serve the OpenAI-compatible API and accept node links",
         description=(
             "Serve the OpenAI API (POST /v1/chat/completions, GET /v1/models), health "
-            "(GET /healthz, GET /readyz), Prometheus metrics (GET /metrics) and the admin "
-            "view (GET /admin as a page, GET /admin/nodes as JSON; behind server.api_keys "
-            "when set), and accept nodes on the /v1/link WebSocket."
+            "(GET /healthz, GET /readyz), Prometheus metrics (GET /metrics; behind "
+            "server.metrics_keys or server.admin_keys once clients have keys) and the admin "
+            "view (GET /admin as a page, GET /admin/nodes as JSON; behind server.admin_keys, "
+            "off when clients have keys and no admin key is set), and accept nodes on the "
+            "/v1/link WebSocket."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -6,6 +6,13 @@ table that admits it (to stdout, so it can be appended to an edge config):
 the config holds only the key's SHA-256, never the key (docs/operations.md,
 "Tenants and limits"). ``iop keys hash`` prints the digest of a key read
 from stdin, for keys made elsewhere.
+
+A key travels in an HTTP header (``Authorization: Bearer``, ``x-api-key``),
+which the edge reads as Latin-1 and which carries no leading or trailing
+white space (RFC 9110, section 5.5): ``hash`` refuses a key that is not
+printable ASCII, or has white space at either end, since no client could
+ever present it. Bad input (a key file that exists or cannot be made, no
+key on stdin) is one line on stderr and exit status 2.
 """
 
 from __future__ import annotations
@@ -68,7 +75,22 @@ def _create(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if args.key_file:
-        fd = os.open(args.key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            # O_EXCL: never over another key (nor through a symlink planted there).
+            fd = os.open(args.key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            print(
+                f"iop keys: {args.key_file} exists: a key file is never overwritten; "
+                "choose another path (nothing was made)",
+                file=sys.stderr,
+            )
+            return 2
+        except OSError as exc:
+            print(
+                f"iop keys: cannot make {args.key_file}: {exc.strerror or exc} (nothing was made)",
+                file=sys.stderr,
+            )
+            return 2
         with os.fdopen(fd, "w") as f:
             f.write(key + "\n")
         print(f"iop keys: the key of tenant {tenant.name} is in {args.key_file}", file=sys.stderr)
@@ -82,10 +104,23 @@ def _create(args: argparse.Namespace) -> int:
     return 0
 
 
+def _printable_ascii(key: str) -> bool:
+    return all(" " <= c <= "~" for c in key) and key == key.strip()
+
+
 def _hash(args: argparse.Namespace) -> int:
-    key = sys.stdin.readline().rstrip("\r\n")
-    if not key:
+    # Bytes, decoded here: a terminal's encoding must not change the digest.
+    line = sys.stdin.buffer.readline() if sys.stdin is not None else b""
+    key = line.rstrip(b"\r\n").decode("latin-1")
+    if not key.strip():
         print("iop keys hash: no key on stdin", file=sys.stderr)
+        return 2
+    if not _printable_ascii(key):
+        print(
+            "iop keys hash: a key is printable ASCII with no white space at either end "
+            "(it travels in an HTTP header); no client could send this one",
+            file=sys.stderr,
+        )
         return 2
     print(f'key_sha256 = ["{hashlib.sha256(key.encode()).hexdigest()}"]')
     return 0

@@ -5,7 +5,8 @@ hello with its instances' capabilities, executes the runs the edges assign,
 and reconnects with backoff when a link drops. SIGINT or SIGTERM drains it:
 no new runs, in-flight runs get ``node.drain_timeout_s`` to finish, then the
 rest are cancelled (reason ``shutdown``) and the process exits 0. A second
-signal stops at once.
+signal stops at once. SIGUSR1 restarts the backends the node runs itself
+(``llamacpp`` instances) that are down, a crash loop included.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import trio
 from iop._log import scrub
 from iop._secrets import node_secrets, register_secrets
 from iop.cli._signals import open_stop_signals
-from iop.config import HTTPInstance, InstanceConfig, NodeConfig, load_config
+from iop.config import HTTPInstance, InstanceConfig, LlamaCppInstance, NodeConfig, load_config
 from iop.errors import ConfigError
 from iop.node import NodeAgent, open_node_agent
 
@@ -61,7 +62,8 @@ def add_parser(sub: Any) -> None:
             "executes the runs the edges assign, and reconnects with exponential backoff "
             "when a link drops. SIGINT/SIGTERM drain it: new runs are refused, in-flight "
             "runs get node.drain_timeout_s to finish, then it exits 0; a second signal "
-            "stops at once (exit 130 for SIGINT, 143 for SIGTERM)."
+            "stops at once (exit 130 for SIGINT, 143 for SIGTERM). SIGUSR1 restarts the "
+            "backends the node runs itself (llamacpp instances) that are down."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -100,7 +102,12 @@ def startup_line(agent: NodeAgent) -> str:
     caps = {c.instance: c for c in agent.capabilities}
     parts = []
     for inst in cfg.instances:
-        where = inst.endpoint if isinstance(inst, HTTPInstance) else "in-process"
+        if isinstance(inst, HTTPInstance):
+            where = inst.endpoint
+        elif isinstance(inst, LlamaCppInstance):
+            where = "started by the node"
+        else:
+            where = "in-process"
         c = caps.get(inst.name)
         targets = ", ".join(c.targets) if c and c.targets else "none yet"
         status = str(c.provider_status) if c else "unknown"
@@ -117,7 +124,8 @@ def startup_line(agent: NodeAgent) -> str:
 async def _run_node(cfg: NodeConfig) -> int:
     # The signals are watched before anything slow (the first probe), so an
     # early signal is not lost.
-    async with open_stop_signals(log) as stop, open_node_agent(cfg) as agent:
+    async with open_stop_signals(log, restart=True) as stop, open_node_agent(cfg) as agent:
+        stop.on_restart = agent.restart_backends
         print(startup_line(agent), flush=True)
         async with trio.open_nursery() as nursery:
             await nursery.start(agent.serve)

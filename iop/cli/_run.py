@@ -3,7 +3,9 @@
 For operators wiring up a backend: ``iop probe`` shows what each instance
 serves and whether its provider is up; ``iop run`` sends one chat request
 through an instance's adapter and prints its RuntimeEvents as they come, with
-the same runtime (deadlines, cancellation) the node uses.
+the same runtime (deadlines, cancellation) the node uses. A ``llamacpp``
+instance's server is started for the command, once (``open_adapter``): a
+server that cannot start is reported unavailable with the reason.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import trio
 
 from iop._log import scrub
 from iop._secrets import node_secrets, register_secrets
-from iop.adapters import build_adapter
 from iop.config import InstanceConfig, NodeConfig, decode_config, read_config_file
 from iop.errors import ConfigError
 from iop.events import Complete, Delta, ReasoningDelta, is_terminal
+from iop.managed import open_adapter
 from iop.runtime import new_run_id, open_run_supervisor
 from iop.spec import ChatRequest, ExecutionSpec, Message
 
@@ -96,8 +98,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 async def _run(inst: InstanceConfig, args: argparse.Namespace) -> int:
-    adapter = build_adapter(inst)
-    try:
+    async with open_adapter(inst) as adapter:
         model = args.model
         if not model:
             caps = await adapter.capabilities()
@@ -129,8 +130,6 @@ async def _run(inst: InstanceConfig, args: argparse.Namespace) -> int:
                     sys.stdout.flush()
                     ok = isinstance(ev, Complete)
         return 0 if ok else 1
-    finally:
-        await adapter.aclose()
 
 
 def _cmd_probe(args: argparse.Namespace) -> int:
@@ -142,11 +141,8 @@ def _cmd_probe(args: argparse.Namespace) -> int:
 async def _probe(cfg: NodeConfig) -> int:
     worst = 0
     for inst in cfg.instances:
-        adapter = build_adapter(inst)
-        try:
+        async with open_adapter(inst) as adapter:
             caps = await adapter.capabilities()
-        finally:
-            await adapter.aclose()
         sys.stdout.write(scrub(msgspec.json.encode(caps).decode()) + "\n")
         if caps.provider_status != "available":
             worst = 1

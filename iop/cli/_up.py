@@ -6,6 +6,11 @@ server (from the ``xllamacpp`` wheel) running SmolLM2-135M-Instruct (from the
 endpoint on a laptop without a GPU. When those packages are missing (or the
 CPU lacks AVX2) it says so and serves the deterministic ``sim`` backend.
 
+The server is the node's ``llamacpp`` instance (``iop.managed``): the node
+starts it, restarts it when it dies or hangs (``[embedded.supervise]``), and
+stops it; a server that dies never takes ``iop up`` with it. SIGUSR1 restarts
+it after a crash loop.
+
 The node dials the edge over loopback exactly as a remote node would, so what
 runs here is the distributed platform, not a shortcut.
 """
@@ -15,7 +20,6 @@ from __future__ import annotations
 import argparse
 import logging
 import secrets
-from contextlib import AsyncExitStack
 from functools import partial
 from typing import Any
 
@@ -28,15 +32,15 @@ from iop.cli._signals import open_stop_signals
 from iop.config import (
     EmbeddedBackend,
     InstanceConfig,
+    LlamaCppInstance,
     NodeConfig,
     NodeEdge,
-    OpenAICompatInstance,
     SimInstance,
     UpConfig,
     load_config,
 )
 from iop.edge import EdgeHandle, serve_edge
-from iop.managed import LlamaCppSettings, llamacpp_available, serve_llamacpp
+from iop.managed import llamacpp_available
 from iop.node import open_node_agent
 
 __all__ = ["add_parser"]
@@ -64,7 +68,8 @@ its model 'iop-sim' answers a request with tools with a well-formed call of
 the named tool (or the first one).
 
 SIGINT/SIGTERM drain and exit 0; a second signal stops at once (exit 130 for
-SIGINT, 143 for SIGTERM).
+SIGINT, 143 for SIGTERM). The llama.cpp server is restarted when it dies or
+stops answering; after a crash loop, SIGUSR1 restarts it.
 """
 
 
@@ -121,39 +126,26 @@ def _cmd_up(args: argparse.Namespace) -> int:
     return trio.run(_up, cfg)
 
 
-def llamacpp_settings(emb: EmbeddedBackend) -> LlamaCppSettings:
-    """How ``iop up`` runs the embedded llama.cpp server."""
-    return LlamaCppSettings(
-        threads=emb.threads, parallel=emb.parallel, ctx=emb.ctx, embeddings=emb.embeddings
-    )
-
-
-def llamacpp_instance(emb: EmbeddedBackend, url: str, alias: str) -> OpenAICompatInstance:
-    """The node's instance for the embedded llama.cpp server at ``url``."""
-    operations = ["chat", "completion", "tokenize"]
-    if emb.embeddings:
-        operations.insert(2, "embedding")
-    return OpenAICompatInstance(
+def llamacpp_instance(emb: EmbeddedBackend) -> LlamaCppInstance:
+    """The node's instance that runs the embedded llama.cpp server."""
+    return LlamaCppInstance(
         name="llamacpp",
-        provider="llama.cpp",
-        endpoint=url,
-        max_concurrency=emb.parallel,
-        targets=[alias],
-        operations=operations,
+        threads=emb.threads,
+        parallel=emb.parallel,
+        ctx=emb.ctx,
+        embeddings=emb.embeddings,
+        supervise=emb.supervise,
     )
 
 
-async def _embedded_instances(
-    cfg: UpConfig, stack: AsyncExitStack, nursery: trio.Nursery
-) -> list[InstanceConfig]:
+def embedded_instances(cfg: UpConfig) -> list[InstanceConfig]:
+    """The instances of ``iop up`` when its config has none: llama.cpp, or ``sim``."""
     emb = cfg.embedded
     if emb.kind == "llamacpp":
         reason = llamacpp_available()
         if reason is None:
             log.info("starting llama.cpp (SmolLM2-135M-Instruct) ...")
-            endpoint = await nursery.start(serve_llamacpp, llamacpp_settings(emb))
-            log.info("llama.cpp ready at %s (model loaded in %.1fs)", endpoint.url, endpoint.load_s)
-            return [llamacpp_instance(emb, endpoint.url, endpoint.alias)]
+            return [llamacpp_instance(emb)]
         log.warning(
             "the embedded llama.cpp backend is unavailable (%s); "
             "serving the simulated backend 'iop-sim' instead",
@@ -163,12 +155,8 @@ async def _embedded_instances(
 
 
 async def _up(cfg: UpConfig) -> int:
-    async with (
-        open_stop_signals(log) as stop,
-        AsyncExitStack() as stack,
-        trio.open_nursery() as backends,
-    ):
-        instances = cfg.instances or await _embedded_instances(cfg, stack, backends)
+    async with open_stop_signals(log, restart=True) as stop:
+        instances = cfg.instances or embedded_instances(cfg)
         async with trio.open_nursery() as nursery:
             handle: EdgeHandle = await nursery.start(
                 partial(serve_edge, cfg.edge, shutdown=stop.drain)
@@ -183,6 +171,7 @@ async def _up(cfg: UpConfig) -> int:
                 tracing=msgspec.structs.replace(cfg.edge.tracing, service_name=""),
             )
             async with open_node_agent(node_cfg) as agent:
+                stop.on_restart = agent.restart_backends
                 node_scope = trio.CancelScope()
 
                 async def run_node(
@@ -202,6 +191,5 @@ async def _up(cfg: UpConfig) -> int:
                 await stop.drain.wait()
                 await agent.drain(cfg.node.drain_timeout_s)
                 node_scope.cancel()
-        backends.cancel_scope.cancel()
     log.info("stopped")
     return stop.exit_code

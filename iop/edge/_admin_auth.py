@@ -1,8 +1,18 @@
-"""Who may open ``/admin``: admin keys, signed session cookies, a brake on guessing.
+"""Who may open ``/admin`` and ``/metrics``: admin keys, signed session
+cookies, metrics keys, a brake on guessing.
 
-Theory of operation. The admin keys are ``server.admin_keys`` or, when that
-is empty, ``server.api_keys``; with neither, the gate is *open* and every
-check allows (bind the edge to loopback then: docs/operations.md).
+Theory of operation. The admin keys are ``server.admin_keys``, and only
+those: a client key (a tenant's ``key_sha256``, or ``server.api_keys``) never
+opens the admin views, which show every tenant's runs and can drain nodes
+(docs/operations.md, "Tenants and limits"). Three states, fixed at start-up:
+
+* **keyed**: admin keys are set; a request needs one (below);
+* **off**: clients have keys and no admin key is set; every admin request
+  is refused (``Verdict.DISABLED``), with a message naming the key that
+  turns the views on: an edge that checks who its clients are does not show
+  them to whoever asks;
+* **open**: no key of any kind (a local edge, ``iop up``); everyone is
+  allowed (bind the edge to loopback then: docs/operations.md).
 
 A request is allowed when it carries
 
@@ -27,6 +37,14 @@ window of ``BRAKE_WINDOW_S``: past ``failures_per_minute`` in one window,
 key until the window ends (checking it would tell a guesser when it is right).
 A valid session cookie is still honoured: guessing the MAC is hopeless.
 
+``/metrics`` (``MetricsGate``) names every tenant and its usage: open when
+no client has a key and no ``server.metrics_keys`` is set, else it needs
+``Authorization: Bearer`` with a metrics key (a Prometheus scrape
+credential, which opens nothing else) or an admin key; with client keys and
+neither kind set it is off. Wrong metrics keys are not braked: a scraper
+misconfigured for a minute must not lock the operator out of ``/admin``,
+and the keys, random, are no easier to guess than the API's.
+
 Sans-IO: a function of its inputs and of an injectable clock; the secret is
 never part of a repr or a log line.
 """
@@ -42,7 +60,16 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Final
 
-__all__ = ["BRAKE_WINDOW_S", "COOKIE_NAME", "AdminGate", "Verdict", "key_matches"]
+__all__ = [
+    "ADMIN_OFF_MESSAGE",
+    "BRAKE_WINDOW_S",
+    "COOKIE_NAME",
+    "METRICS_OFF_MESSAGE",
+    "AdminGate",
+    "MetricsGate",
+    "Verdict",
+    "key_matches",
+]
 
 COOKIE_NAME: Final = "iop_admin"
 # The window the wrong-key brake counts in (`failures_per_minute`).
@@ -53,6 +80,17 @@ _SESSION_ID_BYTES: Final = 16
 # 256 bits, HMAC-SHA256's block-size-safe key length.
 _SECRET_BYTES: Final = 32
 
+ADMIN_OFF_MESSAGE: Final = (
+    "The admin views are off: this edge has client keys ([[tenants]] or "
+    "server.api_keys) and no admin key, and a client key never opens them. "
+    "Set server.admin_keys to turn them on."
+)
+METRICS_OFF_MESSAGE: Final = (
+    "/metrics is off: this edge has client keys ([[tenants]] or server.api_keys), "
+    "and its metrics name every tenant. Set server.metrics_keys (a scrape key) "
+    "or server.admin_keys; the scraper sends it in an Authorization header."
+)
+
 
 class Verdict(enum.Enum):
     """What the gate says about one request."""
@@ -60,6 +98,7 @@ class Verdict(enum.Enum):
     ALLOWED = "allowed"
     DENIED = "denied"  # no credentials, or wrong ones
     THROTTLED = "throttled"  # too many wrong keys this window: try later
+    DISABLED = "disabled"  # off: clients have keys and no key of this kind is set
 
 
 def key_matches(candidate: bytes, keys: Sequence[bytes]) -> bool:
@@ -70,8 +109,20 @@ def key_matches(candidate: bytes, keys: Sequence[bytes]) -> bool:
     return ok
 
 
+def _bearer(authorization: str | None) -> bytes | None:
+    if authorization is None or not authorization.startswith("Bearer "):
+        return None
+    return authorization[len("Bearer ") :].encode()
+
+
 class AdminGate:
-    """The admin keys, the sessions issued for them, and the wrong-key brake."""
+    """The admin keys, the sessions issued for them, and the wrong-key brake.
+
+    Args:
+        keys: ``server.admin_keys``.
+        clients_keyed: The edge has client keys (tenants or ``api_keys``):
+            without admin keys the gate is then off, not open.
+    """
 
     def __init__(
         self,
@@ -79,9 +130,11 @@ class AdminGate:
         *,
         session_s: float,
         failures_per_minute: int,
+        clients_keyed: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._keys = [k.encode() for k in keys]
+        self.off = not keys and clients_keyed
         self.session_s = session_s
         self.failures_per_minute = failures_per_minute
         self._clock = clock
@@ -92,12 +145,13 @@ class AdminGate:
         self._failures = 0
 
     def __repr__(self) -> str:
-        return f"<AdminGate keys={len(self._keys)} session_s={self.session_s:g}>"
+        state = " off" if self.off else ""
+        return f"<AdminGate keys={len(self._keys)}{state} session_s={self.session_s:g}>"
 
     @property
     def open(self) -> bool:
-        """No admin key is configured: everyone may open ``/admin``."""
-        return not self._keys
+        """No key of any kind is configured: everyone may open ``/admin``."""
+        return not self._keys and not self.off
 
     # --- the brake -------------------------------------------------------------------
 
@@ -134,16 +188,21 @@ class AdminGate:
 
     def check(self, cookie: str | None, authorization: str | None) -> Verdict:
         """A request's verdict from its session cookie and ``Authorization`` header."""
+        if self.off:
+            return Verdict.DISABLED
         if self.open:
             return Verdict.ALLOWED
         if cookie and self.session_valid(cookie):
             return Verdict.ALLOWED
-        if authorization is None or not authorization.startswith("Bearer "):
+        key = _bearer(authorization)
+        if key is None:
             return Verdict.DENIED
-        return self._try_key(authorization[len("Bearer ") :].encode())
+        return self._try_key(key)
 
     def login(self, key: str) -> Verdict:
         """A key typed into the login form (counted by the brake when wrong)."""
+        if self.off:
+            return Verdict.DISABLED
         if self.open:
             return Verdict.ALLOWED
         return self._try_key(key.encode())
@@ -192,3 +251,35 @@ class AdminGate:
         session_id, expires_ms = verified
         if expires_ms > now_ms:
             self._revoked[session_id] = expires_ms
+
+
+class MetricsGate:
+    """Who may read ``/metrics`` (module docstring).
+
+    Args:
+        metrics_keys: ``server.metrics_keys``.
+        admin_keys: ``server.admin_keys`` (they open ``/metrics`` too).
+        clients_keyed: The edge has client keys (tenants or ``api_keys``).
+    """
+
+    def __init__(
+        self, metrics_keys: Sequence[str], admin_keys: Sequence[str], *, clients_keyed: bool
+    ) -> None:
+        self._keys = [k.encode() for k in (*metrics_keys, *admin_keys)]
+        self.open = not clients_keyed and not metrics_keys
+        self.off = not self.open and not self._keys
+
+    def __repr__(self) -> str:
+        state = "open" if self.open else "off" if self.off else f"keys={len(self._keys)}"
+        return f"<MetricsGate {state}>"
+
+    def check(self, authorization: str | None) -> Verdict:
+        """A scrape's verdict from its ``Authorization`` header."""
+        if self.open:
+            return Verdict.ALLOWED
+        if self.off:
+            return Verdict.DISABLED
+        key = _bearer(authorization)
+        if key is not None and key_matches(key, self._keys):
+            return Verdict.ALLOWED
+        return Verdict.DENIED

@@ -13,7 +13,8 @@ them cross-origin). A run's timeline
 is a table of its moments and a chart of its spans drawn with plain
 ``div``s whose offsets and widths are percentages of the run's duration. When admin keys are configured, ``render_login_page`` is what a
 browser without a session gets: a plain form that posts the key to
-``/admin/login`` (``_admin_auth`` has the rules). Sans-IO: functions of their
+``/admin/login`` (``_admin_auth`` has the rules); ``render_off_page`` is what
+it gets when the admin views are off. Sans-IO: functions of their
 arguments.
 """
 
@@ -28,6 +29,7 @@ __all__ = [
     "USAGE_DAYS",
     "render_admin_page",
     "render_login_page",
+    "render_off_page",
     "render_run_page",
 ]
 
@@ -85,9 +87,20 @@ def render_login_page(message: str | None = None) -> bytes:
         "<input id='key' name='key' type='password' autocomplete='current-password'"
         " required autofocus>"
         "<br><button type='submit'>Log in</button></form>"
-        "<p class='muted'>A key of <code>server.admin_keys</code> (or of "
-        "<code>server.api_keys</code> when no admin key is set). "
+        "<p class='muted'>A key of <code>server.admin_keys</code> (a client key "
+        "never opens this page). "
         "Scripts send it as <code>Authorization: Bearer KEY</code>.</p>"
+        "</body></html>"
+    )
+    return body.encode()
+
+
+def render_off_page(message: str) -> bytes:
+    """What a browser gets when the admin views are off: why, and how to turn them on."""
+    body = (
+        f"{_HEAD}<title>IOP edge: admin off</title><style>{_STYLE}</style></head><body>"
+        "<h1>IOP edge admin</h1>"
+        f'<p class="bad" role="alert">{escape(message)}</p>'
         "</body></html>"
     )
     return body.encode()
@@ -259,7 +272,8 @@ def render_admin_page(
         f"{int(snapshot.get('queued', 0))} queued, "
         f"{int(snapshot.get('runs_started', 0))} started since start-up. "
         "JSON: <a href='/admin/nodes'>/admin/nodes</a>, <a href='/admin/runs'>/admin/runs</a>, "
-        "metrics: <a href='/metrics'>/metrics</a></p>"
+        "metrics: <a href='/metrics'>/metrics</a> (open, or with a metrics or admin key as "
+        "a Bearer header)</p>"
         "<h2>Instances</h2>"
         + _table(
             ["node", "instance", "adapter", "provider", "status", "models", "in flight / slots"],

@@ -88,12 +88,20 @@ from iop.api import (
     shape_failure,
     wants_anthropic,
 )
-from iop.edge._admin_auth import COOKIE_NAME, AdminGate, Verdict
+from iop.edge._admin_auth import (
+    ADMIN_OFF_MESSAGE,
+    COOKIE_NAME,
+    METRICS_OFF_MESSAGE,
+    AdminGate,
+    MetricsGate,
+    Verdict,
+)
 from iop.edge._admin_page import (
     RECENT_ON_PAGE,
     USAGE_DAYS,
     render_admin_page,
     render_login_page,
+    render_off_page,
     render_run_page,
 )
 from iop.edge._core import EdgeCore
@@ -301,6 +309,14 @@ def _login_page(message: str | None, status: int, gate: AdminGate) -> Response:
     return _html(render_login_page(message), status, headers)
 
 
+def _admin_off_page() -> Response:
+    return _html(render_off_page(ADMIN_OFF_MESSAGE), 403)
+
+
+def _admin_off() -> Response:
+    return _error(403, ADMIN_OFF_MESSAGE, code=ErrorCode.ADMIN_DISABLED)
+
+
 def _see_other(location: str) -> Response:
     return Response(b"", status=303, headers={**_ADMIN_HEADERS, "Location": location})
 
@@ -364,11 +380,20 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
     app.config["BODY_TIMEOUT"] = cfg.server.body_read_timeout_s
     app.config["MAX_CONTENT_LENGTH"] = cfg.server.max_body_bytes
     tenants = core.tenants
+    # Who may open /admin and /metrics: _admin_auth. A client key never does.
     gate = AdminGate(
-        cfg.server.admin_keys or cfg.server.api_keys,
+        cfg.server.admin_keys,
         session_s=cfg.server.admin_session_s,
         failures_per_minute=cfg.server.admin_login_failures_per_minute,
+        clients_keyed=not tenants.open,
     )
+    metrics_gate = MetricsGate(
+        cfg.server.metrics_keys, cfg.server.admin_keys, clients_keyed=not tenants.open
+    )
+    if gate.off:
+        log.warning("%s", ADMIN_OFF_MESSAGE)
+    if metrics_gate.off:
+        log.warning("%s", METRICS_OFF_MESSAGE)
 
     # The API surfaces by route: errors on their routes (401, 404, 413...) take
     # their shape. The routes themselves: ``surface_routes``.
@@ -508,11 +533,18 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
 
     @app.get("/metrics")
     async def metrics() -> Response:
+        verdict = metrics_gate.check(request.headers.get("Authorization"))
+        if verdict is Verdict.DISABLED:
+            return _error(403, METRICS_OFF_MESSAGE, code=ErrorCode.METRICS_DISABLED)
+        if verdict is not Verdict.ALLOWED:
+            return _error(401, "Incorrect API key provided.", code=ErrorCode.INVALID_API_KEY)
         return Response(core.metrics.render(), status=200, content_type=METRICS_CONTENT_TYPE)
 
     @app.get("/admin")
     async def admin_page() -> Response:
         verdict = admin_verdict()
+        if verdict is Verdict.DISABLED:
+            return _admin_off_page()
         if verdict is Verdict.THROTTLED:
             return _login_page(_throttled_message(gate), 429, gate)
         if verdict is Verdict.DENIED:
@@ -534,6 +566,8 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
     def admin_refusal() -> Response | None:
         """The JSON refusal of an admin API request, or None when it may go on."""
         verdict = admin_verdict()
+        if verdict is Verdict.DISABLED:
+            return _admin_off()
         if verdict is Verdict.THROTTLED:
             return _error(
                 429,
@@ -620,6 +654,8 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         form = request.mimetype == "application/x-www-form-urlencoded"
         if form:
             verdict = admin_verdict()
+            if verdict is Verdict.DISABLED:
+                return _admin_off_page()
             if verdict is Verdict.THROTTLED:
                 return _login_page(_throttled_message(gate), 429, gate)
             if verdict is Verdict.DENIED:
@@ -704,6 +740,8 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         browser = _wants_html(request.headers.get("Accept", ""))
         if browser:
             verdict = admin_verdict()
+            if verdict is Verdict.DISABLED:
+                return _admin_off_page()
             if verdict is Verdict.THROTTLED:
                 return _login_page(_throttled_message(gate), 429, gate)
             if verdict is Verdict.DENIED:
@@ -734,6 +772,8 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             return _cross_origin_refused()
         form = await request.form
         verdict = gate.login(form.get("key", ""))
+        if verdict is Verdict.DISABLED:
+            return _admin_off_page()
         if verdict is Verdict.THROTTLED:
             return _login_page(_throttled_message(gate), 429, gate)
         if verdict is Verdict.DENIED:
@@ -882,6 +922,9 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             tokenize = TokenizeRequest(
                 model=counted.model, messages=counted.messages, tools=counted.tools
             )
+            # A count is a run on a node: one request of its tenant's limits
+            # and a place in its tenant's line, not a free one beside them
+            # (it reserves no tokens: estimate_tokens of a count is 0).
             ticket = await core.admit(tenant, tokenize, tenants.key_name(anthropic_key(headers)))
         except RateLimited as exc:
             core.metrics.tenant_refused.labels(tenant.name, exc.limit).inc()
@@ -921,7 +964,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
                 failed = shape_failure(end)
                 return _error(failed.status, failed.message, code=failed.code, surface=messages)
         status, out, extra = messages.count_tokens(counted, exact=exact)
-        return _json_response(out, status, {**limit_headers, **extra})
+        return _json_response(out, status, {**extra, **limit_headers})
 
     surfaces[COUNT_TOKENS_PATH] = messages
 

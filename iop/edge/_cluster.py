@@ -44,14 +44,30 @@ tickets hold. (The
 scripts touch keys they are not passed, so this works on one Valkey, not on
 a Valkey Cluster.)
 
-Fail-open. A Valkey error or a round trip past ``command_timeout_s`` turns
-the edge to *local* buckets sized *limit / live edges* (the last count the
-heartbeat saw), logs the transition once, sets ``iop_cluster_valkey_up`` to
-0 and counts each admission so decided (``iop_cluster_fail_open_total``). A
-probe every ``retry_interval_s`` turns it back to the shared counters. No
-request is ever answered 5xx because of Valkey. Settlements that could not
-be written wait (bounded) and are written when Valkey is back; those of
-tickets admitted locally are settled locally.
+Fail-open. A Valkey fault turns the edge to *local* buckets sized
+*limit / live edges* (the last count the heartbeat saw), logs the
+transition once (naming the script and the fault), sets
+``iop_cluster_valkey_up`` to 0 and counts each admission so decided
+(``iop_cluster_fail_open_total``). A fault is whatever keeps a script from
+a usable answer, all mapped in ``_call``: an error reply, a socket error, a
+round trip past ``command_timeout_s``, anything coredis raises (garbage
+that is not RESP, say), and a reply of another shape than the script's
+(each script's reply has one decoder in ``iop.edge._cluster_replies``).
+The next probe is ``retry_interval_s`` after the fault, on a fresh client:
+a fault may leave a connection out of step (a timed-out command's reply
+still to come, a reply that never ends), so the client and its pool are
+dropped whole. A probe that succeeds turns the edge back to the shared
+counters. No request is ever answered 5xx because of Valkey, and the edge
+never stops for it. Settlements that could not be written wait (bounded)
+and are written when Valkey is back; those of tickets admitted locally are
+settled locally. The local share is kept across outages (its buckets go on
+refilling), and sized anew only when the live edge count changed.
+
+State. ``up`` (counting in Valkey, or on the local share) changes in two
+places only: ``_came_up`` on a heartbeat's count, ``_went_down`` on a
+fault. The loop (``run``) heartbeats at ``_next_beat``: every third of
+``membership_ttl_s`` while up, every ``retry_interval_s`` while down, and
+``_went_down`` brings it forward to ``retry_interval_s`` from the fault.
 
 Session-affinity pins stay in each edge's memory (``iop.edge._registry``):
 a pin only picks the node with a warm prompt cache, a miss costs a cold
@@ -67,14 +83,23 @@ import math
 import secrets
 import socket
 from collections import deque
-from collections.abc import Sequence
-from typing import Any, Final
+from collections.abc import AsyncIterator, Callable, Sequence
+from functools import partial
+from typing import Any, Final, TypeVar
 
 import msgspec
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from iop.config import ClusterSettings, TenancySettings, TenantSettings
+from iop.edge._cluster_replies import (
+    BadReply,
+    Reservation,
+    decode_budget,
+    decode_done,
+    decode_heartbeat,
+    decode_reserve,
+)
 from iop.edge._tenants import (
     Limited,
     RateLimited,
@@ -91,7 +116,10 @@ from iop.ledger import period_end
 __all__ = [
     "BUDGET_RESERVE",
     "BUDGET_SETTLE",
+    "HEARTBEAT",
+    "LEAVE",
     "RESERVE",
+    "RESYNC",
     "SETTLE",
     "SharedLimits",
     "default_edge_id",
@@ -270,6 +298,18 @@ return 1
 # still finds it, and a settlement arriving after the turn still lands.
 BUDGET_KEY_GRACE_S: Final = 86400
 
+_SCRIPTS: Final = {
+    "reserve": RESERVE,
+    "settle": SETTLE,
+    "heartbeat": HEARTBEAT,
+    "leave": LEAVE,
+    "resync": RESYNC,
+    "budget_reserve": BUDGET_RESERVE,
+    "budget_settle": BUDGET_SETTLE,
+}
+
+_T = TypeVar("_T")
+
 
 def default_edge_id(port: int) -> str:
     """``hostname:port``; with no fixed port, ``hostname:`` and a random suffix."""
@@ -324,9 +364,16 @@ class SharedLimits:
         self.up = False  # until the first heartbeat: the local share
         self.live_edges = 1
         self._share = self._local_share(1)
+        self._share_edges = 1
         self._pending: deque[_Settlement] = deque()
         self._wake = trio.Event()
+        self._changed = trio.Event()  # set, and replaced, when ``up`` changes
         self._scripts: dict[str, Any] = {}
+        # When the loop next heartbeats (trio time); see the module docstring.
+        self._next_beat = -math.inf
+        # A fault was seen on the current client: the loop opens a fresh one.
+        self._stale = False
+        self._generation = 0  # of the current client
         p = settings.key_prefix
         self._members = f"{p}members"
         self._member = f"{p}m:{edge_id}"
@@ -401,8 +448,14 @@ class SharedLimits:
                         tokens,
                         f"{self.settings.key_prefix}m:",
                     ],
+                    partial(
+                        decode_reserve,
+                        requests=tenant.requests is not None,
+                        tokens=tenant.tokens is not None,
+                        concurrency=tenant.max_concurrent > 0,
+                    ),
                 )
-            except _Unreachable as exc:
+            except _Fault as exc:
                 self._went_down(exc)
             else:
                 return self._decide(tenant, tokens, reply)
@@ -425,19 +478,22 @@ class SharedLimits:
         self._held[tenant.name] = self._held.get(tenant.name, 0) + 1
         return True
 
-    def _decide(self, tenant: Tenant, tokens: int, reply: list[Any]) -> Ticket:
-        ok, rl, rr, tl, tr, running, wr, wt, wc = reply
+    def _decide(self, tenant: Tenant, tokens: int, r: Reservation) -> Ticket:
         limits: list[Limited] = []
         if tenant.requests is not None:
             cap = tenant.requests.capacity
-            limits.append(Limited("requests", cap, max(0, math.floor(float(rl))), float(rr)))
+            limits.append(
+                Limited("requests", cap, max(0, math.floor(r.requests_left)), r.requests_refill_s)
+            )
         if tenant.tokens is not None:
             cap = tenant.tokens.capacity
-            limits.append(Limited("tokens", cap, max(0, math.floor(float(tl))), float(tr)))
+            limits.append(
+                Limited("tokens", cap, max(0, math.floor(r.tokens_left)), r.tokens_refill_s)
+            )
         # What /admin shows for the tenant: the shared buckets as this edge
         # last saw them (its own Bucket objects are not used with a cluster).
         self.last_limits[tenant.name] = tuple(limits)
-        if int(ok) == 1:
+        if r.admitted:
             tenant.running += 1
             tenant.admitted += 1
             return Ticket(
@@ -448,28 +504,30 @@ class SharedLimits:
                 holds_slot=self._hold(tenant),
             )
         tenant.refused += 1
+        # decode_reserve saw to it that at least one applies.
         waits: list[tuple[float, str, str]] = []
-        if int(wc):
+        if r.concurrency_full and tenant.max_concurrent:
             waits.append(
                 (
                     1.0,
                     "concurrency",
-                    f"Rate limit reached for tenant {tenant.name}: {int(running)} of "
+                    f"Rate limit reached for tenant {tenant.name}: {r.running} of "
                     f"{tenant.max_concurrent} concurrent runs in use.",
                 )
             )
-        if float(wr) > 0 and tenant.requests is not None:
+        wr, wt = r.requests_wait_s, r.tokens_wait_s
+        if wr > 0 and tenant.requests is not None:
             waits.append(
                 (
-                    float(wr),
+                    wr,
                     "requests",
                     f"Rate limit reached for tenant {tenant.name} on requests per minute: "
-                    f"limit {tenant.requests.capacity}. Please try again in {_human(float(wr))}.",
+                    f"limit {tenant.requests.capacity}. Please try again in {_human(wr)}.",
                 )
             )
-        if float(wt) != 0 and tenant.tokens is not None:
+        if wt != 0 and tenant.tokens is not None:
             cap = tenant.tokens.capacity
-            if float(wt) < 0:
+            if wt < 0:
                 waits.append(
                     (
                         math.inf,
@@ -482,11 +540,11 @@ class SharedLimits:
             else:
                 waits.append(
                     (
-                        float(wt),
+                        wt,
                         "tokens",
                         f"Rate limit reached for tenant {tenant.name} on tokens per minute: "
                         f"limit {cap}, requested {tokens}. "
-                        f"Please try again in {_human(float(wt))}.",
+                        f"Please try again in {_human(wt)}.",
                     )
                 )
         wait, limit, message = max(waits)
@@ -528,58 +586,82 @@ class SharedLimits:
 
     # --- Valkey ---------------------------------------------------------------
 
-    async def _call(self, which: str, keys: list[str], args: list[Any]) -> Any:
-        """One script, within ``command_timeout_s``; any failure is ``_Unreachable``."""
-        import anyio
-        import coredis.exceptions
+    async def _call(
+        self,
+        which: str,
+        keys: list[str],
+        args: list[Any],
+        decode: Callable[[object], _T],
+    ) -> _T:
+        """One script, within ``command_timeout_s``, its reply decoded.
 
-        script = self._scripts[which]
+        The one place Valkey's faults are mapped: whatever keeps the script
+        from a usable answer is ``_Fault``, and the client is marked stale
+        (see the module docstring). Cancellation is no fault: it propagates.
+        """
+        script, generation = self._scripts[which], self._generation
         try:
             with trio.fail_after(self.settings.command_timeout_s):
-                return await script(keys=keys, args=args)
-        except trio.TooSlowError as exc:
-            raise _Unreachable("no answer in command_timeout_s") from exc
-        except (
-            coredis.exceptions.RedisError,
-            OSError,
-            # coredis's connections are anyio streams: a connection torn
-            # down under a command (or with the client at shutdown).
-            anyio.ClosedResourceError,
-            anyio.BrokenResourceError,
-            anyio.EndOfStream,
-        ) as exc:
-            raise _Unreachable(str(exc) or type(exc).__name__) from exc
+                reply = await script(keys=keys, args=args)
+            return decode(reply)
+        except Exception as exc:
+            # coredis turns a cancellation that lands while it sets up a
+            # connection into its ConnectionError (docs/architecture.md,
+            # "coredis"): this task cancelled is no Valkey fault.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            if isinstance(exc, trio.TooSlowError):
+                reason = "no answer in command_timeout_s"
+            elif isinstance(exc, BadReply):
+                reason = f"a reply of the wrong shape: {exc}"
+            else:
+                # coredis's RedisError (an error reply; its ProtocolError on
+                # bytes that are not RESP), OSError, the anyio stream errors
+                # of a connection torn down under a command, RuntimeError
+                # from a client whose pool was dropped: all the same here.
+                reason = f"{type(exc).__name__}: {exc}"
+            current = generation == self._generation
+            if current:
+                self._stale = True
+            raise _Fault(f"{which}: {reason}", current=current) from exc
 
-    def _went_down(self, exc: Exception) -> None:
+    def _went_down(self, exc: _Fault) -> None:
         # Once back, rewrite this edge's slots: a reservation may have been
         # taken unanswered, and a partition longer than membership_ttl_s
         # lets the other edges drop the slots this edge still holds.
         self._resync = True
+        if not exc.current:
+            return
+        # The next probe: retry_interval_s from the fault, whatever was due.
+        self._next_beat = trio.current_time() + self.settings.retry_interval_s
+        self._wake.set()
+        if self._share_edges != self.live_edges:
+            self._share = self._local_share(self.live_edges)
+            self._share_edges = self.live_edges
         if self.up:
             self.up = False
+            self._changed.set()
+            self._changed = trio.Event()
             self.gauge_up.set(0)
-            self._share = self._local_share(self.live_edges)
             log.warning(
-                "cluster: Valkey unreachable (%s): limits fail open to this edge's share "
+                "cluster: Valkey failed (%s): limits fail open to this edge's share "
                 "(limit / %d live edges) until it is back",
                 exc,
                 self.live_edges,
             )
-            self._wake.set()
 
     def _came_up(self, edges: int) -> None:
-        self.live_edges = max(1, edges)
-        self.gauge_edges.set(self.live_edges)
+        self.live_edges = edges
+        self.gauge_edges.set(edges)
+        self._next_beat = trio.current_time() + self.settings.membership_ttl_s / 3
         if not self.up:
             self.up = True
+            self._changed.set()
+            self._changed = trio.Event()
             self.gauge_up.set(1)
             log.info("cluster: Valkey reachable: shared limits across %d live edges", edges)
 
-    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """Keep the membership, write settlements, probe Valkey while down.
-
-        Started in the edge core's nursery; returns only when cancelled,
-        after leaving the cluster (a shielded, bounded last round trip)."""
+    def _client(self) -> Callable[[], contextlib.AbstractAsyncContextManager[None]]:
+        """A factory of fresh clients, each installing its scripts while open."""
         try:
             import coredis
             from coredis.retry import NoRetryPolicy
@@ -587,78 +669,95 @@ class SharedLimits:
             raise ConfigError(
                 "cluster.valkey_url needs the Valkey client: pip install 'iop[cluster]'"
             ) from exc
-
         s = self.settings
-        client = coredis.Redis.from_url(
-            s.valkey_url,
-            retry_policy=NoRetryPolicy(),
-            connect_timeout=s.connect_timeout_s,
-            stream_timeout=s.command_timeout_s,
-        )
-        async with client:
-            self._scripts = {
-                "reserve": client.register_script(RESERVE),
-                "settle": client.register_script(SETTLE),
-                "heartbeat": client.register_script(HEARTBEAT),
-                "leave": client.register_script(LEAVE),
-                "resync": client.register_script(RESYNC),
-                "budget_reserve": client.register_script(BUDGET_RESERVE),
-                "budget_settle": client.register_script(BUDGET_SETTLE),
-            }
-            self.gauge_up.set(0)
-            slot_keys = [self._slots_key(t.name) for t in self._settings]
-            try:
-                # A restarted edge of the same id holds nothing yet.
-                await self._call("leave", [self._member, self._members, *slot_keys], [self.edge_id])
-            except _Unreachable as exc:
-                log.warning("cluster: Valkey unreachable at start (%s): local share", exc)
-                self._resync = True
-            else:
-                # Before the first request: shared from the start.
-                await self._heartbeat()
-            task_status.started()
-            try:
+
+        @contextlib.asynccontextmanager
+        async def fresh() -> AsyncIterator[None]:
+            client = coredis.Redis.from_url(
+                s.valkey_url,
+                retry_policy=NoRetryPolicy(),
+                connect_timeout=s.connect_timeout_s,
+                stream_timeout=s.command_timeout_s,
+            )
+            async with client:
+                self._scripts = {n: client.register_script(t) for n, t in _SCRIPTS.items()}
+                self._generation += 1
+                self._stale = False
+                yield
+
+        return fresh
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Keep the membership, write settlements, probe Valkey while down.
+
+        Started in the edge core's nursery; returns only when cancelled,
+        after leaving the cluster while Valkey answers (a shielded last
+        round trip, bounded by ``command_timeout_s``)."""
+        fresh = self._client()
+        slots = [self._slots_key(t.name) for t in self._settings]
+        leave = [self._member, self._members, *slots]
+        self.gauge_up.set(0)
+        try:
+            async with fresh():
+                try:
+                    # A restarted edge of the same id holds nothing yet;
+                    # then, before the first request, count the edges.
+                    await self._call("leave", leave, [self.edge_id], decode_done)
+                    edges = await self._call("heartbeat", *self._beat(), decode_heartbeat)
+                except _Fault as exc:
+                    self._went_down(exc)
+                    log.warning(
+                        "cluster: Valkey failed at start (%s): limits fail open to this edge's "
+                        "share until it is back",
+                        exc,
+                    )
+                else:
+                    self._came_up(edges)
+                task_status.started()
                 await self._loop()
-            finally:
-                with trio.move_on_after(s.command_timeout_s) as cleanup:
-                    cleanup.shield = True
-                    # Usually cancelled with the client's own tasks: the
-                    # membership TTL frees the slots instead.
-                    with contextlib.suppress(_Unreachable):
-                        await self._call(
-                            "leave", [self._member, self._members, *slot_keys], [self.edge_id]
-                        )
+            while True:  # a fresh client after each fault
+                async with fresh():
+                    await self._loop()
+        finally:
+            # On a client of its own (the loop's is cancelled with it), and
+            # only while Valkey answers: else the membership's TTL frees the
+            # slots, and stopping need not wait command_timeout_s for it.
+            with trio.move_on_after(self.settings.command_timeout_s) as cleanup:
+                cleanup.shield = True
+                if self.up:
+                    async with fresh():
+                        with contextlib.suppress(_Fault):
+                            await self._call("leave", leave, [self.edge_id], decode_done)
+
+    def _beat(self) -> tuple[list[str], list[Any]]:
+        ttl_ms = math.ceil(self.settings.membership_ttl_s * 1000)
+        return [self._member, self._members], [self.edge_id, ttl_ms]
 
     async def _loop(self) -> None:
-        s = self.settings
-        beat = s.membership_ttl_s / 3
-        next_beat = trio.current_time() + (beat if self.up else s.retry_interval_s)
-        while True:
-            if trio.current_time() >= next_beat:
+        """Heartbeat, flush, resync; return once a fault made the client stale."""
+        while not self._stale:
+            if trio.current_time() >= self._next_beat:
                 await self._heartbeat()
-                next_beat = trio.current_time() + (beat if self.up else s.retry_interval_s)
+                continue
             if self.up:
                 await self._flush()
             if self.up:
                 await self._flush_budgets()
             if self.up and self._resync and not self._pending:
                 await self._write_held()
-            with trio.move_on_at(next_beat):
+            # A fault in either set _wake: no wait, the while sees it.
+            with trio.move_on_at(self._next_beat):
                 await self._wake.wait()
             self._wake = trio.Event()
 
     async def _heartbeat(self) -> None:
         """Refresh the membership and count the live edges (up or down)."""
         try:
-            edges = await self._call(
-                "heartbeat",
-                [self._member, self._members],
-                [self.edge_id, math.ceil(self.settings.membership_ttl_s * 1000)],
-            )
-        except _Unreachable as exc:
+            edges = await self._call("heartbeat", *self._beat(), decode_heartbeat)
+        except _Fault as exc:
             self._went_down(exc)
         else:
-            self._came_up(int(edges))
+            self._came_up(edges)
 
     async def _flush(self) -> None:
         while self._pending and self.up:
@@ -668,8 +767,9 @@ class SharedLimits:
                     "settle",
                     [self._bucket_key(item.tenant), self._slots_key(item.tenant)],
                     [self.edge_id, item.tpm, item.give, 1 if item.release else 0],
+                    decode_done,
                 )
-            except _Unreachable as exc:
+            except _Fault as exc:
                 # Written or not: it is retried, and the slots rewritten after.
                 self._went_down(exc)
                 return
@@ -695,17 +795,19 @@ class SharedLimits:
             keys = [self._budget_key(tenant.name, b.roll(wall)) for b in budgets]
             expire = [math.ceil(period_end(b.period, wall)) + BUDGET_KEY_GRACE_S for b in budgets]
             try:
-                reply = await self._call(
-                    "budget_reserve", keys, [cost, *(b.limit for b in budgets), *expire]
+                ok, spent = await self._call(
+                    "budget_reserve",
+                    keys,
+                    [cost, *(b.limit for b in budgets), *expire],
+                    partial(decode_budget, periods=len(budgets)),
                 )
-            except _Unreachable as exc:
+            except _Fault as exc:
                 self._went_down(exc)
             else:
-                ok, *spent = reply
                 for b, value in zip(budgets, spent, strict=True):
                     # What /admin shows: the shared spend as last seen.
-                    b.spent = int(value)
-                if int(ok) != 1:
+                    b.spent = value
+                if not ok:
                     # Refused by the shared spend: the same message as alone.
                     self.tenants.check_budget(tenant, cost, wall, now)
                     raise InvariantError("a budget Valkey refused fits its own spend")
@@ -750,8 +852,8 @@ class SharedLimits:
         while self._budget_pending and self.up:
             item = self._budget_pending[0]
             try:
-                await self._call("budget_settle", item.keys, [*item.add, *item.expire])
-            except _Unreachable as exc:
+                await self._call("budget_settle", item.keys, [*item.add, *item.expire], decode_done)
+            except _Fault as exc:
                 self._went_down(exc)
                 return
             self._budget_pending.popleft()
@@ -767,11 +869,18 @@ class SharedLimits:
                 "resync",
                 [self._slots_key(n) for n in names],
                 [self.edge_id, *(self._held.get(n, 0) for n in names)],
+                decode_done,
             )
-        except _Unreachable as exc:
+        except _Fault as exc:
             self._went_down(exc)
             return
         self._resync = False
+
+    async def wait_until(self, *, up: bool) -> None:
+        """Return once the edge counts in Valkey (``up``) or on its local
+        share (not ``up``); the caller puts the deadline on it."""
+        while self.up is not up:
+            await self._changed.wait()
 
     @property
     def pending(self) -> int:
@@ -798,5 +907,12 @@ class SharedLimits:
         }
 
 
-class _Unreachable(Exception):
-    """Valkey did not answer a script in time, or refused it."""
+class _Fault(Exception):
+    """Valkey gave a script no usable answer (``SharedLimits._call``).
+
+    ``current``: on the client in use (a fault of a client already dropped
+    fails its own call, and changes no state)."""
+
+    def __init__(self, reason: str, *, current: bool) -> None:
+        super().__init__(reason)
+        self.current = current

@@ -231,8 +231,10 @@ class EdgeMetrics:
     def render(self) -> bytes:
         """The registry in Prometheus' text format, the edge's secrets masked.
 
-        Label values (node ids, instance names, models) come from nodes and
-        clients; /metrics is scraped without an API key.
+        Label values (node ids, instance names, models) come from nodes,
+        which may echo a secret; a client chooses none of them (``model`` is
+        one a node serves, ``tenant`` a configured name: docs/operations.md,
+        "Tenants and limits"). Who may scrape: ``iop.edge._admin_auth``.
         """
         text = generate_latest(self.registry)
         if not self._masker:

@@ -356,16 +356,23 @@ class NodeConnection:
     held: deque[RunEventsReceived] = field(default_factory=deque)
 
     def update_instances(self, caps: list[Capabilities]) -> None:
+        """The node's new capabilities; an instance it still has keeps its state.
+
+        The same ``InstanceState`` object, not a copy: the leases of runs in
+        flight hold it, and their release must free the slot the scheduler
+        counts now (a copy kept the count of its time, and an update during
+        runs, e.g. a backend that died under them, left the instance full).
+        """
         old = self.instances
-        self.instances = {
-            c.instance: InstanceState(
-                self.node_id,
-                c,
-                old[c.instance].in_flight if c.instance in old else 0,
-                old[c.instance].reported if c.instance in old else None,
-            )
-            for c in caps
-        }
+        instances = {}
+        for c in caps:
+            inst = old.get(c.instance)
+            if inst is None:
+                inst = InstanceState(self.node_id, c)
+            else:
+                inst.caps = c
+            instances[c.instance] = inst
+        self.instances = instances
 
     def on_load(self, loads: list[InstanceLoad], now: float) -> None:
         """The node's load report: kept per instance it advertised (others ignored)."""

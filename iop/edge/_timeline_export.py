@@ -8,6 +8,7 @@ worker thread, and rotates the file before it would pass
 ``export_max_bytes`` (``PATH`` -> ``PATH.1`` -> ... -> ``PATH.<export_keep>``,
 the oldest deleted). A full channel drops the line and counts it
 (``dropped``, in /admin and the log): a slow disk costs lines, not runs.
+A file the export makes has mode 0600: it holds every tenant's run ids.
 
 A run the edge cancelled ends on the edge before its node's side of the
 timeline comes back with the node's terminal (milliseconds later): its line
@@ -42,6 +43,9 @@ EXPORT_BUFFER: Final = 4096
 NODE_PART_WAIT_S: Final = 2.0
 
 _ENCODER: Final = msgspec.json.Encoder()
+
+# The export is the operator's: readable by the edge's user alone.
+_FILE_MODE: Final = 0o600
 
 
 def _awaits_node(timeline: Timeline) -> bool:
@@ -143,7 +147,10 @@ class TimelineExport:
         if not batch:
             return
         try:
-            with self.path.open("ab") as f:
+            # 0600 when it is made: every tenant's run ids and names are in it
+            # (docs/operations.md, "Tenants and limits"); rotation keeps the mode.
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, _FILE_MODE)
+            with open(fd, "ab") as f:
                 f.write(b"".join(batch))
             self.written += len(batch)
         except OSError as exc:

@@ -1,10 +1,21 @@
-"""Backends the node runs itself, as supervised child processes.
+"""Backends IOP runs itself, as supervised child processes.
 
 ``serve_llamacpp`` runs llama.cpp's own HTTP server (from the xllamacpp
-wheel) with a small model shipped in a wheel, the node's embedded default
-backend; ``llamacpp_available`` says whether it can run here, and why not.
+wheel) with a small model shipped in a wheel, the embedded default backend
+of ``iop up``; ``llamacpp_available`` says whether it can run here, and why
+not. ``ManagedLlamaCppAdapter`` is a node's ``llamacpp`` instance: the
+server, kept serving by a ``Supervisor`` (restarts with backoff, crash
+loops, a liveness check), and the runs on it; ``open_adapter`` gives any
+instance's adapter for one use (``iop probe``, ``iop run``).
 """
 
+from iop.managed._adapter import (
+    LOSS_CONFIRM_S,
+    ManagedLlamaCppAdapter,
+    build_instance_adapter,
+    llamacpp_settings,
+    open_adapter,
+)
 from iop.managed._llamacpp import (
     LlamaCppEndpoint,
     LlamaCppSettings,
@@ -13,12 +24,33 @@ from iop.managed._llamacpp import (
     open_llamacpp,
     serve_llamacpp,
 )
+from iop.managed._supervise import (
+    OPERATOR_ACTION,
+    BackendState,
+    Life,
+    RestartPolicy,
+    ServeFn,
+    SupervisedAdapter,
+    Supervisor,
+)
 
 __all__ = [
+    "LOSS_CONFIRM_S",
+    "OPERATOR_ACTION",
+    "BackendState",
+    "Life",
     "LlamaCppEndpoint",
     "LlamaCppSettings",
+    "ManagedLlamaCppAdapter",
+    "RestartPolicy",
+    "ServeFn",
+    "SupervisedAdapter",
+    "Supervisor",
+    "build_instance_adapter",
     "launcher_command",
     "llamacpp_available",
+    "llamacpp_settings",
+    "open_adapter",
     "open_llamacpp",
     "serve_llamacpp",
 ]

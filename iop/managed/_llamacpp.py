@@ -18,7 +18,16 @@ Theory of operation
    ``GET /health`` until ``{"status": "ok"}`` (``health_timeout_s``).
 4. It reports a ``LlamaCppEndpoint`` through ``task_status`` and waits on the
    process. The server exiting on its own is a failure of the service:
-   ``BackendUnavailable``, with the last lines of its log.
+   ``BackendUnavailable``, with the last lines of its log. ``on_exit`` hears
+   of the exit first, the moment the process is gone, with a one-line reason
+   (no log tail yet): runs still streaming from it learn that their broken
+   connection was the server's death (``iop.managed._adapter``).
+   Meanwhile a liveness check asks ``GET /health`` every
+   ``liveness_interval_s``; ``liveness_failures`` checks in a row without an
+   answer within ``liveness_timeout_s`` (a frozen or wedged server: SIGSTOP,
+   a deadlock) make it kill the server with SIGKILL, which ends the service
+   as above, the reason saying it stopped answering. Any answer, even an
+   error status, counts as alive: only silence is a hang.
 5. Whatever ends the service (cancellation, an error), a shielded cleanup
    closes the stdin pipe, sends SIGTERM, waits ``stop_grace_s``, sends
    SIGKILL if it must, and always reaps the process.
@@ -99,6 +108,8 @@ _LLAMA_LOG_LEVEL: Final = re.compile(r"^\d+\.\d+\.\d+\.\d+ ([A-Z]) ")
 _LEVELS: Final = {"E": logging.WARNING, "W": logging.INFO}
 
 _LineHandler: TypeAlias = Callable[[str], None]
+# Told why the server is gone, the moment it is (one line, no log tail).
+ExitHandler: TypeAlias = Callable[[str], None]
 
 
 class LlamaCppSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -126,6 +137,11 @@ class LlamaCppSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             1.5 s warm, 6.4 s from a cold page cache were measured).
         health_timeout_s: From the ready line to ``/health`` answering ok.
         stop_grace_s: From SIGTERM to SIGKILL when stopping.
+        liveness_interval_s: Time between two ``GET /health`` checks once it
+            serves; 0: no checks.
+        liveness_timeout_s: Deadline of one check.
+        liveness_failures: Checks in a row without an answer after which the
+            server is killed as hung.
     """
 
     host: str = "127.0.0.1"
@@ -141,6 +157,10 @@ class LlamaCppSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     ready_timeout_s: float = 60.0
     health_timeout_s: float = 10.0
     stop_grace_s: float = 5.0
+    # The defaults and bounds of iop.config.SuperviseSettings, which says why.
+    liveness_interval_s: float = 5.0
+    liveness_timeout_s: float = 5.0
+    liveness_failures: int = 3
 
     def __post_init__(self) -> None:
         if not self.host.strip():
@@ -154,9 +174,13 @@ class LlamaCppSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.ctx < self.parallel:
             raise ValueError(f"ctx {self.ctx} leaves no context for {self.parallel} slots")
-        for name in ("ready_timeout_s", "health_timeout_s", "stop_grace_s"):
+        for name in ("ready_timeout_s", "health_timeout_s", "stop_grace_s", "liveness_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.liveness_interval_s < 0:
+            raise ValueError(f"liveness_interval_s must be >= 0, got {self.liveness_interval_s}")
+        if self.liveness_failures < 1:
+            raise ValueError(f"liveness_failures must be >= 1, got {self.liveness_failures}")
 
 
 class LlamaCppEndpoint(msgspec.Struct, frozen=True, kw_only=True):
@@ -347,8 +371,11 @@ def _open_log(path: str) -> IO[bytes]:
 class _Supervisor:
     """One launcher process: spawn, readiness, log pumps, stop."""
 
-    def __init__(self, settings: LlamaCppSettings) -> None:
+    def __init__(self, settings: LlamaCppSettings, on_exit: ExitHandler | None = None) -> None:
         self.settings = settings
+        self.on_exit = on_exit
+        # Why the liveness check killed the server, once it did.
+        self.hung: str | None = None
         self.state = _State.STARTING
         self.proc: trio.Process | None = None
         self.ready: _ReadyLine | None = None
@@ -548,14 +575,64 @@ class _Supervisor:
         """Wait while the server runs; its exit is an error.
 
         Raises:
-            BackendUnavailable: The process exited (nobody asked it to).
+            BackendUnavailable: The process exited (nobody asked it to), or
+                the liveness check killed it.
         """
         assert self.proc is not None
-        await self.proc.wait()
+        rc = await self.proc.wait()
         self.state = _State.STOPPING
-        error = await self._exited_error("unexpectedly")
+        if self.hung is not None:
+            reason = f"the embedded llama.cpp server (pid {self.pid}) {self.hung}; killed it"
+        else:
+            reason = _exit_message(rc, pid=self.pid, phase="unexpectedly")
+        if self.on_exit is not None:
+            self.on_exit(reason)
+        error = await self._error(reason)
         log.error("%s", error.message)
         raise error
+
+    async def watch_liveness(self, url: str) -> None:
+        """Ask ``/health`` every ``liveness_interval_s``; kill a server that stopped answering.
+
+        Returns at once when the interval is 0, and after the kill otherwise
+        (``wait_exit`` then reports it). Cancelled with the service.
+        """
+        s = self.settings
+        if not s.liveness_interval_s > 0:
+            return
+        assert self.proc is not None
+        health = url.rstrip("/") + "/health"
+        misses = 0
+        async with httpx.AsyncClient(timeout=s.liveness_timeout_s, trust_env=False) as client:
+            while True:
+                await trio.sleep(s.liveness_interval_s)
+                why = f"no answer within liveness_timeout_s={s.liveness_timeout_s:g}"
+                # httpx's timeout is per phase (connect, write, read): this
+                # bounds the whole check.
+                with trio.move_on_after(s.liveness_timeout_s):
+                    try:
+                        await client.get(health)
+                    except httpx.HTTPError as exc:
+                        why = str(exc) or type(exc).__name__
+                    else:
+                        misses = 0  # any answer: it is alive
+                        continue
+                misses += 1
+                log.warning(
+                    "the embedded llama.cpp server (pid %d) did not answer GET /health "
+                    "(%d of %d in a row): %s",
+                    self.pid,
+                    misses,
+                    s.liveness_failures,
+                    why,
+                )
+                if misses >= s.liveness_failures:
+                    self.hung = (
+                        f"stopped answering /health ({misses} checks in a row, "
+                        f"liveness_timeout_s={s.liveness_timeout_s:g})"
+                    )
+                    self.proc.kill()
+                    return
 
     async def stop(self) -> None:
         """SIGTERM, then SIGKILL after the grace period; always reaps. Idempotent.
@@ -607,6 +684,7 @@ class _Supervisor:
 async def serve_llamacpp(
     settings: LlamaCppSettings | None = None,
     *,
+    on_exit: ExitHandler | None = None,
     task_status: trio.TaskStatus[LlamaCppEndpoint] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Run the embedded llama.cpp server until cancelled.
@@ -617,23 +695,27 @@ async def serve_llamacpp(
 
     Args:
         settings: How to run it; None uses the defaults.
+        on_exit: Called with a one-line reason the moment a server that
+            served is gone (before its log is read for the error).
         task_status: Receives the ``LlamaCppEndpoint`` once it serves.
 
     Raises:
         BackendUnavailable: It cannot run here, was not ready within its
-            deadlines, or exited on its own; the message quotes its log.
+            deadlines, exited on its own, or stopped answering ``/health``
+            and was killed; the message quotes its log.
     """
     settings = settings or LlamaCppSettings()
     reason = llamacpp_available(settings.model)
     if reason is not None:
         raise BackendUnavailable(f"cannot start the embedded llama.cpp server: {reason}")
-    sup = _Supervisor(settings)
+    sup = _Supervisor(settings, on_exit)
     try:
         async with trio.open_nursery() as nursery:
             try:
                 await sup.spawn(nursery)
                 endpoint = await sup.wait_ready()
                 task_status.started(endpoint)
+                nursery.start_soon(sup.watch_liveness, endpoint.url, name="llama.cpp liveness")
                 await sup.wait_exit()
             finally:
                 with trio.CancelScope(shield=True):

@@ -24,6 +24,14 @@ the run was assigned; the first-token deadline starts once it has a slot.
 When the probe finds that the instances changed, each link queues a
 ``CapabilitiesUpdate``.
 
+An instance whose backend the node runs itself (a ``llamacpp`` instance:
+``iop.managed``) has a supervisor, started in the agent's nursery before the
+first probe (which so sees whether the first start served). Each change of
+its state (gone, restarting, a crash loop, serving again) makes the probe
+loop probe at once, so the edges hear of it without waiting for
+``probe_interval_s``; ``restart_backends`` is the operator's restart
+(SIGUSR1).
+
 Several edges may share the node; its slots are the authority on what an
 instance takes, whichever edge sent the run. Every change of an instance's
 slots or of its engine's figures (read by ``scrape_engine_load``, one task
@@ -44,7 +52,7 @@ import trio
 
 from iop import __version__
 from iop._secrets import SecretMasker, node_secrets
-from iop.adapters import Adapter, EngineLoadReader, build_adapter
+from iop.adapters import Adapter, EngineLoadReader
 from iop.capabilities import Capabilities, ProviderStatus
 from iop.config import NodeConfig, NodeEdge
 from iop.errors import (
@@ -57,6 +65,7 @@ from iop.errors import (
     LinkProtocolError,
 )
 from iop.events import CancelReason, Error
+from iop.managed import SupervisedAdapter, Supervisor, build_instance_adapter
 from iop.node._dial import MIN_RECONNECT_DELAY_S, STABLE_LINK_S, ConnectFactory, Dialer
 from iop.node._instances import (
     PROBE_GUARD_S,
@@ -240,6 +249,13 @@ class NodeAgent:
             inst.fallback_capabilities() for inst in self._instances.values()
         ]
         self._caps_version = 0
+        # Backends the node runs itself; a change of one's state makes a probe due.
+        self._supervisors: list[Supervisor[object]] = []
+        for adapter in adapters.values():
+            if isinstance(adapter, SupervisedAdapter):
+                adapter.supervisor.on_change = self._probe_soon
+                self._supervisors.append(adapter.supervisor)
+        self._probe_due = trio.Event()
         # Runs on links, across all links, for drain.
         self._link_runs = 0
         self._idle = trio.Event()
@@ -289,8 +305,35 @@ class NodeAgent:
         await self.refresh_capabilities()
         task_status.started()
         while True:
-            await trio.sleep(self.config.node.probe_interval_s)
+            with trio.move_on_after(self.config.node.probe_interval_s):
+                await self._probe_due.wait()
+            # Before the probe: a change during it makes the next one due.
+            self._probe_due = trio.Event()
             await self.refresh_capabilities()
+
+    def _probe_soon(self) -> None:
+        """A managed backend's state changed: probe now, not at the next interval."""
+        self._probe_due.set()
+
+    # --- managed backends -----------------------------------------------------------
+
+    async def start_backends(self, nursery: trio.Nursery) -> None:
+        """Start the supervisor of every backend the node runs itself, one after another.
+
+        Each start returns once its backend's first start served or failed
+        (a failed one is restarted in the background).
+        """
+        for sup in self._supervisors:
+            await nursery.start(sup.serve, name=f"supervise {sup.name}")
+
+    def restart_backends(self) -> list[str]:
+        """The operator's restart: every managed backend that is down starts now.
+
+        Returns:
+            The names of the instances restarted (those down: in a backoff
+            or a crash loop).
+        """
+        return [sup.name for sup in self._supervisors if sup.restart()]
 
     # --- load reports ------------------------------------------------------------
 
@@ -630,11 +673,12 @@ async def open_node_agent(
     welcome_timeout_s: float = WELCOME_TIMEOUT_S,
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
 ) -> AsyncIterator[NodeAgent]:
-    """Open a node agent: build its adapters, probe them once, start the probe loop.
+    """Open a node agent: build its adapters, start the backends it runs itself,
+    probe them once, start the probe loop.
 
     On exit the probe loop stops, runs still going are cancelled with
-    ``shutdown``, and the adapters this function built are closed (injected
-    ones belong to the caller).
+    ``shutdown``, the backends the node runs are stopped, and the adapters
+    this function built are closed (injected ones belong to the caller).
 
     Args:
         config: The node's config.
@@ -653,7 +697,11 @@ async def open_node_agent(
     unknown = set(injected) - set(names)
     if unknown:
         raise ValueError(f"adapters given for unconfigured instances: {sorted(unknown)}")
-    built = {cfg.name: build_adapter(cfg) for cfg in config.instances if cfg.name not in injected}
+    built = {
+        cfg.name: build_instance_adapter(cfg)
+        for cfg in config.instances
+        if cfg.name not in injected
+    }
     tracing = Tracing.from_settings(config.tracing, "iop-node")
     try:
         async with (
@@ -668,6 +716,7 @@ async def open_node_agent(
                 connect_timeout_s=connect_timeout_s,
                 tracing=tracing,
             )
+            await agent.start_backends(nursery)
             await nursery.start(agent._probe_loop)
             agent.start_scrapers(nursery)
             try:

@@ -258,6 +258,7 @@ class LoopbackPlatform:
         url: str,
         node: Proc,
         api_key: str | None,
+        admin_key: str | None = None,
     ) -> None:
         self.backend_kind = backend_kind
         self.model = model
@@ -266,6 +267,8 @@ class LoopbackPlatform:
         self.url = url
         self.base_url = f"{url}/v1"
         self.api_key = api_key
+        # What opens /admin* once clients have keys (a client key never does).
+        self.admin_key = admin_key
         self.procs = [backend, edge, node]
         self.backend_proc, self.edge_proc, self.node_proc = backend, edge, node
         self.test_mark: PlatformMark | None = None
@@ -351,6 +354,12 @@ class LoopbackPlatform:
         headers = {"Connection": "close"}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    def _admin_headers(self) -> dict[str, str]:
+        headers = {"Connection": "close"}
+        if self.admin_key:
+            headers["Authorization"] = f"Bearer {self.admin_key}"
         return headers
 
     def chat_body(
@@ -458,7 +467,7 @@ class LoopbackPlatform:
     def admin(self) -> dict[str, Any]:
         """The edge's ``/admin/nodes`` (nodes, runs, outcomes)."""
         resp = httpx.get(
-            self.url + "/admin/nodes", headers=self._headers(), timeout=5.0, trust_env=False
+            self.url + "/admin/nodes", headers=self._admin_headers(), timeout=5.0, trust_env=False
         )
         resp.raise_for_status()
         data: dict[str, Any] = resp.json()
@@ -799,7 +808,9 @@ def start_platform(
         for proc in reversed(started):
             proc.stop()
         raise
-    keys = (edge_cfg.get("server") or {}).get("api_keys") or [None]
+    server = edge_cfg.get("server") or {}
+    keys = server.get("api_keys") or [None]
+    admin_keys = server.get("admin_keys") or [None]
     return LoopbackPlatform(
         backend_kind=backend,
         model=name,
@@ -810,6 +821,7 @@ def start_platform(
         url=url,
         node=node,
         api_key=keys[0],
+        admin_key=admin_keys[0],
     )
 
 

@@ -18,15 +18,39 @@ from iop.testing import Proc, toml_dumps
 from iop.testing._processes import EDGE_READY
 
 
-def iop(*args: str, stdin: str = "") -> subprocess.CompletedProcess[str]:
+def iop(*args: str, stdin: str | bytes | None = "") -> subprocess.CompletedProcess[str]:
+    """The real command line in a process of its own (``stdin=None``: stdin closed)."""
+    if isinstance(stdin, bytes):
+        done = subprocess.run(
+            [sys.executable, "-m", "iop", *args],
+            input=stdin,
+            capture_output=True,
+            timeout=60,
+            check=False,
+        )
+        return subprocess.CompletedProcess(
+            done.args, done.returncode, done.stdout.decode(), done.stderr.decode()
+        )
     return subprocess.run(
         [sys.executable, "-m", "iop", *args],
         input=stdin,
+        stdin=subprocess.DEVNULL if stdin is None else None,
+        # stdin=None: no fd 0 at all (`iop keys hash <&-`), Python's sys.stdin is None.
+        preexec_fn=(lambda: os.close(0)) if stdin is None else None,
         capture_output=True,
         text=True,
         timeout=60,
         check=False,
     )
+
+
+def one_line_error(done: subprocess.CompletedProcess[str]) -> str:
+    """The single stderr line of a command refused with exit 2 (no traceback)."""
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("iop keys")
+    return line
 
 
 def test_create_prints_the_key_once_and_a_table_holding_only_its_digest() -> None:
@@ -59,8 +83,19 @@ def test_create_writes_the_key_to_a_private_file_and_never_overwrites(tmp_path: 
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert hashlib.sha256(key.encode()).hexdigest() in made.stdout
     again = iop("keys", "create", "team-a", "--key-file", str(path))
-    assert again.returncode != 0
+    line = one_line_error(again)
+    assert str(path) in line
+    assert "exists" in line
+    assert again.stdout == ""  # no table for a key that went nowhere
     assert path.read_text().strip() == key
+
+
+def test_a_key_file_that_cannot_be_made_is_one_line_and_no_table(tmp_path: Path) -> None:
+    for path in (tmp_path / "no-such-dir" / "a.key", tmp_path):
+        done = iop("keys", "create", "team-a", "--key-file", str(path))
+        assert str(path) in one_line_error(done)
+        assert done.stdout == ""
+    assert not (tmp_path / "no-such-dir").exists()
 
 
 def test_a_bad_name_is_a_config_error_that_says_why() -> None:
@@ -73,7 +108,29 @@ def test_hash_prints_the_digest_line_of_a_key_on_stdin() -> None:
     out = iop("keys", "hash", stdin="sk-abc\n")
     assert out.returncode == 0
     assert out.stdout.strip() == f'key_sha256 = ["{hashlib.sha256(b"sk-abc").hexdigest()}"]'
-    assert iop("keys", "hash", stdin="").returncode == 2
+    assert "no key on stdin" in one_line_error(iop("keys", "hash", stdin=""))
+
+
+@pytest.mark.parametrize(
+    ("stdin", "says"),
+    [
+        (None, "no key on stdin"),
+        ("\n", "no key on stdin"),
+        ("   \n", "no key on stdin"),
+        (b"\xff\xfekey\n", "printable ASCII"),
+        (" sk-abc\n", "printable ASCII"),
+        ("sk-\u00e9\n", "printable ASCII"),
+    ],
+    ids=["closed", "empty-line", "blank", "not-utf8", "leading-space", "not-ascii"],
+)
+def test_hash_refuses_what_no_client_could_send_as_a_key(
+    stdin: str | bytes | None, says: str
+) -> None:
+    """A key travels in an HTTP header: a digest of anything else would
+    admit nobody, silently."""
+    done = iop("keys", "hash", stdin=stdin)
+    assert says in one_line_error(done)
+    assert done.stdout == ""
 
 
 @pytest.mark.timeout(60)

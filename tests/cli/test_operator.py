@@ -113,19 +113,20 @@ def test_up_help_says_the_tiny_model_cannot_call_tools() -> None:
 
 
 def test_up_serves_embeddings_from_llamacpp_only_when_asked() -> None:
-    from iop.cli._up import llamacpp_instance, llamacpp_settings
+    from iop.cli._up import llamacpp_instance
     from iop.config import EmbeddedBackend, UpConfig, decode_config
+    from iop.managed import llamacpp_settings
 
     plain = EmbeddedBackend()
-    assert not llamacpp_settings(plain).embeddings
-    assert llamacpp_instance(plain, "http://127.0.0.1:1", "a").operations == [
+    assert not llamacpp_settings(llamacpp_instance(plain)).embeddings
+    assert llamacpp_instance(plain).operations == [
         "chat",
         "completion",
         "tokenize",
     ]
     cfg = decode_config({"embedded": {"embeddings": True}}, UpConfig, source="up.toml")
-    assert llamacpp_settings(cfg.embedded).embeddings
-    assert llamacpp_instance(cfg.embedded, "http://127.0.0.1:1", "a").operations == [
+    assert llamacpp_settings(llamacpp_instance(cfg.embedded)).embeddings
+    assert llamacpp_instance(cfg.embedded).operations == [
         "chat",
         "completion",
         "embedding",

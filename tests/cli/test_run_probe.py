@@ -98,3 +98,20 @@ def test_run_masks_a_credential_the_backend_echoes(tmp_path: Path) -> None:
     assert key not in out.stdout + out.stderr
     # A value too short to mask is named (never shown) at start-up.
     assert "the secret at instances[v].headers.X-Tiny is shorter than 8 characters" in out.stderr
+
+
+def test_probe_of_a_llamacpp_instance_that_cannot_start_says_why(tmp_path: Path) -> None:
+    """The node would start this server itself: ``iop probe`` starts it once, and
+    reports the instance unavailable with the reason when it cannot start."""
+    config = tmp_path / "node.toml"
+    config.write_text(
+        '[[instances]]\nadapter = "llamacpp"\nname = "llama"\nmodel = "/nonexistent/m.gguf"\n'
+    )
+    out = iop("probe", "--config", str(config))
+    assert out.returncode == 1, out.stderr
+    caps = json.loads(out.stdout)
+    assert (caps["adapter"], caps["instance"]) == ("llamacpp", "llama")
+    assert caps["provider_status"] == "unavailable"
+    assert "/nonexistent/m.gguf does not exist" in caps["provider_detail"]
+    assert caps["targets"] == ["SmolLM2-135M-Instruct"]
+    assert "restarting" not in out.stderr  # a one-off check is never restarted

@@ -155,7 +155,8 @@ class Edge:
     url: str  # http://127.0.0.1:PORT
     link_url: str  # ws://127.0.0.1:PORT/v1/link
     api_key: str | None = None  # the first of server.api_keys, if any
-    # The first of server.admin_keys, else api_key: what opens /admin/nodes.
+    # The first of server.admin_keys, if any: what opens /admin* and /metrics
+    # once clients have keys (a client key never does).
     admin_key: str | None = None
     _client: httpx.Client = field(init=False, repr=False)
 
@@ -177,10 +178,13 @@ class Edge:
     def post(self, path: str, **kwargs: Any) -> httpx.Response:
         return self._client.post(path, **kwargs)
 
+    def admin_get(self, path: str) -> httpx.Response:
+        """``GET path`` as the operator: with the admin key, if any."""
+        headers = {"Authorization": f"Bearer {self.admin_key}"} if self.admin_key else None
+        return self._client.get(path, headers=headers)
+
     def admin(self) -> dict[str, Any]:
-        key = self.admin_key or self.api_key
-        headers = {"Authorization": f"Bearer {key}"} if key else None
-        resp = self._client.get("/admin/nodes", headers=headers)
+        resp = self.admin_get("/admin/nodes")
         resp.raise_for_status()
         data: dict[str, Any] = resp.json()
         return data
@@ -267,7 +271,7 @@ def start_edge(
         m = proc.wait_stdout(EDGE_READY)
     server = config.get("server", {})
     keys = server.get("api_keys") or [None]
-    admin_keys = server.get("admin_keys") or keys
+    admin_keys = server.get("admin_keys") or [None]
     return Edge(proc, m.group(1), m.group(2), keys[0], admin_keys[0])
 
 

@@ -33,6 +33,7 @@ KEY_LIMITED: Final = "iop-e2e-cluster-limited"
 KEY_OUTAGE: Final = "iop-e2e-cluster-outage"
 KEY_LOAD: Final = "iop-e2e-cluster-load"
 OPERATOR: Final = "iop-e2e-cluster-operator"
+ADMIN: Final = "iop-e2e-cluster-admin"  # /admin and /metrics
 RPM: Final = 20
 OUTAGE_RPM: Final = 40
 
@@ -45,7 +46,7 @@ def _digest(key: str) -> str:
 
 def _config(valkey: Valkey, edge_id: str) -> dict[str, Any]:
     return {
-        "server": {"keepalive_interval_s": 0.5, "api_keys": [OPERATOR]},
+        "server": {"keepalive_interval_s": 0.5, "api_keys": [OPERATOR], "admin_keys": [ADMIN]},
         "scheduler": {"max_queue": 256, "queue_timeout_s": 60},
         "cluster": {
             "valkey_url": valkey.url,
@@ -110,7 +111,7 @@ def stack(sim: Sim, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]
 
 
 def _gauge(edge: Edge, name: str) -> float:
-    text = edge.get("/metrics").text
+    text = edge.admin_get("/metrics").text
     m = re.search(rf"^{name}(?:_total)? (\S+)$", text, re.MULTILINE)
     return float(m.group(1)) if m else math.nan
 

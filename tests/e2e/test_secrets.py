@@ -1,5 +1,5 @@
-"""Secrets never leave a process: the node token, client API keys and instance
-header values appear in no log line (at debug level), no response body, and
+"""Secrets never leave a process: the node token, client API keys, admin and
+metrics keys and instance header values appear in no log line (at debug level), no response body, and
 neither in ``/admin``, ``/admin/nodes`` nor ``/metrics``.
 
 Real processes: two ``iop sim`` backends whose ``http_401`` failure echoes the
@@ -26,6 +26,8 @@ pytestmark = pytest.mark.timeout(180)
 NODE_TOKEN = "e2e-node-token-marker-5d0c1f"
 API_KEY = "sk-e2e-client-key-marker-a9b8"
 OTHER_API_KEY = "sk-e2e-second-client-key-7f6e"
+ADMIN_KEY = "sk-e2e-admin-key-marker-40d2"
+METRICS_KEY = "sk-e2e-metrics-key-marker-9a15"
 BEARER_KEY = "sk-e2e-backend-bearer-marker-3e7f"
 BASIC_USER = "e2e-user"
 BASIC_PASS = "basic-pass-marker-2c4d"
@@ -44,6 +46,8 @@ SECRETS: dict[str, set[str]] = {
     "node token": _forms(NODE_TOKEN),
     "client API key": _forms(API_KEY),
     "second client API key": _forms(OTHER_API_KEY),
+    "admin key": _forms(ADMIN_KEY),
+    "metrics key": _forms(METRICS_KEY),
     "instance Bearer key": _forms(BEARER_KEY),
     "instance Basic credential": _forms(BASIC_CRED) | _forms(f"{BASIC_USER}:{BASIC_PASS}"),
     "instance Basic password": _forms(BASIC_PASS),
@@ -61,7 +65,14 @@ def test_no_secret_reaches_a_log_a_client_or_an_admin_view(procs: Procs) -> None
     bearer_sim = procs.sim("sim-bearer")
     basic_sim = procs.sim("sim-basic", "--model", BASIC_MODEL)
     edge = procs.edge(
-        {"server": {"api_keys": [API_KEY, OTHER_API_KEY], "keepalive_interval_s": 0.5}},
+        {
+            "server": {
+                "api_keys": [API_KEY, OTHER_API_KEY],
+                "admin_keys": [ADMIN_KEY],
+                "metrics_keys": [METRICS_KEY],
+                "keepalive_interval_s": 0.5,
+            }
+        },
         token=NODE_TOKEN,
         log_level="debug",
     )
@@ -112,8 +123,12 @@ def test_no_secret_reaches_a_log_a_client_or_an_admin_view(procs: Procs) -> None
         wrong = http.get("/v1/models", headers={"Authorization": f"Bearer {API_KEY}-wrong"})
         assert wrong.status_code == 401
         bodies["wrong key"] = wrong.text
-        for path in ("/admin", "/admin/nodes", "/metrics"):
-            resp = http.get(path)
+        for path, key in (
+            ("/admin", ADMIN_KEY),
+            ("/admin/nodes", ADMIN_KEY),
+            ("/metrics", METRICS_KEY),
+        ):
+            resp = http.get(path, headers={"Authorization": f"Bearer {key}"})
             assert resp.status_code == 200, path
             bodies[path] = resp.text
     admin = json.loads(bodies["/admin/nodes"])
@@ -148,7 +163,7 @@ def test_iop_up_masks_the_secrets_of_its_edge_node_and_instances(procs: Procs) -
     sim = procs.sim("sim-up")
     config = {
         "edge": {
-            "server": {"api_keys": [API_KEY]},
+            "server": {"api_keys": [API_KEY], "admin_keys": [ADMIN_KEY]},
             "link": {"node_tokens": [NODE_TOKEN]},
         },
         "instances": [
@@ -180,7 +195,9 @@ def test_iop_up_masks_the_secrets_of_its_edge_node_and_instances(procs: Procs) -
     }
     with httpx.Client(base_url=m.group(1), timeout=30.0, trust_env=False, headers=auth) as http:
         refused = http.post("/v1/chat/completions", json=body)
-        pages = {p: http.get(p).text for p in ("/admin", "/admin/nodes", "/metrics")}
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        pages = {p: http.get(p, headers=admin).text for p in ("/admin", "/admin/nodes", "/metrics")}
+        assert all("name='key'" not in text for text in pages.values())  # not a login form
     assert refused.status_code == 401, refused.text
     assert refused.json()["error"]["message"].endswith("Incorrect API key provided: Bearer ***")
     assert up.stop() == 0

@@ -35,6 +35,7 @@ from tests.e2e._platform import MODEL, Cluster, Edge, Sim, poll, start_sim
 pytestmark = pytest.mark.timeout(120)
 
 OPERATOR: Final = "iop-e2e-charges-operator"
+ADMIN: Final = "iop-e2e-charges-admin"
 TPM: Final = 3000
 # 9,600 characters in one user message: ceil(9600 / 4) + 4 (the message's
 # role and template) = 2,404 tokens, the estimate admission reserves
@@ -66,9 +67,14 @@ def _tenant(name: str) -> dict[str, Any]:
 
 
 EDGE_CONFIG: dict[str, Any] = {
-    # The operator's key (the tenant "default", no limits) reads /admin and
-    # sends the large count. max_body_bytes stays the default, 8 MiB.
-    "server": {"keepalive_interval_s": 0.5, "api_keys": [OPERATOR]},
+    # The operator's client key (the tenant "default", no limits) sends the
+    # large count; its admin key reads /admin and /metrics. max_body_bytes
+    # stays the default, 8 MiB.
+    "server": {
+        "keepalive_interval_s": 0.5,
+        "api_keys": [OPERATOR],
+        "admin_keys": [ADMIN],
+    },
     "tenants": [_tenant(name) for name in TENANTS],
 }
 
@@ -104,7 +110,7 @@ def _settled(edge: Edge, tenant: str) -> dict[str, Any]:
 
 def _tenant_tokens(edge: Edge, tenant: str, kind: str) -> float:
     """``iop_tenant_tokens_total{tenant, kind}`` (0 when absent)."""
-    for family in text_string_to_metric_families(edge.get("/metrics").text):
+    for family in text_string_to_metric_families(edge.admin_get("/metrics").text):
         if family.name != "iop_tenant_tokens":
             continue
         for sample in family.samples:
@@ -118,7 +124,7 @@ def _tenant_tokens(edge: Edge, tenant: str, kind: str) -> float:
 
 def _live_output(edge: Edge, tenant: str) -> bool:
     """Whether a live run of ``tenant`` has had its first output."""
-    resp = edge.get("/admin/runs")
+    resp = edge.admin_get("/admin/runs")
     resp.raise_for_status()
     return any(
         r["tenant"] == tenant and r["first_output_ms"] is not None for r in resp.json()["live"]

@@ -25,6 +25,7 @@ pytestmark = pytest.mark.timeout(120)
 KEY_A: Final = "iop-e2e-store-tenant-a"
 KEY_B: Final = "iop-e2e-store-tenant-b"
 OPERATOR: Final = "iop-e2e-store-operator"
+ADMIN: Final = "iop-e2e-store-admin"
 
 
 def _digest(key: str) -> str:
@@ -32,8 +33,9 @@ def _digest(key: str) -> str:
 
 
 EDGE_CONFIG: dict[str, Any] = {
-    # The operator's key (the tenant "default") reads /v1/models and /admin.
-    "server": {"keepalive_interval_s": 0.5, "api_keys": [OPERATOR]},
+    # The operator's client key (the tenant "default") reads /v1/models; its
+    # admin key reads /admin.
+    "server": {"keepalive_interval_s": 0.5, "api_keys": [OPERATOR], "admin_keys": [ADMIN]},
     "tenants": [
         {"name": "a", "key_sha256": [_digest(KEY_A)]},
         {"name": "b", "key_sha256": [_digest(KEY_B)]},
@@ -133,7 +135,7 @@ def test_a_response_id_is_not_the_run_id_that_logs_and_admin_show(
     first = a.responses.create(model=MODEL, input="hi")
     runs = httpx.get(
         f"{cluster.edge.url}/admin/runs?limit=100",
-        headers={"Authorization": f"Bearer {OPERATOR}"},
+        headers={"Authorization": f"Bearer {ADMIN}"},
         trust_env=False,
     )
     runs.raise_for_status()

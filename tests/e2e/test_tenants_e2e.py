@@ -21,6 +21,7 @@ from tests.e2e._platform import MODEL, Cluster, Edge, Node, Sim, start_node
 
 KEY_A: Final = "iop-e2e-tenant-flood"
 KEY_B: Final = "iop-e2e-tenant-calm"
+ADMIN_KEY: Final = "iop-e2e-tenants-admin"
 
 
 def _digest(key: str) -> str:
@@ -28,8 +29,13 @@ def _digest(key: str) -> str:
 
 
 EDGE_CONFIG: dict[str, Any] = {
-    # The test's own key (the tenant "default") reads /v1/models and /admin.
-    "server": {"keepalive_interval_s": 0.5, "api_keys": ["iop-e2e-operator-key"]},
+    # The test's own keys: a client's (the tenant "default") reads /v1/models,
+    # the operator's /admin and /metrics.
+    "server": {
+        "keepalive_interval_s": 0.5,
+        "api_keys": ["iop-e2e-operator-key"],
+        "admin_keys": [ADMIN_KEY],
+    },
     "scheduler": {"max_queue": 64, "max_queue_delay_s": 0, "queue_timeout_s": 120},
     "tenants": [
         {"name": "flood", "key_sha256": [_digest(KEY_A)]},
@@ -66,7 +72,7 @@ async def _chat(client: httpx.AsyncClient, key: str, ids: list[int]) -> None:
 
 
 async def admin(client: httpx.AsyncClient, path: str) -> dict[str, Any]:
-    r = await client.get(path, headers={"Authorization": "Bearer iop-e2e-operator-key"})
+    r = await client.get(path, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
     r.raise_for_status()
     data: dict[str, Any] = r.json()
     return data
@@ -122,5 +128,5 @@ async def test_a_flooding_tenant_does_not_hold_back_another(
     # What the tenant is charged is what its clients were told they used.
     assert tenants["flood"]["tokens_out"] == sum(flood_ids)
     assert tenants["calm"]["tokens_out"] == sum(calm_ids)
-    metrics = edge.get("/metrics").text
+    metrics = edge.admin_get("/metrics").text
     assert f'iop_tenant_runs_total{{outcome="complete",tenant="flood"}} {FLOOD}.0' in metrics

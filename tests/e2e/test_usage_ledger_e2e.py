@@ -45,6 +45,8 @@ from tests.e2e._platform import MODEL, Edge, Procs, Sim, free_port, poll
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 OPERATOR: Final = "iop-e2e-usage-operator"
+# The tenant default's key: what the harness lists models with.
+CLIENT: Final = "iop-e2e-usage-client"
 # Prices per million tokens: every run has a cost, in whole micro-units.
 PRICES: Final = {MODEL: {"input": "0.5", "output": "1.5"}}
 KEYS: Final = ("complete", "failed", "cancel-before", "cancel-after")
@@ -66,7 +68,12 @@ def _digest(key: str) -> str:
 
 def _config(ledger: Path) -> dict[str, Any]:
     return {
-        "server": {"keepalive_interval_s": 0.3, "drain_timeout_s": 5, "api_keys": [OPERATOR]},
+        "server": {
+            "keepalive_interval_s": 0.3,
+            "drain_timeout_s": 5,
+            "api_keys": [CLIENT],
+            "admin_keys": [OPERATOR],
+        },
         "usage": {"ledger_path": str(ledger), "flush_interval_s": 0.2},
         "prices": PRICES,
         "tenants": [
@@ -269,7 +276,7 @@ def ledger_name(key: str) -> str:
 
 
 def written(edge: Edge) -> int:
-    for family in text_string_to_metric_families(edge.get("/metrics").text):
+    for family in text_string_to_metric_families(edge.admin_get("/metrics").text):
         if family.name == "iop_usage_ledger_records":
             for sample in family.samples:
                 if sample.name.endswith("_total"):
@@ -434,7 +441,7 @@ def test_a_spent_budget_is_a_429_in_each_surfaces_shape(
     least 300 (its 200 output tokens), and then a reservation of 70 (12
     output tokens) does not fit, on any surface."""
     config = {
-        "server": {"api_keys": [OPERATOR]},
+        "server": {"api_keys": [CLIENT], "admin_keys": [OPERATOR]},
         "usage": {"ledger_path": str(tmp_path / "usage.db")},
         "prices": PRICES,
         "tenants": [
@@ -498,7 +505,7 @@ def test_a_restart_keeps_the_minute_a_tenant_has_used(
     another; after a graceful restart the ledger's last minute still does
     (a fresh bucket would admit it)."""
     config = {
-        "server": {"api_keys": [OPERATOR], "drain_timeout_s": 5},
+        "server": {"api_keys": [CLIENT], "admin_keys": [OPERATOR], "drain_timeout_s": 5},
         "usage": {"ledger_path": str(tmp_path / "usage.db")},
         "tenants": [
             {"name": "minute", "key_sha256": [_digest(_key("minute"))], "tokens_per_minute": 600}
@@ -547,7 +554,7 @@ def test_a_budget_spent_through_one_edge_is_spent_on_the_other(
             edges.append(
                 procs.edge(
                     {
-                        "server": {"api_keys": [OPERATOR]},
+                        "server": {"api_keys": [CLIENT], "admin_keys": [OPERATOR]},
                         "cluster": {"valkey_url": valkey.url, "edge_id": name},
                         "prices": PRICES,
                         "tenants": [

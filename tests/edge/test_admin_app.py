@@ -1,7 +1,8 @@
 """``/admin`` behind keys, on a real socket: the login form, the session cookie,
 Bearer for scripts, logout, forged and expired cookies, the wrong-key brake and
 the cross-origin guard. (The gate's own rules: ``test_admin_auth.py``; a real
-browser: ``tests/e2e/test_admin_browser.py``.)"""
+browser: ``tests/e2e/test_admin_browser.py``; client keys against the admin
+views and ``/metrics`` on a real process: ``tests/e2e/test_who_sees_what.py``.)"""
 
 from __future__ import annotations
 
@@ -66,11 +67,11 @@ async def test_no_keys_leave_admin_open() -> None:
         assert "set-cookie" not in resp.headers
 
 
-async def test_login_with_an_api_key_sets_a_session_cookie(
+async def test_login_with_an_admin_key_sets_a_session_cookie(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.INFO, logger="iop.edge.http")
-    async with edge(config(api_keys=[API_KEY])) as (_, _, client):
+    async with edge(config(api_keys=[API_KEY], admin_keys=[ADMIN_KEY])) as (_, _, client):
         # No credentials: a browser gets the login form, a script a JSON 401.
         resp = await client.get("/admin")
         assert resp.status_code == 401
@@ -88,12 +89,12 @@ async def test_login_with_an_api_key_sets_a_session_cookie(
         assert "Wrong key." in resp.text
         assert "set-cookie" not in resp.headers
 
-        resp = await login(client, API_KEY)
+        resp = await login(client, ADMIN_KEY)
         assert resp.status_code == 303
         assert resp.headers["location"] == "/admin"
         morsel = set_cookie(resp)[COOKIE_NAME]
         token = morsel.value
-        assert API_KEY not in token
+        assert ADMIN_KEY not in token
         assert morsel["httponly"] is True
         assert morsel["samesite"] == "Strict"
         assert morsel["path"] == "/admin"
@@ -113,14 +114,14 @@ async def test_login_with_an_api_key_sets_a_session_cookie(
     text = caplog.text
     assert "admin login from 127.0.0.1" in text
     assert "wrong admin key from 127.0.0.1 (login form, /admin/login): 1 of 10" in text
-    assert API_KEY not in text
+    assert ADMIN_KEY not in text
     assert "sk-wrong" not in text
     assert token not in text
 
 
 async def test_bearer_keeps_working_for_scripts() -> None:
-    async with edge(config(api_keys=[API_KEY])) as (_, _, client):
-        bearer = {"Authorization": f"Bearer {API_KEY}"}
+    async with edge(config(api_keys=[API_KEY], admin_keys=[ADMIN_KEY])) as (_, _, client):
+        bearer = {"Authorization": f"Bearer {ADMIN_KEY}"}
         resp = await client.get("/admin/nodes", headers=bearer)
         assert resp.status_code == 200
         assert resp.json()["nodes"][0]["id"] == "n1"
@@ -133,9 +134,9 @@ async def test_bearer_keeps_working_for_scripts() -> None:
 
 
 async def test_logout_ends_the_session() -> None:
-    async with edge(config(api_keys=[API_KEY])) as (_, _, client):
-        token = await logged_in(client, API_KEY)
-        other = await logged_in(client, API_KEY)  # another browser
+    async with edge(config(api_keys=[API_KEY], admin_keys=[ADMIN_KEY])) as (_, _, client):
+        token = await logged_in(client, ADMIN_KEY)
+        other = await logged_in(client, ADMIN_KEY)  # another browser
         resp = await client.post("/admin/logout", headers=with_cookie(token))
         client.cookies.clear()
         assert resp.status_code == 303
@@ -156,12 +157,13 @@ async def test_logout_ends_the_session() -> None:
 
 
 async def test_forged_and_foreign_cookies_are_refused() -> None:
-    async with edge(config(api_keys=[API_KEY])) as (_, _, client):
-        token = await logged_in(client, API_KEY)
+    async with edge(config(api_keys=[API_KEY], admin_keys=[ADMIN_KEY])) as (_, _, client):
+        token = await logged_in(client, ADMIN_KEY)
         payload, mac = token.rsplit(".", 1)
         version, sid, expires_ms = payload.split(".")
         forged = [
-            API_KEY,  # the key itself is not a session
+            ADMIN_KEY,  # the key itself is not a session
+            API_KEY,
             f"{payload}.{'0' * len(mac)}",
             f"{version}.{sid}.{int(expires_ms) * 2}.{mac}",  # extended
             "garbage",
@@ -172,13 +174,17 @@ async def test_forged_and_foreign_cookies_are_refused() -> None:
             assert is_login_page(resp)
         assert (await client.get("/admin", headers=with_cookie(token))).status_code == 200
     # A second edge (a restart: a new secret) does not accept the first one's cookie.
-    async with edge(config(api_keys=[API_KEY])) as (_, _, client):
+    async with edge(config(api_keys=[API_KEY], admin_keys=[ADMIN_KEY])) as (_, _, client):
         assert (await client.get("/admin", headers=with_cookie(token))).status_code == 401
 
 
 async def test_expired_cookie_is_refused() -> None:
-    async with edge(config(api_keys=[API_KEY], admin_session_s=1.5)) as (_, _, client):
-        resp = await login(client, API_KEY)
+    async with edge(config(api_keys=[API_KEY], admin_keys=[ADMIN_KEY], admin_session_s=1.5)) as (
+        _,
+        _,
+        client,
+    ):
+        resp = await login(client, ADMIN_KEY)
         morsel = set_cookie(resp)[COOKIE_NAME]
         assert morsel["max-age"] == "2"  # rounded up to whole seconds
         token = morsel.value
@@ -193,7 +199,7 @@ async def test_expired_cookie_is_refused() -> None:
         assert is_login_page(resp)
 
 
-async def test_admin_keys_replace_api_keys_for_admin() -> None:
+async def test_a_client_key_never_opens_admin_and_an_admin_key_never_the_api() -> None:
     async with edge(config(api_keys=[API_KEY], admin_keys=[ADMIN_KEY])) as (_, _, client):
         # A client key opens the API, not the admin pages.
         resp = await login(client, API_KEY)
@@ -222,25 +228,25 @@ async def test_admin_keys_without_api_keys_protect_admin_only() -> None:
 
 
 async def test_wrong_keys_are_braked(caplog: pytest.LogCaptureFixture) -> None:
-    cfg = config(api_keys=[API_KEY], admin_login_failures_per_minute=2)
+    cfg = config(api_keys=[API_KEY], admin_keys=[ADMIN_KEY], admin_login_failures_per_minute=2)
     async with edge(cfg) as (_, _, client):
-        token = await logged_in(client, API_KEY)
+        token = await logged_in(client, ADMIN_KEY)
         assert (await login(client, "guess-1")).status_code == 401
         resp = await client.get("/admin/nodes", headers={"Authorization": "Bearer guess-2"})
         assert resp.status_code == 401
         # The limit is crossed: even the right key is refused, and says why.
-        resp = await login(client, API_KEY)
+        resp = await login(client, ADMIN_KEY)
         assert resp.status_code == 429
         assert is_login_page(resp)
         assert "Too many wrong admin keys (limit 2 a minute)" in resp.text
         assert 1 <= int(resp.headers["retry-after"]) <= 60
         assert "set-cookie" not in resp.headers
-        resp = await client.get("/admin/nodes", headers={"Authorization": f"Bearer {API_KEY}"})
+        resp = await client.get("/admin/nodes", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
         assert resp.status_code == 429
         validate_error(resp.json())
         assert resp.json()["error"]["code"] == "too_many_wrong_keys"
         assert "retry-after" in resp.headers
-        resp = await client.get("/admin", headers={"Authorization": f"Bearer {API_KEY}"})
+        resp = await client.get("/admin", headers={"Authorization": f"Bearer {ADMIN_KEY}"})
         assert resp.status_code == 429
         # A session from before still works; the API's keys are not braked here.
         assert (await client.get("/admin", headers=with_cookie(token))).status_code == 200
@@ -251,11 +257,11 @@ async def test_wrong_keys_are_braked(caplog: pytest.LogCaptureFixture) -> None:
 
 
 async def test_cross_origin_forms_are_refused() -> None:
-    async with edge(config(api_keys=[API_KEY])) as (handle, _, client):
-        token = await logged_in(client, API_KEY)
+    async with edge(config(api_keys=[API_KEY], admin_keys=[ADMIN_KEY])) as (handle, _, client):
+        token = await logged_in(client, ADMIN_KEY)
         own = handle.url  # http://127.0.0.1:PORT
         for origin in ("http://evil.example", "null", "http://127.0.0.1:1"):
-            resp = await login(client, API_KEY, Origin=origin)
+            resp = await login(client, ADMIN_KEY, Origin=origin)
             assert resp.status_code == 403, origin
             validate_error(resp.json())
             assert resp.json()["error"]["code"] == "cross_origin"
@@ -264,17 +270,17 @@ async def test_cross_origin_forms_are_refused() -> None:
             )
             assert resp.status_code == 403
         assert (await client.get("/admin", headers=with_cookie(token))).status_code == 200
-        assert (await login(client, API_KEY, Origin=own)).status_code == 303
+        assert (await login(client, ADMIN_KEY, Origin=own)).status_code == 303
         # Behind a proxy that rewrites Host, X-Forwarded-Host names the browser's host.
         resp = await login(
-            client, API_KEY, Origin="https://edge.example", **{"X-Forwarded-Host": "edge.example"}
+            client, ADMIN_KEY, Origin="https://edge.example", **{"X-Forwarded-Host": "edge.example"}
         )
         assert resp.status_code == 303
 
 
 async def test_cookie_is_secure_behind_https() -> None:
-    async with edge(config(api_keys=[API_KEY])) as (_, _, client):
-        resp = await login(client, API_KEY, **{"X-Forwarded-Proto": "https"})
+    async with edge(config(api_keys=[API_KEY], admin_keys=[ADMIN_KEY])) as (_, _, client):
+        resp = await login(client, ADMIN_KEY, **{"X-Forwarded-Proto": "https"})
         assert resp.status_code == 303
         assert set_cookie(resp)[COOKIE_NAME]["secure"] is True
         resp = await client.post("/admin/logout", headers={"X-Forwarded-Proto": "https"})
@@ -282,7 +288,7 @@ async def test_cookie_is_secure_behind_https() -> None:
 
 
 async def test_get_login_goes_to_admin() -> None:
-    async with edge(config(api_keys=[API_KEY])) as (_, _, client):
+    async with edge(config(api_keys=[API_KEY], admin_keys=[ADMIN_KEY])) as (_, _, client):
         resp = await client.get("/admin/login")
         assert resp.status_code == 303
         assert resp.headers["location"] == "/admin"
@@ -316,7 +322,8 @@ async def test_a_script_drains_and_undrains_a_node(caplog: pytest.LogCaptureFixt
         nodes = (await client.get("/admin/nodes", headers=bearer(ADMIN_KEY))).json()
         assert nodes["nodes"][0]["drained"]["reason"] == "kernel upgrade"
         assert list(nodes["drained"]) == ["n1"]
-        assert 'iop_node_drained{node="n1"} 1.0' in (await client.get("/metrics")).text
+        metrics = await client.get("/metrics", headers=bearer(ADMIN_KEY))
+        assert 'iop_node_drained{node="n1"} 1.0' in metrics.text
         # The last node drained: a request is refused at once, saying why.
         resp = await client.post(
             "/v1/chat/completions",

@@ -1,14 +1,16 @@
 """The admin gate (sans-IO): keys, session tokens, logout and the wrong-key brake,
-on a hand-driven clock."""
+on a hand-driven clock; the metrics gate; and the config rule that an operator's
+key is never a client's."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
 
 from iop.config import EdgeConfig, load_config
-from iop.edge._admin_auth import BRAKE_WINDOW_S, AdminGate, Verdict, key_matches
+from iop.edge._admin_auth import BRAKE_WINDOW_S, AdminGate, MetricsGate, Verdict, key_matches
 from iop.errors import ConfigError
 
 KEY = "sk-admin-1"
@@ -50,6 +52,39 @@ def test_open_gate_allows_everything() -> None:
     assert gate.open
     assert gate.check(None, None) is Verdict.ALLOWED
     assert gate.login("anything") is Verdict.ALLOWED
+
+
+def test_a_gate_without_admin_keys_is_off_when_clients_have_keys() -> None:
+    gate = AdminGate([], session_s=SESSION_S, failures_per_minute=LIMIT, clients_keyed=True)
+    assert not gate.open
+    assert gate.off
+    assert gate.check(None, None) is Verdict.DISABLED
+    assert gate.check(None, f"Bearer {KEY}") is Verdict.DISABLED
+    assert gate.login(KEY) is Verdict.DISABLED
+    assert gate.failures == 0  # nothing to guess: no key is counted
+    assert "off" in repr(gate)
+    keyed = AdminGate([KEY], session_s=SESSION_S, failures_per_minute=LIMIT, clients_keyed=True)
+    assert not keyed.off
+    assert keyed.check(None, f"Bearer {KEY}") is Verdict.ALLOWED
+
+
+def test_the_metrics_gate() -> None:
+    # No key of any kind: open. Admin keys alone (an open API) leave it open.
+    for gate in (
+        MetricsGate([], [], clients_keyed=False),
+        MetricsGate([], [KEY], clients_keyed=False),
+    ):
+        assert gate.check(None) is Verdict.ALLOWED
+    # Client keys and nothing to scrape with: off.
+    assert MetricsGate([], [], clients_keyed=True).check(f"Bearer {KEY}") is Verdict.DISABLED
+    # A metrics key set, even on an open API: needed; an admin key opens it too.
+    for clients_keyed in (False, True):
+        gate = MetricsGate(["m-key"], [KEY], clients_keyed=clients_keyed)
+        assert gate.check("Bearer m-key") is Verdict.ALLOWED
+        assert gate.check(f"Bearer {KEY}") is Verdict.ALLOWED
+        for wrong in (None, "Bearer nope", "m-key", "Bearer ", f"Basic {KEY}"):
+            assert gate.check(wrong) is Verdict.DENIED
+    assert "m-key" not in repr(MetricsGate(["m-key"], [], clients_keyed=True))
 
 
 def test_bearer_header(gate: AdminGate) -> None:
@@ -190,7 +225,15 @@ def test_repr_shows_no_secret_and_no_key(gate: AdminGate) -> None:
         ('admin_keys = [""]', "must not contain an empty key"),
         # An empty key would let `Authorization: Bearer ` in.
         ('api_keys = ["${IOP_TEST_EMPTY}"]', "must not contain an empty key"),
+        ('metrics_keys = [""]', "must not contain an empty key"),
         ('admin_key = ["k"]', "unknown key 'server.admin_key'"),
+        ('api_keys = ["k"]\nadmin_keys = ["k"]', "a key in server.admin_keys is also a client"),
+        ('api_keys = ["k"]\nmetrics_keys = ["k"]', "a key in server.metrics_keys is also a"),
+        (
+            f'admin_keys = ["k"]\n[[tenants]]\nname = "t"\n'
+            f'key_sha256 = ["{hashlib.sha256(b"k").hexdigest()}"]',
+            "a key in server.admin_keys is also a client key",
+        ),
     ],
 )
 def test_admin_settings_are_checked(

@@ -483,6 +483,7 @@ def test_admin_page_escapes_what_nodes_report() -> None:
 # --- secrets ---------------------------------------------------------------------------
 
 API_KEY = "sk-client-key-marker-71a3"
+ADMIN_KEY = "sk-admin-key-marker-5c0e"
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -520,7 +521,7 @@ async def test_a_cancel_message_never_carries_the_edges_secrets() -> None:
 async def test_admin_views_and_metrics_never_carry_the_edges_secrets() -> None:
     from iop.testing import memory_link_pair
 
-    cfg = config(api_keys=[API_KEY])
+    cfg = config(api_keys=[API_KEY], admin_keys=[ADMIN_KEY])
     stop = trio.Event()
     async with trio.open_nursery() as nursery:
         handle: EdgeHandle = await nursery.start(partial(serve_edge, cfg, shutdown=stop))
@@ -537,13 +538,18 @@ async def test_admin_views_and_metrics_never_carry_the_edges_secrets() -> None:
         await node.hello([leaky])
         nursery.start_soon(node.serve)
         auth = {"Authorization": f"Bearer {API_KEY}"}
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
         async with httpx.AsyncClient(base_url=handle.url, timeout=10, headers=auth) as client:
             nursery.start_soon(answer, node, Start(), Complete())
             assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
-            pages = {p: (await client.get(p)).text for p in ("/admin", "/admin/nodes", "/metrics")}
+            pages = {
+                p: (await client.get(p, headers=admin)).text
+                for p in ("/admin", "/admin/nodes", "/metrics")
+            }
         stop.set()
     for path, text in pages.items():
         assert API_KEY not in text, path
+        assert ADMIN_KEY not in text, path
         assert TOKEN not in text, path
     assert "token ***" in pages["/admin/nodes"]
     assert "token ***" in pages["/admin"]

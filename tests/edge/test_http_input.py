@@ -435,7 +435,11 @@ async def test_every_error_the_edge_sends_is_openais_error_response(
     got: dict[str, tuple[int, bytes]] = {}
     key = {"authorization": "Bearer k", **JSON}
     cfg = config(
-        api_keys=["k"], max_body_bytes=2000, max_header_bytes=4096, body_read_timeout_s=0.5
+        api_keys=["k"],
+        admin_keys=["admin"],
+        max_body_bytes=2000,
+        max_header_bytes=4096,
+        body_read_timeout_s=0.5,
     )
     async with edge(cfg) as (handle, node, client), trio.open_nursery() as nursery:
         assert node is not None
@@ -466,7 +470,8 @@ async def test_every_error_the_edge_sends_is_openais_error_response(
         held = await node.assigns.receive()
         nursery.start_soon(post, "queued", _chat())
         with trio.fail_after(5):
-            while not (await client.get("/admin/nodes", headers=key)).json()["queued"]:
+            admin = {"authorization": "Bearer admin"}
+            while not (await client.get("/admin/nodes", headers=admin)).json()["queued"]:
                 await trio.sleep(0.01)
         await post("429", _chat())
         await node.send(

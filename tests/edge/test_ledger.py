@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 from iop.config import EdgeConfig, Price, TenancySettings, TenantSettings, UsageSettings
 from iop.config import decode_config as decode
 from iop.edge._admin_page import render_admin_page
+from iop.edge._cluster_replies import BadReply, decode_budget
 from iop.edge._ledger import Ledger
 from iop.edge._tenants import RateLimited, Tenants, Ticket
 from iop.errors import ConfigError
@@ -402,3 +403,27 @@ def test_the_admin_page_plots_tokens_and_cost_a_day() -> None:
     assert "<script" not in page
     # No ledger: no section.
     assert "Usage (last" not in render_admin_page({}).decode()
+
+
+@pytest.mark.parametrize(
+    "reply",
+    [
+        None,
+        [1],
+        [1, b"5", b"6"],
+        [2, b"5"],
+        [True, b"5"],
+        [1, 5],
+        [1, b"five"],
+        [1, b"1" * 65],
+        [1, b"10000000000000000000"],
+    ],
+)
+def test_a_budget_reply_of_the_wrong_shape_is_a_fault(reply: object) -> None:
+    with pytest.raises(BadReply):
+        decode_budget(reply, periods=1)
+
+
+def test_a_budget_reply_decodes() -> None:
+    assert decode_budget([1, b"5", b"-3"], periods=2) == (True, [5, -3])
+    assert decode_budget([0, b"1000"], periods=1) == (False, [1000])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import msgspec
 import pytest
 import trio
 import trio.testing
@@ -212,3 +213,22 @@ async def test_a_capabilities_update_keeps_the_report(
     rep = conns["a"].instances["i0"].reported
     assert rep is not None
     assert rep.in_flight == 3
+
+
+async def test_a_run_that_ends_after_a_capabilities_update_frees_its_slot(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The node pushes new capabilities while runs hold slots (its backend died
+    under them): their slots, released after, must free the instance the
+    scheduler places on now, or it stays full forever."""
+    scheduler, conns = cluster("a")
+    with trio.fail_after(0.001):
+        leases = [await scheduler.acquire("m") for _ in range(SLOTS)]
+    down = msgspec.structs.replace(caps(), provider_status=ProviderStatus.UNAVAILABLE)
+    conns["a"].update_instances([down])
+    for lease in leases:
+        lease.release()
+    conns["a"].update_instances([caps()])
+
+    assert conns["a"].instances["i0"].in_flight == 0
+    assert await place(scheduler) == "a"

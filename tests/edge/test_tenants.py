@@ -308,8 +308,13 @@ def test_a_key_both_in_api_keys_and_a_tenant_is_refused() -> None:
 # --- on the edge's HTTP side --------------------------------------------------------
 
 
+# The operator's: with tenants, /admin and /metrics need an admin key.
+ADMIN_KEY = "sk-tenants-admin"
+ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
 def tenant_config(*ts: TenantSettings) -> EdgeConfig:
-    return msgspec.structs.replace(config(), tenants=list(ts))
+    return msgspec.structs.replace(config(admin_keys=[ADMIN_KEY]), tenants=list(ts))
 
 
 def openai_client(url: str, key: str) -> openai.AsyncOpenAI:
@@ -376,7 +381,7 @@ async def handle_get(url: str, path: str) -> bytes:
     import httpx
 
     async with httpx.AsyncClient(base_url=url) as c:
-        r = await c.get(path)
+        r = await c.get(path, headers=ADMIN)
         r.raise_for_status()
         return r.content
 
@@ -472,14 +477,14 @@ async def test_a_cancelled_run_frees_its_tenants_slot_and_is_in_the_admin_view()
         with trio.fail_after(5):
             while a.running:
                 await trio.sleep(0.01)
-        summary = (await client.get("/admin/nodes")).json()
+        summary = (await client.get("/admin/nodes", headers=ADMIN)).json()
         (row,) = summary["tenants"]
         assert row["name"] == "a"
         assert row["admitted"] == 1
         assert row["refused"] == 1
-        runs = (await client.get("/admin/runs")).json()
+        runs = (await client.get("/admin/runs", headers=ADMIN)).json()
         assert runs["recent"][0]["tenant"] == "a"
-        page = (await client.get("/admin", headers={"Accept": "text/html"})).text
+        page = (await client.get("/admin", headers={**ADMIN, "Accept": "text/html"})).text
         assert "<h2>Tenants</h2>" in page
         assert "<td>a</td><td>normal / 1.0</td><td>all</td>" in page
 

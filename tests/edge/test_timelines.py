@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -169,6 +171,28 @@ async def test_the_export_writes_one_line_per_run_and_rotates(tmp_path: Path) ->
     assert export.dropped == 0
 
 
+async def test_the_export_files_are_the_operators_alone(tmp_path: Path) -> None:
+    """Every tenant's run ids (each answer's id is built from its run's) and
+    names: readable by the edge's user only, whatever its umask."""
+    path = tmp_path / "runs.jsonl"
+    line = len(msgspec.json.encode(_timeline(0).to_json())) + 1
+    export = TimelineExport(
+        TimelineSettings(export_path=str(path), export_max_bytes=max(4096, 10 * line))
+    )
+    old = os.umask(0o022)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(export.run)
+            for i in range(export.max_bytes // line + 1):
+                export.add(_timeline(i))
+            export.close()
+    finally:
+        os.umask(old)
+    assert export.rotations == 1
+    for f in (path, path.with_name("runs.jsonl.1")):
+        assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+
+
 async def test_a_full_export_buffer_drops_lines_and_counts_them(tmp_path: Path) -> None:
     export = TimelineExport(TimelineSettings(export_path=str(tmp_path / "x.jsonl")))
     from iop.edge._timeline_export import EXPORT_BUFFER
@@ -203,16 +227,20 @@ async def test_admin_runs_over_http_behind_the_admin_keys() -> None:
     from tests.edge.test_app import CHAT, answer, edge
     from tests.edge.test_app import config as app_config
 
-    async with edge(app_config(api_keys=["sk-1"])) as (_, node, client), trio.open_nursery() as n:
+    cfg = app_config(api_keys=["sk-1"], admin_keys=["sk-admin"])
+    async with edge(cfg) as (_, node, client), trio.open_nursery() as n:
         assert node is not None
-        bearer = {"Authorization": "Bearer sk-1"}
+        client_key = {"Authorization": "Bearer sk-1"}
+        bearer = {"Authorization": "Bearer sk-admin"}
         n.start_soon(answer, node, Start(), Delta("hi"), Complete())
         resp = await client.post(
-            "/v1/chat/completions", json={**CHAT, "stream": True}, headers=bearer
+            "/v1/chat/completions", json={**CHAT, "stream": True}, headers=client_key
         )
         assert resp.status_code == 200
-        assert (await client.get("/admin/runs")).status_code == 401
-        assert (await client.get("/admin/runs/x")).status_code == 401
+        # A client key opens no timeline, not even its own run's.
+        for headers in ({}, client_key):
+            assert (await client.get("/admin/runs", headers=headers)).status_code == 401
+            assert (await client.get("/admin/runs/x", headers=headers)).status_code == 401
         view = (await client.get("/admin/runs", headers=bearer)).json()
         assert view["live"] == []
         (summary,) = view["recent"]

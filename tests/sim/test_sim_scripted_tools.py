@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-from contextlib import AsyncExitStack
 from typing import Any
 
 import msgspec
 import pytest
-import trio
 
 from iop.adapters.sim import SimAdapter
 from iop.cli import build_parser
 from iop.cli._sim import sim_config_from_args
-from iop.cli._up import _embedded_instances, up_config_from_args
+from iop.cli._up import embedded_instances, up_config_from_args
 from iop.config import SimConfig, SimInstance
 from iop.errors import ConfigError, RequestError
 from iop.events import Complete, Delta, FinishReason
@@ -231,7 +229,7 @@ async def test_the_in_process_adapter_plays_the_scripted_call() -> None:
     assert "".join(e.text for e in quoted if isinstance(e, Delta)) == "The tool said: iop-tool-ok"
 
 
-async def test_iop_up_backend_sim_takes_the_scripted_mode_from_its_config(tmp_path: Any) -> None:
+def test_iop_up_backend_sim_takes_the_scripted_mode_from_its_config(tmp_path: Any) -> None:
     # Agents send no iop_sim key: `iop up --backend sim` must be configurable.
     path = tmp_path / "up.toml"
     path.write_text(
@@ -241,8 +239,7 @@ async def test_iop_up_backend_sim_takes_the_scripted_mode_from_its_config(tmp_pa
     )
     args = build_parser().parse_args(["up", "--config", str(path), "--backend", "sim"])
     cfg = up_config_from_args(args)
-    async with AsyncExitStack() as stack, trio.open_nursery() as nursery:
-        (instance,) = await _embedded_instances(cfg, stack, nursery)
+    (instance,) = embedded_instances(cfg)
     assert isinstance(instance, SimInstance)
     assert instance.sim == SimConfig(
         ttft_s=0.0, tool_call_names=("shell", "Bash"), tool_call_arguments=COMMAND
