@@ -102,6 +102,10 @@ EDGE_RULES: Final[Rules] = {
     "tenancy": LIVE,
     "tenants": LIVE,
     "cluster": RESTART,
+    # The ledger's file and writer are opened once; prices only price the
+    # runs that end after the reload.
+    "usage": RESTART,
+    "prices": LIVE,
 }
 
 # The node's keys. Restart: its id and edges (the links), the frame and

@@ -18,6 +18,7 @@ import os
 import re
 import socket
 import tomllib
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import Any, Final, Literal, TypeVar
 
@@ -48,14 +49,17 @@ __all__ = [
     "NodeSection",
     "OpenAICompatInstance",
     "OutputPolicy",
+    "Price",
     "ResponsesSettings",
     "SchedulerSettings",
     "SimConfig",
     "SimInstance",
     "SuperviseSettings",
+    "TenantKey",
     "TimelineSettings",
     "TracingSettings",
     "UpConfig",
+    "UsageSettings",
     "VllmInstance",
     "decode_config",
     "expand_env",
@@ -1068,6 +1072,44 @@ _TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
+# Money is counted in micro-units of the configured currency (integers, never
+# floats): one millionth of a dollar is far below any price per token.
+MICROS: Final = 1_000_000
+# 10^12 currency units: no budget is larger, and every sum of micro-units
+# stays far inside SQLite's 64-bit integers.
+MAX_MONEY: Final = Decimal(10) ** 12
+_KEY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.@:-]{0,63}")
+
+
+def to_micros(value: Decimal, what: str) -> int:
+    """``value`` of the currency as whole micro-units (at most 6 decimals)."""
+    try:
+        micros = value * MICROS
+        if not value.is_finite() or micros != micros.to_integral_value():
+            raise ValueError(f"{what} must be a number with at most 6 decimals, got {value}")
+    except InvalidOperation:
+        raise ValueError(f"{what} must be a number, got {value}") from None
+    if not 0 <= value <= MAX_MONEY:
+        raise ValueError(f"{what} must be between 0 and {MAX_MONEY}, got {value}")
+    return int(micros)
+
+
+class TenantKey(_Config, frozen=True, kw_only=True):
+    """One named key of a tenant: the usage ledger records runs by its name.
+
+    Attributes:
+        sha256: The key's SHA-256, as in ``key_sha256``.
+        name: The key's name (letters, digits, ``_.@:-``; at most 64).
+    """
+
+    sha256: str
+    name: str
+
+    def __post_init__(self) -> None:
+        if not _KEY_NAME.fullmatch(self.name):
+            raise ValueError(f"key name {self.name!r} must be 1-64 letters, digits or _.@:-")
+
+
 class TenantSettings(_Config, frozen=True, kw_only=True):
     """One client of the edge: its keys, the models it may use, and its limits.
 
@@ -1081,7 +1123,11 @@ class TenantSettings(_Config, frozen=True, kw_only=True):
         name: Names the tenant in logs, metrics labels and the admin page
             (letters, digits, ``_.-``; at most 64).
         key_sha256: Digests of the tenant's keys (several: rotate a key by
-            adding the new one before removing the old).
+            adding the new one before removing the old). The ledger names
+            such a key ``sha256:`` and its digest's first 12 digits.
+        keys: Named keys (``{sha256 = "...", name = "ci"}``): the same as
+            ``key_sha256``, with a name for the usage ledger. A tenant has
+            at least one key, of either list.
         models: Models the tenant may use; empty: every model. A model not
             on the list is answered 404 as if it did not exist, and is not
             listed by ``/v1/models``.
@@ -1100,10 +1146,16 @@ class TenantSettings(_Config, frozen=True, kw_only=True):
             prompt served to several tenants). False: its own, kept apart
             by the edge's placement and, where the backend can, by the
             backend (docs/operations.md, "Tenants and limits").
+        budget_per_day: Currency the tenant may spend per UTC day (runs
+            priced by ``[prices]``); 0: no budget. Reserved at admission,
+            settled at the end, 429 when spent (docs/operations.md,
+            "Usage and budgets").
+        budget_per_month: The same per UTC calendar month.
     """
 
     name: str
-    key_sha256: list[str]
+    key_sha256: list[str] = []
+    keys: list[TenantKey] = []
     models: list[str] = []
     requests_per_minute: int = 0
     tokens_per_minute: int = 0
@@ -1111,6 +1163,22 @@ class TenantSettings(_Config, frozen=True, kw_only=True):
     priority: Literal["high", "normal", "low"] = "normal"
     weight: float = 1.0
     share_prefix_cache: bool = False
+    budget_per_day: Decimal = Decimal(0)
+    budget_per_month: Decimal = Decimal(0)
+
+    @property
+    def digests(self) -> list[str]:
+        """Every key's digest: ``key_sha256``, then ``keys``."""
+        return [*self.key_sha256, *(k.sha256 for k in self.keys)]
+
+    @property
+    def budget_micros(self) -> dict[str, int]:
+        """The budgets set, by period (``day``, ``month``), in micro-units."""
+        out = {
+            "day": to_micros(self.budget_per_day, "budget_per_day"),
+            "month": to_micros(self.budget_per_month, "budget_per_month"),
+        }
+        return {period: limit for period, limit in out.items() if limit}
 
     def __post_init__(self) -> None:
         if not 0.001 <= self.weight <= 1000:
@@ -1120,9 +1188,14 @@ class TenantSettings(_Config, frozen=True, kw_only=True):
                 f"tenant name {self.name!r} must be 1-64 letters, digits or _.- "
                 "(it is a metrics label)"
             )
-        if not self.key_sha256:
-            raise ValueError(f"tenant {self.name!r} has no key_sha256")
-        for digest in self.key_sha256:
+        if not self.digests:
+            raise ValueError(f"tenant {self.name!r} has no key_sha256 (nor keys)")
+        for what in ("budget_per_day", "budget_per_month"):
+            try:
+                to_micros(getattr(self, what), what)
+            except ValueError as exc:
+                raise ValueError(f"tenant {self.name!r}: {exc}") from None
+        for digest in self.digests:
             if not _SHA256_HEX.fullmatch(digest):
                 raise ValueError(
                     f"tenant {self.name!r}: key_sha256 entries are 64 lower-case hex "
@@ -1161,6 +1234,83 @@ class TenancySettings(_Config, frozen=True, kw_only=True):
                 f"cache_salt_key must be at least {MIN_CACHE_SALT_KEY_CHARS} characters "
                 "(a random secret; empty: a fixed public key)"
             )
+
+
+class Price(_Config, frozen=True, kw_only=True):
+    """A model's prices, in currency per million tokens (at most 6 decimals).
+
+    A run costs ``(input - cached) * input + cached * cached_input + output *
+    output``, divided by a million and rounded up to a whole micro-unit
+    (``iop.edge._ledger.cost_micros``).
+
+    Attributes:
+        input: Per million prompt tokens not served from the prefix cache.
+        output: Per million output tokens.
+        cached_input: Per million prompt tokens served from the prefix
+            cache; unset: the ``input`` price.
+    """
+
+    input: Decimal = Decimal(0)
+    output: Decimal = Decimal(0)
+    cached_input: Decimal | None = None
+
+    def __post_init__(self) -> None:
+        for what in ("input", "output", "cached_input"):
+            value = getattr(self, what)
+            if value is not None:
+                to_micros(value, what)
+
+    @property
+    def micros(self) -> tuple[int, int, int]:
+        """(input, cached input, output) in micro-units per million tokens."""
+        cached = self.input if self.cached_input is None else self.cached_input
+        return (
+            to_micros(self.input, "input"),
+            to_micros(cached, "cached_input"),
+            to_micros(self.output, "output"),
+        )
+
+
+# Bounds of the ledger's flush interval: below 10 ms the writer thread would
+# spin for nothing; above a minute a kill -9 loses more than a rate window.
+MIN_FLUSH_INTERVAL_S: Final = 0.01
+MAX_FLUSH_INTERVAL_S: Final = 60.0
+# Bounds of the ledger's buffer: at least one flush interval of a busy edge
+# (1,000 runs a second); at most what a few MB of records hold.
+MIN_LEDGER_BUFFER: Final = 100
+MAX_LEDGER_BUFFER: Final = 1_000_000
+
+
+class UsageSettings(_Config, frozen=True, kw_only=True):
+    """The usage ledger: every finished run's usage, durably (``iop.edge._ledger``).
+
+    Attributes:
+        ledger_path: The SQLite file of the ledger (WAL mode); empty: no
+            ledger (usage lives in ``/metrics`` only, budgets and rate
+            windows start afresh at every restart).
+        flush_interval_s: How often the writer commits what has queued; a
+            ``kill -9`` loses at most this much of the last runs (a
+            graceful stop loses nothing).
+        buffer: Records waiting for the writer at most. Past it, a record
+            is dropped and counted (``iop_usage_ledger_dropped_total``, an
+            error in the log): a stalled disk costs ledger lines, never runs.
+    """
+
+    ledger_path: str = ""
+    # 1 s: what a kill -9 may lose (docs/operations.md, "Usage and
+    # budgets"), and one SQLite commit a second is nothing for a disk.
+    flush_interval_s: float = 1.0
+    # 10,000: ten seconds of a busy edge's runs (~1,000/s), ~3 MB.
+    buffer: int = 10_000
+
+    def __post_init__(self) -> None:
+        if not MIN_FLUSH_INTERVAL_S <= self.flush_interval_s <= MAX_FLUSH_INTERVAL_S:
+            raise ValueError(
+                f"flush_interval_s must be between {MIN_FLUSH_INTERVAL_S} and "
+                f"{MAX_FLUSH_INTERVAL_S}"
+            )
+        if not MIN_LEDGER_BUFFER <= self.buffer <= MAX_LEDGER_BUFFER:
+            raise ValueError(f"buffer must be between {MIN_LEDGER_BUFFER} and {MAX_LEDGER_BUFFER}")
 
 
 class ClusterSettings(_Config, frozen=True, kw_only=True):
@@ -1232,6 +1382,8 @@ class EdgeConfig(_Config, frozen=True, kw_only=True):
     tenancy: TenancySettings = TenancySettings()
     tenants: list[TenantSettings] = []
     cluster: ClusterSettings = ClusterSettings()
+    usage: UsageSettings = UsageSettings()
+    prices: dict[str, Price] = {}
 
     def __post_init__(self) -> None:
         names: set[str] = set()
@@ -1240,7 +1392,7 @@ class EdgeConfig(_Config, frozen=True, kw_only=True):
             if t.name in names:
                 raise ValueError(f"tenant name {t.name!r} is used twice")
             names.add(t.name)
-            for d in t.key_sha256:
+            for d in t.digests:
                 if d in digests:
                     raise ValueError(
                         f"a key_sha256 of tenant {t.name!r} is also tenant {digests[d]!r}'s"

@@ -99,6 +99,10 @@ def edge_config_from_args(args: argparse.Namespace) -> EdgeConfig:
             raise ConfigError(
                 "cluster.valkey_url needs the Valkey client: pip install 'iop[cluster]'"
             )
+    if cfg.usage.ledger_path:
+        from iop.ledger import check_ledger_path
+
+        check_ledger_path(cfg.usage.ledger_path)
     return msgspec.structs.replace(cfg, server=server, link=link)
 
 

@@ -25,7 +25,7 @@ import secrets
 import sys
 from typing import Any
 
-from iop.config import TenantSettings
+from iop.config import TenantKey, TenantSettings
 from iop.errors import ConfigError
 
 __all__ = ["add_parser", "new_key", "tenant_toml"]
@@ -43,7 +43,13 @@ def new_key() -> str:
 def tenant_toml(t: TenantSettings) -> str:
     """The ``[[tenants]]`` table of ``t``, as the edge config reads it."""
     lines = ["[[tenants]]", f"name = {json.dumps(t.name)}"]
-    lines.append("key_sha256 = [" + ", ".join(json.dumps(d) for d in t.key_sha256) + "]")
+    if t.key_sha256:
+        lines.append("key_sha256 = [" + ", ".join(json.dumps(d) for d in t.key_sha256) + "]")
+    if t.keys:
+        named = (
+            f"{{sha256 = {json.dumps(k.sha256)}, name = {json.dumps(k.name)}}}" for k in t.keys
+        )
+        lines.append("keys = [" + ", ".join(named) + "]")
     if t.models:
         lines.append("models = [" + ", ".join(json.dumps(m) for m in t.models) + "]")
     for key in ("requests_per_minute", "tokens_per_minute", "max_concurrent_runs"):
@@ -55,10 +61,12 @@ def tenant_toml(t: TenantSettings) -> str:
 
 def _create(args: argparse.Namespace) -> int:
     key = new_key()
+    digest = hashlib.sha256(key.encode()).hexdigest()
     try:
         tenant = TenantSettings(
             name=args.name,
-            key_sha256=[hashlib.sha256(key.encode()).hexdigest()],
+            key_sha256=[] if args.key_name else [digest],
+            keys=[TenantKey(sha256=digest, name=args.key_name)] if args.key_name else [],
             models=args.model or [],
             requests_per_minute=args.rpm,
             tokens_per_minute=args.tpm,
@@ -149,6 +157,11 @@ def add_parser(sub: Any) -> None:
         action="append",
         metavar="MODEL",
         help="a model the tenant may use (repeat; default: every model)",
+    )
+    c.add_argument(
+        "--key-name",
+        metavar="NAME",
+        help="name the key (`keys = [{sha256, name}]`): the usage ledger records runs by it",
     )
     c.add_argument("--key-file", metavar="PATH", help="write the key here (mode 0600) instead")
     c.set_defaults(func=_create)

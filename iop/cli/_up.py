@@ -122,6 +122,10 @@ def up_config_from_args(
     if args.backend:
         embedded = msgspec.structs.replace(embedded, kind=args.backend)
     edge = msgspec.structs.replace(cfg.edge, server=server, link=link)
+    if edge.usage.ledger_path:
+        from iop.ledger import check_ledger_path
+
+        check_ledger_path(edge.usage.ledger_path)
     return msgspec.structs.replace(cfg, edge=edge, embedded=embedded)
 
 

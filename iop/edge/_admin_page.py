@@ -2,6 +2,8 @@
 with their Drain/Undrain buttons, the routing policy, live and recent runs)
 and a run's timeline (``GET /admin/runs/{id}`` from a browser: its spans,
 moments and placements, with the candidates each was chosen from) as HTML.
+With a usage ledger, ``GET /admin`` also plots the last days' tokens and
+cost as inline SVG bars (no script, no dependency).
 
 Rendered on the server from ``EdgeCore.snapshot()`` and ``EdgeCore.runs_view()``
 (the same data as ``GET /admin/nodes`` and ``GET /admin/runs``), escaped,
@@ -24,6 +26,7 @@ from typing import Any, Final
 __all__ = [
     "RECENT_ON_PAGE",
     "REFRESH_S",
+    "USAGE_DAYS",
     "render_admin_page",
     "render_login_page",
     "render_off_page",
@@ -50,6 +53,8 @@ button{font:inherit;padding:.3em 1em;margin-top:.8em}td form button{margin:0;pad
 .span .bar{position:absolute;top:0;bottom:0;min-width:2px;background:#3b6ea8}
 .span .bar.stall{background:#c77c02}.span .bar.cancel{background:#b00020}
 .span .bar.node{background:#5b8c3a}
+svg.usage rect.tokens{fill:#3b6ea8}svg.usage rect.cost_micros{fill:#5b8c3a}
+figure{margin:.6em 0}figcaption{color:#555}
 """
 
 _HEAD: Final = "<!doctype html><html><head><meta charset='utf-8'>"
@@ -165,10 +170,15 @@ def _routing(snapshot: dict[str, Any]) -> str:
 
 
 def render_admin_page(
-    snapshot: dict[str, Any], runs: dict[str, Any] | None = None, *, logout: bool = False
+    snapshot: dict[str, Any],
+    runs: dict[str, Any] | None = None,
+    *,
+    logout: bool = False,
+    usage: list[dict[str, Any]] | None = None,
 ) -> bytes:
     """The admin page for one ``EdgeCore.snapshot()`` and ``EdgeCore.runs_view()``,
-    with a log-out button if ``logout``."""
+    with a log-out button if ``logout``, and the usage ledger's days
+    (``iop.ledger.report_json`` rows by day; None: the edge has no ledger)."""
     nodes: list[dict[str, Any]] = snapshot.get("nodes", [])
     instance_rows = []
     for node in nodes:
@@ -296,6 +306,7 @@ def render_admin_page(
         )
         + "<h2>Outcomes</h2>"
         + _table(["outcome", "runs"], outcome_rows, "No run has ended yet.")
+        + _usage_section(usage)
         + "<h2>Tenants</h2>"
         + _cluster_line(snapshot.get("cluster"))
         + _table(
@@ -316,6 +327,74 @@ def render_admin_page(
         + "</body></html>"
     )
     return body.encode()
+
+
+# The usage plot: one bar a day for the last USAGE_DAYS days, in a box of
+# this many SVG units (scaled to the page's width by the browser).
+USAGE_DAYS: Final = 30
+_PLOT_W: Final = 600
+_PLOT_H: Final = 90
+
+
+def _usage_plot(days: list[dict[str, Any]], field: str, label: str, fmt: Any) -> str:
+    """One inline SVG bar chart of ``field`` per day, with each bar's value
+    as its tooltip (``<title>``) and the largest value on the axis."""
+    top = max((int(d.get(field, 0)) for d in days), default=0)
+    width = _PLOT_W / max(1, len(days))
+    bars = []
+    for i, d in enumerate(days):
+        value = int(d.get(field, 0))
+        h = 0.0 if not top else value / top * (_PLOT_H - 14)
+        bars.append(
+            f"<rect class='{field}' x='{i * width + 1:.1f}' y='{_PLOT_H - h:.1f}' "
+            f"width='{max(1.0, width - 2):.1f}' height='{h:.1f}'>"
+            f"<title>{escape(str(d.get('day', '')))}: {escape(fmt(value))}</title></rect>"
+        )
+    return (
+        f"<figure><figcaption>{escape(label)} a day (highest: {escape(fmt(top))})</figcaption>"
+        f"<svg class='usage' role='img' aria-label='{escape(label)} a day' "
+        f"viewBox='0 0 {_PLOT_W} {_PLOT_H}' width='100%' style='max-width:60em;height:7em'>"
+        f"<line x1='0' y1='{_PLOT_H}' x2='{_PLOT_W}' y2='{_PLOT_H}' stroke='#999'/>"
+        + "".join(bars)
+        + "</svg></figure>"
+    )
+
+
+def _usage_section(usage: list[dict[str, Any]] | None) -> str:
+    """The ledger's last days: tokens and cost plotted, and a table."""
+    if usage is None:
+        return ""
+    days = [
+        {**d, "tokens": int(d.get("input_tokens", 0)) + int(d.get("output_tokens", 0))}
+        for d in usage
+    ]
+    rows = [
+        "<tr>"
+        + _cell(d.get("day", ""))
+        + _cell(d.get("runs", 0), "num")
+        + _cell(d.get("input_tokens", 0), "num")
+        + _cell(d.get("output_tokens", 0), "num")
+        + _cell(d.get("cost", ""), "num")
+        + "</tr>"
+        for d in reversed(days)
+    ]
+    plots = (
+        _usage_plot(days, "tokens", "Tokens (input + output)", str)
+        + _usage_plot(days, "cost_micros", "Cost", _money)
+        if days
+        else ""
+    )
+    return (
+        f"<h2>Usage (last {USAGE_DAYS} days, UTC)</h2>"
+        "<p>From the usage ledger; JSON: <a href='/admin/usage'>/admin/usage</a>.</p>"
+        + plots
+        + _table(["day", "runs", "input tokens", "output tokens", "cost"], rows, "No run yet.")
+    )
+
+
+def _money(micros: int) -> str:
+    whole, frac = divmod(micros, 1_000_000)
+    return f"{whole}.{frac:06d}"
 
 
 def _cluster_line(cluster: Any) -> str:

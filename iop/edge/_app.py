@@ -60,7 +60,7 @@ import math
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping, Sequence
 from functools import partial
-from typing import Final, NamedTuple, Protocol, runtime_checkable
+from typing import Any, Final, NamedTuple, Protocol, cast, runtime_checkable
 from urllib.parse import urlsplit
 
 import msgspec
@@ -100,6 +100,7 @@ from iop.edge._admin_auth import (
 )
 from iop.edge._admin_page import (
     RECENT_ON_PAGE,
+    USAGE_DAYS,
     render_admin_page,
     render_login_page,
     render_off_page,
@@ -113,7 +114,6 @@ from iop.edge._surface_asgi import BodyReader, EndKnownBody, SurfaceAnswer, Surf
 from iop.edge._tenants import (
     RateLimited,
     Tenant,
-    estimate_tokens,
     no_access,
     rate_headers,
     retry_headers,
@@ -130,6 +130,8 @@ from iop.events import (
     Usage,
     is_terminal,
 )
+from iop.ledger import GROUPS as USAGE_GROUPS
+from iop.ledger import parse_day, period_start, report_json
 from iop.runtime import Run, new_run_id
 from iop.spec import ExecutionSpec, TokenizeRequest
 from iop.tracing import valid_traceparent
@@ -553,8 +555,18 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             return _login_page(_throttled_message(gate), 429, gate)
         if verdict is Verdict.DENIED:
             return _login_page(None, 401, gate)
+        usage = None
+        if core.ledger is not None:
+            since = period_start("day", time.time()) - (USAGE_DAYS - 1) * 86400.0
+            rows = await core.ledger.report(("day",), since=since)
+            usage = cast("list[dict[str, Any]]", report_json(rows, ("day",))["rows"])
         return _html(
-            render_admin_page(core.snapshot(), core.runs_view(RECENT_ON_PAGE), logout=not gate.open)
+            render_admin_page(
+                core.snapshot(),
+                core.runs_view(RECENT_ON_PAGE),
+                logout=not gate.open,
+                usage=usage,
+            )
         )
 
     def admin_refusal() -> Response | None:
@@ -724,6 +736,33 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         status = 422 if outcome.status == "refused" else 200
         return _json_response(msgspec.json.encode(outcome), status)
 
+    @app.get("/admin/usage")
+    async def admin_usage() -> Response:
+        """The usage ledger's sums (``iop usage --format json``'s answer):
+        ``by`` (comma-separated of day, tenant, model, key_name; default
+        ``day,tenant,model``), ``since`` / ``until`` (``YYYY-MM-DD``, UTC;
+        ``until`` excluded), ``tenant``. 404 without a ledger."""
+        refused = admin_refusal()
+        if refused is not None:
+            return refused
+        if core.ledger is None:
+            return _error(
+                404,
+                "This edge keeps no usage ledger ([usage] ledger_path is not set).",
+                code=ErrorCode.NOT_FOUND,
+            )
+        args = request.args
+        by = tuple(g for g in args.get("by", "day,tenant,model").split(",") if g)
+        try:
+            if set(by) - set(USAGE_GROUPS):
+                raise ValueError(f"by is a comma-separated list of {', '.join(USAGE_GROUPS)}")
+            since = parse_day(args["since"]) if "since" in args else None
+            until = parse_day(args["until"]) if "until" in args else None
+        except ValueError as exc:
+            return _error(400, str(exc), code=ErrorCode.INVALID_REQUEST)
+        rows = await core.ledger.report(by, since=since, until=until, tenant=args.get("tenant"))
+        return _json_response(msgspec.json.encode(report_json(rows, by)))
+
     @app.get("/admin/runs")
     async def admin_runs() -> Response:
         refused = admin_refusal()
@@ -832,9 +871,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             call = surface.parse(body, headers, tenant=tenant.name)
             if not tenant.may_use(call.request.model):
                 raise no_access(call.request.model)
-            ticket = await core.admit(
-                tenant, estimate_tokens(call.request, core.config.tenancy.default_max_tokens)
-            )
+            ticket = await core.admit(tenant, call.request, tenants.key_name(route.key_of(headers)))
             if ticket.limits:
                 limit_headers = rate_headers(ticket.limits, anthropic)
             spec = ExecutionSpec(
@@ -927,18 +964,19 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
             counted = messages.parse_count_tokens(body)
             if not tenant.may_use(counted.model):
                 raise no_access(counted.model)
+            tokenize = TokenizeRequest(
+                model=counted.model, messages=counted.messages, tools=counted.tools
+            )
             # A count is a run on a node: one request of its tenant's limits
-            # and a place in its tenant's line, not a free one beside them.
-            ticket = await core.admit(tenant, 0)
+            # and a place in its tenant's line, not a free one beside them
+            # (it reserves no tokens: estimate_tokens of a count is 0).
+            ticket = await core.admit(tenant, tokenize, tenants.key_name(anthropic_key(headers)))
         except RateLimited as exc:
             core.metrics.tenant_refused.labels(tenant.name, exc.limit).inc()
             return _from_exc(exc, messages, retry_headers(exc, anthropic=True))
         except RequestError as exc:
             return _from_exc(exc, messages)
         limit_headers = rate_headers(ticket.limits, anthropic=True) if ticket.limits else {}
-        tokenize = TokenizeRequest(
-            model=counted.model, messages=counted.messages, tools=counted.tools
-        )
         spec = ExecutionSpec(
             run_id=new_run_id(),
             request=tokenize,

@@ -14,6 +14,13 @@ Lua scripts below, each one atomic on the server and one round trip:
   the run did not use (or overran), release the slot.
 * ``HEARTBEAT`` every third of ``membership_ttl_s``: refresh this edge's
   membership key (with a TTL) and count the live edges.
+* ``BUDGET_RESERVE`` at admission of a tenant with budgets (``budget_per_day``,
+  ``budget_per_month``): check every period's spend against its limit and
+  add the estimated cost to each, all or nothing; ``BUDGET_SETTLE`` when
+  the run ends adds what it cost beyond (or below) its reservation. A
+  period's key expires a day after the period ends, so a new period starts
+  at 0 (the edges name the periods by UTC date: their wall clocks must
+  agree to within what a budget may overrun at a period's turn).
 
 Keys (``P`` is ``key_prefix``)::
 
@@ -23,6 +30,8 @@ Keys (``P`` is ``key_prefix``)::
     P c:{tenant}   hash  edge id -> concurrency slots it holds
     P m:{edge id}  string, with TTL membership_ttl_s: the edge is live
     P members      sorted set edge id -> membership expiry (ms)
+    P u:{tenant}:{period}  integer: micro-units spent and reserved in the
+                         period (``2026-12-04``, ``2026-12``)
 
 A slot cannot leak when an edge dies: ``RESERVE`` counts only the slots of
 edges whose membership key exists and deletes the others, so a killed
@@ -86,6 +95,7 @@ from iop.config import ClusterSettings, TenancySettings, TenantSettings
 from iop.edge._cluster_replies import (
     BadReply,
     Reservation,
+    decode_budget,
     decode_done,
     decode_heartbeat,
     decode_reserve,
@@ -99,10 +109,21 @@ from iop.edge._tenants import (
     Via,
     _human,
 )
-from iop.errors import ConfigError
+from iop.errors import ConfigError, InvariantError
 from iop.events import Usage
+from iop.ledger import period_end
 
-__all__ = ["HEARTBEAT", "LEAVE", "RESERVE", "RESYNC", "SETTLE", "SharedLimits", "default_edge_id"]
+__all__ = [
+    "BUDGET_RESERVE",
+    "BUDGET_SETTLE",
+    "HEARTBEAT",
+    "LEAVE",
+    "RESERVE",
+    "RESYNC",
+    "SETTLE",
+    "SharedLimits",
+    "default_edge_id",
+]
 
 log = logging.getLogger("iop.edge.cluster")
 
@@ -235,12 +256,56 @@ return 1
 """
 
 
+BUDGET_RESERVE: Final = """
+-- KEYS: the tenant's budget keys, one per period. ARGV: cost (micro-units),
+-- then each key's limit, then each key's expiry (Unix seconds). Returns
+-- {1, spent...} (taken) or {0, spent...} (refused, nothing taken).
+local cost = tonumber(ARGV[1])
+local n = #KEYS
+local spent = {}
+local ok = 1
+for i = 1, n do
+  spent[i] = tonumber(redis.call('GET', KEYS[i]) or '0')
+  local limit = tonumber(ARGV[1 + i])
+  if spent[i] >= limit or spent[i] + cost > limit then ok = 0 end
+end
+if ok == 1 then
+  for i = 1, n do
+    spent[i] = redis.call('INCRBY', KEYS[i], cost)
+    redis.call('EXPIREAT', KEYS[i], tonumber(ARGV[1 + n + i]))
+  end
+end
+local out = {ok}
+for i = 1, n do out[i + 1] = tostring(spent[i]) end
+return out
+"""
+
+BUDGET_SETTLE: Final = """
+-- KEYS: budget keys. ARGV: the micro-units to add to each (negative: given
+-- back), then each key's expiry (Unix seconds).
+local n = #KEYS
+for i = 1, n do
+  local add = tonumber(ARGV[i])
+  if add ~= 0 then
+    redis.call('INCRBY', KEYS[i], add)
+    redis.call('EXPIREAT', KEYS[i], tonumber(ARGV[n + i]))
+  end
+end
+return 1
+"""
+
+# A budget key outlives its period by a day: an edge whose clock is behind
+# still finds it, and a settlement arriving after the turn still lands.
+BUDGET_KEY_GRACE_S: Final = 86400
+
 _SCRIPTS: Final = {
     "reserve": RESERVE,
     "settle": SETTLE,
     "heartbeat": HEARTBEAT,
     "leave": LEAVE,
     "resync": RESYNC,
+    "budget_reserve": BUDGET_RESERVE,
+    "budget_settle": BUDGET_SETTLE,
 }
 
 _T = TypeVar("_T")
@@ -262,6 +327,12 @@ class _Settlement(msgspec.Struct, frozen=True):
     tpm: int
     give: float
     release: bool
+
+
+class _BudgetSettlement(msgspec.Struct, frozen=True):
+    keys: list[str]
+    add: list[int]
+    expire: list[int]
 
 
 class SharedLimits:
@@ -327,6 +398,8 @@ class SharedLimits:
         self._held: dict[str, int] = {}
         self.last_limits: dict[str, tuple[Limited, ...]] = {}
         self._resync = False
+        # Budget settlements not yet written (the same bound as the others).
+        self._budget_pending: deque[_BudgetSettlement] = deque()
 
     # --- keys -----------------------------------------------------------------
 
@@ -680,6 +753,8 @@ class SharedLimits:
                 continue
             if self.up:
                 await self._flush()
+            if self.up:
+                await self._flush_budgets()
             if self.up and self._resync and not self._pending:
                 await self._write_held()
             # A fault in either set _wake: no wait, the while sees it.
@@ -712,6 +787,89 @@ class SharedLimits:
                 return
             self._pending.popleft()
 
+    # --- budgets ----------------------------------------------------------------
+
+    def _budget_key(self, tenant: str, period_key: str) -> str:
+        return f"{self.settings.key_prefix}u:{tenant}:{period_key}"
+
+    async def reserve_budget(self, ticket: Ticket, cost: int, wall: float, now: float) -> None:
+        """Reserve ``cost`` from the budgets of ``ticket``'s tenant, in Valkey
+        (every edge's spend); while Valkey is unreachable, from this edge's
+        own view (``Tenants.check_budget``). Call before the rate limits
+        take anything: a refusal here takes nothing.
+
+        Raises:
+            RateLimited: A budget is spent or cannot hold ``cost``.
+        """
+        tenant = ticket.tenant
+        if self.up:
+            budgets = list(tenant.budgets.values())
+            keys = [self._budget_key(tenant.name, b.roll(wall)) for b in budgets]
+            expire = [math.ceil(period_end(b.period, wall)) + BUDGET_KEY_GRACE_S for b in budgets]
+            try:
+                ok, spent = await self._call(
+                    "budget_reserve",
+                    keys,
+                    [cost, *(b.limit for b in budgets), *expire],
+                    partial(decode_budget, periods=len(budgets)),
+                )
+            except _Fault as exc:
+                self._went_down(exc)
+            else:
+                for b, value in zip(budgets, spent, strict=True):
+                    # What /admin shows: the shared spend as last seen.
+                    b.spent = value
+                if not ok:
+                    # Refused by the shared spend: the same message as alone.
+                    self.tenants.check_budget(tenant, cost, wall, now)
+                    raise InvariantError("a budget Valkey refused fits its own spend")
+                ticket.reserved_micros = cost
+                ticket.periods = {b.period: b.key for b in budgets}
+                ticket.budget_shared = True
+                return
+        self.tenants.check_budget(tenant, cost, wall, now)
+        self.tenants.take_budget(ticket, cost, wall)
+
+    def settle_budget(self, ticket: Ticket, cost: int | None, wall: float) -> None:
+        """Settle a reservation of ``reserve_budget`` to the run's ``cost``
+        (None: it stands); written by ``run`` (this cannot wait)."""
+        if not ticket.budget_shared:
+            self.tenants.settle_budget(ticket, cost, wall)
+            return
+        tenant = ticket.tenant
+        charged = ticket.reserved_micros if cost is None else cost
+        keys: list[str] = []
+        add: list[int] = []
+        expire: list[int] = []
+        for budget in tenant.budgets.values():
+            reserved = ticket.periods.pop(budget.period, None)
+            if reserved is None:
+                continue
+            key = budget.roll(wall)
+            delta = charged - ticket.reserved_micros if reserved == key else charged
+            if delta:
+                budget.spent += delta
+                keys.append(self._budget_key(tenant.name, key))
+                add.append(delta)
+                expire.append(math.ceil(period_end(budget.period, wall)) + BUDGET_KEY_GRACE_S)
+        if not keys:
+            return
+        if len(self._budget_pending) >= MAX_PENDING_SETTLEMENTS:
+            self._budget_pending.popleft()
+            self.dropped += 1
+        self._budget_pending.append(_BudgetSettlement(keys, add, expire))
+        self._wake.set()
+
+    async def _flush_budgets(self) -> None:
+        while self._budget_pending and self.up:
+            item = self._budget_pending[0]
+            try:
+                await self._call("budget_settle", item.keys, [*item.add, *item.expire], decode_done)
+            except _Fault as exc:
+                self._went_down(exc)
+                return
+            self._budget_pending.popleft()
+
     async def _write_held(self) -> None:
         """Set this edge's slots in Valkey to the ones it holds (after a
         reservation timed out: it may hold one in Valkey that no ticket
@@ -739,7 +897,7 @@ class SharedLimits:
     @property
     def pending(self) -> int:
         """Settlements not yet written to Valkey."""
-        return len(self._pending)
+        return len(self._pending) + len(self._budget_pending)
 
     def tenant_limits(self, tenants: list[dict[str, object]]) -> None:
         """Put the shared buckets' last seen state into ``Tenants.snapshot``'s rows."""

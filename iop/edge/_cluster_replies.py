@@ -27,6 +27,7 @@ __all__ = [
     "MAX_LIVE_EDGES",
     "BadReply",
     "Reservation",
+    "decode_budget",
     "decode_done",
     "decode_heartbeat",
     "decode_reserve",
@@ -127,6 +128,36 @@ def decode_done(reply: object) -> None:
         BadReply: Anything else.
     """
     _integer(reply, "done", 1, 1)
+
+
+# A period's spend in micro-units: budgets are at most 10^12 currency units
+# (``iop.config.MAX_MONEY``), 10^18 micro-units; a settlement may take the
+# spend below 0 by what it gives back, never by more than a budget.
+_MAX_MICROS: Final = 10**18
+
+
+def decode_budget(reply: object, *, periods: int) -> tuple[bool, list[int]]:
+    """``BUDGET_RESERVE``'s reply: whether the cost was taken, and each
+    period's spend as Valkey left it (integers sent as strings).
+
+    Raises:
+        BadReply: Anything else.
+    """
+    if type(reply) is not list or len(reply) != 1 + periods:
+        raise BadReply(f"budget: {_describe(reply)}, not an array of {1 + periods}")
+    ok = _flag(reply[0], "budget taken")
+    spent: list[int] = []
+    for value in reply[1:]:
+        if type(value) is not bytes or len(value) > _MAX_NUMBER_BYTES:
+            raise BadReply(f"budget spent: {_describe(value)}, not an integer as a string")
+        try:
+            number = int(value)
+        except ValueError:
+            raise BadReply(f"budget spent: {value!r} is not an integer") from None
+        if not -_MAX_MICROS <= number <= _MAX_MICROS:
+            raise BadReply(f"budget spent: {value!r} is out of range")
+        spent.append(number)
+    return ok, spent
 
 
 def decode_reserve(

@@ -58,6 +58,7 @@ from iop._reload import Reloading
 from iop._secrets import SecretMasker, edge_secrets, mask_event
 from iop.config import MAX_LOAD_REPORTS_PER_S, EdgeConfig
 from iop.edge._cluster import SharedLimits, default_edge_id
+from iop.edge._ledger import Ledger
 from iop.edge._metrics import EdgeMetrics
 from iop.edge._registry import (
     EVEN_SHARE,
@@ -70,7 +71,14 @@ from iop.edge._registry import (
     Scheduler,
     affinity_key,
 )
-from iop.edge._tenants import Tenant, Tenants, Ticket, charged_usage, estimate_prompt_tokens
+from iop.edge._tenants import (
+    Tenant,
+    Tenants,
+    Ticket,
+    charged_usage,
+    estimate_prompt_tokens,
+    estimate_tokens,
+)
 from iop.edge._timeline_export import TimelineExport
 from iop.errors import (
     ErrorCode,
@@ -82,7 +90,8 @@ from iop.errors import (
     RequestError,
     RunAborted,
 )
-from iop.events import Cancelled, CancelReason, Error, Usage
+from iop.events import Cancelled, CancelReason, Complete, Error, Usage
+from iop.ledger import Prices, UsageRecord
 from iop.protocol import (
     CLOSE_BAD_TOKEN,
     CLOSE_GOING_AWAY,
@@ -114,7 +123,7 @@ from iop.runtime import (
     RunSupervisor,
     open_run_supervisor,
 )
-from iop.spec import ExecutionSpec
+from iop.spec import ExecutionSpec, OperationRequest
 from iop.timeline import Placement, Timeline, TimelineRing
 from iop.tracing import RunTrace, Tracing
 
@@ -388,6 +397,12 @@ class EdgeCore:
         # settled when each run ends (``record_outcome``).
         self.tenants = Tenants(config.tenants, config.server.api_keys, config.tenancy)
         self._tickets: dict[str, Ticket] = {}
+        # What runs cost ([prices]), and the ledger every finished run is
+        # written to ([usage] ledger_path; open_edge_core runs it).
+        self.prices = Prices(config.prices)
+        self.ledger: Ledger | None = None
+        if config.usage.ledger_path:
+            self.ledger = Ledger(config.usage, self.metrics.registry)
         # With [cluster] valkey_url: the limits every edge shares (open_edge_core runs it).
         self.cluster: SharedLimits | None = None
         if config.cluster.valkey_url:
@@ -425,6 +440,7 @@ class EdgeCore:
         now = trio.current_time()
         self.config = config
         self.scheduler.settings = config.scheduler
+        self.prices = Prices(config.prices)
         self.tenants.reconfigure(config.tenants, config.server.api_keys, config.tenancy, now=now)
         if self.cluster is not None:
             self.cluster.reconfigure(config.tenants, config.tenancy, now)
@@ -565,20 +581,62 @@ class EdgeCore:
                 why.append(f"instance {name}{maybe} is unavailable: {cause}")
         return list(dict.fromkeys(why))  # one "node X is draining" (or drained) per node
 
-    async def admit(self, tenant: Tenant, tokens: int) -> Ticket:
-        """Admit a request of ``tenant`` reserving ``tokens``: by this edge's
-        buckets, or by every edge's in Valkey (``[cluster]``).
+    async def admit(self, tenant: Tenant, request: OperationRequest, key_name: str = "") -> Ticket:
+        """Admit ``request`` of ``tenant``: it reserves its estimated tokens
+        (``estimate_tokens``) from the rate limits, by this edge's buckets or
+        by every edge's in Valkey (``[cluster]``), and their cost from the
+        tenant's budgets.
 
         Raises:
-            RateLimited: Over one of the tenant's limits.
+            RateLimited: Over one of the tenant's limits or budgets.
         """
+        tokens = estimate_tokens(request, self.config.tenancy.default_max_tokens)
+        if not tenant.budgets:
+            ticket = await self._admit_rate(tenant, tokens)
+            ticket.key_name = key_name
+            return ticket
+        prompt = estimate_prompt_tokens(request)
+        estimate = Usage(input_tokens=prompt, output_tokens=tokens - prompt)
+        cost = self.prices.cost(request.model, estimate)
+        wall = time.time()
+        if self.cluster is None:
+            # Checked, then taken after the rate limits: no await between.
+            self.tenants.check_budget(tenant, cost, wall, trio.current_time())
+            ticket = self.tenants.admit(tenant, tokens, trio.current_time())
+            self.tenants.take_budget(ticket, cost, wall)
+        else:
+            # Every edge's spend, in Valkey: reserved first (a refusal takes
+            # nothing), given back if the rate limits refuse.
+            hold = Ticket(tenant, 0, ())
+            await self.cluster.reserve_budget(hold, cost, wall, trio.current_time())
+            try:
+                ticket = await self.cluster.admit(tenant, tokens, trio.current_time())
+            except BaseException:
+                self.cluster.settle_budget(hold, 0, time.time())
+                raise
+            ticket.reserved_micros = hold.reserved_micros
+            ticket.periods = hold.periods
+            ticket.budget_shared = hold.budget_shared
+        ticket.key_name = key_name
+        return ticket
+
+    async def _admit_rate(self, tenant: Tenant, tokens: int) -> Ticket:
         if self.cluster is None:
             return self.tenants.admit(tenant, tokens, trio.current_time())
         return await self.cluster.admit(tenant, tokens, trio.current_time())
 
-    def settle(self, ticket: Ticket, usage: Usage | None) -> None:
-        """Settle ``ticket`` where it was reserved (once)."""
+    def settle(self, ticket: Ticket, usage: Usage | None, cost: int | None = 0) -> None:
+        """Settle ``ticket`` where it was reserved (once), and its budgets'
+        reservation to ``cost`` (micro-units; None: the reservation stands)."""
+        if ticket.settled:
+            return
         now = trio.current_time()
+        if ticket.periods:
+            settled = None if usage is None else cost
+            if self.cluster is None:
+                self.tenants.settle_budget(ticket, settled, time.time())
+            else:
+                self.cluster.settle_budget(ticket, settled, time.time())
         if self.cluster is None:
             self.tenants.finish(ticket, usage, now)
         else:
@@ -595,15 +653,56 @@ class EdgeCore:
         now = trio.current_time()
         charged = charged_usage(run.outcome, run.spec.operation)
         self.metrics.record(run, now, charged)
+        cost = self.prices.cost(run.spec.model, charged or Usage())
         ticket = self._tickets.pop(run.run_id, None)
         if ticket is not None:
-            self.settle(ticket, charged)
+            self.settle(ticket, charged, cost)
+        if self.ledger is not None:
+            self.ledger.add(self._usage_record(run, ticket, charged, cost))
         self.timelines.add(run.timeline)
         if self.export is not None:
             self.export.add(run.timeline)
         trace = self._traces.pop(run.run_id, None)
         if trace is not None:
             trace.finish()
+
+    @staticmethod
+    def _usage_record(
+        run: Run, ticket: Ticket | None, charged: Usage | None, cost: int
+    ) -> UsageRecord:
+        """The ledger's line of a finished run (``iop.ledger.UsageRecord``)."""
+        timeline = run.timeline
+        usage = charged or Usage()
+        outcome = run.outcome
+        reason = ""
+        if isinstance(outcome, Cancelled):
+            reason = outcome.reason.value
+        elif isinstance(outcome, Error):
+            reason = str(outcome.code)
+        last = timeline.placements[-1] if timeline.placements else None
+        ended = timeline.terminal if timeline.terminal is not None else trio.current_time()
+        return UsageRecord(
+            run_id=run.run_id,
+            at=time.time(),
+            tenant=ticket.tenant.name if ticket is not None else timeline.tenant,
+            key_name=ticket.key_name if ticket is not None else "",
+            model=run.spec.model,
+            operation=run.spec.operation,
+            node=last.node if last is not None else "",
+            instance=last.instance if last is not None else "",
+            input_tokens=usage.input_tokens,
+            output_tokens=usage.output_tokens,
+            cached_tokens=usage.cached_input_tokens,
+            outcome="complete"
+            if isinstance(outcome, Complete)
+            else "cancelled"
+            if isinstance(outcome, Cancelled)
+            else "error",
+            reason=reason,
+            duration_ms=max(0, round((ended - timeline.received) * 1000)),
+            attempts=len(timeline.placements),
+            cost_micros=cost,
+        )
 
     def timeline(self, run_id: str) -> Timeline | None:
         """The timeline of a live run, else of a recent finished one."""
@@ -1087,6 +1186,14 @@ async def open_edge_core(config: EdgeConfig) -> AsyncIterator[EdgeCore]:
                 trio.open_nursery() as links,
             ):
                 core = EdgeCore(config, sup, export=export, tracing=tracing)
+                if core.ledger is not None:
+                    # Before the edge serves: budgets and rate windows restored.
+                    ledger = core.ledger
+                    await services.start(ledger.run, name="usage ledger")
+                    restored = ledger.restored
+                    core.tenants.restore(
+                        restored.spent, restored.recent, restored.at, trio.current_time()
+                    )
                 links.start_soon(core.link_clock.run, name="edge link clock")
                 if core.cluster is not None:
                     await links.start(core.cluster.run, name="edge cluster")
@@ -1099,6 +1206,8 @@ async def open_edge_core(config: EdgeConfig) -> AsyncIterator[EdgeCore]:
             # Every run has ended (and queued its line): write what is left.
             if export is not None:
                 export.close()
+            if core is not None and core.ledger is not None:
+                core.ledger.close()
             services.cancel_scope.deadline = trio.current_time() + EXPORT_FLUSH_S
             if tracing is not None:
                 await tracing.aclose(config.tracing.export_timeout_s + 1.0)

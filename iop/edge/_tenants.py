@@ -22,7 +22,14 @@ The limits (docs/operations.md, "Tenants and limits"):
   refill). A run cancelled after its first output is charged its prompt
   (``charged_usage``); a token count (``count_tokens``) takes a request and
   reserves no tokens;
-* concurrent runs are a count, released when the run ends.
+* concurrent runs are a count, released when the run ends;
+* budgets (``budget_per_day``, ``budget_per_month``) are currency per UTC
+  period, in integer micro-units (``iop.ledger``): a request reserves the
+  cost of its token reservation at its model's price (``[prices]``), the
+  run's real cost is settled when it ends, and a tenant whose period is
+  spent is refused until the period ends (``Budget``; docs/operations.md,
+  "Usage and budgets"). A restarted edge takes each period's spend, and the
+  last minute of its rate buckets, from the usage ledger (``restore``).
 
 A request over a limit is refused with 429 before it reaches the queue:
 ``RateLimited`` says which limit, when to retry, and the state of each
@@ -56,10 +63,10 @@ import enum
 import hashlib
 import math
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Final
+from typing import Final, cast
 
 import msgspec
 
@@ -68,6 +75,7 @@ from iop.config import TenancySettings, TenantSettings
 from iop.edge._registry import EVEN_SHARE, QueueShare
 from iop.errors import ErrorCode, RequestError
 from iop.events import Cancelled, Complete, Error, Usage
+from iop.ledger import Period, UsageRecord, money, period_end, period_key
 from iop.spec import (
     ChatRequest,
     CompletionRequest,
@@ -81,6 +89,7 @@ __all__ = [
     "ANONYMOUS",
     "DEFAULT",
     "Bucket",
+    "Budget",
     "Limited",
     "RateLimited",
     "Tenant",
@@ -176,6 +185,29 @@ class Bucket:
 
 
 @dataclass(slots=True)
+class Budget:
+    """A tenant's spend in one UTC period (``day`` or ``month``), in micro-units.
+
+    ``spent`` holds the settled cost of the period's runs plus the
+    reservations of the runs still going; it starts again at 0 when the
+    period changes (``roll``).
+    """
+
+    period: Period
+    limit: int
+    spent: int = 0
+    key: str = ""  # the period ``spent`` is of (``iop.ledger.period_key``)
+
+    def roll(self, wall: float) -> str:
+        """Start the period holding ``wall`` if it is a new one; its key."""
+        key = period_key(self.period, wall)
+        if key != self.key:
+            self.key = key
+            self.spent = 0
+        return key
+
+
+@dataclass(slots=True)
 class Tenant:
     """One tenant's live state: its settings, buckets, runs and counters."""
 
@@ -187,6 +219,8 @@ class Tenant:
     share: QueueShare = EVEN_SHARE
     # Its prompts get a prefix cache of their own (``Tenants.cache_salt``).
     isolated: bool = False
+    # Its budgets by period; empty: none.
+    budgets: dict[str, Budget] = field(default_factory=dict)
     running: int = 0
     # Counters since the edge started (the admin page and /metrics).
     admitted: int = 0
@@ -234,6 +268,14 @@ class Ticket:
     holds_slot: bool = False
     # FAIL_OPEN: the ticket of the local share it was admitted by.
     inner: Ticket | None = None
+    # The cost reserved from the tenant's budgets (micro-units), and the
+    # period of each budget it was reserved in.
+    reserved_micros: int = 0
+    periods: dict[str, str] = field(default_factory=dict)
+    # The reservation is in Valkey's budgets (``iop.edge._cluster``).
+    budget_shared: bool = False
+    # The name of the key the request came with (the usage ledger's).
+    key_name: str = ""
 
 
 class RateLimited(RequestError):
@@ -318,6 +360,7 @@ class Tenants:
         self.tenancy = tenancy
         self.open = not tenants and not api_keys
         self._by_digest: dict[str, Tenant] = {}
+        self._key_names: dict[str, str] = {}
         self.all: dict[str, Tenant] = {}
         self.reconfigure(tenants, api_keys, tenancy, now=0.0)
 
@@ -343,6 +386,7 @@ class Tenants:
         self.tenancy = tenancy
         self.open = not tenants and not api_keys
         by_digest: dict[str, Tenant] = {}
+        key_names: dict[str, str] = {}
         everyone: dict[str, Tenant] = {}
         # What salts are keyed with: the configured secret, or a fixed public
         # key (module docstring: isolation comes from clients never choosing
@@ -372,11 +416,17 @@ class Tenants:
             tenant.max_concurrent = t.max_concurrent_runs
             tenant.share = QueueShare(t.name, PRIORITIES[t.priority], t.weight)
             tenant.isolated = not t.share_prefix_cache
+            tenant.budgets = _rebudget(tenant.budgets, t.budget_micros)
             everyone[t.name] = tenant
             for d in t.key_sha256:
                 by_digest[d] = tenant
+                key_names[d] = f"sha256:{d[:12]}"
+            for k in t.keys:
+                by_digest[k.sha256] = tenant
+                key_names[k.sha256] = k.name
         self.all = everyone
         self._by_digest = by_digest
+        self._key_names = key_names
 
     def identify(self, key: str) -> Tenant | None:
         """The tenant of ``key``; None for a missing or wrong key.
@@ -388,6 +438,98 @@ class Tenants:
         if not key:
             return None
         return self._by_digest.get(digest(key))
+
+    def key_name(self, key: str) -> str:
+        """The ledger's name of ``key`` (``TenantKey.name``; ``sha256:`` and
+        12 digits of an unnamed one's digest; empty for ``server.api_keys``
+        and the open edge)."""
+        if self.open or not key:
+            return ""
+        return self._key_names.get(digest(key), "")
+
+    # --- budgets --------------------------------------------------------------
+
+    def check_budget(self, tenant: Tenant, cost: int, wall: float, now: float) -> None:
+        """Refuse a request of ``tenant`` reserving ``cost`` micro-units if a
+        budget of its is spent or cannot hold it; nothing is taken.
+
+        Raises:
+            RateLimited: ``limit`` is ``budget_day`` or ``budget_month``;
+                ``retry_after_s`` is the end of the period.
+        """
+        waits: list[tuple[float, str, str]] = []
+        for budget in tenant.budgets.values():
+            budget.roll(wall)
+            if budget.spent < budget.limit and budget.spent + cost <= budget.limit:
+                continue
+            wait = max(0.0, period_end(budget.period, wall) - wall)
+            if cost > budget.limit:
+                message = (
+                    f"Request too large for tenant {tenant.name}'s budget per "
+                    f"{budget.period}: its reservation costs {money(cost)}, the budget is "
+                    f"{money(budget.limit)}. Lower max_tokens or shorten the prompt."
+                )
+                wait = math.inf
+            else:
+                message = (
+                    f"Budget reached for tenant {tenant.name}: {money(budget.spent)} of "
+                    f"{money(budget.limit)} per {budget.period} spent or reserved. "
+                    f"It renews in {_duration(wait)} (at the start of the next UTC "
+                    f"{budget.period})."
+                )
+            waits.append((wait, f"budget_{budget.period}", message))
+        if waits:
+            tenant.refused += 1
+            wait, limit, message = max(waits)
+            raise RateLimited(
+                message, limit=limit, retry_after_s=wait, limits=self.limits(tenant, now)
+            )
+
+    def take_budget(self, ticket: Ticket, cost: int, wall: float) -> None:
+        """Reserve ``cost`` from the budgets of ``ticket``'s tenant (checked by
+        ``check_budget``)."""
+        ticket.reserved_micros = cost
+        for budget in ticket.tenant.budgets.values():
+            ticket.periods[budget.period] = budget.roll(wall)
+            budget.spent += cost
+
+    def settle_budget(self, ticket: Ticket, cost: int | None, wall: float) -> None:
+        """Settle ``ticket``'s reservation to the run's ``cost`` (None: the
+        reservation stands). A reservation of an earlier period is not
+        given back to the new one."""
+        for budget in ticket.tenant.budgets.values():
+            key = budget.roll(wall)
+            reserved = ticket.periods.pop(budget.period, None)
+            if reserved is None:
+                continue  # admitted before the tenant had this budget
+            charged = ticket.reserved_micros if cost is None else cost
+            # The reservation was taken from this period's spend: replace it.
+            budget.spent += charged - ticket.reserved_micros if reserved == key else charged
+
+    def restore(
+        self,
+        spent: dict[str, dict[str, int]],
+        recent: Sequence[UsageRecord],
+        wall: float,
+        now: float,
+    ) -> None:
+        """Take the usage ledger's state at start (``iop.edge._ledger.Restored``):
+        each budget's spend in its current period, and the last minute's
+        runs replayed into the rate buckets (each run took 1 request and its
+        tokens when it ended)."""
+        for tenant in self.all.values():
+            for budget in tenant.budgets.values():
+                budget.roll(wall)
+                budget.spent = spent.get(budget.period, {}).get(tenant.name, 0)
+        for record in recent:
+            ran = self.all.get(record.tenant)
+            if ran is None:
+                continue
+            # Its end on this process's clock; the buckets refill from there.
+            at = min(now, now - (wall - record.at))
+            for bucket, cost in ((ran.requests, 1), (ran.tokens, record.tokens)):
+                if bucket is not None:
+                    bucket.take(cost, at)
 
     def limits(self, tenant: Tenant, now: float) -> tuple[Limited, ...]:
         """The state of ``tenant``'s rate limits now."""
@@ -528,6 +670,16 @@ class Tenants:
                     "refused": t.refused,
                     "tokens_in": t.tokens_in,
                     "tokens_out": t.tokens_out,
+                    **(
+                        {
+                            "budgets": {
+                                b.period: {"limit_micros": b.limit, "spent_micros": b.spent}
+                                for b in t.budgets.values()
+                            }
+                        }
+                        if t.budgets
+                        else {}
+                    ),
                 }
             )
         return out
@@ -556,6 +708,17 @@ def _rebucket(bucket: Bucket | None, limit: int, now: float) -> Bucket | None:
     if bucket.capacity != limit:
         bucket.resize(limit, now)
     return bucket
+
+
+def _rebudget(budgets: dict[str, Budget], limits: Mapping[str, int]) -> dict[str, Budget]:
+    """A tenant's budgets for ``limits`` (period -> micro-units), each live one
+    kept with its spend and reservations (only its limit changes)."""
+    out: dict[str, Budget] = {}
+    for period, limit in limits.items():
+        budget = budgets.get(period) or Budget(cast(Period, period), limit)
+        budget.limit = limit
+        out[period] = budget
+    return out
 
 
 def _unlimited(name: str, *, isolated: bool = False) -> Tenant:

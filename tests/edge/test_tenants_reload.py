@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import hashlib
+from decimal import Decimal
 
 import msgspec
 import pytest
@@ -200,3 +201,32 @@ async def test_post_admin_reload_answers_the_plan_or_why_not() -> None:
         resp = await c.post("/admin/reload", headers={**admin, "Origin": "https://evil.example"})
         assert resp.status_code == 403
         assert len(reloads.via) == 2
+
+
+def test_a_reload_keeps_a_budgets_spend_and_reservations_and_takes_its_new_limit() -> None:
+    t = Tenants([tenant("a", KEY_A, budget_per_day=Decimal("1"))], [], TenancySettings())
+    a = t.identify(KEY_A)
+    assert a is not None
+    wall = 1_780_000_000.0
+    running = t.admit(a, 0, now=0.0)
+    t.take_budget(running, 600_000, wall)  # 0.60 of 1.00 reserved
+    t.reconfigure(
+        [tenant("a", KEY_A, budget_per_day=Decimal("0.5"), budget_per_month=Decimal("10"))],
+        [],
+        TenancySettings(),
+        now=0.0,
+    )
+    assert t.identify(KEY_A) is a
+    day, month = a.budgets["day"], a.budgets["month"]
+    assert (day.limit, day.spent) == (500_000, 600_000)  # over the lowered limit
+    assert (month.limit, month.spent) == (10_000_000, 0)  # new: admitted runs not in it
+    with pytest.raises(RateLimited):
+        t.check_budget(a, 1, wall, 0.0)
+    # The run admitted before settles against the budget it reserved from.
+    t.settle_budget(running, 100_000, wall)
+    assert day.spent == 100_000
+    assert month.spent == 0
+    t.check_budget(a, 1, wall, 0.0)
+    # A budget taken out of the config is gone.
+    t.reconfigure([tenant("a", KEY_A)], [], TenancySettings(), now=0.0)
+    assert a.budgets == {}
