@@ -10,11 +10,17 @@ file), not from an index: the wheel's own files are what is checked.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
+
+from iop.config import decode_config, read_config_file
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
+
+T = TypeVar("T")
 
 # The prefix the Containerfile and the systemd units install iop into.
 PREFIX = "/opt/iop"
@@ -42,3 +48,18 @@ class InstalledWheel:
         """The file a path under ``/opt/iop`` names in this install."""
         assert in_image.startswith(PREFIX + "/"), in_image
         return self.venv / in_image.removeprefix(PREFIX + "/")
+
+
+ENV_REF = re.compile(r"\$\{(\w+)\}")
+
+
+def load(path: Path, type_: type[T], env: dict[str, str] | None = None) -> T:
+    """A config of deploy/, its ``${VAR}`` from ``env`` (default: a value for each)."""
+    if env is None:
+        env = {name: f"deploy-test-{name.lower()}" for name in ENV_REF.findall(path.read_text())}
+        env |= {
+            "IOP_VALKEY_URL": "",
+            "IOP_EDGE_URL": "ws://edge:8080/v1/link",
+            "IOP_BACKEND_URL": "http://sim:8000",
+        }
+    return decode_config(read_config_file(path), type_, source=str(path), env=env)
