@@ -45,6 +45,25 @@ if [ -z "${IOP_CHROMIUM:-}" ] && [ ! -x /usr/bin/chromium ]; then
   fi
 fi
 
+# tests/deploy checks the systemd units with systemd-analyze (package
+# systemd, on every Debian system that boots with it; containers may lack it).
+# Without it those tests skip with the reason.
+if ! command -v systemd-analyze >/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    step "installing systemd (apt-get, for systemd-analyze in tests/deploy)"
+    apt_log=$(mktemp)
+    if ! { apt-get update -qq \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd; \
+      } >"$apt_log" 2>&1; then
+      tail -n 20 "$apt_log"
+      echo "apt-get could not install systemd: the systemd-analyze tests will skip"
+    fi
+    rm -f "$apt_log"
+  else
+    step "no systemd-analyze and not root with apt-get: the systemd-analyze tests will skip"
+  fi
+fi
+
 step "ruff check"
 "$VENV/bin/ruff" check iop tests scripts
 step "ruff format --check"
