@@ -46,21 +46,24 @@ if [ -z "${IOP_CHROMIUM:-}" ] && [ ! -x /usr/bin/chromium ]; then
 fi
 
 # tests/deploy checks the systemd units with systemd-analyze (package
-# systemd, on every Debian system that boots with it; containers may lack it).
-# Without it those tests skip with the reason.
-if ! command -v systemd-analyze >/dev/null; then
+# systemd) and the compose file with docker-compose (its `config` parses and
+# validates, no daemon needed). Without them those tests skip with the reason.
+deploy_pkgs=()
+command -v systemd-analyze >/dev/null || deploy_pkgs+=(systemd)
+command -v docker-compose >/dev/null || deploy_pkgs+=(docker-compose)
+if [ ${#deploy_pkgs[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    step "installing systemd (apt-get, for systemd-analyze in tests/deploy)"
+    step "installing ${deploy_pkgs[*]} (apt-get, for tests/deploy)"
     apt_log=$(mktemp)
     if ! { apt-get update -qq \
-        && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd; \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${deploy_pkgs[@]}"; \
       } >"$apt_log" 2>&1; then
       tail -n 20 "$apt_log"
-      echo "apt-get could not install systemd: the systemd-analyze tests will skip"
+      echo "apt-get could not install ${deploy_pkgs[*]}: their tests in tests/deploy will skip"
     fi
     rm -f "$apt_log"
   else
-    step "no systemd-analyze and not root with apt-get: the systemd-analyze tests will skip"
+    step "no ${deploy_pkgs[*]} and not root with apt-get: their tests in tests/deploy will skip"
   fi
 fi
 
