@@ -89,7 +89,7 @@ def test_selectors_select_the_pods() -> None:
     assert find("Service", "iop-edge-link")["spec"]["clusterIP"] == "None"
 
 
-def _env(spec: dict[str, Any], c: dict[str, Any]) -> dict[str, str]:
+def _env(c: dict[str, Any]) -> dict[str, str]:
     """A container's environment, Secret values and field refs filled in."""
     secret = find("Secret", "iop-secrets")["stringData"]
     env: dict[str, str] = {}
@@ -135,7 +135,7 @@ def test_containers_run_iop_with_configs_they_can_load(
     args = build_parser().parse_args(c["args"])
     assert args.command == cname
     text = _config_file(spec, c, args.config)
-    env = _env(spec, c)
+    env = _env(c)
     assert set(ENV_REF.findall(text)) <= set(env)
     copy = tmp_path / "config.toml"
     copy.write_text(text)
@@ -182,7 +182,7 @@ def test_the_sim_probe_is_the_images_health_check() -> None:
     assert argv[0] == f"{PREFIX}/bin/python"
     assert argv == healthcheck_argv()
     port = sim["args"][sim["args"].index("--port") + 1]
-    assert _env({}, sim)["IOP_HEALTH_URL"] == f"http://127.0.0.1:{port}/health"
+    assert _env(sim)["IOP_HEALTH_URL"] == f"http://127.0.0.1:{port}/health"
 
 
 def test_every_pod_runs_unprivileged() -> None:
