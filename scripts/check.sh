@@ -45,6 +45,28 @@ if [ -z "${IOP_CHROMIUM:-}" ] && [ ! -x /usr/bin/chromium ]; then
   fi
 fi
 
+# tests/deploy checks the systemd units with systemd-analyze (package
+# systemd) and the compose file with docker-compose (its `config` parses and
+# validates, no daemon needed). Without them those tests skip with the reason.
+deploy_pkgs=()
+command -v systemd-analyze >/dev/null || deploy_pkgs+=(systemd)
+command -v docker-compose >/dev/null || deploy_pkgs+=(docker-compose)
+if [ ${#deploy_pkgs[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    step "installing ${deploy_pkgs[*]} (apt-get, for tests/deploy)"
+    apt_log=$(mktemp)
+    if ! { apt-get update -qq \
+        && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${deploy_pkgs[@]}"; \
+      } >"$apt_log" 2>&1; then
+      tail -n 20 "$apt_log"
+      echo "apt-get could not install ${deploy_pkgs[*]}: their tests in tests/deploy will skip"
+    fi
+    rm -f "$apt_log"
+  else
+    step "no ${deploy_pkgs[*]} and not root with apt-get: their tests in tests/deploy will skip"
+  fi
+fi
+
 step "ruff check"
 "$VENV/bin/ruff" check iop tests scripts
 step "ruff format --check"

@@ -19,7 +19,17 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 
 # What is scanned: everything a reader of the repository reads.
-SCANNED = ("iop", "tests", "scripts", "docs", "configs", ".ci", "README.md", "pyproject.toml")
+SCANNED = (
+    "iop",
+    "tests",
+    "scripts",
+    "docs",
+    "configs",
+    "deploy",
+    ".ci",
+    "README.md",
+    "pyproject.toml",
+)
 SKIPPED_DIRS = frozenset({"__pycache__", ".mypy_cache", ".ruff_cache", ".pytest_cache"})
 
 # The names of the notes outside the repository. Built from parts so that
