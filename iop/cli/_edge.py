@@ -92,7 +92,7 @@ def edge_config_from_args(args: argparse.Namespace) -> EdgeConfig:
 
         if importlib.util.find_spec("coredis") is None:
             raise ConfigError(
-                "cluster.valkey_url needs the Valkey client: pip install 'iop[cluster]'"
+                "cluster.valkey_url needs the Valkey client: pip install 'iop-platform[cluster]'"
             )
     return msgspec.structs.replace(cfg, server=server, link=link)
 

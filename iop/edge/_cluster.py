@@ -594,7 +594,7 @@ class SharedLimits:
             from coredis.retry import NoRetryPolicy
         except ImportError as exc:
             raise ConfigError(
-                "cluster.valkey_url needs the Valkey client: pip install 'iop[cluster]'"
+                "cluster.valkey_url needs the Valkey client: pip install 'iop-platform[cluster]'"
             ) from exc
         s = self.settings
 
