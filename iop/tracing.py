@@ -35,6 +35,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any, Final
 
+from iop._extras import Extra, install_line
 from iop.config import TracingSettings
 from iop.errors import ConfigError
 from iop.timeline import Timeline
@@ -214,7 +215,7 @@ class Tracing:
         except ImportError as exc:  # pragma: no cover - the extra is in dev
             raise ConfigError(
                 "tracing.otlp_endpoint is set but OpenTelemetry's SDK is not installed: "
-                "pip install 'iop-platform[otel]'"
+                + install_line(Extra.OTEL)
             ) from exc
         if exporter is None:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter

@@ -144,3 +144,38 @@ def test_the_wheel_runs_the_testing_kits_example_suite(venv: Path, tmp_path: Pat
         [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_with_iop.py"], tmp_path
     )
     assert re.search(r"\b7 passed\b", out), out
+
+
+# A config that needs an extra the wheel was installed without: one line, exit 2.
+NEEDS_EXTRA: Final = [
+    ("up", "[edge.tracing]\notlp_endpoint = 'http://127.0.0.1:4318/v1/traces'\n", "otel"),
+    ("up", "[edge.cluster]\nvalkey_url = 'redis://127.0.0.1:6379'\n", "cluster"),
+    ("edge", "[tracing]\notlp_endpoint = 'http://127.0.0.1:4318/v1/traces'\n", "otel"),
+    ("edge", "[cluster]\nvalkey_url = 'redis://127.0.0.1:6379'\n", "cluster"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("command", "config", "extra"),
+    NEEDS_EXTRA,
+    ids=["up-otel", "up-cluster", "edge-otel", "edge-cluster"],
+)
+def test_a_config_that_needs_a_missing_extra_is_one_line(
+    venv: Path, tmp_path: Path, command: str, config: str, extra: str
+) -> None:
+    (tmp_path / "c.toml").write_text(config)
+    argv = [str(venv / "bin" / "iop"), command, "--port", "0", "--config", "c.toml"]
+    argv += ["--backend", "sim"] if command == "up" else ["--node-token", "t"]
+    done = subprocess.run(
+        argv,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": ""},
+        capture_output=True,
+        text=True,
+        timeout=STEP_TIMEOUT_S,
+    )
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("iop: config error: "), line
+    assert line.endswith(f"pip install '{DIST}[{extra}]'"), line

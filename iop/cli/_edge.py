@@ -10,6 +10,7 @@ from typing import Any
 import msgspec
 import trio
 
+from iop._extras import Extra, require
 from iop._secrets import edge_secrets, register_secrets
 from iop.cli._signals import open_stop_signals
 from iop.config import EdgeConfig, load_config
@@ -87,14 +88,21 @@ def edge_config_from_args(args: argparse.Namespace) -> EdgeConfig:
         link = msgspec.structs.replace(link, node_tokens=[*link.node_tokens, *tokens])
     if not link.node_tokens:
         raise ConfigError("no node token configured: set link.node_tokens or pass --node-token")
-    if cfg.cluster.valkey_url:
-        import importlib.util
-
-        if importlib.util.find_spec("coredis") is None:
-            raise ConfigError(
-                "cluster.valkey_url needs the Valkey client: pip install 'iop-platform[cluster]'"
-            )
+    require_extras(cfg)
     return msgspec.structs.replace(cfg, server=server, link=link)
+
+
+def require_extras(cfg: EdgeConfig, *, section: str = "") -> None:
+    """Refuse a config whose keys need an extra that is not installed.
+
+    Args:
+        cfg: The edge's config.
+        section: The keys' prefix in the file (``"edge."`` in ``iop up``'s).
+    """
+    if cfg.tracing.otlp_endpoint:
+        require(Extra.OTEL, f"{section}tracing.otlp_endpoint")
+    if cfg.cluster.valkey_url:
+        require(Extra.CLUSTER, f"{section}cluster.valkey_url")
 
 
 def _cmd_edge(args: argparse.Namespace) -> int:

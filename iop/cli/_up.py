@@ -23,7 +23,7 @@ import msgspec
 import trio
 
 from iop._secrets import register_secrets, up_secrets
-from iop.cli._edge import describe_edge
+from iop.cli._edge import describe_edge, require_extras
 from iop.cli._signals import open_stop_signals
 from iop.config import (
     EmbeddedBackend,
@@ -108,6 +108,7 @@ def up_config_from_args(args: argparse.Namespace) -> UpConfig:
     if args.backend:
         embedded = msgspec.structs.replace(embedded, kind=args.backend)
     edge = msgspec.structs.replace(cfg.edge, server=server, link=link)
+    require_extras(edge, section="edge.")
     return msgspec.structs.replace(cfg, edge=edge, embedded=embedded)
 
 

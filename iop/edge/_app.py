@@ -136,6 +136,9 @@ __all__ = ["LINK_PATH", "create_edge_app"]
 
 # Anthropic's token counting, beside its Messages route.
 COUNT_TOKENS_PATH: Final = "/v1/messages/count_tokens"
+# A request that sent no key at all is told so, not that its key was wrong.
+NO_KEY: Final = "No API key provided: send one as `Authorization: Bearer KEY`."
+ANTHROPIC_NO_KEY: Final = "No API key provided: send one in the `x-api-key` header."
 
 _NO_OUTCOME: Final = Error(
     message="run ended without an outcome", status=500, code=ErrorCode.INTERNAL_ERROR
@@ -175,6 +178,13 @@ def _json_response(
     body: bytes, status: int = 200, headers: dict[str, str] | None = None
 ) -> Response:
     return Response(body, status=status, content_type="application/json", headers=headers)
+
+
+def _key_refused(key: str, wrong: str, *, anthropic: bool = False) -> str:
+    """The 401 message for ``key``: none sent, or ``wrong``."""
+    if key:
+        return wrong
+    return ANTHROPIC_NO_KEY if anthropic else NO_KEY
 
 
 def _error(
@@ -479,22 +489,16 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         ``Access-Control-Allow-*`` header)."""
         headers = _headers()
         surface = messages if wants_anthropic(headers) else CHAT
-        tenant = tenants.identify(anthropic_key(headers))
+        key = anthropic_key(headers)
+        tenant = tenants.identify(key)
         if tenant is not None:
             return surface, tenant, None
         if surface is messages:
-            return (
-                surface,
-                None,
-                _error(
-                    401, ANTHROPIC_AUTH_FAILED, code=ErrorCode.INVALID_API_KEY, surface=messages
-                ),
-            )
-        return (
-            surface,
-            None,
-            _error(401, "Incorrect API key provided.", code=ErrorCode.INVALID_API_KEY),
-        )
+            message = _key_refused(key, ANTHROPIC_AUTH_FAILED, anthropic=True)
+            refused = _error(401, message, code=ErrorCode.INVALID_API_KEY, surface=messages)
+            return surface, None, refused
+        message = _key_refused(key, "Incorrect API key provided.")
+        return surface, None, _error(401, message, code=ErrorCode.INVALID_API_KEY)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -775,9 +779,11 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         (``_surface_asgi``); the quart route gives the same answer.
         """
         surface = route.surface
-        tenant = tenants.identify(route.key_of(headers))
+        key = route.key_of(headers)
+        tenant = tenants.identify(key)
         if tenant is None:
-            return _error(401, route.auth_failed, code=ErrorCode.INVALID_API_KEY, surface=surface)
+            message = _key_refused(key, route.auth_failed, anthropic=route.key_of is anthropic_key)
+            return _error(401, message, code=ErrorCode.INVALID_API_KEY, surface=surface)
         unsupported = _unsupported_content_type(headers.get("content-type"))
         if unsupported is not None:
             return _error(415, unsupported, code=ErrorCode.UNSUPPORTED_MEDIA_TYPE, surface=surface)
@@ -868,11 +874,11 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         it runs (429 over either), and reserves and is charged no tokens:
         it generates none (docs/operations.md, "Tenants and limits")."""
         headers = _headers()
-        tenant = tenants.identify(anthropic_key(headers))
+        key = anthropic_key(headers)
+        tenant = tenants.identify(key)
         if tenant is None:
-            return _error(
-                401, ANTHROPIC_AUTH_FAILED, code=ErrorCode.INVALID_API_KEY, surface=messages
-            )
+            message = _key_refused(key, ANTHROPIC_AUTH_FAILED, anthropic=True)
+            return _error(401, message, code=ErrorCode.INVALID_API_KEY, surface=messages)
         unsupported = _unsupported_content_type(headers.get("content-type"))
         if unsupported is not None:
             return _error(415, unsupported, code=ErrorCode.UNSUPPORTED_MEDIA_TYPE, surface=messages)
