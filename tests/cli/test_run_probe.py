@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from iop.testing import Proc
+
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "node-sim.toml")
 ENV = {**os.environ, "IOP_NODE_TOKEN": "t"}
 
@@ -98,3 +100,30 @@ def test_run_masks_a_credential_the_backend_echoes(tmp_path: Path) -> None:
     assert key not in out.stdout + out.stderr
     # A value too short to mask is named (never shown) at start-up.
     assert "the secret at instances[v].headers.X-Tiny is shorter than 8 characters" in out.stderr
+
+
+def test_a_failed_probe_names_the_url_it_tried(tmp_path: Path) -> None:
+    # A real HTTP server with no /api/v1/models: Lemonade's endpoint pointed
+    # at the wrong server answers 404 like this.
+    server = Proc(
+        "http-server",
+        [],
+        tmp_path,
+        argv=[sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "0"],
+    )
+    try:
+        port = server.wait_stdout(r"Serving HTTP on 127\.0\.0\.1 port (\d+)").group(1)
+        config = tmp_path / "node.toml"
+        config.write_text(
+            '[node]\nid = "n"\n[[instances]]\nadapter = "openai_compat"\nname = "lemonade"\n'
+            f'provider = "lemonade"\nendpoint = "http://127.0.0.1:{port}/api"\n'
+        )
+        out = iop("probe", "--config", str(config))
+    finally:
+        server.stop()
+    assert out.returncode == 1, out.stderr
+    assert json.loads(out.stdout)["provider_status"] == "unavailable"
+    assert (
+        f"iop probe: lemonade: GET http://127.0.0.1:{port}/api/v1/models: status code 404"
+        in out.stderr
+    ), out.stderr
