@@ -35,7 +35,7 @@ from iop.config import (
     UpConfig,
     load_config,
 )
-from iop.edge import EdgeHandle, serve_edge
+from iop.edge import EdgeHandle, check_ports, serve_edge
 from iop.managed import LlamaCppSettings, llamacpp_available, serve_llamacpp
 from iop.node import open_node_agent
 
@@ -114,6 +114,8 @@ def up_config_from_args(args: argparse.Namespace) -> UpConfig:
 
 def _cmd_up(args: argparse.Namespace) -> int:
     cfg = up_config_from_args(args)
+    # Before the model loads (seconds), not after.
+    check_ports(cfg.edge)
     register_secrets(up_secrets(cfg))
     return trio.run(_up, cfg)
 

@@ -131,3 +131,12 @@ def test_up_serves_embeddings_from_llamacpp_only_when_asked() -> None:
         "embedding",
         "tokenize",
     ]
+
+
+def test_up_finds_its_port_taken_before_it_loads_a_model(taken_port: int) -> None:
+    # The default backend: llama.cpp when installed (else the sim, with a warning).
+    out = iop("up", "--port", str(taken_port))
+    assert out.returncode == 2, out.stderr
+    assert "llama.cpp" not in out.stderr.replace("embedded llama.cpp backend is unavailable", "")
+    line = out.stderr.splitlines()[-1]
+    assert line.startswith(f"iop: cannot listen on 127.0.0.1:{taken_port}: ")
