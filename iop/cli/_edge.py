@@ -40,12 +40,13 @@ def add_parser(sub: Any) -> None:
         "edge",
         help="serve the OpenAI-compatible API and accept node links",
         description=(
-            "Serve the OpenAI API (POST /v1/chat/completions, GET /v1/models), health "
-            "(GET /healthz, GET /readyz), Prometheus metrics (GET /metrics; behind "
+            "Serve the OpenAI and Anthropic APIs (POST /v1/chat/completions, "
+            "/v1/completions, /v1/embeddings, /v1/responses, /v1/messages; GET /v1/models), "
+            "health (GET /healthz, GET /readyz), Prometheus metrics (GET /metrics; behind "
             "server.metrics_keys or server.admin_keys once clients have keys) and the admin "
-            "view (GET /admin as a page, GET /admin/nodes as JSON; behind server.admin_keys, "
-            "off when clients have keys and no admin key is set), and accept nodes on the "
-            "/v1/link WebSocket."
+            "view (GET /admin as a page, GET /admin/nodes as JSON; behind server.admin_keys; "
+            "a client key never opens it, and with client keys but no admin key it answers "
+            "403 admin_disabled), and accept nodes on the /v1/link WebSocket."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -139,6 +139,15 @@ COUNT_TOKENS_PATH: Final = "/v1/messages/count_tokens"
 # A request that sent no key at all is told so, not that its key was wrong.
 NO_KEY: Final = "No API key provided: send one as `Authorization: Bearer KEY`."
 ANTHROPIC_NO_KEY: Final = "No API key provided: send one in the `x-api-key` header."
+# The admin views' and /metrics' 401: which key they want (iop/edge/_admin_auth.py).
+_ADMIN_KEY_WANTED: Final = (
+    "send one of server.admin_keys as `Authorization: Bearer KEY` "
+    "(a client key never opens the admin views)."
+)
+_METRICS_KEY_WANTED: Final = (
+    "send one of server.metrics_keys or server.admin_keys as `Authorization: Bearer KEY` "
+    "(a client key never opens /metrics)."
+)
 
 _NO_OUTCOME: Final = Error(
     message="run ended without an outcome", status=500, code=ErrorCode.INTERNAL_ERROR
@@ -539,7 +548,10 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         if verdict is Verdict.DISABLED:
             return _error(403, METRICS_OFF_MESSAGE, code=ErrorCode.METRICS_DISABLED)
         if verdict is not Verdict.ALLOWED:
-            return _error(401, "Incorrect API key provided.", code=ErrorCode.INVALID_API_KEY)
+            said = (
+                "Not a metrics key: " if "Authorization" in request.headers else "No metrics key: "
+            )
+            return _error(401, said + _METRICS_KEY_WANTED, code=ErrorCode.INVALID_API_KEY)
         return Response(core.metrics.render(), status=200, content_type=METRICS_CONTENT_TYPE)
 
     @app.get("/admin")
@@ -568,7 +580,8 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
                 headers=_retry_after(gate),
             )
         if verdict is Verdict.DENIED:
-            return _error(401, "Incorrect API key provided.", code=ErrorCode.INVALID_API_KEY)
+            said = "Not an admin key: " if "Authorization" in request.headers else "No admin key: "
+            return _error(401, said + _ADMIN_KEY_WANTED, code=ErrorCode.INVALID_API_KEY)
         return None
 
     @app.get("/admin/nodes")

@@ -170,7 +170,8 @@ def test_create_says_where_its_table_goes_and_prints_iop_ups_with_up(tmp_path: P
     made = iop("keys", "create", "team-a", "--up")
     assert made.returncode == 0, made.stderr
     key = made.stderr.strip().splitlines()[-1]
-    (tmp_path / "up.toml").write_text(made.stdout)
+    admin = "adm-0123456789abcdef"
+    (tmp_path / "up.toml").write_text(f'[edge.server]\nadmin_keys = ["{admin}"]\n' + made.stdout)
     args = ["up", "--backend", "sim", "--port", "0", "--config", "up.toml"]
     proc = Proc("iop-up", args, tmp_path)
     try:
@@ -183,5 +184,20 @@ def test_create_says_where_its_table_goes_and_prints_iop_ups_with_up(tmp_path: P
         assert refused.json()["error"]["message"].startswith("No API key provided"), refused.text
         wrong = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer x"}, timeout=30)
         assert wrong.json()["error"]["message"] == "Incorrect API key provided."
+        # The admin views say which key they want, and that a client key is not one.
+        for headers, says in (
+            ({}, "No admin key"),
+            ({"Authorization": f"Bearer {key}"}, "Not an admin key"),
+        ):
+            refused = httpx.get(f"{url}/admin/nodes", headers=headers, timeout=30)
+            assert refused.status_code == 401
+            message = refused.json()["error"]["message"]
+            assert message.startswith(says), message
+            assert "server.admin_keys" in message
+            assert "a client key never opens" in message
+        allowed = httpx.get(
+            f"{url}/admin/nodes", headers={"Authorization": f"Bearer {admin}"}, timeout=30
+        )
+        assert allowed.status_code == 200
     finally:
         proc.stop()

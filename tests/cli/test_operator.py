@@ -97,9 +97,13 @@ def test_probe_still_needs_the_backends_variables(tmp_path: Path) -> None:
 
 
 def test_help_names_every_endpoint_and_flag_alike() -> None:
-    edge = iop("edge", "--help").stdout
-    for path in ("/v1/chat/completions", "/v1/models", "/metrics", "/admin", "/readyz"):
+    edge = " ".join(iop("edge", "--help").stdout.split())
+    surfaces = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+    for path in (*surfaces, "/v1/messages", "/v1/models", "/metrics", "/admin", "/readyz"):
         assert path in edge, path
+    # Admin views: behind admin keys, off with client keys and none (never client keys).
+    assert "behind server.admin_keys" in edge
+    assert "admin_disabled" in edge
     for cmd in ("up", "edge", "node", "sim", "run", "probe"):
         text = iop(cmd, "--help").stdout
         assert "--config FILE" in text, cmd
