@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Container
 from functools import partial
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 import trio
@@ -112,10 +113,29 @@ def _cmd_edge(args: argparse.Namespace) -> int:
     return trio.run(_main, cfg)
 
 
-def describe_edge(handle: EdgeHandle) -> str:
+# The API surfaces, each with the operation a model must serve for it
+# (``Capabilities.operations``).
+SURFACE_OPERATIONS: Final = (
+    ("chat/completions", "chat"),
+    ("completions", "completion"),
+    ("embeddings", "embedding"),
+    ("responses", "chat"),
+    ("messages", "chat"),
+)
+
+
+def describe_edge(handle: EdgeHandle, served: Container[str] | None = None) -> str:
+    """The edge's start-up line.
+
+    Args:
+        handle: The running edge.
+        served: The operations its models serve (``iop up``, whose node has
+            joined); None: every surface (the edge serves what nodes bring).
+    """
+    names = [name for name, op in SURFACE_OPERATIONS if served is None or op in served]
     return (
         f"iop edge: OpenAI API on {handle.url}/v1 "
-        f"(chat/completions, completions, embeddings, responses, messages, models), "
+        f"({', '.join([*names, 'models'])}), "
         f"nodes dial {handle.link_url}"
     )
 

@@ -23,7 +23,7 @@ import msgspec
 import trio
 
 from iop._secrets import register_secrets, up_secrets
-from iop.cli._edge import describe_edge, require_extras
+from iop.cli._edge import SURFACE_OPERATIONS, describe_edge, require_extras
 from iop.cli._signals import open_stop_signals
 from iop.config import (
     EmbeddedBackend,
@@ -161,6 +161,15 @@ async def _embedded_instances(
     return [SimInstance(name="sim", max_concurrency=64, sim=emb.sim)]
 
 
+def _served_operations(handle: EdgeHandle) -> set[str] | None:
+    """What the joined node's instances serve, or None before one joined."""
+    instances = [inst for _, inst in handle.core.registry.instances()]
+    if not instances:
+        return None
+    wanted = {op for _, op in SURFACE_OPERATIONS}
+    return {op for inst in instances for op in wanted if inst.caps.serves(op)}
+
+
 async def _up(cfg: UpConfig) -> int:
     async with (
         open_stop_signals(log) as stop,
@@ -193,8 +202,13 @@ async def _up(cfg: UpConfig) -> int:
                 await nursery.start(run_node)
                 with trio.move_on_after(NODE_READY_TIMEOUT_S):
                     await handle.core.registry.joined.wait()
+                served = _served_operations(handle)
+                if served is not None and "embedding" not in served and not cfg.instances:
+                    log.info(
+                        "embeddings are off: [embedded] embeddings = true serves /v1/embeddings"
+                    )
                 models = ", ".join(repr(m.id) for m in handle.core.models()) or "none yet"
-                print(describe_edge(handle), flush=True)
+                print(describe_edge(handle, served), flush=True)
                 print(f"iop up: ready; models: {models}", flush=True)
                 # The first signal sets drain: the edge drains its runs
                 # (serve_edge watches the same event) while the node does.
