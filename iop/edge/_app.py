@@ -189,6 +189,22 @@ def _json_response(
     return Response(body, status=status, content_type="application/json", headers=headers)
 
 
+# What a person who opens the edge's root (or /v1) in a browser is told.
+_ROOT_POINTERS: Final = (
+    "This is an IOP edge: the OpenAI and Anthropic APIs are under /v1 "
+    "(GET /v1/models lists the models), the admin view is /admin and health /healthz; "
+    "docs/api.md in the IOP repository describes the API."
+)
+
+
+def _unknown_url(method: str, path: str) -> str:
+    """The 404 message; at the root, where to go instead."""
+    message = f"Unknown request URL: {method} {path}."
+    if path.rstrip("/") in ("", "/v1"):
+        return f"{message} {_ROOT_POINTERS}"
+    return message
+
+
 def _key_refused(key: str, wrong: str, *, anthropic: bool = False) -> str:
     """The 401 message for ``key``: none sent, or ``wrong``."""
     if key:
@@ -431,7 +447,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         """An HTTP error (404, 405, 408, 413...) in the path's surface's shape."""
         status = exc.code or 500
         message, code = {
-            404: (f"Unknown request URL: {method} {path}.", ErrorCode.NOT_FOUND),
+            404: (_unknown_url(method, path), ErrorCode.NOT_FOUND),
             405: (
                 f"Method {method} is not allowed on {path}.",
                 ErrorCode.METHOD_NOT_ALLOWED,
