@@ -148,7 +148,8 @@ def add_parser(sub: Any) -> None:
             "Draw a new random key (iop- and 256 random bits). The key goes to stderr "
             "(or --key-file, created with mode 0600); the [[tenants]] table goes to "
             "stdout, ready to append to the edge config: "
-            "`iop keys create team-a --rpm 600 >> edge.toml`. Limits of 0 are no limit."
+            "`iop keys create team-a --rpm 600 >> edge.toml` (iop up's config: "
+            "`--up >> up.toml`, the [[edge.tenants]] table). Limits of 0 are no limit."
         ),
     )
     c.add_argument("name", help="the tenant's name (letters, digits, _.-; in logs and metrics)")

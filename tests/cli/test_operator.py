@@ -144,3 +144,14 @@ def test_up_finds_its_port_taken_before_it_loads_a_model(taken_port: int) -> Non
     assert "llama.cpp" not in out.stderr.replace("embedded llama.cpp backend is unavailable", "")
     line = out.stderr.splitlines()[-1]
     assert line.startswith(f"iop: cannot listen on 127.0.0.1:{taken_port}: ")
+
+
+def test_a_config_fault_found_once_running_is_one_line_too(tmp_path: Path) -> None:
+    # The node finds duplicate instance names only when it starts, inside iop up.
+    config = tmp_path / "up.toml"
+    config.write_text('[[instances]]\nadapter = "sim"\nname = "a"\n' * 2)
+    out = iop("up", "--port", "0", "--config", str(config))
+    assert out.returncode == 2, out.stderr
+    line = out.stderr.splitlines()[-1]
+    assert line == "iop: config error: instance names must be unique, got ['a', 'a']"
+    assert "Traceback" not in out.stderr
