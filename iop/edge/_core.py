@@ -131,7 +131,7 @@ CANCEL_SEND_TIMEOUT_S: Final = 1.0
 CLOSE_TIMEOUT_S: Final = 1.0
 # The codes no peer sends (RFC 6455, section 7.4.1): what they say happened,
 # for a log line that would otherwise repeat the code as its reason.
-_CLOSE_MEANING: Final = {
+_CLOSE_MEANING: Final[dict[int | None, str]] = {
     1005: "closed without a status code",
     1006: "the connection dropped without a close frame",
 }
