@@ -26,7 +26,7 @@ cancel are span events; the outcome, node, instance and model are
 attributes. Spans go to an OTLP/HTTP collector through the SDK's batch
 processor (its own thread); ``Tracing.shutdown`` flushes them at exit.
 
-The SDK is an extra (``pip install 'iop[otel]'``); a config that asks for
+The SDK is an extra (``pip install 'iop-platform[otel]'``); a config that asks for
 tracing without it is refused at start-up with that command.
 """
 
@@ -35,6 +35,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any, Final
 
+from iop._extras import Extra, install_line
 from iop.config import TracingSettings
 from iop.errors import ConfigError
 from iop.timeline import Timeline
@@ -214,7 +215,7 @@ class Tracing:
         except ImportError as exc:  # pragma: no cover - the extra is in dev
             raise ConfigError(
                 "tracing.otlp_endpoint is set but OpenTelemetry's SDK is not installed: "
-                "pip install 'iop[otel]'"
+                + install_line(Extra.OTEL)
             ) from exc
         if exporter is None:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter

@@ -336,6 +336,10 @@ def test_a_relative_out_dir_holds_the_results_and_the_runs_logs(tmp_path: Path) 
     entry = json.loads(path.read_text())["scenarios"]["rel"]
     assert entry["median"] is not None, entry["repeats"]
     assert list((tmp_path / "rel-out").glob("bench-*/rel-0/edge.toml"))
+    # The summary table, not only the path of the JSON.
+    rows = [line for line in done.stdout.splitlines() if line.startswith("|")]
+    assert len(rows) >= 3, done.stdout  # header, rule, a row
+    assert any("mid-stream" in row for row in rows), done.stdout
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 
 from iop.config import EdgeConfig, NodeConfig, UpConfig, load_config
@@ -170,3 +171,23 @@ def test_the_link_is_on_the_api_port_unless_given_its_own(tmp_path: Path) -> Non
     p.write_text('[link]\nport = 9090\nhost = "10.0.0.1"\n')
     link = load_config(p, EdgeConfig).link
     assert (link.host, link.port) == ("10.0.0.1", 9090)
+
+
+@pytest.mark.parametrize(
+    "path",
+    [p for p in EXAMPLES if p.name.startswith("node")],
+    ids=lambda p: str(p.relative_to(CONFIGS)),
+)
+def test_no_example_instance_is_the_edge_itself(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An instance on the port of the edge the node dials (8080 by default,
+    llama-server's default too) would be probed as a backend: the edge itself."""
+    for k, v in ENV.items():
+        monkeypatch.setenv(k, v)
+    cfg = load_config(path, NodeConfig)
+    edges = {httpx.URL(e.url).netloc for e in cfg.node.edges}
+    for inst in cfg.instances:
+        endpoint = getattr(inst, "endpoint", "")
+        if endpoint:
+            assert httpx.URL(endpoint).netloc not in edges, f"{inst.name}: {endpoint}"

@@ -1,6 +1,6 @@
 """A user's own tests against IOP, with the `iop` pytest plugin (docs/testing-kit.md).
 
-Nothing to configure: `pip install iop` registers the plugin, whose fixtures
+Nothing to configure: `pip install iop-platform` registers the plugin, whose fixtures
 start the platform (`iop_platform`) or run it in memory in virtual time
 (`iop_virtual`). tests/plugin/ runs this very file through pytester.
 """

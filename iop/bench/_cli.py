@@ -382,7 +382,11 @@ def cmd_run(
     doc["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     _medians(doc)
     _write(path, doc)
-    print(f"iop bench: results in {path} ({doc['duration_s']} s)")
+    # The summary: the tables `iop bench report` would write into docs/ (its
+    # plots beside the run's logs, not in docs/img/).
+    for block in _blocks(path, out / f"bench-{stamp}").values():
+        print(f"\n{block.strip()}")
+    print(f"\niop bench: results in {path} ({doc['duration_s']} s)")
     return (1 if failed else 0), path
 
 
@@ -419,6 +423,41 @@ def _latest_results() -> list[Path]:
     return sorted(RESULTS.glob("bench-*.json"), key=lambda p: p.stat().st_mtime)
 
 
+def _blocks(f: Path, img: Path) -> dict[str, str]:
+    """The marked blocks (tables, by marker key) of result file ``f``; plots into ``img``.
+
+    Raises:
+        ResultError: ``f`` cannot be used.
+    """
+    blocks: dict[str, str] = {}
+    doc = read_result(f, RESULT_FORMAT)
+    for name, entry in doc.scenarios.items():
+        runner = RUNNERS.get(entry.runner)
+        if entry.median is None:
+            print(f"iop bench: {f.name}: {name} has no successful run", file=sys.stderr)
+            continue
+        if runner is None or runner.report is None:
+            print(f"iop bench: {name}: runner {entry.runner!r} writes no tables")
+            continue
+        inp = ReportInput(
+            scenario=name,
+            median=entry.median,
+            repeats=[r.result for r in entry.repeats if r.result is not None],
+            foreign_cpu_pct=[r.foreign_cpu_pct for r in entry.repeats],
+            img_dir=img,
+            footer=_footer(doc, entry),
+        )
+        try:
+            blocks.update(runner.report(inp))
+        except (KeyError, IndexError, TypeError, ValueError) as exc:
+            # A median without what the runner's tables read: edited by
+            # hand, or written by another version of the runner.
+            raise ResultError(
+                f"{f}: {name}: not a result runner {entry.runner!r} can report ({exc!r})"
+            ) from None
+    return blocks
+
+
 def cmd_report(results: list[Path], docs: Path, img_dir: Path | None) -> int:
     """Rewrite the marked blocks of ``docs`` from ``results``.
 
@@ -435,31 +474,7 @@ def cmd_report(results: list[Path], docs: Path, img_dir: Path | None) -> int:
     img = img_dir or docs / "img"
     blocks: dict[str, str] = {}
     for f in files:
-        doc = read_result(f, RESULT_FORMAT)
-        for name, entry in doc.scenarios.items():
-            runner = RUNNERS.get(entry.runner)
-            if entry.median is None:
-                print(f"iop bench: {f.name}: {name} has no successful run", file=sys.stderr)
-                continue
-            if runner is None or runner.report is None:
-                print(f"iop bench: {name}: runner {entry.runner!r} writes no tables")
-                continue
-            inp = ReportInput(
-                scenario=name,
-                median=entry.median,
-                repeats=[r.result for r in entry.repeats if r.result is not None],
-                foreign_cpu_pct=[r.foreign_cpu_pct for r in entry.repeats],
-                img_dir=img,
-                footer=_footer(doc, entry),
-            )
-            try:
-                blocks.update(runner.report(inp))
-            except (KeyError, IndexError, TypeError, ValueError) as exc:
-                # A median without what the runner's tables read: edited by
-                # hand, or written by another version of the runner.
-                raise ResultError(
-                    f"{f}: {name}: not a result runner {entry.runner!r} can report ({exc!r})"
-                ) from None
+        blocks.update(_blocks(f, img))
     pages = sorted(docs.glob("*.md"))
     seen: set[str] = set()
     for page in pages:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Container
 from functools import partial
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 import trio
 
+from iop._extras import Extra, require
 from iop._reload import EDGE_RULES
 from iop._secrets import edge_secrets, register_secrets
 from iop.cli._reloader import Reloader, watch_reloads
@@ -44,12 +46,13 @@ def add_parser(sub: Any) -> None:
         "edge",
         help="serve the OpenAI-compatible API and accept node links",
         description=(
-            "Serve the OpenAI API (POST /v1/chat/completions, GET /v1/models), health "
-            "(GET /healthz, GET /readyz), Prometheus metrics (GET /metrics; behind "
+            "Serve the OpenAI and Anthropic APIs (POST /v1/chat/completions, "
+            "/v1/completions, /v1/embeddings, /v1/responses, /v1/messages; GET /v1/models), "
+            "health (GET /healthz, GET /readyz), Prometheus metrics (GET /metrics; behind "
             "server.metrics_keys or server.admin_keys once clients have keys) and the admin "
-            "view (GET /admin as a page, GET /admin/nodes as JSON; behind server.admin_keys, "
-            "off when clients have keys and no admin key is set), and accept nodes on the "
-            "/v1/link WebSocket."
+            "view (GET /admin as a page, GET /admin/nodes as JSON; behind server.admin_keys; "
+            "a client key never opens it, and with client keys but no admin key it answers "
+            "403 admin_disabled), and accept nodes on the /v1/link WebSocket."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -92,18 +95,25 @@ def edge_config_from_args(args: argparse.Namespace) -> EdgeConfig:
         link = msgspec.structs.replace(link, node_tokens=[*link.node_tokens, *tokens])
     if not link.node_tokens:
         raise ConfigError("no node token configured: set link.node_tokens or pass --node-token")
-    if cfg.cluster.valkey_url:
-        import importlib.util
-
-        if importlib.util.find_spec("coredis") is None:
-            raise ConfigError(
-                "cluster.valkey_url needs the Valkey client: pip install 'iop[cluster]'"
-            )
+    require_extras(cfg)
     if cfg.usage.ledger_path:
         from iop.ledger import check_ledger_path
 
         check_ledger_path(cfg.usage.ledger_path)
     return msgspec.structs.replace(cfg, server=server, link=link)
+
+
+def require_extras(cfg: EdgeConfig, *, section: str = "") -> None:
+    """Refuse a config whose keys need an extra that is not installed.
+
+    Args:
+        cfg: The edge's config.
+        section: The keys' prefix in the file (``"edge."`` in ``iop up``'s).
+    """
+    if cfg.tracing.otlp_endpoint:
+        require(Extra.OTEL, f"{section}tracing.otlp_endpoint")
+    if cfg.cluster.valkey_url:
+        require(Extra.CLUSTER, f"{section}cluster.valkey_url")
 
 
 def _cmd_edge(args: argparse.Namespace) -> int:
@@ -112,10 +122,29 @@ def _cmd_edge(args: argparse.Namespace) -> int:
     return trio.run(_main, cfg, args)
 
 
-def describe_edge(handle: EdgeHandle) -> str:
+# The API surfaces, each with the operation a model must serve for it
+# (``Capabilities.operations``).
+SURFACE_OPERATIONS: Final = (
+    ("chat/completions", "chat"),
+    ("completions", "completion"),
+    ("embeddings", "embedding"),
+    ("responses", "chat"),
+    ("messages", "chat"),
+)
+
+
+def describe_edge(handle: EdgeHandle, served: Container[str] | None = None) -> str:
+    """The edge's start-up line.
+
+    Args:
+        handle: The running edge.
+        served: The operations its models serve (``iop up``, whose node has
+            joined); None: every surface (the edge serves what nodes bring).
+    """
+    names = [name for name, op in SURFACE_OPERATIONS if served is None or op in served]
     return (
         f"iop edge: OpenAI API on {handle.url}/v1 "
-        f"(chat/completions, completions, embeddings, responses, messages, models), "
+        f"({', '.join([*names, 'models'])}), "
         f"nodes dial {handle.link_url}"
     )
 

@@ -2,7 +2,8 @@
 
 ``iop keys create NAME`` draws a new random key, prints the key once (to
 stderr, or into ``--key-file`` with mode 0600) and the ``[[tenants]]``
-table that admits it (to stdout, so it can be appended to an edge config):
+table that admits it (to stdout, so it can be appended to an edge config;
+with ``--up``, the ``[[edge.tenants]]`` table of ``iop up``'s config):
 the config holds only the key's SHA-256, never the key (docs/operations.md,
 "Tenants and limits"). ``iop keys hash`` prints the digest of a key read
 from stdin, for keys made elsewhere.
@@ -23,7 +24,7 @@ import json
 import os
 import secrets
 import sys
-from typing import Any
+from typing import Any, Final
 
 from iop.config import TenantKey, TenantSettings
 from iop.errors import ConfigError
@@ -40,9 +41,21 @@ def new_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(KEY_BYTES)
 
 
-def tenant_toml(t: TenantSettings) -> str:
-    """The ``[[tenants]]`` table of ``t``, as the edge config reads it."""
-    lines = ["[[tenants]]", f"name = {json.dumps(t.name)}"]
+# Above the edge's table: where it goes, since iop up's config nests it.
+_WHERE: Final = (
+    "# for `iop edge --config`; `iop up --config` reads [[edge.tenants]] (iop keys create --up)"
+)
+
+
+def tenant_toml(t: TenantSettings, *, up: bool = False) -> str:
+    """The ``[[tenants]]`` table of ``t``, as the edge config reads it.
+
+    Args:
+        t: The tenant.
+        up: The ``[[edge.tenants]]`` table of ``iop up``'s config instead.
+    """
+    lines = ["[[edge.tenants]]"] if up else [_WHERE, "[[tenants]]"]
+    lines.append(f"name = {json.dumps(t.name)}")
     if t.key_sha256:
         lines.append("key_sha256 = [" + ", ".join(json.dumps(d) for d in t.key_sha256) + "]")
     if t.keys:
@@ -100,7 +113,7 @@ def _create(args: argparse.Namespace) -> int:
             f"its SHA-256):\n{key}",
             file=sys.stderr,
         )
-    sys.stdout.write(tenant_toml(tenant))
+    sys.stdout.write(tenant_toml(tenant, up=args.up))
     return 0
 
 
@@ -143,7 +156,8 @@ def add_parser(sub: Any) -> None:
             "Draw a new random key (iop- and 256 random bits). The key goes to stderr "
             "(or --key-file, created with mode 0600); the [[tenants]] table goes to "
             "stdout, ready to append to the edge config: "
-            "`iop keys create team-a --rpm 600 >> edge.toml`. Limits of 0 are no limit."
+            "`iop keys create team-a --rpm 600 >> edge.toml` (iop up's config: "
+            "`--up >> up.toml`, the [[edge.tenants]] table). Limits of 0 are no limit."
         ),
     )
     c.add_argument("name", help="the tenant's name (letters, digits, _.-; in logs and metrics)")
@@ -164,6 +178,12 @@ def add_parser(sub: Any) -> None:
         help="name the key (`keys = [{sha256, name}]`): the usage ledger records runs by it",
     )
     c.add_argument("--key-file", metavar="PATH", help="write the key here (mode 0600) instead")
+    c.add_argument(
+        "--up",
+        action="store_true",
+        help="print the [[edge.tenants]] table of iop up's config (default: [[tenants]], "
+        "the table of iop edge's config)",
+    )
     c.set_defaults(func=_create)
     h = keys.add_parser(
         "hash",

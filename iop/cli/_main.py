@@ -82,6 +82,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         if listen is not None and rest is None:
             print(f"iop: {_listen_advice(first_leaf(listen, ListenError))}", file=sys.stderr)
             return 2
+        # A config fault found only once a service started (the CLI checks
+        # what it can before): the same one line as one found before.
+        config, rest = group.split(ConfigError)
+        if config is not None and rest is None:
+            print(
+                f"iop: config error: {scrub(str(first_leaf(config, ConfigError)))}", file=sys.stderr
+            )
+            return 2
         if not isinstance(group, Exception):
             raise  # KeyboardInterrupt or SystemExit inside: not a crash
         logging.getLogger("iop").critical("iop %s crashed", args.command, exc_info=True)

@@ -20,6 +20,7 @@ from typing import Any
 
 import trio
 
+from iop._extras import Extra, require
 from iop._log import scrub
 from iop._reload import NODE_RULES, managed_instances
 from iop._secrets import node_secrets, register_secrets
@@ -89,6 +90,8 @@ def _load(path: str) -> NodeConfig:
         )
     if not cfg.instances:
         raise ConfigError(f"{path}: no instances to serve; add an [[instances]] table")
+    if cfg.tracing.otlp_endpoint:
+        require(Extra.OTEL, "tracing.otlp_endpoint")
     return cfg
 
 

@@ -14,12 +14,14 @@ import argparse
 import sys
 from typing import Any
 
+import httpx
 import msgspec
 import trio
 
 from iop._log import scrub
 from iop._secrets import node_secrets, register_secrets
-from iop.config import InstanceConfig, NodeConfig, decode_config, read_config_file
+from iop.adapters import join_openai_path
+from iop.config import HTTPInstance, InstanceConfig, NodeConfig, decode_config, read_config_file
 from iop.errors import ConfigError
 from iop.events import Complete, Delta, ReasoningDelta, is_terminal
 from iop.managed import open_adapter
@@ -146,4 +148,13 @@ async def _probe(cfg: NodeConfig) -> int:
         sys.stdout.write(scrub(msgspec.json.encode(caps).decode()) + "\n")
         if caps.provider_status != "available":
             worst = 1
+            # The URL in full for the operator (the detail, which the edge
+            # shows too, names host and port only).
+            if isinstance(inst, HTTPInstance):
+                tried = httpx.URL(join_openai_path(inst.endpoint, "/v1/models"))
+                url = tried.copy_with(username=None, password=None, query=None)
+                print(
+                    scrub(f"iop probe: {inst.name}: GET {url}: {caps.provider_detail}"),
+                    file=sys.stderr,
+                )
     return worst

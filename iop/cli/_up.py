@@ -28,7 +28,7 @@ import trio
 
 from iop._reload import UP_RULES, managed_instances
 from iop._secrets import register_secrets, up_secrets
-from iop.cli._edge import describe_edge
+from iop.cli._edge import SURFACE_OPERATIONS, describe_edge, require_extras
 from iop.cli._reloader import Reloader, watch_reloads
 from iop.cli._signals import open_stop_signals
 from iop.config import (
@@ -41,7 +41,7 @@ from iop.config import (
     UpConfig,
     load_config,
 )
-from iop.edge import EdgeHandle, serve_edge
+from iop.edge import EdgeHandle, check_ports, serve_edge
 from iop.managed import llamacpp_available
 from iop.node import open_node_agent
 
@@ -122,6 +122,7 @@ def up_config_from_args(
     if args.backend:
         embedded = msgspec.structs.replace(embedded, kind=args.backend)
     edge = msgspec.structs.replace(cfg.edge, server=server, link=link)
+    require_extras(edge, section="edge.")
     if edge.usage.ledger_path:
         from iop.ledger import check_ledger_path
 
@@ -131,6 +132,8 @@ def up_config_from_args(
 
 def _cmd_up(args: argparse.Namespace) -> int:
     cfg = up_config_from_args(args)
+    # Before the model loads (seconds), not after.
+    check_ports(cfg.edge)
     register_secrets(up_secrets(cfg))
     return trio.run(_up, cfg, args)
 
@@ -176,6 +179,15 @@ def embedded_instances(cfg: UpConfig) -> list[InstanceConfig]:
     return [SimInstance(name="sim", max_concurrency=64, sim=emb.sim)]
 
 
+def _served_operations(handle: EdgeHandle) -> set[str] | None:
+    """What the joined node's instances serve, or None before one joined."""
+    instances = [inst for _, inst in handle.core.registry.instances()]
+    if not instances:
+        return None
+    wanted = {op for _, op in SURFACE_OPERATIONS}
+    return {op for inst in instances for op in wanted if inst.caps.serves(op)}
+
+
 async def _up(cfg: UpConfig, args: argparse.Namespace) -> int:
     reload = bool(args.config)  # without a file SIGHUP (a closed terminal) stops it
     async with open_stop_signals(log, restart=True, reload=reload) as stop:
@@ -219,8 +231,13 @@ async def _up(cfg: UpConfig, args: argparse.Namespace) -> int:
                 await nursery.start(run_node)
                 with trio.move_on_after(NODE_READY_TIMEOUT_S):
                     await handle.core.registry.joined.wait()
+                served = _served_operations(handle)
+                if served is not None and "embedding" not in served and not cfg.instances:
+                    log.info(
+                        "embeddings are off: [embedded] embeddings = true serves /v1/embeddings"
+                    )
                 models = ", ".join(repr(m.id) for m in handle.core.models()) or "none yet"
-                print(describe_edge(handle), flush=True)
+                print(describe_edge(handle, served), flush=True)
                 print(f"iop up: ready; models: {models}", flush=True)
                 # The first signal sets drain: the edge drains its runs
                 # (serve_edge watches the same event) while the node does.

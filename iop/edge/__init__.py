@@ -8,7 +8,7 @@ app routes each surface's requests through one generic handler.
 
 from iop.edge._app import SurfaceRoute, bearer_key, create_edge_app
 from iop.edge._core import EdgeCore, RemoteExecutor, open_edge_core
-from iop.edge._serve import EdgeHandle, serve_edge
+from iop.edge._serve import EdgeHandle, check_ports, serve_edge
 
 __all__ = [
     "EdgeCore",
@@ -16,6 +16,7 @@ __all__ = [
     "RemoteExecutor",
     "SurfaceRoute",
     "bearer_key",
+    "check_ports",
     "create_edge_app",
     "open_edge_core",
     "serve_edge",

@@ -140,6 +140,18 @@ __all__ = ["LINK_PATH", "create_edge_app"]
 
 # Anthropic's token counting, beside its Messages route.
 COUNT_TOKENS_PATH: Final = "/v1/messages/count_tokens"
+# A request that sent no key at all is told so, not that its key was wrong.
+NO_KEY: Final = "No API key provided: send one as `Authorization: Bearer KEY`."
+ANTHROPIC_NO_KEY: Final = "No API key provided: send one in the `x-api-key` header."
+# The admin views' and /metrics' 401: which key they want (iop/edge/_admin_auth.py).
+_ADMIN_KEY_WANTED: Final = (
+    "send one of server.admin_keys as `Authorization: Bearer KEY` "
+    "(a client key never opens the admin views)."
+)
+_METRICS_KEY_WANTED: Final = (
+    "send one of server.metrics_keys or server.admin_keys as `Authorization: Bearer KEY` "
+    "(a client key never opens /metrics)."
+)
 
 _NO_OUTCOME: Final = Error(
     message="run ended without an outcome", status=500, code=ErrorCode.INTERNAL_ERROR
@@ -179,6 +191,29 @@ def _json_response(
     body: bytes, status: int = 200, headers: dict[str, str] | None = None
 ) -> Response:
     return Response(body, status=status, content_type="application/json", headers=headers)
+
+
+# What a person who opens the edge's root (or /v1) in a browser is told.
+_ROOT_POINTERS: Final = (
+    "This is an IOP edge: the OpenAI and Anthropic APIs are under /v1 "
+    "(GET /v1/models lists the models), the admin view is /admin and health /healthz; "
+    "docs/api.md in the IOP repository describes the API."
+)
+
+
+def _unknown_url(method: str, path: str) -> str:
+    """The 404 message; at the root, where to go instead."""
+    message = f"Unknown request URL: {method} {path}."
+    if path.rstrip("/") in ("", "/v1"):
+        return f"{message} {_ROOT_POINTERS}"
+    return message
+
+
+def _key_refused(key: str, wrong: str, *, anthropic: bool = False) -> str:
+    """The 401 message for ``key``: none sent, or ``wrong``."""
+    if key:
+        return wrong
+    return ANTHROPIC_NO_KEY if anthropic else NO_KEY
 
 
 def _error(
@@ -420,7 +455,7 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         """An HTTP error (404, 405, 408, 413...) in the path's surface's shape."""
         status = exc.code or 500
         message, code = {
-            404: (f"Unknown request URL: {method} {path}.", ErrorCode.NOT_FOUND),
+            404: (_unknown_url(method, path), ErrorCode.NOT_FOUND),
             405: (
                 f"Method {method} is not allowed on {path}.",
                 ErrorCode.METHOD_NOT_ALLOWED,
@@ -487,22 +522,16 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         ``Access-Control-Allow-*`` header)."""
         headers = _headers()
         surface = messages if wants_anthropic(headers) else CHAT
-        tenant = tenants.identify(anthropic_key(headers))
+        key = anthropic_key(headers)
+        tenant = tenants.identify(key)
         if tenant is not None:
             return surface, tenant, None
         if surface is messages:
-            return (
-                surface,
-                None,
-                _error(
-                    401, ANTHROPIC_AUTH_FAILED, code=ErrorCode.INVALID_API_KEY, surface=messages
-                ),
-            )
-        return (
-            surface,
-            None,
-            _error(401, "Incorrect API key provided.", code=ErrorCode.INVALID_API_KEY),
-        )
+            message = _key_refused(key, ANTHROPIC_AUTH_FAILED, anthropic=True)
+            refused = _error(401, message, code=ErrorCode.INVALID_API_KEY, surface=messages)
+            return surface, None, refused
+        message = _key_refused(key, "Incorrect API key provided.")
+        return surface, None, _error(401, message, code=ErrorCode.INVALID_API_KEY)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -543,7 +572,10 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         if verdict is Verdict.DISABLED:
             return _error(403, METRICS_OFF_MESSAGE, code=ErrorCode.METRICS_DISABLED)
         if verdict is not Verdict.ALLOWED:
-            return _error(401, "Incorrect API key provided.", code=ErrorCode.INVALID_API_KEY)
+            said = (
+                "Not a metrics key: " if "Authorization" in request.headers else "No metrics key: "
+            )
+            return _error(401, said + _METRICS_KEY_WANTED, code=ErrorCode.INVALID_API_KEY)
         return Response(core.metrics.render(), status=200, content_type=METRICS_CONTENT_TYPE)
 
     @app.get("/admin")
@@ -582,7 +614,8 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
                 headers=_retry_after(gate),
             )
         if verdict is Verdict.DENIED:
-            return _error(401, "Incorrect API key provided.", code=ErrorCode.INVALID_API_KEY)
+            said = "Not an admin key: " if "Authorization" in request.headers else "No admin key: "
+            return _error(401, said + _ADMIN_KEY_WANTED, code=ErrorCode.INVALID_API_KEY)
         return None
 
     @app.get("/admin/nodes")
@@ -858,9 +891,11 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         (``_surface_asgi``); the quart route gives the same answer.
         """
         surface = route.surface
-        tenant = tenants.identify(route.key_of(headers))
+        key = route.key_of(headers)
+        tenant = tenants.identify(key)
         if tenant is None:
-            return _error(401, route.auth_failed, code=ErrorCode.INVALID_API_KEY, surface=surface)
+            message = _key_refused(key, route.auth_failed, anthropic=route.key_of is anthropic_key)
+            return _error(401, message, code=ErrorCode.INVALID_API_KEY, surface=surface)
         unsupported = _unsupported_content_type(headers.get("content-type"))
         if unsupported is not None:
             return _error(415, unsupported, code=ErrorCode.UNSUPPORTED_MEDIA_TYPE, surface=surface)
@@ -950,11 +985,11 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
         it runs (429 over either), and reserves and is charged no tokens:
         it generates none (docs/operations.md, "Tenants and limits")."""
         headers = _headers()
-        tenant = tenants.identify(anthropic_key(headers))
+        key = anthropic_key(headers)
+        tenant = tenants.identify(key)
         if tenant is None:
-            return _error(
-                401, ANTHROPIC_AUTH_FAILED, code=ErrorCode.INVALID_API_KEY, surface=messages
-            )
+            message = _key_refused(key, ANTHROPIC_AUTH_FAILED, anthropic=True)
+            return _error(401, message, code=ErrorCode.INVALID_API_KEY, surface=messages)
         unsupported = _unsupported_content_type(headers.get("content-type"))
         if unsupported is not None:
             return _error(415, unsupported, code=ErrorCode.UNSUPPORTED_MEDIA_TYPE, surface=messages)

@@ -91,6 +91,7 @@ import msgspec
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from iop._extras import Extra, install_line
 from iop.config import ClusterSettings, TenancySettings, TenantSettings
 from iop.edge._cluster_replies import (
     BadReply,
@@ -679,7 +680,7 @@ class SharedLimits:
             from coredis.retry import NoRetryPolicy
         except ImportError as exc:
             raise ConfigError(
-                "cluster.valkey_url needs the Valkey client: pip install 'iop[cluster]'"
+                f"cluster.valkey_url needs the Valkey client: {install_line(Extra.CLUSTER)}"
             ) from exc
         s = self.settings
 

@@ -139,6 +139,12 @@ CANCEL_SEND_TIMEOUT_S: Final = 1.0
 # Our side of closing a link (shielded cleanup, so it must be short): a peer
 # that stopped reading must not keep a handler, or a drain, waiting.
 CLOSE_TIMEOUT_S: Final = 1.0
+# The codes no peer sends (RFC 6455, section 7.4.1): what they say happened,
+# for a log line that would otherwise repeat the code as its reason.
+_CLOSE_MEANING: Final[dict[int | None, str]] = {
+    1005: "closed without a status code",
+    1006: "the connection dropped without a close frame",
+}
 # Attempts of one run across nodes (the first try plus failovers).
 MAX_ATTEMPTS: Final = 3
 # With per-run credit off (``link.run_window = 0``): events a run's consumer
@@ -881,7 +887,8 @@ class EdgeCore:
                 conn.close_code, conn.close_reason = CLOSE_HEARTBEAT, "heartbeat timeout"
         except LinkClosed as closed:
             if conn.close_code is None:
-                conn.close_code, conn.close_reason = closed.close_code, closed.reason or str(closed)
+                reason = closed.reason or _CLOSE_MEANING.get(closed.close_code, "no reason given")
+                conn.close_code, conn.close_reason = closed.close_code, reason
         except LinkProtocolError as exc:
             code = close_code(exc)
             log.warning("node %s broke the protocol: %s (close %d)", conn.node_id, exc, code)

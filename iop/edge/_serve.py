@@ -8,6 +8,7 @@ serves only the link, and the API's no longer does.
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -22,9 +23,9 @@ from iop.edge._core import EdgeCore, open_edge_core
 from iop.edge._http1 import EdgeHypercornConfig, install
 from iop.edge._link_asgi import LINK_PATH, EdgeASGI, LinkEndpoint
 from iop.edge._stall import StallGuard, serve_guarded
-from iop.errors import listen_error_from
+from iop.errors import ListenError, listen_error_from
 
-__all__ = ["EdgeHandle", "serve_edge"]
+__all__ = ["EdgeHandle", "check_ports", "serve_edge"]
 
 log = logging.getLogger("iop.edge")
 
@@ -52,6 +53,41 @@ class EdgeHandle:
         """The URL nodes dial: ``ws://host:port/v1/link``."""
         base = self.link_listener or self.url
         return "ws" + base[len("http") :] + LINK_PATH
+
+
+def check_ports(config: EdgeConfig) -> None:
+    """Raise the ``ListenError`` ``serve_edge`` would for a taken port, now.
+
+    For a process that starts something slow before the edge (``iop up``
+    loads a model first). Each configured port (0 is always free) is bound
+    with ``SO_REUSEADDR``, as hypercorn binds it, and let go at once: a port
+    taken in between still fails in ``serve_edge``.
+
+    Raises:
+        ListenError: A port is taken or not ours to take.
+    """
+    binds = [(config.server.host, config.server.port)]
+    if config.link.port is not None:
+        binds.append((config.link.host or config.server.host, config.link.port))
+    for host, port in binds:
+        if port == 0:
+            continue
+        bind = f"{host}:{port}"
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(
+                host.strip("[]"), port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+        except socket.gaierror:
+            continue  # not a bind failure: serve_edge reports it
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                error: ListenError | None = listen_error_from(bind, exc)
+                if error is None:
+                    raise
+                raise error from exc
 
 
 def _hypercorn_config(config: EdgeConfig, bind: str) -> EdgeHypercornConfig:

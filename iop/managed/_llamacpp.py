@@ -106,6 +106,9 @@ PIPE_DRAIN_TIMEOUT_S: Final = 1.0
 # llama.cpp's log lines: "0.00.012.742 E gguf_init_from_file: ..."
 _LLAMA_LOG_LEVEL: Final = re.compile(r"^\d+\.\d+\.\d+\.\d+ ([A-Z]) ")
 _LEVELS: Final = {"E": logging.WARNING, "W": logging.INFO}
+# Warnings of a request's slot ("W slot   operator(): id  1 | task 6 | n_past
+# was set to 30"): routine (a prompt-cache reuse), two a request: DEBUG.
+_SLOT_WARNING: Final = re.compile(r"^\d+\.\d+\.\d+\.\d+ W slot ")
 
 _LineHandler: TypeAlias = Callable[[str], None]
 # Told why the server is gone, the moment it is (one line, no log tail).
@@ -321,6 +324,8 @@ def _log_server_line(line: str) -> None:
     level = _LEVELS.get(m.group(1), logging.DEBUG) if m else logging.DEBUG
     if m is None and ": error: " in line:  # the launcher's own failure message
         level = logging.WARNING
+    elif _SLOT_WARNING.match(line):
+        level = logging.DEBUG
     server_log.log(level, "%s", line)
 
 

@@ -10,12 +10,13 @@ import sys
 import tomllib
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
 from iop.config import EdgeConfig, decode_config
 from iop.testing import Proc, toml_dumps
-from iop.testing._processes import EDGE_READY
+from iop.testing._processes import EDGE_READY, UP_READY
 
 
 def iop(*args: str, stdin: str | bytes | None = "") -> subprocess.CompletedProcess[str]:
@@ -161,3 +162,42 @@ def test_a_created_key_opens_a_real_edge_and_its_limit_holds(tmp_path: Path) -> 
             wrong.models.list()
     finally:
         edge.stop()
+
+
+def test_create_says_where_its_table_goes_and_prints_iop_ups_with_up(tmp_path: Path) -> None:
+    plain = iop("keys", "create", "team-a")
+    assert "[[edge.tenants]]" in plain.stdout  # the comment that says where, for iop up
+    made = iop("keys", "create", "team-a", "--up")
+    assert made.returncode == 0, made.stderr
+    key = made.stderr.strip().splitlines()[-1]
+    admin = "adm-0123456789abcdef"
+    (tmp_path / "up.toml").write_text(f'[edge.server]\nadmin_keys = ["{admin}"]\n' + made.stdout)
+    args = ["up", "--backend", "sim", "--port", "0", "--config", "up.toml"]
+    proc = Proc("iop-up", args, tmp_path)
+    try:
+        url = proc.wait_stdout(UP_READY).group(1)
+        with openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=30) as c:
+            assert [m.id for m in c.models.list().data] == ["iop-sim"]
+        # No key at all: the refusal says so, not that a key was wrong.
+        refused = httpx.get(f"{url}/v1/models", timeout=30)
+        assert refused.status_code == 401
+        assert refused.json()["error"]["message"].startswith("No API key provided"), refused.text
+        wrong = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer x"}, timeout=30)
+        assert wrong.json()["error"]["message"] == "Incorrect API key provided."
+        # The admin views say which key they want, and that a client key is not one.
+        for headers, says in (
+            ({}, "No admin key"),
+            ({"Authorization": f"Bearer {key}"}, "Not an admin key"),
+        ):
+            refused = httpx.get(f"{url}/admin/nodes", headers=headers, timeout=30)
+            assert refused.status_code == 401
+            message = refused.json()["error"]["message"]
+            assert message.startswith(says), message
+            assert "server.admin_keys" in message
+            assert "a client key never opens" in message
+        allowed = httpx.get(
+            f"{url}/admin/nodes", headers={"Authorization": f"Bearer {admin}"}, timeout=30
+        )
+        assert allowed.status_code == 200
+    finally:
+        proc.stop()

@@ -97,9 +97,13 @@ def test_probe_still_needs_the_backends_variables(tmp_path: Path) -> None:
 
 
 def test_help_names_every_endpoint_and_flag_alike() -> None:
-    edge = iop("edge", "--help").stdout
-    for path in ("/v1/chat/completions", "/v1/models", "/metrics", "/admin", "/readyz"):
+    edge = " ".join(iop("edge", "--help").stdout.split())
+    surfaces = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+    for path in (*surfaces, "/v1/messages", "/v1/models", "/metrics", "/admin", "/readyz"):
         assert path in edge, path
+    # Admin views: behind admin keys, off with client keys and none (never client keys).
+    assert "behind server.admin_keys" in edge
+    assert "admin_disabled" in edge
     for cmd in ("up", "edge", "node", "sim", "run", "probe"):
         text = iop(cmd, "--help").stdout
         assert "--config FILE" in text, cmd
@@ -132,3 +136,23 @@ def test_up_serves_embeddings_from_llamacpp_only_when_asked() -> None:
         "embedding",
         "tokenize",
     ]
+
+
+def test_up_finds_its_port_taken_before_it_loads_a_model(taken_port: int) -> None:
+    # The default backend: llama.cpp when installed (else the sim, with a warning).
+    out = iop("up", "--port", str(taken_port))
+    assert out.returncode == 2, out.stderr
+    assert "llama.cpp" not in out.stderr.replace("embedded llama.cpp backend is unavailable", "")
+    line = out.stderr.splitlines()[-1]
+    assert line.startswith(f"iop: cannot listen on 127.0.0.1:{taken_port}: ")
+
+
+def test_a_config_fault_found_once_running_is_one_line_too(tmp_path: Path) -> None:
+    # The node finds duplicate instance names only when it starts, inside iop up.
+    config = tmp_path / "up.toml"
+    config.write_text('[[instances]]\nadapter = "sim"\nname = "a"\n' * 2)
+    out = iop("up", "--port", "0", "--config", str(config))
+    assert out.returncode == 2, out.stderr
+    line = out.stderr.splitlines()[-1]
+    assert line == "iop: config error: instance names must be unique, got ['a', 'a']"
+    assert "Traceback" not in out.stderr

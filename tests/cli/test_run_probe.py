@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from iop.testing import Proc
+
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "node-sim.toml")
 ENV = {**os.environ, "IOP_NODE_TOKEN": "t"}
 
@@ -115,3 +117,30 @@ def test_probe_of_a_llamacpp_instance_that_cannot_start_says_why(tmp_path: Path)
     assert "/nonexistent/m.gguf does not exist" in caps["provider_detail"]
     assert caps["targets"] == ["SmolLM2-135M-Instruct"]
     assert "restarting" not in out.stderr  # a one-off check is never restarted
+
+
+def test_a_failed_probe_names_the_url_it_tried(tmp_path: Path) -> None:
+    # A real HTTP server with no /api/v1/models: Lemonade's endpoint pointed
+    # at the wrong server answers 404 like this.
+    server = Proc(
+        "http-server",
+        [],
+        tmp_path,
+        argv=[sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "0"],
+    )
+    try:
+        port = server.wait_stdout(r"Serving HTTP on 127\.0\.0\.1 port (\d+)").group(1)
+        config = tmp_path / "node.toml"
+        config.write_text(
+            '[node]\nid = "n"\n[[instances]]\nadapter = "openai_compat"\nname = "lemonade"\n'
+            f'provider = "lemonade"\nendpoint = "http://127.0.0.1:{port}/api"\n'
+        )
+        out = iop("probe", "--config", str(config))
+    finally:
+        server.stop()
+    assert out.returncode == 1, out.stderr
+    assert json.loads(out.stdout)["provider_status"] == "unavailable"
+    assert (
+        f"iop probe: lemonade: GET http://127.0.0.1:{port}/api/v1/models: status code 404"
+        in out.stderr
+    ), out.stderr

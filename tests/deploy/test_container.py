@@ -161,11 +161,6 @@ def _spec_name() -> tuple[str, list[str]]:
 _PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 
-@pytest.mark.xfail(
-    _PROJECT["name"] == "iop",
-    reason="the distribution is published as iop-platform; pyproject.toml still says iop",
-    strict=True,
-)
 def test_the_recipe_installs_this_distribution() -> None:
     name, extras = _spec_name()
     assert name == _PROJECT["name"]

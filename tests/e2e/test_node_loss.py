@@ -71,6 +71,10 @@ def test_killed_node_mid_stream(procs: Procs, sim: Sim) -> None:
     print(f"\nnode SIGKILLed: the client's stream ended with node_lost after {took * 1000:.0f} ms")
     assert took < KILLED_BOUND_S
     assert node.proc.wait(5) == -signal.SIGKILL
+    # The edge's log line names the close code once, and what it means.
+    line = edge.proc.wait_stderr(r"iop\.edge: node n1 disconnected: [^\n]*", timeout=15).group(0)
+    assert line.count("1006") == 1, line
+    assert "without a close frame" in line, line
     # The backend saw its client (the dead node's HTTP connection) go away.
     sim.wait_disconnects(disconnects)
     admin = edge.wait_no_runs()

@@ -172,6 +172,33 @@ def test_readme_sdk_example(up: Up) -> None:
     assert out.stdout.strip(), "the example prints the streamed answer"
 
 
+def test_up_advertises_only_the_surfaces_its_model_serves(up: Up) -> None:
+    # The default [embedded] has embeddings off: the start-up line must not offer them.
+    (edge_line,) = [line for line in up.proc.stdout().splitlines() if "OpenAI API on" in line]
+    assert "chat/completions" in edge_line
+    assert "embeddings" not in edge_line, edge_line
+    assert "[embedded] embeddings = true" in up.proc.stderr()
+    with up.openai() as client, pytest.raises(openai.BadRequestError):
+        client.embeddings.create(model=ALIAS, input="hi")
+
+
+def test_llamacpps_per_request_warnings_stay_out_of_the_info_log(up: Up) -> None:
+    with up.openai() as client:
+        for _ in range(2):  # the second reuses the first's prompt cache: llama.cpp warns
+            with client.chat.completions.create(
+                model=ALIAS, messages=MESSAGES, max_tokens=3, stream=True
+            ) as s:
+                read_stream(s)
+    runs = poll(
+        lambda: up.proc.stderr().count(" iop.edge.run: run ") >= 2 or None,
+        timeout=10,
+        what="the runs' log lines",
+    )
+    assert runs
+    slot_lines = [line for line in up.proc.stderr().splitlines() if " W slot " in line]
+    assert slot_lines == []
+
+
 def test_up_sigterm_stops_everything(up: Up) -> None:
     """Last in the module: SIGTERM drains edge, node and llama.cpp; exit 0, no orphan."""
     server = re.search(r"llama.cpp server is ready at \S+ .*pid (\d+)\)", up.proc.stderr())

@@ -14,6 +14,7 @@ import signal
 from pathlib import Path
 from typing import Any, Final
 
+import httpx
 import openai
 import pytest
 
@@ -154,3 +155,19 @@ def test_the_sim_backend_demos_tool_calls(tmp_path: Path) -> None:
     assert calls
     assert calls[0].function.name == "get_weather"
     json.loads(calls[0].function.arguments)
+
+
+def test_the_root_url_points_to_the_api_the_admin_view_and_the_docs(tmp_path: Path) -> None:
+    proc, url = start_up(tmp_path)
+    try:
+        for path in ("/", "/v1"):
+            resp = httpx.get(f"{url}{path}", timeout=30)
+            assert resp.status_code == 404
+            message = resp.json()["error"]["message"]
+            for pointer in ("GET /v1/models", "/admin", "docs/api.md"):
+                assert pointer in message, message
+        # Any other unknown URL stays a plain 404.
+        other = httpx.get(f"{url}/nope", timeout=30).json()["error"]["message"]
+        assert other == "Unknown request URL: GET /nope."
+    finally:
+        proc.stop()
