@@ -55,7 +55,7 @@ import msgspec
 import trio
 
 from iop._secrets import SecretMasker, edge_secrets, mask_event
-from iop.config import MAX_LOAD_REPORTS_PER_S, EdgeConfig
+from iop.config import MAX_LOAD_REPORTS_PER_S, EdgeConfig, LinkSettings
 from iop.edge._cluster import SharedLimits, default_edge_id
 from iop.edge._metrics import EdgeMetrics
 from iop.edge._registry import (
@@ -98,6 +98,7 @@ from iop.protocol import (
     FrameChannel,
     LinkClosed,
     LoadReported,
+    NodeCredentials,
     NodeDraining,
     NodeJoined,
     RunEventsReceived,
@@ -386,6 +387,9 @@ class EdgeCore:
         # Client keys, their tenants and limits; the admitted runs' tickets,
         # settled when each run ends (``record_outcome``).
         self.tenants = Tenants(config.tenants, config.server.api_keys, config.tenancy)
+        # What a node's hello may present; each handshake reads the current
+        # set, which a config reload replaces (``set_node_credentials``).
+        self.node_credentials = node_credentials(config.link)
         self._tickets: dict[str, Ticket] = {}
         # With [cluster] valkey_url: the limits every edge shares (open_edge_core runs it).
         self.cluster: SharedLimits | None = None
@@ -581,6 +585,14 @@ class EdgeCore:
 
     # --- node links -------------------------------------------------------------
 
+    def set_node_credentials(self, link: LinkSettings) -> None:
+        """Accept ``link``'s node credentials from the next handshake on (a
+        config reload). Links already open stay open: a revoked credential
+        is cut by closing its node's link (``docs/operations.md``, "TLS and
+        node credentials")."""
+        self.node_credentials = node_credentials(link)
+        log.info("node credentials: %d accepted", len(self.node_credentials))
+
     async def handle_link(
         self,
         chan: FrameChannel,
@@ -599,7 +611,7 @@ class EdgeCore:
         """
         link = self.config.link
         session = EdgeSession(
-            tokens=link.node_tokens,
+            tokens=self.node_credentials,
             heartbeat_interval_s=link.heartbeat_interval_s,
             heartbeat_timeout_s=link.heartbeat_timeout_s,
             now=trio.current_time(),
@@ -718,9 +730,12 @@ class EdgeCore:
                 trio.current_time() - old.session.last_seen,
             )
             old.close(CLOSE_REPLACED, "replaced by a new connection")
+        credential = session.credential
         log.info(
-            "node %s connected: %s",
+            "node %s connected from %s with credential %s: %s",
             conn.node_id,
+            conn.peer or "?",
+            credential.name if credential is not None else "?",
             ", ".join(
                 f"{i.caps.instance}({i.caps.adapter}, {i.caps.provider_status}, "
                 f"targets={list(i.caps.targets)}, slots={i.caps.max_concurrency})"
@@ -1071,3 +1086,12 @@ async def open_edge_core(config: EdgeConfig) -> AsyncIterator[EdgeCore]:
             services.cancel_scope.deadline = trio.current_time() + EXPORT_FLUSH_S
             if tracing is not None:
                 await tracing.aclose(config.tracing.export_timeout_s + 1.0)
+
+
+def node_credentials(link: LinkSettings) -> NodeCredentials:
+    """The node credentials ``link`` configures: its shared tokens and its
+    ``[[link.nodes]]`` (``iop.protocol._credentials``)."""
+    return NodeCredentials(
+        shared=link.node_tokens,
+        nodes=((n.name, n.token_sha256, n.node_ids) for n in link.nodes),
+    )
