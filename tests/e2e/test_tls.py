@@ -13,8 +13,11 @@ a TLS edge) must give a one-line refusal in both logs and no traceback.
 from __future__ import annotations
 
 import datetime
-import hashlib
+import os
 import ssl
+import subprocess
+import sys
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +31,6 @@ from tests.e2e._platform import MODEL, TOKEN, Edge, Node, Procs, Sim, read_strea
 pytestmark = pytest.mark.slow
 
 MESSAGES: list[Any] = [{"role": "user", "content": "Tell me a story."}]
-NODE_TOKEN = "per-node-token-of-gpu-a-0123456789"
 ORIGIN = "https://app.example.com"
 
 
@@ -63,8 +65,26 @@ class Certs:
         )
 
 
+def _node_credential(name: str, node_id: str) -> tuple[str, dict[str, Any]]:
+    """``iop keys node``: the token (its stderr's last line) and the table."""
+    done = subprocess.run(
+        [sys.executable, "-m", "iop", "keys", "node", name, "--node-id", node_id],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+        env={**os.environ},
+    )
+    token = done.stderr.strip().splitlines()[-1]
+    (table,) = tomllib.loads(done.stdout)["link"]["nodes"]
+    return token, table
+
+
 class TLSCluster:
-    def __init__(self, certs: Certs, procs: Procs, sim: Sim, edge: Edge, node: Node) -> None:
+    def __init__(
+        self, certs: Certs, procs: Procs, sim: Sim, edge: Edge, node: Node, token: str
+    ) -> None:
+        self.token = token
         self.certs = certs
         self.procs = procs
         self.sim = sim
@@ -75,6 +95,7 @@ class TLSCluster:
 @pytest.fixture(scope="module")
 def tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSCluster]:
     certs = Certs(tmp_path_factory.mktemp("certs"))
+    token, credential = _node_credential("gpu-a", "n1")
     procs = Procs(tmp_path_factory.mktemp("tls"))
     try:
         sim = procs.sim(
@@ -96,13 +117,7 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSCluster]:
                 "link": {
                     "port": 0,
                     "client_ca": certs.ca_pem,
-                    "nodes": [
-                        {
-                            "name": "gpu-a",
-                            "token_sha256": hashlib.sha256(NODE_TOKEN.encode()).hexdigest(),
-                            "node_ids": ["n1"],
-                        }
-                    ],
+                    "nodes": [credential],
                 },
             },
             name="edge-tls",
@@ -112,7 +127,7 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSCluster]:
             [edge],
             sim,
             node_id="n1",
-            token=NODE_TOKEN,
+            token=token,
             edge_settings={
                 "tls_ca_file": certs.ca_pem,
                 "tls_certfile": certs.node_cert,
@@ -121,7 +136,7 @@ def tls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSCluster]:
             instance={"tls_ca_file": certs.ca_pem},
         )
         edge.wait_ready(node_id="n1")
-        yield TLSCluster(certs, procs, sim, edge, node)
+        yield TLSCluster(certs, procs, sim, edge, node, token)
     finally:
         procs.stop_all()
 
@@ -184,7 +199,7 @@ def test_cors_preflight_and_response_for_a_listed_origin_only(tls: TLSCluster) -
 
 
 def _failing_node(
-    tls: TLSCluster, name: str, url: str, *, token: str = NODE_TOKEN, **edge: Any
+    tls: TLSCluster, name: str, url: str, *, token: str | None = None, **edge: Any
 ) -> Node:
     node = start_node(
         tls.procs.log_dir,
@@ -192,7 +207,7 @@ def _failing_node(
         tls.sim.url,
         name=name,
         node_id=name,
-        token=token,
+        token=token or tls.token,
         edge_settings=edge,
         instance={"tls_ca_file": tls.certs.ca_pem},
     )
@@ -245,7 +260,6 @@ def test_a_node_credential_claims_only_its_node_ids(tls: TLSCluster) -> None:
         tls,
         "n2",
         tls.edge.link_url,
-        token=NODE_TOKEN,
         tls_ca_file=tls.certs.ca_pem,
         tls_certfile=tls.certs.node_cert,
         tls_keyfile=tls.certs.node_key,
@@ -283,3 +297,33 @@ def test_an_expired_edge_certificate_is_refused_and_an_open_edge_warned(
     edge.proc.wait_stderr(r"TLS handshake from \S+ refused: ", timeout=5)
     node.proc.stop()
     _no_traceback(node.proc, edge.proc)
+
+
+def test_an_https_backend_is_verified_unless_the_instance_opts_out(tls: TLSCluster) -> None:
+    certs = tls.certs
+    node = start_node(
+        tls.procs.log_dir,
+        [tls.edge.link_url],
+        tls.sim.url,
+        name="backends",
+        node_id="backends",
+        token=TOKEN,  # the shared node_tokens still work beside [[link.nodes]]
+        edge_settings={
+            "tls_ca_file": certs.ca_pem,
+            "tls_certfile": certs.node_cert,
+            "tls_keyfile": certs.node_key,
+        },
+        instance={"name": "unverified", "tls_verify": False, "targets": ["unverified"]},
+        more_instances=[{"adapter": "vllm", "name": "system-roots", "endpoint": tls.sim.url}],
+    )
+    tls.procs.adopt(node.proc)
+    node.proc.wait_stderr(r"WARNING .*instance unverified: tls_verify = false", timeout=5)
+    tls.edge.proc.wait_stderr(
+        r"node backends connected from \S+ with credential node_tokens\[0\]", 10
+    )
+    node.proc.wait_stderr(r"system-roots.*CERTIFICATE_VERIFY_FAILED", timeout=10)
+    (entry,) = [n for n in tls.edge.admin()["nodes"] if n["id"] == "backends"]
+    status = {i["instance"]: i["provider_status"] for i in entry["instances"]}
+    assert status == {"unverified": "available", "system-roots": "unavailable"}
+    node.proc.stop()
+    _no_traceback(node.proc)
