@@ -10,7 +10,9 @@ still checked in its hello.
 The handshake runs in trio's ``SSLStream`` (hypercorn's TLS server does the
 same), in the connection's own task: ``EdgeTLSListener.accept`` wraps the
 accepted stream and returns at once. Hypercorn drops a connection whose
-handshake fails without a word; the wrapper logs it first, naming the peer
+handshake fails without a word (nor closing it: the peer would wait for its
+own timeout); the wrapper sends the peer OpenSSL's alert
+(``iop._tls.send_pending_alert``), closes the connection, and logs it, naming the peer
 and the reason OpenSSL gives (``certificate required``, ``unknown ca``,
 ``http request`` for plain HTTP sent to a TLS port), so an operator sees
 why a node never registers.
@@ -31,6 +33,7 @@ from typing import Any, Final
 
 import trio
 
+from iop._tls import ALERT_SEND_TIMEOUT_S, send_pending_alert, tls_reason
 from iop.config import EdgeConfig
 from iop.errors import ConfigError
 
@@ -42,10 +45,7 @@ log = logging.getLogger("iop.edge.tls")
 # iop.edge._http1); offering h2 in ALPN would hand h2 clients to hypercorn's
 # unguarded HTTP/2 protocol.
 _ALPN: Final = ["http/1.1"]
-# A refused handshake's last words (the TLS alert, or the answer to plain
-# HTTP sent to a TLS listener): one small write each, given a second (the
-# socket's buffer takes it at once unless the peer is gone).
-_PLAIN_ANSWER_TIMEOUT_S: Final = 1.0
+# The answer to plain HTTP (or ws://) sent to a TLS listener.
 _PLAIN_BODY: Final = b"This port serves TLS: use https:// (or wss:// for the node link).\n"
 _PLAIN_HTTP_ANSWER: Final = (
     b"HTTP/1.1 400 Bad Request\r\nContent-Type: text/plain\r\nConnection: close\r\n"
@@ -149,16 +149,7 @@ def _peer(stream: Any) -> str:
 
 def handshake_failure(exc: BaseException) -> str:
     """OpenSSL's reason for a failed handshake, in words (``certificate required``)."""
-    cause = exc.__cause__ or exc.__context__
-    if isinstance(cause, ssl.SSLError):
-        reason = cause.reason or str(cause)
-        return (
-            reason.lower()
-            .replace("_", " ")
-            .removeprefix("tlsv13 alert ")
-            .removeprefix("sslv3 alert ")
-        )
-    return str(exc) or type(exc).__name__
+    return tls_reason(exc) or str(exc) or type(exc).__name__
 
 
 class _LoggedTLSStream:
@@ -178,32 +169,17 @@ class _LoggedTLSStream:
             # Hypercorn returns without closing the stream: the peer would
             # wait for an answer until its own timeout.
             with trio.CancelScope(shield=True):
-                await self._send_alert()
+                await send_pending_alert(self._stream)
                 if reason == "http request":
                     # Plain HTTP (or ws://) to a TLS port: say so in HTTP, as
                     # nginx does, so the client's error is the reason.
                     with (
-                        trio.move_on_after(_PLAIN_ANSWER_TIMEOUT_S),
+                        trio.move_on_after(ALERT_SEND_TIMEOUT_S),
                         contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
                     ):
                         await self._stream.transport_stream.send_all(_PLAIN_HTTP_ANSWER)
                 await trio.aclose_forcefully(self._stream.transport_stream)
             raise
-
-    async def _send_alert(self) -> None:
-        """Send the TLS alert OpenSSL queued for the peer (``certificate
-        required``, ``unknown ca``): trio raises on a failed handshake
-        without flushing it, and the peer would see only a reset. trio keeps
-        its outgoing ``MemoryBIO`` private (``_outgoing``); without it the
-        alert is lost, nothing else."""
-        outgoing = getattr(self._stream, "_outgoing", None)
-        if not isinstance(outgoing, ssl.MemoryBIO) or not outgoing.pending:
-            return
-        with (
-            trio.move_on_after(_PLAIN_ANSWER_TIMEOUT_S),
-            contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError),
-        ):
-            await self._stream.transport_stream.send_all(outgoing.read())
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._stream, name)

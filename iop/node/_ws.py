@@ -39,6 +39,7 @@ from trio_websocket import (
     wrap_client_stream,
 )
 
+from iop._tls import send_pending_alert, tls_reason
 from iop.config import NodeEdge
 from iop.errors import ConfigError, LinkAuthError, LinkError, LinkProtocolError
 from iop.protocol import CLOSE_NORMAL, CLOSE_PROTOCOL, LinkClosed
@@ -158,19 +159,6 @@ def client_tls_context(edge: NodeEdge) -> ssl.SSLContext | None:
     return ctx
 
 
-def _tls_reason(exc: BaseException) -> str | None:
-    """OpenSSL's reason, in words, when ``exc`` (or what caused it) is a TLS failure."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, ssl.SSLCertVerificationError):
-            return f"certificate verification failed: {seen.verify_message}"
-        if isinstance(seen, ssl.SSLError):
-            reason = (seen.reason or str(seen)).lower().replace("_", " ")
-            return reason.removeprefix("tlsv13 alert ").removeprefix("sslv3 alert ")
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
 class _WatchedStream(trio.abc.Stream):
     """The link's stream, telling the upgrade's waiter when it breaks.
 
@@ -243,6 +231,9 @@ async def _open_stream(
     try:
         await stream.do_handshake()
     except trio.BrokenResourceError as exc:
+        # Tell the edge why (its log then names the reason, not a reset).
+        with trio.CancelScope(shield=True):
+            await send_pending_alert(stream)
         await trio.aclose_forcefully(stream)
         raise _connect_error(url, exc) from exc
     except BaseException:
@@ -342,7 +333,7 @@ def _rejected(url: str, exc: ConnectionRejected) -> LinkError:
 
 def _connect_error(url: str, exc: BaseException) -> LinkError:
     host = urlsplit(url).hostname or "?"
-    reason = _tls_reason(exc)
+    reason = tls_reason(exc)
     if reason is not None:
         return LinkError(f"cannot connect to edge {url}: TLS with {host} failed: {reason}")
     detail = str(exc) or type(exc).__name__

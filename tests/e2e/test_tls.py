@@ -168,6 +168,7 @@ def test_openai_sdk_through_tls_and_mtls_to_an_https_backend(tls: TLSCluster) ->
     # A client that does not trust the CA is refused by its own TLS.
     with pytest.raises(httpx.ConnectError, match="CERTIFICATE_VERIFY_FAILED"):
         httpx.get(f"{edge.url}/v1/models", trust_env=False)
+    edge.proc.wait_stderr(r"TLS handshake from \S+ refused: unknown ca", timeout=5)
     _no_traceback(edge.proc, tls.node.proc, tls.sim.proc)
 
 
@@ -238,7 +239,7 @@ def test_a_wrong_host_is_refused(tls: TLSCluster) -> None:
         r"TLS with localhost failed: certificate verification failed: Hostname mismatch",
         timeout=10,
     )
-    tls.edge.proc.wait_stderr(r"TLS handshake from \S+ refused: ", timeout=5)
+    tls.edge.proc.wait_stderr(r"TLS handshake from \S+ refused: bad certificate", timeout=5)
     node.proc.stop()
     _no_traceback(node.proc, tls.edge.proc)
 
@@ -294,7 +295,7 @@ def test_an_expired_edge_certificate_is_refused_and_an_open_edge_warned(
         r"TLS with 127\.0\.0\.1 failed: certificate verification failed: certificate has expired",
         timeout=10,
     )
-    edge.proc.wait_stderr(r"TLS handshake from \S+ refused: ", timeout=5)
+    edge.proc.wait_stderr(r"TLS handshake from \S+ refused: certificate expired", timeout=5)
     node.proc.stop()
     _no_traceback(node.proc, edge.proc)
 
