@@ -271,9 +271,11 @@ async def open_ws_link(
     host_header = parts.netloc.rpartition("@")[2]
     try:
         async with trio.open_nursery() as nursery:  # trio-websocket's reader task
+            stream: _WatchedStream | None = None
+            opening = trio.CancelScope()
             with trio.move_on_after(connect_timeout_s) as deadline:
                 stream = _WatchedStream(await _open_stream(url, ssl_context))
-                with trio.CancelScope() as opening:
+                with opening:
                     stream.on_break = opening.cancel
                     ws = await wrap_client_stream(
                         nursery,
@@ -284,22 +286,7 @@ async def open_ws_link(
                     )
                 stream.on_break = None
             if deadline.cancelled_caught or opening.cancelled_caught:
-                await trio.aclose_forcefully(stream)
-                if stream.failure is not None:
-                    raise _connect_error(url, stream.failure)
-                if opening.cancelled_caught:
-                    raise LinkError(
-                        f"cannot connect to edge {url}: the edge closed the connection "
-                        "during the upgrade"
-                        + (
-                            " (if the edge serves TLS, dial it with wss://)"
-                            if parts.scheme == "ws"
-                            else ""
-                        )
-                    )
-                raise LinkError(
-                    f"cannot connect to edge {url}: no answer within {connect_timeout_s:g}s"
-                )
+                raise await _not_opened(url, stream, opening.cancelled_caught, connect_timeout_s)
             chan = WebSocketFrameChannel(ws, url)
             try:
                 yield chan
@@ -319,6 +306,23 @@ async def open_ws_link(
                 raise _rejected(url, only) from only
             raise only from None
         raise
+
+
+async def _not_opened(
+    url: str, stream: _WatchedStream | None, broke: bool, timeout_s: float
+) -> LinkError:
+    """Why the link did not open (the stream is closed here): the stream's
+    failure, the edge closing it, or no answer within the connect timeout."""
+    if stream is not None:
+        await trio.aclose_forcefully(stream)
+        if stream.failure is not None:
+            return _connect_error(url, stream.failure)
+    if broke:
+        hint = " (if the edge serves TLS, dial it with wss://)" if url.startswith("ws://") else ""
+        return LinkError(
+            f"cannot connect to edge {url}: the edge closed the connection during the upgrade{hint}"
+        )
+    return LinkError(f"cannot connect to edge {url}: no answer within {timeout_s:g}s")
 
 
 def _rejected(url: str, exc: ConnectionRejected) -> LinkError:
