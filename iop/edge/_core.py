@@ -587,11 +587,22 @@ class EdgeCore:
 
     def set_node_credentials(self, link: LinkSettings) -> None:
         """Accept ``link``'s node credentials from the next handshake on (a
-        config reload). Links already open stay open: a revoked credential
-        is cut by closing its node's link (``docs/operations.md``, "TLS and
-        node credentials")."""
-        self.node_credentials = node_credentials(link)
-        log.info("node credentials: %d accepted", len(self.node_credentials))
+        config reload), and close (4401) every open link whose credential is
+        gone or changed: a revoked token loses its links at once, the other
+        nodes keep theirs (``docs/operations.md``, "TLS and node credentials").
+        """
+        credentials = node_credentials(link)
+        self.node_credentials = credentials
+        log.info("node credentials: %d accepted", len(credentials))
+        for conn in list(self.registry.nodes.values()):
+            held = conn.session.credential
+            if held is not None and held not in credentials:
+                log.warning(
+                    "node %s: credential %s revoked: closing its link (4401)",
+                    conn.node_id,
+                    held.name,
+                )
+                conn.close(CLOSE_BAD_TOKEN, f"credential {held.name} revoked")
 
     async def handle_link(
         self,

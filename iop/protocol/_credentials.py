@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from iop.errors import LinkAuthError
 
@@ -40,16 +40,13 @@ class NodeCredential:
     Attributes:
         name: What the log calls it (``node_tokens[0]`` for a shared token).
         node_ids: The ids it may claim; empty: any.
+        digest: SHA-256 of its token (two credentials of one name but
+            different tokens are different credentials).
     """
 
     name: str
     node_ids: frozenset[str] = frozenset()
-
-
-@dataclass(frozen=True, slots=True)
-class _Entry:
-    credential: NodeCredential
-    digest: bytes  # SHA-256 of the token
+    digest: bytes = field(default=b"", repr=False)
 
 
 class NodeCredentials:
@@ -68,13 +65,13 @@ class NodeCredentials:
         nodes: Iterable[tuple[str, str, Iterable[str]]] = (),
     ) -> None:
         entries = [
-            _Entry(NodeCredential(f"node_tokens[{i}]"), _digest(t)) for i, t in enumerate(shared)
+            NodeCredential(f"node_tokens[{i}]", digest=_digest(t)) for i, t in enumerate(shared)
         ]
         entries += [
-            _Entry(NodeCredential(name, frozenset(ids)), bytes.fromhex(hex_digest))
+            NodeCredential(name, frozenset(ids), bytes.fromhex(hex_digest))
             for name, hex_digest, ids in nodes
         ]
-        self._entries: tuple[_Entry, ...] = tuple(entries)
+        self._entries: tuple[NodeCredential, ...] = tuple(entries)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -91,7 +88,7 @@ class NodeCredentials:
         # Every entry, always: the time taken says nothing about which matched.
         for entry in self._entries:
             if hmac.compare_digest(presented, entry.digest):
-                found = entry.credential
+                found = entry
         if found is None:
             raise LinkAuthError(f"node {node_id!r} presented a bad token")
         if found.node_ids and node_id not in found.node_ids:
@@ -100,6 +97,11 @@ class NodeCredentials:
                 f"only {', '.join(sorted(found.node_ids))}"
             )
         return found
+
+    def __contains__(self, credential: object) -> bool:
+        """Whether ``credential`` (a link's, from an earlier set) is still in
+        this one, with the same token and ids: a reload keeps its links."""
+        return credential in self._entries
 
 
 def _digest(token: str) -> bytes:
