@@ -86,9 +86,17 @@ EDGE_RULES: Final[Rules] = {
     "server.admin_login_failures_per_minute": LIVE,
     "server.keepalive_interval_s": LIVE,
     "server.drain_timeout_s": LIVE,
+    "server.tls_certfile": LIVE,
+    "server.tls_keyfile": LIVE,
     "link": RESTART,
     "link.node_tokens": LIVE,
     "link.hello_timeout_s": LIVE,
+    # The credential set is swapped whole; a removed one's links are closed
+    # (EdgeCore.set_node_credentials).
+    "link.nodes": LIVE,
+    # Certificates are read again on every reload (EdgeCore.apply_config),
+    # renewed in place or moved; turning TLS on or off needs a restart.
+    "link.client_ca": LIVE,
     "scheduler": LIVE,
     "scheduler.prefix_block_chars": RESTART,
     "scheduler.prefix_index_bytes": RESTART,

@@ -204,6 +204,11 @@ class HTTPInstance(InstanceBase, frozen=True, kw_only=True):
         load_scrape_timeout_s: Deadline of one such read.
         load_scrape_max_bytes: Largest page read; a bigger one fails the
             scrape (the figures then age and the edge stops using them).
+        tls_ca_file: For an ``https://`` endpoint: PEM file of the CA(s)
+            that sign the backend's certificate; None: the system's roots
+            (and ``SSL_CERT_FILE`` / ``SSL_CERT_DIR``).
+        tls_verify: False: the backend's certificate is not verified (a
+            self-signed backend); logged as a warning at start-up.
     """
 
     endpoint: str
@@ -221,9 +226,17 @@ class HTTPInstance(InstanceBase, frozen=True, kw_only=True):
     load_scrape_interval_s: float = 1.0
     load_scrape_timeout_s: float = 1.0
     load_scrape_max_bytes: int = DEFAULT_LOAD_SCRAPE_MAX_BYTES
+    tls_ca_file: str | None = None
+    tls_verify: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if (self.tls_ca_file is not None or not self.tls_verify) and not self.endpoint.startswith(
+            "https://"
+        ):
+            raise ValueError("tls_ca_file and tls_verify apply to an https:// endpoint only")
+        if self.tls_ca_file is not None and not self.tls_verify:
+            raise ValueError("tls_ca_file with tls_verify = false: choose one")
         if self.load_scrape_interval_s < 0 or not self.load_scrape_timeout_s > 0:
             raise ValueError("load_scrape_interval_s must be >= 0, load_scrape_timeout_s > 0")
         if self.load_scrape_max_bytes < 1024:
@@ -566,16 +579,29 @@ class NodeEdge(_Config, frozen=True, kw_only=True):
     Attributes:
         url: The edge's link URL, ``ws://host:port/v1/link`` (``wss://`` for TLS).
         token: The node token the edge expects (use ``${VAR}``).
+        tls_ca_file: PEM file of the CA(s) that sign the edge's certificate
+            (``wss://``); None: the system's trusted roots.
+        tls_certfile: The node's own certificate (PEM, chain included), for
+            an edge that asks for one (``link.client_ca``); with ``tls_keyfile``.
+        tls_keyfile: The private key of ``tls_certfile`` (PEM).
     """
 
     url: str
     token: str
+    tls_ca_file: str | None = None
+    tls_certfile: str | None = None
+    tls_keyfile: str | None = None
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("ws://", "wss://")):
             raise ValueError(f"edge url must be ws:// or wss://, got {self.url!r}")
         if not self.token:
             raise ValueError("token must not be empty")
+        if (self.tls_certfile is None) != (self.tls_keyfile is None):
+            raise ValueError("tls_certfile and tls_keyfile go together")
+        tls_keys = (self.tls_ca_file, self.tls_certfile)
+        if not self.url.startswith("wss://") and any(k is not None for k in tls_keys):
+            raise ValueError(f"tls_* keys need a wss:// url, got {self.url!r}")
 
 
 class NodeSection(_Config, frozen=True, kw_only=True):
@@ -747,6 +773,13 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
         write_stall_timeout_s: A client that accepts no response bytes for
             this long is a slow client: its run is cancelled (``slow_client``)
             and its connection closed. ``0`` disables it.
+        tls_certfile: The edge's certificate (PEM, chain included): with
+            ``tls_keyfile`` the edge serves HTTPS and ``wss://`` on every
+            listener. None: plain HTTP.
+        tls_keyfile: The private key of ``tls_certfile`` (PEM).
+        cors_origins: Browser origins (``https://app.example.com``) granted
+            CORS on the API, preflight included; ``*`` grants every origin.
+            Empty: no CORS headers.
     """
 
     host: str = "127.0.0.1"
@@ -781,8 +814,18 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
     # soon; meanwhile its run holds a node slot. Shorter than idle_timeout_s
     # (60 s), which is the patience given to a silent backend.
     write_stall_timeout_s: float = 30.0
+    tls_certfile: str | None = None
+    tls_keyfile: str | None = None
+    cors_origins: list[str] = []
 
     def __post_init__(self) -> None:
+        if (self.tls_certfile is None) != (self.tls_keyfile is None):
+            raise ValueError("tls_certfile and tls_keyfile go together")
+        for origin in self.cors_origins:
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ValueError(
+                    f"cors_origins: {origin!r} is not an origin (scheme://host[:port], or *)"
+                )
         if self.admin_session_s <= 0:
             raise ValueError("admin_session_s must be > 0")
         if self.admin_login_failures_per_minute < 1:
@@ -807,6 +850,33 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
             raise ValueError("max_header_bytes must be >= 1024")
         if self.body_read_timeout_s <= 0:
             raise ValueError("body_read_timeout_s must be > 0")
+
+
+class NodeCredential(_Config, frozen=True, kw_only=True):
+    """One node's own credential (``[[link.nodes]]``); ``iop keys node`` makes one.
+
+    Attributes:
+        name: Names the credential in the edge's log (letters, digits,
+            ``_.-``; at most 64).
+        token_sha256: SHA-256 of the node's token, 64 lower-case hex digits
+            (the token itself is never stored on the edge).
+        node_ids: The node ids this credential may claim; empty: any.
+    """
+
+    name: str
+    token_sha256: str
+    node_ids: list[str] = []
+
+    def __post_init__(self) -> None:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", self.name):
+            raise ValueError(f"link.nodes: name {self.name!r} must be 1-64 letters, digits or _.-")
+        if not re.fullmatch(r"[0-9a-f]{64}", self.token_sha256):
+            raise ValueError(
+                f"link.nodes {self.name!r}: token_sha256 is 64 lower-case hex digits "
+                "(`iop keys node` prints it)"
+            )
+        if any(not i for i in self.node_ids):
+            raise ValueError(f"link.nodes {self.name!r}: node_ids must not contain an empty id")
 
 
 class LinkSettings(_Config, frozen=True, kw_only=True):
@@ -847,9 +917,18 @@ class LinkSettings(_Config, frozen=True, kw_only=True):
             so a firewall can keep the API's clients off the link.
         host: The interface of the link's own port; None: ``server.host``.
             Only with ``port``.
+        nodes: Per-node credentials (``[[link.nodes]]``): each its own token,
+            stored as a digest, revoked alone, optionally bound to node ids.
+        client_ca: PEM file of the CA(s) that sign nodes' certificates:
+            the link's listener then accepts only nodes with a certificate
+            it signed (mutual TLS), on top of their token. Needs
+            ``server.tls_certfile`` and ``port`` (the API's clients have no
+            client certificate).
     """
 
     node_tokens: list[str] = []
+    nodes: list[NodeCredential] = []
+    client_ca: str | None = None
     # An idle link costs the edge one frame in per second and one out per
     # two; a frozen node is lost within 2 s of its last frame.
     heartbeat_interval_s: float = 1.0
@@ -871,6 +950,20 @@ class LinkSettings(_Config, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if self.port is not None and not 0 <= self.port <= 65535:
             raise ValueError("port must be between 0 and 65535")
+        if self.client_ca is not None and self.port is None:
+            raise ValueError(
+                "client_ca needs port: on the API's port every client would need a "
+                "certificate (set link.port to serve the link on its own)"
+            )
+        names: set[str] = set()
+        digests: set[str] = set()
+        for n in self.nodes:
+            if n.name in names:
+                raise ValueError(f"link.nodes: name {n.name!r} is used twice")
+            if n.token_sha256 in digests:
+                raise ValueError(f"link.nodes: {n.name!r} has another entry's token_sha256")
+            names.add(n.name)
+            digests.add(n.token_sha256)
         if self.host is not None and self.port is None:
             raise ValueError("host needs port (without one the link is on server.host:server.port)")
         if not self.hello_timeout_s > 0:
@@ -1386,6 +1479,8 @@ class EdgeConfig(_Config, frozen=True, kw_only=True):
     prices: dict[str, Price] = {}
 
     def __post_init__(self) -> None:
+        if self.link.client_ca is not None and self.server.tls_certfile is None:
+            raise ValueError("link.client_ca needs server.tls_certfile and server.tls_keyfile")
         names: set[str] = set()
         digests: dict[str, str] = {}
         for t in self.tenants:

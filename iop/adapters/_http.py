@@ -49,6 +49,7 @@ import base64
 import contextlib
 import logging
 import socket
+import ssl
 import urllib.request
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
 from contextlib import asynccontextmanager
@@ -70,6 +71,7 @@ from iop.errors import (
     BackendStreamError,
     BackendTimeout,
     BackendUnavailable,
+    ConfigError,
     InvariantError,
     RequestError,
 )
@@ -150,10 +152,37 @@ def environment_proxy(endpoint: str) -> str | None:
     return proxy
 
 
+def backend_tls_context(cfg: HTTPInstance) -> ssl.SSLContext:
+    """The TLS context for an ``https://`` backend: its certificate verified
+    against the system's roots (``SSL_CERT_FILE`` and ``SSL_CERT_DIR``
+    honoured) or ``tls_ca_file``; with ``tls_verify = false`` not verified
+    at all, which is logged as a warning.
+
+    Raises:
+        ConfigError: ``tls_ca_file`` cannot be loaded.
+    """
+    if not cfg.tls_verify:
+        log.warning(
+            "instance %s: tls_verify = false: the certificate of %s is NOT verified "
+            "(anyone on the path can read and change its traffic)",
+            cfg.name,
+            cfg.endpoint,
+        )
+        return httpx.create_ssl_context(verify=False)
+    if cfg.tls_ca_file is not None:
+        try:
+            return ssl.create_default_context(cafile=cfg.tls_ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(
+                f"instance {cfg.name}: tls_ca_file {cfg.tls_ca_file!r}: {exc}"
+            ) from None
+    return httpx.create_ssl_context()  # honours SSL_CERT_FILE and SSL_CERT_DIR
+
+
 def backend_transport(cfg: HTTPInstance) -> httpx.AsyncBaseTransport:
     """The transport to ``cfg.endpoint``: the node's keep-alive pool
     (``iop.adapters._pool``), or httpx's through a proxy the environment names."""
-    tls = httpx.create_ssl_context()  # honours SSL_CERT_FILE and SSL_CERT_DIR
+    tls = backend_tls_context(cfg)
     proxy = environment_proxy(cfg.endpoint)
     if proxy is not None:
         return httpx.AsyncHTTPTransport(

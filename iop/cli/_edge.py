@@ -93,8 +93,10 @@ def edge_config_from_args(args: argparse.Namespace) -> EdgeConfig:
 
         tokens = [expand_env(t, where="--node-token") for t in args.node_token]
         link = msgspec.structs.replace(link, node_tokens=[*link.node_tokens, *tokens])
-    if not link.node_tokens:
-        raise ConfigError("no node token configured: set link.node_tokens or pass --node-token")
+    if not link.node_tokens and not link.nodes:
+        raise ConfigError(
+            "no node token configured: set link.node_tokens or [[link.nodes]], or pass --node-token"
+        )
     require_extras(cfg)
     if cfg.usage.ledger_path:
         from iop.ledger import check_ledger_path

@@ -6,7 +6,9 @@ table that admits it (to stdout, so it can be appended to an edge config;
 with ``--up``, the ``[[edge.tenants]]`` table of ``iop up``'s config):
 the config holds only the key's SHA-256, never the key (docs/operations.md,
 "Tenants and limits"). ``iop keys hash`` prints the digest of a key read
-from stdin, for keys made elsewhere.
+from stdin, for keys made elsewhere. ``iop keys node NAME`` does the same for
+a node: a fresh node token, and the ``[[link.nodes]]`` table that admits it
+(docs/operations.md, "TLS and node credentials").
 
 A key travels in an HTTP header (``Authorization: Bearer``, ``x-api-key``),
 which the edge reads as Latin-1 and which carries no leading or trailing
@@ -26,10 +28,10 @@ import secrets
 import sys
 from typing import Any, Final
 
-from iop.config import TenantKey, TenantSettings
+from iop.config import NodeCredential, TenantKey, TenantSettings
 from iop.errors import ConfigError
 
-__all__ = ["add_parser", "new_key", "tenant_toml"]
+__all__ = ["add_parser", "new_key", "node_toml", "tenant_toml"]
 
 KEY_PREFIX = "iop-"
 # 32 random bytes (256 bits), URL-safe base64: 43 characters after the prefix.
@@ -72,6 +74,65 @@ def tenant_toml(t: TenantSettings, *, up: bool = False) -> str:
     return "\n".join(lines) + "\n"
 
 
+def node_toml(n: NodeCredential) -> str:
+    """The ``[[link.nodes]]`` table of ``n``, as the edge config reads it."""
+    lines = ["[[link.nodes]]", f"name = {json.dumps(n.name)}"]
+    lines.append(f"token_sha256 = {json.dumps(n.token_sha256)}")
+    if n.node_ids:
+        lines.append("node_ids = [" + ", ".join(json.dumps(i) for i in n.node_ids) + "]")
+    return "\n".join(lines) + "\n"
+
+
+def _write_secret(path: str, value: str) -> bool:
+    """Write ``value`` into a new file of mode 0600; False (said on stderr) if it cannot."""
+    try:
+        # O_EXCL: never over another key (nor through a symlink planted there).
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        print(
+            f"iop keys: {path} exists: a key file is never overwritten; "
+            "choose another path (nothing was made)",
+            file=sys.stderr,
+        )
+        return False
+    except OSError as exc:
+        print(
+            f"iop keys: cannot make {path}: {exc.strerror or exc} (nothing was made)",
+            file=sys.stderr,
+        )
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    return True
+
+
+def _node(args: argparse.Namespace) -> int:
+    token = new_key()
+    try:
+        cred = NodeCredential(
+            name=args.name,
+            token_sha256=hashlib.sha256(token.encode()).hexdigest(),
+            node_ids=args.node_id or [],
+        )
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if args.token_file:
+        if not _write_secret(args.token_file, token):
+            return 2
+        print(
+            f"iop keys: the token of node credential {cred.name} is in {args.token_file}",
+            file=sys.stderr,
+        )
+    else:
+        print(
+            f"iop keys: the token of node credential {cred.name} (shown once; the edge keeps "
+            f"only its SHA-256; put it in the node's [[node.edges]] token):\n{token}",
+            file=sys.stderr,
+        )
+    sys.stdout.write(node_toml(cred))
+    return 0
+
+
 def _create(args: argparse.Namespace) -> int:
     key = new_key()
     digest = hashlib.sha256(key.encode()).hexdigest()
@@ -88,24 +149,8 @@ def _create(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     if args.key_file:
-        try:
-            # O_EXCL: never over another key (nor through a symlink planted there).
-            fd = os.open(args.key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            print(
-                f"iop keys: {args.key_file} exists: a key file is never overwritten; "
-                "choose another path (nothing was made)",
-                file=sys.stderr,
-            )
+        if not _write_secret(args.key_file, key):
             return 2
-        except OSError as exc:
-            print(
-                f"iop keys: cannot make {args.key_file}: {exc.strerror or exc} (nothing was made)",
-                file=sys.stderr,
-            )
-            return 2
-        with os.fdopen(fd, "w") as f:
-            f.write(key + "\n")
         print(f"iop keys: the key of tenant {tenant.name} is in {args.key_file}", file=sys.stderr)
     else:
         print(
@@ -191,3 +236,22 @@ def add_parser(sub: Any) -> None:
         description="Read one key from stdin and print its `key_sha256` config line.",
     )
     h.set_defaults(func=_hash)
+    n = keys.add_parser(
+        "node",
+        help="draw a node token; print it once and the [[link.nodes]] table that admits it",
+        description=(
+            "Draw a new random node token. The token goes to stderr (or --token-file, "
+            "created with mode 0600), for the node's [[node.edges]] token; the "
+            "[[link.nodes]] table goes to stdout, ready to append to the edge config: "
+            "`iop keys node gpu-a --node-id gpu-a >> edge.toml`."
+        ),
+    )
+    n.add_argument("name", help="the credential's name (letters, digits, _.-; in the edge's log)")
+    n.add_argument(
+        "--node-id",
+        action="append",
+        metavar="ID",
+        help="a node id the credential may claim (repeat; default: any)",
+    )
+    n.add_argument("--token-file", metavar="PATH", help="write the token here (mode 0600) instead")
+    n.set_defaults(func=_node)

@@ -100,9 +100,10 @@ class Reloader(Generic[C]):
             register_secrets(self._secrets(new))
             restart = self._restart(self.running, new) if callable(self._restart) else self._restart
             plan = plan_reload(self.running, new, self._rules, restart=restart)
-            if plan.applied:
-                # Checks what it must before it changes anything (ConfigError).
-                self._apply(plan.config)
+            # Even when no key changed: a certificate renewed in place is read
+            # again (EdgeCore.apply_config). Checks what it must before it
+            # changes anything (ConfigError).
+            self._apply(plan.config)
         except ConfigError as exc:
             # The reply is not a log line: values that look secret go too.
             return ReloadOutcome.refused(self.source, scrub(exc.message))

@@ -82,6 +82,12 @@ def add_parser(sub: Any) -> None:
         "--port", type=int, default=8000, help="TCP port, 0 for a free one (default: %(default)s)"
     )
     p.add_argument("--config", metavar="FILE", help="TOML file with a [sim] table")
+    p.add_argument(
+        "--tls-certfile",
+        metavar="PEM",
+        help="serve HTTPS with this certificate (with --tls-keyfile)",
+    )
+    p.add_argument("--tls-keyfile", metavar="PEM", help="the private key of --tls-certfile")
     g = p.add_argument_group("simulation (override the config file)")
     g.add_argument("--model", help=f"model name served (default: {_D.model})")
     g.add_argument(
@@ -263,13 +269,18 @@ def _name_values(items: list[str]) -> dict[str, str]:
 
 def _cmd_sim(args: argparse.Namespace) -> int:
     cfg = sim_config_from_args(args)
-    return trio.run(_serve_until_signal, cfg, args.host, args.port)
+    if (args.tls_certfile is None) != (args.tls_keyfile is None):
+        raise ConfigError("--tls-certfile and --tls-keyfile go together")
+    tls = None if args.tls_certfile is None else (args.tls_certfile, args.tls_keyfile)
+    return trio.run(_serve_until_signal, cfg, args.host, args.port, tls)
 
 
-async def _serve_until_signal(cfg: SimConfig, host: str, port: int) -> int:
+async def _serve_until_signal(
+    cfg: SimConfig, host: str, port: int, tls: tuple[str, str] | None = None
+) -> int:
     async with open_stop_signals(log) as stop, trio.open_nursery() as nursery:
         url = await nursery.start(
-            partial(serve_sim, cfg, host, port, shutdown_trigger=stop.drain.wait)
+            partial(serve_sim, cfg, host, port, shutdown_trigger=stop.drain.wait, tls=tls)
         )
         print(f"iop sim: serving model {cfg.model!r} (vLLM wire format) on {url}/v1", flush=True)
         # serve_sim returns once hypercorn has shut down after the first signal.

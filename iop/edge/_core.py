@@ -56,7 +56,7 @@ import trio
 
 from iop._reload import Reloading
 from iop._secrets import SecretMasker, edge_secrets, mask_event
-from iop.config import MAX_LOAD_REPORTS_PER_S, EdgeConfig
+from iop.config import MAX_LOAD_REPORTS_PER_S, EdgeConfig, LinkSettings
 from iop.edge._cluster import SharedLimits, default_edge_id
 from iop.edge._ledger import Ledger
 from iop.edge._metrics import EdgeMetrics
@@ -80,7 +80,9 @@ from iop.edge._tenants import (
     estimate_tokens,
 )
 from iop.edge._timeline_export import TimelineExport
+from iop.edge._tls import EdgeTLS
 from iop.errors import (
+    ConfigError,
     ErrorCode,
     InvariantError,
     LinkAuthError,
@@ -108,6 +110,7 @@ from iop.protocol import (
     FrameChannel,
     LinkClosed,
     LoadReported,
+    NodeCredentials,
     NodeDraining,
     NodeJoined,
     RunEventsReceived,
@@ -402,6 +405,9 @@ class EdgeCore:
         # Client keys, their tenants and limits; the admitted runs' tickets,
         # settled when each run ends (``record_outcome``).
         self.tenants = Tenants(config.tenants, config.server.api_keys, config.tenancy)
+        # What a node's hello may present; each handshake reads the current
+        # set, which a config reload replaces (``set_node_credentials``).
+        self.node_credentials = node_credentials(config.link)
         self._tickets: dict[str, Ticket] = {}
         # What runs cost ([prices]), and the ledger every finished run is
         # written to ([usage] ledger_path; open_edge_core runs it).
@@ -431,6 +437,9 @@ class EdgeCore:
         # and what else holds a live key: called by ``apply_config``.
         self.reloader: Reloading | None = None
         self.reload_hooks: list[Callable[[EdgeConfig], None]] = []
+        # The listeners' TLS contexts (set by serve_edge), read again on
+        # every reload.
+        self.tls: EdgeTLS | None = None
 
     def apply_config(self, config: EdgeConfig) -> None:
         """Run with a reloaded config, whose keys that need a restart are the
@@ -443,8 +452,17 @@ class EdgeCore:
         looked up in the new tenants, a run placed by the new weights, a link
         admitted by the new tokens.
         """
+        # First: what can refuse the reload does so before anything changed.
+        if (self.tls is not None) != EdgeTLS.enabled(config):
+            how = "off" if self.tls is not None else "on"
+            raise ConfigError(f"server.tls_certfile: turning TLS {how} needs a restart")
+        if self.tls is not None:
+            # A certificate that cannot be loaded refuses the reload; the old
+            # contexts stay (EdgeTLS.reload).
+            self.tls.reload(config)
         now = trio.current_time()
         self.config = config
+        self.set_node_credentials(config.link)
         self.scheduler.settings = config.scheduler
         self.prices = Prices(config.prices)
         self.tenants.reconfigure(config.tenants, config.server.api_keys, config.tenancy, now=now)
@@ -717,6 +735,25 @@ class EdgeCore:
 
     # --- node links -------------------------------------------------------------
 
+    def set_node_credentials(self, link: LinkSettings) -> None:
+        """Accept ``link``'s node credentials from the next handshake on (a
+        config reload), and close (4401) every open link whose credential is
+        gone or changed: a revoked token loses its links at once, the other
+        nodes keep theirs (``docs/operations.md``, "TLS and node credentials").
+        """
+        credentials = node_credentials(link)
+        self.node_credentials = credentials
+        log.info("node credentials: %d accepted", len(credentials))
+        for conn in list(self.registry.nodes.values()):
+            held = conn.session.credential
+            if held is not None and not credentials.admits(held, conn.node_id):
+                log.warning(
+                    "node %s: credential %s revoked: closing its link (4401)",
+                    conn.node_id,
+                    held.name,
+                )
+                conn.close(CLOSE_BAD_TOKEN, f"credential {held.name} revoked")
+
     async def handle_link(
         self,
         chan: FrameChannel,
@@ -735,7 +772,7 @@ class EdgeCore:
         """
         link = self.config.link
         session = EdgeSession(
-            tokens=link.node_tokens,
+            tokens=self.node_credentials,
             heartbeat_interval_s=link.heartbeat_interval_s,
             heartbeat_timeout_s=link.heartbeat_timeout_s,
             now=trio.current_time(),
@@ -854,9 +891,12 @@ class EdgeCore:
                 trio.current_time() - old.session.last_seen,
             )
             old.close(CLOSE_REPLACED, "replaced by a new connection")
+        credential = session.credential
         log.info(
-            "node %s connected: %s",
+            "node %s connected from %s with credential %s: %s",
             conn.node_id,
+            conn.peer or "?",
+            credential.name if credential is not None else "?",
             ", ".join(
                 f"{i.caps.instance}({i.caps.adapter}, {i.caps.provider_status}, "
                 f"targets={list(i.caps.targets)}, slots={i.caps.max_concurrency})"
@@ -1218,3 +1258,12 @@ async def open_edge_core(config: EdgeConfig) -> AsyncIterator[EdgeCore]:
             services.cancel_scope.deadline = trio.current_time() + EXPORT_FLUSH_S
             if tracing is not None:
                 await tracing.aclose(config.tracing.export_timeout_s + 1.0)
+
+
+def node_credentials(link: LinkSettings) -> NodeCredentials:
+    """The node credentials ``link`` configures: its shared tokens and its
+    ``[[link.nodes]]`` (``iop.protocol._credentials``)."""
+    return NodeCredentials(
+        shared=link.node_tokens,
+        nodes=((n.name, n.token_sha256, n.node_ids) for n in link.nodes),
+    )

@@ -7,6 +7,7 @@ serves only the link, and the API's no longer does.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import socket
 from collections.abc import Awaitable, Callable, Sequence
@@ -20,9 +21,11 @@ from iop.config import EdgeConfig
 from iop.edge._app import SurfaceRoute, create_edge_app
 from iop.edge._asgi_queue import install as install_app_queue
 from iop.edge._core import EdgeCore, open_edge_core
+from iop.edge._cors import cors
 from iop.edge._http1 import EdgeHypercornConfig, install
 from iop.edge._link_asgi import LINK_PATH, EdgeASGI, LinkEndpoint
 from iop.edge._stall import StallGuard, serve_guarded
+from iop.edge._tls import EdgeTLS, EdgeTLSListener
 from iop.errors import ListenError, listen_error_from
 
 __all__ = ["EdgeHandle", "check_ports", "serve_edge"]
@@ -39,14 +42,17 @@ class EdgeHandle:
 
     Attributes:
         core: The edge's node links, scheduler and runs.
-        url: ``http://host:port`` of the API.
+        url: ``http://host:port`` of the API (``https://`` with TLS).
         link_listener: ``http://host:port`` of the link's own listener
             (``link.port``), None when the link is served on the API's.
+        tls: The listeners' TLS contexts (``server.tls_certfile``), None
+            for plain HTTP; a config reload calls ``tls.reload(config)``.
     """
 
     core: EdgeCore
     url: str
     link_listener: str | None = None
+    tls: EdgeTLS | None = None
 
     @property
     def link_url(self) -> str:
@@ -107,6 +113,9 @@ def _hypercorn_config(config: EdgeConfig, bind: str) -> EdgeHypercornConfig:
     # limit is ever buffered (the frame guard applies the smaller pre-hello
     # one per connection; docs/operations.md "The node link").
     hc.websocket_max_message_size = config.link_frame_bytes
+    # A TLS handshake is a round trip or two: the patience given to a
+    # request head (an unauthenticated peer holds a task meanwhile).
+    hc.ssl_handshake_timeout = config.server.keep_alive_timeout_s
     return hc
 
 
@@ -132,7 +141,9 @@ async def serve_edge(
             be bound.
     """
     stop = shutdown if shutdown is not None else trio.Event()
+    tls = EdgeTLS(config) if EdgeTLS.enabled(config) else None
     async with open_edge_core(config) as core:
+        core.tls = tls
         link = LinkEndpoint(
             core.handle_link,
             hello_limit=config.link.max_hello_bytes,
@@ -140,7 +151,7 @@ async def serve_edge(
         )
         own_port = config.link.port is not None
         api = EdgeASGI(
-            http=create_edge_app(core, routes=routes),
+            http=cors(create_edge_app(core, routes=routes), config.server.cors_origins),
             link=None if own_port else link,
             elsewhere=_LINK_ELSEWHERE if own_port else "",
         )
@@ -160,7 +171,10 @@ async def serve_edge(
             # Every connection gets the write-stall deadline (iop.edge._stall).
             guard = StallGuard(config.server.write_stall_timeout)
 
-            async def listen(app: EdgeASGI, bind: str, until: Callable[[], Awaitable[None]]) -> str:
+            async def listen(
+                app: EdgeASGI, bind: str, until: Callable[[], Awaitable[None]], *, link: bool
+            ) -> str:
+                wrap = None if tls is None else partial(EdgeTLSListener, tls=tls, link=link)
                 try:
                     binds = await nursery.start(
                         partial(
@@ -169,6 +183,7 @@ async def serve_edge(
                             _hypercorn_config(config, bind),
                             guard,
                             shutdown_trigger=until,
+                            tls=wrap,
                         )
                     )
                 except (OSError, BaseExceptionGroup) as exc:
@@ -183,6 +198,31 @@ async def serve_edge(
                 # First: a taken link port then fails before the API says it runs.
                 host = config.link.host or config.server.host
                 link_only = EdgeASGI(http=None, link=link)
-                link_listener = await listen(link_only, f"{host}:{config.link.port}", drained.wait)
-            url = await listen(api, f"{config.server.host}:{config.server.port}", trigger)
-            task_status.started(EdgeHandle(core, url, link_listener))
+                link_listener = await listen(
+                    link_only, f"{host}:{config.link.port}", drained.wait, link=True
+                )
+            url = await listen(
+                api, f"{config.server.host}:{config.server.port}", trigger, link=False
+            )
+            _warn_if_open(config, url)
+            task_status.started(EdgeHandle(core, url, link_listener, tls))
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _warn_if_open(config: EdgeConfig, url: str) -> None:
+    """An edge others can reach, with no client key, serves anyone who asks."""
+    host = config.server.host
+    if config.server.api_keys or config.tenants or _loopback(host):
+        return
+    log.warning(
+        "edge: listening on %s (server.host %s, beyond this machine) with no client key "
+        "(server.api_keys or [[tenants]]): anyone who reaches it may use it",
+        url,
+        host,
+    )

@@ -28,8 +28,8 @@ the connection was marked stalled, ``client_disconnect`` otherwise. A run's
 first cancel reason wins, so the run ends ``slow_client`` either way.
 
 ``serve_guarded`` is hypercorn's trio ``worker_serve`` (0.18) with the
-listeners wrapped: plain HTTP only (TLS is a proxy's job in front of the
-edge), no QUIC.
+listeners wrapped, TLS on top of the guard when the edge has a certificate
+(``iop.edge._tls``), no QUIC.
 """
 
 from __future__ import annotations
@@ -326,12 +326,14 @@ async def serve_guarded(
     guard: StallGuard,
     *,
     shutdown_trigger: Callable[[], Awaitable[None]],
+    tls: Callable[[trio.abc.Listener[Any]], trio.abc.Listener[Any]] | None = None,
     task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``app`` like ``hypercorn.trio.serve``, every connection guarded.
 
-    Hypercorn's ``worker_serve`` (0.18), plain HTTP only, with the listeners
-    wrapped by ``guard`` and the app by ``guard.asgi``.
+    Hypercorn's ``worker_serve`` (0.18), with the listeners wrapped by
+    ``guard`` (and then by ``tls``, which makes them serve TLS: the bound
+    URLs are then ``https://``) and the app by ``guard.asgi``.
     """
     wrapped = wrap_app(cast(Any, guard.asgi(app)), config.wsgi_max_body_size, "asgi")
     lifespan_state: LifespanState = {}
@@ -348,12 +350,12 @@ async def serve_guarded(
             binds: list[str] = []
             for sock in sockets.insecure_sockets:
                 sock.listen(config.backlog)
-                listeners.append(
-                    guard.listener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
-                )
+                listener = guard.listener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
+                listeners.append(listener if tls is None else tls(listener))
                 bind = repr_socket_addr(sock.family, sock.getsockname())
-                binds.append(f"http://{bind}")
-                await config.log.info(f"Running on http://{bind} (CTRL + C to quit)")
+                scheme = "http" if tls is None else "https"
+                binds.append(f"{scheme}://{bind}")
+                await config.log.info(f"Running on {scheme}://{bind} (CTRL + C to quit)")
             task_status.started(binds)
             try:
                 async with trio.open_nursery(strict_exception_groups=True) as nursery:

@@ -84,7 +84,7 @@ from iop.node._instances import (
     scrape_engine_load,
 )
 from iop.node._link import NodeLink, NodeRun
-from iop.node._ws import DEFAULT_CONNECT_TIMEOUT_S, open_ws_link
+from iop.node._ws import DEFAULT_CONNECT_TIMEOUT_S, client_tls_context, open_ws_link
 from iop.protocol import (
     CLOSE_GOING_AWAY,
     CLOSE_HEARTBEAT,
@@ -248,6 +248,9 @@ class NodeAgent:
             inst.slots.on_change = self._load_changed
         self._welcome_timeout_s = welcome_timeout_s
         self._connect_timeout_s = connect_timeout_s
+        # Loaded once, at start-up: a bad CA or certificate file fails the
+        # node with ConfigError naming it, not each dial.
+        self._tls = {edge.url: client_tls_context(edge) for edge in config.node.edges}
         self._links: set[NodeLink] = set()
         self._draining = False
         self._serve_scope: trio.CancelScope | None = None
@@ -493,6 +496,7 @@ class NodeAgent:
             edge.url,
             connect_timeout_s=self._connect_timeout_s,
             max_message_size=self.config.node.max_frame_bytes,
+            ssl_context=self._tls[edge.url],
         )
 
     async def serve(

@@ -4,6 +4,7 @@ See ``iop.protocol._session`` for flow control and liveness, and
 ``docs/protocol.md`` for the wire description.
 """
 
+from iop.protocol._credentials import NodeCredential, NodeCredentials
 from iop.protocol._messages import (
     PROTOCOL_VERSION,
     Assign,
@@ -114,6 +115,8 @@ __all__ = [
     "LinkState",
     "LoadReport",
     "LoadReported",
+    "NodeCredential",
+    "NodeCredentials",
     "NodeDraining",
     "NodeJoined",
     "NodeLinkEvent",

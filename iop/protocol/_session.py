@@ -105,7 +105,6 @@ Link states::
 from __future__ import annotations
 
 import enum
-import hmac
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -132,6 +131,7 @@ from iop.events import (
     Start,
     is_terminal,
 )
+from iop.protocol._credentials import NodeCredential, NodeCredentials
 from iop.protocol._messages import (
     PROTOCOL_VERSION,
     Assign,
@@ -434,7 +434,8 @@ class EdgeSession:
     """The edge's end of one node link.
 
     Args:
-        tokens: Node tokens accepted (compared in constant time).
+        tokens: Node tokens accepted: shared tokens in clear, or the edge's
+            ``NodeCredentials`` (compared in constant time either way).
         heartbeat_interval_s: How long the node may send nothing before it
             pings (told to it in the welcome).
         heartbeat_timeout_s: Silence after which the node is lost; also how
@@ -453,7 +454,7 @@ class EdgeSession:
     def __init__(
         self,
         *,
-        tokens: Iterable[str],
+        tokens: Iterable[str] | NodeCredentials,
         heartbeat_interval_s: float,
         heartbeat_timeout_s: float,
         now: float,
@@ -466,7 +467,11 @@ class EdgeSession:
     ) -> None:
         self.load_reports_per_s = load_reports_per_s
         self.load_stale_s = load_stale_s
-        self._tokens = [t.encode() for t in tokens]
+        self._credentials = (
+            tokens if isinstance(tokens, NodeCredentials) else NodeCredentials(shared=tokens)
+        )
+        # The credential the accepted hello presented (None before).
+        self.credential: NodeCredential | None = None
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.max_hello_bytes = max_hello_bytes
@@ -578,13 +583,7 @@ class EdgeSession:
                 f"node {hello.node_id!r} speaks protocol {hello.protocol_version}, "
                 f"this edge speaks {PROTOCOL_VERSION}"
             )
-        token = hello.token.encode()
-        # Compare against every token, always, so timing reveals nothing.
-        ok = False
-        for t in self._tokens:
-            ok |= hmac.compare_digest(token, t)
-        if not ok:
-            raise LinkAuthError(f"node {hello.node_id!r} presented a bad token")
+        self.credential = self._credentials.check(hello.token, hello.node_id)
         if not hello.node_id:
             raise LinkProtocolError("hello without a node id")
         if hello.max_frame_bytes < 0 or 0 < hello.max_frame_bytes < MIN_PEER_FRAME_BYTES:

@@ -453,6 +453,7 @@ async def serve_sim(
     *,
     app: SimApp | None = None,
     shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+    tls: tuple[str, str] | None = None,
     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve the sim on ``host:port`` until ``shutdown_trigger`` returns.
@@ -470,6 +471,8 @@ async def serve_sim(
         app: Serve this app (from ``create_sim_app``) instead of a new one,
             e.g. to read its ``sim_stats``.
         shutdown_trigger: Returns when the server should stop.
+        tls: ``(certfile, keyfile)``: serve HTTPS (hypercorn's own TLS);
+            the URL is then ``https://``.
         task_status: Receives the bound URL once the socket listens.
 
     Raises:
@@ -482,6 +485,8 @@ async def serve_sim(
     hc.accesslog = None
     hc.errorlog = logging.getLogger("hypercorn.error")
     hc.graceful_timeout = SHUTDOWN_GRACE_S
+    if tls is not None:
+        hc.certfile, hc.keyfile = tls
     async with trio.open_nursery() as nursery:
         try:
             binds: list[str] = await nursery.start(

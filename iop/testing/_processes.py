@@ -64,9 +64,9 @@ POLL_S: Final = 0.02
 # iop/cli/_sim.py ("... on http://HOST:PORT/v1"), iop/cli/_edge.py describe_edge
 # (group 2: the URL nodes dial), iop/cli/_up.py (after describe_edge) and
 # iop/cli/_node.py.
-SIM_READY: Final = r"on (http://\S+)/v1"
-EDGE_READY: Final = r"OpenAI API on (http://\S+)/v1 .*nodes dial (ws://\S+)"
-UP_READY: Final = r"OpenAI API on (http://\S+)/v1 (?s:.*)iop up: ready; models: (.*)\n"
+SIM_READY: Final = r"on (https?://\S+)/v1"
+EDGE_READY: Final = r"OpenAI API on (https?://\S+)/v1 .*nodes dial (wss?://\S+)"
+UP_READY: Final = r"OpenAI API on (https?://\S+)/v1 (?s:.*)iop up: ready; models: (.*)\n"
 NODE_READY: Final = r"iop node: node "
 
 T = TypeVar("T")

@@ -201,3 +201,26 @@ def test_create_says_where_its_table_goes_and_prints_iop_ups_with_up(tmp_path: P
         assert allowed.status_code == 200
     finally:
         proc.stop()
+
+
+def test_node_prints_a_token_once_and_the_link_nodes_table_of_its_digest(tmp_path: Path) -> None:
+    made = iop("keys", "node", "gpu-a", "--node-id", "gpu-a", "--node-id", "gpu-a2")
+    assert made.returncode == 0, made.stderr
+    token = made.stderr.strip().splitlines()[-1]
+    assert token not in made.stdout
+    cfg = decode_config(tomllib.loads(made.stdout), EdgeConfig, source="stdout")
+    (cred,) = cfg.link.nodes
+    assert cred.name == "gpu-a"
+    assert cred.token_sha256 == hashlib.sha256(token.encode()).hexdigest()
+    assert cred.node_ids == ["gpu-a", "gpu-a2"]
+    path = tmp_path / "gpu-a.token"
+    to_file = iop("keys", "node", "gpu-a", "--token-file", str(path))
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert hashlib.sha256(path.read_text().strip().encode()).hexdigest() in to_file.stdout
+    assert "node_ids" not in to_file.stdout  # no binding: any id
+    again = iop("keys", "node", "gpu-a", "--token-file", str(path))
+    assert "exists" in one_line_error(again)
+    assert again.stdout == ""
+    bad = iop("keys", "node", "bad name")
+    assert bad.returncode == 2
+    assert "must be 1-64 letters" in bad.stderr

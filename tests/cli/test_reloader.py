@@ -75,11 +75,13 @@ async def test_a_live_change_is_applied_and_a_restart_key_is_kept() -> None:
     assert applied.node.probe_interval_s == 1.0
     assert applied.node.id == "n1"
     assert reloader.running is applied
-    # The same file again: nothing to apply, the restart key still pending.
+    # The same file again: no key changed, the restart key still pending; it
+    # is applied all the same (files such as certificates are read again).
     again = await reloader.reload("test")
     assert again.status == "unchanged"
     assert again.restart_required == ["node.id"]
-    assert len(files.applied) == 1
+    assert len(files.applied) == 2
+    assert files.applied[1] == applied
 
 
 async def test_a_refused_file_changes_nothing(caplog: pytest.LogCaptureFixture) -> None:
@@ -120,9 +122,10 @@ async def test_reloads_run_one_at_a_time() -> None:
         await trio.testing.wait_all_tasks_blocked()
         assert files.loads == 1  # the second waits for the first
         files.gate.set()
-    # The second is planned against what the first left: nothing more to do.
+    # The second is planned against what the first left: no key changed.
     assert outcomes == ["applied", "unchanged"]
-    assert len(files.applied) == 1
+    assert len(files.applied) == 2
+    assert files.applied[0] == files.applied[1]
 
 
 async def test_sighup_reloads_and_the_drain_ends_the_watch() -> None:

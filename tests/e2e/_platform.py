@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import ssl
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -78,8 +79,8 @@ def _stop_on_error(proc: Proc) -> Iterator[None]:
         raise
 
 
-def _http(base_url: str) -> httpx.Client:
-    return httpx.Client(base_url=base_url, timeout=5.0, trust_env=False)
+def _http(base_url: str, verify: ssl.SSLContext | bool = True) -> httpx.Client:
+    return httpx.Client(base_url=base_url, timeout=5.0, trust_env=False, verify=verify)
 
 
 # --- the sim ---------------------------------------------------------------------------
@@ -90,11 +91,12 @@ class Sim:
     """``iop sim``: the backend in vLLM's wire format, and its ``/sim/stats``."""
 
     proc: Proc
-    url: str  # http://127.0.0.1:PORT
+    url: str  # http://127.0.0.1:PORT (https:// with --tls-certfile)
+    verify: ssl.SSLContext | bool = True  # what the test's clients trust (https)
     _client: httpx.Client = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._client = _http(self.url)
+        self._client = _http(self.url, self.verify)
 
     def close(self) -> None:
         self._client.close()
@@ -137,11 +139,13 @@ class Sim:
         return time.monotonic() - t0
 
 
-def start_sim(log_dir: Path, name: str = "sim", *flags: str) -> Sim:
+def start_sim(
+    log_dir: Path, name: str = "sim", *flags: str, verify: ssl.SSLContext | bool = True
+) -> Sim:
     proc = Proc(name, ["sim", "--port", "0", *flags], log_dir)
     with _stop_on_error(proc):
         m = proc.wait_stdout(SIM_READY)
-    return Sim(proc, m.group(1))
+    return Sim(proc, m.group(1), verify)
 
 
 # --- the edge --------------------------------------------------------------------------
@@ -158,10 +162,11 @@ class Edge:
     # The first of server.admin_keys, if any: what opens /admin* and /metrics
     # once clients have keys (a client key never does).
     admin_key: str | None = None
+    verify: ssl.SSLContext | bool = True  # what the test's clients trust (https)
     _client: httpx.Client = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._client = _http(self.url)
+        self._client = _http(self.url, self.verify)
         if self.api_key is not None:
             self._client.headers["Authorization"] = f"Bearer {self.api_key}"
 
@@ -231,8 +236,13 @@ class Edge:
         return int(self.admin()["outcomes"].get(key, 0))
 
     def openai(self, timeout: float = 30.0) -> openai.OpenAI:
+        http_client = None if self.verify is True else httpx.Client(verify=self.verify)
         return openai.OpenAI(
-            base_url=f"{self.url}/v1", api_key=self.api_key or "x", max_retries=0, timeout=timeout
+            base_url=f"{self.url}/v1",
+            api_key=self.api_key or "x",
+            max_retries=0,
+            timeout=timeout,
+            http_client=http_client,
         )
 
 
@@ -248,6 +258,7 @@ def start_edge(
     port: int = 0,
     token: str = TOKEN,
     log_level: str | None = None,
+    verify: ssl.SSLContext | bool = True,
 ) -> Edge:
     """``iop [--log-level L] edge --port PORT --node-token TOKEN --config <config as TOML>``."""
     cfg = log_dir / f"{name}.toml"
@@ -272,7 +283,7 @@ def start_edge(
     server = config.get("server", {})
     keys = server.get("api_keys") or [None]
     admin_keys = server.get("admin_keys") or [None]
-    return Edge(proc, m.group(1), m.group(2), keys[0], admin_keys[0])
+    return Edge(proc, m.group(1), m.group(2), keys[0], admin_keys[0], verify)
 
 
 # --- the node --------------------------------------------------------------------------
@@ -297,16 +308,17 @@ def start_node(
     token: str = TOKEN,
     log_level: str | None = None,
     tracing: dict[str, Any] | None = None,
+    edge_settings: dict[str, Any] | None = None,
 ) -> Node:
     """``iop node`` with one vllm instance on ``sim_url`` (and ``more_instances``),
-    dialling ``edges`` (link URLs)."""
+    dialling ``edges`` (link URLs), each entry with ``edge_settings`` (TLS files)."""
     config: dict[str, Any] = {
         "node": {
             "id": node_id,
             "reconnect_min_s": 0.1,
             "reconnect_max_s": 1.0,
             **(node or {}),
-            "edges": [{"url": url, "token": token} for url in edges],
+            "edges": [{"url": url, "token": token, **(edge_settings or {})} for url in edges],
         },
         "instances": [
             {"adapter": "vllm", "name": "vllm-sim", "endpoint": sim_url, **(instance or {})},
@@ -418,8 +430,8 @@ class Procs:
         self._owned: list[Proc] = []
         self._closers: list[Edge | Sim] = []
 
-    def sim(self, name: str = "sim", *flags: str) -> Sim:
-        s = start_sim(self.log_dir, name, *flags)
+    def sim(self, name: str = "sim", *flags: str, verify: ssl.SSLContext | bool = True) -> Sim:
+        s = start_sim(self.log_dir, name, *flags, verify=verify)
         self._owned.append(s.proc)
         self._closers.append(s)
         return s

@@ -4,6 +4,8 @@ scripted ``NodeSession`` so every frame the edge sends can be checked."""
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -730,4 +732,51 @@ async def test_affinity_memory_is_bounded(autojump_clock: trio.testing.MockClock
             await node.send(f"r{i}", Start(), Complete())
             await drain_events(run)
         assert len(core.scheduler._affinity) == 3
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_revoked_credential_closes_its_links_and_admits_no_new_one(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "iop.edge")
+
+    def digest(token: str) -> str:
+        return hashlib.sha256(token.encode()).hexdigest()
+
+    a, b = "token-of-node-a-0123456789", "token-of-node-b-0123456789"
+    nodes = [
+        {"name": "gpu-a", "token_sha256": digest(a)},
+        {"name": "gpu-b", "token_sha256": digest(b)},
+    ]
+    cfg = msgspec.convert({"link": {"node_tokens": [TOKEN], "nodes": nodes}}, EdgeConfig)
+    async with open_edge_core(cfg) as core, trio.open_nursery() as nursery:
+        links = {}
+        for node_id, token in (("na", a), ("nb", b), ("shared", TOKEN)):
+            edge_end, node_end = memory_link_pair()
+            nursery.start_soon(core.handle_link, edge_end, node_id)
+            node = FakeNode(node_end, node_id, token=token)
+            await node.hello([caps()])
+            nursery.start_soon(node.serve)
+            links[node_id] = node
+        await trio.testing.wait_all_tasks_blocked()
+        assert set(core.registry.nodes) == {"na", "nb", "shared"}
+        assert "node na connected from na with credential gpu-a" in caplog.text
+        # gpu-a revoked (a reload without its table): its link closes, alone.
+        revoked = msgspec.convert(
+            {"link": {"node_tokens": [TOKEN], "nodes": nodes[1:]}}, EdgeConfig
+        )
+        core.set_node_credentials(revoked.link)
+        await trio.testing.wait_all_tasks_blocked()
+        assert set(core.registry.nodes) == {"nb", "shared"}
+        assert links["na"].closed is not None
+        assert links["na"].closed.close_code == CLOSE_BAD_TOKEN
+        assert "credential gpu-a revoked" in caplog.text
+        # ... and its token admits no new link.
+        edge_end, node_end = memory_link_pair()
+        nursery.start_soon(core.handle_link, edge_end, "na-again")
+        again = FakeNode(node_end, "na", token=a)
+        await node_end.send(again.session.hello([caps()]))
+        with pytest.raises(LinkClosed):
+            await node_end.receive()
+        assert node_end.close_code == CLOSE_BAD_TOKEN
         nursery.cancel_scope.cancel()

@@ -164,3 +164,40 @@ async def test_node_agent_serves_a_run_over_a_real_websocket() -> None:
     assert isinstance(received[0], Start)
     assert isinstance(received[-1], Complete)
     gc.collect()
+
+
+async def _tcp_server(
+    nursery: trio.Nursery, handler: Callable[[trio.SocketStream], Awaitable[None]]
+) -> str:
+    (listener,) = await nursery.start(partial(trio.serve_tcp, handler, 0, host="127.0.0.1"))
+    return f"ws://127.0.0.1:{listener.socket.getsockname()[1]}/v1/link"
+
+
+async def test_an_edge_that_closes_during_the_upgrade_fails_at_once_not_at_the_timeout() -> None:
+    async def close_at_once(stream: trio.SocketStream) -> None:
+        await stream.receive_some()
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        url = await _tcp_server(nursery, close_at_once)
+        # The connect timeout is the test's own deadline: failing by the
+        # timeout would fail the test (the message differs too).
+        with pytest.raises(LinkError, match="closed the connection during the upgrade") as info:
+            async with open_ws_link(url, connect_timeout_s=DEADLINE_S):
+                pass
+        assert "dial it with wss://" in str(info.value)
+        nursery.cancel_scope.cancel()
+    gc.collect()
+
+
+async def test_an_edge_that_never_answers_the_upgrade_times_out_by_name() -> None:
+    async def silent(stream: trio.SocketStream) -> None:
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        url = await _tcp_server(nursery, silent)
+        with pytest.raises(LinkError, match=r"no answer within 0\.2s"):
+            async with open_ws_link(url, connect_timeout_s=0.2):
+                pass
+        nursery.cancel_scope.cancel()
+    gc.collect()
