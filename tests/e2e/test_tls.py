@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
+import socket
 import ssl
 import subprocess
 import sys
@@ -328,3 +330,33 @@ def test_an_https_backend_is_verified_unless_the_instance_opts_out(tls: TLSClust
     assert status == {"unverified": "available", "system-roots": "unavailable"}
     node.proc.stop()
     _no_traceback(node.proc)
+
+
+def _served_certificate(port: int, context: ssl.SSLContext) -> bytes:
+    """The DER certificate the edge presents on ``port`` now."""
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname="127.0.0.1") as tls_sock,
+    ):
+        der = tls_sock.getpeercert(binary_form=True)
+    assert der is not None
+    return der
+
+
+def test_a_certificate_renewed_in_place_is_served_after_a_sighup(tls: TLSCluster) -> None:
+    """Renewing is writing the new files over the old ones and reloading: no
+    key of the config changes, and the next handshakes get the new one."""
+    certs, edge = tls.certs, tls.edge
+    before = _served_certificate(edge.port, certs.client)
+    renewed = certs.ca.issue_cert("127.0.0.1")
+    Path(certs.server_cert).write_bytes(b"".join(b.bytes() for b in renewed.cert_chain_pems))
+    Path(certs.server_key).write_bytes(renewed.private_key_pem.bytes())
+    edge.proc.send(signal.SIGHUP)
+    edge.proc.wait_stderr(r"TLS: certificate reloaded from", timeout=10)
+    after = _served_certificate(edge.port, certs.client)
+    assert after != before
+    assert after == ssl.PEM_cert_to_DER_cert(renewed.cert_chain_pems[0].bytes().decode())
+    # The node's link, made before, goes on; clients are served.
+    with httpx.Client(verify=certs.client, timeout=30) as c:
+        assert c.get(f"{edge.url}/readyz").status_code == 200
+    _no_traceback(edge.proc)
