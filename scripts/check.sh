@@ -7,6 +7,7 @@
 #   bash scripts/check.sh            # uses ./.venv
 #   IOP_VENV=/tmp/v bash scripts/check.sh
 #   bash scripts/check.sh -k sse     # extra arguments go to pytest
+#   IOP_TEST_WORKERS=4 bash scripts/check.sh   # pytest-xdist workers (default: auto, one per core)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -75,4 +76,8 @@ step "mypy --strict iop"
 "$VENV/bin/mypy"
 step "pytest"
 export IOP_REQUIRE_REAL_BACKEND=${IOP_REQUIRE_REAL_BACKEND:-1}
-"$VENV/bin/pytest" --cov=iop --cov-report=term:skip-covered --cov-fail-under=85 "$@"
+# In parallel (pytest-xdist): IOP_TEST_WORKERS processes, each given whole
+# test files, so that a module's fixtures start their processes once; a
+# later -n in "$@" wins (-n 0: serially). docs/testing.md, "Running in parallel".
+"$VENV/bin/pytest" -n "${IOP_TEST_WORKERS:-auto}" --dist loadfile \
+  --cov=iop --cov-report=term:skip-covered --cov-fail-under=85 "$@"

@@ -87,9 +87,11 @@ class Stack:
         slots: int,
         sim_flags: list[str],
     ) -> None:
-        """Start the three at once (each on a port chosen here, so nobody
-        waits for another's start-up line; the node retries until the edge
-        listens), then wait until the edge serves the sim's model."""
+        """Start sim and edge at once (each on a port chosen here), the node
+        once the sim listens (it dials the edge until it listens, but probes
+        the sim once and then only every ``probe_interval_s``: started
+        before the sim listens, it would wait that long to use it), then wait
+        until the edge serves the sim's model."""
         sim_port, edge_port = free_port(), free_port()
         self.sim_url = f"http://127.0.0.1:{sim_port}"
         self.url = f"http://127.0.0.1:{edge_port}"
@@ -127,9 +129,9 @@ class Stack:
         }
         path = self.logdir / "node.toml"
         path.write_text(toml_dumps(node_cfg))
+        sim.wait_stdout(SIM_READY)
         n = self._launch("node", "node", "--config", str(path))
         self.pids = {"edge": e.pid, "node": n.pid, "sim": sim.pid}
-        sim.wait_stdout(SIM_READY)
         e.wait_stdout(EDGE_READY)
 
         def ready() -> bool:

@@ -91,6 +91,8 @@ RECORD_SLACK_S: Final = 1.0
 _READ_BYTES: Final = 64 * 1024
 # The smallest receive buffer the kernel grants a slow reader (it clamps up).
 SLOW_READER_RCVBUF: Final = 1024
+# A cut-off slow reader's buffer while it drains to the close: many segments.
+_DRAIN_RCVBUF: Final = 1024 * 1024
 # /proc/net/tcp state of an established connection.
 _TCP_ESTABLISHED: Final = "01"
 
@@ -205,10 +207,14 @@ class SlowReader:
         )
 
         # What the edge had written is still in its kernel's send buffer
-        # (it grows to megabytes) behind the close, and the tiny receive
-        # window lets through a few KiB per read: read without pause until
-        # the close, or a poll's interval per window would take longer than
-        # the timeout under load.
+        # behind the close, and the tiny receive window lets through a few
+        # KiB per read: read without pause until the close. And open the
+        # window first: with a buffer smaller than a segment, a read never
+        # announces the space it frees, so the edge's kernel learns of it
+        # only from its zero-window probes, whose interval can double from
+        # one window to the next (0.2 s, 0.4 s, ...: a close seen 12 s after
+        # the cut-off on a loaded machine, past the timeout).
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, _DRAIN_RCVBUF)
         deadline = time.monotonic() + timeout
         while self.closed_by_server_at is None:
             left = deadline - time.monotonic()

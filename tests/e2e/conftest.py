@@ -39,7 +39,16 @@ from tests.e2e._platform import (
 DEFAULT_EDGE_CONFIG: dict[str, Any] = {
     # Headers go out (with the role chunk) after 0.5 s without output, so a
     # streaming client holds an open stream while the backend is in "prefill".
-    "server": {"keepalive_interval_s": 0.5, "max_body_bytes": 256 * 1024},
+    # A client that pauses (test_platform.py's slow clients) holds its
+    # stream unread while another reads 20,000 chunks through the SDK: on a
+    # loaded machine that outlasted the default 30 s write-stall deadline,
+    # which cut the paused client off. The deadline itself is tested with
+    # its own edge (test_slow_client.py).
+    "server": {
+        "keepalive_interval_s": 0.5,
+        "max_body_bytes": 256 * 1024,
+        "write_stall_timeout_s": 300.0,
+    },
 }
 
 _STARTED = pytest.StashKey[float]()

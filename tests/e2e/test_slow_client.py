@@ -50,6 +50,10 @@ def _stalled_client(edge: Edge) -> socket.socket:
 
 def _closed_by_server(sock: socket.socket, timeout: float) -> bool:
     """Read what the kernel holds; True once the server closed (EOF or RST)."""
+    # Open the window first, as iop.testing's SlowReader does (its
+    # wait_closed_by_server says why): else the rest comes at the pace of
+    # the edge's zero-window probes.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024 * 1024)
     deadline = time.monotonic() + timeout
     sock.settimeout(0.5)
     while time.monotonic() < deadline:

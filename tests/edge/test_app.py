@@ -42,7 +42,11 @@ def config(**server: object) -> EdgeConfig:
         server=msgspec.structs.replace(
             EdgeServer(port=0, keepalive_interval_s=0.2, drain_timeout_s=1.0), **server
         ),
-        link=LinkSettings(node_tokens=[TOKEN], run_window=8),
+        # Wall-clock tests of the HTTP layer, not of liveness (tested in virtual
+        # time: tests/edge/test_core.py, test_link_hardening.py): on a loaded
+        # machine a CPU-bound test (a hypothesis property) can starve the trio
+        # thread past the default 2 s, and the hand-played node would be lost.
+        link=LinkSettings(node_tokens=[TOKEN], run_window=8, heartbeat_timeout_s=60.0),
         scheduler=SchedulerSettings(max_queue=1, queue_timeout_s=2.0),
         deadlines=Deadlines(first_token_timeout_s=5, idle_timeout_s=5, request_timeout_s=30),
     )

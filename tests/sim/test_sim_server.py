@@ -198,7 +198,9 @@ async def test_truncated_stream_has_no_done() -> None:
 
 
 async def test_client_disconnect_mid_stream_is_seen_by_the_server() -> None:
-    cfg = SimConfig(ttft_s=0.0, tokens_per_s=200, output_tokens=100_000)
+    # Far longer than WAIT_S at this pace; no longer: the sim builds the whole
+    # answer before its headers (100,000 tokens outlasted httpx's 5 s under load).
+    cfg = SimConfig(ttft_s=0.0, tokens_per_s=200, output_tokens=10_000)
     async with running_sim(cfg) as (app, url), httpx.AsyncClient(base_url=url) as client:
         async with client.stream("POST", "/v1/chat/completions", json=chat(stream=True)) as resp:
             lines = 0
@@ -285,7 +287,9 @@ async def test_in_process_adapter_matches_vllm_adapter_over_http(
 
 
 async def test_cancelled_vllm_run_closes_the_sims_stream() -> None:
-    cfg = SimConfig(ttft_s=0.0, tokens_per_s=100, output_tokens=100_000)
+    # Far longer than WAIT_S at this pace; no longer: the sim builds the whole
+    # answer before its headers (100,000 tokens outlasted httpx's 5 s under load).
+    cfg = SimConfig(ttft_s=0.0, tokens_per_s=100, output_tokens=10_000)
     async with running_sim(cfg) as (app, url):
         vllm = VllmAdapter(VllmInstance(name="v", endpoint=url))
         try:

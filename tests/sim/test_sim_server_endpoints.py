@@ -234,8 +234,10 @@ async def test_completions_injected_failures_over_http() -> None:
 
 
 async def test_a_client_that_leaves_a_completions_stream_is_seen() -> None:
-    cfg = SimConfig(ttft_s=0.0, tokens_per_s=200, output_tokens=100_000)
-    body = {"prompt": "x", "stream": True, "max_tokens": 100_000}
+    # Far longer than WAIT_S at this pace; no longer: the sim builds the whole
+    # answer before its headers (100,000 tokens outlasted httpx's 5 s under load).
+    cfg = SimConfig(ttft_s=0.0, tokens_per_s=200, output_tokens=10_000)
+    body = {"prompt": "x", "stream": True, "max_tokens": 10_000}
     async with running_sim(cfg) as (app, url), httpx.AsyncClient(base_url=url) as client:
         async with client.stream("POST", "/v1/completions", json=body) as resp:
             lines = 0
