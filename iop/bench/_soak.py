@@ -497,6 +497,7 @@ class _Stream:
         self._finish = False
         self._error = False
         self._msg_in: dict[str, Any] = {}
+        self.error = ""  # the error terminal's own words
 
     def feed(self, data: str) -> None:
         if self.terminals and not (self.surface in ("chat", "completions") and data == "[DONE]"):
@@ -521,6 +522,7 @@ class _Stream:
         obj = json.loads(data)
         if "error" in obj:
             self._error = True
+            self.error = str(obj["error"])[:200]
             return
         for ch in obj.get("choices") or []:
             delta = ch.get("delta") or {}
@@ -546,6 +548,7 @@ class _Stream:
             self.terminals.append("complete")
         elif kind in ("response.failed", "error"):
             self.terminals.append("error")
+            self.error = str(obj.get("response", {}).get("error") or obj)[:200]
 
     def _feed_messages(self, obj: dict[str, Any]) -> None:
         kind = obj.get("type", "")
@@ -561,6 +564,7 @@ class _Stream:
             self.terminals.append("complete")
         elif kind == "error":
             self.terminals.append("error")
+            self.error = str(obj.get("error"))[:200]
 
 
 def _non_stream_usage(surface: str, doc: dict[str, Any]) -> tuple[tuple[int, int, int], bool]:
@@ -600,8 +604,10 @@ async def send(client: httpx.AsyncClient, req: Request, rng: random.Random, opts
                     req.terminals = 1
                     failed = req.surface == "responses" and doc.get("status") == "failed"
                     req.outcome = "error" if failed else "complete"
-        except (httpx.TransportError, json.JSONDecodeError, KeyError) as exc:
+        except httpx.TransportError as exc:
             req.outcome, req.detail = f"transport {type(exc).__name__}", str(exc)[:200]
+        except (json.JSONDecodeError, KeyError) as exc:  # a body not of its surface's shape
+            req.outcome, req.detail = f"malformed {type(exc).__name__}", str(exc)[:200]
     if deadline.cancelled_caught:
         req.outcome = "hang"
 
@@ -639,7 +645,7 @@ async def _stream(
         return
     req.terminals = len(s.terminals)
     if len(s.terminals) == 1 and s.after_terminal == 0 and s.terminals[0] in TERMINAL_OUTCOMES:
-        req.outcome = s.terminals[0]
+        req.outcome, req.detail = s.terminals[0], s.error
     elif not s.terminals:
         req.outcome = "no terminal"
     else:
