@@ -1104,20 +1104,25 @@ def _num(v: float | None, nd: int = 1) -> str:
 
 
 def plot(result: dict[str, Any], path: Path) -> Path:
-    """RSS and open fds of every process over the run, the faults marked."""
+    """RSS of IOP's processes and Valkey, RSS of llama.cpp's server (ten times
+    theirs: its own axis), and every process's open fds, the faults marked."""
     import_matplotlib()
     import matplotlib.pyplot as plt
 
     series = result["series"]
     minutes = [t / 60 for t in series["t"]]
-    fig, (ax_rss, ax_fd) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    fig, (ax_rss, ax_llama, ax_fd) = plt.subplots(
+        3, 1, figsize=(9, 9), sharex=True, gridspec_kw={"height_ratios": [3, 2, 3]}
+    )
     for role, s in series["procs"].items():
         rss = [None if v is None else v / 1024 for v in s["rss_kb"]]
-        ax_rss.plot(minutes, rss, label=role, linewidth=1.2)
-        ax_fd.plot(minutes, s["fds"], label=role, linewidth=1.2)
+        (ax_llama if role == "llama-server" else ax_rss).plot(
+            minutes, rss, label=role, linewidth=1.2
+        )
+        ax_fd.plot(minutes, s["fds"], label=role, linewidth=1.0)
     for f in result["faults"]:
         reload = f["kind"].startswith("reload")
-        for ax in (ax_rss, ax_fd):
+        for ax in (ax_rss, ax_llama, ax_fd):
             ax.axvline(
                 f["at_s"] / 60,
                 color="#bbbbbb" if reload else "#C44E52",
@@ -1125,9 +1130,14 @@ def plot(result: dict[str, Any], path: Path) -> Path:
                 linewidth=0.8,
             )
     ax_rss.set_ylabel("RSS (MiB)")
+    ax_rss.set_ylim(bottom=0)
+    ax_llama.set_ylabel("llama-server\nRSS (MiB)")
+    ax_llama.set_ylim(bottom=0)
     ax_fd.set_ylabel("open fds")
+    ax_fd.set_ylim(bottom=0)
     ax_fd.set_xlabel("minutes (red dashes: kills and restarts; grey dots: reloads)")
-    ax_rss.legend(fontsize=8, ncol=3)
+    ax_rss.legend(fontsize=8, ncol=3, loc="lower right")
+    ax_fd.legend(fontsize=8, ncol=3, loc="lower right")
     ax_rss.set_title("Soak: every process's memory and file descriptors over the run")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
