@@ -291,3 +291,23 @@ def test_error_body_of_the_surface() -> None:
             "code": "model_not_found",
         }
     }
+
+
+# --- cached prompt tokens -----------------------------------------------------------
+
+CACHED = Usage(input_tokens=30, output_tokens=2, cached_input_tokens=20)
+
+
+def test_cached_prompt_tokens_reach_the_client_as_the_ledger_charges_them() -> None:
+    # The ledger charges a completed run's cached tokens at the cached price
+    # (docs/operations.md, "Usage and budgets"), so the client must see them:
+    # OpenAI's CompletionUsage carries them in prompt_tokens_details, as chat
+    # does (iop/api/chat/_encode.py). Found by the soak (iop/bench/_soak.py):
+    # llama.cpp reuses its prompt cache, and the ledger's cached tokens
+    # exceeded what the clients of /v1/completions were told.
+    _, obj = collect([Start(), Delta("a"), Complete(usage=CACHED)])
+    validate_completion(obj)
+    assert obj["usage"]["prompt_tokens_details"] == {"cached_tokens": 20}
+    chunks = stream([Start(), Delta("a"), Complete(usage=CACHED)], include_usage=True)
+    validate_completion_chunk(chunks[-1])
+    assert chunks[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 20}

@@ -62,15 +62,16 @@ def validate_completion(obj: Any) -> None:
     vLLM sends ``"system_fingerprint": null`` and ``"usage":
     {"prompt_tokens_details": null}`` where OpenAI's schema wants an object
     or string, or no key (a backend's deviation a gateway must normalise):
-    they are asserted to be exactly null, dropped, and the rest validated.
+    they are dropped when null, and the rest validated (an object
+    ``prompt_tokens_details``, as IOP sends with cached tokens, is OpenAI's).
     """
     obj = copy.deepcopy(obj)
     for parent, key in (
         (obj, "system_fingerprint"),
         (obj.get("usage") or {}, "prompt_tokens_details"),
     ):
-        if key in parent:
-            assert parent.pop(key) is None
+        if key in parent and parent[key] is None:
+            del parent[key]
     _validator("CreateCompletionResponse").validate(obj)
 
 

@@ -55,14 +55,24 @@ class _Choice(msgspec.Struct, frozen=True, gc=False):
     finish_reason: str | None
 
 
-class _Usage(msgspec.Struct, frozen=True, gc=False):
+class _PromptTokensDetails(msgspec.Struct, frozen=True, gc=False):
+    cached_tokens: int
+
+
+class _Usage(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    # OpenAI's CompletionUsage.prompt_tokens_details, as chat has it: the
+    # ledger charges cached tokens at their own price (docs/operations.md,
+    # "Usage and budgets"), so the client is told them; left out with none.
+    prompt_tokens_details: _PromptTokensDetails | None = None
 
 
 def _usage(usage: Usage) -> _Usage:
-    return _Usage(usage.input_tokens, usage.output_tokens, usage.total_tokens)
+    cached = usage.cached_input_tokens
+    details = _PromptTokensDetails(cached) if cached else None
+    return _Usage(usage.input_tokens, usage.output_tokens, usage.total_tokens, details)
 
 
 class _Chunk(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
