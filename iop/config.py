@@ -473,6 +473,20 @@ class SuperviseSettings(_Config, frozen=True, kw_only=True):
 DEFAULT_LLAMACPP_ALIAS: Final = "SmolLM2-135M-Instruct"
 
 
+# llama.cpp keeps past prompts' state in host memory up to its --cache-ram
+# (8,192 MiB by default), which the soak saw grow a managed server by 16 MiB a
+# minute (docs/benchmarks.md, "Soak: 30 minutes with faults"). 256 MiB holds
+# many prompts of a small model; 0 turns that cache off (a slot's own prompt
+# cache still serves a repeated prefix).
+DEFAULT_LLAMACPP_CACHE_RAM_MIB: Final = 256
+MAX_LLAMACPP_CACHE_RAM_MIB: Final = 1 << 20  # 1 TiB: a typo, not a machine
+
+
+def _check_cache_ram_mib(value: int) -> None:
+    if not 0 <= value <= MAX_LLAMACPP_CACHE_RAM_MIB:
+        raise ValueError(f"cache_ram_mib must be 0..{MAX_LLAMACPP_CACHE_RAM_MIB}, got {value}")
+
+
 class LlamaCppInstance(InstanceBase, frozen=True, tag="llamacpp", kw_only=True):
     """llama.cpp's own server, started and supervised by the node (``iop.managed``).
 
@@ -491,6 +505,8 @@ class LlamaCppInstance(InstanceBase, frozen=True, tag="llamacpp", kw_only=True):
         parallel: Concurrent request slots; also the instance's
             ``max_concurrency`` unless that is set.
         threads: CPU threads of the server.
+        cache_ram_mib: Host memory for past prompts' state (llama.cpp's
+            ``--cache-ram``); 0: none.
         chat_template_file: Jinja chat template instead of the model's own.
         embeddings: Also serve ``/v1/embeddings`` (and advertise it).
         log_file: Append the server's log here instead of the node's log.
@@ -508,6 +524,7 @@ class LlamaCppInstance(InstanceBase, frozen=True, tag="llamacpp", kw_only=True):
     ctx: int = 4096
     parallel: int = 2
     threads: int = 1
+    cache_ram_mib: int = DEFAULT_LLAMACPP_CACHE_RAM_MIB
     chat_template_file: str | None = None
     embeddings: bool = False
     log_file: str | None = None
@@ -535,6 +552,7 @@ class LlamaCppInstance(InstanceBase, frozen=True, tag="llamacpp", kw_only=True):
             raise ValueError("host must not be empty")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be 0..65535, got {self.port}")
+        _check_cache_ram_mib(self.cache_ram_mib)
         for name in ("ctx", "parallel", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -1573,6 +1591,8 @@ class EmbeddedBackend(_Config, frozen=True, kw_only=True):
         threads: llama.cpp threads (1 keeps it fast on a shared machine).
         parallel: llama.cpp slots (concurrent runs).
         ctx: Total context, split across slots.
+        cache_ram_mib: Host memory for past prompts' state (llama.cpp's
+            ``--cache-ram``); 0: none.
         embeddings: Also serve ``/v1/embeddings`` from llama.cpp (its
             ``--embeddings``, mean pooling) and advertise the operation.
         supervise: Restarts, crash loop and liveness of the llama.cpp server.
@@ -1584,6 +1604,7 @@ class EmbeddedBackend(_Config, frozen=True, kw_only=True):
     threads: int = 1
     parallel: int = 2
     ctx: int = 4096
+    cache_ram_mib: int = DEFAULT_LLAMACPP_CACHE_RAM_MIB
     # Off by default: most clients of `iop up` chat, and the model is a chat model.
     embeddings: bool = False
     supervise: SuperviseSettings = SuperviseSettings()
@@ -1593,6 +1614,7 @@ class EmbeddedBackend(_Config, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         # The llamacpp instance checks them too, but only once iop up runs:
         # here a bad value is a config error that names the key and file.
+        _check_cache_ram_mib(self.cache_ram_mib)
         for name in ("threads", "parallel", "ctx"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

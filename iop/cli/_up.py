@@ -158,6 +158,7 @@ def llamacpp_instance(emb: EmbeddedBackend) -> LlamaCppInstance:
         threads=emb.threads,
         parallel=emb.parallel,
         ctx=emb.ctx,
+        cache_ram_mib=emb.cache_ram_mib,
         embeddings=emb.embeddings,
         supervise=emb.supervise,
     )

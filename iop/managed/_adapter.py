@@ -77,6 +77,7 @@ def llamacpp_settings(cfg: LlamaCppInstance) -> LlamaCppSettings:
         ctx=cfg.ctx,
         parallel=cfg.parallel,
         threads=cfg.threads,
+        cache_ram_mib=cfg.cache_ram_mib,
         chat_template_file=cfg.chat_template_file,
         embeddings=cfg.embeddings,
         log_file=cfg.log_file,

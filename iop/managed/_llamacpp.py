@@ -130,6 +130,9 @@ class LlamaCppSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
             one collapses throughput when the cores are shared
             (docs/benchmarks.md, "Earlier measurements: The real llama.cpp
             backend").
+        cache_ram_mib: Host memory for past prompts' state (llama.cpp's
+            ``--cache-ram``; ``iop.config.DEFAULT_LLAMACPP_CACHE_RAM_MIB``
+            says why the default); 0: none.
         chat_template_file: Jinja template to use instead of the model's own
             (e.g. a Hermes-style one with tool calls).
         embeddings: Also serve ``/v1/embeddings`` (llama.cpp's
@@ -154,6 +157,7 @@ class LlamaCppSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     ctx: int = 4096
     parallel: int = 2
     threads: int = 1
+    cache_ram_mib: int = 256
     chat_template_file: str | None = None
     embeddings: bool = False
     log_file: str | None = None
@@ -175,6 +179,8 @@ class LlamaCppSettings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
         for name in ("ctx", "parallel", "threads"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.cache_ram_mib < 0:
+            raise ValueError(f"cache_ram_mib must be >= 0, got {self.cache_ram_mib}")
         if self.ctx < self.parallel:
             raise ValueError(f"ctx {self.ctx} leaves no context for {self.parallel} slots")
         for name in ("ready_timeout_s", "health_timeout_s", "stop_grace_s", "liveness_timeout_s"):
@@ -246,7 +252,8 @@ def launcher_command(settings: LlamaCppSettings) -> list[str]:
     s = settings
     cmd = [sys.executable, "-m", LAUNCHER_MODULE, "--host", s.host, "--port", str(s.port)]
     cmd += ["--alias", s.alias, "--ctx", str(s.ctx), "--parallel", str(s.parallel)]
-    cmd += ["--threads", str(s.threads), "--stop-on-stdin-eof"]
+    cmd += ["--threads", str(s.threads), "--cache-ram-mib", str(s.cache_ram_mib)]
+    cmd += ["--stop-on-stdin-eof"]
     if s.model is not None:
         cmd += ["--model", s.model]
     if s.chat_template_file is not None:

@@ -221,6 +221,13 @@ def build_parser() -> argparse.ArgumentParser:
         "throughput when other processes share the cores (default: %(default)s)",
     )
     ap.add_argument(
+        "--cache-ram-mib",
+        type=int,
+        default=256,
+        help="host memory for past prompts' state (llama.cpp's --cache-ram; its own default "
+        "is 8,192 MiB); 0: none (default: %(default)s)",
+    )
+    ap.add_argument(
         "--chat-template-file",
         default=None,
         help="Jinja chat template to use instead of the model's own (e.g. one with tool support)",
@@ -352,6 +359,7 @@ def _params(xlc: Any, args: argparse.Namespace, model_path: str, template: str |
     p.n_parallel = args.parallel
     p.cpuparams.n_threads = args.threads
     p.cpuparams_batch.n_threads = args.threads
+    p.cache_ram_mib = args.cache_ram_mib
     p.offline = True  # never try to reach a model hub
     p.use_jinja = True  # Jinja chat templates: needed for tool calls
     p.ui = False
