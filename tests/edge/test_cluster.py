@@ -244,7 +244,8 @@ async def test_without_coredis_the_config_error_says_what_to_install(
 ) -> None:
     monkeypatch.setitem(sys.modules, "coredis", None)
     with pytest.RaisesGroup(
-        pytest.RaisesExc(ConfigError, match=r"iop\[cluster\]"), flatten_subgroups=True
+        pytest.RaisesExc(ConfigError, match=r"pip install 'iop-platform\[cluster\]'"),
+        flatten_subgroups=True,
     ):
         async with edge("redis://127.0.0.1:1/0", _prefix(), [_tenant(requests_per_minute=1)], "a"):
             pass
