@@ -98,7 +98,8 @@ def test_a_backend_that_is_down_says_why_everywhere(procs: Procs) -> None:
     edge = procs.edge(EDGE_CONFIG)
     node = start_node(procs.log_dir, [edge.link_url], f"http://127.0.0.1:{port}", node_id="n1")
     procs.adopt(node.proc)
-    poll(lambda: edge.admin()["nodes"], timeout=20, what="the node to connect")
+    # poll stops at anything but None and False: an empty list would not wait.
+    poll(lambda: edge.admin()["nodes"] != [], timeout=20, what="the node to connect")
 
     node.proc.wait_stderr(rf"instance status: vllm-sim=unavailable \(.*{cause}\)", timeout=10)
     assert f"vllm-sim (vllm http://127.0.0.1:{port}, unavailable: " in node.proc.stdout()
