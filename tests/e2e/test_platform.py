@@ -695,7 +695,7 @@ def test_a_starved_slow_client_that_leaves_releases_the_backend(
         # client has it: wait for that, then only the slow one is open.
         poll(
             lambda: cluster.sim.stats()["open_streams"] == 1,
-            timeout=5,
+            timeout=30,
             what="the sim to count only the slow stream open",
         )
     _after_disconnect(cluster, disconnects, cancelled, "slow client left while starved of credit")
