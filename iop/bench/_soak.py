@@ -51,7 +51,6 @@ The run measures and records; the suite's two-minute run
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -67,7 +66,7 @@ import httpx
 import msgspec
 import trio
 
-from iop.bench._edges import valkey_binary
+from iop.bench._edges import key_digest, valkey_binary
 from iop.bench._platform import descendants, import_matplotlib, proc_cpu_s
 from iop.bench._runner import ReportInput, RunContext, register
 from iop.bench._stress import rss_kb
@@ -153,10 +152,6 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 # --------------------------------------------------------------------------- processes
 
 
-def _digest(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
 def _fd_count(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
@@ -227,14 +222,14 @@ class _Stack:
             "tenants": [
                 {
                     "name": "alpha",
-                    "keys": [{"sha256": _digest(_KEYS["alpha"]), "name": "alpha-ci"}],
+                    "keys": [{"sha256": key_digest(_KEYS["alpha"]), "name": "alpha-ci"}],
                     # Changed by every reload, never reached.
                     "requests_per_minute": self.reload_rpm,
                     "max_concurrent_runs": 1000,
                 },
                 {
                     "name": "beta",
-                    "key_sha256": [_digest(_KEYS["beta"])],
+                    "key_sha256": [key_digest(_KEYS["beta"])],
                     "tokens_per_minute": 100_000_000,
                 },
             ],

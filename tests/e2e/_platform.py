@@ -16,6 +16,7 @@ the only timing assertions are generous upper bounds on liveness.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import ssl
 import time
@@ -26,6 +27,7 @@ from typing import Any, Final
 
 import httpx
 import openai
+import pytest
 
 from iop.testing import (
     EDGE_READY,
@@ -462,3 +464,19 @@ class Procs:
         # Nodes first (they were started last), then edges, then backends.
         for proc in reversed(self._owned):
             proc.stop()
+
+
+def require_real_backend() -> None:
+    """Skip the test when the real llama.cpp backend cannot run here; fail it
+    instead under ``IOP_REQUIRE_REAL_BACKEND=1`` (scripts/check.sh sets it)."""
+    from iop.managed import llamacpp_available
+
+    reason = llamacpp_available()
+    if reason is None:
+        return
+    if os.environ.get("IOP_REQUIRE_REAL_BACKEND") == "1":
+        pytest.fail(
+            f"IOP_REQUIRE_REAL_BACKEND=1 but the real llama.cpp backend cannot run: {reason}",
+            pytrace=False,
+        )
+    pytest.skip(f"real llama.cpp backend unavailable: {reason}")

@@ -36,9 +36,8 @@ import httpx
 import openai
 import pytest
 
-from iop.managed import llamacpp_available
 from iop.managed._llamacpp_server import default_model_path
-from tests.e2e._platform import Edge, Proc, Procs, poll, toml_dumps
+from tests.e2e._platform import Edge, Proc, Procs, poll, require_real_backend, toml_dumps
 from tests.edge._openai_schema import validate_error
 
 pytestmark = [pytest.mark.real_backend, pytest.mark.slow]
@@ -64,18 +63,6 @@ SUPERVISE: Final[dict[str, Any]] = {
 SERVER_READY: Final = re.compile(
     r"embedded llama\.cpp server is ready at (http://\S+) in \S+ \(model load \S+, pid (\d+)\)"
 )
-
-
-def _require_backend() -> None:
-    reason = llamacpp_available()
-    if reason is None:
-        return
-    if os.environ.get("IOP_REQUIRE_REAL_BACKEND") == "1":
-        pytest.fail(
-            f"IOP_REQUIRE_REAL_BACKEND=1 but the real llama.cpp backend cannot run: {reason}",
-            pytrace=False,
-        )
-    pytest.skip(f"real llama.cpp backend unavailable: {reason}")
 
 
 # --- the servers a test signalled, never left frozen or running ----------------------
@@ -290,7 +277,7 @@ class Up:
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    _require_backend()
+    require_real_backend()
     log_dir = tmp_path_factory.mktemp("up")
     config = log_dir / "up.toml"
     # Three slots: the three surfaces stream at once.
@@ -371,7 +358,7 @@ def test_a_crash_loop_then_an_operator_then_a_kill_under_a_node(procs: Procs) ->
     """A server that exits at start (a corrupt model) is restarted until the crash-loop
     limit, then left down with the reason everywhere; SIGUSR1 after the fix starts it;
     a ``kill -9`` mid-stream then ends the stream ``backend_lost`` and it comes back."""
-    _require_backend()
+    require_real_backend()
     model = procs.log_dir / "model.gguf"
     model.write_bytes(b"not a gguf file\n")
     edge: Edge = procs.edge({"server": {"keepalive_interval_s": 0.5}})

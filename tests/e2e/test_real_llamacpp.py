@@ -54,7 +54,6 @@ from iop.managed import (
     LlamaCppEndpoint,
     LlamaCppSettings,
     launcher_command,
-    llamacpp_available,
     open_llamacpp,
     serve_llamacpp,
 )
@@ -69,7 +68,7 @@ from iop.spec import (
     OperationRequest,
     TokenizeRequest,
 )
-from tests.e2e._platform import poll
+from tests.e2e._platform import poll, require_real_backend
 
 pytestmark = pytest.mark.real_backend
 
@@ -88,22 +87,10 @@ THREAD_MARGIN_S: Final = 30.0
 SERVER_THREAD: Final = "llama.cpp server"
 
 
-def _require_backend() -> None:
-    reason = llamacpp_available()
-    if reason is None:
-        return
-    if os.environ.get("IOP_REQUIRE_REAL_BACKEND") == "1":
-        pytest.fail(
-            f"IOP_REQUIRE_REAL_BACKEND=1 but the real llama.cpp backend cannot run: {reason}",
-            pytrace=False,
-        )
-    pytest.skip(f"real llama.cpp backend unavailable: {reason}")
-
-
 @pytest.fixture
 def backend() -> None:
     """Skip (or fail, in CI) when the real backend cannot run here."""
-    _require_backend()
+    require_real_backend()
 
 
 @contextlib.contextmanager
@@ -158,7 +145,7 @@ def llamacpp_in_a_thread(settings: LlamaCppSettings) -> Iterator[LlamaCppEndpoin
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaCppEndpoint]:
-    _require_backend()
+    require_real_backend()
     log_file = tmp_path_factory.mktemp("llamacpp") / "server.log"
     settings = msgspec.structs.replace(SETTINGS, log_file=str(log_file))
     with llamacpp_in_a_thread(settings) as endpoint:

@@ -22,28 +22,22 @@ from typing import Any, Final
 import openai
 import pytest
 
-from iop.managed import llamacpp_available
 from tests.api.messages._sdk import validate_message
 from tests.api.responses._schema import validate_response
-from tests.e2e._platform import LOG_LINE, Proc, poll, read_stream, validated_completion
+from tests.e2e._platform import (
+    LOG_LINE,
+    Proc,
+    poll,
+    read_stream,
+    require_real_backend,
+    validated_completion,
+)
 
 pytestmark = pytest.mark.real_backend
 
 ALIAS: Final = "SmolLM2-135M-Instruct"
 MESSAGES: list[Any] = [{"role": "user", "content": "Say hello."}]
 READY_TIMEOUT_S: Final = 120.0
-
-
-def _require_backend() -> None:
-    reason = llamacpp_available()
-    if reason is None:
-        return
-    if os.environ.get("IOP_REQUIRE_REAL_BACKEND") == "1":
-        pytest.fail(
-            f"IOP_REQUIRE_REAL_BACKEND=1 but the real llama.cpp backend cannot run: {reason}",
-            pytrace=False,
-        )
-    pytest.skip(f"real llama.cpp backend unavailable: {reason}")
 
 
 @dataclass
@@ -58,7 +52,7 @@ class Up:
 
 @pytest.fixture(scope="module")
 def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    _require_backend()
+    require_real_backend()
     proc = Proc("iop-up", ["up", "--port", "0"], tmp_path_factory.mktemp("up"))
     try:
         ready = proc.wait_stdout(r"iop up: ready; models: .*", timeout=READY_TIMEOUT_S)
