@@ -1020,7 +1020,7 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
         placement: How a run's instance is chosen among those with a free
             slot: ``least_loaded`` (with ``affinity`` first),
             ``prefix`` (the expected cached prefix, load and affinity
-            scored, ``iop.edge._prefix``), or ``random`` (a baseline for
+            scored, ``iop.edge.scheduler._prefix``), or ``random`` (a baseline for
             benchmarks).
         prefix_block_chars: Characters of rendered prompt per block of the
             prefix index (about a quarter as many tokens).
@@ -1227,7 +1227,7 @@ class TenantSettings(_Config, frozen=True, kw_only=True):
     Keys are stored as SHA-256 digests (lower-case hex), never in clear:
     ``iop keys create`` makes a key and prints this table for it. A limit of
     0 is no limit. Limits are token buckets refilled continuously
-    (``iop.edge._tenants``): a tenant may burst its whole minute at once and
+    (``iop.edge.tenancy._tenants``): a tenant may burst its whole minute at once and
     then gets ``limit / 60`` more every second.
 
     Attributes:
@@ -1325,7 +1325,7 @@ class TenancySettings(_Config, frozen=True, kw_only=True):
             ``max_tokens`` reserves against its tenant's
             ``tokens_per_minute`` until it ends.
         cache_salt_key: The secret a tenant's ``cache_salt`` is derived
-            from (``iop.edge._tenants``). Empty: a fixed public key, which
+            from (``iop.edge.tenancy._tenants``). Empty: a fixed public key, which
             isolates tenants as well (no client chooses its salt) but lets
             someone who reaches a backend directly compute a tenant's salt
             from its name. Set it, the same on every edge, where backends
@@ -1352,7 +1352,7 @@ class Price(_Config, frozen=True, kw_only=True):
 
     A run costs ``(input - cached) * input + cached * cached_input + output *
     output``, divided by a million and rounded up to a whole micro-unit
-    (``iop.edge._ledger.cost_micros``).
+    (``iop.edge.tenancy._ledger.cost_micros``).
 
     Attributes:
         input: Per million prompt tokens not served from the prefix cache.
@@ -1393,7 +1393,7 @@ MAX_LEDGER_BUFFER: Final = 1_000_000
 
 
 class UsageSettings(_Config, frozen=True, kw_only=True):
-    """The usage ledger: every finished run's usage, durably (``iop.edge._ledger``).
+    """The usage ledger: every finished run's usage, durably (``iop.edge.tenancy._ledger``).
 
     Attributes:
         ledger_path: The SQLite file of the ledger (WAL mode); empty: no
@@ -1425,7 +1425,7 @@ class UsageSettings(_Config, frozen=True, kw_only=True):
 
 
 class ClusterSettings(_Config, frozen=True, kw_only=True):
-    """Several edges sharing their tenants' limits in Valkey (``iop.edge._cluster``).
+    """Several edges sharing their tenants' limits in Valkey (``iop.edge.tenancy._cluster``).
 
     The issue and docs call it ``[edge.cluster]``; in the edge's own file it
     is ``[cluster]``. Without ``valkey_url`` every limit stays in this
@@ -1516,7 +1516,7 @@ class EdgeConfig(_Config, frozen=True, kw_only=True):
             if clash & digests.keys():
                 raise ValueError("a key in server.api_keys is also a tenant's key")
             # Two tenants of one name would share what is kept by name (stored
-            # responses, metrics): "default" is iop.edge._tenants.DEFAULT.
+            # responses, metrics): "default" is iop.edge.tenancy._tenants.DEFAULT.
             if "default" in names:
                 raise ValueError(
                     "tenant name 'default' is the tenant of server.api_keys: name it otherwise"
@@ -1548,7 +1548,7 @@ class EdgeConfig(_Config, frozen=True, kw_only=True):
 
     @property
     def tenant_count(self) -> int:
-        """How many tenants the edge has (``iop.edge._tenants.Tenants``): the
+        """How many tenants the edge has (``iop.edge.tenancy._tenants.Tenants``): the
         ``[[tenants]]``, plus ``default`` for ``server.api_keys``, or the one
         ``anonymous`` of an edge with no keys at all."""
         return len(self.tenants) + (1 if self.server.api_keys or not self.tenants else 0)

@@ -3,8 +3,8 @@
 Every finished run of an edge is one ``UsageRecord``: when it ended, whose
 it was (tenant, key name), what ran where (model, operation, node,
 instance, attempts), what it used (the usage its tenant is charged:
-``iop.edge._tenants.charged_usage``), how it ended and what it cost. The
-edge's writer (``iop.edge._ledger``) appends them in batches to a SQLite
+``iop.edge.tenancy._tenants.charged_usage``), how it ended and what it cost. The
+edge's writer (``iop.edge.tenancy._ledger``) appends them in batches to a SQLite
 file in WAL mode; ``iop usage`` and ``/admin/usage`` read it back
 (``LedgerStore.report``), and a restarted edge restores its tenants'
 budgets and rate windows from it (``LedgerStore.spent``,
@@ -113,7 +113,7 @@ class UsageRecord(msgspec.Struct, frozen=True, kw_only=True):
     Attributes:
         run_id: The run's id (its timeline's).
         at: When it ended (Unix seconds).
-        tenant: Its tenant (``iop.edge._tenants``).
+        tenant: Its tenant (``iop.edge.tenancy._tenants``).
         key_name: The name of the key it came with (``[[tenants]] keys``);
             ``sha256:`` and 12 digits of an unnamed key's digest; empty for
             the open edge and ``server.api_keys``.

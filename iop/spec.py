@@ -324,7 +324,7 @@ class ExecutionSpec(_Base, frozen=True):
         cache_salt: The backend prefix cache the run may use and fill:
             runs of one salt share it, runs of another never do (vLLM's
             per-request ``cache_salt``). The edge's digest of the run's
-            tenant (``iop.edge._tenants``), never its name or key; empty:
+            tenant (``iop.edge.tenancy._tenants``), never its name or key; empty:
             no salt (a tenant that shares its cache, or an edge with one
             tenant). Adapters of backends that isolate per request send it;
             the others ignore it.

@@ -251,7 +251,7 @@ class Timeline(msgspec.Struct, kw_only=True):
     run_id: str
     model: str = ""
     operation: str = ""
-    # The client's tenant (iop.edge._tenants): "" where there is none (a node).
+    # The client's tenant (iop.edge.tenancy._tenants): "" where there is none (a node).
     tenant: str = ""
     stream: bool = True
     received_unix: float = 0.0

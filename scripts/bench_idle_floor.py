@@ -65,10 +65,10 @@ def _phase_fn(aligned: bool, interval: float) -> Any:
 
 async def _serve(mode: str, links: int, interval: float, window: float, aligned: bool) -> None:
     from iop.config import EdgeConfig
-    from iop.edge._http1 import install
-    from iop.edge._link_asgi import EdgeASGI, LinkEndpoint
-    from iop.edge._serve import _hypercorn_config
-    from iop.edge._stall import StallGuard, serve_guarded
+    from iop.edge.server._http1 import install
+    from iop.edge.server._link_asgi import EdgeASGI, LinkEndpoint
+    from iop.edge.server._serve import _hypercorn_config
+    from iop.edge.server._stall import StallGuard, serve_guarded
     from iop.errors import LinkClosed
 
     cfg = EdgeConfig()

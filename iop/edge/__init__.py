@@ -8,7 +8,7 @@ app routes each surface's requests through one generic handler.
 
 from iop.edge._app import SurfaceRoute, bearer_key, create_edge_app
 from iop.edge._core import EdgeCore, RemoteExecutor, open_edge_core
-from iop.edge._serve import EdgeHandle, check_ports, serve_edge
+from iop.edge.server._serve import EdgeHandle, check_ports, serve_edge
 
 __all__ = [
     "EdgeCore",

@@ -10,7 +10,7 @@ Anthropic's shapes, ``iop.api._models``), ``GET /healthz``, ``GET /readyz``,
 page's buttons; ``POST /admin/reload``: ``_admin_auth`` says who may open
 them). The node link WebSocket
 (``/v1/link``) is served beside this app, at the ASGI level
-(``iop.edge._link_asgi``). Every error a client sees is its API's error
+(``iop.edge.server._link_asgi``). Every error a client sees is its API's error
 body (OpenAI's, except on a surface route whose surface has its own) with
 the right status; the one HTML answer to a refused request is ``/admin``'s
 login form, for people.
@@ -33,7 +33,7 @@ What is already queued is coalesced into one send (docs/benchmarks.md,
 "Earlier measurements: The trio-stack spike"). When the client goes
 away, quart-trio cancels the generator and its ``finally`` cancels the run
 with ``client_disconnect`` (``slow_client`` when the edge's write-stall
-guard closed the connection, ``iop.edge._stall``); the run task, owned by the
+guard closed the connection, ``iop.edge.server._stall``); the run task, owned by the
 core's supervisor and not by the request, then tells the node from a
 shielded scope.
 
@@ -90,7 +90,9 @@ from iop.api import (
     wants_anthropic,
 )
 from iop.config import EdgeConfig
-from iop.edge._admin_auth import (
+from iop.edge._core import EdgeCore
+from iop.edge._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from iop.edge.routes._admin_auth import (
     ADMIN_OFF_MESSAGE,
     COOKIE_NAME,
     METRICS_OFF_MESSAGE,
@@ -98,7 +100,7 @@ from iop.edge._admin_auth import (
     MetricsGate,
     Verdict,
 )
-from iop.edge._admin_page import (
+from iop.edge.routes._admin_page import (
     RECENT_ON_PAGE,
     USAGE_DAYS,
     render_admin_page,
@@ -106,12 +108,10 @@ from iop.edge._admin_page import (
     render_off_page,
     render_run_page,
 )
-from iop.edge._core import EdgeCore
-from iop.edge._link_asgi import LINK_PATH
-from iop.edge._metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from iop.edge._stall import ConnectionStall, client_gone_reason, current_connection
-from iop.edge._surface_asgi import BodyReader, EndKnownBody, SurfaceAnswer, SurfaceASGI
-from iop.edge._tenants import (
+from iop.edge.server._link_asgi import LINK_PATH
+from iop.edge.server._stall import ConnectionStall, client_gone_reason, current_connection
+from iop.edge.server._surface_asgi import BodyReader, EndKnownBody, SurfaceAnswer, SurfaceASGI
+from iop.edge.tenancy._tenants import (
     RateLimited,
     Tenant,
     no_access,
@@ -143,7 +143,7 @@ COUNT_TOKENS_PATH: Final = "/v1/messages/count_tokens"
 # A request that sent no key at all is told so, not that its key was wrong.
 NO_KEY: Final = "No API key provided: send one as `Authorization: Bearer KEY`."
 ANTHROPIC_NO_KEY: Final = "No API key provided: send one in the `x-api-key` header."
-# The admin views' and /metrics' 401: which key they want (iop/edge/_admin_auth.py).
+# The admin views' and /metrics' 401: which key they want (iop/edge/routes/_admin_auth.py).
 _ADMIN_KEY_WANTED: Final = (
     "send one of server.admin_keys as `Authorization: Bearer KEY` "
     "(a client key never opens the admin views)."
@@ -1225,7 +1225,7 @@ def _cut_off_when_slow(connection: ConnectionStall) -> Callable[[TerminalEvent],
     """A run's ``on_outcome`` that closes its client's connection on ``slow_client``.
 
     The run's sink can find the client stalled before the connection's own
-    guard does (``iop.edge._stall``, both bound by write_stall_timeout_s);
+    guard does (``iop.edge.server._stall``, both bound by write_stall_timeout_s);
     either way the client is cut off, not left a connection it may read
     again."""
 

@@ -57,8 +57,6 @@ import trio
 from iop._reload import Reloading
 from iop._secrets import SecretMasker, edge_secrets, mask_event
 from iop.config import MAX_LOAD_REPORTS_PER_S, EdgeConfig, LinkSettings
-from iop.edge._cluster import SharedLimits, default_edge_id
-from iop.edge._ledger import Ledger
 from iop.edge._metrics import EdgeMetrics
 from iop.edge._registry import (
     EVEN_SHARE,
@@ -71,7 +69,11 @@ from iop.edge._registry import (
     Scheduler,
     affinity_key,
 )
-from iop.edge._tenants import (
+from iop.edge._timeline_export import TimelineExport
+from iop.edge.server._tls import EdgeTLS
+from iop.edge.tenancy._cluster import SharedLimits, default_edge_id
+from iop.edge.tenancy._ledger import Ledger
+from iop.edge.tenancy._tenants import (
     Tenant,
     Tenants,
     Ticket,
@@ -79,8 +81,6 @@ from iop.edge._tenants import (
     estimate_prompt_tokens,
     estimate_tokens,
 )
-from iop.edge._timeline_export import TimelineExport
-from iop.edge._tls import EdgeTLS
 from iop.errors import (
     ConfigError,
     ErrorCode,
@@ -489,7 +489,7 @@ class EdgeCore:
 
         Args:
             spec: The run.
-            ticket: The client's admission by its tenant (``iop.edge._tenants``),
+            ticket: The client's admission by its tenant (``iop.edge.tenancy._tenants``),
                 settled when the run ends; its tenant's share orders the queue,
                 and its tenant's cache salt keeps the run's prefix cache apart.
             collect: The caller reads the events only to build one answer
@@ -536,7 +536,7 @@ class EdgeCore:
         self.scheduler.admit(model, op, EVEN_SHARE if ticket is None else ticket.tenant.share)
         if ticket is not None:
             # The tenant's own prefix cache, on the edge and on the backend
-            # (iop.edge._tenants, "Prefix caches").
+            # (iop.edge.tenancy._tenants, "Prefix caches").
             salt = self.tenants.cache_salt(ticket.tenant, spec.request)
             if salt:
                 spec = msgspec.structs.replace(spec, cache_salt=salt)
@@ -935,7 +935,7 @@ class EdgeCore:
             conn.close_code, conn.close_reason = code, close_reason(str(exc))
         finally:
             if self.registry.remove(conn):
-                # A new link of this node starts cold (iop.edge._prefix).
+                # A new link of this node starts cold (iop.edge.scheduler._prefix).
                 self.scheduler.prefixes.forget(conn.node_id)
             session.close()
             conn.wake = _nothing

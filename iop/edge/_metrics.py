@@ -178,7 +178,7 @@ class EdgeMetrics:
 
     def record(self, run: Run, now: float, charged: Usage | None) -> None:
         """Count one ended run (called once per run, off the hot path), and
-        for its tenant what it was ``charged`` (``iop.edge._tenants.charged_usage``)."""
+        for its tenant what it was ``charged`` (``iop.edge.tenancy._tenants.charged_usage``)."""
         model = run.spec.model
         o = run.outcome
         if isinstance(o, Complete):
@@ -234,7 +234,7 @@ class EdgeMetrics:
         Label values (node ids, instance names, models) come from nodes,
         which may echo a secret; a client chooses none of them (``model`` is
         one a node serves, ``tenant`` a configured name: docs/operations.md,
-        "Tenants and limits"). Who may scrape: ``iop.edge._admin_auth``.
+        "Tenants and limits"). Who may scrape: ``iop.edge.routes._admin_auth``.
         """
         text = generate_latest(self.registry)
         if not self.masker:

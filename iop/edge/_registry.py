@@ -91,7 +91,7 @@ import trio
 from iop._secrets import SecretMasker, mask_event
 from iop.capabilities import Capabilities, ProviderStatus
 from iop.config import SchedulerSettings
-from iop.edge._prefix import PrefixIndex, prompt_blocks
+from iop.edge.scheduler._prefix import PrefixIndex, prompt_blocks
 from iop.errors import (
     RETRYABLE_CANCEL_REASONS,
     RETRYABLE_CODES,
@@ -566,7 +566,7 @@ def affinity_key(request: OperationRequest, scope: str = "") -> str | None:
     of the model and the conversation's head messages (chat) or the prompt's
     head (legacy completions). Embeddings and token counts without ``user``
     have no conversation and no prefix to reuse: None. ``scope`` (the run's
-    cache salt: its tenant's, ``iop.edge._tenants``) comes first, so that
+    cache salt: its tenant's, ``iop.edge.tenancy._tenants``) comes first, so that
     another tenant's identical head or ``user`` is another conversation;
     the empty scope is the shared cache.
     """
@@ -643,7 +643,7 @@ class QueueShare:
     """Whose a queued run is, for fair queueing (docs/operations.md, "Tenants and limits").
 
     Attributes:
-        tenant: The run's tenant (``iop.edge._tenants``).
+        tenant: The run's tenant (``iop.edge.tenancy._tenants``).
         priority: Its class: 0 (high) is served before 1 (normal) before 2 (low).
         weight: Its tenant's share of its class (> 0).
     """
@@ -668,7 +668,7 @@ class _Waiter:
     exclude: frozenset[str]
     affinity: str | None = None
     operation: str = "chat"
-    prefix: Sequence[bytes] = ()  # the prompt's blocks (iop.edge._prefix)
+    prefix: Sequence[bytes] = ()  # the prompt's blocks (iop.edge.scheduler._prefix)
     seq: int = 0  # arrival order across groups
     share: QueueShare = EVEN_SHARE
     # Virtual start and finish tags (start-time fair queueing, ``dispatch``).

@@ -16,7 +16,7 @@ class OneToOneChannel(Generic[T]):
 
     What ``trio.open_memory_channel(capacity)`` gives, for one producer and
     one consumer (a run's sink and ``RunEvents``; hypercorn and an edge
-    request's ASGI app, ``iop.edge._asgi_queue``): the same
+    request's ASGI app, ``iop.edge.server._asgi_queue``): the same
     ``send_nowait``/``send``/``receive`` semantics (``WouldBlock`` when full,
     ``EndOfChannel`` after the sender closed and the buffer is drained,
     ``BrokenResourceError`` to a sender whose consumer closed, a checkpoint

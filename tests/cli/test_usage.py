@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from iop.config import TenancySettings, TenantSettings, decode_config
-from iop.edge._tenants import Tenants
+from iop.edge.tenancy._tenants import Tenants
 from iop.ledger import LedgerStore, UsageRecord
 from iop.testing import toml_dumps
 from tests.cli.test_keys import iop

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import trio
 
-from iop.edge._admin_auth import COOKIE_NAME
+from iop.edge.routes._admin_auth import COOKIE_NAME
 from tests.edge._openai_schema import validate_error
 from tests.edge.test_app import config, edge
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from iop.config import EdgeConfig, load_config
-from iop.edge._admin_auth import BRAKE_WINDOW_S, AdminGate, MetricsGate, Verdict, key_matches
+from iop.edge.routes._admin_auth import BRAKE_WINDOW_S, AdminGate, MetricsGate, Verdict, key_matches
 from iop.errors import ConfigError
 
 KEY = "sk-admin-1"

@@ -461,7 +461,7 @@ async def test_admin_page() -> None:
 
 
 def test_admin_page_escapes_what_nodes_report() -> None:
-    from iop.edge._admin_page import render_admin_page
+    from iop.edge.routes._admin_page import render_admin_page
 
     snap = {
         "nodes": [

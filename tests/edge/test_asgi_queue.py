@@ -11,8 +11,8 @@ import trio.testing
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
-from iop.edge._asgi_queue import AppQueue, app_queue, install
-from iop.edge._http1 import EdgeHypercornConfig
+from iop.edge.server._asgi_queue import AppQueue, app_queue, install
+from iop.edge.server._http1 import EdgeHypercornConfig
 
 REQUEST = b"GET /%s HTTP/1.1\r\nhost: x\r\n\r\n"
 
@@ -122,7 +122,7 @@ async def test_without_an_app_queue_a_task_watches_for_the_disconnect() -> None:
     # own watcher task cancels the answer when http.disconnect arrives.
     from quart import Response
 
-    from iop.edge._surface_asgi import SurfaceASGI
+    from iop.edge.server._surface_asgi import SurfaceASGI
 
     answered: list[str] = []
 

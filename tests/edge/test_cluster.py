@@ -1,4 +1,4 @@
-"""Shared limits in a real Valkey (iop.edge._cluster): the Lua scripts' rules,
+"""Shared limits in a real Valkey (iop.edge.tenancy._cluster): the Lua scripts' rules,
 two edges at once, a dead edge's slots, and the fail-open share.
 
 Each test has its own key prefix on the session's ``valkey-server``
@@ -21,8 +21,8 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from iop.config import ClusterSettings, TenancySettings, TenantSettings
-from iop.edge._cluster import SharedLimits
-from iop.edge._tenants import RateLimited, Tenants, Via
+from iop.edge.tenancy._cluster import SharedLimits
+from iop.edge.tenancy._tenants import RateLimited, Tenants, Via
 from iop.errors import ConfigError
 from iop.events import Usage
 from iop.testing import free_port
@@ -252,7 +252,7 @@ async def test_without_coredis_the_config_error_says_what_to_install(
 
 
 def test_the_admin_page_says_whose_limits_it_shows() -> None:
-    from iop.edge._admin_page import render_admin_page
+    from iop.edge.routes._admin_page import render_admin_page
 
     up = {"edge_id": "edge-<a>", "valkey_up": True, "live_edges": 2, "pending_settlements": 0}
     page = render_admin_page({"cluster": up}).decode()

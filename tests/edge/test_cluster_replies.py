@@ -1,4 +1,4 @@
-"""The cluster scripts' replies, decoded (iop.edge._cluster_replies, sans-IO).
+"""The cluster scripts' replies, decoded (iop.edge.tenancy._cluster_replies, sans-IO).
 
 What a real Valkey answers decodes; anything else is ``BadReply`` and
 nothing else: the edge maps that one exception to a fault (the wire-level
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from iop.edge._cluster_replies import (
+from iop.edge.tenancy._cluster_replies import (
     MAX_LIVE_EDGES,
     BadReply,
     Reservation,

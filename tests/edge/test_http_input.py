@@ -125,7 +125,7 @@ async def _first_read(url: str, data: bytes) -> bytes:
 
 
 async def test_the_response_head_goes_out_with_the_body() -> None:
-    # One write, not two (iop/edge/_http1.py): the head alone would be the first read.
+    # One write, not two (iop/edge/server/_http1.py): the head alone would be the first read.
     async with edge(with_node=False) as (handle, _, _):
         got = await _first_read(handle.url, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
     [(status, _, body)] = _responses(got)
@@ -152,7 +152,7 @@ async def test_a_stream_head_goes_out_with_its_first_chunk() -> None:
 @pytest.fixture
 def writes(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
     """Every write the edge makes to a client's socket, as the kernel took it."""
-    from iop.edge import _stall
+    from iop.edge.server import _stall
 
     got: list[bytes] = []
     real = _stall._write_now
@@ -176,7 +176,7 @@ def _post_closing(body: bytes) -> bytes:
 async def test_a_stream_opens_with_its_first_chunk_and_ends_with_its_last(
     writes: list[bytes],
 ) -> None:
-    # iop/edge/_app.py _sse_body and iop/edge/_http1.py: the head, the opening
+    # iop/edge/_app.py _sse_body and iop/edge/server/_http1.py: the head, the opening
     # chunk and the first output in one write; the last events and the chunked
     # terminator in one write (it was 4 writes: head and opening, first chunk,
     # last chunk, terminator).
@@ -325,7 +325,7 @@ async def test_an_idle_connection_after_a_get_is_closed_after_keep_alive_timeout
     """After a response from a quart route, hypercorn restarts the idle timer
     from the app's task while quart-trio cancels that task's nursery (on the
     ``http.disconnect`` that ends the stream): the timer died at birth and an
-    idle keep-alive connection stayed open for good (iop/edge/_http1.py)."""
+    idle keep-alive connection stayed open for good (iop/edge/server/_http1.py)."""
     async with edge(config(keep_alive_timeout_s=0.5)) as (handle, _, _):
         host, port = handle.url.removeprefix("http://").rsplit(":", 1)
         stream = await trio.open_tcp_stream(host, int(port))
@@ -342,7 +342,7 @@ async def test_a_connection_the_client_closes_is_released_at_once() -> None:
     """A client that closes its keep-alive connection after an answer takes
     its handler with it: hypercorn's reader sees the EOF, but its task group
     used to wait for the idle timer, so the socket and two tasks stayed for
-    ``keep_alive_timeout_s`` after the client left (iop/edge/_http1.py)."""
+    ``keep_alive_timeout_s`` after the client left (iop/edge/server/_http1.py)."""
     from iop.events import Complete, Delta, Start
 
     async with edge(config(keep_alive_timeout_s=30)) as (handle, node, _):

@@ -1,4 +1,4 @@
-"""The usage ledger (iop.ledger, iop.edge._ledger) and budgets (iop.edge._tenants):
+"""The usage ledger (iop.ledger, iop.edge.tenancy._ledger) and budgets (iop.edge.tenancy._tenants):
 the store and the rules without a clock, the writer on a real SQLite file."""
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from prometheus_client import CollectorRegistry
 
 from iop.config import EdgeConfig, Price, TenancySettings, TenantSettings, UsageSettings
 from iop.config import decode_config as decode
-from iop.edge._admin_page import render_admin_page
-from iop.edge._cluster_replies import BadReply, decode_budget
-from iop.edge._ledger import Ledger
-from iop.edge._tenants import RateLimited, Tenants, Ticket
+from iop.edge.routes._admin_page import render_admin_page
+from iop.edge.tenancy._cluster_replies import BadReply, decode_budget
+from iop.edge.tenancy._ledger import Ledger
+from iop.edge.tenancy._tenants import RateLimited, Tenants, Ticket
 from iop.errors import ConfigError
 from iop.events import Usage
 from iop.ledger import (

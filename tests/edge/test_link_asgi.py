@@ -1,4 +1,4 @@
-"""The node link served at the ASGI level (``iop.edge._link_asgi``), over real sockets.
+"""The node link served at the ASGI level (``iop.edge.server._link_asgi``), over real sockets.
 
 hypercorn serves ``EdgeASGI`` on loopback exactly as ``serve_edge`` does
 (``serve_guarded``, the edge's hypercorn config); the client is the node's
@@ -22,10 +22,10 @@ import trio.testing
 
 from iop.config import EdgeConfig, LinkSettings
 from iop.edge import EdgeHandle, serve_edge
-from iop.edge._http1 import install
-from iop.edge._link_asgi import EdgeASGI, LinkEndpoint
-from iop.edge._serve import _hypercorn_config
-from iop.edge._stall import StallGuard, serve_guarded
+from iop.edge.server._http1 import install
+from iop.edge.server._link_asgi import EdgeASGI, LinkEndpoint
+from iop.edge.server._serve import _hypercorn_config
+from iop.edge.server._stall import StallGuard, serve_guarded
 from iop.errors import LinkClosed, LinkLimitError, LinkProtocolError
 from iop.node import open_ws_link
 from iop.protocol import (

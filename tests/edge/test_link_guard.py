@@ -1,4 +1,4 @@
-"""The link's frame guard inside hypercorn (``iop.edge._link_guard``), piece by piece.
+"""The link's frame guard inside hypercorn (``iop.edge.server._link_guard``), piece by piece.
 
 The end-to-end proof is ``tests/e2e/test_link_limits.py`` (a real edge cuts
 a 4 MiB pre-hello frame at 256 KiB and logs it), and
@@ -15,7 +15,7 @@ import pytest
 from hypercorn.protocol.ws_stream import FrameTooLargeError, WebsocketBuffer
 from wsproto.events import BytesMessage, CloseConnection
 
-from iop.edge._link_guard import LinkFrameGuard, LinkFrameLimits, _GuardedBuffer
+from iop.edge.server._link_guard import LinkFrameGuard, LinkFrameLimits, _GuardedBuffer
 
 
 def chunk(n: int, *, last: bool = False) -> BytesMessage:

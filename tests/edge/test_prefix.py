@@ -1,4 +1,4 @@
-"""Prefix-aware placement (iop.edge._prefix and the scheduler's ``prefix``
+"""Prefix-aware placement (iop.edge.scheduler._prefix and the scheduler's ``prefix``
 placement): prompt blocks, the bounded index, and where runs go, over
 in-memory links in virtual time."""
 
@@ -12,7 +12,7 @@ import trio.testing
 
 from iop.config import SchedulerSettings
 from iop.edge import open_edge_core
-from iop.edge._prefix import ENTRY_BYTES, PrefixIndex, prompt_blocks
+from iop.edge.scheduler._prefix import ENTRY_BYTES, PrefixIndex, prompt_blocks
 from iop.events import CancelReason
 from iop.spec import ChatRequest, CompletionRequest, EmbeddingRequest, ExecutionSpec, Message
 from tests.edge.test_core import caps, config, connect, drain_events

@@ -1,4 +1,4 @@
-"""The edge's write-stall guard (iop.edge._stall) on real loopback sockets."""
+"""The edge's write-stall guard (iop.edge.server._stall) on real loopback sockets."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import trio
 
-from iop.edge._stall import StallGuard, client_gone_reason, current_connection
+from iop.edge.server._stall import StallGuard, client_gone_reason, current_connection
 from iop.events import CancelReason
 
 STALL_S = 0.3

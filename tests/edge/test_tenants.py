@@ -1,4 +1,4 @@
-"""Client keys as tenants (iop.edge._tenants): the rules without a clock, then
+"""Client keys as tenants (iop.edge.tenancy._tenants): the rules without a clock, then
 the edge's HTTP answers with the official SDKs as clients."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from iop.config import EdgeConfig, EdgeServer, TenancySettings, TenantSettings, decode_config
-from iop.edge._tenants import (
+from iop.edge.tenancy._tenants import (
     ANONYMOUS,
     DEFAULT,
     Bucket,

@@ -313,7 +313,7 @@ async def test_a_cancelled_runs_line_waits_for_its_nodes_side(
 
 
 def test_the_run_page_draws_its_spans_and_escapes_what_nodes_report() -> None:
-    from iop.edge._admin_page import render_run_page
+    from iop.edge.routes._admin_page import render_run_page
     from iop.timeline import Placement, Stall, StallKind
 
     evil = "<script>alert(1)</script>"

@@ -1,5 +1,5 @@
 """TLS and node-credential settings: what the config refuses, and the edge's
-TLS contexts reloaded from their files (``iop.edge._tls``)."""
+TLS contexts reloaded from their files (``iop.edge.server._tls``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 import trustme
 
 from iop.config import EdgeConfig, load_config
-from iop.edge._tls import EdgeTLS
+from iop.edge.server._tls import EdgeTLS
 from iop.errors import ConfigError
 
 SHA = "ab" * 32

@@ -8,7 +8,7 @@ request naming it continues that conversation (``iop.api.responses._request``
 puts it before the new input). Keeping whole conversations, not links to a
 parent, means one evicted response never breaks the chains built on it.
 
-Every response belongs to the tenant that created it (``iop.edge._tenants``;
+Every response belongs to the tenant that created it (``iop.edge.tenancy._tenants``;
 the edge passes the tenant's name) and is found only by that tenant: another
 tenant's id is looked up in the asking tenant's own entries, so it is
 answered exactly as an id that was never issued.

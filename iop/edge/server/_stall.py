@@ -29,7 +29,7 @@ first cancel reason wins, so the run ends ``slow_client`` either way.
 
 ``serve_guarded`` is hypercorn's trio ``worker_serve`` (0.18) with the
 listeners wrapped, TLS on top of the guard when the edge has a certificate
-(``iop.edge._tls``), no QUIC.
+(``iop.edge.server._tls``), no QUIC.
 """
 
 from __future__ import annotations

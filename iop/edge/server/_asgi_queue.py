@@ -23,7 +23,7 @@ finds none (another server, a websocket) works as before.
 Hypercorn has no hook for it: ``TCPServer.run`` builds a ``TaskGroup`` found
 in ``hypercorn.trio.tcp_server``'s namespace. ``install()`` puts
 ``EdgeTaskGroup`` there once; it is hypercorn's own unless the server's
-config is an ``EdgeHypercornConfig`` (as ``iop/edge/_http1.py`` does for the
+config is an ``EdgeHypercornConfig`` (as ``iop/edge/server/_http1.py`` does for the
 protocol class), so other hypercorn servers in the process (``iop up``'s
 sim) are untouched. Hypercorn is pinned below 0.19;
 ``tests/edge/test_asgi_queue.py`` serves through real sockets, so a
@@ -41,7 +41,7 @@ from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio.task_group import TaskGroup, _handle
 from hypercorn.typing import AppWrapper, ASGIReceiveEvent, ASGISendEvent, Scope
 
-from iop.edge._http1 import EdgeHypercornConfig
+from iop.edge.server._http1 import EdgeHypercornConfig
 from iop.runtime._channel import OneToOneChannel
 
 __all__ = ["APP_QUEUE", "AppQueue", "EdgeTaskGroup", "app_queue", "install"]

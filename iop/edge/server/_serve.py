@@ -1,7 +1,7 @@
 """Running the edge: hypercorn's trio worker serving the app, with a drain.
 
 One listener (``server.host:server.port``) serves the API and the node link
-(``iop.edge._link_asgi.EdgeASGI``). With ``link.port`` set, a second one
+(``iop.edge.server._link_asgi.EdgeASGI``). With ``link.port`` set, a second one
 serves only the link, and the API's no longer does.
 """
 
@@ -19,13 +19,13 @@ import trio
 
 from iop.config import EdgeConfig
 from iop.edge._app import SurfaceRoute, create_edge_app
-from iop.edge._asgi_queue import install as install_app_queue
 from iop.edge._core import EdgeCore, open_edge_core
-from iop.edge._cors import cors
-from iop.edge._http1 import EdgeHypercornConfig, install
-from iop.edge._link_asgi import LINK_PATH, EdgeASGI, LinkEndpoint
-from iop.edge._stall import StallGuard, serve_guarded
-from iop.edge._tls import EdgeTLS, EdgeTLSListener
+from iop.edge.server._asgi_queue import install as install_app_queue
+from iop.edge.server._cors import cors
+from iop.edge.server._http1 import EdgeHypercornConfig, install
+from iop.edge.server._link_asgi import LINK_PATH, EdgeASGI, LinkEndpoint
+from iop.edge.server._stall import StallGuard, serve_guarded
+from iop.edge.server._tls import EdgeTLS, EdgeTLSListener
 from iop.errors import ListenError, listen_error_from
 
 __all__ = ["EdgeHandle", "check_ports", "serve_edge"]
@@ -155,9 +155,9 @@ async def serve_edge(
             link=None if own_port else link,
             elsewhere=_LINK_ELSEWHERE if own_port else "",
         )
-        # Smuggling and header-size guards below the app (iop/edge/_http1.py).
+        # Smuggling and header-size guards below the app (iop/edge/server/_http1.py).
         install()
-        # Each request's receive queue tells a disconnect (iop/edge/_asgi_queue.py).
+        # Each request's receive queue tells a disconnect (iop/edge/server/_asgi_queue.py).
         install_app_queue()
         drained = trio.Event()
 
@@ -168,7 +168,7 @@ async def serve_edge(
             drained.set()  # the links are closed (1001): the link's listener may stop
 
         async with trio.open_nursery() as nursery:
-            # Every connection gets the write-stall deadline (iop.edge._stall).
+            # Every connection gets the write-stall deadline (iop.edge.server._stall).
             guard = StallGuard(config.server.write_stall_timeout)
 
             async def listen(

@@ -42,7 +42,7 @@ __all__ = ["EdgeTLS", "EdgeTLSListener"]
 log = logging.getLogger("iop.edge.tls")
 
 # The edge speaks HTTP/1.1 only (its framing guards are h11's,
-# iop.edge._http1); offering h2 in ALPN would hand h2 clients to hypercorn's
+# iop.edge.server._http1); offering h2 in ALPN would hand h2 clients to hypercorn's
 # unguarded HTTP/2 protocol.
 _ALPN: Final = ["http/1.1"]
 # The answer to plain HTTP (or ws://) sent to a TLS listener.

@@ -15,7 +15,7 @@ characters each (about a quarter as many tokens), with no tokenizer: an
 approximation of the backend's blocks, which is all placement needs.
 
 Per tenant: a prompt's blocks are seeded with its run's cache scope (the
-run's ``cache_salt``, ``iop.edge._tenants``), as vLLM seeds a salted
+run's ``cache_salt``, ``iop.edge.tenancy._tenants``), as vLLM seeds a salted
 prompt's first block, so one tenant's prompt never matches what another
 tenant's identical prompt left on an instance: placement cannot draw a
 tenant's guess to the instance that holds another's prompt

@@ -5,7 +5,7 @@ must agree on lives in one Valkey (or Redis) server, written only by the
 Lua scripts below, each one atomic on the server and one round trip:
 
 * ``RESERVE`` at admission: refill the tenant's request and token buckets
-  (the same token buckets as ``iop.edge._tenants.Bucket``: capacity
+  (the same token buckets as ``iop.edge.tenancy._tenants.Bucket``: capacity
   *limit*, refilled at *limit / 60* per second, full when absent), count
   the concurrency slots held by *live* edges, and take 1 request, the
   estimated tokens and a slot, all or nothing. The clock is the server's
@@ -52,7 +52,7 @@ transition once (naming the script and the fault), sets
 a usable answer, all mapped in ``_call``: an error reply, a socket error, a
 round trip past ``command_timeout_s``, anything coredis raises (garbage
 that is not RESP, say), and a reply of another shape than the script's
-(each script's reply has one decoder in ``iop.edge._cluster_replies``).
+(each script's reply has one decoder in ``iop.edge.tenancy._cluster_replies``).
 The next probe is ``retry_interval_s`` after the fault, on a fresh client:
 a fault may leave a connection out of step (a timed-out command's reply
 still to come, a reply that never ends), so the client and its pool are
@@ -93,7 +93,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from iop._extras import Extra, install_line
 from iop.config import ClusterSettings, TenancySettings, TenantSettings
-from iop.edge._cluster_replies import (
+from iop.edge.tenancy._cluster_replies import (
     BadReply,
     Reservation,
     decode_budget,
@@ -101,7 +101,7 @@ from iop.edge._cluster_replies import (
     decode_heartbeat,
     decode_reserve,
 )
-from iop.edge._tenants import (
+from iop.edge.tenancy._tenants import (
     Limited,
     RateLimited,
     Tenant,

@@ -45,7 +45,7 @@ from typing import Any, Final, Protocol
 import trio
 
 from iop.api import CHAT
-from iop.edge._link_guard import LinkFrameGuard, LinkFrameLimits
+from iop.edge.server._link_guard import LinkFrameGuard, LinkFrameLimits
 from iop.errors import ErrorCode, LinkClosed, LinkLimitError, LinkProtocolError
 from iop.protocol import CLOSE_NORMAL, CLOSE_RATE, CLOSE_TOO_BIG, FrameChannel
 

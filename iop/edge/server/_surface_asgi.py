@@ -23,9 +23,9 @@ Here a request is its ASGI scope and messages:
   (``_app.py``'s ``http_error`` builds that response for both);
 * once the body is read, ``http.disconnect`` cancels the answer
   (quart-trio's own rule): a client that leaves ends its run as
-  ``client_disconnect`` (or ``slow_client``, ``iop.edge._stall``). Under
+  ``client_disconnect`` (or ``slow_client``, ``iop.edge.server._stall``). Under
   the edge's hypercorn the request's queue calls back when hypercorn puts
-  the message in (``iop.edge._asgi_queue``); elsewhere one task waits for
+  the message in (``iop.edge.server._asgi_queue``); elsewhere one task waits for
   it;
 * the answer is a quart ``Response`` (used only as a container of status,
   headers and body): a whole body goes out in one ``http.response.body``
@@ -47,8 +47,8 @@ from quart import Response
 from quart.wrappers.response import DataBody
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge, RequestTimeout
 
-from iop.edge._asgi_queue import app_queue
-from iop.edge._http1 import response_ends
+from iop.edge.server._asgi_queue import app_queue
+from iop.edge.server._http1 import response_ends
 
 __all__ = ["ASGIApp", "EndKnownBody", "SurfaceASGI", "SurfaceAnswer"]
 

@@ -6,7 +6,7 @@ hypercorn assembles every WebSocket message in full before the app sees it
 message it closes with 1009 without telling the app. A limit checked by the
 app would come too late: an anonymous peer could make the edge hold a whole
 frame (and a copy of it) before its hello is even read. So the link's ASGI
-handler (``iop.edge._link_asgi``) has ``LinkFrameGuard.install`` put a
+handler (``iop.edge.server._link_asgi``) has ``LinkFrameGuard.install`` put a
 ``_GuardedBuffer`` in each link connection's stream before it accepts: its
 limit starts at ``link.max_hello_bytes`` and the link handler raises it once
 the hello is accepted (``EdgeCore.handle_link(on_open=...)``). A message

@@ -41,7 +41,7 @@ A cached prefix answers faster and says so (``cached_tokens``), so a tenant
 that may hit another's cache can test guesses of its prompts. Every tenant
 of an edge with several has a cache of its own: ``Tenants.cache_salt`` is
 the run's ``ExecutionSpec.cache_salt``, which scopes the edge's affinity
-and prefix index (``iop.edge._registry``, ``iop.edge._prefix``) and is sent
+and prefix index (``iop.edge._registry``, ``iop.edge.scheduler._prefix``) and is sent
 to backends that isolate per request (vLLM's ``cache_salt``). A salt is a
 keyed BLAKE2b of the tenant's name (and of the client's own ``cache_salt``,
 so a client may still split its tenant's cache, and can never name
@@ -250,14 +250,14 @@ class Via(enum.Enum):
     """Where a ticket's reservation was made, so it is settled there."""
 
     LOCAL = "local"  # this edge's buckets (``Tenants``): one edge, no cluster
-    SHARED = "shared"  # Valkey's (``iop.edge._cluster``): every edge's
+    SHARED = "shared"  # Valkey's (``iop.edge.tenancy._cluster``): every edge's
     FAIL_OPEN = "fail_open"  # this edge's share while Valkey is unreachable
 
 
 @dataclass(slots=True)
 class Ticket:
     """An admitted request: what it reserved, settled once by ``Tenants.finish``
-    (or by ``iop.edge._cluster.SharedLimits.finish`` when not ``LOCAL``)."""
+    (or by ``iop.edge.tenancy._cluster.SharedLimits.finish`` when not ``LOCAL``)."""
 
     tenant: Tenant
     reserved_tokens: int
@@ -272,7 +272,7 @@ class Ticket:
     # period of each budget it was reserved in.
     reserved_micros: int = 0
     periods: dict[str, str] = field(default_factory=dict)
-    # The reservation is in Valkey's budgets (``iop.edge._cluster``).
+    # The reservation is in Valkey's budgets (``iop.edge.tenancy._cluster``).
     budget_shared: bool = False
     # The name of the key the request came with (the usage ledger's).
     key_name: str = ""
@@ -513,7 +513,7 @@ class Tenants:
         wall: float,
         now: float,
     ) -> None:
-        """Take the usage ledger's state at start (``iop.edge._ledger.Restored``):
+        """Take the usage ledger's state at start (``iop.edge.tenancy._ledger.Restored``):
         each budget's spend in its current period, and the last minute's
         runs replayed into the rate buckets (each run took 1 request and its
         tokens when it ended)."""

@@ -1,7 +1,7 @@
 """The cluster scripts' replies, checked at the boundary (sans-IO).
 
 Whatever answers on Valkey's port, its reply is foreign data: each script
-of ``iop.edge._cluster`` has one decoder here that turns the reply into a
+of ``iop.edge.tenancy._cluster`` has one decoder here that turns the reply into a
 typed value or refuses it with ``BadReply``, which the caller treats as it
 treats a socket error (the edge fails open to its local share). Nothing
 past these decoders calls ``int()`` on a reply or unpacks one.
