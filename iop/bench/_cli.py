@@ -25,10 +25,12 @@ import pkgutil
 import signal
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
 import iop.bench
+from iop.bench._against import BASE_SUFFIX, AgainstError, checkout, compare, side_env
 from iop.bench._platform import _term_as_int
 from iop.bench._results import (
     CpuMeter,
@@ -182,6 +184,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "write one JSON with every repeat's result, its foreign CPU, and the medians.",
     )
     r.add_argument("files", nargs="+", type=Path, metavar="FILE", help="scenario TOML files")
+    r.add_argument(
+        "--against",
+        metavar="REV",
+        default=None,
+        help="also run every scenario on another version of IOP, interleaved with this one "
+        "(base, head, head, base, ...), and print the two sides' medians side by side: a git "
+        "revision of this repo (checked out for the run) or another checkout's directory",
+    )
     bsub.add_parser(
         "list",
         help="scenarios in configs/bench/ and the registered runners with their options",
@@ -210,7 +220,9 @@ def main(args: argparse.Namespace) -> int:
         if cmd == "report":
             return cmd_report(args.results, args.docs, args.img_dir)
         if cmd == "run":
-            code, _ = cmd_run(args.files, args.repeat, args.litellm, args.out, args.smoke)
+            code, _ = cmd_run(
+                args.files, args.repeat, args.litellm, args.out, args.smoke, against=args.against
+            )
             return code
         if args.all:
             files = sorted(args.scenarios.glob("*.toml"))
@@ -221,7 +233,7 @@ def main(args: argparse.Namespace) -> int:
             if out is None:
                 return code
             return cmd_report([out], args.docs, args.img_dir) or code
-    except (ScenarioError, ResultError) as exc:
+    except (ScenarioError, ResultError, AgainstError) as exc:
         print(f"iop bench: {exc}", file=sys.stderr)
         return 2
     print("iop bench: give a subcommand (run, list, report) or --all; see iop bench --help")
@@ -278,9 +290,39 @@ def _medians(doc: dict[str, Any]) -> None:
 
 
 def cmd_run(
-    files: list[Path], repeat: int, litellm: Path | None, out: Path, smoke: bool
+    files: list[Path],
+    repeat: int,
+    litellm: Path | None,
+    out: Path,
+    smoke: bool,
+    *,
+    against: str | None = None,
 ) -> tuple[int, Path | None]:
-    """Run ``files`` ``repeat`` times interleaved; (exit code, the JSON written)."""
+    """Run ``files`` ``repeat`` times interleaved; (exit code, the JSON written).
+
+    With ``against`` (``iop.bench._against``), every scenario also runs on that
+    version, alternating which side goes first.
+
+    Raises:
+        AgainstError: ``against`` names nothing that can be run.
+    """
+    if against is None:
+        return _run(files, repeat, litellm, out, smoke, None)
+    scratch = out.resolve()
+    scratch.mkdir(parents=True, exist_ok=True)
+    with checkout(against, REPO, scratch) as (tree, label):
+        print(f"iop bench: against {label} ({tree}), interleaved with this checkout", flush=True)
+        return _run(files, repeat, litellm, out, smoke, (tree, label))
+
+
+def _run(
+    files: list[Path],
+    repeat: int,
+    litellm: Path | None,
+    out: Path,
+    smoke: bool,
+    against: tuple[Path, str] | None,
+) -> tuple[int, Path | None]:
     if not 1 <= repeat <= 20:
         print("iop bench: --repeat must be within 1..20", file=sys.stderr)
         return 2, None
@@ -332,38 +374,31 @@ def cmd_run(
             for sc in runnable
         },
     }
+    # (scenario, its name in the JSON, the tree its children import, or None: as started)
+    sides: list[list[tuple[Scenario, str, Path | None]]] = [
+        [(sc, sc.name, None)] for sc in runnable
+    ]
+    if against is not None:
+        base_tree, base_label = against
+        doc["against"] = {"tree": str(base_tree), "commit": base_label}
+        for sc, pair in zip(runnable, sides, strict=True):
+            doc["scenarios"][sc.name + BASE_SUFFIX] = {
+                **doc["scenarios"][sc.name],
+                "repeats": [],
+                "against": base_label,
+            }
+            pair[:] = [(sc, sc.name + BASE_SUFFIX, base_tree), (sc, sc.name, REPO)]
     old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     old_term = signal.signal(signal.SIGTERM, _term_as_int)
     failed = 0
     t0 = time.monotonic()
     try:
         for rep in range(repeat):
-            for sc in runnable:
-                workdir = out / f"bench-{stamp}" / f"{sc.name}-{rep}"
-                workdir.mkdir(parents=True, exist_ok=True)
-                ctx = RunContext(
-                    python=sys.executable, workdir=workdir, litellm=litellm, smoke=smoke, repeat=rep
-                )
-                print(f"iop bench: [{rep + 1}/{repeat}] {sc.name} ({sc.runner.name})", flush=True)
-                meter = CpuMeter.start()
-                entry: dict[str, Any] = {"repeat": rep}
-                try:
-                    entry["result"] = sc.runner.run(sc.options, ctx)
-                except Exception as exc:
-                    print(
-                        f"iop bench: {sc.name} failed: {exc!r} (logs in {workdir})", file=sys.stderr
-                    )
-                    entry["result"] = None
-                    entry["error"] = repr(exc)
-                    failed += 1
-                entry |= meter.stop()
-                print(
-                    f"iop bench: {sc.name}: {entry['wall_s']} s, foreign CPU "
-                    f"{entry['foreign_cpu_pct']} % of a core",
-                    flush=True,
-                )
-                doc["scenarios"][sc.name]["repeats"].append(entry)
-                _write(path, doc)
+            for pair in sides:
+                # Odd repeats run the pair the other way round.
+                for sc, name, tree in pair if rep % 2 == 0 else pair[::-1]:
+                    failed += _run_one(doc, sc, name, tree, rep, repeat, out, stamp, litellm, smoke)
+                    _write(path, doc)
     except BaseException as exc:
         if not _interrupted(exc):
             raise
@@ -386,8 +421,55 @@ def cmd_run(
     # plots beside the run's logs, not in docs/img/).
     for block in _blocks(path, out / f"bench-{stamp}").values():
         print(f"\n{block.strip()}")
+    if against is not None:
+        for sc in runnable:
+            base = doc["scenarios"][sc.name + BASE_SUFFIX]["median"]
+            head = doc["scenarios"][sc.name]["median"]
+            if base is not None and head is not None:
+                print("\n" + compare(sc.name, base, head, against[1], doc["commit"]))
     print(f"\niop bench: results in {path} ({doc['duration_s']} s)")
     return (1 if failed else 0), path
+
+
+def _run_one(
+    doc: dict[str, Any],
+    sc: Scenario,
+    name: str,
+    tree: Path | None,
+    rep: int,
+    repeat: int,
+    out: Path,
+    stamp: str,
+    litellm: Path | None,
+    smoke: bool,
+) -> int:
+    """Run ``sc`` once as ``name`` (children importing ``tree`` when given),
+    append the repeat to ``doc``; 1 if it failed, else 0."""
+    workdir = out / f"bench-{stamp}" / f"{name}-{rep}"
+    workdir.mkdir(parents=True, exist_ok=True)
+    ctx = RunContext(
+        python=sys.executable, workdir=workdir, litellm=litellm, smoke=smoke, repeat=rep
+    )
+    print(f"iop bench: [{rep + 1}/{repeat}] {name} ({sc.runner.name})", flush=True)
+    meter = CpuMeter.start()
+    entry: dict[str, Any] = {"repeat": rep}
+    failed = 0
+    try:
+        with side_env(tree) if tree is not None else nullcontext():
+            entry["result"] = sc.runner.run(sc.options, ctx)
+    except Exception as exc:
+        print(f"iop bench: {name} failed: {exc!r} (logs in {workdir})", file=sys.stderr)
+        entry["result"] = None
+        entry["error"] = repr(exc)
+        failed = 1
+    entry |= meter.stop()
+    print(
+        f"iop bench: {name}: {entry['wall_s']} s, foreign CPU "
+        f"{entry['foreign_cpu_pct']} % of a core",
+        flush=True,
+    )
+    doc["scenarios"][name]["repeats"].append(entry)
+    return failed
 
 
 # --------------------------------------------------------------------------- report
@@ -432,6 +514,8 @@ def _blocks(f: Path, img: Path) -> dict[str, str]:
     blocks: dict[str, str] = {}
     doc = read_result(f, RESULT_FORMAT)
     for name, entry in doc.scenarios.items():
+        if name.endswith(BASE_SUFFIX):
+            continue  # another version's figures (--against): never the docs'
         runner = RUNNERS.get(entry.runner)
         if entry.median is None:
             print(f"iop bench: {f.name}: {name} has no successful run", file=sys.stderr)
