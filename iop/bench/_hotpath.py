@@ -94,7 +94,8 @@ def bench_runtime(n: int) -> float:
             await send.send(Complete())
 
     spec = ExecutionSpec(
-        run_id="b", request=ChatRequest(model="m", messages=[Message(role="user", content="x")])
+        run_id="hotpath-runtime",
+        request=ChatRequest(model="m", messages=[Message(role="user", content="x")]),
     )
 
     async def main() -> float:
