@@ -4,8 +4,8 @@
 the node's view of its connection to an edge. They take frames (bytes) and
 the current time and return typed link events; whatever they have to say
 they queue, and ``data_to_send`` packs it into frames. They do no I/O and
-never sleep: the one link driver (``iop.runtime.drive_link``) owns the
-socket and the clock, for both sides.
+never sleep: the one link driver (``iop.runtime.LinkDriver``, in
+``iop/runtime/_link.py``) owns the socket and the clock, for both sides.
 
 A run's link state lives here and only here, in one ``RunPhase`` per run
 (``RunLink``), on both ends::
