@@ -1,37 +1,59 @@
-"""``scripts/bench_floor.py`` runs, and reports every operation it promises."""
+"""The ``floor`` bench runner (iop/bench/_floor.py) measures every operation it
+promises and reports each; its scenario file names only its options."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_floor.py"
+import msgspec
+
+from iop.bench import RUNNERS, ReportInput, RunContext
+from iop.bench._cli import discover
+from iop.bench._floor import Options, tables
+
+SCENARIO = Path(__file__).resolve().parents[1] / "configs" / "bench" / "floor.toml"
+OPERATIONS = {
+    "socket round trip",
+    "socket send (writable)",
+    "socket receive (ready)",
+    "task hop",
+    "cancel scope",
+    "h11 chunk",
+    "h11 chunk read",
+    "chat chunk parse",
+    "wsproto frame",
+    "msgspec batch",
+}
+
+discover()
 
 
-def test_the_floor_benchmark_measures_every_operation(tmp_path: Path) -> None:
-    out = tmp_path / "floor.json"
-    done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--n", "50", "--repeat", "1", "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
+def test_the_scenario_names_the_runner_and_only_its_options() -> None:
+    scenario = tomllib.loads(SCENARIO.read_text())
+    assert scenario["runner"] == "floor"
+    msgspec.convert(scenario["args"], Options)  # an unknown key would raise
+
+
+def test_the_floor_runner_measures_every_operation(tmp_path: Path) -> None:
+    runner = RUNNERS["floor"]
+    result = runner.run(
+        Options(n=50, repeat=1), RunContext(python=sys.executable, workdir=tmp_path)
     )
-    result = json.loads(out.read_text())
-    names = set(result["us_per_op"])
-    assert names == {
-        "socket round trip",
-        "socket send (writable)",
-        "socket receive (ready)",
-        "task hop",
-        "cancel scope",
-        "h11 chunk",
-        "h11 chunk read",
-        "chat chunk parse",
-        "wsproto frame",
-        "msgspec batch",
-    }
+    assert set(result["us_per_op"]) == OPERATIONS
     assert all(v > 0 for v in result["us_per_op"].values())
-    assert all(name in done.stdout for name in names)
+    assert result["options"] == {"n": 50, "repeat": 1}
+    assert runner.report is not None
+    reported = runner.report(
+        ReportInput(
+            scenario="floor",
+            median=result,
+            repeats=[result],
+            foreign_cpu_pct=[0.0],
+            img_dir=tmp_path / "img",
+            footer="_footer_",
+        )
+    )
+    assert reported == {"floor": f"{tables(result)}\n\n_footer_"}
+    assert all(f"| {name} |" in tables(result) for name in OPERATIONS)

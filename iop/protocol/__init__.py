@@ -39,6 +39,7 @@ from iop.protocol._session import (
     LOAD_REFRESH_FRACTION,
     RELEASED_RUNS_REMEMBERED,
     RUN_BACKLOG,
+    RUN_TRANSITIONS,
     UNLIMITED_CREDIT,
     AssignReceived,
     CancelReceived,
@@ -55,6 +56,7 @@ from iop.protocol._session import (
     RunEventsReceived,
     RunLink,
     RunPhase,
+    RunTrigger,
     Welcomed,
 )
 from iop.protocol._transport import (
@@ -94,6 +96,7 @@ __all__ = [
     "PROTOCOL_VERSION",
     "RELEASED_RUNS_REMEMBERED",
     "RUN_BACKLOG",
+    "RUN_TRANSITIONS",
     "UNLIMITED_CREDIT",
     "Assign",
     "AssignReceived",
@@ -127,6 +130,7 @@ __all__ = [
     "RunEventsReceived",
     "RunLink",
     "RunPhase",
+    "RunTrigger",
     "Welcome",
     "Welcomed",
     "close_code",

@@ -4,15 +4,35 @@
 the node's view of its connection to an edge. They take frames (bytes) and
 the current time and return typed link events; whatever they have to say
 they queue, and ``data_to_send`` packs it into frames. They do no I/O and
-never sleep: the one link driver (``iop.runtime.drive_link``) owns the
-socket and the clock, for both sides.
+never sleep: the one link driver (``iop.runtime.LinkDriver``, in
+``iop/runtime/_link.py``) owns the socket and the clock, for both sides.
 
 A run's link state lives here and only here, in one ``RunPhase`` per run
-(``RunLink``), on both ends::
+(``RunLink``), on both ends. It changes only by ``RunLink.advance``, which
+looks up ``RUN_TRANSITIONS`` (the way h11's ``_state.py`` keeps a
+connection's states). Its triggers (``RunTrigger``) are the same on both
+ends, each applied where the message crosses the link: ``events`` and
+``terminal`` when an events message without or with the run's terminal
+event goes out (node) or comes in (edge), ``cancel`` when the edge cancels
+the run and when its ``Cancel`` arrives::
 
-    ASSIGNED ──first event──► STREAMING ──terminal──► DONE (forgotten)
-        │                         │
-        └────── edge cancels ─────┴──► ENDING ──terminal──► DONE
+                                ┌──┐ events
+                                ▼  │
+    ASSIGNED ─────events─────► STREAMING ────────terminal────────► DONE (forgotten)
+     │  │                         │                                ▲ ▲
+     │  └────────terminal─────────┼────────────────────────────────┘ │
+     │                            │                                  │
+     │             ┌──┐ events    │                                  │
+     │             ▼  │           │                                  │
+     └──cancel──► ENDING ◄─cancel─┘                                  │
+                    │                                                │
+                    └──────────────────terminal──────────────────────┘
+
+Every other pair is refused: nothing moves a DONE run (it is forgotten, so
+a later event for it is a protocol error at the edge and a bug at the
+node), and a second cancel of an ENDING run is ignored by the node (the
+edge never sends one). tests/protocol/test_run_phases.py checks this
+diagram against the table.
 
 ============  ======================================================================
 phase         what holds
@@ -107,7 +127,7 @@ from __future__ import annotations
 import enum
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Final
 
 import msgspec
@@ -170,6 +190,7 @@ __all__ = [
     "MIN_PEER_FRAME_BYTES",
     "RELEASED_RUNS_REMEMBERED",
     "RUN_BACKLOG",
+    "RUN_TRANSITIONS",
     "UNLIMITED_CREDIT",
     "AssignReceived",
     "CancelReceived",
@@ -186,6 +207,7 @@ __all__ = [
     "RunEventsReceived",
     "RunLink",
     "RunPhase",
+    "RunTrigger",
     "Welcomed",
 ]
 
@@ -270,12 +292,47 @@ class RunPhase(enum.Enum):
     ENDING = "ending"
     DONE = "done"
 
+    # ``RunLink.advance`` looks a (phase, trigger) pair up for every events
+    # message, and ``Enum.__hash__`` hashes the member's name in Python;
+    # members are singletons compared by identity, so their identity hashes.
+    __hash__ = object.__hash__
+
+
+class RunTrigger(enum.Enum):
+    """What moves a run from one ``RunPhase`` to another (``RUN_TRANSITIONS``)."""
+
+    EVENTS = "events"  # an events message without the run's terminal event
+    TERMINAL = "terminal"  # the events message with it
+    CANCEL = "cancel"  # the edge's ``Cancel``
+
+    __hash__ = object.__hash__  # as ``RunPhase``'s
+
+
+# Every transition a run may take, (phase, trigger) -> next phase; a pair
+# not here is refused (``RunLink.advance``). The module docstring draws it.
+RUN_TRANSITIONS: Final[Mapping[tuple[RunPhase, RunTrigger], RunPhase]] = {
+    (RunPhase.ASSIGNED, RunTrigger.EVENTS): RunPhase.STREAMING,
+    (RunPhase.ASSIGNED, RunTrigger.TERMINAL): RunPhase.DONE,
+    (RunPhase.ASSIGNED, RunTrigger.CANCEL): RunPhase.ENDING,
+    (RunPhase.STREAMING, RunTrigger.EVENTS): RunPhase.STREAMING,
+    (RunPhase.STREAMING, RunTrigger.TERMINAL): RunPhase.DONE,
+    (RunPhase.STREAMING, RunTrigger.CANCEL): RunPhase.ENDING,
+    # Late events: the node sent them before the cancel reached it.
+    (RunPhase.ENDING, RunTrigger.EVENTS): RunPhase.ENDING,
+    (RunPhase.ENDING, RunTrigger.TERMINAL): RunPhase.DONE,
+}
+# The trigger of an events message, indexed by whether it ends the run. The
+# per-message paths index this rather than name a member: on Python 3.11 a
+# member lookup (``RunTrigger.EVENTS``) costs ~70 ns, as ``EnumType`` has a
+# ``__getattr__``, more than the transition itself.
+_EVENTS_TRIGGER: Final = (RunTrigger.EVENTS, RunTrigger.TERMINAL)
+
 
 class RunLink:
     """One run's link state, on either end.
 
     Attributes:
-        phase: Where the run is.
+        phase: Where the run is (changed only by ``advance``).
         credit: Non-terminal events the node may still send.
         window: The credit the run was assigned with.
         seq: Event messages of the run so far (sent by the node, or
@@ -303,7 +360,7 @@ class RunLink:
     )
 
     def __init__(self, credit: int, *, collect: bool = False) -> None:
-        self.phase = RunPhase.ASSIGNED
+        self.phase = RunPhase.ASSIGNED  # where RUN_TRANSITIONS starts
         self.credit = credit
         self.window = credit
         self.seq = 0
@@ -315,6 +372,37 @@ class RunLink:
         self.collect = collect
         self.output_seen = False
         self.timeline: NodeTimeline | None = None
+
+    def can(self, trigger: RunTrigger) -> bool:
+        """Whether ``RUN_TRANSITIONS`` takes ``trigger`` in the run's phase."""
+        return (self.phase, trigger) in RUN_TRANSITIONS
+
+    def advance(
+        self,
+        trigger: RunTrigger,
+        run_id: str,
+        refused: type[InvariantError] | type[LinkProtocolError] = InvariantError,
+    ) -> RunPhase:
+        """Move the run as ``RUN_TRANSITIONS`` says: the one place ``phase`` changes.
+
+        Args:
+            trigger: What happened to the run.
+            run_id: The run's id, for the error.
+            refused: What a transition the table does not have is: a bug
+                here (the default), or the peer's fault (``LinkProtocolError``
+                for what the edge received).
+
+        Returns:
+            The run's new phase.
+
+        Raises:
+            InvariantError: (or ``refused``) The table has no such transition.
+        """
+        phase = RUN_TRANSITIONS.get((self.phase, trigger))
+        if phase is None:
+            raise refused(f"run {run_id}: {trigger.value} in phase {self.phase.value}")
+        self.phase = phase
+        return phase
 
 
 def _without_timeline(run: RunLink) -> RunLink:
@@ -638,14 +726,13 @@ class EdgeSession:
         if used > run.credit:
             raise LinkProtocolError(f"run {run_id}: {used} events sent with {run.credit} credit")
         run.credit -= used
+        # The lookups above already refuse a run the edge forgot (DONE).
+        run.advance(_EVENTS_TRIGGER[finished], run_id, refused=LinkProtocolError)
         if finished:
-            run.phase = RunPhase.DONE
             if ending:
                 del self._ending[run_id]
             else:
                 del self._runs[run_id]
-        elif run.phase is RunPhase.ASSIGNED:
-            run.phase = RunPhase.STREAMING
         if ending:
             # Late events of a cancelled run: checked, and dropped; its
             # timeline still says how the node ended it.
@@ -725,7 +812,7 @@ class EdgeSession:
         run = self._runs.pop(run_id, None)
         if run is None or self.state is not LinkState.OPEN:
             return False
-        run.phase = RunPhase.ENDING
+        run.advance(RunTrigger.CANCEL, run_id)  # _runs holds ASSIGNED and STREAMING runs
         self._ending[run_id] = run
         while len(self._ending) > RELEASED_RUNS_REMEMBERED:
             self._ending.popitem(last=False)
@@ -1074,9 +1161,9 @@ class NodeSession:
 
     def _cancel(self, run_id: str) -> None:
         run = self._runs.get(run_id)
-        if run is None or run.phase is RunPhase.ENDING:
-            return  # ended here meanwhile; its terminal is on the way
-        run.phase = RunPhase.ENDING
+        if run is None or not run.can(RunTrigger.CANCEL):
+            return  # ended here meanwhile, or ENDING already: its terminal is on the way
+        run.advance(RunTrigger.CANCEL, run_id)
         kept = [ev for ev in run.queued if is_terminal(ev)]
         run.queued = kept
         if kept:
@@ -1194,6 +1281,7 @@ class NodeSession:
         limit = self.peer_max_frame_bytes
         ready, self._ready = self._ready, {}
         out = self._out.messages
+        done = RunPhase.DONE
         for run_id in ready:
             run = self._runs.get(run_id)
             if run is None:
@@ -1202,11 +1290,11 @@ class NodeSession:
             if not batch:
                 continue
             out.extend(self._messages(run_id, run, batch, limit))
-            if is_terminal(batch[-1]) or run.phase is RunPhase.DONE:
-                run.phase = RunPhase.DONE
+            phase = run.phase
+            if phase is not done:  # else ``_messages`` cut the run off
+                phase = run.advance(_EVENTS_TRIGGER[is_terminal(batch[-1])], run_id)
+            if phase is done:
                 del self._runs[run_id]
-            elif run.phase is RunPhase.ASSIGNED:
-                run.phase = RunPhase.STREAMING
         return self._out.frames(limit, now)
 
     @staticmethod
@@ -1260,7 +1348,7 @@ class NodeSession:
                 )
                 messages.append(self._events_message(run_id, run, [error]))
                 run.queued.clear()
-                run.phase = RunPhase.DONE
+                run.advance(RunTrigger.TERMINAL, run_id)  # the error just queued
                 self._cut_off.append(run_id)
                 return messages
             if current and used + size > room:

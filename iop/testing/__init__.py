@@ -7,8 +7,9 @@
   replays scripted ``Reply``s and misbehaves on request: split writes,
   pauses, stalls, truncation, resets; it records requests and sees when its
   client hangs up. ``FakeTransport`` plays the same scripts in memory.
-* **Conformance kit**: ``Scenario``s, a ``Harness`` per adapter, and
-  ``check_*`` functions that every adapter passes.
+* **Conformance kit**: ``Scenario``s and the ``check_*`` functions that every
+  adapter passes (``_conformance``), and a ``Harness`` per adapter that makes
+  it play them (``_harnesses``).
 * **Processes**: ``Proc`` runs ``python -m iop ...`` (or any command) with its
   output in files and stops it by PID; ``poll`` waits with a deadline; the
   ``*_READY`` patterns parse the CLIs' start-up lines. The end-to-end tests
@@ -46,13 +47,10 @@ if _typing.TYPE_CHECKING:
         ExpectedToolCall,
         Harness,
         LatencySummary,
-        OpenAICompatHarness,
         Scenario,
         ScenarioCase,
         ScenarioUnsupported,
-        SimHarness,
         UpstreamClosed,
-        VllmHarness,
         check_backend_4xx,
         check_backend_5xx,
         check_cancel_mid_stream,
@@ -98,6 +96,7 @@ if _typing.TYPE_CHECKING:
         event_ends,
         synthetic_stream,
     )
+    from iop.testing._harnesses import OpenAICompatHarness, SimHarness, VllmHarness
     from iop.testing._memory_link import (
         MEMORY_LINK_BUFFER,
         MemoryFrameChannel,
@@ -169,13 +168,13 @@ _EXPORTS: dict[str, str] = {
     "ExpectedToolCall": "iop.testing._conformance",
     "Harness": "iop.testing._conformance",
     "LatencySummary": "iop.testing._conformance",
-    "OpenAICompatHarness": "iop.testing._conformance",
+    "OpenAICompatHarness": "iop.testing._harnesses",
     "Scenario": "iop.testing._conformance",
     "ScenarioCase": "iop.testing._conformance",
     "ScenarioUnsupported": "iop.testing._conformance",
-    "SimHarness": "iop.testing._conformance",
+    "SimHarness": "iop.testing._harnesses",
     "UpstreamClosed": "iop.testing._conformance",
-    "VllmHarness": "iop.testing._conformance",
+    "VllmHarness": "iop.testing._harnesses",
     "check_backend_4xx": "iop.testing._conformance",
     "check_backend_5xx": "iop.testing._conformance",
     "check_cancel_mid_stream": "iop.testing._conformance",

@@ -1,15 +1,16 @@
-"""The floor under IOP's hot path: what trio, h11, wsproto and msgspec cost alone.
+"""The ``floor`` runner: what trio, h11, wsproto and msgspec cost alone, per operation.
 
 A streamed token crosses, at the least, one socket read and one task wake-up
 on the node (the backend's chunk), one WebSocket frame each way of the link
 (shared by every token queued at that moment), and one task wake-up and one
 socket write on the edge (the client's SSE chunk, which cannot be shared:
-each client has its own connection). This script measures each of those
-operations alone, in one process, on this machine, so that
-docs/benchmarks.md can say how much of IOP's per-token CPU is the floor of
+each client has its own connection). This runner measures each of those
+operations alone, in the ``iop bench`` process, on this machine, so that
+docs/benchmarks.md can say how much of IOP's CPU per token is the floor of
 the libraries it is built on and how much is IOP.
 
-Measured (median of --repeat runs of --n operations each, µs per operation):
+Measured (median of ``repeat`` runs of ``n`` operations each, wall time per
+operation, in µs):
 
 * ``socket round trip``: a 100-byte ``send`` on one end of a trio
   socketpair and the ``receive_some`` on the other, by two tasks: two
@@ -31,30 +32,45 @@ Measured (median of --repeat runs of --n operations each, µs per operation):
 * ``msgspec batch``: encoding and decoding a link frame of 32 one-token
   ``events`` messages, per message.
 
-Usage::
-
-    python scripts/bench_floor.py            # about 10 s
-    python scripts/bench_floor.py --n 20000 --repeat 5 --json out.json
+It starts no process: the operations are measured where nothing else of
+IOP runs. Until December 2026 this was ``scripts/bench_floor.py``.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import socket
 import statistics
 import time
 from collections.abc import Awaitable, Callable
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
 
 import h11
 import msgspec
 import trio
 from wsproto import ConnectionType, WSConnection
-from wsproto.events import BytesMessage
+from wsproto.events import AcceptConnection, BytesMessage, Request
 
+from iop.bench._runner import RunContext, register, tables_report
 from iop.events import Delta
 from iop.protocol import RunEvents, decode_node_batch, encode, encode_batch
 from iop.wire import ChatStreamParser
+
+__all__ = ["CASES", "Options", "plots", "run", "tables"]
+
+
+class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The ``[args]`` of a ``floor`` scenario.
+
+    Attributes:
+        n: Operations per run of a case.
+        repeat: Runs per case; the median is reported.
+    """
+
+    n: int = 10_000
+    repeat: int = 3
+
 
 PAYLOAD = b"x" * 100
 
@@ -183,8 +199,6 @@ async def chat_chunk_parse(n: int) -> float:
 async def wsproto_frame(n: int) -> float:
     client = WSConnection(ConnectionType.CLIENT)
     server = WSConnection(ConnectionType.SERVER)
-    from wsproto.events import AcceptConnection, Request
-
     server.receive_data(client.send(Request(host="x", target="/")))
     next(server.events())
     client.receive_data(server.send(AcceptConnection()))
@@ -223,35 +237,36 @@ CASES: dict[str, Callable[[int], Awaitable[float]]] = {
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawTextHelpFormatter
-    )
-    parser.add_argument("--n", type=int, default=10_000, help="operations per run (default: 10000)")
-    parser.add_argument(
-        "--repeat", type=int, default=3, help="runs per case; the median is reported"
-    )
-    parser.add_argument("--json", help="also write the results to this file")
-    args = parser.parse_args()
-    results: dict[str, float] = {}
+@register(
+    "floor",
+    Options,
+    "What trio, h11, wsproto and msgspec cost alone per operation (in process, µs).",
+    report=tables_report(__name__),
+)
+def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
+    if ctx.smoke:
+        opts = msgspec.structs.replace(opts, n=min(opts.n, 50), repeat=1)
+    us_per_op: dict[str, float] = {}
     for name, case in CASES.items():
-        runs = [trio.run(case, args.n) for _ in range(args.repeat)]
-        results[name] = statistics.median(runs) * 1e6
-        print(f"{name:24s} {results[name]:8.2f} µs", flush=True)
-    info = {
-        "n": args.n,
-        "repeat": args.repeat,
-        "us_per_op": results,
+        runs = [trio.run(case, opts.n) for _ in range(opts.repeat)]
+        us_per_op[name] = round(statistics.median(runs) * 1e6, 3)
+    return {
+        "options": msgspec.to_builtins(opts),
+        "us_per_op": us_per_op,
         "versions": {
             "trio": trio.__version__,
-            "h11": h11.__version__,
+            "h11": version("h11"),
             "msgspec": msgspec.__version__,
         },
     }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(info, f, indent=2)
 
 
-if __name__ == "__main__":
-    main()
+def tables(result: dict[str, Any]) -> str:
+    """One row per operation: its median µs."""
+    rows = [f"| {name} | {us:.2f} |" for name, us in result["us_per_op"].items()]
+    return "\n".join(["| operation | µs per operation |", "| --- | ---: |", *rows])
+
+
+def plots(result: dict[str, Any], img_dir: Path) -> list[Path]:
+    """None: the table is the figure."""
+    return []
