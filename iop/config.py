@@ -155,6 +155,11 @@ class InstanceBase(_Config, frozen=True, kw_only=True, tag_field="adapter"):
             ``completion``, ``embedding``, ``tokenize``); None is the
             adapter's default (``docs/configuration.md``). The edge places a
             run only on an instance that lists its operation.
+        system_messages: ``fold``: a conversation's system messages reach
+            the backend as one leading system message, later ones marked
+            with where they stood (``iop.wire._system_fold``), for chat
+            templates that accept a system message only first; ``keep``:
+            as the client sent them (a template that allows them anywhere).
     """
 
     name: str
@@ -164,6 +169,7 @@ class InstanceBase(_Config, frozen=True, kw_only=True, tag_field="adapter"):
     deadlines: Deadlines = Deadlines()
     targets: list[str] = []
     operations: list[str] | None = None
+    system_messages: Literal["fold", "keep"] = "fold"
 
     def __post_init__(self) -> None:
         if not self.name.strip():
@@ -307,6 +313,10 @@ class SimConfig(_Config, frozen=True, kw_only=True):
         auto_tool_choice: False answers requests with tools and an ``auto``
             tool choice by vLLM's 400 (a server started without
             ``--enable-auto-tool-choice``); required/named choices then 400 too.
+        leading_system_only: A chat template that accepts a system message
+            only first: a request with a system message anywhere else (or
+            two) is refused 400, as llama.cpp's server refuses it when the
+            template raises (``iop.wire._system_fold``).
         failure: Injected failure. ``http_401`` refuses the request's
             credential and echoes its ``Authorization`` header in the error
             message, as OpenAI-compatible servers do.
@@ -347,6 +357,7 @@ class SimConfig(_Config, frozen=True, kw_only=True):
     reasoning_tokens: int = 0
     tool_mode: Literal["native", "text", "none"] = "native"
     auto_tool_choice: bool = True
+    leading_system_only: bool = False
     failure: Literal[
         "none",
         "http_500",

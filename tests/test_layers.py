@@ -28,6 +28,7 @@ SANS_IO_MODULES = [
     "iop.wire._toolcalls",
     "iop.wire._tooltext",
     "iop.wire._tool_prompt",
+    "iop.wire._system_fold",
     "iop.protocol",
     "iop.protocol._messages",
     "iop.protocol._session",

@@ -129,6 +129,15 @@ def add_parser(sub: Any) -> None:
         help="answer tool requests with vLLM's 400 (no --enable-auto-tool-choice)",
     )
     g.add_argument(
+        "--leading-system-only",
+        dest="leading_system_only",
+        action="store_const",
+        const=True,
+        default=None,
+        help="refuse a system message that is not first (400), as a chat template that "
+        "raises on one does",
+    )
+    g.add_argument(
         "--failure", choices=_FAILURES, help="inject a failure into every answer (default: none)"
     )
     g.add_argument(
@@ -223,6 +232,7 @@ _OVERRIDES = (
     "reasoning_tokens",
     "tool_mode",
     "auto_tool_choice",
+    "leading_system_only",
     "failure",
     "fail_after_tokens",
     "seed",

@@ -4,7 +4,9 @@ An ``Instance`` is one configured backend: its adapter, its deadlines and
 its ``InstanceSlots`` limiter. ``RunExecutor`` is what the runtime executes
 for one run: a slot of the instance (the wait is wrapped in
 ``sink.queued()``, so the first-token deadline starts once it has one), then
-the adapter. ``probe`` asks every instance's adapter what it serves,
+the adapter, with the conversation's system messages folded into one
+leading system prompt unless the instance keeps them (``system_messages``,
+``iop.wire._system_fold``). ``probe`` asks every instance's adapter what it serves,
 concurrently and within ``PROBE_GUARD_S``; a probe that fails or hangs
 reports its instance as unavailable, with why.
 
@@ -23,6 +25,7 @@ import math
 from collections.abc import Callable
 from typing import Final
 
+import msgspec
 import trio
 
 from iop.adapters import Adapter, EngineLoadReader
@@ -32,8 +35,9 @@ from iop.errors import IopError
 from iop.node._slots import InstanceSlots
 from iop.protocol import EngineLoad, InstanceLoad
 from iop.runtime import RunSink
-from iop.spec import ExecutionSpec
+from iop.spec import ChatRequest, ExecutionSpec, TokenizeRequest
 from iop.wire import EngineFigures
+from iop.wire._system_fold import fold_system_messages
 
 __all__ = [
     "PROBE_GUARD_S",
@@ -179,11 +183,25 @@ class RunExecutor:
         with send.queued():  # waiting for a slot is not the backend's latency
             await slots.take()
         adapter = instance.hold()  # a reload may replace it: this run keeps it
+        if instance.cfg.system_messages == "fold":
+            spec = _folded(spec)
         try:
             await adapter.execute(spec, send)
         finally:
             slots.release()
             instance.release(adapter)  # after the slot: ``unused`` counts both
+
+
+def _folded(spec: ExecutionSpec) -> ExecutionSpec:
+    """``spec`` with its conversation's system messages folded (or itself)."""
+    req = spec.request
+    if not isinstance(req, ChatRequest | TokenizeRequest) or not req.messages:
+        return spec
+    folded = fold_system_messages(req.messages)
+    if folded is None:
+        return spec
+    log.debug("run %s: %d messages folded to %d", spec.run_id, len(req.messages), len(folded))
+    return msgspec.structs.replace(spec, request=msgspec.structs.replace(req, messages=folded))
 
 
 async def probe(instances: list[Instance]) -> list[Capabilities]:

@@ -504,6 +504,20 @@ def _token_cap(request: ChatRequest) -> int | None:
     return cap
 
 
+# llama.cpp's answer when the chat template raises (its 400 starts so), and
+# the message templates raise (tests/e2e/test_system_fold_e2e.py).
+SYSTEM_NOT_FIRST_ERROR: Final = (
+    "Unable to generate parser for this template. Automatic parser generation failed: "
+    "System message must be at the beginning."
+)
+
+
+def _check_system_first(messages: list[Message]) -> None:
+    """Refuse a system message that is not the first message (``leading_system_only``)."""
+    if any(m.role == "system" for m in messages[1:]):
+        raise RequestError(SYSTEM_NOT_FIRST_ERROR, param="messages")
+
+
 def build_script(request: ChatRequest, config: SimConfig) -> SimScript:
     """Decide, deterministically, what the simulated model answers.
 
@@ -521,6 +535,8 @@ def build_script(request: ChatRequest, config: SimConfig) -> SimScript:
     cap = _token_cap(request)
     _check_tool_usage(request)
     _check_tool_gate(request, cfg)
+    if cfg.leading_system_only:
+        _check_system_first(request.messages)
 
     digest = _digest(request, cfg.seed)
     rng = _Rng(int.from_bytes(digest[:8], "big"))
