@@ -32,13 +32,16 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
+import httpcore
 import httpx
 import msgspec
 import pytest
 import trio
+import trio.lowlevel
 import trio.testing
 
 from iop.adapters import VllmAdapter
+from iop.adapters._errors import backend_errors
 from iop.config import VllmInstance
 from iop.errors import (
     RETRYABLE_CODES,
@@ -520,6 +523,7 @@ class Raising(httpx.AsyncBaseTransport):
 
 
 AT = "engine.test:8000"
+URL = httpx.URL(f"http://{AT}/v1/chat/completions")
 HTTPX_ROWS: list[tuple[type[httpx.HTTPError], str, Outcome]] = [
     (httpx.ConnectError, "boom", unavailable("vllm request failed: boom")),
     (httpx.ConnectError, "", unavailable("vllm request failed: ConnectError")),
@@ -642,3 +646,65 @@ async def test_a_connection_that_breaks_after_done_ends_the_run_complete() -> No
             finally:
                 await adapter.aclose()
     assert isinstance(sink.events[-1], Complete)
+
+
+# --- the boundary itself ---------------------------------------------------------
+
+# httpcore's classes by the same name as httpx's rows (httpx's tree mirrors
+# httpcore's: before this boundary the pool mapped one to the other by
+# name), so each gives the same error. The pool never raises some of them
+# (no read or pool timeout is set, no proxy): they are met here only.
+HTTPCORE_ROWS = [
+    (getattr(httpcore, kind.__name__), text, expected)
+    for kind, text, expected in HTTPX_ROWS
+    if hasattr(httpcore, kind.__name__)
+]
+
+
+@pytest.mark.parametrize(
+    ("kind", "text", "expected"),
+    HTTPCORE_ROWS,
+    ids=[f"{k.__name__}-{t!r}" for k, t, _ in HTTPCORE_ROWS],
+)
+def test_an_httpcore_error(kind: type[Exception], text: str, expected: Outcome) -> None:
+    exc = kind(text)
+    with pytest.raises(BackendError) as info, backend_errors("vllm request failed", URL):
+        raise exc
+    assert Outcome.of(info.value) == expected
+    assert info.value.__cause__ is exc
+
+
+def test_every_httpcore_error_has_a_row() -> None:
+    public = {
+        name
+        for name in dir(httpcore)
+        if isinstance(getattr(httpcore, name), type)
+        and issubclass(getattr(httpcore, name), Exception)
+    }
+    # But httpcore's pool's internal signal, which no connection of ours
+    # raises: it is no transport error (test_what_is_no_transport_error_*).
+    assert public - {k.__name__ for k, _, _ in HTTPCORE_ROWS} == {"ConnectionNotAvailable"}
+
+
+async def test_a_cancel_passes_the_boundary_untouched() -> None:
+    with trio.CancelScope() as scope:
+        scope.cancel()
+        with backend_errors("vllm request failed", URL):
+            await trio.lowlevel.checkpoint()
+    assert scope.cancelled_caught
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        ExceptionGroup("several", [httpcore.ReadError("x"), httpcore.ReadError("y")]),
+        ValueError("not a transport's"),
+        BackendStreamError("already mapped"),
+        httpcore.ConnectionNotAvailable(),
+    ],
+    ids=["group", "foreign", "mapped", "pool-internal"],
+)
+def test_what_is_no_transport_error_passes_untouched(exc: Exception) -> None:
+    with pytest.raises(type(exc)) as info, backend_errors("vllm request failed", URL):
+        raise exc
+    assert info.value is exc
