@@ -214,12 +214,16 @@ class _SocketStream(httpcore.AsyncNetworkStream):
         try:
             with trio.fail_after(float("inf") if timeout is None else timeout):
                 await tls.do_handshake()
-        except trio.TooSlowError as exc:
-            await self._stream.aclose()
-            raise httpcore.ConnectTimeout(str(exc)) from exc
-        except trio.BrokenResourceError as exc:
-            await self._stream.aclose()
-            raise httpcore.ConnectError(str(exc)) from exc
+        except BaseException as exc:
+            # httpcore gets no stream to close from a handshake that did not
+            # end: the socket is closed here, whatever ended it (a cancel
+            # too; the close is shielded and bounded), then it goes on.
+            await self.aclose()
+            if isinstance(exc, trio.TooSlowError):
+                raise httpcore.ConnectTimeout(str(exc)) from exc
+            if isinstance(exc, trio.BrokenResourceError):
+                raise httpcore.ConnectError(str(exc)) from exc
+            raise
         return _SocketStream(tls)
 
     def _socket(self) -> trio.socket.SocketType:

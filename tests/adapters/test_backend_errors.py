@@ -566,15 +566,20 @@ async def test_an_httpx_transport_error(
 # --- a cancel is never an error ---------------------------------------------------
 
 
-@pytest.mark.parametrize("handler", [silent, stall_mid_stream], ids=["head", "stream"])
+@pytest.mark.parametrize(
+    ("handler", "scheme"),
+    [(silent, "https"), (silent, "http"), (stall_mid_stream, "http")],
+    ids=["handshake", "head", "stream"],
+)
 async def test_a_cancel_is_never_turned_into_an_error(
-    handler: Callable[[trio.SocketStream], Awaitable[None]],
+    handler: Callable[[trio.SocketStream], Awaitable[None]], scheme: str
 ) -> None:
-    """Cancelled while the request waits for its response head, or mid-stream:
-    ``trio.Cancelled`` goes through the boundary untouched, to its scope."""
+    """Cancelled in the TLS handshake, while the request waits for its
+    response head, or mid-stream: ``trio.Cancelled`` goes through the
+    boundary untouched, to its scope."""
     sink = Sink()
     with trio.fail_after(NOTICE_S):
-        async with serving(handler) as url:
+        async with serving(handler, scheme) as url:
             adapter = vllm(url)
             try:
                 # Were the cancel turned into an error, the nursery would raise it.

@@ -547,6 +547,43 @@ async def test_https_with_an_unknown_certificate_is_a_connect_error(
         nursery.cancel_scope.cancel()
 
 
+async def test_a_cancel_during_the_tls_handshake_closes_its_socket() -> None:
+    """httpcore gets no stream to close from a handshake that did not end:
+    the socket under it is closed when the run is cancelled, not left to the
+    garbage collector (disabled here, so only the close can end the wait)."""
+    accepted, closed = trio.Event(), trio.Event()
+
+    async def silent(raw: trio.SocketStream) -> None:
+        accepted.set()
+        while await raw.receive_some(65536):  # the ClientHello, then EOF
+            pass
+        closed.set()
+
+    async def cancel_in_the_handshake(scope: trio.CancelScope) -> None:
+        await accepted.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        scope.cancel()
+
+    gc.disable()
+    try:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(partial(trio.serve_tcp, silent, 0, host="127.0.0.1"))
+            port = listeners[0].socket.getsockname()[1]
+            pool = KeepAliveTransport(max_idle=2, ssl_context=ssl.create_default_context())
+            try:
+                with trio.CancelScope() as scope:
+                    nursery.start_soon(cancel_in_the_handshake, scope)
+                    await fetch(pool, f"https://127.0.0.1:{port}/")
+                with trio.fail_after(NOTICE_S):
+                    await closed.wait()
+            finally:
+                await pool.aclose()
+            nursery.cancel_scope.cancel()
+    finally:
+        gc.enable()
+    assert scope.cancelled_caught
+
+
 async def _refuse_early(done: trio.Event, stream: trio.SocketStream) -> None:
     """Read the head, answer 413 at once, then read nothing more (the body is
     too large): what a server with a smaller body limit than the edge's does."""
