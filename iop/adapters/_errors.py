@@ -35,13 +35,15 @@ The message is ``<what>: <detail>``: ``what`` says which call failed
 (``vllm request failed``), the detail the cause without secrets, naming
 ``host:port`` and never userinfo, path or query (``transport_detail``).
 
-Only those classes are caught: ``trio.Cancelled`` (a ``BaseException``)
-and any exception group pass through untouched. No group of transport
-errors can arrive: the transport runs no nursery around a request (trio's
-``open_tcp_stream`` folds its attempts' errors into one ``OSError``, whose
-group ``transport_detail`` reads), and ``except*`` would be wrong here:
-the mapped error raised in an ``except*`` clause would reach the caller
-wrapped in a group.
+Only httpcore's and httpx's exceptions are caught (bar httpcore's
+pool-internal ``ConnectionNotAvailable``, which no connection of ours
+raises): ``trio.Cancelled`` (a ``BaseException``), a ``BackendError``
+already mapped and any exception group pass through untouched. No group
+of transport errors can arrive: no nursery of ours is around a request
+(trio's ``open_tcp_stream`` folds its attempts' errors into one
+``OSError``, whose group ``transport_detail`` reads). ``except*`` would be
+wrong here: the mapped error raised in an ``except*`` clause would reach
+the caller wrapped in a group.
 """
 
 from __future__ import annotations
