@@ -65,7 +65,6 @@ def _phase_fn(aligned: bool, interval: float) -> Any:
 
 async def _serve(mode: str, links: int, interval: float, window: float, aligned: bool) -> None:
     from iop.config import EdgeConfig
-    from iop.edge.server._http1 import install
     from iop.edge.server._link_asgi import EdgeASGI, LinkEndpoint
     from iop.edge.server._serve import _hypercorn_config
     from iop.edge.server._stall import StallGuard, serve_guarded
@@ -97,7 +96,6 @@ async def _serve(mode: str, links: int, interval: float, window: float, aligned:
 
     hello, queued = cfg.link.max_hello_bytes, cfg.link_queued_bytes
     app = EdgeASGI(http=None, link=LinkEndpoint(handle, hello_limit=hello, max_queued=queued))
-    install()
     stop = trio.Event()
     hc = _hypercorn_config(cfg, "127.0.0.1:0")
     hc.errorlog = logging.getLogger("bench.hypercorn")

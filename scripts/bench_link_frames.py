@@ -111,7 +111,6 @@ def _quart_app(handle: Any, hello_limit: int, max_queued: int) -> Any:
 
 async def _serve(transport: str, frames: int) -> None:
     from iop.config import EdgeConfig
-    from iop.edge.server._http1 import install
     from iop.edge.server._link_asgi import EdgeASGI, LinkEndpoint
     from iop.edge.server._serve import _hypercorn_config
     from iop.edge.server._stall import StallGuard, serve_guarded
@@ -141,7 +140,6 @@ async def _serve(transport: str, frames: int) -> None:
         )
     else:
         app = _quart_app(handle, hello, queued)
-    install()
     stop = trio.Event()
     hc = _hypercorn_config(cfg, "127.0.0.1:0")
     hc.errorlog = logging.getLogger("bench.hypercorn")
