@@ -11,9 +11,9 @@ Nothing in hypercorn's modules is replaced: the edge's server
 the rest, so another hypercorn server in the process (``iop up``'s sim) is
 plain hypercorn (``tests/edge/test_hypercorn.py`` checks both).
 
-What this module touches, checked against hypercorn 0.18.0 (pinned in
-constraints.txt; pyproject.toml allows 0.18.x only), and the tests that
-fail if an upgrade changes it:
+What this module touches, checked against hypercorn 0.18.0 (pyproject.toml
+pins exactly that release: a fix hypercorn makes in code copied here would
+not reach the edge), and the tests that fail if an upgrade changes it:
 
 ========================================  ===========================================
 hypercorn internal, and why               what fails if it changes
@@ -34,7 +34,9 @@ the edge's.                               them (``idle_task``, ``_idle_timeout``
                                           connections), test_tls_config.py.
 ``ProtocolWrapper.__init__`` builds       ``EdgeProtocolWrapper.__init__`` sets the
 ``H11Protocol`` from                      attributes ``handle`` reads to switch to
-``hypercorn.protocol``'s namespace.       HTTP/2 (h2c upgrade, prior knowledge).
+``hypercorn.protocol``'s namespace.       HTTP/2 (h2c upgrade, prior knowledge:
+                                          hypercorn's own code, as before): every
+                                          HTTP/1.1 test below.
 ``H11Protocol``'s private methods         ``EdgeH11Protocol``: ``_check_protocol``
 (called per request, per h11 error, per   (smuggling, head size),
 h11 event sent) and its ``connection``    ``_send_error_response`` (OpenAI body),
