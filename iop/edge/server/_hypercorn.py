@@ -96,6 +96,7 @@ from iop.edge.server._http1 import (
     refusal,
     response_ending,
 )
+from iop.errors import ErrorCode
 
 __all__ = [
     "EdgeH11Protocol",
@@ -172,7 +173,7 @@ class EdgeH11Protocol(H11Protocol):
     async def _send_error_response(self, status_code: int) -> None:
         await self._send_error(*h11_error(status_code, self.config.max_header_bytes))
 
-    async def _send_error(self, status: int, message: str, code: Any) -> None:
+    async def _send_error(self, status: int, message: str, code: ErrorCode) -> None:
         for event in error_response(status, message, code, self.config.response_headers("h11")):
             await self._send_h11_event(event)
 
