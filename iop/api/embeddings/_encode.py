@@ -13,8 +13,9 @@ from typing import Final, Literal
 
 import msgspec
 
+from iop.api._collect import BaseCollector
 from iop.api.completions._errors import error_response, event_error
-from iop.errors import ErrorCode, InvariantError
+from iop.errors import ErrorCode
 from iop.events import Cancelled, Complete, EmbeddingData, Error, RuntimeEvent
 
 __all__ = ["EmbeddingsCollector"]
@@ -22,21 +23,20 @@ __all__ = ["EmbeddingsCollector"]
 _encode: Final = msgspec.json.encode
 
 
-class EmbeddingsCollector:
-    """One ``/v1/embeddings`` response: ``CreateEmbeddingResponse`` or an error."""
+class EmbeddingsCollector(BaseCollector):
+    """One ``/v1/embeddings`` response: ``CreateEmbeddingResponse`` or an error.
+
+    The ending is ``iop.api._collect``'s.
+    """
 
     def __init__(self, *, model: str, inputs: int, encoding: Literal["float", "base64"]) -> None:
+        super().__init__()
         self._model = model
         self._inputs = inputs
         self._encoding = encoding
         self._parts: list[bytes] = []
         # A malformed vector fails the response, decided at the terminal event.
         self._broken: tuple[int, bytes] | None = None
-        self._result: tuple[int, bytes] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self._result is not None
 
     def feed(self, event: RuntimeEvent) -> None:
         """Take one event.
@@ -44,16 +44,15 @@ class EmbeddingsCollector:
         Raises:
             InvariantError: An event after the terminal one.
         """
-        if self._result is not None:
-            raise InvariantError(f"feed({type(event).__name__}) after the run finished")
+        self._check_open(event)
         if isinstance(event, EmbeddingData):
             if self._broken is None:
                 self._add(event)
         elif isinstance(event, Complete):
             self._complete(event)
         elif isinstance(event, Error | Cancelled):
-            self._result = event_error(event)
-        if self._result is not None:
+            self._end(event_error(event))
+        if self.finished:
             self._parts = []
 
     def _add(self, event: EmbeddingData) -> None:
@@ -79,33 +78,27 @@ class EmbeddingsCollector:
 
     def _complete(self, event: Complete) -> None:
         if self._broken is not None:
-            self._result = self._broken
+            self._end(self._broken)
             return
         if len(self._parts) != self._inputs:
-            self._result = error_response(
-                502,
-                f"the backend sent {len(self._parts)} embeddings for {self._inputs} inputs",
-                code=ErrorCode.BACKEND_PROTOCOL_ERROR,
+            self._end(
+                error_response(
+                    502,
+                    f"the backend sent {len(self._parts)} embeddings for {self._inputs} inputs",
+                    code=ErrorCode.BACKEND_PROTOCOL_ERROR,
+                )
             )
             return
         tokens = event.usage.input_tokens
-        self._result = (
-            200,
-            b'{"object":"list","data":['
-            + b",".join(self._parts)
-            + b'],"model":'
-            + _encode(self._model)
-            + b',"usage":'
-            + _encode({"prompt_tokens": tokens, "total_tokens": tokens})
-            + b"}",
+        self._end(
+            (
+                200,
+                b'{"object":"list","data":['
+                + b",".join(self._parts)
+                + b'],"model":'
+                + _encode(self._model)
+                + b',"usage":'
+                + _encode({"prompt_tokens": tokens, "total_tokens": tokens})
+                + b"}",
+            )
         )
-
-    def result(self) -> tuple[int, bytes]:
-        """The status and body.
-
-        Raises:
-            InvariantError: No terminal event was fed yet.
-        """
-        if self._result is None:
-            raise InvariantError("result() before the run finished")
-        return self._result
