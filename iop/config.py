@@ -468,7 +468,7 @@ class SuperviseSettings(_Config, frozen=True, kw_only=True):
 
 
 # The packaged model's id (iop.managed._llamacpp_server.DEFAULT_ALIAS, which
-# this sans-IO module cannot import; tests/managed/test_settings.py checks
+# this sans-IO module cannot import; tests/managed/test_supervise.py checks
 # they agree).
 DEFAULT_LLAMACPP_ALIAS: Final = "SmolLM2-135M-Instruct"
 
@@ -1104,7 +1104,7 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
 
 
 class TimelineSettings(_Config, frozen=True, kw_only=True):
-    """Run timelines (``iop.runtime._timeline``): what is kept, and the export.
+    """Run timelines (``iop.timeline``): what is kept, and the export.
 
     Attributes:
         recent: Timelines of finished runs the edge keeps for
