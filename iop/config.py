@@ -1427,9 +1427,10 @@ class UsageSettings(_Config, frozen=True, kw_only=True):
 class ClusterSettings(_Config, frozen=True, kw_only=True):
     """Several edges sharing their tenants' limits in Valkey (``iop.edge.tenancy._cluster``).
 
-    The issue and docs call it ``[edge.cluster]``; in the edge's own file it
-    is ``[cluster]``. Without ``valkey_url`` every limit stays in this
-    edge's memory (one edge: nothing to share).
+    In the edge's own file the table is ``[cluster]``, in an ``iop up`` file
+    ``[edge.cluster]`` (docs/configuration.md, "`[cluster]`"). Without
+    ``valkey_url`` every limit stays in this edge's memory (one edge:
+    nothing to share).
 
     Attributes:
         valkey_url: ``redis://host:port/db`` (or ``rediss://``) of the Valkey
