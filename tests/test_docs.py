@@ -70,14 +70,18 @@ CODE_PATH = re.compile(
 )
 # A dotted name in the package (`iop.runtime._run`, `iop.api.CHAT`).
 DOTTED_NAME = re.compile(r"(?<![\w./])(iop(?:\.\w+)+)")
-# A commit hash in backticks (`3f208b0`): a paragraph that names one tells
-# history, and may name a module that is gone since.
-COMMIT_HASH = re.compile(r"`[0-9a-f]{7,40}`")
+# A commit hash (`3f208b0`, `git show 9aa1fae:scripts/x.py`): a paragraph that
+# names one tells history, and may name a module that is gone since (git show
+# opens it). A hash has a digit and a letter, which dates and words have not.
+COMMIT_HASH = re.compile(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b")
+# A placeholder in a path (`scripts/NAME.py`, `configs/bench/KEY.toml`).
+PLACEHOLDER = re.compile(r"/[A-Z][A-Z_]*(\.py|/|$)")
 # In a layout tree (a code block, docs/architecture.md "Layers"): a directory
 # at the margin (`iop/wire/   sans-IO ...`), or a module or package named in a
-# column of it, at the margin or four spaces in (`    _sse.py   WHATWG ...`).
+# column of it, at the margin or four spaces in (`    _sse.py   WHATWG ...`,
+# `    server/_tls.py   TLS ...`).
 _TREE_HEAD = re.compile(r"^(iop/(?:[\w.-]+/)*)")
-_TREE_NAME = re.compile(r"(?:^ {4}|^|\s{2})([\w-]+(?:\.py|/))(?=\s|$)")
+_TREE_NAME = re.compile(r"(?:^ {4}|^|\s{2})((?:[\w-]+/)*[\w-]+(?:\.py|/))(?=\s|$)")
 
 
 def _files() -> list[Path]:
@@ -196,13 +200,16 @@ def missing_code_paths(text: str) -> list[tuple[int, str]]:
     through a private module (``iop.runtime._run``), and the names in a
     layout tree of a code block (``iop/wire/`` at the margin, ``_sse.py``
     below it). A paragraph that cites a commit hash is history and is not
-    checked.
+    checked, nor the code block right after it.
     """
     hits: list[tuple[int, str]] = []
     fenced = False
     tree: str | None = None
+    history = False
     for paragraph_start, paragraph in _paragraphs(text):
-        history = COMMIT_HASH.search(paragraph) is not None
+        # A code block goes with the paragraph before it, which it shows.
+        cited = COMMIT_HASH.search(paragraph) is not None
+        history = cited or (history and paragraph.lstrip().startswith("```"))
         for offset, line in enumerate(paragraph.split("\n")):
             number = paragraph_start + offset
             if line.lstrip().startswith("```"):
@@ -214,7 +221,9 @@ def missing_code_paths(text: str) -> list[tuple[int, str]]:
                 names += from_tree
             if history:
                 continue
-            hits.extend((number, n) for n in names if not (ROOT / n).exists())
+            hits.extend(
+                (number, n) for n in names if not (ROOT / n).exists() and not PLACEHOLDER.search(n)
+            )
             hits.extend(
                 (number, m.group(1))
                 for m in DOTTED_NAME.finditer(line)
@@ -350,7 +359,11 @@ _GONE_DOTTED = "iop.runtime." + "_gone"
         ("iop.runtime._run.Run, iop.api.CHAT, the logger iop.edge.http, iop.x", []),
         ("configs/bench/KEY.toml, iop/apps/node/stream.go, iop/events", []),
         (f"* `3f208b0` (reverted): a sans-IO\n  `{_GONE}`, which", []),
+        (f"Profiled with `{_GONE}` (`git show\n9aa1fae:{_GONE}`)", []),
+        ("`git show COMMIT:scripts/NAME.py` prints it", []),
+        (f"2026-12-01, or deadbeef: not hashes, so `{_GONE}`", [(1, _GONE)]),
         (f"`3f208b0` was then.\n\nNow `{_GONE}`.", [(3, _GONE)]),
+        (f"At `3f208b0`:\n\n```bash\npython {_GONE}\n```\n\nThen {_GONE}", [(7, _GONE)]),
     ],
 )
 def test_missing_modules_are_found(text: str, missing: list[tuple[int, str]]) -> None:
@@ -366,6 +379,7 @@ def test_a_layout_tree_names_its_modules() -> None:
         "    _tooltext.py       tool calls: _also_gone" + ".py, in prose, is not a column\n"
         "                       _still_not" + ".py: deeper lines are prose\n"
         "iop/api/                 the surfaces\n"
+        "    chat/_encode.py    a nested name     chat/_gone" + ".py  and its column\n"
         "    nowhere/           no such package\n"
         "client --HTTP-- edge\n"
         "    _x" + ".py           no tree above: not checked\n"
@@ -375,5 +389,6 @@ def test_a_layout_tree_names_its_modules() -> None:
     assert missing_code_paths(tree) == [
         (2, "iop/gone" + ".py"),
         (4, "iop/wire/_gone" + ".py"),
-        (8, "iop/api/" + "nowhere/"),
+        (8, "iop/api/chat/_gone" + ".py"),
+        (9, "iop/api/" + "nowhere/"),
     ]
