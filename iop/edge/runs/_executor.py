@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import TYPE_CHECKING, Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol, assert_never
 
 import msgspec
 import trio
@@ -46,7 +46,6 @@ from iop._secrets import SecretMasker, mask_event
 from iop.config import EdgeConfig
 from iop.edge.runs._attempt import AttemptEnd, RemoteRun, RunStart
 from iop.edge.runs._delivery import DeliveryPolicy
-from iop.edge.runs._nodes import NodeConnection
 from iop.edge.scheduler import Lease, Scheduler, affinity_key
 from iop.errors import ErrorCode, InvariantError, RequestError, RunAborted
 from iop.events import Cancelled, CancelReason, Error
@@ -217,22 +216,35 @@ class RemoteExecutor:
             send.on_consumed(partial(conn.consume, run_id))
             await rr.ended.wait()
             end = rr.end
-            if end is AttemptEnd.LOST or end is AttemptEnd.LOST_AFTER_OUTPUT:
-                placement.result = f"lost: {rr.detail}"
-                raise self._lost(conn, rr.detail, end is AttemptEnd.LOST_AFTER_OUTPUT)
-            ended = True
-            if end is AttemptEnd.REFUSED:
-                placement.result = f"retry: {rr.detail}"
-                raise _Retry(conn.node_id, rr.detail, rr.refusal)
-            placement.result = "ran"
-            if end is AttemptEnd.VIOLATION:
-                ended = False
-                log.warning("node %s broke run %s: %s", conn.node_id, run_id, rr.detail)
-                raise RequestError(
-                    f"node {conn.node_id} sent an invalid event sequence",
-                    status=502,
-                    code=ErrorCode.BAD_NODE_EVENTS,
-                )
+            assert end is not None  # set with ``ended``
+            # Every way an attempt ends (``iop.edge.runs._attempt``).
+            match end:
+                case AttemptEnd.COMPLETED:
+                    ended = True
+                    placement.result = "ran"
+                case AttemptEnd.REFUSED:
+                    ended = True
+                    placement.result = f"retry: {rr.detail}"
+                    raise _Retry(conn.node_id, rr.detail, rr.refusal)
+                case AttemptEnd.VIOLATION:
+                    # The node's run may still go on: cancelled below.
+                    placement.result = "ran"
+                    log.warning("node %s broke run %s: %s", conn.node_id, run_id, rr.detail)
+                    raise RequestError(
+                        f"node {conn.node_id} sent an invalid event sequence",
+                        status=502,
+                        code=ErrorCode.BAD_NODE_EVENTS,
+                    )
+                case AttemptEnd.LOST:
+                    placement.result = f"lost: {rr.detail}"
+                    raise _Retry(conn.node_id, rr.detail)
+                case AttemptEnd.LOST_AFTER_OUTPUT:
+                    placement.result = f"lost: {rr.detail}"
+                    raise RunAborted(
+                        self._core.masker.mask(rr.detail), reason=CancelReason.NODE_LOST
+                    )
+                case _:
+                    assert_never(end)
         finally:
             reason: CancelReason | None = None
             if not ended:
@@ -246,9 +258,3 @@ class RemoteExecutor:
                     placement.result = "cancelled"
             if conn.close_run(run_id, reason) and timeline.cancel_sent is None:
                 timeline.cancel_sent = trio.current_time()
-
-    def _lost(self, conn: NodeConnection, message: str, output: bool) -> Exception:
-        """What a run does when its node's link is gone: fail over, or end node_lost."""
-        if not output:
-            return _Retry(conn.node_id, message)
-        return RunAborted(self._core.masker.mask(message), reason=CancelReason.NODE_LOST)
