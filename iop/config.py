@@ -479,7 +479,7 @@ class SuperviseSettings(_Config, frozen=True, kw_only=True):
 
 
 # The packaged model's id (iop.managed._llamacpp_server.DEFAULT_ALIAS, which
-# this sans-IO module cannot import; tests/managed/test_settings.py checks
+# this sans-IO module cannot import; tests/managed/test_supervise.py checks
 # they agree).
 DEFAULT_LLAMACPP_ALIAS: Final = "SmolLM2-135M-Instruct"
 
@@ -1115,7 +1115,7 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
 
 
 class TimelineSettings(_Config, frozen=True, kw_only=True):
-    """Run timelines (``iop.runtime._timeline``): what is kept, and the export.
+    """Run timelines (``iop.timeline``): what is kept, and the export.
 
     Attributes:
         recent: Timelines of finished runs the edge keeps for
@@ -1438,9 +1438,10 @@ class UsageSettings(_Config, frozen=True, kw_only=True):
 class ClusterSettings(_Config, frozen=True, kw_only=True):
     """Several edges sharing their tenants' limits in Valkey (``iop.edge.tenancy._cluster``).
 
-    The issue and docs call it ``[edge.cluster]``; in the edge's own file it
-    is ``[cluster]``. Without ``valkey_url`` every limit stays in this
-    edge's memory (one edge: nothing to share).
+    In the edge's own file the table is ``[cluster]``, in an ``iop up`` file
+    ``[edge.cluster]`` (docs/configuration.md, "`[cluster]`"). Without
+    ``valkey_url`` every limit stays in this edge's memory (one edge:
+    nothing to share).
 
     Attributes:
         valkey_url: ``redis://host:port/db`` (or ``rediss://``) of the Valkey

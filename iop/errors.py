@@ -184,7 +184,7 @@ class CancelReason(enum.StrEnum):
 
 
 # A node's error before Start that another node may not have: the edge fails
-# the run over (iop/edge/_core.py). ``Error.code`` is a ``str``: test it with
+# the run over (iop/edge/runs/_attempt.py). ``Error.code`` is a ``str``: test it with
 # ``code in RETRYABLE_CODES`` (a member hashes as its value; a code that is no
 # member is simply not in the set).
 RETRYABLE_CODES: Final[frozenset[str]] = frozenset(

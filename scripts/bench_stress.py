@@ -1,7 +1,8 @@
 """Moved to ``iop/bench/_stress.py``; run by ``iop bench`` (docs/benchmarks.md, "How to rerun").
 
 This shim keeps ``python scripts/bench_stress.py ...`` working with the same
-options, and ``import bench_stress`` (scripts/bench_fixed_cost.py) getting the
+options, and ``import bench_stress`` (as ``git show 37c0eb9^:scripts/bench_fixed_cost.py``
+did) getting the
 module itself, so that setting its globals still reaches its functions.
 """
 

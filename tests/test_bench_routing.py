@@ -65,8 +65,9 @@ def test_the_scenario_file_names_the_runner_and_its_options() -> None:
     opts = msgspec.convert(data["args"], Options)
     assert opts.workloads == ["shared", "unique"]
     assert opts.placements == ["random", "least_loaded", "affinity", "prefix"]
-    # The issue's shape: 32 tenants, 2k-token prefixes, 4 instances; each
-    # cache too small for every tenant's prefix.
+    # The scenario's shape (docs/benchmarks.md, "Placement: prefix-aware against
+    # least-loaded"): 32 tenants, 2k-token prefixes, 4 instances; each cache
+    # too small for every tenant's prefix.
     assert (opts.tenants, opts.prefix_tokens, opts.instances) == (32, 2048, 4)
     assert opts.kv_cache_blocks * opts.kv_block_tokens < opts.tenants * opts.prefix_tokens
     with pytest.raises(msgspec.ValidationError, match="rqeuests"):

@@ -69,6 +69,8 @@ PUBLIC_PACKAGES = [
     "iop.sim",
     "iop.managed",
     "iop.api",
+    "iop.edge.scheduler",
+    "iop.edge.runs",
 ]
 
 

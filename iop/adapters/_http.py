@@ -33,9 +33,10 @@ Each request is made inside the run's cancel scope with the response in an
 ``async with``: a cancelled run closes its connection, whatever it was
 waiting for.
 
-This is the boundary where httpx lives: every ``httpx`` exception is mapped
-here to the project's error tree (``raise ... from exc``) and nothing of
-httpx escapes to the runtime.
+Every call into the transport (sending a request, reading or closing a
+body) is made inside ``backend_errors`` (``iop.adapters._errors``): the one
+boundary where httpcore's and httpx's exceptions become the project's
+``BackendError`` tree, so nothing of either escapes to the runtime.
 
 Timeouts: httpx's per-read timeout is disabled on purpose. Time to first
 token is often longer than any sane read timeout, and the run's own
@@ -48,7 +49,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import logging
-import socket
 import ssl
 import urllib.request
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping
@@ -61,6 +61,7 @@ import msgspec
 import trio
 
 from iop.adapters._base import require_model
+from iop.adapters._errors import backend_errors
 from iop.adapters._pool import KeepAliveTransport
 from iop.capabilities import Capabilities, ProbeResult, ProviderStatus, provider_detail
 from iop.config import HTTPInstance
@@ -68,9 +69,7 @@ from iop.errors import (
     BackendError,
     BackendHTTPError,
     BackendProtocolError,
-    BackendStreamError,
     BackendTimeout,
-    BackendUnavailable,
     ConfigError,
     InvariantError,
     RequestError,
@@ -109,7 +108,6 @@ __all__ = [
     "environment_proxy",
     "estimate_tokens",
     "join_openai_path",
-    "map_transport_error",
 ]
 
 # What an HTTP instance serves when its config lists no ``operations``:
@@ -340,64 +338,6 @@ def estimate_tokens(request: TokenizeRequest) -> int:
     return (chars + 3) // 4 + extra
 
 
-def _os_error_under(exc: BaseException) -> OSError | None:
-    """The first ``OSError`` in ``exc``'s cause chain and exception groups.
-
-    httpx over trio buries the refusal: ``ConnectError`` <- ``OSError("all
-    attempts to connect ... failed")`` <- a group of ``ConnectionRefusedError``.
-    """
-    todo: list[BaseException] = [exc]
-    seen: set[int] = set()
-    while todo:
-        e = todo.pop(0)
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, OSError) and e.errno is not None:
-            return e
-        if isinstance(e, BaseExceptionGroup):
-            todo.extend(e.exceptions)
-        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
-    return None
-
-
-def _where(exc: httpx.HTTPError) -> str:
-    """``host:port`` the failed request went to (never userinfo, path or query)."""
-    try:
-        url = exc.request.url
-    except RuntimeError:  # no request attached
-        return "the backend"
-    return f"{url.host}:{url.port or (443 if url.scheme == 'https' else 80)}"
-
-
-def transport_detail(exc: httpx.HTTPError) -> str:
-    """A short, secret-free cause: ``connection refused by 127.0.0.1:8000``."""
-    where = _where(exc)
-    if isinstance(exc, httpx.ConnectTimeout):
-        return f"no connection to {where} within the connect timeout"
-    if isinstance(exc, httpx.ConnectError):
-        os_error = _os_error_under(exc)
-        if isinstance(os_error, ConnectionRefusedError):
-            return f"connection refused by {where}"
-        if isinstance(os_error, socket.gaierror):
-            return f"cannot resolve the host of {where} ({os_error.strerror})"
-        if os_error is not None and os_error.strerror:
-            return f"cannot connect to {where} ({os_error.strerror})"
-    return str(exc) or type(exc).__name__
-
-
-def map_transport_error(exc: httpx.HTTPError, what: str) -> BackendError:
-    """Translate an httpx exception into the project's error tree."""
-    detail = transport_detail(exc)
-    if isinstance(exc, httpx.ConnectTimeout | httpx.ConnectError | httpx.UnsupportedProtocol):
-        return BackendUnavailable(f"{what}: {detail}")
-    if isinstance(exc, httpx.TimeoutException):
-        return BackendTimeout(f"{what}: {detail}")
-    if isinstance(exc, httpx.RemoteProtocolError | httpx.ReadError | httpx.WriteError):
-        return BackendStreamError(f"{what}: {detail}")
-    return BackendError(f"{what}: {detail}")
-
-
 class HTTPBackend:
     """One OpenAI-compatible HTTP backend: client, headers, probes, streaming.
 
@@ -476,21 +416,22 @@ class HTTPBackend:
                 limit, or not a model list.
         """
         body = b""
-        with trio.move_on_after(self.cfg.probe_timeout_s) as scope:
+        url = self._url("/v1/models")
+        with (
+            trio.move_on_after(self.cfg.probe_timeout_s) as scope,
+            backend_errors("request failed", url),
+        ):
+            resp = await self._send("GET", url, None, self._get_headers)
             try:
-                resp = await self._send("GET", "/v1/models", None, self._get_headers)
-                try:
-                    if not 200 <= resp.status_code < 300:
-                        raise BackendHTTPError(
-                            f"status code {resp.status_code}",
-                            backend_status=resp.status_code,
-                            body_excerpt=excerpt(await self.read_error_body(resp)),
-                        )
-                    body = await self._read_probe_body(resp)
-                finally:
-                    await resp.aclose()
-            except httpx.HTTPError as exc:
-                raise map_transport_error(exc, "request failed") from exc
+                if not 200 <= resp.status_code < 300:
+                    raise BackendHTTPError(
+                        f"status code {resp.status_code}",
+                        backend_status=resp.status_code,
+                        body_excerpt=excerpt(await self.read_error_body(resp)),
+                    )
+                body = await self._read_probe_body(resp)
+            finally:
+                await resp.aclose()
         if scope.cancelled_caught:
             raise BackendTimeout(f"no answer within {self.cfg.probe_timeout_s:g}s")
         try:
@@ -595,10 +536,9 @@ class HTTPBackend:
             # The backend joins the run's trace (iop.tracing).
             headers = headers.copy()
             headers["traceparent"] = timeline.traceparent
-        try:
-            response = await self._send("POST", path, content, headers)
-        except httpx.HTTPError as exc:
-            raise map_transport_error(exc, what) from exc
+        url = self._url(path)
+        with backend_errors(what, url):
+            response = await self._send("POST", url, content, headers)
         if timeline is not None:
             # The response head is the backend's first answer.
             timeline.backend_first_byte = trio.current_time()
@@ -606,46 +546,45 @@ class HTTPBackend:
             yield response
         finally:
             try:
-                await response.aclose()
+                with backend_errors(what, url):
+                    await response.aclose()
             finally:
                 # Unread (a cancel, an error), its connection is closed; read
                 # to the end, it went back to the pool.
                 if timeline is not None:
                     timeline.backend_closed = trio.current_time()
 
-    async def _send(
-        self, method: str, path: str, content: bytes | None, headers: httpx.Headers
-    ) -> httpx.Response:
-        """Send a request to ``path``; its response with the body unread.
-
-        Raises:
-            httpx.HTTPError: The request could not be sent.
-        """
+    def _url(self, path: str) -> httpx.URL:
+        """``path`` under the endpoint, parsed once per path."""
         url = self._urls.get(path)
-        if url is None:  # parsed once per path
+        if url is None:
             url = self._urls[path] = httpx.URL(self.url(path))
+        return url
+
+    async def _send(
+        self, method: str, url: httpx.URL, content: bytes | None, headers: httpx.Headers
+    ) -> httpx.Response:
+        """Send a request to ``url``; its response with the body unread. The
+        caller maps the transport's errors (``backend_errors``)."""
         request = httpx.Request(
             method, url, content=content, headers=headers, extensions={"timeout": self._timeout}
         )
-        try:
-            response = await self._transport.handle_async_request(request)
-        except httpx.HTTPError as exc:
-            exc.request = request  # the request it was for (``transport_detail`` names it)
-            raise
-        response.request = request  # errors reading the body carry it too
+        response = await self._transport.handle_async_request(request)
+        response.request = request  # the request it answers (``_request_url``)
         return response
 
     async def read_error_body(self, response: httpx.Response) -> bytes:
         """Read at most ``ERROR_EXCERPT_BYTES`` of a non-2xx body; never raises."""
         buf = bytearray()
         try:
-            # Decoded bytes: a proxy may gzip an error page.
-            async for piece in response.aiter_bytes():
-                buf += piece
-                if len(buf) >= ERROR_EXCERPT_BYTES:
-                    break
-        except httpx.HTTPError as exc:
-            log.debug("%s: error body unreadable: %r", self.kind, exc)
+            with backend_errors(f"{self.kind} error body read failed", _request_url(response)):
+                # Decoded bytes: a proxy may gzip an error page.
+                async for piece in response.aiter_bytes():
+                    buf += piece
+                    if len(buf) >= ERROR_EXCERPT_BYTES:
+                        break
+        except BackendError as exc:  # the status is the error; its body only an excerpt
+            log.debug("%s: %s", self.kind, exc)
         return bytes(buf[:ERROR_EXCERPT_BYTES])
 
     def http_error(self, response: httpx.Response, body: bytes) -> BackendHTTPError:
@@ -689,8 +628,8 @@ class HTTPBackend:
             BackendError: The stream broke, was malformed, or had no [DONE].
         """
         parser = self.new_parser()
-        async with contextlib.aclosing(_body_pieces(response)) as chunks:
-            try:
+        with backend_errors(f"{self.kind} stream scan failed", _request_url(response)):
+            async with contextlib.aclosing(_body_pieces(response)) as chunks:
                 async for piece in chunks:
                     for event in parser.feed(piece):
                         await send.send(event)
@@ -700,20 +639,16 @@ class HTTPBackend:
                         break
                 else:
                     parser.feed_eof()
-            except httpx.HTTPError as exc:
-                with contextlib.suppress(RuntimeError):  # the request it was for, if known
-                    exc.request = response.request
-                raise map_transport_error(exc, f"{self.kind} stream scan failed") from exc
-            if parser.malformed_chunks:
-                log.warning(
-                    "run %s: %s sent %d malformed chunk(s); last: %s",
-                    run_id,
-                    self.kind,
-                    parser.malformed_chunks,
-                    parser.last_malformed,
-                )
-            await send.send(parser.complete(text_tool_fallback=text_tool_fallback))
-            await _drain(chunks)
+                if parser.malformed_chunks:
+                    log.warning(
+                        "run %s: %s sent %d malformed chunk(s); last: %s",
+                        run_id,
+                        self.kind,
+                        parser.malformed_chunks,
+                        parser.last_malformed,
+                    )
+                await send.send(parser.complete(text_tool_fallback=text_tool_fallback))
+                await _drain(chunks)
 
     # --- the engine's published load -----------------------------------------
 
@@ -736,35 +671,36 @@ class HTTPBackend:
         """
         cfg = self.cfg
         body = b""
-        with trio.move_on_after(cfg.load_scrape_timeout_s) as scope:
+        # The scrape's errors name no host:port (no url): they never have.
+        with (
+            trio.move_on_after(cfg.load_scrape_timeout_s) as scope,
+            backend_errors(f"{path} request failed"),
+        ):
             request = httpx.Request(
                 "GET",
                 self.root_url(path),
                 headers=self._get_headers,
                 extensions={"timeout": self._timeout},
             )
+            resp = await self._transport.handle_async_request(request)
             try:
-                resp = await self._transport.handle_async_request(request)
-                try:
-                    if not 200 <= resp.status_code < 300:
-                        # Read a short error body whole, so that the
-                        # connection goes back to the pool: a backend with
-                        # no such page (a 404 every scrape) would otherwise
-                        # cost a connection each time, and close the idle
-                        # one its next run would have used.
-                        with contextlib.suppress(BackendError):
-                            await self.read_limited(resp, DRAIN_MAX_BYTES, "load_scrape_max_bytes")
-                        raise BackendHTTPError(
-                            f"{path}: status code {resp.status_code}",
-                            backend_status=resp.status_code,
-                        )
-                    body = await self.read_limited(
-                        resp, cfg.load_scrape_max_bytes, "load_scrape_max_bytes"
+                if not 200 <= resp.status_code < 300:
+                    # Read a short error body whole, so that the
+                    # connection goes back to the pool: a backend with
+                    # no such page (a 404 every scrape) would otherwise
+                    # cost a connection each time, and close the idle
+                    # one its next run would have used.
+                    with contextlib.suppress(BackendError):
+                        await self.read_limited(resp, DRAIN_MAX_BYTES, "load_scrape_max_bytes")
+                    raise BackendHTTPError(
+                        f"{path}: status code {resp.status_code}",
+                        backend_status=resp.status_code,
                     )
-                finally:
-                    await resp.aclose()
-            except httpx.HTTPError as exc:
-                raise map_transport_error(exc, f"{path} request failed") from exc
+                body = await self.read_limited(
+                    resp, cfg.load_scrape_max_bytes, "load_scrape_max_bytes"
+                )
+            finally:
+                await resp.aclose()
         if scope.cancelled_caught:
             raise BackendTimeout(f"{path}: no answer within {cfg.load_scrape_timeout_s:g}s")
         return body
@@ -792,13 +728,11 @@ class HTTPBackend:
             BackendStreamError: The body broke off.
         """
         buf = bytearray()
-        try:
+        with backend_errors(f"{self.kind} response read failed", _request_url(response)):
             async for piece in response.aiter_bytes():
                 buf += piece
                 if len(buf) > limit:
                     return None
-        except httpx.HTTPError as exc:
-            raise map_transport_error(exc, f"{self.kind} response read failed") from exc
         return bytes(buf)
 
     async def execute_completion(self, spec: ExecutionSpec, send: EventSender) -> None:
@@ -992,12 +926,24 @@ def _body_pieces(response: httpx.Response) -> _Pieces:
     return cast(AsyncGenerator[bytes, None], response.aiter_bytes())
 
 
+def _request_url(response: httpx.Response) -> httpx.URL | None:
+    """The URL ``response`` answers, if the request is attached to it (``_send``)."""
+    try:
+        return response.request.url
+    except RuntimeError:  # a response from ``fetch_page``: none
+        return None
+
+
 async def _drain(chunks: AsyncIterator[bytes]) -> None:
     """Read what follows ``[DONE]`` (the chunked body's end) so the connection
     goes back to the keep-alive pool instead of being reset; bounded in bytes
     and time, and after the run's terminal event so nobody waits for it."""
     seen = 0
-    with trio.move_on_after(DRAIN_TIMEOUT_S), contextlib.suppress(httpx.HTTPError):
+    with (
+        trio.move_on_after(DRAIN_TIMEOUT_S),
+        contextlib.suppress(BackendError),  # the run has ended: nothing to report it to
+        backend_errors("drain"),
+    ):
         async for piece in chunks:
             seen += len(piece)
             if seen > DRAIN_MAX_BYTES:

@@ -52,8 +52,18 @@ head together with the body: httpcore writes them as two ``send`` calls (two
 TCP segments, two wakeups of the backend); a head up to ``HEAD_MAX_BYTES`` is
 held until the next write or read and then goes out with it.
 
-Errors: httpcore's exceptions become httpx's (the same table as httpx's own
-transport), so what the adapters map (``map_transport_error``) is unchanged.
+Errors: the socket raises trio's errors as httpcore's, as httpcore's
+network-stream interface requires (httpcore's own trio backend does the
+same): a deadline becomes the phase's timeout (``ConnectTimeout``,
+``ReadTimeout``, ``WriteTimeout``), a broken or closed stream a
+``ConnectError``, ``ReadError`` or ``WriteError``. That is not only a
+label: httpcore's HTTP/1.1 connection reads the server's answer after a
+``WriteError`` (the early answer above), and only here is the phase known.
+From there on httpcore's exceptions go out of this transport as they are,
+although it is an httpx transport in shape: the adapters call it inside
+their one error boundary (``iop.adapters._errors.backend_errors``), which
+maps httpcore's exceptions straight to ``BackendError``. Nothing uses this
+transport under an ``httpx.AsyncClient``, which would let them through.
 
 Closing a connection runs shielded (httpcore closes a response it abandons
 from a shielded scope, and so do the pool's check-in and ``aclose``): it
@@ -64,12 +74,11 @@ what tells the backend to stop. Every such close ends in
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import ssl
 import time
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from typing import Any, Final, Protocol, cast
 
 import httpcore
@@ -96,39 +105,6 @@ HEAD_MAX_BYTES: Final = 16 * 1024
 # that would (a TLS close_notify into a full send buffer) must not hold a
 # cancelled run's end, and its node slot, for ever.
 CLOSE_TIMEOUT_S: Final = 1.0
-
-# httpcore's exceptions -> httpx's, as httpx's transport maps them
-# (httpx/_transports/default.py); the most specific match wins.
-_EXCEPTIONS: Final[tuple[tuple[type[Exception], type[httpx.TransportError]], ...]] = (
-    (httpcore.TimeoutException, httpx.TimeoutException),
-    (httpcore.ConnectTimeout, httpx.ConnectTimeout),
-    (httpcore.ReadTimeout, httpx.ReadTimeout),
-    (httpcore.WriteTimeout, httpx.WriteTimeout),
-    (httpcore.PoolTimeout, httpx.PoolTimeout),
-    (httpcore.NetworkError, httpx.NetworkError),
-    (httpcore.ConnectError, httpx.ConnectError),
-    (httpcore.ReadError, httpx.ReadError),
-    (httpcore.WriteError, httpx.WriteError),
-    (httpcore.ProxyError, httpx.ProxyError),
-    (httpcore.UnsupportedProtocol, httpx.UnsupportedProtocol),
-    (httpcore.ProtocolError, httpx.ProtocolError),
-    (httpcore.LocalProtocolError, httpx.LocalProtocolError),
-    (httpcore.RemoteProtocolError, httpx.RemoteProtocolError),
-)
-
-
-@contextlib.contextmanager
-def _httpx_errors() -> Iterator[None]:
-    try:
-        yield
-    except Exception as exc:
-        mapped: type[httpx.TransportError] | None = None
-        for source, target in _EXCEPTIONS:
-            if isinstance(exc, source) and (mapped is None or issubclass(target, mapped)):
-                mapped = target
-        if mapped is None:
-            raise
-        raise mapped(str(exc)) from exc
 
 
 class _CoreBody(Protocol):
@@ -238,12 +214,16 @@ class _SocketStream(httpcore.AsyncNetworkStream):
         try:
             with trio.fail_after(float("inf") if timeout is None else timeout):
                 await tls.do_handshake()
-        except trio.TooSlowError as exc:
-            await self._stream.aclose()
-            raise httpcore.ConnectTimeout(str(exc)) from exc
-        except trio.BrokenResourceError as exc:
-            await self._stream.aclose()
-            raise httpcore.ConnectError(str(exc)) from exc
+        except BaseException as exc:
+            # httpcore gets no stream to close from a handshake that did not
+            # end: the socket is closed here, whatever ended it (a cancel
+            # too; the close is shielded and bounded), then it goes on.
+            await self.aclose()
+            if isinstance(exc, trio.TooSlowError):
+                raise httpcore.ConnectTimeout(str(exc)) from exc
+            if isinstance(exc, trio.BrokenResourceError):
+                raise httpcore.ConnectError(str(exc)) from exc
+            raise
         return _SocketStream(tls)
 
     def _socket(self) -> trio.socket.SocketType:
@@ -361,15 +341,14 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
             extensions=request.extensions,
         )
         origin = core_request.url.origin
-        with _httpx_errors():
-            conn = await self._checkout(origin)
-            try:
-                response = await conn.handle_async_request(core_request)
-            except BaseException:
-                # httpcore has closed the connection (a failed connect, or a
-                # request that broke off): it is not reused.
-                self._open.discard(conn)
-                raise
+        conn = await self._checkout(origin)
+        try:
+            response = await conn.handle_async_request(core_request)
+        except BaseException:
+            # httpcore has closed the connection (a failed connect, or a
+            # request that broke off): it is not reused.
+            self._open.discard(conn)
+            raise
         stream = response.extensions.get("network_stream")
         body = _PooledBody(cast(_CoreBody, response.stream), origin, conn, self)
         body.answered_early = isinstance(stream, _SocketStream) and stream.answered_early
@@ -473,19 +452,17 @@ class _PooledBody(httpx.AsyncByteStream):
             if self._closed:
                 raise StopAsyncIteration
             self._parts = self._stream.__aiter__()
-        with _httpx_errors():
-            return await self._parts.__anext__()
+        return await self._parts.__anext__()
 
     async def aclose(self) -> None:
         if self._closed:
             return
         self._closed = True
         try:
-            with _httpx_errors():
-                parts, self._parts = self._parts, None
-                if isinstance(parts, AsyncGenerator):
-                    await parts.aclose()
-                await self._stream.aclose()
+            parts, self._parts = self._parts, None
+            if isinstance(parts, AsyncGenerator):
+                await parts.aclose()
+            await self._stream.aclose()
         finally:
             with trio.CancelScope(shield=True):  # it only closes, bounded (module docstring)
                 await self._pool._checkin(

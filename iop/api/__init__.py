@@ -5,6 +5,7 @@
 * ``_output``: ``OutputShaper``, the output policy applied once for every
   surface, into the shaped events of ``_shaped``;
 * ``_openai_errors``: OpenAI's error body and IOP's failure statuses;
+* ``_collect``: the ending every surface's collector shares;
 * ``_json_guard``: the body-level input guards every surface's parser runs first;
 * ``_models``: the bodies of ``GET /v1/models`` and ``/v1/models/{id}``;
 * ``chat``: OpenAI Chat Completions (``CHAT``);

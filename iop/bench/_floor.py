@@ -33,7 +33,8 @@ operation, in µs):
   ``events`` messages, per message.
 
 It starts no process: the operations are measured where nothing else of
-IOP runs. Until December 2026 this was ``scripts/bench_floor.py``.
+IOP runs. Until December 2026 this was ``scripts/bench_floor.py``
+(``git show b50e66e^:scripts/bench_floor.py``).
 """
 
 from __future__ import annotations

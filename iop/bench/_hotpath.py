@@ -19,7 +19,7 @@ chunks each:
 docs/benchmarks.md ("Hot path micro-benchmark") quotes the medians; the
 ``floor`` runner (``iop/bench/_floor.py``) measures the libraries under these
 paths alone. It starts no process. Until December 2026 this was
-``scripts/bench_hotpath.py``.
+``scripts/bench_hotpath.py`` (``git show b50e66e^:scripts/bench_hotpath.py``).
 """
 
 from __future__ import annotations

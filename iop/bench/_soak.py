@@ -474,7 +474,7 @@ def _responses_usage(u: dict[str, Any] | None) -> tuple[int, int, int]:
 
 
 def _messages_usage(u: dict[str, Any]) -> tuple[int, int, int]:
-    # Anthropic's input_tokens leaves out the cache reads (iop/api/messages/_stream.py).
+    # Anthropic's input_tokens leaves out the cache reads (iop/api/messages/_encode.py).
     cached = u.get("cache_read_input_tokens") or 0
     return (u.get("input_tokens", 0) + cached, u.get("output_tokens", 0), cached)
 

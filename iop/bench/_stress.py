@@ -35,8 +35,8 @@ cancel (about 15 s)
 
   --perf-trace records the trials with ``perf record`` (the scheduler, and
   the cancel path's syscalls) on the same clock: ``scripts/trace_cancel.py``
-  then shows where one trial's time went, and how much of each sample was
-  a wait for a CPU.
+  (removed; ``git show 37c0eb9^:scripts/trace_cancel.py``) then shows where
+  one trial's time went, and how much of each sample was a wait for a CPU.
 
 memory (about 50 s)
   The same mock backend sends its headers and one chunk, then stays silent.
@@ -1390,7 +1390,8 @@ _PERF_SYSCALLS: Final = (
 @contextlib.contextmanager
 def _perf_record(args: argparse.Namespace, pids: dict[str, int]) -> Iterator[Path | None]:
     """``perf record`` of the trials on CLOCK_MONOTONIC (the samples' clock),
-    for ``scripts/trace_cancel.py``; None without --perf-trace."""
+    for ``scripts/trace_cancel.py`` (``git show 37c0eb9^:scripts/trace_cancel.py``);
+    None without --perf-trace."""
     if not args.perf_trace:
         yield None
         return
@@ -2021,7 +2022,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--perf-trace",
         action="store_true",
         help="record the trials with perf (scheduler and syscalls, on the samples' clock) "
-        "for scripts/trace_cancel.py (needs perf and root)",
+        "for trace_cancel.py (git show 37c0eb9^:scripts/trace_cancel.py; needs perf and root)",
     )
     g.add_argument(
         "--poll-ms",

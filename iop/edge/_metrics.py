@@ -25,7 +25,8 @@ from iop.events import Cancelled, Complete, Error, Usage
 
 if TYPE_CHECKING:
     from iop._secrets import SecretMasker
-    from iop.edge._registry import NodeRegistry, Scheduler
+    from iop.edge.runs import NodeRegistry
+    from iop.edge.scheduler import Scheduler
     from iop.runtime import Run, RunSupervisor
 
 __all__ = ["CONTENT_TYPE", "EdgeMetrics"]

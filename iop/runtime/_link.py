@@ -95,7 +95,7 @@ class LinkSession(Protocol[E]):
 
 class Backpressure(Protocol):
     """What makes a link's reader wait before it reads on (the edge's
-    ``NodeConnection`` with per-run credit off)."""
+    ``iop.edge.runs._delivery.WithoutCredit``: per-run credit off)."""
 
     def is_held(self) -> bool: ...
 

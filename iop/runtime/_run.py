@@ -356,7 +356,7 @@ class Run:
         self._settled = False
         # Made by the first ``wait`` (few runs are waited for this way).
         self._done: trio.Event | None = None
-        # What happened to the run and when (iop.runtime._timeline).
+        # What happened to the run and when (iop.timeline).
         self.timeline = Timeline(
             run_id=spec.run_id,
             model=spec.model,

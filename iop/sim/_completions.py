@@ -42,7 +42,7 @@ from iop.errors import RequestError
 from iop.events import FinishReason
 from iop.sim._script import ContentToken, apply_overrides, build_script
 from iop.sim._tokenizer import is_token_ids, texts_with_counts
-from iop.sim._vllm_wire import DONE, Ending, Frame, StreamPlan, inject_failure
+from iop.sim._vllm_wire import DONE, Ending, Frame, StreamPlan, decode_request, inject_failure
 from iop.spec import ChatRequest, Message, StreamOptions
 
 __all__ = [
@@ -78,11 +78,6 @@ class CompletionRequest(msgspec.Struct, frozen=True, kw_only=True):
     extra_body: dict[str, Any] | None = None
 
 
-_FIELDS: Final = frozenset(f.name for f in msgspec.structs.fields(CompletionRequest)) - {
-    "extra_body"
-}
-
-
 def parse_completion_request(raw: bytes) -> CompletionRequest:
     """Decode a ``/v1/completions`` body, with vLLM's validations.
 
@@ -90,22 +85,9 @@ def parse_completion_request(raw: bytes) -> CompletionRequest:
         RequestError: Not a JSON object, wrong types, no prompt,
             ``stream_options`` without ``stream``, or ``n`` other than 1.
     """
-    try:
-        data = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise RequestError(f"invalid JSON body: {exc}") from exc
-    if not isinstance(data, dict):
-        raise RequestError("the request body must be a JSON object")
-    known = {k: v for k, v in data.items() if k in _FIELDS}
-    extra = {k: v for k, v in data.items() if k not in _FIELDS}
-    if extra:
-        known["extra_body"] = extra
-    if known.get("max_tokens", DEFAULT_MAX_TOKENS) is None:
-        known["max_tokens"] = DEFAULT_MAX_TOKENS  # vLLM: null means the default
-    try:
-        request = msgspec.convert(known, CompletionRequest)
-    except msgspec.ValidationError as exc:
-        raise RequestError(str(exc)) from exc
+    request = decode_request(raw, CompletionRequest)
+    if request.max_tokens is None:  # vLLM: null means the default
+        request = msgspec.structs.replace(request, max_tokens=DEFAULT_MAX_TOKENS)
     if request.stream_options is not None and not request.stream:
         raise RequestError(
             "Stream options can only be defined when `stream=True`.", param="stream_options"

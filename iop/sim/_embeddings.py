@@ -36,6 +36,7 @@ from iop.config import SimConfig
 from iop.errors import RequestError
 from iop.sim._script import _Rng
 from iop.sim._tokenizer import is_token_ids, texts_with_counts
+from iop.sim._vllm_wire import decode_request
 
 __all__ = [
     "EmbeddingRequest",
@@ -61,31 +62,13 @@ class EmbeddingRequest(msgspec.Struct, frozen=True, kw_only=True):
     extra_body: dict[str, Any] | None = None
 
 
-_FIELDS: Final = frozenset(f.name for f in msgspec.structs.fields(EmbeddingRequest)) - {
-    "extra_body"
-}
-
-
 def parse_embedding_request(raw: bytes) -> EmbeddingRequest:
     """Decode a ``/v1/embeddings`` body.
 
     Raises:
         RequestError: Not a JSON object, or fields of the wrong type.
     """
-    try:
-        data = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise RequestError(f"invalid JSON body: {exc}") from exc
-    if not isinstance(data, dict):
-        raise RequestError("the request body must be a JSON object")
-    known = {k: v for k, v in data.items() if k in _FIELDS}
-    extra = {k: v for k, v in data.items() if k not in _FIELDS}
-    if extra:
-        known["extra_body"] = extra
-    try:
-        return msgspec.convert(known, EmbeddingRequest)
-    except msgspec.ValidationError as exc:
-        raise RequestError(str(exc)) from exc
+    return decode_request(raw, EmbeddingRequest)
 
 
 def embedding_inputs(request: EmbeddingRequest, cfg: SimConfig) -> list[tuple[str, int]]:

@@ -14,20 +14,19 @@ another model is vLLM's 404. The ids are the toy tokenizer's
 
 from __future__ import annotations
 
-from typing import Any, Final, TypeVar
+from typing import Any
 
 import msgspec
 
 from iop.config import SimConfig
 from iop.errors import RequestError
 from iop.sim._tokenizer import detokenize, token_strs, tokenize, tokenize_chat
-from iop.sim._vllm_wire import MAX_MODEL_LEN, model_not_found
+from iop.sim._vllm_wire import MAX_MODEL_LEN, decode_request, model_not_found
 from iop.spec import Message
 
 __all__ = ["detokenize_body", "tokenize_body"]
 
 _encode = msgspec.json.encode
-_T = TypeVar("_T")
 
 
 class _TokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -45,24 +44,6 @@ class _DetokenizeRequest(msgspec.Struct, frozen=True, kw_only=True):
     tokens: list[int]
 
 
-_TOKENIZE_FIELDS: Final = frozenset(f.name for f in msgspec.structs.fields(_TokenizeRequest))
-_DETOKENIZE_FIELDS: Final = frozenset(f.name for f in msgspec.structs.fields(_DetokenizeRequest))
-
-
-def _decode(raw: bytes, fields: frozenset[str], kind: type[_T]) -> _T:
-    try:
-        data = msgspec.json.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise RequestError(f"invalid JSON body: {exc}") from exc
-    if not isinstance(data, dict):
-        raise RequestError("the request body must be a JSON object")
-    try:
-        # Unknown keys are ignored, as vLLM's pydantic models do.
-        return msgspec.convert({k: v for k, v in data.items() if k in fields}, kind)
-    except msgspec.ValidationError as exc:
-        raise RequestError(str(exc)) from exc
-
-
 def _check_model(model: str | None, cfg: SimConfig) -> None:
     if model is not None and model != cfg.model:
         raise model_not_found(model)
@@ -75,7 +56,7 @@ def tokenize_body(raw: bytes, cfg: SimConfig) -> bytes:
         RequestError: Invalid body, neither or both of ``prompt`` and
             ``messages``, or another model (404).
     """
-    request = _decode(raw, _TOKENIZE_FIELDS, _TokenizeRequest)
+    request = decode_request(raw, _TokenizeRequest)
     _check_model(request.model, cfg)
     if (request.prompt is None) == (request.messages is None):
         raise RequestError("exactly one of `prompt` and `messages` must be given")
@@ -103,6 +84,6 @@ def detokenize_body(raw: bytes, cfg: SimConfig) -> bytes:
         RequestError: Invalid body, an id outside the toy vocabulary, or
             another model (404).
     """
-    request = _decode(raw, _DETOKENIZE_FIELDS, _DetokenizeRequest)
+    request = decode_request(raw, _DetokenizeRequest)
     _check_model(request.model, cfg)
     return _encode({"prompt": detokenize(request.tokens)})

@@ -22,18 +22,21 @@ Injected failures (``SimConfig.failure``) change the plan: a ``StreamPlan``
 is a list of timed frames plus how the stream ends (``Ending``): after
 ``[DONE]``, cut short (no ``[DONE]``), or stalled until the client leaves.
 
-Requests are decoded here too (``parse_chat_request``): known fields into a
-``ChatRequest``, the rest into ``extra_body``, as vLLM passes unknown keys.
+Requests are decoded here too, for every endpoint (``decode_request``): the
+known fields into the endpoint's Struct, the rest into its ``extra_body``, as
+vLLM passes unknown keys on (or dropped, for a Struct without one, as vLLM's
+pydantic models do); ``parse_chat_request`` is chat's.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
 from http import HTTPStatus
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import msgspec
 
@@ -74,10 +77,6 @@ MALFORMED_CHUNK: Final = b"data: {not json\n\n"
 
 # vLLM's default --max-model-len for small models; only shown in /v1/models.
 MAX_MODEL_LEN: Final = 32768
-
-_REQUEST_FIELDS: Final = frozenset(f.name for f in msgspec.structs.fields(ChatRequest)) - {
-    "extra_body"
-}
 
 # The "type" of vLLM's ErrorInfo by status (create_error_response's err_type).
 _ERROR_TYPES: Final = {
@@ -121,12 +120,27 @@ class StreamPlan(msgspec.Struct, frozen=True):
 # --- requests -----------------------------------------------------------------------
 
 
-def parse_chat_request(raw: bytes) -> ChatRequest:
-    """Decode a ``/v1/chat/completions`` body; unknown keys go to ``extra_body``.
+_S = TypeVar("_S", bound=msgspec.Struct)
+
+
+@functools.cache
+def _fields(kind: type[msgspec.Struct]) -> tuple[frozenset[str], bool]:
+    """``kind``'s fields but ``extra_body``, and whether it has ``extra_body``."""
+    names = frozenset(f.name for f in msgspec.structs.fields(kind))
+    return names - {"extra_body"}, "extra_body" in names
+
+
+def decode_request(raw: bytes, kind: type[_S]) -> _S:
+    """Decode a request body into ``kind``, as vLLM reads every endpoint's.
+
+    Keys ``kind`` declares are converted (``msgspec.convert``, so types are
+    checked); the others go into its ``extra_body`` if it has one (vLLM
+    passes unknown keys on: ``top_k``, the sim's ``iop_sim``), else they are
+    ignored, as vLLM's pydantic models ignore them.
 
     Raises:
-        RequestError: Not JSON, not an object, or not a valid request
-            (missing ``model``/``messages``, wrong types...).
+        RequestError: Not JSON, not an object, or a field of the wrong type
+            (msgspec's message, which names the field).
     """
     try:
         data = msgspec.json.decode(raw)
@@ -134,14 +148,26 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
         raise RequestError(f"invalid JSON body: {exc}") from exc
     if not isinstance(data, dict):
         raise RequestError("the request body must be a JSON object")
-    known = {k: v for k, v in data.items() if k in _REQUEST_FIELDS}
-    extra = {k: v for k, v in data.items() if k not in _REQUEST_FIELDS}
-    if extra:
-        known["extra_body"] = extra
+    fields, has_extra = _fields(kind)
+    known = {k: v for k, v in data.items() if k in fields}
+    if has_extra:
+        extra = {k: v for k, v in data.items() if k not in fields}
+        if extra:
+            known["extra_body"] = extra
     try:
-        request = msgspec.convert(known, ChatRequest)
+        return msgspec.convert(known, kind)
     except msgspec.ValidationError as exc:
         raise RequestError(str(exc)) from exc
+
+
+def parse_chat_request(raw: bytes) -> ChatRequest:
+    """Decode a ``/v1/chat/completions`` body; unknown keys go to ``extra_body``.
+
+    Raises:
+        RequestError: Not JSON, not an object, or not a valid request
+            (missing ``model``/``messages``, wrong types...).
+    """
+    request = decode_request(raw, ChatRequest)
     if request.stream_options is not None and not request.stream:
         raise RequestError(
             "Stream options can only be defined when `stream=True`.", param="stream_options"

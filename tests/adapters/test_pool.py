@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from functools import partial
 
+import httpcore
 import httpx
 import pytest
 import trio
@@ -214,17 +215,19 @@ async def test_a_connection_the_server_closed_while_idle_is_not_reused() -> None
     assert len(accepted) == 2
 
 
-async def test_errors_are_httpx_errors() -> None:
+async def test_errors_are_httpcore_errors() -> None:
+    """The pool lets httpcore's errors out as they are: the adapters' one
+    boundary maps them (``iop.adapters._errors``; tests/adapters/test_backend_errors.py)."""
     listener = trio.socket.socket()
     await listener.bind(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     listener.close()  # nothing listens there now
     async with transport() as pool:
-        with pytest.raises(httpx.ConnectError):
+        with pytest.raises(httpcore.ConnectError):
             await fetch(pool, f"http://127.0.0.1:{port}/")
     async with open_fake_backend() as fb, transport() as pool:
         fb.route(CHAT_COMPLETIONS_PATH, Reply.sse(BODY, truncate_after_bytes=5))
-        with pytest.raises(httpx.RemoteProtocolError):
+        with pytest.raises(httpcore.RemoteProtocolError):
             await fetch(pool, fb.url + CHAT_COMPLETIONS_PATH)
         assert pool.idle_connections == 0
 
@@ -537,11 +540,48 @@ async def test_https_with_an_unknown_certificate_is_a_connect_error(
         port = listeners[0].socket.getsockname()[1]
         pool = KeepAliveTransport(max_idle=2, ssl_context=ssl.create_default_context())
         try:
-            with pytest.raises(httpx.ConnectError):
+            with pytest.raises(httpcore.ConnectError):
                 await fetch(pool, f"https://127.0.0.1:{port}/")
         finally:
             await pool.aclose()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_cancel_during_the_tls_handshake_closes_its_socket() -> None:
+    """httpcore gets no stream to close from a handshake that did not end:
+    the socket under it is closed when the run is cancelled, not left to the
+    garbage collector (disabled here, so only the close can end the wait)."""
+    accepted, closed = trio.Event(), trio.Event()
+
+    async def silent(raw: trio.SocketStream) -> None:
+        accepted.set()
+        while await raw.receive_some(65536):  # the ClientHello, then EOF
+            pass
+        closed.set()
+
+    async def cancel_in_the_handshake(scope: trio.CancelScope) -> None:
+        await accepted.wait()
+        await trio.testing.wait_all_tasks_blocked()
+        scope.cancel()
+
+    gc.disable()
+    try:
+        async with trio.open_nursery() as nursery:
+            listeners = await nursery.start(partial(trio.serve_tcp, silent, 0, host="127.0.0.1"))
+            port = listeners[0].socket.getsockname()[1]
+            pool = KeepAliveTransport(max_idle=2, ssl_context=ssl.create_default_context())
+            try:
+                with trio.CancelScope() as scope:
+                    nursery.start_soon(cancel_in_the_handshake, scope)
+                    await fetch(pool, f"https://127.0.0.1:{port}/")
+                with trio.fail_after(NOTICE_S):
+                    await closed.wait()
+            finally:
+                await pool.aclose()
+            nursery.cancel_scope.cancel()
+    finally:
+        gc.enable()
+    assert scope.cancelled_caught
 
 
 async def _refuse_early(done: trio.Event, stream: trio.SocketStream) -> None:

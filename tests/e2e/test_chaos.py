@@ -77,7 +77,7 @@ IDLE_TIMEOUT_S: Final = 1.5
 REQUEST_TIMEOUT_S: Final = 12.0
 QUEUE_TIMEOUT_S: Final = 1.5
 KEEPALIVE_S: Final = 0.3
-# iop/edge/_core.py MAX_ATTEMPTS: the first try and two failovers.
+# iop/edge/runs/_executor.py MAX_ATTEMPTS: the first try and two failovers.
 MAX_ATTEMPTS: Final = 3
 # The hang check's slack over the worst case the deadlines allow: process
 # scheduling on a loaded 2-core machine, the edge's connect and body read.

@@ -152,7 +152,7 @@ def test_a_live_node_id_cannot_be_taken_over(procs: Procs, sim: Sim) -> None:
         ) as stream,
     ):
         session = NodeSession(node_id="n1", token=TOKEN, now=0.0)
-        for _ in range(3):  # repeatedly, as the issue saw
+        for _ in range(3):  # every attempt is refused, not only the first
             code, reason = trio.run(_first_close, edge.link_url, session.hello([]))
             assert code == CLOSE_ID_IN_USE
             assert "in use by a live link" in reason

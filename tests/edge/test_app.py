@@ -232,7 +232,7 @@ async def test_models_health_and_admin() -> None:
         assert admin["nodes"][0]["instances"][0]["instance"] == "i0"
         # Every trio task of the process, this test's own among them: the
         # root, the edge's services, the fake node's, this request's handler.
-        from iop.edge._core import live_tasks
+        from iop.edge._views import live_tasks
 
         assert 10 < admin["tasks"] <= live_tasks() + 2
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 import trio
@@ -11,8 +12,9 @@ import trio.testing
 from hypercorn.config import Config as HypercornConfig
 from hypercorn.trio import serve
 
-from iop.edge.server._asgi_queue import AppQueue, app_queue, install
+from iop.edge.server._asgi_queue import AppQueue, app_queue
 from iop.edge.server._http1 import EdgeHypercornConfig
+from iop.edge.server._stall import StallGuard, serve_guarded
 
 REQUEST = b"GET /%s HTTP/1.1\r\nhost: x\r\n\r\n"
 
@@ -54,13 +56,19 @@ class App:
 
 
 @asynccontextmanager
-async def server(app: App, config: HypercornConfig) -> AsyncIterator[int]:
-    install()
+async def server(app: App, config: HypercornConfig, *, edge: bool = True) -> AsyncIterator[int]:
+    """The edge's server (``serve_guarded``), or hypercorn's own ``serve``."""
     config.bind = ["127.0.0.1:0"]
+    stop = trio.Event()
+    serving = (
+        partial(serve_guarded, app, config, StallGuard(None), shutdown_trigger=stop.wait)
+        if edge
+        else partial(serve, app, config, shutdown_trigger=stop.wait)
+    )
     async with trio.open_nursery() as nursery:
-        binds = await nursery.start(serve, app, config)
+        binds = await nursery.start(serving)
         yield int(binds[0].rsplit(":", 1)[1])
-        nursery.cancel_scope.cancel()
+        stop.set()
 
 
 async def read_response(stream: trio.SocketStream) -> bytes:
@@ -71,17 +79,23 @@ async def read_response(stream: trio.SocketStream) -> bytes:
 
 
 async def test_the_edge_gets_an_app_queue_any_other_server_hypercorn_s() -> None:
-    for config, expected in (
-        (EdgeHypercornConfig(max_header_bytes=8192), True),
-        (HypercornConfig(), False),
+    # All at once, in one process, as ``iop up`` runs the edge and the sim;
+    # hypercorn's own serve, even given the edge's config, is hypercorn's.
+    apps = {"edge": App(), "hypercorn": App(), "hypercorn, edge config": App()}
+    async with (
+        server(apps["edge"], EdgeHypercornConfig(max_header_bytes=8192)) as edge_port,
+        server(apps["hypercorn"], HypercornConfig(), edge=False) as plain_port,
+        server(
+            apps["hypercorn, edge config"], EdgeHypercornConfig(max_header_bytes=8192), edge=False
+        ) as other_port,
     ):
-        app = App()
-        async with server(app, config) as port:
+        for port in (edge_port, plain_port, other_port):
             stream = await trio.open_tcp_stream("127.0.0.1", port)
             await stream.send_all(REQUEST % b"ok")
             assert b" 200 " in await read_response(stream)
             await stream.aclose()
-        assert [isinstance(q, AppQueue) for q in app.queues] == [expected]
+    got = {name: [isinstance(q, AppQueue) for q in app.queues] for name, app in apps.items()}
+    assert got == {"edge": [True], "hypercorn": [False], "hypercorn, edge config": [False]}
 
 
 async def test_a_client_that_leaves_cancels_a_finished_response_does_not() -> None:

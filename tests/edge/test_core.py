@@ -18,7 +18,7 @@ import trio.testing
 from iop.capabilities import Capabilities, ProviderStatus
 from iop.config import Deadlines, EdgeConfig, LinkSettings, SchedulerSettings
 from iop.edge import EdgeCore, open_edge_core
-from iop.edge._registry import QueueExit
+from iop.edge.scheduler import QueueExit
 from iop.errors import IopError, RequestError
 from iop.events import Cancelled, CancelReason, Complete, Delta, Error, RuntimeEvent, Start
 from iop.protocol import (
@@ -714,7 +714,7 @@ async def test_affinity_yields_to_a_full_instance(autojump_clock: trio.testing.M
 
 
 def test_affinity_key_is_the_conversation_head() -> None:
-    from iop.edge._registry import affinity_key
+    from iop.edge.scheduler import affinity_key
 
     k = affinity_key(conversation("hello").request)
     assert affinity_key(conversation("hello", turns=3).request) == k

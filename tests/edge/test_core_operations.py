@@ -121,7 +121,7 @@ async def test_embedding_failover_before_the_first_vector(
 
 
 def test_affinity_keys_of_the_other_operations() -> None:
-    from iop.edge._registry import AFFINITY_PROMPT_HEAD_CHARS, affinity_key
+    from iop.edge.scheduler._affinity import AFFINITY_PROMPT_HEAD_CHARS, affinity_key
 
     head = "x" * AFFINITY_PROMPT_HEAD_CHARS
     key = affinity_key(CompletionRequest(model="m", prompt=head + "tail one"))

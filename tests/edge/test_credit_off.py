@@ -13,7 +13,7 @@ import trio
 import trio.testing
 
 from iop.config import Deadlines, LinkSettings
-from iop.edge._core import RUN_BUFFER_WITHOUT_CREDIT
+from iop.edge.runs import RUN_BUFFER_WITHOUT_CREDIT
 from iop.events import Cancelled, CancelReason, Complete, Delta, RuntimeEvent, Start
 from iop.protocol import UNLIMITED_CREDIT
 from iop.runtime import Run

@@ -22,7 +22,6 @@ import trio.testing
 
 from iop.config import EdgeConfig, LinkSettings
 from iop.edge import EdgeHandle, serve_edge
-from iop.edge.server._http1 import install
 from iop.edge.server._link_asgi import EdgeASGI, LinkEndpoint
 from iop.edge.server._serve import _hypercorn_config
 from iop.edge.server._stall import StallGuard, serve_guarded
@@ -74,7 +73,6 @@ class Handler:
 @asynccontextmanager
 async def serving(app: EdgeASGI) -> AsyncIterator[str]:
     """hypercorn serving ``app`` on a free loopback port; its ``http://`` URL."""
-    install()
     stop = trio.Event()
     hc = _hypercorn_config(EdgeConfig(), "127.0.0.1:0")
     async with trio.open_nursery() as nursery:

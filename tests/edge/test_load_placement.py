@@ -13,13 +13,8 @@ import trio.testing
 
 from iop.capabilities import Capabilities, ProviderStatus
 from iop.config import SchedulerSettings
-from iop.edge._registry import (
-    LOAD_FIGURE_CAP,
-    InstanceState,
-    NodeConnection,
-    NodeRegistry,
-    Scheduler,
-)
+from iop.edge.runs import LOAD_FIGURE_CAP, InstanceState, NodeConnection, NodeRegistry
+from iop.edge.scheduler import Scheduler
 from iop.protocol import EdgeSession, EngineLoad, InstanceLoad
 
 SLOTS = 4

@@ -19,7 +19,7 @@ import trio.testing
 
 from iop.config import EdgeConfig, TenancySettings, TenantSettings
 from iop.edge import EdgeCore, open_edge_core
-from iop.edge._registry import affinity_key
+from iop.edge.scheduler import affinity_key
 from iop.edge.scheduler._prefix import prompt_blocks
 from iop.edge.tenancy._tenants import Tenants
 from iop.events import CancelReason

@@ -1,4 +1,4 @@
-"""Run timelines (iop.runtime._timeline): the record, its bounds, and what the
+"""Run timelines (iop.timeline): the record, its bounds, and what the
 runtime writes into it (virtual time)."""
 
 from __future__ import annotations

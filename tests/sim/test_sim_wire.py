@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from importlib.resources import files
 from typing import Any
 
@@ -18,10 +19,14 @@ from iop.sim import (
     StreamPlan,
     build_script,
     completion_body,
+    detokenize_body,
     error_body,
     models_body,
     parse_chat_request,
+    parse_completion_request,
+    parse_embedding_request,
     stream_plan,
+    tokenize_body,
 )
 from iop.sim._vllm_wire import MALFORMED_CHUNK, injected_http_error, model_not_found
 from iop.spec import ChatRequest, FunctionDef, Message, Tool
@@ -341,3 +346,46 @@ def test_plan_is_deterministic() -> None:
     cfg = SimConfig(output_tokens=20, reasoning_tokens=4)
     assert plan_for(cfg).body == plan_for(cfg).body
     assert FinishReason.STOP.value == "stop"
+
+
+# --- request bodies ---------------------------------------------------------------------
+
+# Every endpoint's smallest valid body, and its parser.
+_BODIES: dict[str, tuple[Callable[[bytes], Any], dict[str, Any]]] = {
+    "chat": (parse_chat_request, {"model": "m", "messages": [{"role": "user", "content": "x"}]}),
+    "completions": (parse_completion_request, {"prompt": "x"}),
+    "embeddings": (parse_embedding_request, {"input": "x"}),
+    "tokenize": (lambda raw: tokenize_body(raw, SimConfig()), {"prompt": "x"}),
+    "detokenize": (lambda raw: detokenize_body(raw, SimConfig()), {"tokens": [1]}),
+}
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"{nope", r"^invalid JSON body: "),
+        (b"[1]", r"^the request body must be a JSON object$"),
+        (b'"x"', r"^the request body must be a JSON object$"),
+        (b'{"model": 1}', r"^Expected `str( \| null)?`, got `int` - at `\$\.model`$"),
+    ],
+)
+@pytest.mark.parametrize("endpoint", sorted(_BODIES))
+def test_every_endpoint_refuses_a_bad_body_alike(endpoint: str, raw: bytes, message: str) -> None:
+    parse, _ = _BODIES[endpoint]
+    with pytest.raises(RequestError, match=message) as info:
+        parse(raw)
+    assert info.value.status == 400
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions", "embeddings"])
+def test_unknown_keys_reach_extra_body_as_vllm_passes_them(endpoint: str) -> None:
+    parse, body = _BODIES[endpoint]
+    assert parse(json.dumps(body).encode()).extra_body is None
+    extra = {"top_k": 5, "iop_sim": {"seed": 3}}
+    assert parse(json.dumps({**body, **extra}).encode()).extra_body == extra
+
+
+@pytest.mark.parametrize("endpoint", ["tokenize", "detokenize"])
+def test_unknown_keys_are_ignored_by_the_tokenizer_endpoints(endpoint: str) -> None:
+    parse, body = _BODIES[endpoint]
+    assert parse(json.dumps({**body, "top_k": 5}).encode()) == parse(json.dumps(body).encode())

@@ -56,7 +56,8 @@ from typing import Final
 
 import msgspec
 
-from iop.api._openai_errors import error_body, openai_error_type, scrub
+from iop.api._collect import ShapedCollector, openai_failure
+from iop.api._openai_errors import error_body, scrub
 from iop.api._output import OutputShaper
 from iop.api._shaped import Shaped, ShapedDone, ShapedFailed, ShapedReasoning, ShapedText
 from iop.config import OutputPolicy
@@ -158,9 +159,7 @@ def _encode_text(text: str) -> bytes:
 
 
 def _failure_body(failed: ShapedFailed) -> bytes:
-    return error_body(
-        failed.message, type=openai_error_type(failed.status), code=failed.code, param=failed.param
-    )
+    return openai_failure(failed)[1]
 
 
 # --- the stream ----------------------------------------------------------------------
@@ -429,7 +428,7 @@ class ChatCompletionStream:
 # --- non-streaming -------------------------------------------------------------------
 
 
-class ChatCompletionCollector:
+class ChatCompletionCollector(ShapedCollector):
     """One non-streaming chat completion: RuntimeEvents in, one body out.
 
     Args:
@@ -444,7 +443,8 @@ class ChatCompletionCollector:
     ``result()`` gives ``(200, chat.completion body)`` for a completed run, or
     ``(status, OpenAI error body)`` for an ``Error`` (its status; anything
     outside 400-599 becomes 500) or a ``Cancelled`` (``cancel_status``: 503
-    node lost, 504 timeouts, 500 otherwise).
+    node lost, 504 timeouts, 500 otherwise). The ending is
+    ``iop.api._collect``'s.
     """
 
     def __init__(
@@ -460,32 +460,9 @@ class ChatCompletionCollector:
         self._model = model
         self._policy = policy = policy if policy is not None else OutputPolicy()
         run_id = completion_id.removeprefix("chatcmpl-")
-        self._shaper = OutputShaper(request, policy, run_id, buffered=True)
-        self._result: tuple[int, bytes] | None = None
+        super().__init__(OutputShaper(request, policy, run_id, buffered=True))
         self._done: ShapedDone | None = None
         self._outcome = "open"
-
-    @property
-    def finished(self) -> bool:
-        """True once a terminal event was fed."""
-        return self._result is not None
-
-    def feed(self, event: RuntimeEvent) -> None:
-        """Take one event.
-
-        Raises:
-            InvariantError: If a terminal event was already fed.
-        """
-        if self._result is not None:
-            raise InvariantError(f"feed({type(event).__name__}) after the run finished")
-        for shaped in self._shaper.feed(event):
-            if isinstance(shaped, ShapedDone):
-                self._done = shaped
-                self._result = (200, self._body(shaped))
-                self._outcome = "complete"
-            elif isinstance(shaped, ShapedFailed):
-                self._result = (shaped.status, _failure_body(shaped))
-                self._outcome = _outcome(shaped)
 
     def feed_many(self, events: Iterable[RuntimeEvent]) -> None:
         """Take several events."""
@@ -493,6 +470,8 @@ class ChatCompletionCollector:
             self.feed(event)
 
     def _body(self, done: ShapedDone) -> bytes:
+        self._done = done
+        self._outcome = "complete"
         message = _Message(
             role="assistant",
             content=done.content or (None if done.calls else ""),
@@ -515,15 +494,9 @@ class ChatCompletionCollector:
             )
         )
 
-    def result(self) -> tuple[int, bytes]:
-        """``(status, body)`` of the response.
-
-        Raises:
-            InvariantError: If no terminal event was fed yet.
-        """
-        if self._result is None:
-            raise InvariantError("result() before the run finished")
-        return self._result
+    def _failure(self, failed: ShapedFailed) -> tuple[int, bytes]:
+        self._outcome = _outcome(failed)
+        return openai_failure(failed)
 
     def summary(self) -> StreamSummary:
         """The same log fields as a stream's, for the non-streaming close line."""

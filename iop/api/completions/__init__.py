@@ -3,19 +3,14 @@
 Prompt in, text out, streamed or not, over the same runs as chat (the
 ``completion`` operation: ``iop.spec.CompletionRequest``), so it inherits
 their cancellation, failover before the first output, keep-alives and
-deadlines. Parsing in ``_request``, the stream and the body in ``_output``,
-OpenAI's errors in ``_errors``. ``COMPLETIONS`` is the ``Surface``.
+deadlines. Parsing in ``_request``, the stream and the body in ``_encode``,
+OpenAI's errors in ``_errors``; ``COMPLETIONS`` (``_surface``) is the
+``Surface``.
 """
 
-from __future__ import annotations
-
-from collections.abc import Mapping
-
-from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH
-from iop.api._surface import Call, RunContext
-from iop.api.completions._errors import error_response
-from iop.api.completions._output import CompletionCollector, CompletionStream
+from iop.api.completions._encode import CompletionCollector, CompletionStream
 from iop.api.completions._request import ParsedCompletion, parse_completion
+from iop.api.completions._surface import COMPLETIONS, CompletionsSurface
 
 __all__ = [
     "COMPLETIONS",
@@ -25,41 +20,3 @@ __all__ = [
     "ParsedCompletion",
     "parse_completion",
 ]
-
-
-class CompletionsSurface:
-    """``POST /v1/completions`` as a ``Surface``."""
-
-    def __init__(self, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) -> None:
-        self._max_depth = max_depth
-
-    @property
-    def name(self) -> str:
-        return "completions"
-
-    def parse(self, body: bytes, headers: Mapping[str, str], *, tenant: str = "") -> Call:
-        parsed = parse_completion(body, max_depth=self._max_depth)
-        return Call(
-            request=parsed.request,
-            stream=parsed.stream,
-            model=parsed.request.model,
-            native=parsed,
-        )
-
-    def error_body(
-        self, status: int, message: str, *, code: str | None = None, param: str | None = None
-    ) -> tuple[int, bytes]:
-        return error_response(status, message, code=code, param=param)
-
-    def stream(self, call: Call, ctx: RunContext) -> CompletionStream:
-        native = call.native
-        include_usage = isinstance(native, ParsedCompletion) and native.include_usage
-        return CompletionStream(
-            run_id=ctx.run_id, created=ctx.created, model=call.model, include_usage=include_usage
-        )
-
-    def collector(self, call: Call, ctx: RunContext) -> CompletionCollector:
-        return CompletionCollector(run_id=ctx.run_id, created=ctx.created, model=call.model)
-
-
-COMPLETIONS = CompletionsSurface()

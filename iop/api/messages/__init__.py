@@ -2,7 +2,7 @@
 
 * ``_request``: Anthropic's request, typed, translated to a ``ChatRequest``;
   400s worded like Anthropic's.
-* ``_stream``: shaped events to Anthropic's SSE events, or one ``Message``.
+* ``_encode``: shaped events to Anthropic's SSE events, or one ``Message``.
 * ``_errors``: Anthropic's error bodies and the status mapping.
 * ``_tokens``: count_tokens answers and the estimate.
 * ``_surface``: :data:`MESSAGES`, the ``iop.api.Surface``; auth and headers.
@@ -10,6 +10,7 @@
 ``docs/api.md``, "Anthropic Messages", says what is supported and how.
 """
 
+from iop.api.messages._encode import PING, MessagesCollector, MessagesStream, stop_reason
 from iop.api.messages._errors import anthropic_error, error_body, error_event
 from iop.api.messages._request import (
     IGNORED_FIELDS,
@@ -18,7 +19,6 @@ from iop.api.messages._request import (
     parse_messages_request,
     reasoning_effort,
 )
-from iop.api.messages._stream import PING, MessagesCollector, MessagesStream, stop_reason
 from iop.api.messages._surface import (
     AUTH_FAILED,
     MESSAGES,

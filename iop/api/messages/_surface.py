@@ -25,9 +25,9 @@ import msgspec
 
 from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH
 from iop.api._surface import Call, RunContext
+from iop.api.messages._encode import MessagesCollector, MessagesStream
 from iop.api.messages._errors import anthropic_error, error_body
 from iop.api.messages._request import MessagesRequest, parse_count_tokens, parse_messages_request
-from iop.api.messages._stream import MessagesCollector, MessagesStream
 from iop.api.messages._tokens import count_tokens_response, estimate_input_tokens
 from iop.errors import InvariantError
 from iop.spec import ChatRequest

@@ -2,11 +2,11 @@
 
 ``ResponsesSurface`` implements ``iop.api.Surface`` over a ``ResponseStore``
 (``previous_response_id``); ``_request`` translates requests into a run's
-``ChatRequest``, ``_output`` formats its shaped output as OpenAI's stream or
+``ChatRequest``, ``_encode`` formats its shaped output as OpenAI's stream or
 ``Response`` object. docs/api.md ("OpenAI Responses") documents the mapping.
 """
 
-from iop.api.responses._output import (
+from iop.api.responses._encode import (
     KEEPALIVE,
     ResponsesCall,
     ResponsesCollector,

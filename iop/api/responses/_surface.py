@@ -4,7 +4,7 @@
 the store of earlier responses for ``previous_response_id``
 (``_store.ResponseStore``), and a monotonic clock; the edge creates one per
 process with the store sized by ``[responses]`` (``iop.config``) and shared
-by its tenants. Parsing is ``_request``; output is ``_output``.
+by its tenants. Parsing is ``_request``; output is ``_encode``.
 
 Tenants. A response is stored as the asking tenant's (``parse``'s
 ``tenant``, carried in ``ResponsesCall.tenant`` to where the finished
@@ -34,7 +34,7 @@ from typing import Final
 from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH
 from iop.api._openai_errors import error_status, openai_error
 from iop.api._surface import Call, RunContext, Surface
-from iop.api.responses._output import (
+from iop.api.responses._encode import (
     FunctionToolEcho,
     ReasoningEcho,
     ResponseEcho,

@@ -1,3 +1,19 @@
-"""Where a run is placed: the scheduler's queue, leases and placement, and the prefix index that
+"""Where a run is placed: placement (``Scheduler``), the leases it hands out,
+the queue in front of it, session affinity and the prefix index that
 prefix-aware placement reads.
 """
+
+from iop.edge.scheduler._affinity import affinity_key
+from iop.edge.scheduler._leases import Lease
+from iop.edge.scheduler._placement import Scheduler
+from iop.edge.scheduler._queue import EVEN_SHARE, QueueExit, QueueExitAt, QueueShare
+
+__all__ = [
+    "EVEN_SHARE",
+    "Lease",
+    "QueueExit",
+    "QueueExitAt",
+    "QueueShare",
+    "Scheduler",
+    "affinity_key",
+]

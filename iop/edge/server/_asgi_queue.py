@@ -20,31 +20,25 @@ with no task. The queue reaches the app in the scope's ``extensions`` (the
 ASGI spec's place for what a server adds) under ``APP_QUEUE``; an app that
 finds none (another server, a websocket) works as before.
 
-Hypercorn has no hook for it: ``TCPServer.run`` builds a ``TaskGroup`` found
-in ``hypercorn.trio.tcp_server``'s namespace. ``install()`` puts
-``EdgeTaskGroup`` there once; it is hypercorn's own unless the server's
-config is an ``EdgeHypercornConfig`` (as ``iop/edge/server/_http1.py`` does for the
-protocol class), so other hypercorn servers in the process (``iop up``'s
-sim) are untouched. Hypercorn is pinned below 0.19;
-``tests/edge/test_asgi_queue.py`` serves through real sockets, so a
-hypercorn that stops building its task group there fails it.
+Hypercorn builds that channel in its per-connection task group
+(``TaskGroup.spawn_app``); the edge's task group (``EdgeTaskGroup`` in
+``iop/edge/server/_hypercorn.py``) builds an ``AppQueue`` instead, and only
+the edge's own server uses it: other hypercorn servers in the process
+(``iop up``'s sim) are untouched. ``tests/edge/test_asgi_queue.py`` serves
+through real sockets, so a hypercorn that stops asking the task group for
+the queue fails it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, Final
 
-import hypercorn.trio.tcp_server
-import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio.task_group import TaskGroup, _handle
-from hypercorn.typing import AppWrapper, ASGIReceiveEvent, ASGISendEvent, Scope
+from hypercorn.typing import ASGIReceiveEvent
 
-from iop.edge.server._http1 import EdgeHypercornConfig
 from iop.runtime._channel import OneToOneChannel
 
-__all__ = ["APP_QUEUE", "AppQueue", "EdgeTaskGroup", "app_queue", "install"]
+__all__ = ["APP_QUEUE", "AppQueue", "app_queue"]
 
 APP_QUEUE: Final = "iop.app_queue"
 """The key of a request's ``AppQueue`` in its scope's ``extensions``."""
@@ -90,36 +84,3 @@ def app_queue(scope: dict[str, Any]) -> AppQueue | None:
     extensions = scope.get("extensions")
     queue = extensions.get(APP_QUEUE) if extensions else None
     return queue if isinstance(queue, AppQueue) else None
-
-
-class EdgeTaskGroup(TaskGroup):
-    """Hypercorn's per-connection task group; an edge HTTP request's queue is an ``AppQueue``."""
-
-    async def spawn_app(
-        self,
-        app: AppWrapper,
-        config: HypercornConfig,
-        scope: Scope,
-        send: Callable[[ASGISendEvent | None], Awaitable[None]],
-    ) -> Callable[[ASGIReceiveEvent], Awaitable[None]]:
-        if not isinstance(config, EdgeHypercornConfig) or scope["type"] != "http":
-            return await super().spawn_app(app, config, scope, send)
-        assert self._nursery is not None  # inside ``async with``, as hypercorn's
-        queue = AppQueue(config.max_app_queue_size)
-        scope["extensions"][APP_QUEUE] = queue  # type: ignore[assignment]
-        self._nursery.start_soon(
-            _handle,
-            app,
-            config,
-            scope,
-            queue.receive,
-            send,
-            trio.to_thread.run_sync,
-            trio.from_thread.run,
-        )
-        return queue.send
-
-
-def install() -> None:
-    """Make hypercorn's trio server build ``EdgeTaskGroup`` (idempotent)."""
-    hypercorn.trio.tcp_server.TaskGroup = EdgeTaskGroup  # type: ignore[attr-defined]

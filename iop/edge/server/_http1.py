@@ -58,39 +58,36 @@ and both were wrong for an OpenAI-compatible server:
   the edge sends that restart shielded (docs/architecture.md, "Facts about
   our dependencies: hypercorn").
 
-Hypercorn has no hook for its protocol class: ``ProtocolWrapper`` builds an
-``H11Protocol`` found in ``hypercorn.protocol``'s namespace. ``install()``
-puts ``EdgeH11Protocol`` there once; it is a subclass that behaves exactly
-like hypercorn's own unless the server's config is an ``EdgeHypercornConfig``,
-so other hypercorn servers in the process (``iop sim``'s backend) are
-untouched. It overrides three methods hypercorn calls on every request
-(``_check_protocol``, before the app sees the request), on every h11
-error (``_send_error_response``) and for every h11 event it sends
-(``_send_h11_event``); hypercorn is pinned below 0.19 and
-``tests/edge/test_http_input.py`` drives them through real sockets, so a
-hypercorn that stops calling them fails there.
+This module is the rules, sans-IO: which heads are refused and with what
+answer (h11 events), and the context that marks a response's last message.
+``iop/edge/server/_hypercorn.py`` applies them inside hypercorn's HTTP/1.1
+protocol (``EdgeH11Protocol``, which holds, coalesces and shields the writes
+described above), a class only the edge's own server builds: other hypercorn
+servers in the process (``iop up``'s sim) are plain hypercorn.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from itertools import chain
-from typing import Any, Final
+from typing import Final
 
 import h11
-import hypercorn.protocol
-import trio
 from hypercorn.config import Config as HypercornConfig
-from hypercorn.events import Closed, Event, RawData, Updated
-from hypercorn.protocol.h11 import H11Protocol
-from hypercorn.typing import H11SendableEvent
 
 from iop.api import CHAT
 from iop.errors import ErrorCode
 
-__all__ = ["EdgeH11Protocol", "EdgeHypercornConfig", "install", "response_ends"]
+__all__ = [
+    "EdgeHypercornConfig",
+    "error_response",
+    "h11_error",
+    "refusal",
+    "response_ending",
+    "response_ends",
+]
 
 # h11's error_status_hint -> message and code, for the heads it refuses.
 _H11_ERRORS: Final[dict[int, tuple[str, ErrorCode]]] = {
@@ -101,6 +98,9 @@ _H11_ERRORS: Final[dict[int, tuple[str, ErrorCode]]] = {
 
 # Set around the ASGI send of a response's last body message (``response_ends``).
 _ENDING: Final = contextvars.ContextVar[bool]("iop_response_ends", default=False)
+
+response_ending: Final = _ENDING.get
+"""Whether the ASGI ``send`` running now carries a response's last body message."""
 
 
 @contextlib.contextmanager
@@ -117,7 +117,7 @@ def response_ends() -> Iterator[None]:
 
 
 class EdgeHypercornConfig(HypercornConfig):
-    """Hypercorn's config, marking a server as the edge's (module docstring).
+    """Hypercorn's config with the edge's HTTP/1.1 head limit.
 
     Attributes:
         max_header_bytes: Largest request head (request line plus headers);
@@ -128,11 +128,6 @@ class EdgeHypercornConfig(HypercornConfig):
         super().__init__()
         self.max_header_bytes = max_header_bytes
         self.h11_max_incomplete_size = max_header_bytes
-
-
-class _Refused(Exception):
-    """Raised out of hypercorn's event loop once a refusal is sent and the
-    connection closed, so the request never becomes a stream."""
 
 
 def _head_size(request: h11.Request) -> int:
@@ -164,100 +159,30 @@ def refusal(request: h11.Request, max_header_bytes: int) -> tuple[int, str, Erro
     return None
 
 
-class EdgeH11Protocol(H11Protocol):
-    """Hypercorn's HTTP/1.1 protocol with the edge's guards (module docstring)."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # Bytes not sent yet: a response head (it goes out with the next
-        # write), and a last body message's data (it goes out with the end).
-        self._held: bytes | None = None
-        if self._edge_limit() is not None:
-            send = self.send
-
-            # A close, and the idle timer's restart or stop, must not be
-            # cut short by a cancel of the task that asks for them (module
-            # docstring); neither blocks.
-            async def send_shielded(event: Event) -> None:
-                if isinstance(event, Closed | Updated):
-                    with trio.CancelScope(shield=True):
-                        await send(event)
-                else:
-                    await send(event)
-
-            self.send = send_shielded
-
-    def _edge_limit(self) -> int | None:
-        cfg = self.config
-        return cfg.max_header_bytes if isinstance(cfg, EdgeHypercornConfig) else None
-
-    async def handle(self, event: Event) -> None:
-        with contextlib.suppress(_Refused):
-            await super().handle(event)
-        if isinstance(event, Closed) and self._edge_limit() is not None:
-            # The connection is over (module docstring): its idle timer goes too.
-            await self.send(Updated(idle=False))
-
-    async def _send_h11_event(self, event: H11SendableEvent) -> None:
-        if self._edge_limit() is None:
-            await super()._send_h11_event(event)
-            return
-        try:
-            data = self.connection.send(event)
-        except h11.LocalProtocolError:
-            # hypercorn's rule: an event h11 refuses after the client broke
-            # the protocol is dropped.
-            if self.connection.their_state != h11.ERROR:
-                raise
-            return
-        if isinstance(event, h11.Response):
-            self._held = data  # module docstring: sent with the body
-            return
-        if isinstance(event, h11.Data) and _ENDING.get():
-            # The end follows in this same send (module docstring).
-            self._held = data if self._held is None else self._held + data
-            return
-        if self._held is not None:
-            data, self._held = self._held + data, None
-        await self.send(RawData(data=data))
-
-    async def _check_protocol(self, event: h11.Request) -> None:
-        limit = self._edge_limit()
-        if limit is not None and (refused := refusal(event, limit)) is not None:
-            await self._send_openai_error(*refused)
-            await self.send(Closed())
-            raise _Refused
-        await super()._check_protocol(event)
-
-    async def _send_error_response(self, status_code: int) -> None:
-        if self._edge_limit() is None:
-            await super()._send_error_response(status_code)
-            return
-        message, code = _H11_ERRORS.get(
-            status_code, ("Malformed HTTP request.", ErrorCode.BAD_REQUEST)
-        )
-        if status_code == 431:
-            message = f"Request header fields too large (limit {self._edge_limit()} bytes)."
-        await self._send_openai_error(status_code, message, code)
-
-    async def _send_openai_error(self, status: int, message: str, code: ErrorCode) -> None:
-        """A complete response in OpenAI's error body, with ``Connection: close``."""
-        _, body = CHAT.error_body(status, message, code=code)
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode()),
-            (b"connection", b"close"),
-        ]
-        await self._send_h11_event(
-            h11.Response(
-                status_code=status,
-                headers=list(chain(headers, self.config.response_headers("h11"))),
-            )
-        )
-        await self._send_h11_event(h11.Data(data=body))
-        await self._send_h11_event(h11.EndOfMessage())
+def h11_error(status_hint: int, max_header_bytes: int) -> tuple[int, str, ErrorCode]:
+    """The answer to a head h11 refused with ``status_hint``: ``(status, message, code)``."""
+    message, code = _H11_ERRORS.get(status_hint, ("Malformed HTTP request.", ErrorCode.BAD_REQUEST))
+    if status_hint == 431:
+        message = f"Request header fields too large (limit {max_header_bytes} bytes)."
+    return status_hint, message, code
 
 
-def install() -> None:
-    """Make hypercorn build ``EdgeH11Protocol`` for HTTP/1.1 (idempotent)."""
-    hypercorn.protocol.H11Protocol = EdgeH11Protocol  # type: ignore[attr-defined]
+def error_response(
+    status: int, message: str, code: ErrorCode, extra_headers: Iterable[tuple[bytes, bytes]]
+) -> tuple[h11.Response, h11.Data, h11.EndOfMessage]:
+    """A complete response in OpenAI's error body, with ``Connection: close``.
+
+    Args:
+        extra_headers: The server's own (hypercorn's ``response_headers``).
+    """
+    _, body = CHAT.error_body(status, message, code=code)
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    return (
+        h11.Response(status_code=status, headers=list(chain(headers, extra_headers))),
+        h11.Data(data=body),
+        h11.EndOfMessage(),
+    )

@@ -1,5 +1,11 @@
 """Running the edge: hypercorn's trio worker serving the app, with a drain.
 
+Every listener is served by ``serve_guarded`` (``iop.edge.server._stall``):
+the write-stall guard on each connection, and hypercorn built with the
+edge's own classes (``iop.edge.server._hypercorn``) for the HTTP/1.1 guards
+(``_http1.py``) and each request's disconnect-aware queue
+(``_asgi_queue.py``); nothing in hypercorn is replaced.
+
 One listener (``server.host:server.port``) serves the API and the node link
 (``iop.edge.server._link_asgi.EdgeASGI``). With ``link.port`` set, a second one
 serves only the link, and the API's no longer does.
@@ -20,9 +26,8 @@ import trio
 from iop.config import EdgeConfig
 from iop.edge._app import SurfaceRoute, create_edge_app
 from iop.edge._core import EdgeCore, open_edge_core
-from iop.edge.server._asgi_queue import install as install_app_queue
 from iop.edge.server._cors import cors
-from iop.edge.server._http1 import EdgeHypercornConfig, install
+from iop.edge.server._http1 import EdgeHypercornConfig
 from iop.edge.server._link_asgi import LINK_PATH, EdgeASGI, LinkEndpoint
 from iop.edge.server._stall import StallGuard, serve_guarded
 from iop.edge.server._tls import EdgeTLS, EdgeTLSListener
@@ -155,10 +160,6 @@ async def serve_edge(
             link=None if own_port else link,
             elsewhere=_LINK_ELSEWHERE if own_port else "",
         )
-        # Smuggling and header-size guards below the app (iop/edge/server/_http1.py).
-        install()
-        # Each request's receive queue tells a disconnect (iop/edge/server/_asgi_queue.py).
-        install_app_queue()
         drained = trio.Event()
 
         async def trigger() -> None:

@@ -27,9 +27,9 @@ is shared: the ASGI wrapper (``StallGuard.asgi``) puts the connection's
 the connection was marked stalled, ``client_disconnect`` otherwise. A run's
 first cancel reason wins, so the run ends ``slow_client`` either way.
 
-``serve_guarded`` is hypercorn's trio ``worker_serve`` (0.18) with the
-listeners wrapped, TLS on top of the guard when the edge has a certificate
-(``iop.edge.server._tls``), no QUIC.
+``serve_guarded`` is the edge's hypercorn server
+(``iop.edge.server._hypercorn``) with the listeners wrapped, TLS on top of
+the guard when the edge has a certificate (``iop.edge.server._tls``).
 """
 
 from __future__ import annotations
@@ -42,17 +42,12 @@ import os
 import sys
 import termios
 from collections.abc import Awaitable, Callable
-from functools import partial
-from typing import Any, Final, cast
+from typing import Any, Final
 
 import trio
-from hypercorn.config import Config as HypercornConfig
-from hypercorn.trio.lifespan import Lifespan
-from hypercorn.trio.tcp_server import TCPServer
-from hypercorn.trio.worker_context import WorkerContext
-from hypercorn.typing import ConnectionState, LifespanState
-from hypercorn.utils import ShutdownError, raise_shutdown, repr_socket_addr, wrap_app
 
+from iop.edge.server._http1 import EdgeHypercornConfig
+from iop.edge.server._hypercorn import serve_edge_listeners
 from iop.events import CancelReason
 from iop.timeline import StallKind, Timeline
 
@@ -322,7 +317,7 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
 
 async def serve_guarded(
     app: Any,
-    config: HypercornConfig,
+    config: EdgeHypercornConfig,
     guard: StallGuard,
     *,
     shutdown_trigger: Callable[[], Awaitable[None]],
@@ -331,58 +326,21 @@ async def serve_guarded(
 ) -> None:
     """Serve ``app`` like ``hypercorn.trio.serve``, every connection guarded.
 
-    Hypercorn's ``worker_serve`` (0.18), with the listeners wrapped by
-    ``guard`` (and then by ``tls``, which makes them serve TLS: the bound
-    URLs are then ``https://``) and the app by ``guard.asgi``.
+    The edge's hypercorn server (``iop.edge.server._hypercorn``), with the
+    listeners wrapped by ``guard`` (and then by ``tls``, which makes them
+    serve TLS: the bound URLs are then ``https://``) and the app by
+    ``guard.asgi``.
     """
-    wrapped = wrap_app(cast(Any, guard.asgi(app)), config.wsgi_max_body_size, "asgi")
-    lifespan_state: LifespanState = {}
-    lifespan = Lifespan(wrapped, config, lifespan_state)
-    context = WorkerContext(None)
 
-    async with trio.open_nursery() as lifespan_nursery:
-        await lifespan_nursery.start(lifespan.handle_lifespan)
-        await lifespan.wait_for_startup()
+    def listen(sock: trio.socket.SocketType) -> trio.abc.Listener[Any]:
+        listener = guard.listener(trio.SocketListener(sock))
+        return listener if tls is None else tls(listener)
 
-        async with trio.open_nursery() as server_nursery:
-            sockets = config.create_sockets()
-            listeners: list[trio.abc.Listener[Any]] = []
-            binds: list[str] = []
-            for sock in sockets.insecure_sockets:
-                sock.listen(config.backlog)
-                listener = guard.listener(trio.SocketListener(trio.socket.from_stdlib_socket(sock)))
-                listeners.append(listener if tls is None else tls(listener))
-                bind = repr_socket_addr(sock.family, sock.getsockname())
-                scheme = "http" if tls is None else "https"
-                binds.append(f"{scheme}://{bind}")
-                await config.log.info(f"Running on {scheme}://{bind} (CTRL + C to quit)")
-            task_status.started(binds)
-            try:
-                async with trio.open_nursery(strict_exception_groups=True) as nursery:
-                    nursery.start_soon(raise_shutdown, shutdown_trigger)
-                    nursery.start_soon(raise_shutdown, context.terminate.wait)
-                    nursery.start_soon(
-                        partial(
-                            trio.serve_listeners,
-                            partial(
-                                TCPServer,
-                                wrapped,
-                                config,
-                                context,
-                                ConnectionState(lifespan_state.copy()),
-                            ),
-                            listeners,
-                            handler_nursery=server_nursery,
-                        )
-                    )
-                    await trio.sleep_forever()
-            except BaseExceptionGroup as error:
-                _, other = error.split((ShutdownError, KeyboardInterrupt))
-                if other is not None:
-                    raise other from None
-            finally:
-                await context.terminated.set()
-                server_nursery.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
-
-        await lifespan.wait_for_shutdown()
-        lifespan_nursery.cancel_scope.cancel()
+    await serve_edge_listeners(
+        guard.asgi(app),
+        config,
+        listen,
+        scheme="http" if tls is None else "https",
+        shutdown_trigger=shutdown_trigger,
+        task_status=task_status,
+    )

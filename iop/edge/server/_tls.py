@@ -9,7 +9,8 @@ still checked in its hello.
 
 The handshake runs in trio's ``SSLStream`` (hypercorn's TLS server does the
 same), in the connection's own task: ``EdgeTLSListener.accept`` wraps the
-accepted stream and returns at once. Hypercorn drops a connection whose
+accepted stream and returns at once. Hypercorn's connection server (and the
+edge's copy of it, ``iop.edge.server._hypercorn``) drops a connection whose
 handshake fails without a word (nor closing it: the peer would wait for its
 own timeout); the wrapper sends the peer OpenSSL's alert
 (``iop._tls.send_pending_alert``), closes the connection, and logs it, naming the peer

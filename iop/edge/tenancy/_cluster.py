@@ -69,7 +69,7 @@ fault. The loop (``run``) heartbeats at ``_next_beat``: every third of
 ``membership_ttl_s`` while up, every ``retry_interval_s`` while down, and
 ``_went_down`` brings it forward to ``retry_interval_s`` from the fault.
 
-Session-affinity pins stay in each edge's memory (``iop.edge._registry``):
+Session-affinity pins stay in each edge's memory (``iop.edge.scheduler._placement``):
 a pin only picks the node with a warm prompt cache, a miss costs a cold
 prefill, not a wrong answer, and sharing it would add a round trip to the
 hot path (docs/operations.md, "Running several edges").

@@ -41,7 +41,7 @@ A cached prefix answers faster and says so (``cached_tokens``), so a tenant
 that may hit another's cache can test guesses of its prompts. Every tenant
 of an edge with several has a cache of its own: ``Tenants.cache_salt`` is
 the run's ``ExecutionSpec.cache_salt``, which scopes the edge's affinity
-and prefix index (``iop.edge._registry``, ``iop.edge.scheduler._prefix``) and is sent
+and prefix index (``iop.edge.scheduler._placement``, ``iop.edge.scheduler._prefix``) and is sent
 to backends that isolate per request (vLLM's ``cache_salt``). A salt is a
 keyed BLAKE2b of the tenant's name (and of the client's own ``cache_salt``,
 so a client may still split its tenant's cache, and can never name
@@ -72,7 +72,7 @@ import msgspec
 
 from iop.api import estimate_input_tokens
 from iop.config import TenancySettings, TenantSettings
-from iop.edge._registry import EVEN_SHARE, QueueShare
+from iop.edge.scheduler import EVEN_SHARE, QueueShare
 from iop.errors import ErrorCode, RequestError
 from iop.events import Cancelled, Complete, Error, Usage
 from iop.ledger import Period, UsageRecord, money, period_end, period_key

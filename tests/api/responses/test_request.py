@@ -518,7 +518,7 @@ def test_trailing_garbage_is_invalid_json() -> None:
 
 
 def test_a_codex_turn_and_its_follow_up() -> None:
-    """The shape Codex sends (issue 8): developer messages, namespace and
+    """The shape Codex sends (docs/clients.md, "Codex CLI"): developer messages, namespace and
     web_search tools beside functions, store false, include, prompt_cache_key,
     client_metadata; later turns resend reasoning, calls and their outputs."""
     tools = [

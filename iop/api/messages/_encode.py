@@ -63,6 +63,7 @@ from typing import Any, Final, assert_never
 
 import msgspec
 
+from iop.api._collect import ShapedCollector
 from iop.api._output import OutputShaper
 from iop.api._shaped import Shaped, ShapedDone, ShapedFailed, ShapedReasoning, ShapedText
 from iop.api.messages._errors import anthropic_error, error_body, error_event
@@ -364,12 +365,13 @@ class MessagesStream:
 _THINKING_START: Final = b'{"type":"thinking","thinking":"","signature":""}'
 
 
-class MessagesCollector:
+class MessagesCollector(ShapedCollector):
     """One non-streaming Messages response: events in, ``(status, body)`` out.
 
     Same arguments as :class:`MessagesStream`. ``result()`` is ``(200,
     Message)`` for a completed run, or Anthropic's status and error body
-    (``_errors.anthropic_error``) for a failed or cancelled one.
+    (``_errors.anthropic_error``) for a failed or cancelled one. The ending is
+    ``iop.api._collect``'s.
     """
 
     def __init__(
@@ -380,20 +382,10 @@ class MessagesCollector:
         native: MessagesRequest,
         policy: OutputPolicy,
     ) -> None:
+        super().__init__(OutputShaper(request, policy, run_id, buffered=True))
         self._run_id = run_id
         self._model = model
-        self._shaper = OutputShaper(request, policy, run_id, buffered=True)
         self._thinking = not isinstance(native.thinking, ThinkingDisabled)
-        self._result: tuple[int, bytes] | None = None
-
-    @property
-    def finished(self) -> bool:
-        """True once a terminal event was fed."""
-        return self._result is not None
-
-    def feed(self, event: RuntimeEvent) -> None:
-        """Take one runtime event (through the shaper)."""
-        self.feed_shaped(self._shaper.feed(event))
 
     def feed_shaped(self, events: Iterable[Shaped]) -> None:
         """Take shaped events; only the terminal one matters (it holds the whole answer).
@@ -402,14 +394,7 @@ class MessagesCollector:
             InvariantError: If an event comes after the terminal one.
         """
         for event in events:
-            if self._result is not None:
-                raise InvariantError(f"feed({type(event).__name__}) after the run finished")
-            if isinstance(event, ShapedDone):
-                self._result = (200, self._body(event))
-            elif isinstance(event, ShapedFailed):
-                status, etype = anthropic_error(event.status, event.code)
-                body = error_body(etype, event.message, request_id=f"req_{self._run_id}")
-                self._result = (status, body)
+            self._take(event)
 
     def _body(self, done: ShapedDone) -> bytes:
         content: list[_Block] = []
@@ -429,12 +414,6 @@ class MessagesCollector:
         )
         return _encode(message)
 
-    def result(self) -> tuple[int, bytes]:
-        """``(status, body)`` of the response.
-
-        Raises:
-            InvariantError: If no terminal event was fed yet.
-        """
-        if self._result is None:
-            raise InvariantError("result() before the run finished")
-        return self._result
+    def _failure(self, failed: ShapedFailed) -> tuple[int, bytes]:
+        status, etype = anthropic_error(failed.status, failed.code)
+        return status, error_body(etype, failed.message, request_id=f"req_{self._run_id}")

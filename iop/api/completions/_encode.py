@@ -25,6 +25,7 @@ from typing import Final
 
 import msgspec
 
+from iop.api._collect import BaseCollector
 from iop.api.completions._errors import event_error
 from iop.errors import InvariantError
 from iop.events import Cancelled, Complete, Delta, Error, FinishReason, RuntimeEvent, Usage
@@ -150,19 +151,18 @@ class _Body(msgspec.Struct, frozen=True, gc=False):
     usage: _Usage
 
 
-class CompletionCollector:
-    """One non-streamed ``/v1/completions`` response (the surface's ``Collector``)."""
+class CompletionCollector(BaseCollector):
+    """One non-streamed ``/v1/completions`` response (the surface's ``Collector``).
+
+    The ending is ``iop.api._collect``'s.
+    """
 
     def __init__(self, *, run_id: str, created: int, model: str) -> None:
+        super().__init__()
         self._id = completion_id(run_id)
         self._created = created
         self._model = model
         self._text: list[str] = []
-        self._result: tuple[int, bytes] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self._result is not None
 
     def feed(self, event: RuntimeEvent) -> None:
         """Take one event.
@@ -170,8 +170,7 @@ class CompletionCollector:
         Raises:
             InvariantError: An event after the terminal one.
         """
-        if self._result is not None:
-            raise InvariantError(f"feed({type(event).__name__}) after the run finished")
+        self._check_open(event)
         if isinstance(event, Delta):
             self._text.append(event.text)
         elif isinstance(event, Complete):
@@ -184,16 +183,6 @@ class CompletionCollector:
                 [choice],
                 _usage(event.usage),
             )
-            self._result = (200, _encode(body))
+            self._end((200, _encode(body)))
         elif isinstance(event, Error | Cancelled):
-            self._result = event_error(event)
-
-    def result(self) -> tuple[int, bytes]:
-        """The status and body.
-
-        Raises:
-            InvariantError: No terminal event was fed yet.
-        """
-        if self._result is None:
-            raise InvariantError("result() before the run finished")
-        return self._result
+            self._end(event_error(event))

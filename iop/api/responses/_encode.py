@@ -79,7 +79,8 @@ from typing import Any, Final, Literal
 
 import msgspec
 
-from iop.api._openai_errors import error_body, openai_error_type, scrub
+from iop.api._collect import ShapedCollector, openai_failure
+from iop.api._openai_errors import scrub
 from iop.api._output import OutputShaper
 from iop.api._shaped import Shaped, ShapedDone, ShapedFailed, ShapedReasoning, ShapedText
 from iop.api._surface import Call, RunContext
@@ -776,12 +777,13 @@ class ResponsesStream:
 # --- non-streaming -------------------------------------------------------------------------
 
 
-class ResponsesCollector:
+class ResponsesCollector(ShapedCollector):
     """One non-streaming response: events in, ``(status, body)`` out.
 
     ``result()`` is ``(200, Response)`` for a run that completed (status
     ``completed``, or ``incomplete`` with ``incomplete_details``), and
-    ``(status, OpenAI error body)`` for one that failed or was cancelled.
+    ``(status, OpenAI error body)`` for one that failed or was cancelled. The
+    ending is ``iop.api._collect``'s.
 
     Args:
         call, ctx, keep, clock, response_id: As for :class:`ResponsesStream`.
@@ -796,27 +798,12 @@ class ResponsesCollector:
         clock: Callable[[], float] | None = None,
         response_id: str | None = None,
     ) -> None:
+        # Buffered: a collector wants the whole policy applied at the end
+        # (XML completion wrapping), as chat's does.
+        super().__init__(OutputShaper(call.chat, ctx.policy, ctx.run_id, buffered=True))
         self._run_id = ctx.run_id
         self._record = _Record(call, ctx, keep, clock, response_id)
         self._response = self._record.response
-        # Buffered: a collector wants the whole policy applied at the end
-        # (XML completion wrapping), as chat's does.
-        self._shaper = OutputShaper(call.chat, ctx.policy, ctx.run_id, buffered=True)
-        self._result: tuple[int, bytes] | None = None
-
-    @property
-    def finished(self) -> bool:
-        """True once a terminal event was fed."""
-        return self._result is not None
-
-    def feed(self, event: RuntimeEvent) -> None:
-        """Take one run event.
-
-        Raises:
-            InvariantError: If a terminal event was already fed.
-        """
-        for shaped in self._shaper.feed(event):
-            self.feed_shaped(shaped)
 
     def feed_shaped(self, event: Shaped) -> None:
         """Take one shaped event (text is taken from ``ShapedDone``).
@@ -824,20 +811,10 @@ class ResponsesCollector:
         Raises:
             InvariantError: If a terminal event was already fed.
         """
-        if self._result is not None:
-            raise InvariantError(f"feed({type(event).__name__}) after the run finished")
-        if isinstance(event, ShapedDone):
-            self._result = (200, self._body(event))
-        elif isinstance(event, ShapedFailed):
-            self._result = (
-                event.status,
-                error_body(
-                    event.message,
-                    type=openai_error_type(event.status),
-                    code=event.code,
-                    param=event.param,
-                ),
-            )
+        self._take(event)
+
+    def _failure(self, failed: ShapedFailed) -> tuple[int, bytes]:
+        return openai_failure(failed)
 
     def _body(self, done: ShapedDone) -> bytes:
         incomplete = _INCOMPLETE.get(done.finish_reason)
@@ -872,13 +849,3 @@ class ResponsesCollector:
         )
         self._record.keep(response, output)
         return _json(response)
-
-    def result(self) -> tuple[int, bytes]:
-        """``(status, body)`` of the response.
-
-        Raises:
-            InvariantError: If no terminal event was fed yet.
-        """
-        if self._result is None:
-            raise InvariantError("result() before the run finished")
-        return self._result

@@ -1,0 +1,260 @@
+"""The failover executor: one run on whichever node the scheduler picks.
+
+An edge run is an ordinary ``iop.runtime`` run whose executor is remote:
+``RemoteExecutor.execute`` asks the scheduler for a slot, queues ``Assign``
+on the chosen node's link session, and waits. The node's events do not pass
+through it: the link reader delivers each run's events straight into the
+run's consumer channel (``RemoteRun.deliver`` → ``RunSink.push_nowait``,
+which checks the event grammar and arms the run's deadlines; credit keeps
+the channel, ``run_window + 2`` events, from ever filling), and the
+consumer's reads return the credit (``iop.edge.runs._delivery`` has the
+research mode without credit). So the edge gets the runtime's guarantees
+for free: one terminal event per run, the wait timeouts (first token, idle,
+total) as typed cancel reasons, and cancellation as structured scope
+cancellation.
+
+::
+
+    HTTP handler ──start_run──► RunSupervisor task: RemoteExecutor.execute
+                                   │ scheduler.acquire ─► Lease(node, instance)
+                                   │ session.assign ──► link writer ──► node
+                                   │ waits on RemoteRun.ended
+    node ──► link reader ──► EdgeSession.receive ──► RemoteRun.deliver
+                                   │ push_nowait ──► run.events ──► HTTP handler
+                                   │ each event taken ──► session.consumed ──► Credit
+
+When the edge run ends early (client gone, wait timeout, shutdown), the
+executor's ``finally`` queues ``Cancel`` (nothing to wait for: the writer
+sends it with the next frame); the node cancels its run and closing the
+backend response makes the backend stop. How each attempt ended
+(``AttemptEnd``, ``iop.edge.runs._attempt``) decides what comes next: an
+attempt the node refused, or whose link died, before any output is retried
+on another node (failover, up to ``MAX_ATTEMPTS`` in all); one whose link
+died after output ends the run with ``Cancelled(node_lost)``.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import TYPE_CHECKING, Final, Protocol, assert_never
+
+import msgspec
+import trio
+
+from iop._secrets import SecretMasker, mask_event
+from iop.config import EdgeConfig
+from iop.edge.runs._attempt import AttemptEnd, RemoteRun, RunStart
+from iop.edge.runs._delivery import DeliveryPolicy
+from iop.edge.scheduler import Lease, Scheduler, affinity_key
+from iop.errors import ErrorCode, InvariantError, RequestError, RunAborted
+from iop.events import Cancelled, CancelReason, Error
+from iop.protocol import COLLECT_FLUSH_S
+from iop.runtime import RunSink
+from iop.spec import ExecutionSpec
+from iop.timeline import Placement
+from iop.tracing import RunTrace
+
+if TYPE_CHECKING:
+    from iop.edge.tenancy._tenants import Tenants
+
+__all__ = ["MAX_ATTEMPTS", "RemoteExecutor", "RunHost"]
+
+log = logging.getLogger("iop.edge")
+
+# Attempts of one run across nodes (the first try plus failovers).
+MAX_ATTEMPTS: Final = 3
+
+
+class RunHost(Protocol):
+    """What an executor reads of the edge (``EdgeCore``), at each run: a
+    reload may have replaced any of it."""
+
+    @property
+    def config(self) -> EdgeConfig: ...
+
+    @property
+    def scheduler(self) -> Scheduler: ...
+
+    @property
+    def masker(self) -> SecretMasker: ...
+
+    @property
+    def tenants(self) -> Tenants: ...
+
+    @property
+    def delivery(self) -> DeliveryPolicy: ...
+
+
+class _Retry(Exception):
+    """This attempt failed before any output; try another node."""
+
+    def __init__(self, node_id: str, why: str, error: Error | Cancelled | None = None) -> None:
+        super().__init__(why)
+        self.node_id = node_id
+        self.why = why
+        # What the node ended the attempt with (a refusal, or its queue
+        # timeout): the run's outcome when no other node can take it.
+        self.error = error
+
+
+class RemoteExecutor:
+    """Executes one run on whichever node the scheduler picks."""
+
+    __slots__ = ("_collect", "_collect_flush_s", "_core", "_started", "_trace")  # one per stream
+
+    def __init__(
+        self, core: RunHost, *, collect: bool = False, trace: RunTrace | None = None
+    ) -> None:
+        self._core = core
+        # The run's spans when the edge traces (iop.tracing).
+        self._trace = trace
+        # Nobody reads the events as they come (``Assign.collect``).
+        self._collect = collect
+        # How long the node may hold them: an eighth of the idle deadline
+        # (which then fires at most that much late), at most the node's default.
+        idle = core.config.deadlines.idle_timeout_s
+        self._collect_flush_s = COLLECT_FLUSH_S if idle is None else min(COLLECT_FLUSH_S, idle / 8)
+        # Start reached the run's sink (from the first attempt that sent one);
+        # a failover attempt's own Start is then not forwarded again.
+        self._started = RunStart()
+
+    async def execute(self, spec: ExecutionSpec, send: RunSink) -> None:
+        core = self._core
+        model, op = spec.model, spec.operation
+        excluded: set[str] = set()
+        last: _Retry | None = None
+        # A tenant's conversations and prefixes are its own: the run's cache
+        # salt scopes them as it scopes the backend's cache (start_run).
+        scope = spec.cache_salt
+        affinity = affinity_key(spec.request, scope) if core.config.scheduler.affinity else None
+        prefix = core.scheduler.prompt_blocks(spec.request, scope)
+        share = core.tenants.share_of(send.timeline.tenant)
+        attempts = MAX_ATTEMPTS if core.config.scheduler.failover else 1
+        for attempt in range(attempts):
+            if last is not None and not core.scheduler.could_serve(model, frozenset(excluded), op):
+                break  # no other node to fail over to: report what happened
+            try:
+                with send.queued():  # the queue wait is not the node's latency
+                    lease = await core.scheduler.acquire(
+                        model,
+                        exclude=frozenset(excluded),
+                        affinity=affinity,
+                        operation=op,
+                        # A failover's wait shows as the gap between placements.
+                        timeline=send.timeline if attempt == 0 else None,
+                        prefix=prefix,
+                        share=share,
+                    )
+            except RunAborted:
+                if last is not None and last.error is not None:
+                    break  # report the node's own error rather than the wait
+                raise
+            try:
+                await self._attempt(lease, spec, send, attempt + 1)
+                return
+            except _Retry as retry:
+                last = retry
+                excluded.add(retry.node_id)
+                log.warning(
+                    "run %s: attempt %d on node %s failed before output (%s)%s",
+                    spec.run_id,
+                    attempt + 1,
+                    retry.node_id,
+                    retry.why,
+                    "; failing over" if attempt + 1 < attempts else "",
+                )
+            finally:
+                lease.release()
+        assert last is not None
+        if isinstance(last.error, Cancelled):
+            # The node's queue timeout: the run's own outcome (a run cancels
+            # by raising; its Cancelled comes from the runtime).
+            raise RunAborted(core.masker.mask(last.error.message), reason=last.error.reason)
+        if last.error is not None:
+            await send.send(mask_event(last.error, core.masker))
+            return
+        raise RunAborted(core.masker.mask(last.why), reason=CancelReason.NODE_LOST)
+
+    async def _attempt(self, lease: Lease, spec: ExecutionSpec, send: RunSink, number: int) -> None:
+        conn, instance = lease.conn, lease.instance.caps.instance
+        run_id = spec.run_id
+        placement = Placement(
+            attempt=number,
+            node=conn.node_id,
+            instance=instance,
+            at=trio.current_time(),
+            why=lease.why,
+            scores=lease.scores,
+            candidates=lease.candidates,
+        )
+        rr = RemoteRun(run_id, send, self._core.masker, self._started, placement.at)
+        ended = False  # the node is done with the run: nothing to cancel
+        timeline = send.timeline
+        timeline.placements.append(placement)
+        # The node's run joins the trace: the attempt's span, or the client's
+        # context passed on when the edge does not trace.
+        traceparent = (
+            self._trace.attempt(conn.node_id, instance, number, placement.at)
+            if self._trace is not None
+            else timeline.traceparent
+        )
+        if traceparent != spec.traceparent:
+            spec = msgspec.structs.replace(spec, traceparent=traceparent)
+        try:
+            try:
+                conn.assign(
+                    rr,
+                    instance,
+                    spec,
+                    self._core.delivery.credit,
+                    collect=self._collect,
+                    collect_flush_s=self._collect_flush_s,
+                )
+            except InvariantError as exc:
+                raise _Retry(conn.node_id, "link closed before assign") from exc
+            send.on_consumed(partial(conn.consume, run_id))
+            await rr.ended.wait()
+            end = rr.end
+            assert end is not None  # set with ``ended``
+            # Every way an attempt ends (``iop.edge.runs._attempt``).
+            match end:
+                case AttemptEnd.COMPLETED:
+                    ended = True
+                    placement.result = "ran"
+                case AttemptEnd.REFUSED:
+                    ended = True
+                    placement.result = f"retry: {rr.detail}"
+                    raise _Retry(conn.node_id, rr.detail, rr.refusal)
+                case AttemptEnd.VIOLATION:
+                    # The node's run may still go on: cancelled below.
+                    placement.result = "ran"
+                    log.warning("node %s broke run %s: %s", conn.node_id, run_id, rr.detail)
+                    raise RequestError(
+                        f"node {conn.node_id} sent an invalid event sequence",
+                        status=502,
+                        code=ErrorCode.BAD_NODE_EVENTS,
+                    )
+                case AttemptEnd.LOST:
+                    placement.result = f"lost: {rr.detail}"
+                    raise _Retry(conn.node_id, rr.detail)
+                case AttemptEnd.LOST_AFTER_OUTPUT:
+                    placement.result = f"lost: {rr.detail}"
+                    raise RunAborted(
+                        self._core.masker.mask(rr.detail), reason=CancelReason.NODE_LOST
+                    )
+                case _:
+                    assert_never(end)
+        finally:
+            reason: CancelReason | None = None
+            if not ended:
+                reason = send.cancel_reason
+                if reason is CancelReason.SLOW_CLIENT:
+                    # Nodes older than slow_client cannot decode it (a link
+                    # protocol error would drop every run of the node); for
+                    # the node it is a client that went away.
+                    reason = CancelReason.CLIENT_DISCONNECT
+                if placement.result is None:
+                    placement.result = "cancelled"
+            if conn.close_run(run_id, reason) and timeline.cancel_sent is None:
+                timeline.cancel_sent = trio.current_time()

@@ -1,0 +1,44 @@
+"""Leases: a slot on one instance, held for the life of one attempt of a run.
+
+``Scheduler`` hands one out when it places a run (at once, or to a waiter
+in ``dispatch``); the attempt releases it when it ends, which frees the
+slot and lets the scheduler hand it to the next waiter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from iop.edge.runs._nodes import InstanceState, NodeConnection
+
+__all__ = ["Lease"]
+
+
+class Dispatcher(Protocol):
+    """What a released slot is handed back to (``Scheduler``)."""
+
+    def dispatch(self) -> None: ...
+
+
+@dataclass(eq=False)
+class Lease:
+    """A slot on one instance, held for the life of one attempt of a run."""
+
+    conn: NodeConnection
+    instance: InstanceState
+    _scheduler: Dispatcher
+    released: bool = False
+    # Why this instance (the run's timeline shows it): the rule that chose,
+    # and with ``prefix`` placement each candidate's score.
+    why: str = ""
+    scores: dict[str, float] = field(default_factory=dict)
+    # The instances it was chosen from: (node, instance, in flight, slots).
+    candidates: list[tuple[str, str, int, int]] = field(default_factory=list)
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.instance.in_flight -= 1
+            self._scheduler.dispatch()

@@ -1,0 +1,552 @@
+"""Placement: where a run goes, and the queue and admission in front of it.
+
+``Scheduler`` places a run on the least-loaded instance that serves its model
+and its operation (``Capabilities.operations``: chat, completion, embedding,
+tokenize) and has a free slot (``in_flight < max_concurrency``), unless the run's
+conversation was served before by an instance that still has a free slot:
+then it goes there again (session affinity, so the backend's prefix cache
+holds the prompt's head; see ``affinity_key``; a conversation is its
+tenant's alone unless tenants share their caches). When none has, the run
+waits in the queue, bounded by ``queue_timeout_s`` (->
+``Cancelled(queue_timeout)``). Every change of capacity (a run ends, a node
+joins or updates its capabilities) calls ``dispatch()``, which hands free
+slots to waiters by class, then tenants' fair shares, then arrival (first
+come first served with one tenant); waiters never poll.
+
+Admission (``admit``, and ``acquire`` for a run that would have to wait):
+a run that finds a free slot always starts; one that would have to queue is
+refused at once with 429 ``queue_full`` (the HTTP layer adds Retry-After)
+when the queue holds ``max_queue`` runs, or when it would wait
+``max_queue_delay_s`` or more (``queue_delay``, estimated from how fast the
+queue for its model drains). The second bound keeps an overloaded edge's
+goodput at its capacity: past saturation the queue would otherwise fill to
+``max_queue`` and every admitted run would wait ``max_queue`` / (runs
+finished per second), seconds that clients (and their timeouts) spend on
+runs that then fail late, while the excess is refused only once the count
+is reached (docs/benchmarks.md, "Overload").
+
+Waiters are kept by what they wait for (model, operation, excluded nodes),
+each group in arrival order: a pick that fails for a group's oldest waiter
+fails for all of them (they need a free slot on the same candidates), so a
+dispatch costs one pick per group and per slot handed out, not one per
+waiter. With one FIFO scanned whole, every finished run cost a pick for
+each of up to ``max_queue`` waiters, and an overloaded edge spent its CPU
+there.
+
+Load reports (``iop.edge.runs._nodes.ReportedLoad``): placement scores an
+instance by the larger of the edge's own count and the node's in-flight
+plus queued, plus the engine's waiting requests (``Scheduler.occupancy``);
+with ``prefix`` placement the engine's KV-cache usage costs ``kv_weight``.
+A report is a hint and only orders the candidates: a free slot is still the
+edge's own count, so a report older than ``load_stale_s`` (ignored: the
+edge's own count again), a missing one, or an absurd one (clamped) can
+never make an instance look full and hold runs back; the node's own
+admission (``iop.node._slots``) refuses what it cannot take, and the run
+fails over (docs/operations.md, "How a run is placed"). Reading stale or
+missing metrics as saturation is the failure this avoids: llm-d's router
+scored such endpoints as full, and when metrics collection failed across
+the fleet it stopped dispatching altogether
+(https://github.com/llm-d/llm-d-router/pull/2165).
+
+Operator drains (``NodeRegistry.drained``) and nodes that said goodbye
+(``NodeConnection.draining``) are no candidates for new runs; queued runs
+wait for other candidates (or for the undrain).
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Final
+
+import trio
+
+from iop.config import SchedulerSettings
+from iop.edge.scheduler._leases import Lease
+from iop.edge.scheduler._prefix import PrefixIndex, prompt_blocks
+from iop.edge.scheduler._queue import (
+    EVEN_SHARE,
+    QueueExit,
+    QueueExitAt,
+    QueueShare,
+    _Waiter,
+    _WaitKey,
+)
+from iop.errors import ErrorCode, IopError, RunAborted
+from iop.events import CancelReason
+from iop.spec import OperationRequest
+from iop.timeline import Timeline
+
+if TYPE_CHECKING:
+    from iop.edge.runs._nodes import InstanceState, NodeConnection, NodeRegistry
+
+__all__ = ["Scheduler"]
+
+# Candidates a placement keeps for the run's timeline: every instance of a
+# cluster of a few nodes; a bigger one's timeline must not grow with it.
+PLACEMENT_CANDIDATES_KEPT: Final = 32
+
+
+def _least_loaded(
+    free: list[tuple[NodeConnection, InstanceState]],
+    preferred: tuple[str, str] | None,
+    occupancy: Callable[[InstanceState], float],
+) -> tuple[NodeConnection, InstanceState, str]:
+    """The conversation's instance if it is free, else the least loaded one."""
+    best: tuple[float, NodeConnection, InstanceState] | None = None
+    for conn, inst in free:
+        if preferred == (conn.node_id, inst.caps.instance):
+            # The instance that served this conversation before: its
+            # prefix cache likely holds the prompt's head.
+            return conn, inst, "affinity"
+        load = occupancy(inst) / max(inst.caps.max_concurrency, 1)
+        if best is None or load < best[0]:
+            best = (load, conn, inst)
+    assert best is not None
+    _, conn, inst = best
+    return conn, inst, "least-loaded"
+
+
+class Scheduler:
+    """Placement (least-loaded, prefix-aware or random) with a bounded FIFO
+    queue and admission control."""
+
+    def __init__(self, registry: NodeRegistry, settings: SchedulerSettings) -> None:
+        self.registry = registry
+        self.settings = settings
+        # Runs that left the queue, by how; and the last one (module docstring).
+        self.exits: dict[QueueExit, int] = dict.fromkeys(QueueExit, 0)
+        self.last_exit: QueueExitAt | None = None
+        # Waiters by what they wait for; each dict is an ordered set (arrival
+        # order, O(1) removal of a waiter that gives up).
+        self._groups: dict[_WaitKey, dict[_Waiter, None]] = {}
+        self._queued = 0
+        self._arrivals = itertools.count()
+        # Fair queueing: each class's virtual time (the start tag of the
+        # last waiter served) and each tenant's last finish tag in it. Keys
+        # are config tenants: bounded.
+        self._vtime: dict[int, float] = {}
+        self._last_finish: dict[tuple[int, str], float] = {}
+        # Waiters per (class, tenant): the queue's share rule (``_queue_full_for``).
+        self._tenant_queued: dict[tuple[int, str], int] = {}
+        # Conversation key -> (node, instance) that last served it; LRU-bounded.
+        self._affinity: OrderedDict[str, tuple[str, str]] = OrderedDict()
+        # What each instance's prefix cache probably holds (``placement = "prefix"``).
+        self.prefixes = PrefixIndex(settings.prefix_index_bytes)
+        self._random = random.Random()
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def occupancy(self, inst: InstanceState, now: float) -> float:
+        """The runs ``inst`` is busy with, as placement scores it.
+
+        The larger of the edge's own count and the node's reported in-flight
+        plus queued runs (the node may serve other edges), plus the engine's
+        waiting requests; a report older than ``load_stale_s`` counts as
+        none (the edge's own count), engine figures older than that too.
+        """
+        own = float(inst.in_flight)
+        rep = inst.reported
+        stale = self.settings.load_stale_s
+        if rep is None or now - rep.at > stale:
+            return own
+        load = max(own, float(rep.in_flight + rep.queued))
+        if rep.waiting is not None and now - rep.engine_at <= stale:
+            load += rep.waiting
+        return load
+
+    def kv_usage(self, inst: InstanceState, now: float) -> float:
+        """The engine's reported KV-cache usage (0 when unknown or stale)."""
+        rep = inst.reported
+        stale = self.settings.load_stale_s
+        if rep is None or rep.kv_usage is None or now - min(rep.at, rep.engine_at) > stale:
+            return 0.0
+        return rep.kv_usage
+
+    def is_stale(self, inst: InstanceState, now: float) -> bool:
+        """Whether ``inst``'s report, or the engine figures in it, are too old
+        to be used (``iop_load_stale_instances``); never reported: False."""
+        rep = inst.reported
+        if rep is None:
+            return False
+        stale = self.settings.load_stale_s
+        if now - rep.at > stale:
+            return True
+        has_engine = rep.running is not None or rep.waiting is not None or rep.kv_usage is not None
+        return has_engine and now - rep.engine_at > stale
+
+    def stale_instances(self) -> int:
+        """Instances whose load report is ignored as stale right now."""
+        now = trio.current_time()
+        return sum(1 for _, inst in self.registry.instances() if self.is_stale(inst, now))
+
+    def queue_delay(
+        self, model: str, operation: str = "chat", share: QueueShare = EVEN_SHARE
+    ) -> float:
+        """How long a run for ``model`` joining the queue now would wait: an estimate.
+
+        FIFO makes it cheap: the oldest waiter of a group has seen every
+        waiter that was ahead of it when it came (``ahead``) leave the queue
+        in the ``age`` seconds it has waited, so the group drains at about
+        ``ahead / age`` runs a second and a newcomer behind its ``n`` waiters
+        would wait ``n * age / ahead``. (The oldest waiter's own age alone
+        lags behind a growing queue: arrivals at 1.5x the drain rate make the
+        tail wait three times as long as the head has.) A head that came to an
+        empty queue has seen nothing leave: counted as one, an upper bound on
+        the rate. 0 when nothing waits for ``model``.
+        """
+        now = trio.current_time()
+        worst = 0.0
+        for (m, op, _, priority, tenant), group in self._groups.items():
+            # Its own tenant's groups: with fair queueing, that is the line
+            # it joins (another tenant's flood is not ahead of it).
+            if (m, op, priority, tenant) != (model, operation, share.priority, share.tenant):
+                continue
+            head = next(iter(group))
+            age = now - head.queued_at
+            worst = max(worst, len(group) * age / max(head.ahead, 1))
+        return worst
+
+    def _candidates(
+        self, model: str, exclude: frozenset[str] = frozenset(), operation: str = "chat"
+    ) -> Iterator[tuple[NodeConnection, InstanceState]]:
+        """Instances that may run ``operation`` on ``model``: live, neither
+        draining nor drained, not excluded, up, and advertising the operation."""
+        drained = self.registry.drained
+        for conn, inst in self.registry.instances():
+            if conn.draining or conn.node_id in exclude or conn.node_id in drained:
+                continue
+            if not inst.usable:
+                continue
+            if model in inst.caps.targets and inst.caps.serves(operation):
+                yield conn, inst
+
+    def serves(self, model: str, operation: str = "chat") -> bool:
+        return self.could_serve(model, frozenset(), operation)
+
+    def prompt_blocks(self, request: OperationRequest, scope: str = "") -> list[bytes]:
+        """``request``'s prompt blocks in ``scope`` (the run's cache salt)
+        when placement looks at them, else none."""
+        if self.settings.placement != "prefix":
+            return []
+        return prompt_blocks(request, self.settings.prefix_block_chars, scope)
+
+    def _pick(
+        self,
+        model: str,
+        exclude: frozenset[str],
+        affinity: str | None = None,
+        operation: str = "chat",
+        prefix: Sequence[bytes] = (),
+    ) -> Lease | None:
+        free = [
+            (conn, inst)
+            for conn, inst in self._candidates(model, exclude, operation)
+            if inst.free > 0
+        ]
+        if not free:
+            return None
+        # As plain tuples: the timeline's JSON formats them, when someone looks.
+        candidates = [
+            (c.node_id, i.caps.instance, i.in_flight, i.caps.max_concurrency)
+            for c, i in free[:PLACEMENT_CANDIDATES_KEPT]
+        ]
+        preferred = self._affinity.get(affinity) if affinity is not None else None
+        placement = self.settings.placement
+        scores: dict[str, float] = {}
+        if placement == "random":
+            conn, inst = self._random.choice(free)
+            why = "random"
+        elif placement == "prefix":
+            conn, inst, why, scores = self._by_prefix(free, prefix, preferred)
+        else:
+            now = trio.current_time()
+            conn, inst, why = _least_loaded(free, preferred, lambda i: self.occupancy(i, now))
+        inst.in_flight += 1
+        where = (conn.node_id, inst.caps.instance)
+        if affinity is not None:
+            self._remember(affinity, where)
+        if prefix:
+            self.prefixes.routed(where, prefix)
+        return Lease(conn, inst, self, why=why, scores=scores, candidates=candidates)
+
+    def _by_prefix(
+        self,
+        free: list[tuple[NodeConnection, InstanceState]],
+        prefix: Sequence[bytes],
+        preferred: tuple[str, str] | None,
+    ) -> tuple[NodeConnection, InstanceState, str, dict[str, float]]:
+        """The best scored candidate: the expected cached share of the prompt,
+        minus its load, plus affinity (weights in ``[scheduler]``); or the
+        least loaded when the best is too much busier than the idlest.
+
+        The balance rule weighs the instance the score chose against the
+        idlest, not the busiest against the idlest (SGLang's cache-aware
+        router's rule), and in shares of their slots (load, as the score
+        has it), not in runs: one hot instance elsewhere is no reason to
+        send a prompt away from the instance that holds its prefix, at the
+        price of a whole prefill there and a second copy of the prefix in
+        the caches; and 4 runs more is a pile on 8 slots but not on 64
+        (docs/benchmarks.md, "Placement: prefix-aware against least-loaded").
+        """
+        s = self.settings
+        now = trio.current_time()
+        # Each candidate's load: its occupancy (the edge's count, or the
+        # node's fresh report when larger) over its slots.
+        loads = [self.occupancy(inst, now) / max(inst.caps.max_concurrency, 1) for _, inst in free]
+        scores: dict[str, float] = {}
+        best: tuple[float, int, NodeConnection, InstanceState] | None = None
+        idlest: int | None = None
+        for i, (conn, inst) in enumerate(free):
+            where = (conn.node_id, inst.caps.instance)
+            matched = self.prefixes.matched(where, prefix) / len(prefix) if prefix else 0.0
+            load = loads[i]
+            if idlest is None or load < loads[idlest]:
+                idlest = i
+            score = (
+                s.prefix_weight * matched
+                - s.load_weight * load
+                - s.kv_weight * self.kv_usage(inst, now)
+            )
+            if where == preferred:
+                score += s.affinity_weight
+            scores[f"{where[0]}/{where[1]}"] = round(score, 4)
+            # Ties go to the first candidate (the registry's order).
+            if best is None or score > best[0]:
+                best = (score, i, conn, inst)
+        assert best is not None
+        assert idlest is not None
+        score, at, conn, inst = best
+        chosen, least = loads[at], loads[idlest]
+        if chosen - least > s.balance_load_threshold and chosen > least * s.balance_rel_threshold:
+            idle = free[idlest][1]
+            why = (
+                f"least-loaded: in flight {self.occupancy(inst, now):g}/"
+                f"{inst.caps.max_concurrency} against {self.occupancy(idle, now):g}/"
+                f"{idle.caps.max_concurrency}"
+            )
+            conn, inst, _ = _least_loaded(free, None, lambda i: self.occupancy(i, now))
+            return conn, inst, why, scores
+        return conn, inst, f"prefix: best score {score:.3f} of {len(free)}", scores
+
+    def _remember(self, key: str, where: tuple[str, str]) -> None:
+        self._affinity[key] = where
+        self._affinity.move_to_end(key)
+        while len(self._affinity) > self.settings.affinity_entries:
+            self._affinity.popitem(last=False)
+
+    def could_serve(self, model: str, exclude: frozenset[str], operation: str = "chat") -> bool:
+        """Whether any node outside ``exclude`` serves ``operation`` on ``model``
+        (free or busy)."""
+        return any(True for _ in self._candidates(model, exclude, operation))
+
+    def admit(self, model: str, operation: str = "chat", share: QueueShare = EVEN_SHARE) -> None:
+        """Refuse a run up front when it could only wait and the queue is full
+        or too far behind (see the module's docstring).
+
+        Raises:
+            IopError: 429 ``queue_full`` (the HTTP layer adds Retry-After).
+        """
+        if not self._has_room(model, operation):
+            self._refuse_if_behind(model, operation, share)
+
+    def _queue_full_for(self, share: QueueShare) -> bool:
+        """Whether a run of ``share``'s tenant may not join the queue for its size.
+
+        Under ``max_queue`` anyone may. At it, a tenant still may while it
+        holds fewer than an even part of ``max_queue`` among the tenants
+        with runs queued (itself included): one tenant's flood cannot lock
+        the others out of the queue. The even parts sum to ``max_queue``,
+        so the queue never holds more than twice ``max_queue``.
+        """
+        limit = self.settings.max_queue
+        if self._queued < limit:
+            return False
+        mine = (share.priority, share.tenant)
+        tenants = len(self._tenant_queued) + (mine not in self._tenant_queued)
+        return self._tenant_queued.get(mine, 0) >= limit / tenants
+
+    def _refuse_if_behind(self, model: str, operation: str, share: QueueShare = EVEN_SHARE) -> None:
+        """Raise 429 when a run for ``model`` may not join the queue now."""
+        if self._queue_full_for(share):
+            raise IopError(
+                f"all nodes serving {model!r} are busy and the queue is full "
+                f"({self.settings.max_queue} waiting)",
+                status=429,
+                code=ErrorCode.QUEUE_FULL,
+            )
+        limit = self.settings.max_queue_delay_s
+        if limit:
+            delay = self.queue_delay(model, operation, share)
+            if delay >= limit:
+                raise IopError(
+                    f"all nodes serving {model!r} are busy and a run queued now would "
+                    f"wait about {delay:.1f}s (scheduler.max_queue_delay_s={limit:g})",
+                    status=429,
+                    code=ErrorCode.QUEUE_FULL,
+                )
+
+    def _has_room(self, model: str, operation: str = "chat") -> bool:
+        return any(inst.free > 0 for _, inst in self._candidates(model, operation=operation))
+
+    async def acquire(
+        self,
+        model: str,
+        *,
+        exclude: frozenset[str] = frozenset(),
+        affinity: str | None = None,
+        operation: str = "chat",
+        timeline: Timeline | None = None,
+        prefix: Sequence[bytes] = (),
+        share: QueueShare = EVEN_SHARE,
+    ) -> Lease:
+        """A slot for ``operation`` on ``model``, waiting in the queue if needed.
+
+        ``timeline`` (the run's) gets when the run was admitted, or when it
+        was queued, why, and when it left the queue with a slot. ``prefix``:
+        the prompt's blocks, for ``prefix`` placement (``prompt_blocks``).
+        ``share``: whose the run is, for the order in which waiters are
+        served (``dispatch``).
+
+        Raises:
+            IopError: 429 when the queue is full or too far behind.
+            RunAborted: ``queue_timeout`` when no slot came in time.
+        """
+        ahead = self._queued
+        if not ahead:
+            lease = self._pick(model, exclude, affinity, operation, prefix)
+            if lease is not None:
+                if timeline is not None:
+                    timeline.admitted = trio.current_time()
+                return lease
+        self._refuse_if_behind(model, operation, share)
+        waiter = _Waiter(
+            model,
+            exclude,
+            affinity,
+            operation,
+            prefix,
+            seq=next(self._arrivals),
+            share=share,
+            queued_at=trio.current_time(),
+        )
+        cls = share.priority
+        waiter.start = max(
+            self._vtime.get(cls, 0.0), self._last_finish.get((cls, share.tenant), 0.0)
+        )
+        waiter.finish = waiter.start + 1.0 / share.weight
+        self._last_finish[cls, share.tenant] = waiter.finish
+        group = self._groups.setdefault(waiter.key, {})
+        waiter.ahead = len(group)
+        group[waiter] = None
+        self._queued += 1
+        mine = (cls, share.tenant)
+        self._tenant_queued[mine] = self._tenant_queued.get(mine, 0) + 1
+        if timeline is not None:
+            timeline.queued = waiter.queued_at
+            timeline.why_queued = (
+                f"{ahead} run(s) queued ahead"
+                if ahead
+                else self._busy_text(model, exclude, operation)
+            )
+        self.dispatch()
+        try:
+            with trio.move_on_after(self.settings.queue_timeout_s):
+                await waiter.event.wait()
+        except BaseException:
+            # Cancelled while waiting: leave the queue, or give back a slot
+            # that was handed over just before the cancellation landed.
+            if waiter.lease is not None:
+                waiter.lease.release()
+            else:
+                self._remove(waiter, QueueExit.CANCELLED)
+            if timeline is not None:
+                timeline.dequeued = trio.current_time()
+            raise
+        if waiter.lease is None:
+            self._remove(waiter, QueueExit.TIMED_OUT)
+            if timeline is not None:
+                timeline.dequeued = trio.current_time()
+            raise RunAborted(
+                f"no capacity for model {model!r} within queue_timeout_s="
+                f"{self.settings.queue_timeout_s:g}",
+                reason=CancelReason.QUEUE_TIMEOUT,
+            )
+        if timeline is not None:
+            timeline.dequeued = trio.current_time()
+        return waiter.lease
+
+    def _busy_text(self, model: str, exclude: frozenset[str], operation: str) -> str:
+        """Why a run for ``model`` found no slot: each candidate's load."""
+        loads = [
+            f"{conn.node_id}/{inst.caps.instance} {inst.in_flight}/{inst.caps.max_concurrency}"
+            for conn, inst in self._candidates(model, exclude, operation)
+        ]
+        return "every slot busy: " + ", ".join(loads[:8]) + (" ..." if len(loads) > 8 else "")
+
+    def _remove(self, waiter: _Waiter, how: QueueExit) -> None:
+        """Take a waiter out of the queue (one without a lease is always in it)."""
+        group = self._groups[waiter.key]
+        del group[waiter]
+        tenant = (waiter.share.priority, waiter.share.tenant)
+        left = self._tenant_queued[tenant] - 1
+        if left:
+            self._tenant_queued[tenant] = left
+        else:
+            del self._tenant_queued[tenant]
+        if how is not QueueExit.PLACED and self._last_finish.get(tenant) == waiter.finish:
+            # Its tenant's last waiter left unserved: it costs the tenant no turn.
+            self._last_finish[tenant] = waiter.start
+        self._queued -= 1
+        if not group:
+            del self._groups[waiter.key]
+        self.exits[how] += 1
+        self.last_exit = QueueExitAt(how, time.monotonic())
+
+    def dispatch(self) -> None:
+        """Hand free slots to waiters: classes in order, tenants by fair share.
+
+        Each round takes, among the groups not yet known to be stuck, the
+        oldest waiter of the group that comes first by (class, virtual
+        finish tag, arrival): a higher class is always served first; within
+        a class, start-time fair queueing (Goyal, Vin and Cheng, SIGCOMM
+        1996, https://doi.org/10.1145/248156.248171) with every run costing
+        one: a run's start tag is the larger of its class's virtual time
+        and its tenant's previous finish tag, its finish tag the start plus
+        ``1 / weight``, and serving a run moves the class's virtual time to
+        its start tag. A tenant with a burst queued thus takes turns with
+        the others in proportion to the weights, and one that was idle
+        comes back at the present virtual time, with no credit saved up.
+        With one tenant this is first come first served. A group whose
+        oldest waiter finds no slot is stuck for the rest of this call (its
+        other waiters need the same slots).
+        """
+        stuck: set[_WaitKey] = set()
+        while self._queued:
+            head: _Waiter | None = None
+            for key, group in self._groups.items():
+                if key in stuck:
+                    continue
+                first = next(iter(group))
+                if head is None or (first.share.priority, first.finish, first.seq) < (
+                    head.share.priority,
+                    head.finish,
+                    head.seq,
+                ):
+                    head = first
+            if head is None:
+                return
+            lease = self._pick(head.model, head.exclude, head.affinity, head.operation, head.prefix)
+            if lease is None:
+                stuck.add(head.key)
+                continue
+            self._remove(head, QueueExit.PLACED)
+            cls = head.share.priority
+            self._vtime[cls] = max(self._vtime.get(cls, 0.0), head.start)
+            head.lease = lease
+            head.event.set()

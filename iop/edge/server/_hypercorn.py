@@ -1,0 +1,354 @@
+"""Every place the edge's HTTP server reaches into hypercorn's internals.
+
+The edge runs hypercorn's trio worker with its own classes in three places
+where hypercorn builds its own inside a function and offers no hook: the
+HTTP/1.1 protocol (``iop/edge/server/_http1.py``: OpenAI-shaped 4xx for
+refused heads, the head limit, coalesced and shielded writes), the
+per-connection task group (``iop/edge/server/_asgi_queue.py``: the
+disconnect-aware app queue) and the connection server that builds both.
+Nothing in hypercorn's modules is replaced: the edge's server
+(``serve_edge_listeners``) constructs ``EdgeTCPServer`` itself, which builds
+the rest, so another hypercorn server in the process (``iop up``'s sim) is
+plain hypercorn (``tests/edge/test_hypercorn.py`` checks both).
+
+What this module touches, checked against hypercorn 0.18.0 (pyproject.toml
+pins exactly that release: a fix hypercorn makes in code copied here would
+not reach the edge), and the tests that fail if an upgrade changes it:
+
+========================================  ===========================================
+hypercorn internal, and why               what fails if it changes
+========================================  ===========================================
+``trio.run.worker_serve`` builds          ``serve_edge_listeners`` is its copy
+``TCPServer`` inside: copied (no QUIC,    (``Lifespan``, ``WorkerContext``,
+no ``max_requests``), with the edge's     ``ConnectionState``, ``raise_shutdown``,
+listeners and ``EdgeTCPServer``.          ``ShutdownError``, ``repr_socket_addr``,
+                                          ``wrap_app``): every test that starts an
+                                          edge; a renamed import fails at import.
+``TCPServer.run`` builds ``TaskGroup``    ``EdgeTCPServer.run`` is its copy and sets
+and ``ProtocolWrapper`` from its          what hypercorn's other methods read
+module's namespace: copied, building      (``_task_group``, ``protocol``) and calls
+the edge's.                               them (``idle_task``, ``_idle_timeout``,
+                                          ``_read_data``, ``_close``,
+                                          ``protocol_send``): tests/edge/
+                                          test_http_input.py (keep-alive, released
+                                          connections), test_tls_config.py.
+``ProtocolWrapper.__init__`` builds       ``EdgeProtocolWrapper.__init__`` sets the
+``H11Protocol`` from                      attributes ``handle`` reads to switch to
+``hypercorn.protocol``'s namespace.       HTTP/2 (h2c upgrade, prior knowledge:
+                                          hypercorn's own code, as before): every
+                                          HTTP/1.1 test below.
+``H11Protocol``'s private methods         ``EdgeH11Protocol``: ``_check_protocol``
+(called per request, per h11 error, per   (smuggling, head size),
+h11 event sent) and its ``connection``    ``_send_error_response`` (OpenAI body),
+(h11's) and ``send``.                     ``_send_h11_event`` (one write per head
+                                          and body, per body and end): tests/edge/
+                                          test_http_input.py, the 400/431 and
+                                          write tests.
+``trio.task_group._handle``, the app      ``EdgeTaskGroup.spawn_app`` runs the app
+runner ``TaskGroup.spawn_app`` uses       with it over an ``AppQueue``: tests/edge/
+(logs an app's error, sends ``None``      test_asgi_queue.py.
+when the app ends).
+========================================  ===========================================
+
+The node link's frame guard reaches into hypercorn's WebSocket stream from
+inside the ASGI app, per connection, and falls back (with a warning) when
+the stream is not what it expects: ``iop/edge/server/_link_guard.py``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Awaitable, Callable
+from functools import partial
+from typing import Any
+
+import h11
+import trio
+from hypercorn.events import Closed, Event, RawData, Updated
+from hypercorn.protocol import ProtocolWrapper
+from hypercorn.protocol.h11 import H11Protocol
+from hypercorn.trio.lifespan import Lifespan
+from hypercorn.trio.task_group import TaskGroup, _handle
+from hypercorn.trio.tcp_server import TCPServer
+from hypercorn.trio.worker_context import WorkerContext
+from hypercorn.typing import (
+    AppWrapper,
+    ASGIReceiveEvent,
+    ASGISendEvent,
+    ConnectionState,
+    H11SendableEvent,
+    LifespanState,
+    Scope,
+)
+from hypercorn.utils import (
+    ShutdownError,
+    parse_socket_addr,
+    raise_shutdown,
+    repr_socket_addr,
+    wrap_app,
+)
+
+from iop.edge.server._asgi_queue import APP_QUEUE, AppQueue
+from iop.edge.server._http1 import (
+    EdgeHypercornConfig,
+    error_response,
+    h11_error,
+    refusal,
+    response_ending,
+)
+from iop.errors import ErrorCode
+
+__all__ = [
+    "EdgeH11Protocol",
+    "EdgeProtocolWrapper",
+    "EdgeTCPServer",
+    "EdgeTaskGroup",
+    "serve_edge_listeners",
+]
+
+
+class _Refused(Exception):
+    """Raised out of hypercorn's event loop once a refusal is sent and the
+    connection closed, so the request never becomes a stream."""
+
+
+class EdgeH11Protocol(H11Protocol):
+    """Hypercorn's HTTP/1.1 protocol with the edge's guards (``_http1.py``)."""
+
+    config: EdgeHypercornConfig
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # Bytes not sent yet: a response head (it goes out with the next
+        # write), and a last body message's data (it goes out with the end).
+        self._held: bytes | None = None
+        send = self.send
+
+        # A close, and the idle timer's restart or stop, must not be cut
+        # short by a cancel of the task that asks for them (_http1.py);
+        # neither blocks.
+        async def send_shielded(event: Event) -> None:
+            if isinstance(event, Closed | Updated):
+                with trio.CancelScope(shield=True):
+                    await send(event)
+            else:
+                await send(event)
+
+        self.send = send_shielded
+
+    async def handle(self, event: Event) -> None:
+        with contextlib.suppress(_Refused):
+            await super().handle(event)
+        if isinstance(event, Closed):
+            # The connection is over (_http1.py): its idle timer goes too.
+            await self.send(Updated(idle=False))
+
+    async def _send_h11_event(self, event: H11SendableEvent) -> None:
+        try:
+            data = self.connection.send(event)
+        except h11.LocalProtocolError:
+            # hypercorn's rule: an event h11 refuses after the client broke
+            # the protocol is dropped.
+            if self.connection.their_state != h11.ERROR:
+                raise
+            return
+        if isinstance(event, h11.Response):
+            self._held = data  # _http1.py: sent with the body
+            return
+        if isinstance(event, h11.Data) and response_ending():
+            # The end follows in this same send (_http1.py).
+            self._held = data if self._held is None else self._held + data
+            return
+        if self._held is not None:
+            data, self._held = self._held + data, None
+        await self.send(RawData(data=data))
+
+    async def _check_protocol(self, event: h11.Request) -> None:
+        if (refused := refusal(event, self.config.max_header_bytes)) is not None:
+            await self._send_error(*refused)
+            await self.send(Closed())
+            raise _Refused
+        await super()._check_protocol(event)
+
+    async def _send_error_response(self, status_code: int) -> None:
+        await self._send_error(*h11_error(status_code, self.config.max_header_bytes))
+
+    async def _send_error(self, status: int, message: str, code: ErrorCode) -> None:
+        for event in error_response(status, message, code, self.config.response_headers("h11")):
+            await self._send_h11_event(event)
+
+
+class EdgeProtocolWrapper(ProtocolWrapper):
+    """Hypercorn's protocol switch, starting with ``EdgeH11Protocol`` (HTTP/1.1).
+
+    The edge offers only ``http/1.1`` in ALPN (``_tls.py``); hypercorn's own
+    ``handle`` still switches to its HTTP/2 protocol on an h2c upgrade or a
+    prior-knowledge preface, as before.
+    """
+
+    def __init__(
+        self,
+        app: AppWrapper,
+        config: EdgeHypercornConfig,
+        context: WorkerContext,
+        task_group: TaskGroup,
+        state: ConnectionState,
+        ssl: bool,
+        client: tuple[str, int] | None,
+        server: tuple[str, int] | None,
+        send: Callable[[Event], Awaitable[None]],
+    ) -> None:
+        # ProtocolWrapper.__init__'s attributes, without its H11Protocol.
+        self.app = app
+        self.config = config
+        self.context = context
+        self.task_group = task_group
+        self.ssl = ssl
+        self.client = client
+        self.server = server
+        self.send = send
+        self.state = state
+        self.protocol = EdgeH11Protocol(
+            app, config, context, task_group, state, ssl, client, server, send
+        )
+
+
+class EdgeTaskGroup(TaskGroup):
+    """Hypercorn's per-connection task group; an HTTP request's queue is an ``AppQueue``."""
+
+    async def spawn_app(
+        self,
+        app: AppWrapper,
+        config: Any,
+        scope: Scope,
+        send: Callable[[ASGISendEvent | None], Awaitable[None]],
+    ) -> Callable[[ASGIReceiveEvent], Awaitable[None]]:
+        if scope["type"] != "http":
+            return await super().spawn_app(app, config, scope, send)
+        queue = AppQueue(config.max_app_queue_size)
+        scope["extensions"][APP_QUEUE] = queue  # type: ignore[assignment]
+        self.spawn(
+            _handle,
+            app,
+            config,
+            scope,
+            queue.receive,
+            send,
+            trio.to_thread.run_sync,
+            trio.from_thread.run,
+        )
+        return queue.send
+
+
+class EdgeTCPServer(TCPServer):
+    """Hypercorn's trio connection server, building the edge's task group and protocol."""
+
+    config: EdgeHypercornConfig
+
+    async def run(self) -> None:
+        # hypercorn 0.18's TCPServer.run with EdgeTaskGroup and EdgeProtocolWrapper.
+        # A TLS stream (_tls.py) is the one with a handshake; its ALPN offers
+        # http/1.1 alone, so the protocol starts as HTTP/1.1 either way.
+        stream: Any = self.stream
+        handshake = getattr(stream, "do_handshake", None)
+        if handshake is not None:
+            try:
+                with trio.fail_after(self.config.ssl_handshake_timeout):
+                    await handshake()
+            except (trio.BrokenResourceError, trio.TooSlowError):
+                return  # the handshake failed (and _tls.py said why)
+            sock = stream.transport_stream.socket
+            ssl = True
+        else:
+            sock = stream.socket
+            ssl = False
+        try:
+            client = parse_socket_addr(sock.family, sock.getpeername())
+            server = parse_socket_addr(sock.family, sock.getsockname())
+            async with EdgeTaskGroup() as task_group:
+                self._task_group = task_group
+                self.protocol = EdgeProtocolWrapper(
+                    self.app,
+                    self.config,
+                    self.context,
+                    task_group,
+                    ConnectionState(self.state),
+                    ssl,
+                    client,
+                    server,
+                    self.protocol_send,
+                )
+                await self.protocol.initiate()
+                await self.idle_task.restart(self._task_group, self._idle_timeout)
+                await self._read_data()
+        except OSError:
+            pass
+        finally:
+            await self._close()
+
+
+async def serve_edge_listeners(
+    app: Any,
+    config: EdgeHypercornConfig,
+    listen: Callable[[trio.socket.SocketType], trio.abc.Listener[Any]],
+    *,
+    scheme: str,
+    shutdown_trigger: Callable[[], Awaitable[None]],
+    task_status: trio.TaskStatus[list[str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``app`` like ``hypercorn.trio.serve``, on listeners the edge makes.
+
+    Hypercorn's ``worker_serve`` (0.18) with ``EdgeTCPServer`` for every
+    connection, no QUIC. ``listen`` makes each bound socket's listener
+    (the stall guard's, with TLS on top); ``scheme`` names what they serve
+    in the URLs reported to ``task_status``.
+    """
+    wrapped = wrap_app(app, config.wsgi_max_body_size, "asgi")
+    lifespan_state: LifespanState = {}
+    lifespan = Lifespan(wrapped, config, lifespan_state)
+    context = WorkerContext(None)
+
+    async with trio.open_nursery() as lifespan_nursery:
+        await lifespan_nursery.start(lifespan.handle_lifespan)
+        await lifespan.wait_for_startup()
+
+        async with trio.open_nursery() as server_nursery:
+            sockets = config.create_sockets()
+            listeners: list[trio.abc.Listener[Any]] = []
+            binds: list[str] = []
+            for sock in sockets.insecure_sockets:
+                sock.listen(config.backlog)
+                listeners.append(listen(trio.socket.from_stdlib_socket(sock)))
+                bind = repr_socket_addr(sock.family, sock.getsockname())
+                binds.append(f"{scheme}://{bind}")
+                await config.log.info(f"Running on {scheme}://{bind} (CTRL + C to quit)")
+            task_status.started(binds)
+            try:
+                async with trio.open_nursery(strict_exception_groups=True) as nursery:
+                    nursery.start_soon(raise_shutdown, shutdown_trigger)
+                    nursery.start_soon(raise_shutdown, context.terminate.wait)
+                    nursery.start_soon(
+                        partial(
+                            trio.serve_listeners,
+                            partial(
+                                EdgeTCPServer,
+                                wrapped,
+                                config,
+                                context,
+                                ConnectionState(lifespan_state.copy()),
+                            ),
+                            listeners,
+                            handler_nursery=server_nursery,
+                        )
+                    )
+                    await trio.sleep_forever()
+            except BaseExceptionGroup as error:
+                _, other = error.split((ShutdownError, KeyboardInterrupt))
+                if other is not None:
+                    raise other from None
+            finally:
+                await context.terminated.set()
+                server_nursery.cancel_scope.deadline = trio.current_time() + config.graceful_timeout
+
+        await lifespan.wait_for_shutdown()
+        lifespan_nursery.cancel_scope.cancel()
