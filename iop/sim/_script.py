@@ -591,6 +591,8 @@ def build_script(request: ChatRequest, config: SimConfig) -> SimScript:
             name, parameters = listed[0]
             args = _arguments_for(parameters, rng)
             steps.extend(ContentToken(t) for t in _hermes_tokens(name, args))
+    elif (structured := _structured_output(request.response_format, rng)) is not None:
+        steps.extend(ContentToken(t) for t in _fragments(structured))
     else:
         steps.extend(ContentToken(w) for w in _words(rng, max(cfg.output_tokens, 0)))
 
@@ -612,6 +614,22 @@ def build_script(request: ChatRequest, config: SimConfig) -> SimScript:
         finish_delay_s=inter_token_s if timed else cfg.ttft_s,
         prompt_tokens=estimate_prompt_tokens(request),
     )
+
+
+def _structured_output(response_format: dict[str, Any] | None, rng: _Rng) -> str | None:
+    """The answer to a ``response_format`` that asks for JSON, as guided decoding
+    would constrain it: an object of the schema's properties (``json_schema``),
+    or an object (``json_object``); None for text."""
+    if not response_format:
+        return None
+    kind = response_format.get("type")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        return json.dumps(_arguments_for(schema, rng), ensure_ascii=False)
+    if kind == "json_object":
+        return json.dumps({"answer": " ".join(_words(rng, 3))}, ensure_ascii=False)
+    return None
 
 
 def _hermes_tokens(name: str, args: dict[str, Any]) -> list[str]:

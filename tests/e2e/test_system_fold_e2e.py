@@ -91,8 +91,8 @@ def test_the_sim_refuses_a_late_system_message_that_reaches_it(
 ) -> None:
     edge, _ = sims
     _wait_models(edge, "strict-fold", "strict-keep")
-    with pytest.raises(openai.BadRequestError) as refused:
-        _client(edge).chat.completions.create(model="strict-keep", messages=CONVERSATION)
+    with _client(edge) as client, pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model="strict-keep", messages=CONVERSATION)
     assert "System message must be at the beginning" in str(refused.value)
 
 
@@ -102,7 +102,11 @@ def test_the_default_folds_so_a_strict_template_answers(
 ) -> None:
     edge, _ = sims
     _wait_models(edge, "strict-fold")
-    client = _client(edge)
+    with _client(edge) as client:
+        _ask(client, stream=stream)
+
+
+def _ask(client: openai.OpenAI, *, stream: bool) -> None:
     if stream:
         chunks = list(
             client.chat.completions.create(model="strict-fold", messages=CONVERSATION, stream=True)
@@ -118,7 +122,11 @@ def test_claude_codes_system_message_through_messages_reaches_a_strict_template(
 ) -> None:
     edge, _ = sims
     _wait_models(edge, "strict-fold", "strict-keep")
-    client = anthropic.Anthropic(base_url=edge.url, api_key="unused", max_retries=0)
+    with anthropic.Anthropic(base_url=edge.url, api_key="unused", max_retries=0) as client:
+        _claude_code_turn(client)
+
+
+def _claude_code_turn(client: anthropic.Anthropic) -> None:
     messages: Any = [
         {"role": "user", "content": "List the files."},
         {"role": "assistant", "content": "There are two."},
@@ -163,13 +171,15 @@ def test_the_real_llamacpp_template_refuses_kept_and_answers_folded(tmp_path: Pa
         )
         procs.append(node.proc)
         _wait_models(edge, "smol-fold", "smol-keep")
-        client = _client(edge)
-        answer = client.chat.completions.create(
-            model="smol-fold", messages=CONVERSATION, max_tokens=4
-        )
-        assert answer.choices[0].finish_reason in ("stop", "length")
-        with pytest.raises(openai.BadRequestError) as refused:
-            client.chat.completions.create(model="smol-keep", messages=CONVERSATION, max_tokens=4)
+        with _client(edge) as client:
+            answer = client.chat.completions.create(
+                model="smol-fold", messages=CONVERSATION, max_tokens=4
+            )
+            assert answer.choices[0].finish_reason in ("stop", "length")
+            with pytest.raises(openai.BadRequestError) as refused:
+                client.chat.completions.create(
+                    model="smol-keep", messages=CONVERSATION, max_tokens=4
+                )
         assert "System message must be at the beginning" in str(refused.value)
     finally:
         if edge is not None:

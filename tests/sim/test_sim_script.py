@@ -396,3 +396,53 @@ def test_sans_io_modules_import_no_io_library() -> None:
 def test_public_surface() -> None:
     for name in iop.sim.__all__:
         assert hasattr(iop.sim, name), name
+
+
+def _content(script: SimScript) -> str:
+    return "".join(s.text for s in script.steps if isinstance(s, ContentToken))
+
+
+def test_a_json_schema_response_format_answers_json_of_the_schema() -> None:
+    import jsonschema
+
+    schema = WEATHER.function.parameters
+    req = ChatRequest(
+        model="iop-sim",
+        messages=[Message(role="user", content="weather?")],
+        response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": schema}},
+    )
+    script = build_script(req, SimConfig())
+    answer = json.loads(_content(script))
+    jsonschema.validate(answer, schema)
+    assert set(answer) == set(schema["properties"])  # type: ignore[index]
+    assert script == build_script(req, SimConfig())  # deterministic
+
+
+def test_a_json_object_response_format_answers_an_object_and_text_answers_words() -> None:
+    def ask(fmt: dict[str, Any] | None) -> str:
+        req = ChatRequest(
+            model="iop-sim", messages=[Message(role="user", content="x")], response_format=fmt
+        )
+        return _content(build_script(req, SimConfig()))
+
+    assert isinstance(json.loads(ask({"type": "json_object"})), dict)
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(ask({"type": "text"}))
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(ask(None))
+
+
+def test_leading_system_only_refuses_a_late_system_message_like_a_strict_template() -> None:
+    late = ChatRequest(
+        model="iop-sim",
+        messages=[
+            Message(role="system", content="a"),
+            Message(role="user", content="b"),
+            Message(role="system", content="c"),
+        ],
+    )
+    build_script(late, SimConfig())  # the default takes them anywhere
+    with pytest.raises(RequestError, match="System message must be at the beginning"):
+        build_script(late, SimConfig(leading_system_only=True))
+    first = msgspec.structs.replace(late, messages=late.messages[:2])
+    build_script(first, SimConfig(leading_system_only=True))

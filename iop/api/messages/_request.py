@@ -34,8 +34,10 @@ The mapping onto a run (each row is in ``docs/api.md``, "Anthropic Messages"):
 * ``thinking`` -> ``reasoning_effort`` (:func:`reasoning_effort`);
   ``metadata.user_id`` -> ``user`` (the affinity key); ``top_k`` ->
   ``extra_body["top_k"]``; ``stop_sequences`` -> ``stop``.
-* Ignored, documented: ``context_management``, ``output_config``,
-  ``service_tier``, ``container``, ``mcp_servers`` and any other top-level
+* ``output_config.format`` (structured output, a JSON schema) ->
+  ``response_format`` ``json_schema``; ``output_config.effort`` is accepted
+  and not sent (``OutputConfig``).
+* Ignored, documented: ``context_management``, ``service_tier``, ``container``, ``mcp_servers`` and any other top-level
   key (Anthropic's beta features, enabled by ``anthropic-beta``, add keys
   all the time; refusing them would break clients that IOP can otherwise
   serve). Their names are in ``MessagesRequest.ignored`` for the log.
@@ -279,6 +281,21 @@ class Metadata(_Struct, frozen=True):
     user_id: str | None = None
 
 
+class JSONOutputFormat(_Struct, frozen=True, tag="json_schema", tag_field="type"):
+    schema: dict[str, Any]
+
+
+class OutputConfig(_Struct, frozen=True):
+    """``output_config``: Anthropic's structured output (``format``) and effort.
+
+    ``effort`` is accepted and not sent: Claude Code sends it with every request,
+    and a backend's own default is what ``thinking: adaptive`` asks for too.
+    """
+
+    format: JSONOutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class MessagesRequest(_Struct, frozen=True):
     """A ``POST /v1/messages`` body, as Anthropic documents it.
 
@@ -300,11 +317,12 @@ class MessagesRequest(_Struct, frozen=True):
     tool_choice: ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolChoiceNone | None = None
     thinking: Thinking | None = None
     metadata: Metadata | None = None
+    output_config: OutputConfig | None = None
     ignored: tuple[str, ...] = ()
 
 
 IGNORED_FIELDS: Final = frozenset(
-    {"context_management", "output_config", "service_tier", "container", "mcp_servers"}
+    {"context_management", "service_tier", "container", "mcp_servers"}
 )
 """Top-level keys Anthropic documents that IOP accepts and ignores by name
 (any other unknown key is ignored too, see the module docstring)."""
@@ -408,6 +426,17 @@ def reasoning_effort(thinking: Thinking | None) -> str | None:
     if thinking.budget_tokens < 16384:
         return "medium"
     return "high"
+
+
+def _response_format(config: OutputConfig | None) -> dict[str, Any] | None:
+    """``output_config.format`` as OpenAI's ``response_format``: what vLLM and
+    llama.cpp's server turn into guided decoding (docs/api.md, "Structured output")."""
+    if config is None or config.format is None:
+        return None
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": config.format.schema, "strict": True},
+    }
 
 
 def _image_url(source: Base64Source | URLSource) -> str:
@@ -628,6 +657,7 @@ def _translate(req: MessagesRequest) -> ChatRequest:
         max_tokens=req.max_tokens,
         stop=req.stop_sequences or None,
         reasoning_effort=reasoning_effort(req.thinking),
+        response_format=_response_format(req.output_config),
         user=req.metadata.user_id if req.metadata else None,
         extra_body={"top_k": req.top_k} if req.top_k is not None else None,
     )

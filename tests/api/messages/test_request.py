@@ -377,7 +377,6 @@ def test_ignored_fields_are_accepted_and_named() -> None:
     )
     assert native.ignored == (
         "context_management",
-        "output_config",
         "service_tier",
         "container",
         "mcp_servers",
@@ -550,7 +549,8 @@ def test_a_claude_code_shaped_request() -> None:
         "temperature": 1,
     }
     native, req = parse_messages_request(msgspec.json.encode(body))
-    assert native.ignored == ("context_management", "output_config")
+    assert native.ignored == ("context_management",)
+    assert req.reasoning_effort is None  # output_config.effort is not sent
     assert [m.role for m in req.messages] == [
         "system",
         "user",
@@ -574,3 +574,26 @@ def test_a_claude_code_shaped_request() -> None:
         None,
     )
     assert req.temperature == 1.0
+
+
+def test_output_config_format_is_a_json_schema_response_format() -> None:
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    _, chat = parse_messages_request(
+        _body(
+            output_config={"format": {"type": "json_schema", "schema": schema}, "effort": "low"},
+            thinking={"type": "enabled", "budget_tokens": 20000},
+        )
+    )
+    assert chat.response_format == {
+        "type": "json_schema",
+        "json_schema": {"name": "output", "schema": schema, "strict": True},
+    }
+    assert chat.reasoning_effort == "high"  # from thinking; effort is not sent
+    req, chat = parse_messages_request(_body(output_config={}))
+    assert chat.response_format is None
+    assert "output_config" not in req.ignored
+
+
+def test_an_output_format_that_is_not_a_json_schema_is_refused() -> None:
+    with pytest.raises(RequestError, match=r"output_config\.format"):
+        parse_messages_request(_body(output_config={"format": {"type": "text"}}))
