@@ -657,10 +657,6 @@ class _NamespaceTool(_Struct, frozen=True):
     tools: list[dict[str, Any]] = []
 
 
-_OFFERED: Final = ("function", "custom", "namespace")
-"""The tool types the model is offered (``_tools``); every other one is dropped."""
-
-
 class OfferedTools(msgspec.Struct, frozen=True, kw_only=True):
     """A request's tools as the run offers them.
 
@@ -706,12 +702,15 @@ def offered_tools(tools: list[dict[str, Any]] | None) -> OfferedTools:
     ) -> FunctionToolEcho | CustomToolEcho | None:
         kind = raw.get("type")
         ns = namespace.name if namespace is not None else None
-        note = f"(A tool of {ns}: {namespace.description})" if namespace is not None else None
+        note = None
+        if namespace is not None:
+            about = f": {namespace.description}" if namespace.description else ""
+            note = f"(A tool of {namespace.name}{about})"
         if kind == "function":
             fn = _typed(raw, _FunctionTool, param)
             name = fn.name
             if ns is not None:
-                name = flat_name(ns, fn.name, frozenset(taken))
+                name = flat_name(ns, fn.name, taken)
                 taken.add(name)
                 origins[name] = ToolOrigin(name=fn.name, namespace=ns)
                 names[tool_key(ns, fn.name)] = name
@@ -729,7 +728,7 @@ def offered_tools(tools: list[dict[str, Any]] | None) -> OfferedTools:
             return FunctionToolEcho(fn.name, fn.description, fn.parameters, fn.strict)
         if kind == "custom":
             custom = _typed(raw, _CustomTool, param)
-            name = flat_name(ns, custom.name, frozenset(taken))
+            name = flat_name(ns, custom.name, taken)
             taken.add(name)
             origins[name] = ToolOrigin(name=custom.name, namespace=ns, custom=True)
             names[tool_key(ns, custom.name)] = name

@@ -17,7 +17,8 @@ turned back into the items the client expects:
   from the JSON arguments (:func:`custom_input`).
 * ``namespace``: each function or custom tool inside becomes a function of
   its own, named ``<namespace>__<name>`` (the ``__`` Codex uses when it
-  flattens names itself, codex-rs ``ToolName::canonical_flat_name``). A call
+  flattens names itself: ``codex-rs/protocol/src/tool_name.rs`` in
+  https://github.com/openai/codex). A call
   comes back with the client's name and the ``namespace`` field OpenAI's
   ``FunctionToolCall`` and ``CustomToolCall`` carry: Codex 0.163.0 runs a
   namespaced tool only so (docs/api.md).
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Set as AbstractSet
 from typing import Any, Final
 
 import msgspec
@@ -67,8 +69,8 @@ CUSTOM_ARGUMENT: Final = "input"
 NAMESPACE_SEPARATOR: Final = "__"
 """Between a namespace and a tool's name in a flattened function name."""
 MAX_FUNCTION_NAME: Final = 64
-"""OpenAI's (and vLLM's chat templates') limit on a function name's length."""
-_LEGAL: Final = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+"""The longest function name OpenAI's function-name pattern allows."""
+_LEGAL: Final = re.compile(rf"[a-zA-Z0-9_-]{{1,{MAX_FUNCTION_NAME}}}")
 _ILLEGAL_CHAR: Final = re.compile(r"[^a-zA-Z0-9_-]")
 _DIGEST_HEX: Final = 8
 
@@ -122,7 +124,7 @@ def tool_key(namespace: str | None, name: str) -> str:
     return name if namespace is None else f"{namespace}\0{name}"
 
 
-def flat_name(namespace: str | None, name: str, taken: frozenset[str] = frozenset()) -> str:
+def flat_name(namespace: str | None, name: str, taken: AbstractSet[str] = frozenset()) -> str:
     """The function name of a client tool (module docstring).
 
     Args:
@@ -174,7 +176,7 @@ def _format_text(fmt: Any) -> str:
     """What the function's description says of a custom tool's input format."""
     lead = (
         f"Call this tool with one argument, `{CUSTOM_ARGUMENT}`: a string holding the tool's "
-        "whole input as raw text (not JSON, not quoted)."
+        "whole input as raw text (the input itself is not JSON)."
     )
     if isinstance(fmt, dict) and fmt.get("type") == "grammar":
         syntax = fmt.get("syntax")

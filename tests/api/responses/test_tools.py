@@ -142,6 +142,13 @@ def test_a_namespace_is_flattened_into_qualified_functions() -> None:
     assert note.parameters["required"] == [CUSTOM_ARGUMENT]
 
 
+def test_a_namespace_without_a_description_is_named_alone() -> None:
+    bare = {"type": "namespace", "name": "ns", "description": "", "tools": [SHELL]}
+    req = _parse(input="x", tools=[bare])
+    assert req.tools is not None
+    assert req.tools[0].function.description == "(A tool of ns)"
+
+
 def test_the_response_echoes_the_clients_tools_as_given() -> None:
     call = _call(input="x", tools=[SHELL, AGENTS, APPLY_PATCH, {"type": "web_search"}])
     assert isinstance(call.native, ResponsesCall)
