@@ -39,6 +39,7 @@ from iop.spec import (
     NamedToolChoice,
 )
 from tests.api.responses._schema import validate_event, validate_response
+from tests.api.responses.test_output import _client
 
 CREATED: Final = 1_700_000_000
 DATA: Final = Path(__file__).resolve().parents[2] / "data" / "agents"
@@ -529,3 +530,23 @@ def test_codexs_apply_patch_follow_up_replays_its_call_and_output() -> None:
     assert result.role == "tool"
     assert result.tool_call_id == made.id
     assert "A iop-patch.txt" in result.text()
+
+
+def test_the_sdk_stream_helper_accumulates_custom_and_namespaced_calls() -> None:
+    run = [
+        Complete(finish_reason=FinishReason.TOOL_CALLS, tool_calls=(CUSTOM_CALL, NAMESPACED_CALL))
+    ]
+    client = _client(_surface(), lambda: run, byte_by_byte=True)
+    with client.responses.stream(
+        model="m",
+        input="edit",
+        tools=[APPLY_PATCH, AGENTS],  # type: ignore[list-item]
+    ) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert "response.custom_tool_call_input.delta" in kinds
+    custom, function = final.output
+    assert custom.type == "custom_tool_call"
+    assert (custom.call_id, custom.name, custom.input) == ("call_p", "apply_patch", PATCH)
+    assert function.type == "function_call"
+    assert (function.name, function.namespace) == ("spawn_agent", "multi_agent_v1")
