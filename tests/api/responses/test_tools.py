@@ -336,6 +336,12 @@ def test_a_custom_tools_input_is_unwrapped_or_passed_on_raw(arguments: str, expe
     assert custom_input(arguments) == expected
 
 
+@given(text=st.text())
+def test_any_input_round_trips_through_the_models_arguments(text: str) -> None:
+    assert custom_input(custom_arguments(text)) == text
+    assert custom_input(json.dumps({"input": text}, indent=2)) == text
+
+
 def test_the_collector_returns_custom_and_namespaced_calls() -> None:
     surface = _surface()
     call = _call(surface, input="x", tools=[APPLY_PATCH, AGENTS, SHELL])
