@@ -94,7 +94,7 @@ from iop.api._openai_errors import error_body, openai_error_type, scrub
 from iop.api._output import OutputShaper
 from iop.api._shaped import Shaped, ShapedDone, ShapedFailed, ShapedReasoning, ShapedText
 from iop.api._surface import Call, RunContext
-from iop.api.responses._tools import ToolEcho, ToolMap, custom_input
+from iop.api.responses._tools import ToolEcho, ToolMap, custom_input, empty_map
 from iop.errors import ErrorCode, InvariantError
 from iop.events import FinishReason, RuntimeEvent, ToolCall, Usage
 from iop.spec import FunctionCall, Message, MessageToolCall
@@ -277,9 +277,9 @@ def _call_item(call: ToolCall, tools: ToolMap, run_id: str, index: int) -> _Item
     )
 
 
-def _tools(call: Call) -> ToolMap:
+def _tool_map(call: Call) -> ToolMap:
     native = call.native
-    return native.tools if isinstance(native, ResponsesCall) else ToolMap()
+    return native.tools if isinstance(native, ResponsesCall) else empty_map()
 
 
 class _InputDetails(msgspec.Struct, frozen=True):
@@ -548,7 +548,7 @@ class ResponsesStream:
         self._run_id = ctx.run_id
         self._record = _Record(call, ctx, keep, clock, response_id)
         self._response = self._record.response
-        self._tools = _tools(call)
+        self._tools = _tool_map(call)
         self._shaper = OutputShaper(call.chat, ctx.policy, ctx.run_id)
         self._state = _State.FRESH
         self._seq = 0
@@ -891,7 +891,7 @@ class ResponsesCollector:
         self._run_id = ctx.run_id
         self._record = _Record(call, ctx, keep, clock, response_id)
         self._response = self._record.response
-        self._tools = _tools(call)
+        self._tools = _tool_map(call)
         # Buffered: a collector wants the whole policy applied at the end
         # (XML completion wrapping), as chat's does.
         self._shaper = OutputShaper(call.chat, ctx.policy, ctx.run_id, buffered=True)
