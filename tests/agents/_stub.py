@@ -44,6 +44,7 @@ REASONING_TEXT: Final = "The user wants the command run."
 REASONING_BLOB: Final = "iop-stub-opaque-reasoning"
 # The text the model "says" once it has seen the tool's output.
 AFTER_TOOL_TEXT: Final = "The command printed iop-tool-ok."
+AFTER_PATCH_TEXT: Final = "The patch was applied."
 SECRET_HEADERS: Final = frozenset({"authorization", "x-api-key", "proxy-authorization", "cookie"})
 MASK: Final = "<masked>"
 # A fixed timestamp: the same request always gets the same bytes back.
@@ -418,7 +419,8 @@ def codex_stream(req: dict[str, Any], scenario: Scenario, variant: Variant) -> I
             arguments=args,
         )
     else:
-        text = PLAIN_TEXT if tool_output is None else f"{AFTER_TOOL_TEXT} (saw: {tool_output!r})"
+        after = AFTER_PATCH_TEXT if scenario == "patch" else AFTER_TOOL_TEXT
+        text = PLAIN_TEXT if tool_output is None else f"{after} (saw: {tool_output!r})"
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
         item = {
             "id": "msg_stub0001",
