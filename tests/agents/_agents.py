@@ -51,6 +51,7 @@ __all__ = [
     "CLAUDE_QUIET_ENV",
     "CLAUDE_VERSION",
     "CODEX_VERSION",
+    "PATCH_PROMPT",
     "PLAIN_PROMPT",
     "TOOL_PROMPT",
     "AgentResult",
@@ -61,6 +62,7 @@ __all__ = [
     "codex_binary",
     "codex_command",
     "codex_config",
+    "codex_model_catalog",
     "run_claude",
     "run_codex",
 ]
@@ -84,6 +86,7 @@ NO_PROXY: Final = "127.0.0.1,localhost,::1"
 # (stub) model ask for a shell command.
 PLAIN_PROMPT: Final = "Say hello."
 TOOL_PROMPT: Final = "Run the shell command `echo iop-tool-ok` and tell me what it printed."
+PATCH_PROMPT: Final = "Create the file iop-patch.txt with apply_patch."
 
 # Claude Code: no telemetry, error reports, auto-update, feedback survey or
 # other "non-essential" calls (which include the extra title-generation
@@ -259,15 +262,48 @@ def _toml_value(value: object) -> str:
     return json.dumps(value)
 
 
+def codex_model_catalog(model: str) -> dict[str, object]:
+    """A ``model_catalog_json`` document naming ``model`` with freeform ``apply_patch``.
+
+    Codex 0.163.0 offers its file-editing tool ``apply_patch`` only for the
+    models its catalog knows (all of its built-in ones as a ``custom``
+    freeform tool, ``apply_patch_tool_type = "freeform"``); a model it does
+    not know gets its fallback metadata and no ``apply_patch`` at all. This is
+    the smallest entry it accepts (each key is one its parser requires;
+    tests/data/agents/README.md, ``codex-apply-patch``).
+    """
+    entry = {
+        "slug": model,
+        "display_name": model,
+        "base_instructions": "You are Codex, a coding agent.",
+        "apply_patch_tool_type": "freeform",
+        "supported_reasoning_levels": [],
+        "shell_type": "shell_command",
+        "visibility": "list",
+        "supported_in_api": True,
+        "priority": 1,
+        "support_verbosity": False,
+        "truncation_policy": {"mode": "tokens", "limit": 10000},
+        "experimental_supported_tools": [],
+    }
+    return {"models": [entry]}
+
+
 def codex_config(
-    base_url: str, model: str, *, quiet: bool = True, stream_idle_timeout_ms: int = 30_000
+    base_url: str,
+    model: str,
+    *,
+    quiet: bool = True,
+    stream_idle_timeout_ms: int = 30_000,
+    model_catalog_json: str | None = None,
 ) -> str:
     """``config.toml`` for one run: the provider at ``base_url``, nothing else reached.
 
     ``quiet=False`` leaves out the settings that stop background traffic (to
     see what a default install tries to reach). ``stream_idle_timeout_ms``:
     how long Codex waits for the next SSE event before it gives the turn up
-    (SSE comments do not count).
+    (SSE comments do not count). ``model_catalog_json``: the path of a model
+    catalog (``codex_model_catalog``) replacing Codex's built-in one.
     """
     provider = {
         "name": "IOP",
@@ -280,7 +316,10 @@ def codex_config(
         "stream_max_retries": 0,
         "stream_idle_timeout_ms": stream_idle_timeout_ms,
     }
-    head = [f"model = {_toml_value(model)}", 'model_provider = "iop"', ""]
+    head = [f"model = {_toml_value(model)}", 'model_provider = "iop"']
+    if model_catalog_json is not None:
+        head.append(f"model_catalog_json = {_toml_value(model_catalog_json)}")
+    head.append("")
     quiet_lines = [
         # The release check (api.github.com).
         "check_for_update_on_startup = false",
@@ -366,15 +405,30 @@ def run_codex(
     proxy: str = DEAD_PROXY,
     quiet: bool = True,
     stream_idle_timeout_ms: int = 30_000,
+    freeform_apply_patch: bool = False,
 ) -> AgentResult:
-    """``codex exec PROMPT`` in ``workdir`` against ``base_url`` (``/v1/responses``)."""
+    """``codex exec PROMPT`` in ``workdir`` against ``base_url`` (``/v1/responses``).
+
+    ``freeform_apply_patch``: give ``model`` a catalog entry
+    (``codex_model_catalog``) so that Codex offers ``apply_patch`` as a
+    ``custom`` tool, as it does for OpenAI's models.
+    """
     binary = binary or codex_binary()
     with tempfile.TemporaryDirectory(prefix="iop-codex-home-") as scratch:
         home = Path(scratch)
         codex_home = home / ".codex"
         codex_home.mkdir()
+        catalog: str | None = None
+        if freeform_apply_patch:
+            catalog_path = codex_home / "models.json"
+            catalog_path.write_text(json.dumps(codex_model_catalog(model), indent=2) + "\n")
+            catalog = str(catalog_path)
         config = codex_config(
-            base_url, model, quiet=quiet, stream_idle_timeout_ms=stream_idle_timeout_ms
+            base_url,
+            model,
+            quiet=quiet,
+            stream_idle_timeout_ms=stream_idle_timeout_ms,
+            model_catalog_json=catalog,
         )
         (codex_home / "config.toml").write_text(config)
         env = _base_env(home, proxy) | {"CODEX_HOME": str(codex_home), "IOP_API_KEY": api_key}

@@ -19,8 +19,11 @@ deterministic: with ``scenario="tool"`` a request that offers the shell tool
 and carries no tool result yet gets a shell tool call (Codex: a
 ``function_call`` to ``SHELL_TOOL``; Claude Code: a ``tool_use`` of ``Bash``)
 running ``TOOL_COMMAND``; a request carrying a tool result gets text that
-quotes the result. ``Variant`` breaks the streams on purpose, to learn what an
-agent needs.
+quotes the result. With ``scenario="patch"`` a Codex request that offers the
+``custom`` tool ``apply_patch`` and carries no custom tool output yet gets a
+``custom_tool_call`` of it adding ``PATCH_FILE`` (streamed with
+``response.custom_tool_call_input.delta``/``.done``, as OpenAI streams
+one). ``Variant`` breaks the streams on purpose, to learn what an agent needs.
 """
 
 from __future__ import annotations
@@ -41,12 +44,20 @@ REASONING_TEXT: Final = "The user wants the command run."
 REASONING_BLOB: Final = "iop-stub-opaque-reasoning"
 # The text the model "says" once it has seen the tool's output.
 AFTER_TOOL_TEXT: Final = "The command printed iop-tool-ok."
+AFTER_PATCH_TEXT: Final = "The patch was applied."
 SECRET_HEADERS: Final = frozenset({"authorization", "x-api-key", "proxy-authorization", "cookie"})
 MASK: Final = "<masked>"
 # A fixed timestamp: the same request always gets the same bytes back.
 CREATED_AT: Final = 1_796_000_000
 
-Scenario = Literal["plain", "tool"]
+# Codex's freeform file-editing tool, and the patch the "patch" scenario calls
+# it with: a new file in the working directory.
+PATCH_TOOL: Final = "apply_patch"
+PATCH_FILE: Final = "iop-patch.txt"
+PATCH_TEXT: Final = "patched by the model"
+PATCH_INPUT: Final = f"*** Begin Patch\n*** Add File: {PATCH_FILE}\n+{PATCH_TEXT}\n*** End Patch\n"
+
+Scenario = Literal["plain", "tool", "patch"]
 
 
 @dataclass(frozen=True)
@@ -289,7 +300,8 @@ SHELL_TOOL: Final = "exec_command"
 
 def _responses_tool_output(req: dict[str, Any]) -> str | None:
     for item in req.get("input") or []:
-        if isinstance(item, dict) and item.get("type") == "function_call_output":
+        outputs = ("function_call_output", "custom_tool_call_output")
+        if isinstance(item, dict) and item.get("type") in outputs:
             output = item.get("output")
             return output if isinstance(output, str) else json.dumps(output)
     return None
@@ -366,7 +378,19 @@ def codex_stream(req: dict[str, Any], scenario: Scenario, variant: Variant) -> I
         output.append(reasoning)
     index = len(output)
     tool_output = _responses_tool_output(req)
-    if scenario == "tool" and tool_output is None and _offers_tool(req, SHELL_TOOL):
+    if scenario == "patch" and tool_output is None and _offers_tool(req, PATCH_TOOL):
+        item = {
+            "id": "ctc_stub0001",
+            "type": "custom_tool_call",
+            "call_id": "call_stub0001",
+            "name": PATCH_TOOL,
+            "input": PATCH_INPUT,
+        }
+        yield ev("response.output_item.added", output_index=index, item={**item, "input": ""})
+        at = {"item_id": item["id"], "output_index": index}
+        yield ev("response.custom_tool_call_input.delta", **at, delta=PATCH_INPUT)
+        yield ev("response.custom_tool_call_input.done", **at, input=PATCH_INPUT)
+    elif scenario == "tool" and tool_output is None and _offers_tool(req, SHELL_TOOL):
         args = json.dumps({"cmd": TOOL_COMMAND})
         item = {
             "id": "fc_stub0001",
@@ -395,7 +419,8 @@ def codex_stream(req: dict[str, Any], scenario: Scenario, variant: Variant) -> I
             arguments=args,
         )
     else:
-        text = PLAIN_TEXT if tool_output is None else f"{AFTER_TOOL_TEXT} (saw: {tool_output!r})"
+        after = AFTER_PATCH_TEXT if scenario == "patch" else AFTER_TOOL_TEXT
+        text = PLAIN_TEXT if tool_output is None else f"{after} (saw: {tool_output!r})"
         part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
         item = {
             "id": "msg_stub0001",

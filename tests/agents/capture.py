@@ -38,6 +38,9 @@ class Capture:
     what: str
     variant: Variant = field(default_factory=Variant)
     quiet: bool = True
+    # Codex: a model catalog entry that makes it offer apply_patch as a
+    # custom tool (_agents.codex_model_catalog).
+    freeform_apply_patch: bool = False
 
 
 CAPTURES: Final = [
@@ -56,6 +59,14 @@ CAPTURES: Final = [
         "tool",
         "Codex CLI, tool round trip where the model's answer starts with a reasoning item",
         Variant(reasoning=True),
+    ),
+    Capture(
+        "codex-apply-patch",
+        "codex",
+        "patch",
+        "Codex CLI, with a model catalog entry for its model: apply_patch offered as a custom "
+        "tool beside the namespace and web_search tools; a custom tool round trip that adds a file",
+        freeform_apply_patch=True,
     ),
     Capture("claude-plain", "claude", "plain", "Claude Code, one plain turn"),
     Capture("claude-tool", "claude", "tool", "Claude Code, a Bash tool round trip"),
@@ -98,10 +109,21 @@ def _runner(agent: str) -> Callable[..., _agents.AgentResult]:
 def capture(spec: Capture) -> dict[str, object]:
     shutil.rmtree(WORKDIR, ignore_errors=True)
     WORKDIR.mkdir(parents=True)
-    prompt = _agents.PLAIN_PROMPT if spec.scenario == "plain" else _agents.TOOL_PROMPT
+    prompt = {
+        "plain": _agents.PLAIN_PROMPT,
+        "tool": _agents.TOOL_PROMPT,
+        "patch": _agents.PATCH_PROMPT,
+    }[spec.scenario]
+    extra = {"freeform_apply_patch": True} if spec.freeform_apply_patch else {}
     with Stub(scenario=spec.scenario, variant=spec.variant) as stub:
         result = _runner(spec.agent)(
-            stub.base_url, prompt, WORKDIR, model=MODEL, proxy=stub.base_url, quiet=spec.quiet
+            stub.base_url,
+            prompt,
+            WORKDIR,
+            model=MODEL,
+            proxy=stub.base_url,
+            quiet=spec.quiet,
+            **extra,
         )
     out = DATA / spec.name
     shutil.rmtree(out, ignore_errors=True)
@@ -134,6 +156,7 @@ def capture(spec: Capture) -> dict[str, object]:
         "scenario": spec.scenario,
         "variant": {k: v for k, v in vars(spec.variant).items() if v},
         "quiet": spec.quiet,
+        "freeform_apply_patch": spec.freeform_apply_patch,
         "prompt": prompt,
         "model": MODEL,
         "command": list(result.command),

@@ -30,6 +30,7 @@ EXPECTED: Final = {
     "claude-fallback",
     "claude-default-env",
     "codex-reasoning",
+    "codex-apply-patch",
     "claude-thinking",
     "claude-max-tokens",
 }

@@ -23,6 +23,14 @@ decides what the model does:
   in ``Process exited with code 0 ... Output:``; Claude's answer has the
   marker without the ``echo``) proves the model saw it.
 
+Codex's own tool kinds go through too (``up_codex_tools``): with a model
+catalog entry for ``iop-sim`` (``run_codex(freeform_apply_patch=True)``,
+docs/clients.md) Codex offers ``apply_patch`` as a ``custom`` tool, the
+model calls it with a patch adding a file, and the file is on disk
+afterwards; without one, the model calls ``wait_agent`` of the
+``multi_agent_v1`` namespace and Codex runs it (an unknown agent id is its
+answer, not "unsupported call").
+
 The tool round trip runs again with reasoning before the call (``reasoning``
 items, ``thinking`` blocks, which the agents pass back) and through a
 separate ``iop edge`` + ``iop node`` + ``iop sim`` (the node's ``vllm``
@@ -48,6 +56,7 @@ import pytest
 from iop.sim._script import _VOCABULARY
 from tests.agents._agents import (
     API_KEY,
+    PATCH_PROMPT,
     PLAIN_PROMPT,
     TOOL_PROMPT,
     AgentResult,
@@ -65,6 +74,17 @@ SHELL_ARGUMENTS: Final = {
     "Bash": {"command": "echo iop-tool-ok"},
 }
 TOOL_MARKER: Final = "iop-tool-ok"
+# Codex's custom apply_patch tool, offered as a function of one string
+# argument (docs/api.md, "Tools"), called with a patch that adds a file; and
+# a namespaced sub-agent tool, called for an agent that does not exist.
+PATCH_FILE: Final = "iop-patch.txt"
+PATCH_TEXT: Final = "patched through IOP"
+CODEX_TOOL_ARGUMENTS: Final = {
+    "apply_patch": {
+        "input": f"*** Begin Patch\n*** Add File: {PATCH_FILE}\n+{PATCH_TEXT}\n*** End Patch\n"
+    },
+    "multi_agent_v1__wait_agent": {"targets": ["iop-no-such-agent"], "timeout_ms": 1000},
+}
 # Words in a plain answer: short enough for one line, long enough not to be luck.
 PLAIN_TOKENS: Final = 24
 # Where the tool round trips run: iop up (without and with reasoning before
@@ -198,6 +218,18 @@ def up_reasoning(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]
 
 
 @pytest.fixture(scope="module")
+def up_codex_tools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
+    """``iop up --backend sim`` whose model calls Codex's ``apply_patch`` when it
+    is offered, else ``multi_agent_v1``'s ``wait_agent`` (the first of
+    ``tool_call_names`` a request declares), then quotes the tool's output."""
+    yield from _start_up(
+        tmp_path_factory.mktemp("up-codex-tools"),
+        "iop-up-codex-tools",
+        {"tool_call_names": list(CODEX_TOOL_ARGUMENTS), "by_tool": CODEX_TOOL_ARGUMENTS},
+    )
+
+
+@pytest.fixture(scope="module")
 def up_slow(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platform]:
     """``iop up --backend sim`` whose model takes ``SLOW_TTFT_S`` to its first token
     (a queue or a long prefill), with keep-alives every ``KEEPALIVE_S``."""
@@ -289,6 +321,50 @@ def test_codex_tool_round_trip(
     platform: Platform = request.getfixturevalue(where)
     result = _codex(platform, TOOL_PROMPT, workdir, codex_bin)
     _assert_codex_tool_round_trip(result, platform)
+
+
+def test_codex_edits_a_file_with_apply_patch(
+    up_codex_tools: Platform, codex_bin: Path, workdir: Path
+) -> None:
+    up_codex_tools.mark()
+    result = run_codex(
+        up_codex_tools.url,
+        PATCH_PROMPT,
+        workdir,
+        binary=codex_bin,
+        model=MODEL,
+        freeform_apply_patch=True,
+    )
+    assert result.returncode == 0, _explain(result, up_codex_tools)
+    # The model's custom tool call reached Codex as a custom_tool_call and
+    # Codex applied the patch ...
+    assert (workdir / PATCH_FILE).read_text() == PATCH_TEXT + "\n", _explain(result, up_codex_tools)
+    # ... and its custom_tool_call_output reached the model as the tool's result.
+    answer = result.stdout.strip()
+    assert answer.startswith("The tool said: Exit code: 0"), _explain(result, up_codex_tools)
+    assert f"Success. Updated the following files:\nA {PATCH_FILE}" in answer, _explain(
+        result, up_codex_tools
+    )
+    assert up_codex_tools.runs_since_mark(2) == ["tool_calls", "stop"], _explain(
+        result, up_codex_tools
+    )
+
+
+def test_codex_runs_a_namespaced_sub_agent_tool(
+    up_codex_tools: Platform, codex_bin: Path, workdir: Path
+) -> None:
+    # No catalog entry: no apply_patch offered, so the model calls wait_agent.
+    result = _codex(up_codex_tools, "Wait for the sub-agent.", workdir, codex_bin)
+    assert result.returncode == 0, _explain(result, up_codex_tools)
+    answer = result.stdout.strip()
+    # Codex dispatched it to its multi-agent handler, which refused the id;
+    # a call it did not recognise would say "unsupported call".
+    assert answer.startswith("The tool said: invalid agent id iop-no-such-agent"), _explain(
+        result, up_codex_tools
+    )
+    assert up_codex_tools.runs_since_mark(2) == ["tool_calls", "stop"], _explain(
+        result, up_codex_tools
+    )
 
 
 def test_codex_waits_out_a_first_token_slower_than_its_idle_timeout(

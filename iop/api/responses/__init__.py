@@ -2,8 +2,9 @@
 
 ``ResponsesSurface`` implements ``iop.api.Surface`` over a ``ResponseStore``
 (``previous_response_id``); ``_request`` translates requests into a run's
-``ChatRequest``, ``_encode`` formats its shaped output as OpenAI's stream or
-``Response`` object. docs/api.md ("OpenAI Responses") documents the mapping.
+``ChatRequest``, ``_tools`` offers its custom and namespace tools to the model
+as functions and turns the calls back, ``_encode`` formats its shaped output
+as OpenAI's stream or ``Response`` object. docs/api.md ("OpenAI Responses") documents the mapping.
 """
 
 from iop.api.responses._encode import (

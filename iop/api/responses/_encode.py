@@ -32,6 +32,11 @@ carrying ``sequence_number``, 0, 1, 2, ... in order)::
         response.function_call_arguments.delta (the whole arguments)
         response.function_call_arguments.done
         response.output_item.done {the whole item}
+    or, for a call of a custom tool, one custom_tool_call item:
+        response.output_item.added {type: custom_tool_call, id: ctc_..., input: ""}
+        response.custom_tool_call_input.delta (the whole input)
+        response.custom_tool_call_input.done
+        response.output_item.done {the whole item}
     exactly one of
         response.completed    the run completed
         response.incomplete   finish reason length (incomplete_details.reason
@@ -58,10 +63,16 @@ comment before: Codex ends a turn after ``stream_idle_timeout_ms`` without an
 *event* (comments do not count), so a long queue wait or prefill needs real
 events.
 
+A call is turned back into the client's tool by ``ResponsesCall.tools``
+(``_tools``): a namespaced function's call carries the client's name and
+its ``namespace``, a custom tool's call its ``input`` unwrapped from the
+model's JSON arguments. The stored conversation keeps the calls as the
+model made them.
+
 Ids: the response is the ``response_id`` given (the edge's surface gives a
 random one: a stored response is looked up by it, ``_store``), else
-``resp_<run id>``; items ``msg_<run id>_<n>``, ``rs_<run id>_<n>`` and
-``fc_<run id>_<n>`` with ``n`` the output index.
+``resp_<run id>``; items ``msg_<run id>_<n>``, ``rs_<run id>_<n>``,
+``fc_<run id>_<n>`` and ``ctc_<run id>_<n>`` with ``n`` the output index.
 
 A response that completed or is incomplete, with ``store`` not false, is
 handed to ``keep`` (the surface's store) as its conversation: the history
@@ -84,6 +95,7 @@ from iop.api._openai_errors import scrub
 from iop.api._output import OutputShaper
 from iop.api._shaped import Shaped, ShapedDone, ShapedFailed, ShapedReasoning, ShapedText
 from iop.api._surface import Call, RunContext
+from iop.api.responses._tools import ToolEcho, ToolMap, custom_input, empty_map
 from iop.errors import ErrorCode, InvariantError
 from iop.events import FinishReason, RuntimeEvent, ToolCall, Usage
 from iop.spec import FunctionCall, Message, MessageToolCall
@@ -147,13 +159,6 @@ class TextEcho(msgspec.Struct, frozen=True):
     format: dict[str, Any]
 
 
-class FunctionToolEcho(msgspec.Struct, frozen=True, tag="function", tag_field="type"):
-    name: str
-    description: str | None
-    parameters: dict[str, Any] | None
-    strict: bool | None
-
-
 class ResponseEcho(msgspec.Struct, frozen=True, kw_only=True):
     """The request's settings as the Response object shows them."""
 
@@ -167,7 +172,7 @@ class ResponseEcho(msgspec.Struct, frozen=True, kw_only=True):
     temperature: float | None = None
     text: TextEcho = TextEcho({"type": "text"})
     tool_choice: Any = "auto"
-    tools: list[FunctionToolEcho] = []
+    tools: list[ToolEcho] = []
     top_p: float | None = None
     truncation: str = "disabled"
 
@@ -179,11 +184,14 @@ class ResponsesCall(msgspec.Struct, frozen=True, kw_only=True):
         echo: What the Response shows of the request.
         history: The conversation without instructions (stored with the output).
         tenant: The tenant that asked: the response is stored as its own.
+        tools: The client's custom and namespaced tools behind the functions
+            the model may call (``_tools``).
     """
 
     echo: ResponseEcho
     history: tuple[Message, ...]
     tenant: str = ""
+    tools: ToolMap = ToolMap()
 
 
 # --- the Response object ----------------------------------------------------------------
@@ -222,9 +230,57 @@ class _FunctionCallItem(msgspec.Struct, frozen=True, tag="function_call", tag_fi
     call_id: str
     name: str
     arguments: str
+    # The client's namespace of a namespaced function (absent otherwise).
+    namespace: str | msgspec.UnsetType = msgspec.UNSET
 
 
-_Item = _MessageItem | _ReasoningItem | _FunctionCallItem
+class _CustomToolCallItem(msgspec.Struct, frozen=True, tag="custom_tool_call", tag_field="type"):
+    # OpenAI's CustomToolCall: no status field.
+    id: str
+    call_id: str
+    name: str
+    input: str
+    namespace: str | msgspec.UnsetType = msgspec.UNSET
+
+
+_Item = _MessageItem | _ReasoningItem | _FunctionCallItem | _CustomToolCallItem
+
+
+def _call_item(call: ToolCall, tools: ToolMap, run_id: str, index: int) -> _Item:
+    """The finished output item of the model's call (``_tools``): a function
+    call under the client's name and namespace, or a custom tool's call with
+    its input unwrapped. ``call`` is already cleaned (``_clean_call``)."""
+    origin = tools.origin(call.name)
+    if origin is None:
+        return _FunctionCallItem(
+            id=f"fc_{run_id}_{index}",
+            status="completed",
+            call_id=call.id,
+            name=call.name,
+            arguments=call.arguments,
+        )
+    namespace = msgspec.UNSET if origin.namespace is None else origin.namespace
+    if origin.custom:
+        return _CustomToolCallItem(
+            id=f"ctc_{run_id}_{index}",
+            call_id=call.id,
+            name=origin.name,
+            input=custom_input(call.arguments),
+            namespace=namespace,
+        )
+    return _FunctionCallItem(
+        id=f"fc_{run_id}_{index}",
+        status="completed",
+        call_id=call.id,
+        name=origin.name,
+        arguments=call.arguments,
+        namespace=namespace,
+    )
+
+
+def _tool_map(call: Call) -> ToolMap:
+    native = call.native
+    return native.tools if isinstance(native, ResponsesCall) else empty_map()
 
 
 class _InputDetails(msgspec.Struct, frozen=True):
@@ -282,7 +338,7 @@ class _Response(msgspec.Struct, frozen=True, kw_only=True):
     temperature: float | None
     text: TextEcho
     tool_choice: Any
-    tools: list[FunctionToolEcho]
+    tools: list[ToolEcho]
     top_p: float | None
     truncation: str
     # Absent until the run ends: OpenAI's schema has no null usage.
@@ -327,14 +383,16 @@ def _failure(failed: ShapedFailed) -> _Error:
     return _Error(code=code, message=f"{failed.message} ({failed.code})")
 
 
-def _conversation(history: tuple[Message, ...], output: list[_Item]) -> tuple[Message, ...]:
-    """The stored conversation: the history, then the output as one assistant turn."""
+def _conversation(
+    history: tuple[Message, ...], output: list[_Item], tool_calls: Iterable[ToolCall]
+) -> tuple[Message, ...]:
+    """The stored conversation: the history, then the output as one assistant
+    turn, its calls as the model made them (function names and arguments)."""
     text = "".join(p.text for i in output if isinstance(i, _MessageItem) for p in i.content)
     reasoning = "".join(p.text for i in output if isinstance(i, _ReasoningItem) for p in i.content)
     calls = [
-        MessageToolCall(id=i.call_id, function=FunctionCall(name=i.name, arguments=i.arguments))
-        for i in output
-        if isinstance(i, _FunctionCallItem)
+        MessageToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+        for c in tool_calls
     ]
     turn = Message(
         role="assistant",
@@ -389,7 +447,9 @@ class _ReasoningDoneEvent(_Event, frozen=True, kw_only=True):
     text: str
 
 
-class _ArgumentsDeltaEvent(_Event, frozen=True, kw_only=True):
+class _DeltaEvent(_Event, frozen=True, kw_only=True):
+    """``response.function_call_arguments.delta`` and ``response.custom_tool_call_input.delta``."""
+
     item_id: str
     output_index: int
     delta: str
@@ -400,6 +460,12 @@ class _ArgumentsDoneEvent(_Event, frozen=True, kw_only=True):
     output_index: int
     name: str
     arguments: str
+
+
+class _InputDoneEvent(_Event, frozen=True, kw_only=True):
+    item_id: str
+    output_index: int
+    input: str
 
 
 class _State(enum.Enum):
@@ -454,10 +520,10 @@ class _Record:
         elapsed = self._clock() - self._t0 if self._clock is not None else 0.0
         return self.response.created_at + int(elapsed)
 
-    def keep(self, response: _Response, output: list[_Item]) -> None:
+    def keep(self, response: _Response, output: list[_Item], calls: list[ToolCall]) -> None:
         """Store a finished ``response`` (when ``store`` and a store allow)."""
         if self._keep is not None and self._history is not None:
-            self._keep(response.id, _conversation(self._history, output))
+            self._keep(response.id, _conversation(self._history, output, calls))
 
 
 class ResponsesStream:
@@ -483,6 +549,7 @@ class ResponsesStream:
         self._run_id = ctx.run_id
         self._record = _Record(call, ctx, keep, clock, response_id)
         self._response = self._record.response
+        self._tools = _tool_map(call)
         self._shaper = OutputShaper(call.chat, ctx.policy, ctx.run_id)
         self._state = _State.FRESH
         self._seq = 0
@@ -675,54 +742,78 @@ class ResponsesStream:
         return self._sse(done) + self._sse(part_done) + self._sse(item_done)
 
     def _call(self, call: ToolCall) -> bytes:
-        call = _clean_call(call)
         index = len(self._output)
-        item_id = f"fc_{self._run_id}_{index}"
-        added = _FunctionCallItem(
-            id=item_id, status="in_progress", call_id=call.id, name=call.name, arguments=""
-        )
-        finished = _FunctionCallItem(
-            id=item_id,
-            status="completed",
-            call_id=call.id,
-            name=call.name,
-            arguments=call.arguments,
-        )
+        finished = _call_item(call, self._tools, self._run_id, index)
         self._output.append(finished)
-        events: list[_Event] = [
-            _ItemEvent(
-                type="response.output_item.added",
-                sequence_number=self._next(),
-                output_index=index,
-                item=added,
-            )
-        ]
-        if call.arguments:
-            events.append(
-                _ArgumentsDeltaEvent(
-                    type="response.function_call_arguments.delta",
+        events: list[_Event]
+        if isinstance(finished, _CustomToolCallItem):
+            added: _Item = msgspec.structs.replace(finished, input="")
+            events = [
+                _ItemEvent(
+                    type="response.output_item.added",
                     sequence_number=self._next(),
-                    item_id=item_id,
                     output_index=index,
-                    delta=call.arguments,
+                    item=added,
+                )
+            ]
+            if finished.input:
+                events.append(
+                    _DeltaEvent(
+                        type="response.custom_tool_call_input.delta",
+                        sequence_number=self._next(),
+                        item_id=finished.id,
+                        output_index=index,
+                        delta=finished.input,
+                    )
+                )
+            events.append(
+                _InputDoneEvent(
+                    type="response.custom_tool_call_input.done",
+                    sequence_number=self._next(),
+                    item_id=finished.id,
+                    output_index=index,
+                    input=finished.input,
                 )
             )
-        events += [
-            _ArgumentsDoneEvent(
-                type="response.function_call_arguments.done",
-                sequence_number=self._next(),
-                item_id=item_id,
-                output_index=index,
-                name=call.name,
-                arguments=call.arguments,
-            ),
+        else:
+            assert isinstance(finished, _FunctionCallItem)
+            added = msgspec.structs.replace(finished, status="in_progress", arguments="")
+            events = [
+                _ItemEvent(
+                    type="response.output_item.added",
+                    sequence_number=self._next(),
+                    output_index=index,
+                    item=added,
+                )
+            ]
+            if finished.arguments:
+                events.append(
+                    _DeltaEvent(
+                        type="response.function_call_arguments.delta",
+                        sequence_number=self._next(),
+                        item_id=finished.id,
+                        output_index=index,
+                        delta=finished.arguments,
+                    )
+                )
+            events.append(
+                _ArgumentsDoneEvent(
+                    type="response.function_call_arguments.done",
+                    sequence_number=self._next(),
+                    item_id=finished.id,
+                    output_index=index,
+                    name=finished.name,
+                    arguments=finished.arguments,
+                )
+            )
+        events.append(
             _ItemEvent(
                 type="response.output_item.done",
                 sequence_number=self._next(),
                 output_index=index,
                 item=finished,
-            ),
-        ]
+            )
+        )
         return b"".join(self._sse(e) for e in events)
 
     # -- terminals ----------------------------------------------------------------------
@@ -730,7 +821,8 @@ class ResponsesStream:
     def _done(self, done: ShapedDone) -> bytes:
         incomplete = _INCOMPLETE.get(done.finish_reason)
         out = [self._close("incomplete" if incomplete else "completed")]
-        out += [self._call(call) for call in done.calls]
+        calls = [_clean_call(call) for call in done.calls]
+        out += [self._call(call) for call in calls]
         self._state = _State.FINISHED
         if incomplete:
             response = msgspec.structs.replace(
@@ -750,7 +842,7 @@ class ResponsesStream:
                 usage=_usage(done.usage),
             )
             kind = "response.completed"
-        self._record.keep(response, self._output)
+        self._record.keep(response, self._output, calls)
         out.append(
             self._sse(_ResponseEvent(type=kind, sequence_number=self._next(), response=response))
         )
@@ -804,6 +896,7 @@ class ResponsesCollector(ShapedCollector):
         self._run_id = ctx.run_id
         self._record = _Record(call, ctx, keep, clock, response_id)
         self._response = self._record.response
+        self._tools = _tool_map(call)
 
     def feed_shaped(self, event: Shaped) -> None:
         """Take one shaped event (text is taken from ``ShapedDone``).
@@ -828,17 +921,9 @@ class ResponsesCollector(ShapedCollector):
             item_id = f"msg_{self._run_id}_{len(output)}"
             text = [_OutputText(scrub(done.content))]
             output.append(_MessageItem(id=item_id, status=status, role="assistant", content=text))
-        for call in map(_clean_call, done.calls):
-            item_id = f"fc_{self._run_id}_{len(output)}"
-            output.append(
-                _FunctionCallItem(
-                    id=item_id,
-                    status="completed",
-                    call_id=call.id,
-                    name=call.name,
-                    arguments=call.arguments,
-                )
-            )
+        calls = [_clean_call(call) for call in done.calls]
+        for call in calls:
+            output.append(_call_item(call, self._tools, self._run_id, len(output)))
         response = msgspec.structs.replace(
             self._response,
             status=status,
@@ -847,5 +932,5 @@ class ResponsesCollector(ShapedCollector):
             output=output,
             usage=_usage(done.usage),
         )
-        self._record.keep(response, output)
+        self._record.keep(response, output, calls)
         return _json(response)

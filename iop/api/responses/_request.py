@@ -15,18 +15,22 @@ the Responses surface rides the same run machinery as chat. docs/api.md
     messages (the chat templates of open models know no ``developer``
     role); their text parts are joined. An assistant message's text parts
     (and refusals) are joined into its content.
-  - ``function_call`` items become ``tool_calls`` of an assistant message;
+  - ``function_call`` and ``custom_tool_call`` items become ``tool_calls``
+    of an assistant message, as the model made them (``_tools``): a
+    namespaced call (``namespace`` set) under its flattened function name,
+    a custom tool's ``input`` as the JSON arguments ``{"input": ...}``;
     consecutive calls, and calls right after an assistant message, share
     that one message (chat templates expect the calls of one turn together).
-  - ``function_call_output`` items become ``tool`` messages.
+  - ``function_call_output`` and ``custom_tool_call_output`` items become
+    ``tool`` messages.
   - ``reasoning`` items passed back become the ``reasoning_content`` of the
     assistant turn that follows them (their ``reasoning_text`` content, else
     their summary); encrypted-only reasoning, or reasoning no assistant turn
     follows, is dropped: IOP never produces encrypted content.
   - items of the tools IOP cannot run (``web_search_call``,
-    ``local_shell_call``, ``custom_tool_call``, ``mcp_call``, ... every other
-    item type OpenAI defines) are dropped: their tools are never offered to
-    the model (below), so only a conversation begun elsewhere carries them.
+    ``local_shell_call``, ``mcp_call``, ... every other item type OpenAI
+    defines) are dropped: their tools are never offered to the model
+    (below), so only a conversation begun elsewhere carries them.
   - ``item_reference`` is a 400 (IOP keeps no item index).
 
 * ``instructions`` is a ``system`` message put first. With
@@ -37,15 +41,19 @@ the Responses surface rides the same run machinery as chat. docs/api.md
   only at the start.
 * ``tools``: ``function`` tools become chat tools (the flat Responses shape
   ``{type, name, parameters, strict, description}`` nested under
-  ``function``). Every other tool type (``web_search``, ``namespace``,
-  ``custom``, ``local_shell``, ``file_search``, ``mcp``, ...) is dropped,
-  never a 400: clients such as Codex send them beside their functions.
+  ``function``); ``custom`` tools become functions of one string argument
+  and each tool of a ``namespace`` a function named ``<namespace>__<name>``
+  (``_tools``: how, and how the calls come back). Every other tool type
+  (``web_search``, ``local_shell``, ``file_search``, ``mcp``, ...) is
+  dropped, never a 400: clients such as Codex send them beside their
+  functions.
 * ``tool_choice``: ``auto``, ``none``, ``required``, ``{"type": "function",
-  "name"}`` map onto chat's; ``allowed_tools`` keeps only the listed
-  functions and uses its ``mode``. A choice that forces a dropped tool
-  (``{"type": "web_search_preview"}``, ``{"type": "custom", ...}``, ...)
-  is a 400: IOP cannot honour it, and answering without it would be wrong.
-  With no function tool left, ``auto``/``none`` are dropped.
+  "name"}``, ``{"type": "custom", "name"}`` map onto chat's;
+  ``allowed_tools`` keeps only the listed function and custom tools and
+  uses its ``mode``. A choice that forces a dropped tool
+  (``{"type": "web_search_preview"}``, ``{"type": "mcp", ...}``, ...) is a
+  400: IOP cannot honour it, and answering without it would be wrong. With
+  no tool left, ``auto``/``none`` are dropped.
 * ``max_output_tokens`` -> ``max_completion_tokens`` (at least 16, as
   OpenAI's schema says); ``temperature`` (0-2), ``top_p`` (0-1),
   ``parallel_tool_calls`` as they are; ``reasoning.effort`` ->
@@ -69,12 +77,25 @@ Errors read like OpenAI's (``Invalid type for 'input[0].content': ...``,
 
 from __future__ import annotations
 
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, TypeVar
 
 import msgspec
 
 from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH, guarded_decode
 from iop.api._openai_validation import from_validation
+from iop.api.responses._tools import (
+    CustomToolEcho,
+    FunctionToolEcho,
+    NamespaceToolEcho,
+    ToolEcho,
+    ToolMap,
+    ToolOrigin,
+    custom_arguments,
+    custom_function,
+    empty_map,
+    flat_name,
+    tool_key,
+)
 from iop.errors import ErrorCode, RequestError
 from iop.spec import (
     ChatRequest,
@@ -96,6 +117,7 @@ from iop.spec import (
 
 __all__ = [
     "MAX_OUTPUT_TOKENS_MIN",
+    "OfferedTools",
     "ResponsesRequest",
     "decode_request",
     "translate",
@@ -138,13 +160,18 @@ _DROPPED_ITEMS: Final = frozenset(
         "mcp_approval_request",
         "mcp_approval_response",
         "mcp_call",
-        "custom_tool_call",
-        "custom_tool_call_output",
         "program",
         "program_output",
     }
 )
-_ITEM_TYPES: Final = ("message", "function_call", "function_call_output", "reasoning")
+_ITEM_TYPES: Final = (
+    "message",
+    "function_call",
+    "function_call_output",
+    "custom_tool_call",
+    "custom_tool_call_output",
+    "reasoning",
+)
 
 
 # --- the request, typed ----------------------------------------------------------------
@@ -152,6 +179,9 @@ _ITEM_TYPES: Final = ("message", "function_call", "function_call_output", "reaso
 
 class _Struct(msgspec.Struct, frozen=True, kw_only=True):
     pass
+
+
+_S = TypeVar("_S", bound=_Struct)
 
 
 class InputText(_Struct, frozen=True, tag="input_text", tag_field="type"):
@@ -191,9 +221,24 @@ class FunctionCallItem(_Struct, frozen=True, tag="function_call", tag_field="typ
     call_id: str
     name: str
     arguments: str = ""
+    namespace: str | None = None
 
 
 class FunctionCallOutputItem(_Struct, frozen=True, tag="function_call_output", tag_field="type"):
+    call_id: str
+    output: str | list[Part]
+
+
+class CustomToolCallItem(_Struct, frozen=True, tag="custom_tool_call", tag_field="type"):
+    call_id: str
+    name: str
+    input: str
+    namespace: str | None = None
+
+
+class CustomToolCallOutputItem(
+    _Struct, frozen=True, tag="custom_tool_call_output", tag_field="type"
+):
     call_id: str
     output: str | list[Part]
 
@@ -207,7 +252,14 @@ class ReasoningItem(_Struct, frozen=True, tag="reasoning", tag_field="type"):
     content: list[_ReasoningPart] | None = None
 
 
-Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+Item = (
+    MessageItem
+    | FunctionCallItem
+    | FunctionCallOutputItem
+    | CustomToolCallItem
+    | CustomToolCallOutputItem
+    | ReasoningItem
+)
 
 
 class _Reasoning(_Struct, frozen=True):
@@ -502,9 +554,10 @@ def _parts(content: str | list[Part], param: str) -> str | list[ContentPart]:
 class _Builder:
     """Chat messages from Responses items, grouping an assistant turn's calls."""
 
-    __slots__ = ("messages", "open_turn", "reasoning")
+    __slots__ = ("messages", "open_turn", "reasoning", "tools")
 
-    def __init__(self) -> None:
+    def __init__(self, tools: ToolMap) -> None:
+        self.tools = tools
         self.messages: list[Message] = []
         self.open_turn = False  # the last message is an assistant turn calls may join
         self.reasoning: str | None = None  # passed-back reasoning awaiting its turn
@@ -515,9 +568,16 @@ class _Builder:
             text = "".join(p.text for p in parts)
             self.reasoning = (self.reasoning or "") + text if text else self.reasoning
             return
-        if isinstance(item, FunctionCallItem):
+        if isinstance(item, FunctionCallItem | CustomToolCallItem):
+            # The call as the model made it: the flattened function name, a
+            # custom tool's input wrapped as its one argument (_tools).
+            name = self.tools.function(item.namespace, item.name)
+            if isinstance(item, CustomToolCallItem):
+                arguments = custom_arguments(item.input)
+            else:
+                arguments = item.arguments
             call = MessageToolCall(
-                id=item.call_id, function=FunctionCall(name=item.name, arguments=item.arguments)
+                id=item.call_id, function=FunctionCall(name=name, arguments=arguments)
             )
             if self.open_turn and self.reasoning is None:
                 last = self.messages[-1]
@@ -527,7 +587,7 @@ class _Builder:
                 self._assistant(None, [call])
             return
         self.open_turn = False
-        if isinstance(item, FunctionCallOutputItem):
+        if isinstance(item, FunctionCallOutputItem | CustomToolCallOutputItem):
             output = _parts(item.output, param)
             self.messages.append(Message(role="tool", tool_call_id=item.call_id, content=output))
             return
@@ -554,15 +614,22 @@ class _Builder:
         self.open_turn = True
 
 
-def input_messages(value: str | list[dict[str, Any]]) -> list[Message]:
+def input_messages(
+    value: str | list[dict[str, Any]], tools: ToolMap | None = None
+) -> list[Message]:
     """The chat messages of a request's ``input`` (module docstring).
+
+    Args:
+        value: The request's ``input``.
+        tools: The function names of the request's custom and namespaced
+            tools (``_tools``), which their calls are replayed under.
 
     Raises:
         RequestError: An item is invalid or unsupported.
     """
     if isinstance(value, str):
         return [Message(role="user", content=value)]
-    builder = _Builder()
+    builder = _Builder(tools or empty_map())
     for i, raw in enumerate(value):
         param = f"input[{i}]"
         item = _convert_item(raw, param)
@@ -578,26 +645,131 @@ class _FunctionTool(_Struct, frozen=True):
     strict: bool | None = None
 
 
-def _function_tools(tools: list[dict[str, Any]] | None) -> list[Tool]:
-    out: list[Tool] = []
-    for i, raw in enumerate(tools or ()):
-        if raw.get("type") != "function":
-            continue  # a tool IOP cannot run: dropped (module docstring)
-        fields = {k: v for k, v in raw.items() if k in _FunctionTool.__struct_fields__}
-        try:
-            fn = msgspec.convert(fields, _FunctionTool)
-        except msgspec.ValidationError as exc:
-            raise _from_validation(exc, f"tools[{i}]") from exc
-        out.append(
-            Tool(
-                function=FunctionDef(
-                    name=fn.name,
-                    description=fn.description,
-                    parameters=fn.parameters,
-                    strict=fn.strict,
+class _CustomTool(_Struct, frozen=True):
+    name: str
+    description: str | None = None
+    format: dict[str, Any] | None = None
+
+
+class _NamespaceTool(_Struct, frozen=True):
+    name: str
+    description: str = ""
+    tools: list[dict[str, Any]] = []
+
+
+class OfferedTools(msgspec.Struct, frozen=True, kw_only=True):
+    """A request's tools as the run offers them.
+
+    Attributes:
+        functions: The chat functions, in the order the client gave the tools.
+        echo: The client's tools that were offered, as the Response shows them.
+        map: Function names to the client's custom and namespaced tools.
+    """
+
+    functions: list[Tool]
+    echo: list[ToolEcho]
+    map: ToolMap
+
+
+def _typed(raw: dict[str, Any], kind: type[_S], param: str) -> _S:
+    fields = {k: v for k, v in raw.items() if k in kind.__struct_fields__}
+    try:
+        return msgspec.convert(fields, kind)
+    except msgspec.ValidationError as exc:
+        raise _from_validation(exc, param) from exc
+
+
+def offered_tools(tools: list[dict[str, Any]] | None) -> OfferedTools:
+    """The functions a request's ``tools`` are offered to the model as (``_tools``).
+
+    Raises:
+        RequestError: A function, custom or namespace tool is malformed.
+    """
+    raw_tools = list(tools or ())
+    # Top-level functions keep their names; flattened names must not take one.
+    taken = {
+        t["name"]
+        for t in raw_tools
+        if t.get("type") == "function" and isinstance(t.get("name"), str)
+    }
+    functions: list[Tool] = []
+    echo: list[ToolEcho] = []
+    origins: dict[str, ToolOrigin] = {}
+    names: dict[str, str] = {}
+
+    def add(
+        raw: dict[str, Any], param: str, namespace: _NamespaceTool | None
+    ) -> FunctionToolEcho | CustomToolEcho | None:
+        kind = raw.get("type")
+        ns = namespace.name if namespace is not None else None
+        note = None
+        if namespace is not None:
+            about = f": {namespace.description}" if namespace.description else ""
+            note = f"(A tool of {namespace.name}{about})"
+        if kind == "function":
+            fn = _typed(raw, _FunctionTool, param)
+            name = fn.name
+            if ns is not None:
+                name = flat_name(ns, fn.name, taken)
+                taken.add(name)
+                origins[name] = ToolOrigin(name=fn.name, namespace=ns)
+                names[tool_key(ns, fn.name)] = name
+            description = "\n\n".join(p for p in (fn.description, note) if p) or None
+            functions.append(
+                Tool(
+                    function=FunctionDef(
+                        name=name,
+                        description=description,
+                        parameters=fn.parameters,
+                        strict=fn.strict,
+                    )
                 )
             )
-        )
+            return FunctionToolEcho(fn.name, fn.description, fn.parameters, fn.strict)
+        if kind == "custom":
+            custom = _typed(raw, _CustomTool, param)
+            name = flat_name(ns, custom.name, taken)
+            taken.add(name)
+            origins[name] = ToolOrigin(name=custom.name, namespace=ns, custom=True)
+            names[tool_key(ns, custom.name)] = name
+            functions.append(
+                Tool(function=custom_function(name, custom.description, custom.format, note))
+            )
+            return CustomToolEcho(custom.name, custom.description, custom.format)
+        return None  # a tool IOP cannot run: dropped (module docstring)
+
+    for i, raw in enumerate(raw_tools):
+        param = f"tools[{i}]"
+        if raw.get("type") == "namespace":
+            namespace = _typed(raw, _NamespaceTool, param)
+            inner = [
+                found
+                for j, t in enumerate(namespace.tools)
+                if (found := add(t, f"{param}.tools[{j}]", namespace)) is not None
+            ]
+            if inner:
+                echo.append(NamespaceToolEcho(namespace.name, namespace.description, inner))
+            continue
+        found = add(raw, param, None)
+        if found is not None:
+            echo.append(found)
+    return OfferedTools(functions=functions, echo=echo, map=ToolMap(origins=origins, names=names))
+
+
+def _kept_echo(offered: OfferedTools, kept: set[str]) -> list[ToolEcho]:
+    """The echo of the tools ``allowed_tools`` kept (function names ``kept``)."""
+
+    def keeps(tool: FunctionToolEcho | CustomToolEcho, namespace: str | None) -> bool:
+        return offered.map.function(namespace, tool.name) in kept
+
+    out: list[ToolEcho] = []
+    for tool in offered.echo:
+        if isinstance(tool, NamespaceToolEcho):
+            inner = [t for t in tool.tools if keeps(t, tool.name)]
+            if inner:
+                out.append(msgspec.structs.replace(tool, tools=inner))
+        elif keeps(tool, None):
+            out.append(tool)
     return out
 
 
@@ -606,7 +778,7 @@ def _choice_error(message: str) -> RequestError:
 
 
 def _tool_choice(
-    choice: str | dict[str, Any] | None, tools: list[Tool]
+    choice: str | dict[str, Any] | None, tools: list[Tool], tool_map: ToolMap
 ) -> tuple[ToolChoice | None, list[Tool]]:
     """Chat's tool choice for a Responses one, and the tools left to offer."""
     names = [t.function.name for t in tools]
@@ -616,23 +788,28 @@ def _tool_choice(
         if choice not in _TOOL_CHOICES:
             raise _choice_error(
                 f"Invalid value: '{choice}'. Supported values are: {_quote(_TOOL_CHOICES)}, or an "
-                "object naming a function."
+                "object naming a function or custom tool."
             )
         if choice == "required" and not tools:
             raise _choice_error(
-                "Invalid value for 'tool_choice': 'required' needs at least one function in 'tools' "
-                "(tools of other types are not run by this server)."
+                "Invalid value for 'tool_choice': 'required' needs at least one function or "
+                "custom tool in 'tools' (tools of other types are not run by this server)."
             )
         return (choice if tools else None), tools
     kind = choice.get("type")
-    if kind == "function":
+    if kind in ("function", "custom"):
         name = choice.get("name")
-        if not isinstance(name, str) or name not in names:
+        function = tool_map.function(None, name) if isinstance(name, str) else None
+        origin = tool_map.origin(function) if function is not None else None
+        # A function is chosen by its own name, a custom tool by the client's.
+        is_kind = (origin is not None and origin.custom) == (kind == "custom")
+        if function not in names or not is_kind:
             raise _choice_error(
-                f"Invalid value for 'tool_choice': function '{name}' is not one of the functions "
-                "in 'tools'."
+                f"Invalid value for 'tool_choice': {kind} tool '{name}' is not one of the "
+                f"{kind} tools in 'tools'."
             )
-        return NamedToolChoice(function=NamedFunction(name=name)), tools
+        assert function is not None
+        return NamedToolChoice(function=NamedFunction(name=function)), tools
     if kind == "allowed_tools":
         mode = choice.get("mode", "auto")
         listed = choice.get("tools")
@@ -644,7 +821,11 @@ def _tool_choice(
                 code=ErrorCode.INVALID_TYPE,
             )
         allowed = {
-            t.get("name") for t in listed if isinstance(t, dict) and t.get("type") == "function"
+            tool_map.function(None, t["name"])
+            for t in listed
+            if isinstance(t, dict)
+            and t.get("type") in ("function", "custom")
+            and isinstance(t.get("name"), str)
         }
         kept = [t for t in tools if t.function.name in allowed]
         if mode not in ("auto", "required"):
@@ -654,13 +835,13 @@ def _tool_choice(
             )
         if mode == "required" and not kept:
             raise _choice_error(
-                "Invalid value for 'tool_choice': none of the allowed tools is a function in 'tools' "
-                "(tools of other types are not run by this server)."
+                "Invalid value for 'tool_choice': none of the allowed tools is a function or "
+                "custom tool in 'tools' (tools of other types are not run by this server)."
             )
         return (mode if kept else None), kept
     raise _choice_error(
         f"Invalid value for 'tool_choice': tools of type '{kind}' are not run by this server; "
-        "only function tools can be chosen."
+        "only function and custom tools can be chosen."
     )
 
 
@@ -705,7 +886,7 @@ def translate(
     req: ResponsesRequest,
     extra: dict[str, Any],
     prior: tuple[Message, ...] = (),
-) -> tuple[ChatRequest, tuple[Message, ...], list[Tool], ToolChoice | None]:
+) -> tuple[ChatRequest, tuple[Message, ...], OfferedTools, ToolChoice | None]:
     """The run's ``ChatRequest`` for a decoded Responses request.
 
     Args:
@@ -715,14 +896,16 @@ def translate(
 
     Returns:
         The chat request; the conversation without instructions (``prior``
-        and the new input, what a stored response keeps); the function tools
-        and the tool choice that were offered (echoed in the Response).
+        and the new input, what a stored response keeps); the tools that
+        were offered (echoed in the Response; their map turns the model's
+        calls back into the client's) and the tool choice.
 
     Raises:
         RequestError: An item, tool or choice is invalid or unsupported.
     """
     assert req.input is not None  # _check
-    history = (*prior, *input_messages(req.input))
+    offered = offered_tools(req.tools)
+    history = (*prior, *input_messages(req.input, offered.map))
     if not history:
         raise RequestError(
             "Invalid 'input': empty array. Expected an array with minimum length 1, but got an "
@@ -733,8 +916,10 @@ def translate(
     messages = list(history)
     if req.instructions:
         messages.insert(0, Message(role="system", content=req.instructions))
-    tools = _function_tools(req.tools)
-    choice, tools = _tool_choice(req.tool_choice, tools)
+    choice, tools = _tool_choice(req.tool_choice, offered.functions, offered.map)
+    if tools is not offered.functions:  # allowed_tools narrowed them
+        kept = {t.function.name for t in tools}
+        offered = msgspec.structs.replace(offered, functions=tools, echo=_kept_echo(offered, kept))
     chat = ChatRequest(
         model=req.model,
         messages=_merge_leading_system(messages),
@@ -750,4 +935,4 @@ def translate(
         user=req.prompt_cache_key or req.user or req.safety_identifier,
         extra_body=extra or None,
     )
-    return chat, history, tools, choice
+    return chat, history, offered, choice

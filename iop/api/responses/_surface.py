@@ -35,7 +35,6 @@ from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH
 from iop.api._openai_errors import error_status, openai_error
 from iop.api._surface import Call, RunContext, Surface
 from iop.api.responses._encode import (
-    FunctionToolEcho,
     ReasoningEcho,
     ResponseEcho,
     ResponsesCall,
@@ -43,11 +42,16 @@ from iop.api.responses._encode import (
     ResponsesStream,
     TextEcho,
 )
-from iop.api.responses._request import ResponsesRequest, decode_request, translate
+from iop.api.responses._request import (
+    OfferedTools,
+    ResponsesRequest,
+    decode_request,
+    translate,
+)
 from iop.api.responses._store import ResponseStore
 from iop.config import ResponsesSettings
 from iop.errors import ErrorCode, RequestError
-from iop.spec import Message, NamedToolChoice, Tool, ToolChoice
+from iop.spec import Message, NamedToolChoice, ToolChoice
 
 __all__ = ["PREVIOUS_NOT_FOUND_STATUS", "ResponsesSurface"]
 
@@ -66,10 +70,13 @@ def random_response_id(run_id: str) -> str:
     return f"resp_{secrets.token_hex(16)}"
 
 
-def _choice_echo(choice: ToolChoice | None) -> object:
+def _choice_echo(choice: ToolChoice | None, tools: OfferedTools) -> object:
     if choice is None:
         return "auto"
     if isinstance(choice, NamedToolChoice):
+        origin = tools.map.origin(choice.function.name)
+        if origin is not None and origin.custom:
+            return {"type": "custom", "name": origin.name}
         return {"type": "function", "name": choice.function.name}
     return choice
 
@@ -82,7 +89,7 @@ def _format_echo(req: ResponsesRequest) -> TextEcho:
     return TextEcho({k: fmt[k] for k in keys if k in fmt})
 
 
-def _echo(req: ResponsesRequest, tools: list[Tool], choice: ToolChoice | None) -> ResponseEcho:
+def _echo(req: ResponsesRequest, tools: OfferedTools, choice: ToolChoice | None) -> ResponseEcho:
     return ResponseEcho(
         instructions=req.instructions,
         max_output_tokens=req.max_output_tokens,
@@ -96,16 +103,8 @@ def _echo(req: ResponsesRequest, tools: list[Tool], choice: ToolChoice | None) -
         store=req.store is not False,
         temperature=req.temperature,
         text=_format_echo(req),
-        tool_choice=_choice_echo(choice),
-        tools=[
-            FunctionToolEcho(
-                name=t.function.name,
-                description=t.function.description,
-                parameters=t.function.parameters,
-                strict=t.function.strict,
-            )
-            for t in tools
-        ],
+        tool_choice=_choice_echo(choice, tools),
+        tools=tools.echo,
         top_p=req.top_p,
         truncation=req.truncation or "disabled",
     )
@@ -185,7 +184,9 @@ class ResponsesSurface:
                 )
             prior = found
         chat, history, tools, choice = translate(req, extra, prior)
-        native = ResponsesCall(echo=_echo(req, tools, choice), history=history, tenant=tenant)
+        native = ResponsesCall(
+            echo=_echo(req, tools, choice), history=history, tenant=tenant, tools=tools.map
+        )
         return Call(request=chat, stream=bool(req.stream), model=req.model, native=native)
 
     def error_body(

@@ -42,6 +42,8 @@ _EVENT_SCHEMAS = {
     "response.reasoning_text.done": "ResponseReasoningTextDoneEvent",
     "response.function_call_arguments.delta": "ResponseFunctionCallArgumentsDeltaEvent",
     "response.function_call_arguments.done": "ResponseFunctionCallArgumentsDoneEvent",
+    "response.custom_tool_call_input.delta": "ResponseCustomToolCallInputDeltaEvent",
+    "response.custom_tool_call_input.done": "ResponseCustomToolCallInputDoneEvent",
     "error": "ResponseErrorEvent",
 }
 

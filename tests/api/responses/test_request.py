@@ -209,10 +209,8 @@ def test_reasoning_passed_back_maps_to_the_next_turn_or_is_dropped() -> None:
 DROPPED_TOOLS = [
     {"type": "web_search"},
     {"type": "web_search_preview"},
-    {"type": "namespace", "name": "mcp", "description": "d", "tools": [SHELL]},
     {"type": "local_shell"},
     {"type": "shell"},
-    {"type": "custom", "name": "apply_patch"},
     {"type": "file_search", "vector_store_ids": ["v"]},
     {"type": "mcp", "server_label": "s"},
     {"type": "image_generation"},
@@ -229,6 +227,7 @@ DROPPED_TOOLS = [
 
 
 def test_tools_are_flattened_and_tools_iop_cannot_run_are_dropped() -> None:
+    # (custom and namespace tools are offered too: tests/api/responses/test_tools.py)
     req = _parse(
         input="hi", tools=[*DROPPED_TOOLS, SHELL], tool_choice="auto", parallel_tool_calls=False
     )
@@ -563,7 +562,7 @@ def test_a_codex_turn_and_its_follow_up() -> None:
     req = call.request
     assert req.messages[0] == Message(role="system", content="You are Codex.\n\n<permissions/>")
     assert [m.role for m in req.messages] == ["system", "user", "user"]
-    assert req.tool_names() == ["exec_command"]
+    assert req.tool_names() == ["exec_command", "mcp__docs__shell"]
     assert (req.tool_choice, req.parallel_tool_calls, req.reasoning_effort) == (
         "auto",
         False,
@@ -626,6 +625,11 @@ _KEYS = st.sampled_from(
         "summary",
         "detail",
         "id",
+        "input",
+        "namespace",
+        "description",
+        "definition",
+        "syntax",
     ]
 )
 _WORDS = st.sampled_from(
@@ -648,6 +652,11 @@ _WORDS = st.sampled_from(
             "reasoning",
             "function_call",
             "function_call_output",
+            "custom_tool_call",
+            "custom_tool_call_output",
+            "custom",
+            "namespace",
+            "grammar",
             "allowed_tools",
             "json_schema",
             "web_search",
