@@ -1,8 +1,11 @@
 """Moved to ``iop/bench/_platform.py``; run by ``iop bench`` (docs/benchmarks.md, "How to rerun").
 
 This shim keeps ``python scripts/bench_platform.py ...`` working with the same
-options, and ``import bench_platform`` (scripts/bench_fixed_cost.py) getting the
-module itself, so that setting its globals still reaches its functions.
+options, and ``import bench_platform`` (scripts/bench_fixed_cost.py,
+scripts/bench_first_chunk.py) getting the module itself, so that setting its
+``REPO`` still reaches ``running_platform``. The client and /proc readers
+those scripts take from it now live in ``iop/bench/_client.py`` and
+``iop/bench/_procs.py``; they are put back under their old names here.
 """
 
 from __future__ import annotations
@@ -14,8 +17,15 @@ _REPO = str(Path(__file__).resolve().parent.parent)
 if _REPO not in sys.path:
     sys.path.insert(0, _REPO)  # this checkout's iop, also when run without PYTHONPATH
 
-from iop.bench import _platform  # noqa: E402
+from iop.bench import _client, _platform, _procs  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(_platform.main())
+for _name, _value in {
+    "one_request": _client.one_request,
+    "_decode_chunk": _client.decode_chunk,
+    "machine_cpu_s": _procs.machine_cpu_s,
+    "proc_cpu_s": _procs.proc_cpu_s,
+}.items():
+    setattr(_platform, _name, _value)
 sys.modules[__name__] = _platform

@@ -1,8 +1,8 @@
 """Moved to ``iop/bench/_stress.py``; run by ``iop bench`` (docs/benchmarks.md, "How to rerun").
 
 This shim keeps ``python scripts/bench_stress.py ...`` working with the same
-options, and ``import bench_stress`` (scripts/bench_fixed_cost.py) getting the
-module itself, so that setting its globals still reaches its functions.
+options. Each measurement is its own module: ``iop/bench/_cancel.py``,
+``_memory.py``, ``_overload.py``, ``_idle_nodes.py``.
 """
 
 from __future__ import annotations

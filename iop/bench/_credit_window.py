@@ -29,15 +29,10 @@ import httpx
 import msgspec
 import trio
 
-from iop.bench._backpressure import (
-    CpuWindow,
-    Stack,
-    fast_stream,
-    median,
-    sim_stats,
-    slow_reader,
-    stack,
-)
+from iop.bench._backpressure import Stack, sim_stats, stack
+from iop.bench._client import fast_stream, slow_reader
+from iop.bench._procs import CpuWindow
+from iop.bench._results import median
 from iop.bench._runner import RunContext, register, tables_report
 
 __all__ = ["Options", "plots", "run", "sweep_point", "tables"]

@@ -70,8 +70,8 @@ import httpx
 import msgspec
 import trio
 
-from iop.bench._platform import machine_cpu_s
-from iop.bench._platform import proc_cpu_s as _cpu_s
+from iop.bench._procs import machine_cpu_s
+from iop.bench._procs import proc_cpu_s as _cpu_s
 from iop.bench._runner import ReportInput, RunContext, register
 from iop.sim import tokenize
 from iop.testing import EDGE_READY, NODE_READY, SIM_READY, Proc, poll, toml_dumps

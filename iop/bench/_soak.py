@@ -66,10 +66,10 @@ import httpx
 import msgspec
 import trio
 
-from iop.bench._edges import key_digest, valkey_binary
-from iop.bench._platform import descendants, import_matplotlib, proc_cpu_s
+from iop.bench._edges import key_digest
+from iop.bench._procs import descendants, fd_count, proc_cpu_s, rss_kb, start_valkey
+from iop.bench._report import import_matplotlib
 from iop.bench._runner import ReportInput, RunContext, register
-from iop.bench._stress import rss_kb
 from iop.ledger import LedgerStore
 from iop.testing import EDGE_READY, NODE_READY, SIM_READY, Proc, free_port, poll, toml_dumps
 
@@ -152,10 +152,6 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 # --------------------------------------------------------------------------- processes
 
 
-def _fd_count(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
 @dataclass
 class _Stack:
     """The soak's processes by role; a restarted one replaces its role's entry."""
@@ -183,31 +179,7 @@ class _Stack:
         return proc
 
     def start_valkey(self) -> None:
-        argv = [
-            valkey_binary(),
-            "--port",
-            str(self.valkey_port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-        ]
-        proc = self._launch("valkey", [], argv=argv)
-
-        def up() -> bool:
-            if not proc.alive:
-                raise RuntimeError(f"valkey died:\n{proc.logs()}")
-            try:
-                import socket
-
-                with socket.create_connection(("127.0.0.1", self.valkey_port), timeout=0.5):
-                    return True
-            except OSError:
-                return False
-
-        poll(up, timeout=30, what="valkey to listen", interval=0.1)
+        start_valkey(lambda argv: self._launch("valkey", [], argv=argv), self.valkey_port)
 
     def edge_config(self) -> dict[str, Any]:
         return {
@@ -772,7 +744,7 @@ def take_sample(stack: _Stack, t: float) -> dict[str, Any]:
             procs[role] = {
                 "pid": pid,
                 "rss_kb": rss_kb(pid),
-                "fds": _fd_count(pid),
+                "fds": fd_count(pid),
                 "cpu_s": round(proc_cpu_s(pid), 2),
             }
         except (OSError, RuntimeError, IndexError):
