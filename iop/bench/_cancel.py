@@ -1,16 +1,17 @@
 """``cancel``: how soon a client's hang-up reaches the backend, per window of a request.
 
-The backend is ``iop.bench._mock_backend.MockBackend`` in this process, so
-that the client closing its connection and the backend seeing its socket
-end are timed on one clock (``time.perf_counter``, CLOCK_MONOTONIC, the
-clock of the edge's ``time.monotonic()`` too). The node has two
-``openai_compat`` instances on it: ``bench`` with free slots, and ``bench-q``
-with ``max_concurrency = 1``, whose slot a held request keeps busy. For
-each window, ``--trials`` times: a client (h11 on a trio socket of its own)
-sends a request, waits until the window is reached, waits ``--settle-ms``,
-and closes its socket; the time from that ``close()`` until the backend's
-read of that request's socket returns EOF (or a reset) is the sample.
-Windows:
+The backend is a mock OpenAI-compatible server inside this process
+(``iop/bench/_mock_backend.py``: a small trio + h11 TCP server streaming
+``chat.completion.chunk`` SSE, or holding its answer), so the client
+closing its connection and the backend seeing its socket end are timed on
+one clock (``time.perf_counter``, CLOCK_MONOTONIC, the clock of the edge's
+``time.monotonic()`` too). The node has two ``openai_compat`` instances on
+it: ``bench`` with free slots, and ``bench-q`` with ``max_concurrency =
+1``, whose slot a held request keeps busy. For each window, ``--trials``
+times: a client (h11 on a trio socket of its own) sends a request, waits
+until the window is reached, waits ``--settle-ms``, and closes its socket;
+the time from that ``close()`` until the backend's read of that request's
+socket returns EOF (or a reset) is the sample. Windows:
 
   queued              the request waits in the edge's queue for bench-q's
                       one slot. No backend socket exists: the sample ends
@@ -25,12 +26,10 @@ Windows:
   non-streaming       a "stream": false request; the backend holds its
                       JSON answer.
 
-With --litellm, LiteLLM's proxy in front of the same free mock backend is
-measured in the same windows (but queued: it has no queue), right after
-IOP's trial of each window. --perf-trace records the trials with ``perf
-record`` on the same clock, for ``scripts/trace_cancel.py``.
-docs/benchmarks.md ("Cancellation") explains the method and quotes the
-results.
+--perf-trace records the trials with ``perf record`` (the scheduler, and
+the cancel path's syscalls) on the same clock: ``scripts/trace_cancel.py``
+then shows where one trial's time went, and how much of each sample was
+a wait for a CPU.
 """
 
 from __future__ import annotations
@@ -69,6 +68,7 @@ from iop.bench._procs import (
     CpuWindow,
     Stack,
     litellm_command,
+    litellm_config,
     litellm_version,
     perf_record,
 )
@@ -247,34 +247,20 @@ def _check_clock() -> None:
         raise SystemExit(f"bench: perf_counter ({ours}) is not the monotonic clock ({theirs})")
 
 
-# LiteLLM's proxy in front of the cancel measurement's free mock backend, set
-# up as the platform runner's (docs/benchmarks.md, "What is measured": no
-# database, one worker, offline cost map); the `bench` body key reaches the
-# backend as the OpenAI provider's extra_body.
-_LITELLM_CANCEL_YAML = """\
-model_list:
-  - model_name: {model}
-    litellm_params:
-      model: openai/{model}
-      api_base: {url}/v1
-      api_key: bench-unused
-litellm_settings:
-  turn_off_message_logging: true
-  telemetry: false
-  request_timeout: 600
-general_settings:
-  disable_spend_logs: true
-  dangerously_permit_weak_or_unset_master_key: true
-{extra}"""
 # LiteLLM has no queue of its own: the queued window is the edge's.
 LITELLM_WINDOWS: Final = ("before-headers", "before-first-token", "mid-stream", "non-streaming")
 
 
 def _start_litellm(args: argparse.Namespace, stack: Stack, backend_url: str) -> tuple[Proc, str]:
     """LiteLLM's proxy (``args.litellm``) on a free port, ready, serving ``bench``."""
-    extra = "  cancel_on_disconnect: true\n" if args.litellm_cancel_on_disconnect else ""
+    # Set up as the platform runner's (docs/benchmarks.md, "What is measured":
+    # no database, one worker, offline cost map); the `bench` body key
+    # reaches the backend as the OpenAI provider's extra_body.
     cfg = stack.logdir / "litellm.yaml"
-    cfg.write_text(_LITELLM_CANCEL_YAML.format(model=MODEL_FREE, url=backend_url, extra=extra))
+    config = litellm_config(
+        {MODEL_FREE: backend_url}, cancel_on_disconnect=args.litellm_cancel_on_disconnect
+    )
+    cfg.write_text(config)
     port = free_port()
     argv = litellm_command(args.litellm, cfg, port)
     lite = stack.launch("litellm", argv=argv, env=LITELLM_ENV)
@@ -533,7 +519,7 @@ def check(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
         ap.error("--trials must be within 1..1000")
 
 
-STEP: Final = Step("cancel", add_arguments, run_cancel, print_cancel, check)
+STEP: Final = Step("cancel", "about 15 s", __doc__, add_arguments, run_cancel, print_cancel, check)
 
 
 # --------------------------------------------------------------------------- iop bench

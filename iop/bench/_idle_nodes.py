@@ -3,16 +3,16 @@
 One edge and --nodes idle nodes. --real-nodes of them are ``iop node``
 processes (each with an in-process sim instance); the rest are
 ``NodeAgent``s (``iop.node.open_node_agent``, the code ``iop node`` runs)
-in one helper process (this module run with ``--serve-agents``), each with
-its own node id, a sim instance and its own WebSocket link: the edge sees
-100 real links either way, and one process keeps 100 Python interpreters
+in one helper process (this module with ``--serve-agents``), each with its
+own node id, a sim instance and its own WebSocket link: the edge sees 100
+real links either way, and one process keeps 100 Python interpreters
 (about 5 GiB and minutes of CPU to start on 2 cores) out of the
 measurement. Once /admin/nodes lists them all, edge CPU (utime+stime from
 /proc/PID/stat) is measured over --idle-s, with the nodes' CPU per node
 from both kinds of process. Then node-loss detection: SIGSTOP one real
 node (a frozen host) and time until /admin/nodes no longer lists it,
 --loss-trials times, and once with SIGKILL (the TCP connection closes at
-once). docs/benchmarks.md ("Idle links") quotes the results.
+once).
 """
 
 from __future__ import annotations
@@ -283,7 +283,9 @@ def check(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
         ap.error("--loss-trials must be below --real-nodes (the last one is SIGKILLed)")
 
 
-STEP: Final = Step("idle-nodes", add_arguments, run_idle_nodes, print_idle_nodes, check)
+STEP: Final = Step(
+    "idle-nodes", "about 45 s", __doc__, add_arguments, run_idle_nodes, print_idle_nodes, check
+)
 
 
 # --------------------------------------------------------------------------- iop bench

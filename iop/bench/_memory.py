@@ -1,15 +1,14 @@
 """``memory``: RSS of edge and node with idle streams open, and after they close.
 
-The mock backend (``iop.bench._mock_backend``) sends its headers and one
-chunk, then stays silent. The run opens --streams streams (1,000; the file
-limit is raised to the hard limit), waits until every client has its first
-chunk, and samples VmRSS of edge and node (/proc/PID/status) before, with
-all open, and --settle-s after closing them all (clients close their
-sockets). Deadlines and the node's slots are configured out of the way
-(every timeout 3600 s, max_concurrency above --streams). --rounds times in
-one set of processes: the first round is the cost of a fresh process, the
-next ones show whether the memory is reused. docs/benchmarks.md
-("Cancellation, memory, overload, idle links", "Memory") quotes the results.
+The same mock backend sends its headers and one chunk, then stays silent.
+The script opens --streams streams (1,000; the file limit is raised to the
+hard limit), waits until every client has its first chunk, and samples
+VmRSS of edge and node (/proc/PID/status) before, with all open, and
+--settle-s after closing them all (clients close their sockets). Deadlines
+and the node's slots are configured out of the way (every timeout 3600 s,
+max_concurrency above --streams). --rounds times in one set of processes:
+the first round is the cost of a fresh process, the next ones show
+whether the memory is reused.
 """
 
 from __future__ import annotations
@@ -209,7 +208,7 @@ def check(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
         ap.error("--streams must be within 1..20000 and --rounds within 1..10")
 
 
-STEP: Final = Step("memory", add_arguments, run_memory, print_memory, check)
+STEP: Final = Step("memory", "about 50 s", __doc__, add_arguments, run_memory, print_memory, check)
 
 
 # --------------------------------------------------------------------------- iop bench

@@ -4,19 +4,21 @@
 as it can: --paced-rate for a paced one), one node with one ``vllm``
 instance (--max-concurrency slots), the edge with its default config
 (--edge-set to change it). A closed loop (--sat-concurrency workers for
---sat-s, then --resat-s before every further level, as the box's other load
-moves) measures the saturated rate; an open loop then offers --levels
-percent of it (Poisson arrivals, or fixed with --arrivals fixed) for
---duration-s each, a fresh request per arrival whatever is still
-outstanding. A last closed loop ends the run. The load generator is
-``iop.bench._client.RawClient``. Each level reports the offered rate,
-goodput (answers with all 64 chunks and [DONE], completed inside the
-level's window, per second; ok/s counts the answers to the window's
-arrivals that succeeded at all), errors by kind (HTTP status and code,
-client timeouts after --client-timeout-s, broken streams), TTFT p50/p99
-from the scheduled arrival, how fast refusals came, the edge's run outcomes
-(from /admin/nodes) and CPU per answer of each process.
-docs/benchmarks.md ("Overload") quotes the results.
+--sat-s, then --resat-s before every further level, as the box's other
+load moves) measures the saturated rate; an open loop then offers
+--levels percent of it (Poisson arrivals, or fixed with --arrivals fixed)
+for --duration-s each, a fresh request per arrival whatever is still
+outstanding. A last closed loop ends the run. The load generator speaks HTTP/1.1 with h11 over trio
+sockets with its own keep-alive free list: O(1) per event at any
+concurrency (httpcore's pool costs grow with the connections it holds,
+and would make the load generator the bottleneck). Each level reports the
+offered rate, goodput (answers with all 64 chunks and [DONE], completed
+inside the level's window, per second; ok/s counts the answers to the
+window's arrivals that succeeded at all), errors by kind (HTTP status and
+code, client timeouts after --client-timeout-s, broken streams), TTFT
+p50/p99 from the scheduled arrival, how fast refusals came, the edge's
+run outcomes (from /admin/nodes) and CPU per answer of each process.
+--levels repeats a level by listing it again (default: 90 % three times).
 """
 
 from __future__ import annotations
@@ -516,7 +518,9 @@ def check(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
     args.levels = int_list(args.levels, "--levels", ap)
 
 
-STEP: Final = Step("overload", add_arguments, run_overload, print_overload, check)
+STEP: Final = Step(
+    "overload", "about 4 min", __doc__, add_arguments, run_overload, print_overload, check
+)
 
 
 # --------------------------------------------------------------------------- iop bench

@@ -107,6 +107,7 @@ from iop.bench._procs import (
     find_py_spy,
     git_commit,
     litellm_command,
+    litellm_config,
     litellm_version,
     machine_info,
     script_main,
@@ -184,31 +185,6 @@ probe_interval_s = 30.0
 
 """
 
-# LiteLLM's proxy config. The sims are OpenAI-compatible backends
-# ("openai/<model>" + api_base); no database (no DATABASE_URL), so no spend
-# logs or key table; message logging off. No master key, like the IOP shapes
-# (which run without API keys here): LiteLLM refuses to start without one
-# unless told it is a local test.
-_LITELLM_YAML = """\
-model_list:
-  - model_name: {fast_model}
-    litellm_params:
-      model: openai/{fast_model}
-      api_base: {fast}/v1
-      api_key: bench-unused
-  - model_name: {paced_model}
-    litellm_params:
-      model: openai/{paced_model}
-      api_base: {paced}/v1
-      api_key: bench-unused
-litellm_settings:
-  turn_off_message_logging: true
-  telemetry: false
-  request_timeout: 600
-general_settings:
-  disable_spend_logs: true
-  dangerously_permit_weak_or_unset_master_key: true
-"""
 # Offline: the model cost map from the package, not fetched from GitHub at
 # start; only errors logged (LiteLLM logs every request at INFO otherwise).
 
@@ -257,14 +233,7 @@ def running_platform(args: argparse.Namespace, logdir: Path) -> Iterator[Platfor
                 )
             else:
                 cfg = logdir / "litellm.yaml"
-                cfg.write_text(
-                    _LITELLM_YAML.format(
-                        fast_model=MODEL_FAST,
-                        paced_model=MODEL_PACED,
-                        fast=fast_url,
-                        paced=paced_url,
-                    )
-                )
+                cfg.write_text(litellm_config({MODEL_FAST: fast_url, MODEL_PACED: paced_url}))
                 port = free_port()
                 argv = litellm_command(args.litellm, cfg, port)
                 lite = launch("litellm", argv=argv, env=LITELLM_ENV)

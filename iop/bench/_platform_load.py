@@ -31,7 +31,7 @@ import trio
 from iop.bench._client import Sample, one_completion, one_request
 from iop.bench._platform_report import TARGETS
 from iop.bench._procs import machine_cpu_s, proc_cpu_s
-from iop.bench._results import pct
+from iop.bench._results import least_squares, pct
 from iop.testing import Proc
 
 __all__ = [
@@ -320,12 +320,8 @@ def merge(repeats: list[dict[str, Any]]) -> dict[str, Any]:
 
 def linear_fit(points: list[tuple[float, float]]) -> dict[str, float]:
     """Least squares y = fixed + per_chunk * x."""
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
-    return {"fixed_ms": round(my - slope * mx, 3), "per_chunk_us": round(slope * 1000, 1)}
+    fixed, slope = least_squares(points)
+    return {"fixed_ms": round(fixed, 3), "per_chunk_us": round(slope * 1000, 1)}
 
 
 def sweep_fits(cells: dict[str, dict[str, dict[str, Any]]], specs: list[LevelSpec]) -> Any:

@@ -57,6 +57,7 @@ __all__ = [
     "git_commit",
     "interrupted",
     "litellm_command",
+    "litellm_config",
     "litellm_version",
     "log_counts",
     "machine_cpu_s",
@@ -233,6 +234,11 @@ class Stack:
         self.procs.append(p)
         return p
 
+    def stop(self, p: Proc) -> None:
+        """Stop one process of the stack (and forget it)."""
+        p.stop()
+        self.procs.remove(p)
+
     def stop_all(self) -> None:
         # Nodes were started after the edge, backends before it.
         for p in reversed(self.procs):
@@ -338,6 +344,36 @@ def litellm_version(exe: Path) -> str | None:
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout.strip() or None
+
+
+def litellm_config(models: dict[str, str], *, cancel_on_disconnect: bool = False) -> str:
+    """LiteLLM's proxy config serving each model of ``models`` (name -> its
+    OpenAI-compatible backend's URL) as ``openai/<model>`` with ``api_base``.
+
+    No database (no DATABASE_URL), so no spend logs or key table; message
+    logging off. No master key, like the IOP shapes (which run without API
+    keys here): LiteLLM refuses to start without one unless told it is a
+    local test. Unknown body keys reach the backend as the OpenAI
+    provider's ``extra_body``.
+    """
+    entries = "".join(
+        f"  - model_name: {name}\n"
+        "    litellm_params:\n"
+        f"      model: openai/{name}\n"
+        f"      api_base: {url}/v1\n"
+        "      api_key: bench-unused\n"
+        for name, url in models.items()
+    )
+    extra = "  cancel_on_disconnect: true\n" if cancel_on_disconnect else ""
+    return (
+        "model_list:\n" + entries + "litellm_settings:\n"
+        "  turn_off_message_logging: true\n"
+        "  telemetry: false\n"
+        "  request_timeout: 600\n"
+        "general_settings:\n"
+        "  disable_spend_logs: true\n"
+        "  dangerously_permit_weak_or_unset_master_key: true\n" + extra
+    )
 
 
 def litellm_command(exe: Path, config: Path, port: int) -> list[str]:

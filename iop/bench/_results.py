@@ -35,6 +35,7 @@ __all__ = [
     "ResultFile",
     "ScenarioResult",
     "counter_delta",
+    "least_squares",
     "marker_keys",
     "median",
     "median_tree",
@@ -64,6 +65,17 @@ def summary(values: list[float]) -> dict[str, float | int]:
         "p99": round(pct(vals, 99), 2),
         "max": round(max(vals), 2),
     }
+
+
+def least_squares(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """The line ``y = intercept + slope * x`` nearest ``points`` (least squares):
+    (intercept, slope); the slope is 0 when every x is the same."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+    return my - slope * mx, slope
 
 
 def counter_delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:

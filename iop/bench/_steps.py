@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ from iop.bench._procs import (
 )
 from iop.bench._runner import RunContext
 
-__all__ = ["Step", "build_parser", "int_list", "parse", "run_step", "run_steps"]
+__all__ = ["Step", "build_parser", "describe", "int_list", "parse", "run_step", "run_steps"]
 
 
 def _no_check(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
@@ -46,6 +47,9 @@ class Step:
 
     Attributes:
         name: Its name in ``--only`` and the result's key.
+        about: How long it takes with its defaults ("about 15 s").
+        doc: Its module's docstring: the first line a title, the rest what
+            ``--help`` says of it.
         add_arguments: Adds its options to its argument group.
         run: Measures on processes it starts into the stack; the result.
         print_result: Its summary table, from a result (or a median of them).
@@ -53,6 +57,8 @@ class Step:
     """
 
     name: str
+    about: str
+    doc: str | None
     add_arguments: Callable[[argparse._ArgumentGroup], None]
     run: Callable[[argparse.Namespace, Stack], dict[str, Any]]
     print_result: Callable[[dict[str, Any]], None]
@@ -68,6 +74,17 @@ def int_list(text: str, what: str, ap: argparse.ArgumentParser) -> list[int]:
     if not vals or min(vals) < 1:
         ap.error(f"{what}: values must be >= 1")
     return vals
+
+
+def describe(steps: Sequence[Step], doc: str) -> str:
+    """``doc`` with, before its ``Outputs:`` paragraph, what each step does
+    (its docstring but the title, under its name and duration)."""
+    head, sep, tail = doc.partition("\n\nOutputs:")
+    parts = [head.rstrip("\n")]
+    for s in steps:
+        body = textwrap.dedent((s.doc or "").partition("\n")[2]).strip("\n")
+        parts.append(f"{s.name} ({s.about})\n" + textwrap.indent(body, "  "))
+    return "\n\n".join(parts) + sep + tail
 
 
 def build_parser(steps: Sequence[Step], description: str | None) -> argparse.ArgumentParser:
