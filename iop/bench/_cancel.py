@@ -449,23 +449,24 @@ def print_cancel(res: dict[str, Any]) -> None:
 
 
 def add_arguments(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--trials", type=int, default=20, help="per window (default: %(default)s)")
+    d = CancelOptions()  # the defaults are the runner's: one copy
+    g.add_argument("--trials", type=int, default=d.trials, help="per window (default: %(default)s)")
     g.add_argument(
         "--windows",
-        default=",".join(WINDOWS),
+        default=",".join(d.windows),
         help="windows to measure (default: %(default)s)",
     )
     g.add_argument(
         "--settle-ms",
         type=float,
-        default=20.0,
+        default=d.settle_ms,
         help="wait in the window before closing, so every process has handled it "
         "(default: %(default)s)",
     )
     g.add_argument(
         "--mid-chunks",
         type=int,
-        default=8,
+        default=d.mid_chunks,
         help="chunks sent (and read by the client) before the mid-stream close "
         "(default: %(default)s)",
     )
@@ -478,7 +479,7 @@ def add_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--poll-ms",
         type=float,
-        default=20.0,
+        default=d.poll_ms,
         help="queued window: /admin/nodes poll period after the close, and the wait "
         "before the first poll; the sample is the edge's own dequeue time, so this "
         "sets when it is read, not its resolution (default: %(default)s)",
@@ -493,13 +494,13 @@ def add_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--litellm-trials",
         type=int,
-        default=5,
+        default=d.litellm_trials,
         help="LiteLLM trials per window, after one unmeasured (default: %(default)s)",
     )
     g.add_argument(
         "--litellm-eof-s",
         type=float,
-        default=2.0,
+        default=d.litellm_eof_s,
         help="how long a LiteLLM trial waits for the backend's EOF; a window it never "
         "cancels in counts a 'no EOF' error per trial (default: %(default)s)",
     )

@@ -249,21 +249,22 @@ def serve_agents(
 
 
 def add_arguments(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--nodes", type=int, default=100, help="idle nodes (default: %(default)s)")
+    d = IdleNodesOptions()  # the defaults are the runner's: one copy
+    g.add_argument("--nodes", type=int, default=d.nodes, help="idle nodes (default: %(default)s)")
     g.add_argument(
         "--real-nodes",
         type=int,
-        default=4,
+        default=d.real_nodes,
         help="of them, `iop node` processes; the rest are NodeAgents in one helper "
         "process (default: %(default)s)",
     )
     g.add_argument(
-        "--idle-s", type=float, default=20.0, help="CPU measurement (default: %(default)s)"
+        "--idle-s", type=float, default=d.idle_s, help="CPU measurement (default: %(default)s)"
     )
     g.add_argument(
         "--loss-trials",
         type=int,
-        default=3,
+        default=d.loss_trials,
         help="SIGSTOP node-loss detections, one per real node (default: %(default)s)",
     )
     g.add_argument(

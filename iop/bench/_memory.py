@@ -187,18 +187,23 @@ def print_memory(res: dict[str, Any]) -> None:
 
 
 def add_arguments(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--streams", type=int, default=1000, help="idle streams (default: %(default)s)")
-    g.add_argument("--rounds", type=int, default=1, help="open/close rounds (default: %(default)s)")
+    d = MemoryOptions()  # the defaults are the runner's: one copy
+    g.add_argument(
+        "--streams", type=int, default=d.streams, help="idle streams (default: %(default)s)"
+    )
+    g.add_argument(
+        "--rounds", type=int, default=d.rounds, help="open/close rounds (default: %(default)s)"
+    )
     g.add_argument(
         "--open-concurrency",
         type=int,
-        default=64,
+        default=d.open_concurrency,
         help="streams being opened at once (default: %(default)s)",
     )
     g.add_argument(
         "--settle-s",
         type=float,
-        default=3.0,
+        default=d.settle_s,
         help="wait before each RSS sample (default: %(default)s)",
     )
 

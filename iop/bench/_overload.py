@@ -417,34 +417,35 @@ def print_overload(res: dict[str, Any]) -> None:
 
 
 def add_arguments(g: argparse._ArgumentGroup) -> None:
+    d = OverloadOptions()  # the defaults are the runner's: one copy
     g.add_argument(
         "--levels",
-        default="80,90,100,90,120,90,150",
+        default=",".join(str(v) for v in d.levels),
         help="open-loop levels, percent of the saturated rate; repeat one to rerun it "
         "(default: %(default)s)",
     )
     g.add_argument(
-        "--duration-s", type=float, default=15.0, help="per level (default: %(default)s)"
+        "--duration-s", type=float, default=d.duration_s, help="per level (default: %(default)s)"
     )
     g.add_argument(
         "--arrivals",
         choices=("poisson", "fixed"),
-        default="poisson",
+        default=d.arrivals,
         help="inter-arrival times (default: %(default)s)",
     )
     g.add_argument(
         "--sat-concurrency",
         type=int,
-        default=32,
+        default=d.sat_concurrency,
         help="closed-loop workers measuring the saturated rate (default: %(default)s)",
     )
     g.add_argument(
-        "--sat-s", type=float, default=10.0, help="closed-loop duration (default: %(default)s)"
+        "--sat-s", type=float, default=d.sat_s, help="closed-loop duration (default: %(default)s)"
     )
     g.add_argument(
         "--resat-s",
         type=float,
-        default=5.0,
+        default=d.resat_s,
         help="before every level after the first, a closed loop this long measures the "
         "saturated rate again and the level offers its share of that (the box's other "
         "load moves); 0 keeps the first one (default: %(default)s)",
@@ -452,33 +453,33 @@ def add_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--client-timeout-s",
         type=float,
-        default=10.0,
+        default=d.client_timeout_s,
         help="a request not done this long after its arrival is abandoned "
         "(client_timeout; the client closes its connection) (default: %(default)s)",
     )
     g.add_argument(
         "--max-outstanding",
         type=int,
-        default=4000,
+        default=d.max_outstanding,
         help="the load generator's own cap on open requests (client_overflow above) "
         "(default: %(default)s)",
     )
     g.add_argument(
         "--pause-s",
         type=float,
-        default=1.0,
+        default=d.pause_s,
         help="idle time between levels, once the edge has no run (default: %(default)s)",
     )
     g.add_argument(
         "--paced-rate",
         type=float,
-        default=0.0,
+        default=d.paced_rate,
         help="the sim's tokens/s per stream, 0 as fast as it can (default: %(default)s)",
     )
     g.add_argument(
         "--max-concurrency",
         type=int,
-        default=32,
+        default=d.max_concurrency,
         help="the node instance's slots: the most runs it streams at once, the rest wait "
         "in the edge's queue. 32 is the closed loop's concurrency, where this box "
         "saturates; the platform runner's 256 lets the node stream 256 answers at once, "
@@ -487,7 +488,7 @@ def add_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--node-max-queue",
         type=int,
-        default=256,
+        default=d.node_max_queue,
         help="the node instance's max_queue (default: %(default)s)",
     )
     g.add_argument(

@@ -308,12 +308,13 @@ def run_profile(  # pragma: no cover - py-spy attaches by ptrace: not in the sui
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    d = PlatformOptions()  # the defaults are the runner's: one copy
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument(
         "--shapes",
-        default=",".join(SHAPES),
+        default=",".join(d.shapes),
         help="which columns, comma-separated, of: %(default)s (direct is the reference of "
         "the added TTFT and throughput figures)",
     )
@@ -333,75 +334,84 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     g = ap.add_argument_group("paced levels (a real model's trickle)")
     g.add_argument(
-        "--paced-rate", type=float, default=50.0, help="tokens/s per stream (default: %(default)s)"
+        "--paced-rate",
+        type=float,
+        default=d.paced_rate,
+        help="tokens/s per stream (default: %(default)s)",
     )
     g.add_argument(
-        "--paced-concurrency", type=int, default=32, help="concurrency (default: %(default)s)"
+        "--paced-concurrency",
+        type=int,
+        default=d.paced_concurrency,
+        help="concurrency (default: %(default)s)",
     )
     g.add_argument(
         "--paced-requests",
         type=int,
-        default=128,
+        default=d.paced_requests,
         help="requests of 64 chunks in the window, 0 to skip the level (default: %(default)s)",
     )
     g.add_argument(
         "--paced-seconds",
         type=float,
-        default=6.0,
+        default=d.paced_seconds,
         help="the paced c=32 window closes after this many seconds, with at least one "
         "request per client (default: %(default)s)",
     )
     g.add_argument(
         "--c1-requests",
         type=int,
-        default=50,
+        default=d.c1_requests,
         help="requests of the c=1 level, 0 to skip it (default: %(default)s)",
     )
     g.add_argument(
         "--c1-chunks",
         type=int,
-        default=8,
+        default=d.c1_chunks,
         help="chunks per answer at c=1: TTFT needs only the first (default: %(default)s)",
     )
     g = ap.add_argument_group("as fast as the backend sends: chunk-count sweep, non-streaming")
     g.add_argument(
-        "--fast-concurrency", type=int, default=32, help="concurrency (default: %(default)s)"
+        "--fast-concurrency",
+        type=int,
+        default=d.fast_concurrency,
+        help="concurrency (default: %(default)s)",
     )
     g.add_argument(
         "--sweep-chunks",
-        default="1,16,64,256",
+        default=",".join(str(v) for v in d.sweep_chunks),
         help="content chunks per answer, one level each; empty to skip (default: %(default)s)",
     )
     g.add_argument(
         "--fast-requests",
         type=int,
-        default=256,
+        default=d.fast_requests,
         help="most requests in a window (default: %(default)s)",
     )
     g.add_argument(
         "--nonstream-requests",
         type=int,
-        default=256,
+        default=d.nonstream_requests,
         help="most non-streaming requests in the window, 0 to skip (default: %(default)s)",
     )
     g.add_argument(
         "--level-seconds",
         type=float,
-        default=4.0,
+        default=d.level_seconds,
         help="a fast or non-streaming window closes after this many seconds, with at least "
         "one request per client (default: %(default)s)",
     )
     g.add_argument(
         "--warmup",
         type=int,
-        default=32,
+        default=d.warmup,
         help="completions before a fast or non-streaming window opens; paced c=32: "
         "one per two clients (default: %(default)s)",
     )
     ap.add_argument(
         "--level-timeout",
         type=float,
-        default=180.0,
+        default=d.level_timeout,
         help="give up on a level after this many seconds (default: %(default)s)",
     )
     ap.add_argument(
