@@ -118,7 +118,7 @@ from iop.bench._procs import (
 )
 from iop.bench._procs import REPO as _REPO
 from iop.bench._runner import RunContext, options_argv, register
-from iop.bench._steps import int_list
+from iop.bench._steps import add_out_dir, add_python, int_list
 from iop.testing import EDGE_READY, SIM_READY, UP_READY, Proc, free_port
 
 __all__ = [
@@ -420,12 +420,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="at the end, run one more paced c=32 window through edge + node with py-spy "
         "attached to each (needs py-spy; raw stacks go to --out-dir)",
     )
-    ap.add_argument(
-        "--out-dir",
-        type=Path,
-        default=REPO / "bench-results",
-        help="where the JSON (and py-spy files) go (default: bench-results/)",
-    )
+    add_out_dir(ap)
     ap.add_argument(
         "--img-dir",
         type=Path,
@@ -439,11 +434,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="JSON",
         help="measure nothing: print the tables and draw the plots of an earlier run's JSON",
     )
-    ap.add_argument(
-        "--python",
-        default=sys.executable,
-        help="interpreter that runs `-m iop` for the children (default: this one)",
-    )
+    add_python(ap)
     args = ap.parse_args(argv)
     args.shape_list = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = sorted(set(args.shape_list) - set(SHAPES))

@@ -34,7 +34,17 @@ from iop.bench._procs import (
 )
 from iop.bench._runner import RunContext
 
-__all__ = ["Step", "build_parser", "describe", "int_list", "parse", "run_step", "run_steps"]
+__all__ = [
+    "Step",
+    "add_out_dir",
+    "add_python",
+    "build_parser",
+    "describe",
+    "int_list",
+    "parse",
+    "run_step",
+    "run_steps",
+]
 
 
 def _no_check(args: argparse.Namespace, ap: argparse.ArgumentParser) -> None:
@@ -87,6 +97,25 @@ def describe(steps: Sequence[Step], doc: str) -> str:
     return "\n\n".join(parts) + sep + tail
 
 
+def add_out_dir(ap: argparse.ArgumentParser) -> None:
+    """``--out-dir``: where a script's JSON and profiles go."""
+    ap.add_argument(
+        "--out-dir",
+        type=Path,
+        default=REPO / "bench-results",
+        help="where the JSON (and py-spy files) go (default: bench-results/)",
+    )
+
+
+def add_python(ap: argparse.ArgumentParser) -> None:
+    """``--python``: the interpreter of the ``python -m iop`` children."""
+    ap.add_argument(
+        "--python",
+        default=sys.executable,
+        help="interpreter that runs `-m iop` for the children (default: this one)",
+    )
+
+
 def build_parser(steps: Sequence[Step], description: str | None) -> argparse.ArgumentParser:
     """The command line of ``steps``: ``--only``, each step's group, the outputs."""
     ap = argparse.ArgumentParser(
@@ -100,17 +129,8 @@ def build_parser(steps: Sequence[Step], description: str | None) -> argparse.Arg
     ap.add_argument("--seed", type=int, default=1, help="seed of the arrival times (default: 1)")
     for step in steps:
         step.add_arguments(ap.add_argument_group(step.name))
-    ap.add_argument(
-        "--out-dir",
-        type=Path,
-        default=REPO / "bench-results",
-        help="where the JSON (and py-spy files) go (default: bench-results/)",
-    )
-    ap.add_argument(
-        "--python",
-        default=sys.executable,
-        help="interpreter that runs `-m iop` for the children (default: this one)",
-    )
+    add_out_dir(ap)
+    add_python(ap)
     return ap
 
 
