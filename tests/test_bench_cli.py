@@ -17,7 +17,7 @@ import msgspec
 import pytest
 
 from iop.bench import RunContext, _platform, register
-from iop.bench._cancel import print_cancel
+from iop.bench._cancel_report import print_cancel
 from iop.bench._cli import SCENARIOS, discover
 from iop.bench._memory import print_memory
 from iop.bench._results import median_tree, rewrite_markers

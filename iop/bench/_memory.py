@@ -183,7 +183,7 @@ def print_memory(res: dict[str, Any]) -> None:
         )
 
 
-# --------------------------------------------------------------------------- idle nodes
+# --------------------------------------------------------------------------- options
 
 
 def add_arguments(g: argparse._ArgumentGroup) -> None:

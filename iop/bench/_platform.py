@@ -69,27 +69,19 @@ as the ``platform`` runner (``run``, at the end).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
-import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from iop.bench._platform_load import (
-    CHUNKS,
-    MODEL_FAST,
-    MODEL_PACED,
-    Gateway,
     LevelSpec,
-    Platform,
     check_targets,
     merge,
     relative,
@@ -97,29 +89,29 @@ from iop.bench._platform_load import (
     sweep_fits,
 )
 from iop.bench._platform_report import plot, print_tables, report
+from iop.bench._platform_stack import (
+    CHUNKS,
+    MODEL_FAST,
+    MODEL_PACED,
+    SHAPES,
+    Platform,
+    running_platform,
+)
 from iop.bench._procs import (
     LITELLM_DEFAULT,
-    LITELLM_ENV,
     LITELLM_WANTED,
-    NODE_TOKEN,
-    READY_TIMEOUT_S,
+    REPO,
     descendants,
     find_py_spy,
     git_commit,
-    litellm_command,
-    litellm_config,
     litellm_version,
     machine_info,
     script_main,
     spy_report,
     start_py_spy,
-    summarize_raw,
-    wait_models,
 )
-from iop.bench._procs import REPO as _REPO
 from iop.bench._runner import RunContext, options_argv, register
 from iop.bench._steps import add_out_dir, add_python, int_list
-from iop.testing import EDGE_READY, SIM_READY, UP_READY, Proc, free_port
 
 __all__ = [
     "MODEL_FAST",
@@ -134,148 +126,10 @@ __all__ = [
     "print_tables",
     "relative",
     "run_all",
-    "running_platform",
-    "summarize_raw",
     "sweep_fits",
 ]
 
-# The checkout the children run `python -m iop` in (so they import its iop):
-# a module global, so that a script may point it at another source tree.
-REPO = _REPO
-SHAPES = ("direct", "up", "split", "litellm")
 MAX_REQUESTS = 20_000  # per level, whatever is asked
-
-
-# --------------------------------------------------------------------------- processes
-
-
-_INSTANCES_TOML = """\
-# max_concurrency above the highest level: the sims have no limit, and the
-# edge's scheduler would otherwise queue runs (the default is 8 per instance).
-[[instances]]
-adapter = "vllm"
-name = "sim"
-endpoint = "{fast}"
-max_concurrency = 256
-max_queue = 256
-
-[[instances]]
-adapter = "vllm"
-name = "sim-paced"
-endpoint = "{paced}"
-max_concurrency = 256
-max_queue = 256
-"""
-
-_NODE_TOML = """\
-[node]
-id = "bench"
-probe_interval_s = 30.0
-
-[[node.edges]]
-url = "{link}"
-token = "{token}"
-
-"""
-
-_UP_TOML = """\
-[node]
-id = "bench-up"
-probe_interval_s = 30.0
-
-"""
-
-# Offline: the model cost map from the package, not fetched from GitHub at
-# start; only errors logged (LiteLLM logs every request at INFO otherwise).
-
-
-@contextlib.contextmanager
-def running_platform(args: argparse.Namespace, logdir: Path) -> Iterator[Platform]:
-    """Start the sims and every asked-for gateway; stop them all (by PID) however
-    the block ends: nodes first (they drain their runs), then edges, then the sims."""
-    started: list[Proc] = []
-    skipped: dict[str, str] = {}
-
-    def launch(name: str, *iop_args: str, argv: list[str] | None = None, **kw: Any) -> Proc:
-        p = Proc(name, list(iop_args), logdir, argv=argv, cwd=REPO, python=args.python, **kw)
-        started.append(p)
-        return p
-
-    try:
-        sim = ["sim", "--port", "0", "--ttft", "0", "--output-tokens", str(CHUNKS)]
-        sim_fast = launch("sim", *sim, "--tokens-per-s", "0", "--model", MODEL_FAST)
-        sim_paced = launch(
-            "sim_paced", *sim, "--tokens-per-s", f"{args.paced_rate:g}", "--model", MODEL_PACED
-        )
-        fast_url = sim_fast.wait_stdout(SIM_READY)[1]
-        paced_url = sim_paced.wait_stdout(SIM_READY)[1]
-        instances = _INSTANCES_TOML.format(fast=fast_url, paced=paced_url)
-        gateways: dict[str, Gateway] = {}
-        if "direct" in args.shape_list:
-            gateways["direct"] = Gateway(
-                "direct", {MODEL_FAST: fast_url, MODEL_PACED: paced_url}, {}
-            )
-        # Start every gateway first, then wait for each: the start-ups overlap.
-        edge = up = lite = None
-        lite_url = ""
-        if "split" in args.shape_list:
-            edge = launch("edge", "edge", "--port", "0", "--node-token", NODE_TOKEN)
-        if "up" in args.shape_list:
-            up_toml = logdir / "up.toml"
-            up_toml.write_text(_UP_TOML + instances)
-            up = launch("up", "up", "--port", "0", "--config", str(up_toml))
-        if "litellm" in args.shape_list:
-            if not args.litellm.exists():
-                skipped["litellm"] = (
-                    f"no LiteLLM at {args.litellm} (install: python3 -m venv "
-                    "~/.cache/iop/bench-litellm && ~/.cache/iop/bench-litellm/bin/pip install "
-                    f"'litellm[proxy]=={LITELLM_WANTED}', or pass --litellm PATH)"
-                )
-            else:
-                cfg = logdir / "litellm.yaml"
-                cfg.write_text(litellm_config({MODEL_FAST: fast_url, MODEL_PACED: paced_url}))
-                port = free_port()
-                argv = litellm_command(args.litellm, cfg, port)
-                lite = launch("litellm", argv=argv, env=LITELLM_ENV)
-                lite_url = f"http://127.0.0.1:{port}"
-        if edge is not None:
-            m = edge.wait_stdout(EDGE_READY)
-            node_toml = logdir / "node.toml"
-            node_toml.write_text(_NODE_TOML.format(link=m[2], token=NODE_TOKEN) + instances)
-            node = launch("node", "node", "--config", str(node_toml))
-            wait_models(m[1], {MODEL_FAST, MODEL_PACED}, [edge, node], READY_TIMEOUT_S)
-            gateways["split"] = Gateway(
-                "split", {MODEL_FAST: m[1], MODEL_PACED: m[1]}, {"edge": edge, "node": node}
-            )
-        if up is not None:
-            m = up.wait_stdout(UP_READY, timeout=READY_TIMEOUT_S)
-            wait_models(m[1], {MODEL_FAST, MODEL_PACED}, [up], READY_TIMEOUT_S)
-            gateways["up"] = Gateway("up", {MODEL_FAST: m[1], MODEL_PACED: m[1]}, {"up": up})
-        if lite is not None:
-            wait_models(
-                lite_url,
-                {MODEL_FAST, MODEL_PACED},
-                [lite],
-                READY_TIMEOUT_S,
-                paths=("/health/liveliness",),
-            )
-            gw = Gateway(
-                "litellm", {MODEL_FAST: lite_url, MODEL_PACED: lite_url}, {"litellm": lite}, True
-            )
-            gw.children = {"litellm": descendants(lite.pid)}
-            gateways["litellm"] = gw
-        # The table's column order.
-        gateways = {s: gateways[s] for s in SHAPES if s in gateways}
-        yield Platform({"sim": sim_fast, "sim_paced": sim_paced}, gateways, started, skipped)
-    finally:
-        order = {"node": 0, "edge": 1, "up": 1, "litellm": 1}
-        for p in sorted(started, key=lambda p: order.get(p.name, 2)):
-            try:
-                rc = p.stop()
-                if rc not in (0, -signal.SIGTERM):
-                    print(f"bench: {p.name} (pid {p.pid}) exited {rc}", file=sys.stderr)
-            except Exception as exc:
-                print(f"bench: stopping {p.name}: {exc!r}", file=sys.stderr)
 
 
 # --------------------------------------------------------------------------- profile

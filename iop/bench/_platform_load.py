@@ -14,14 +14,13 @@ verdicts against ``TARGETS``.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import statistics
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -30,18 +29,13 @@ import trio
 
 from iop.bench._client import Sample, one_completion, one_request
 from iop.bench._platform_report import TARGETS
-from iop.bench._procs import machine_cpu_s, proc_cpu_s
+from iop.bench._platform_stack import CHUNKS, MODEL_PACED, Platform
+from iop.bench._procs import machine_cpu_s
 from iop.bench._results import least_squares, pct
-from iop.testing import Proc
 
 __all__ = [
-    "CHUNKS",
     "GATEWAYS",
-    "MODEL_FAST",
-    "MODEL_PACED",
-    "Gateway",
     "LevelSpec",
-    "Platform",
     "Window",
     "check_targets",
     "linear_fit",
@@ -52,47 +46,8 @@ __all__ = [
     "sweep_fits",
 ]
 
-CHUNKS = 64  # content chunks per answer (the sims' --output-tokens)
-MODEL_FAST = "iop-sim"
-MODEL_PACED = "iop-sim-paced"
 GATEWAYS = ("up", "split", "litellm")  # the shapes with a gateway to charge CPU to
 SATURATED = 4  # see measure()
-
-
-@dataclass
-class Gateway:
-    """One shape: where its clients send each model, and whose CPU it is charged."""
-
-    shape: str
-    urls: dict[str, str]  # model -> http://host:port
-    procs: dict[str, Proc]  # what CPU per request counts ("edge", "node"; "up"; "litellm")
-    tree: bool = False  # count live descendants and reaped children too (LiteLLM)
-    children: dict[str, list[int]] = field(default_factory=dict)
-
-    def cpu_s(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        for name, p in self.procs.items():
-            cpu = proc_cpu_s(p.pid, reaped_children=self.tree)
-            for kid in self.children.get(name, []):
-                with contextlib.suppress(OSError):
-                    cpu += proc_cpu_s(kid, reaped_children=True)
-            out[name] = cpu
-        return out
-
-
-@dataclass
-class Platform:
-    sims: dict[str, Proc]  # "sim", "sim_paced"
-    gateways: dict[str, Gateway]  # shape -> gateway, "direct" included
-    started: list[Proc]
-    skipped: dict[str, str]  # shape -> why
-
-    def all_cpu_s(self) -> dict[str, float]:
-        """Every process of the benchmark, keyed "shape/name" (sims: "sim/NAME")."""
-        out = {f"sim/{k}": proc_cpu_s(p.pid) for k, p in self.sims.items()}
-        for gw in self.gateways.values():
-            out |= {f"{gw.shape}/{k}": v for k, v in gw.cpu_s().items()}
-        return out
 
 
 @dataclass(frozen=True)
