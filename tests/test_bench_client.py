@@ -51,6 +51,16 @@ def test_an_incomplete_event_is_kept_not_given() -> None:
     assert rest == b'data: {"choices"'
 
 
+def test_event_and_id_lines_and_multi_line_data() -> None:
+    # The Responses and Messages surfaces name their events; data may span lines.
+    stream = (
+        b'event: response.created\ndata: {"type":"response.created"}\n\n'
+        b"id: 7\ndata:no space\ndata: second line\n\n"
+        b"event: ping\n\n"
+    )
+    assert feed([stream]) == ([b'{"type":"response.created"}', b"no space\nsecond line"], b"")
+
+
 @given(st.lists(st.integers(min_value=0, max_value=len(STREAM)), max_size=12))
 def test_any_cut(cuts: list[int]) -> None:
     points = [0, *sorted(cuts), len(STREAM)]

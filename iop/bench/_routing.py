@@ -71,6 +71,7 @@ import httpx
 import msgspec
 import trio
 
+from iop.bench._client import sse_data
 from iop.bench._procs import Stack, machine_cpu_s, start_edge, start_node
 from iop.bench._procs import proc_cpu_s as _cpu_s
 from iop.bench._results import pct
@@ -256,28 +257,34 @@ async def _one(client: httpx.AsyncClient, url: str, req: _Request, s: _Sample) -
                 s.error = f"http {r.status_code}"
                 await r.aread()
                 return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if not s.run_id:
-                    s.run_id = str(chunk.get("id", "")).removeprefix("chatcmpl-")
-                if math.isnan(s.ttft_s):
-                    for choice in chunk.get("choices") or ():
-                        if (choice.get("delta") or {}).get("content"):
-                            s.ttft_s = trio.current_time() - s.scheduled
-                            break
-                usage = chunk.get("usage")
-                if usage:
-                    s.completion_tokens = int(usage.get("completion_tokens") or 0)
-                    s.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    s.cached_tokens = int(details.get("cached_tokens") or 0)
+            buf = b""
+            async for piece in r.aiter_raw():
+                payloads, buf = sse_data(buf + piece)
+                for payload in payloads:
+                    if payload != b"[DONE]":
+                        _take(s, json.loads(payload))
         s.end = trio.current_time()
         if math.isnan(s.ttft_s):
             s.error = "no content"
     except httpx.HTTPError as exc:
         s.error = type(exc).__name__
+
+
+def _take(s: _Sample, chunk: dict[str, Any]) -> None:
+    """What one chunk of the stream tells: its run, its first content, the usage."""
+    if not s.run_id:
+        s.run_id = str(chunk.get("id", "")).removeprefix("chatcmpl-")
+    if math.isnan(s.ttft_s):
+        for choice in chunk.get("choices") or ():
+            if (choice.get("delta") or {}).get("content"):
+                s.ttft_s = trio.current_time() - s.scheduled
+                break
+    usage = chunk.get("usage")
+    if usage:
+        s.completion_tokens = int(usage.get("completion_tokens") or 0)
+        s.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or {}
+        s.cached_tokens = int(details.get("cached_tokens") or 0)
 
 
 async def _drive(url: str, reqs: list[_Request], timeout_s: float) -> tuple[list[_Sample], float]:

@@ -20,6 +20,8 @@ import httpx
 import msgspec
 import trio
 
+from iop.bench._client import sse_data
+
 __all__ = [
     "KEYS",
     "LLAMA_MODEL",
@@ -350,12 +352,13 @@ async def _stream(
                 req.outcome, req.detail = f"http {r.status_code}", r.text[:200]
                 req.terminals = 1
                 return
-            async for line in r.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                s.feed(line[5:].strip())
-                if req.action == "cancel-after" and s.output:
-                    scope.cancel()
+            buf = b""
+            async for piece in r.aiter_raw():
+                payloads, buf = sse_data(buf + piece)
+                for payload in payloads:
+                    s.feed(payload.decode())
+                    if req.action == "cancel-after" and s.output:
+                        scope.cancel()
     req.saw_output, req.tool_call, req.usage = s.output, s.tool_call, s.usage
     if req.outcome:
         return
