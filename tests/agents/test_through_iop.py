@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -172,7 +172,7 @@ def _start_up(
     name: str,
     sim: dict[str, object],
     server: dict[str, object] | None = None,
-    sequence: list[tuple[str, dict[str, object]]] = [],  # noqa: B006 (never changed)
+    sequence: Sequence[tuple[str, dict[str, object]]] = (),
 ) -> Iterator[Platform]:
     """``iop up --backend sim`` with ``[embedded.sim]`` = ``sim`` (and the
     scripted tool ``sequence``), one API key and ``[edge.server]`` keys ``server``."""
