@@ -228,10 +228,10 @@ EDGE_PARTS: list[Rule] = [
     ("run: supervisor and RemoteExecutor", _has("RunSupervisor._supervise")),
     (
         "IOP handler: auth, parse, spec, start_run, first output",
-        _has("create_edge_app.<locals>.serve", "create_edge_app.<locals>.answer"),
+        _has("_Surfaces.answer", "_in_quart"),
     ),
     ("SSE body: _sse_body and the surface's encoder", _has("_RunBody.__anext__")),
-    ("response writes: hypercorn, h11, stall guard, socket", _has("_send_response")),
+    ("response writes: hypercorn, h11, stall guard, socket", _has("_send_answer")),
     (
         "ASGI layer: quart's per-request machinery, or SurfaceASGI",
         _has(
