@@ -34,6 +34,7 @@ __all__ = [
     "json_answer",
     "json_response",
     "key_refused",
+    "raw_headers",
     "request_headers",
     "unknown_url",
     "unsupported_content_type",
@@ -108,14 +109,15 @@ def from_exc(
 
 def json_answer(body: bytes, status: int = 200, headers: Mapping[str, str] | None = None) -> Answer:
     """``body`` as a whole JSON answer of a surface route."""
-    raw = (
-        [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-        if headers
-        else []
-    )
+    raw = raw_headers(headers) if headers else []
     raw.append((b"content-type", b"application/json"))
     raw.append((b"content-length", str(len(body)).encode("ascii")))
     return Answer(status, raw, body)
+
+
+def raw_headers(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
+    """``headers`` as ASGI has them (names lower-cased, as quart sent them)."""
+    return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
 
 
 def error_answer(

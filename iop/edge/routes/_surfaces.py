@@ -81,6 +81,7 @@ from iop.edge.routes._errors import (
     json_answer,
     json_response,
     key_refused,
+    raw_headers,
     request_headers,
     unsupported_content_type,
 )
@@ -248,7 +249,7 @@ class _Surfaces:
             handed_over = True
             sse = _RunBody(run, stream, _sse_body(run, stream, first, keepalive_s))
             if limit_headers:
-                return Answer(200, (*_SSE_HEADERS, *_raw(limit_headers)), sse)
+                return Answer(200, (*_SSE_HEADERS, *raw_headers(limit_headers)), sse)
             return Answer(200, _SSE_HEADERS, sse)
         finally:
             if not handed_over:
@@ -372,11 +373,6 @@ async def _quart_body() -> bytes:
     return body
 
 
-def _raw(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
-    """``headers`` as ASGI has them."""
-    return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
-
-
 class _RunBody(EndKnownBody):
     """The response body: iterates the SSE generator, and closing it cancels
     the run even if the generator never started (a client that left before
@@ -424,7 +420,7 @@ def _early_failure(
         surface=surface,
     )
     if limit_headers:  # after the error's own headers, as quart's ``headers.update``
-        head = [*head, *_raw(limit_headers)]
+        head = [*head, *raw_headers(limit_headers)]
     return Answer(status, head, body)
 
 
