@@ -120,7 +120,8 @@ def test_a_session_key_past_the_bound_is_kept_as_its_digest() -> None:
     )
     long = routing_of({"x-iop-session-id": at + "x"})
     other = routing_of({"x-iop-session-id": at + "y"})
-    assert long is not None and other is not None
+    assert long is not None
+    assert other is not None
     assert long.session.startswith("blake2b:")
     assert len(long.session) < MAX_SESSION_CHARS
     assert long.session != other.session

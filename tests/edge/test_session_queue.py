@@ -141,7 +141,9 @@ def test_a_session_key_never_matches_across_tenants() -> None:
     request = ChatRequest(model="m", messages=[Message(role="user", content="hi")])
     a = affinity_key(request, "", session="s1", tenant="a")
     b = affinity_key(request, "", session="s1", tenant="b")
-    assert a is not None and b is not None and a != b
+    assert a is not None
+    assert b is not None
+    assert a != b
     # With their own cache salts too, and a tenant name that looks like a prefix.
     assert affinity_key(request, "salt", session="1:s", tenant="a") != affinity_key(
         request, "salt", session="s", tenant="a:1"
