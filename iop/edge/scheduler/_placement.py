@@ -148,8 +148,8 @@ class Scheduler:
         self.sessions_queued = 0  # keyed sessions with runs queued now
         # Runs refused before they queued, by why (``_refuse_if_behind``).
         self.refused: dict[str, int] = dict.fromkeys(REFUSALS, 0)
-        # Waiters per (level, tenant): the queue's share rule (``_queue_full_for``).
-        self._tenant_queued: dict[tuple[_Level, str], int] = {}
+        # Waiters per tenant: the queue's share rule (``_queue_full_for``).
+        self._tenant_queued: dict[str, int] = {}
         # Conversation key -> (node, instance) that last served it; LRU-bounded.
         self._affinity: OrderedDict[str, tuple[str, str]] = OrderedDict()
         # What each instance's prefix cache probably holds (``placement = "prefix"``).
@@ -387,7 +387,7 @@ class Scheduler:
         limit = self.settings.max_queue
         if self._queued < limit:
             return False
-        mine = (share.level, share.tenant)
+        mine = share.tenant
         tenants = len(self._tenant_queued) + (mine not in self._tenant_queued)
         return self._tenant_queued.get(mine, 0) >= limit / tenants
 
@@ -517,7 +517,7 @@ class Scheduler:
         waiter.ahead = len(group.members)
         group.add(waiter, (start, finish, waiter.seq))
         self._queued += 1
-        self._tenant_queued[mine] = self._tenant_queued.get(mine, 0) + 1
+        self._tenant_queued[share.tenant] = self._tenant_queued.get(share.tenant, 0) + 1
         if timeline is not None:
             timeline.queued = waiter.queued_at
             timeline.why_queued = (
@@ -607,11 +607,11 @@ class Scheduler:
         group = self._groups[waiter.key]
         group.discard(waiter)
         tenant = (waiter.share.level, waiter.share.tenant)
-        left = self._tenant_queued[tenant] - 1
+        left = self._tenant_queued[tenant[1]] - 1
         if left:
-            self._tenant_queued[tenant] = left
+            self._tenant_queued[tenant[1]] = left
         else:
-            del self._tenant_queued[tenant]
+            del self._tenant_queued[tenant[1]]
         session = waiter.session
         assert session is not None  # set when it joined
         session.queued -= 1
