@@ -22,10 +22,21 @@ Workloads
     to reuse; what it measures is whether a placement's preference for
     cached prefixes costs load balance.
 
+``agents``
+    ``tenants`` agent sessions (the sub-agents of one fan-out: one system
+    prompt and one brief for all of them, the conversation's head), each
+    request a session's next turn: its transcript so far, grown by an
+    assistant turn and a tool result of ``turn_tokens`` tokens each. The
+    head is the same for every session, so the head's affinity key cannot
+    tell them apart; a session key can (docs/benchmarks.md, "Sessions as
+    queue keys", ``configs/bench/sessions.toml``).
+
 Placements: ``random``; ``least_loaded`` with ``affinity = false``;
 ``affinity`` (``least_loaded`` with ``affinity = true``: a conversation,
 here a tenant's system prompt plus its user turn, goes back to the instance
-that served it); ``prefix`` (``iop/edge/scheduler/_prefix.py``).
+that served it); ``session`` (``affinity`` with each agent session's
+``x-iop-session-id`` header, ``agents`` only); ``prefix``
+(``iop/edge/scheduler/_prefix.py``).
 
 A cell's measurement
 --------------------
@@ -78,11 +89,29 @@ from iop.testing import EDGE_READY, NODE_READY, SIM_READY, Proc, poll, toml_dump
 
 __all__ = ["Options", "plots", "run", "tables"]
 
-Placement = Literal["random", "least_loaded", "affinity", "prefix"]
-Workload = Literal["shared", "unique"]
+Placement = Literal["random", "least_loaded", "affinity", "session", "prefix"]
+Workload = Literal["shared", "unique", "agents"]
 
-PLACEMENTS: Final[tuple[Placement, ...]] = ("random", "least_loaded", "affinity", "prefix")
-WORKLOADS: Final[tuple[Workload, ...]] = ("shared", "unique")
+PLACEMENTS: Final[tuple[Placement, ...]] = (
+    "random",
+    "least_loaded",
+    "affinity",
+    "session",
+    "prefix",
+)
+WORKLOADS: Final[tuple[Workload, ...]] = ("shared", "unique", "agents")
+# What a scenario without ``workloads`` and ``placements`` runs: the
+# comparison of docs/benchmarks.md, "Placement: prefix-aware against least-loaded".
+DEFAULT_PLACEMENTS: Final[tuple[Placement, ...]] = (
+    "random",
+    "least_loaded",
+    "affinity",
+    "prefix",
+)
+DEFAULT_WORKLOADS: Final[tuple[Workload, ...]] = ("shared", "unique")
+# An agent's turn in the ``agents`` workload: the session's header (placement
+# ``session`` only, ``iop.api._routing``).
+SESSION_HEADER: Final = "x-iop-session-id"
 MODEL: Final = "iop-sim"
 NODE_TOKEN: Final = "bench-routing-token"
 # Words of the prompts: 2 to 5 lower-case letters, one toy token each with
@@ -116,10 +145,12 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         client_timeout_s: A request not answered within this fails.
         scheduler: More of the edge's ``[scheduler]`` keys, for every cell
             (``placement`` and ``affinity`` are the cell's).
+        turn_tokens: In the ``agents`` workload, tokens of each assistant
+            turn and of each tool result a session's transcript grows by.
     """
 
-    workloads: list[Workload] = msgspec.field(default_factory=lambda: list(WORKLOADS))
-    placements: list[Placement] = msgspec.field(default_factory=lambda: list(PLACEMENTS))
+    workloads: list[Workload] = msgspec.field(default_factory=lambda: list(DEFAULT_WORKLOADS))
+    placements: list[Placement] = msgspec.field(default_factory=lambda: list(DEFAULT_PLACEMENTS))
     instances: int = 4
     tenants: int = 32
     prefix_tokens: int = 2048
@@ -138,6 +169,7 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     seed: int = 0
     client_timeout_s: float = 60.0
     scheduler: dict[str, Any] = msgspec.field(default_factory=dict)
+    turn_tokens: int = 96
 
     def __post_init__(self) -> None:
         if self.instances < 1 or self.tenants < 1 or self.requests < 1:
@@ -208,8 +240,43 @@ def _requests(opts: Options, workload: Workload, salt: str) -> list[_Request]:
     tenants = warm + [draws.randrange(opts.tenants) for _ in range(opts.requests)]
     out: list[_Request] = []
     at = 0.0
+    # The agents' shared head: one system prompt and one brief for all (the
+    # sub-agents of one fan-out), then each session's own growing turns.
+    agents_system = _text(
+        f"cell {salt} agents", random.Random(f"{opts.seed}/a"), opts.prefix_tokens
+    )
+    brief = _text(f"cell {salt} brief", random.Random(f"{opts.seed}/b"), opts.user_tokens)
+    turns: dict[int, list[dict[str, str]]] = {}
     for i, tenant in enumerate(tenants):
         user = _text(f"request {i}", rng, opts.user_tokens)
+        if workload == "agents":
+            mine = turns.setdefault(tenant, [])
+            out.append(
+                _Request(
+                    index=i,
+                    at=at,
+                    tenant=tenant,
+                    messages=[
+                        {"role": "system", "content": agents_system},
+                        {"role": "user", "content": brief},
+                        *mine,
+                    ],
+                    measured=i >= len(warm),
+                )
+            )
+            k = len(mine) // 2
+            turn = random.Random(f"{opts.seed}/{tenant}/{k}")
+            mine.append(
+                {
+                    "role": "assistant",
+                    "content": _text(f"agent {tenant} step {k}", turn, opts.turn_tokens),
+                }
+            )
+            mine.append(
+                {"role": "user", "content": _text(f"result {tenant} {k}", turn, opts.turn_tokens)}
+            )
+            at += arrivals.expovariate(opts.rate)
+            continue
         if workload == "shared":
             system = systems[tenant]
         else:
@@ -246,15 +313,20 @@ class _Sample:
     error: str = ""
 
 
-async def _one(client: httpx.AsyncClient, url: str, req: _Request, s: _Sample) -> None:
+async def _one(
+    client: httpx.AsyncClient, url: str, req: _Request, s: _Sample, sessions: bool
+) -> None:
     body = {
         "model": MODEL,
         "messages": req.messages,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    headers = {SESSION_HEADER: f"agent-{req.tenant}"} if sessions and req.tenant >= 0 else {}
     try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        async with client.stream(
+            "POST", url + "/v1/chat/completions", json=body, headers=headers
+        ) as r:
             if r.status_code != 200:
                 s.error = f"http {r.status_code}"
                 await r.aread()
@@ -283,7 +355,9 @@ async def _one(client: httpx.AsyncClient, url: str, req: _Request, s: _Sample) -
         s.error = type(exc).__name__
 
 
-async def _drive(url: str, reqs: list[_Request], timeout_s: float) -> tuple[list[_Sample], float]:
+async def _drive(
+    url: str, reqs: list[_Request], timeout_s: float, sessions: bool = False
+) -> tuple[list[_Sample], float]:
     """Send ``reqs`` at their scheduled times, whatever is still outstanding."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     timeout = httpx.Timeout(timeout_s, connect=10.0)
@@ -295,7 +369,7 @@ async def _drive(url: str, reqs: list[_Request], timeout_s: float) -> tuple[list
                 await trio.sleep_until(t0 + req.at)
                 s = _Sample(req.index, req.tenant, req.measured, t0 + req.at)
                 samples.append(s)
-                nursery.start_soon(_one, client, url, req, s)
+                nursery.start_soon(_one, client, url, req, s, sessions)
     return samples, t0
 
 
@@ -350,8 +424,8 @@ def _edge_config(
 ) -> dict[str, Any]:
     scheduler: dict[str, Any] = {
         **(extra or {}),
-        "placement": "least_loaded" if placement == "affinity" else placement,
-        "affinity": placement in ("affinity", "prefix"),
+        "placement": "least_loaded" if placement in ("affinity", "session") else placement,
+        "affinity": placement in ("affinity", "session", "prefix"),
     }
     return {"scheduler": scheduler, "timelines": {"export_path": str(export)}}
 
@@ -525,7 +599,7 @@ def _cell(
     cpu0 = {k: _cpu_s(p.pid) for k, p in procs.items()}
     me0, busy0, t0 = time.process_time(), _machine_busy_s(), time.monotonic()
     load0 = os.getloadavg()[0]
-    samples, _ = trio.run(_drive, url, reqs, opts.client_timeout_s)
+    samples, _ = trio.run(_drive, url, reqs, opts.client_timeout_s, placement == "session")
     wall = time.monotonic() - t0
     cpu = {k: round(_cpu_s(p.pid) - cpu0[k], 3) for k, p in procs.items()}
     client_cpu = time.process_time() - me0
@@ -640,9 +714,13 @@ def _f(v: float | None, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def tables(result: dict[str, Any] | list[dict[str, Any]]) -> dict[str, str]:
+def tables(
+    result: dict[str, Any] | list[dict[str, Any]], scenario: str = "routing"
+) -> dict[str, str]:
     """Markdown tables by marker key: ``routing`` (every cell) and
-    ``routing-target`` (the issue's two targets, met or not)."""
+    ``routing-target`` (the issue's two targets, met or not); another
+    scenario of this runner (``sessions``) gets its cells' table alone,
+    under its own name."""
     cells = _median_cells(result)
     rows = [
         "| workload | placement | TTFT p50 ms | TTFT p90 ms | tokens/s | answers/s "
@@ -664,6 +742,8 @@ def tables(result: dict[str, Any] | list[dict[str, Any]]) -> dict[str, str]:
     n = max((c["n"] for c in cells.values()), default=0)
     rows.append("")
     rows.append(f"Median of {n} repeat(s) per cell.")
+    if scenario != "routing":
+        return {scenario: "\n".join(rows)}
     out = {"routing": "\n".join(rows)}
     target = [
         "| target | least-loaded | prefix | ratio | met |",
@@ -699,10 +779,10 @@ def plots(result: dict[str, Any] | list[dict[str, Any]], img_dir: Path) -> list[
     cells = _median_cells(result)
     img_dir.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    x = list(range(len(PLACEMENTS)))
+    x = list(range(len(DEFAULT_PLACEMENTS)))
     width = 0.38
-    for wi, w in enumerate(WORKLOADS):
-        got = [cells.get((w, p)) for p in PLACEMENTS]
+    for wi, w in enumerate(DEFAULT_WORKLOADS):
+        got = [cells.get((w, p)) for p in DEFAULT_PLACEMENTS]
         off = [i + (wi - 0.5) * width for i in x]
         p90 = [c["p90"] if c and c["p90"] else 0 for c in got]
         p50 = [c["p50"] if c and c["p50"] else 0 for c in got]
@@ -719,7 +799,7 @@ def plots(result: dict[str, Any] | list[dict[str, Any]], img_dir: Path) -> list[
         ),
         strict=True,
     ):
-        ax.set_xticks(x, list(PLACEMENTS))
+        ax.set_xticks(x, list(DEFAULT_PLACEMENTS))
         ax.set_title(title)
         ax.set_ylim(top=ax.get_ylim()[1] * 1.2)  # room for the legend above the bars
         ax.legend(fontsize=8, loc="upper right", ncols=2)
@@ -733,5 +813,7 @@ def plots(result: dict[str, Any] | list[dict[str, Any]], img_dir: Path) -> list[
 def _report(r: ReportInput) -> dict[str, str]:
     """``iop bench report``: the tables over every repeat (each figure their
     median), the plot, and the footer under each table."""
-    plots(r.repeats, r.img_dir)
-    return {key: f"{text}\n\n{r.footer}" for key, text in tables(r.repeats).items()}
+    if r.scenario == "routing":  # bench_routing.png is that scenario's
+        plots(r.repeats, r.img_dir)
+    made = tables(r.repeats, r.scenario)
+    return {key: f"{text}\n\n{r.footer}" for key, text in made.items()}
