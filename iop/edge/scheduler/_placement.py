@@ -10,8 +10,11 @@ tenant's alone unless tenants share their caches). When none has, the run
 waits in the queue, bounded by ``queue_timeout_s`` (->
 ``Cancelled(queue_timeout)``). Every change of capacity (a run ends, a node
 joins or updates its capabilities) calls ``dispatch()``, which hands free
-slots to waiters by class, then tenants' fair shares, then arrival (first
-come first served with one tenant); waiters never poll.
+slots to waiters by objective priority and tenant class, then the earliest
+TTFT deadline, then tenants' fair shares, then sessions' fair shares within
+a tenant, then arrival (first come first served with one tenant and no
+session keys; docs/operations.md, "Sessions and objectives"); waiters
+never poll.
 
 Admission (``admit``, and ``acquire`` for a run that would have to wait):
 a run that finds a free slot always starts; one that would have to queue is
@@ -23,7 +26,11 @@ goodput at its capacity: past saturation the queue would otherwise fill to
 ``max_queue`` and every admitted run would wait ``max_queue`` / (runs
 finished per second), seconds that clients (and their timeouts) spend on
 runs that then fail late, while the excess is refused only once the count
-is reached (docs/benchmarks.md, "Overload").
+is reached (docs/benchmarks.md, "Overload"). Objectives add three
+refusals (``_refuse_if_behind``): a sheddable run past
+``shed_queue_fraction`` of the queue, a run whose predicted wait exceeds
+its own TTFT deadline, and, instead of refusing a run that may not be shed
+at a full queue, the eviction of a queued sheddable one.
 
 Waiters are kept by what they wait for (model, operation, excluded nodes),
 each group in arrival order: a pick that fails for a group's oldest waiter

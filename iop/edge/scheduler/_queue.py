@@ -2,10 +2,14 @@
 
 A run that finds no free slot waits (``Scheduler.acquire``) as a
 ``_Waiter``, kept by what it waits for (model, operation, excluded nodes)
-and whose it is (``QueueShare``: class and tenant), each group in arrival
-order. Every waiter leaves the queue one way (``QueueExit``): placed,
-cancelled (its run ended while it waited: the client left, a deadline,
-shutdown) or timed out. The scheduler counts the exits and keeps the host's
+and whose it is (``QueueShare``: its level, i.e. objective priority and
+tenant class, its tenant, whether it may be shed), each group a
+``_Group``: its waiters in arrival order and in the order they are served
+(deadline, then the session's fair share: docs/operations.md, "Sessions
+and objectives"). Every waiter leaves the queue one way (``QueueExit``):
+placed, cancelled (its run ended while it waited: the client left, a
+deadline, shutdown), timed out, or shed (evicted for a run that may not
+be). The scheduler counts the exits and keeps the host's
 monotonic time of the last one (``QueueExitAt``): ``/metrics`` and
 ``/admin/nodes`` show them, and ``scripts/bench_stress.py`` times a queued
 run's cancel with it on the clock it shares with the edge
