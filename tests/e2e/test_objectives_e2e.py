@@ -111,3 +111,27 @@ def test_an_interactive_request_is_served_before_a_queued_sheddable_flood(
     assert sum(1 for t in floods if (t["dequeued"] or 0) > calm["dequeued"]) >= 4
     metrics = edge.admin_get("/metrics").text
     assert 'iop_queue_refused_total{why="deadline"} 1.0' in metrics
+
+
+@pytest.mark.parametrize(
+    ("header", "value"),
+    [
+        ("x-iop-session-id", "agent-1"),
+        ("x-claude-code-session-id", "3f1c-cc"),
+        ("session_id", "codex-conv-1"),  # an underscore: through hypercorn as sent
+        ("x-llm-d-inference-fairness-id", "fair-1"),
+    ],
+)
+def test_a_session_header_reaches_the_runs_timeline(
+    cluster: Cluster, header: str, value: str
+) -> None:
+    edge = cluster.edge
+    edge.admin_key = ADMIN_KEY
+    ids: list[str] = []
+    with edge.openai() as client:
+        made = client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, extra_headers={header: value}, user="ignored"
+        )
+        ids.append(made.id.removeprefix("chatcmpl-"))
+    t = _timeline(edge, ids[0])
+    assert (t["session"], t["session_from"]) == (value, header)
