@@ -57,6 +57,7 @@ __all__ = [
     "SuperviseSettings",
     "TenantKey",
     "TimelineSettings",
+    "ToolCallStep",
     "TracingSettings",
     "UpConfig",
     "UsageSettings",
@@ -298,6 +299,21 @@ def _check_json_object(key: str, text: str) -> None:
         raise ValueError(f"{key} must be a JSON object")
 
 
+class ToolCallStep(_Config, frozen=True, kw_only=True):
+    """One step of the sim's scripted tool sequence (``SimConfig.tool_call_sequence``).
+
+    Attributes:
+        name: The tool called.
+        arguments: Its arguments, a JSON object, sent as given.
+    """
+
+    name: str
+    arguments: str = "{}"
+
+    def __post_init__(self) -> None:
+        _check_json_object("arguments", self.arguments)
+
+
 class SimConfig(_Config, frozen=True, kw_only=True):
     """The deterministic simulated backend.
 
@@ -332,6 +348,13 @@ class SimConfig(_Config, frozen=True, kw_only=True):
         tool_call_arguments_by_tool: Arguments for particular candidates
             (tool name -> JSON object), for agents whose shell tools take
             different arguments; the others get ``tool_call_arguments``.
+        tool_call_sequence: Scripted tool sequence, for driving real agents
+            through several tool round trips in one user turn: the turn's
+            first request calls the first step's tool with exactly its
+            arguments, each request after a tool result the next step's,
+            and the one after the last step's result answers in text quoting
+            it. A turn begins after the last assistant message without a
+            tool call. Set, it wins over ``tool_call_names``.
         embedding_dim: Size of the ``/v1/embeddings`` vectors (the largest
             ``dimensions`` a request may ask for).
         max_inputs: Most inputs in one ``/v1/embeddings`` request and most
@@ -374,6 +397,7 @@ class SimConfig(_Config, frozen=True, kw_only=True):
     tool_call_names: tuple[str, ...] = ()
     tool_call_arguments: str = "{}"
     tool_call_arguments_by_tool: dict[str, str] = {}
+    tool_call_sequence: tuple[ToolCallStep, ...] = ()
     # 384: the vector size of the common small embedding models
     # (all-MiniLM-L6-v2, bge-small), cheap to generate and to compare.
     embedding_dim: int = 384

@@ -18,7 +18,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from iop.bench._routing import Options, plots, run, tables
+from iop.bench._routing import Options, run
+from iop.bench._routing_report import plots, tables
 from iop.bench._runner import RUNNERS, RunContext
 
 SCENARIO = Path(__file__).resolve().parents[1] / "configs" / "bench" / "routing.toml"

@@ -36,7 +36,7 @@ import os
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -44,16 +44,16 @@ import httpx
 import msgspec
 import trio
 
-from iop.bench._routing import _pct, _Stack
+from iop.bench._procs import Stack, start_edge, start_node, start_sim
+from iop.bench._results import pct
 from iop.bench._runner import RunContext, register, tables_report
-from iop.testing import EDGE_READY, NODE_READY, SIM_READY, Proc, poll, toml_dumps
+from iop.testing import NODE_READY, Proc, poll
 
 __all__ = ["Options", "run"]
 
 Phase = Literal["unloaded", "loaded", "no_objectives"]
 PHASES: Final[tuple[Phase, ...]] = ("unloaded", "loaded", "no_objectives")
 MODEL: Final = "iop-sim"
-NODE_TOKEN: Final = "bench-objectives-token"
 OBJECTIVES: Final = [
     {"name": "interactive", "priority": 10, "sheddable": False},
     {"name": "batch", "priority": 0, "sheddable": True},
@@ -194,13 +194,7 @@ async def _drive(url: str, opts: Options, background: bool, objective: bool) -> 
     return samples
 
 
-@dataclass
-class _Cluster:
-    stack: _Stack
-    procs: list[Proc] = field(default_factory=list)
-
-
-def _start_sims(stack: _Stack, opts: Options) -> list[str]:
+def _start_sims(stack: Stack, opts: Options) -> list[str]:
     flags = [
         "--model", MODEL,
         "--ttft", f"{opts.ttft_s:g}",
@@ -209,34 +203,19 @@ def _start_sims(stack: _Stack, opts: Options) -> list[str]:
         "--reasoning-tokens", "0",
         "--max-num-seqs", str(opts.max_concurrency),
     ]  # fmt: skip
-    sims = [stack.start(f"sim{i}", "sim", "--port", "0", *flags) for i in range(opts.instances)]
-    return [p.wait_stdout(SIM_READY)[1] for p in sims]
+    return [start_sim(stack, f"sim{i}", *flags) for i in range(opts.instances)]
 
 
 def _start_cluster(
-    stack: _Stack, opts: Options, sims: list[str], tag: str
+    stack: Stack, opts: Options, sims: list[str], tag: str
 ) -> tuple[Proc, Proc, str]:
-    edge_cfg = {
-        "scheduler": {"max_queue": 64, **opts.scheduler},
-        "objectives": OBJECTIVES,
-    }
-    edge_toml = stack.workdir / f"edge-{tag}.toml"
-    edge_toml.write_text(toml_dumps(edge_cfg))
-    edge = stack.start(
-        f"edge-{tag}", "edge", "--port", "0", "--node-token", NODE_TOKEN, "--config", str(edge_toml)
-    )
-    m = edge.wait_stdout(EDGE_READY)
-    url, link = m[1], m[2]
-    node_cfg = {
-        "node": {"id": "node", "probe_interval_s": 30.0, "edges": [{"url": link, "token": NODE_TOKEN}]},
-        "instances": [
-            {"adapter": "vllm", "name": f"gpu{i}", "endpoint": sim, "max_concurrency": opts.max_concurrency}
-            for i, sim in enumerate(sims)
-        ],
-    }  # fmt: skip
-    node_toml = stack.workdir / f"node-{tag}.toml"
-    node_toml.write_text(toml_dumps(node_cfg))
-    node = stack.start(f"node-{tag}", "node", "--config", str(node_toml))
+    config = {"scheduler": {"max_queue": 64, **opts.scheduler}, "objectives": OBJECTIVES}
+    edge, url, link = start_edge(stack, config, name=f"edge-{tag}")
+    instances = [
+        {"adapter": "vllm", "name": f"gpu{i}", "endpoint": sim, "max_concurrency": opts.max_concurrency}
+        for i, sim in enumerate(sims)
+    ]  # fmt: skip
+    node = start_node(stack, f"node-{tag}", link, {"probe_interval_s": 30.0}, instances)
     node.wait_stdout(NODE_READY)
     with httpx.Client(timeout=5.0, trust_env=False) as c:
 
@@ -246,6 +225,11 @@ def _start_cluster(
 
         poll(ready, timeout=30.0, what="the node's instances at the edge", interval=0.1)
     return edge, node, url
+
+
+def _pct(values: list[float], p: float) -> float | None:
+    v = pct(values, p)
+    return None if math.isnan(v) else v
 
 
 def _ms(v: float | None) -> float | None:
@@ -291,7 +275,7 @@ def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
     if ctx.smoke:
         opts = _smoke(opts)
     started = time.monotonic()
-    stack = _Stack(ctx.python, ctx.workdir)
+    stack = Stack(ctx.python, ctx.workdir)
     phases: dict[str, Any] = {}
     try:
         sims = _start_sims(stack, opts)

@@ -1,6 +1,7 @@
 """Placement against a prefix cache: random, least-loaded, affinity, prefix-aware.
 
-Issue 11's measurement of ``[scheduler] placement``. Four ``iop sim``
+The measurement of ``[scheduler] placement`` in docs/benchmarks.md
+("Placement: prefix-aware against least-loaded"). Four ``iop sim``
 processes stand for four engines (each its own KV prefix cache, prefill
 time and running batch: ``iop/sim/_engine.py``), behind one ``iop node`` with
 one ``vllm`` instance per sim, behind an ``iop edge`` started once per
@@ -73,51 +74,39 @@ import random
 import statistics
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import httpx
 import msgspec
 import trio
 
-from iop.bench._platform import machine_cpu_s
-from iop.bench._platform import proc_cpu_s as _cpu_s
-from iop.bench._runner import ReportInput, RunContext, register
+from iop.bench._client import sse_data
+from iop.bench._procs import Stack, machine_cpu_s, start_edge, start_node
+from iop.bench._procs import proc_cpu_s as _cpu_s
+from iop.bench._results import pct
+from iop.bench._routing_report import (
+    DEFAULT_PLACEMENTS,
+    DEFAULT_WORKLOADS,
+    Placement,
+    Workload,
+    report,
+)
+from iop.bench._runner import RunContext, register
 from iop.sim import tokenize
-from iop.testing import EDGE_READY, NODE_READY, SIM_READY, Proc, poll, toml_dumps
+from iop.testing import NODE_READY, SIM_READY, Proc, poll
 
-__all__ = ["Options", "plots", "run", "tables"]
+__all__ = ["Options", "run"]
 
-Placement = Literal["random", "least_loaded", "affinity", "session", "prefix"]
-Workload = Literal["shared", "unique", "agents"]
-
-PLACEMENTS: Final[tuple[Placement, ...]] = (
-    "random",
-    "least_loaded",
-    "affinity",
-    "session",
-    "prefix",
-)
-WORKLOADS: Final[tuple[Workload, ...]] = ("shared", "unique", "agents")
-# What a scenario without ``workloads`` and ``placements`` runs: the
-# comparison of docs/benchmarks.md, "Placement: prefix-aware against least-loaded".
-DEFAULT_PLACEMENTS: Final[tuple[Placement, ...]] = (
-    "random",
-    "least_loaded",
-    "affinity",
-    "prefix",
-)
-DEFAULT_WORKLOADS: Final[tuple[Workload, ...]] = ("shared", "unique")
-# An agent's turn in the ``agents`` workload: the session's header (placement
-# ``session`` only, ``iop.api._routing``).
-SESSION_HEADER: Final = "x-iop-session-id"
 MODEL: Final = "iop-sim"
-NODE_TOKEN: Final = "bench-routing-token"
 # Words of the prompts: 2 to 5 lower-case letters, one toy token each with
 # its leading space (iop/sim/_tokenizer.py cuts a word with its leading space
 # into pieces of at most 6 bytes).
 _LETTERS: Final = "abcdefghijklmnopqrstuvwxyz"
+# An agent's turn in the ``agents`` workload: the session's header (placement
+# ``session`` only, ``iop.api._routing``).
+SESSION_HEADER: Final = "x-iop-session-id"
 
 
 class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -331,28 +320,34 @@ async def _one(
                 s.error = f"http {r.status_code}"
                 await r.aread()
                 return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if not s.run_id:
-                    s.run_id = str(chunk.get("id", "")).removeprefix("chatcmpl-")
-                if math.isnan(s.ttft_s):
-                    for choice in chunk.get("choices") or ():
-                        if (choice.get("delta") or {}).get("content"):
-                            s.ttft_s = trio.current_time() - s.scheduled
-                            break
-                usage = chunk.get("usage")
-                if usage:
-                    s.completion_tokens = int(usage.get("completion_tokens") or 0)
-                    s.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    s.cached_tokens = int(details.get("cached_tokens") or 0)
+            buf = b""
+            async for piece in r.aiter_raw():
+                payloads, buf = sse_data(buf + piece)
+                for payload in payloads:
+                    if payload != b"[DONE]":
+                        _take(s, json.loads(payload))
         s.end = trio.current_time()
         if math.isnan(s.ttft_s):
             s.error = "no content"
     except httpx.HTTPError as exc:
         s.error = type(exc).__name__
+
+
+def _take(s: _Sample, chunk: dict[str, Any]) -> None:
+    """What one chunk of the stream tells: its run, its first content, the usage."""
+    if not s.run_id:
+        s.run_id = str(chunk.get("id", "")).removeprefix("chatcmpl-")
+    if math.isnan(s.ttft_s):
+        for choice in chunk.get("choices") or ():
+            if (choice.get("delta") or {}).get("content"):
+                s.ttft_s = trio.current_time() - s.scheduled
+                break
+    usage = chunk.get("usage")
+    if usage:
+        s.completion_tokens = int(usage.get("completion_tokens") or 0)
+        s.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or {}
+        s.cached_tokens = int(details.get("cached_tokens") or 0)
 
 
 async def _drive(
@@ -376,33 +371,7 @@ async def _drive(
 # --------------------------------------------------------------------------- processes
 
 
-def _machine_busy_s() -> float:
-    return machine_cpu_s()[0]
-
-
-@dataclass
-class _Stack:
-    python: str
-    workdir: Path
-    procs: list[Proc] = field(default_factory=list)
-
-    def start(self, name: str, *args: str) -> Proc:
-        p = Proc(name, list(args), self.workdir, python=self.python)
-        self.procs.append(p)
-        return p
-
-    def stop(self, p: Proc) -> None:
-        p.stop()
-        self.procs.remove(p)
-
-    def stop_all(self) -> None:
-        for p in reversed(list(self.procs)):
-            with contextlib.suppress(Exception):
-                p.stop()
-        self.procs.clear()
-
-
-def _start_sims(stack: _Stack, opts: Options) -> list[tuple[Proc, str]]:
+def _start_sims(stack: Stack, opts: Options) -> list[tuple[Proc, str]]:
     flags = [
         "--model", MODEL,
         "--ttft", f"{opts.ttft_s:g}",
@@ -415,7 +384,7 @@ def _start_sims(stack: _Stack, opts: Options) -> list[tuple[Proc, str]]:
         "--max-num-seqs", str(opts.max_num_seqs),
         "--decode-slowdown", f"{opts.decode_slowdown:g}",
     ]  # fmt: skip
-    sims = [stack.start(f"sim{i}", "sim", "--port", "0", *flags) for i in range(opts.instances)]
+    sims = [stack.launch(f"sim{i}", "sim", "--port", "0", *flags) for i in range(opts.instances)]
     return [(p, p.wait_stdout(SIM_READY)[1]) for p in sims]
 
 
@@ -431,35 +400,22 @@ def _edge_config(
 
 
 def _start_cluster(
-    stack: _Stack, opts: Options, placement: Placement, sims: list[str], tag: str
+    stack: Stack, opts: Options, placement: Placement, sims: list[str], tag: str
 ) -> tuple[Proc, Proc, str, Path]:
-    export = stack.workdir / f"timelines-{tag}.jsonl"
-    edge_toml = stack.workdir / f"edge-{tag}.toml"
-    edge_toml.write_text(toml_dumps(_edge_config(placement, export, opts.scheduler)))
-    edge = stack.start(
-        f"edge-{tag}", "edge", "--port", "0", "--node-token", NODE_TOKEN, "--config", str(edge_toml)
-    )
-    m = edge.wait_stdout(EDGE_READY)
-    url, link = m[1], m[2]
-    node_cfg = {
-        "node": {
-            "id": "node",
-            "probe_interval_s": 30.0,
-            "edges": [{"url": link, "token": NODE_TOKEN}],
-        },
-        "instances": [
-            {
-                "adapter": "vllm",
-                "name": f"gpu{i}",
-                "endpoint": sim,
-                "max_concurrency": opts.max_concurrency,
-            }
-            for i, sim in enumerate(sims)
-        ],
-    }
-    node_toml = stack.workdir / f"node-{tag}.toml"
-    node_toml.write_text(toml_dumps(node_cfg))
-    node = stack.start(f"node-{tag}", "node", "--config", str(node_toml))
+    export = stack.logdir / f"timelines-{tag}.jsonl"
+    config = _edge_config(placement, export, opts.scheduler)
+    edge, url, link = start_edge(stack, config, name=f"edge-{tag}")
+    instances = [
+        {
+            "adapter": "vllm",
+            "name": f"gpu{i}",
+            "endpoint": sim,
+            "max_concurrency": opts.max_concurrency,
+        }
+        for i, sim in enumerate(sims)
+    ]
+    node_cfg = {"id": "node", "probe_interval_s": 30.0}
+    node = start_node(stack, f"node-{tag}", link, node_cfg, instances)
     node.wait_stdout(NODE_READY)
     with httpx.Client(timeout=5.0, trust_env=False) as c:
 
@@ -502,10 +458,8 @@ def _wait_idle(sims: list[str]) -> None:
 
 def _pct(values: list[float], p: float) -> float | None:
     """Nearest-rank percentile; None with no values."""
-    vals = sorted(v for v in values if not math.isnan(v))
-    if not vals:
-        return None
-    return vals[max(0, min(len(vals) - 1, math.ceil(p / 100 * len(vals)) - 1))]
+    v = pct(values, p)
+    return None if math.isnan(v) else v
 
 
 def _ms(v: float | None) -> float | None:
@@ -583,7 +537,7 @@ def _cell_figures(
 
 
 def _cell(
-    stack: _Stack,
+    stack: Stack,
     opts: Options,
     workload: Workload,
     placement: Placement,
@@ -597,18 +551,18 @@ def _cell(
     reqs = _requests(opts, workload, tag)
     before = _sim_counters(urls)
     cpu0 = {k: _cpu_s(p.pid) for k, p in procs.items()}
-    me0, busy0, t0 = time.process_time(), _machine_busy_s(), time.monotonic()
+    me0, busy0, t0 = time.process_time(), machine_cpu_s()[0], time.monotonic()
     load0 = os.getloadavg()[0]
     samples, _ = trio.run(_drive, url, reqs, opts.client_timeout_s, placement == "session")
     wall = time.monotonic() - t0
     cpu = {k: round(_cpu_s(p.pid) - cpu0[k], 3) for k, p in procs.items()}
     client_cpu = time.process_time() - me0
-    busy = _machine_busy_s() - busy0
+    busy = machine_cpu_s()[0] - busy0
     after = _sim_counters(urls)
     stack.stop(node)
     stack.stop(edge)  # flushes the timelines' export
     placements = _placements(export)
-    with (stack.workdir / f"samples-{tag}.jsonl").open("w") as f:
+    with (stack.logdir / f"samples-{tag}.jsonl").open("w") as f:
         for s in samples:
             where = placements.get(s.run_id, ("", "", {}))
             row = dataclasses.asdict(s) | dict(
@@ -637,14 +591,14 @@ def _cell(
     Options,
     "Placement against a prefix cache: TTFT, throughput and hit rate of random, "
     "least-loaded, affinity and prefix-aware placement on shared and unique prompts.",
-    report=lambda r: _report(r),
+    report=report,
 )
 def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
     """Every (workload, placement) cell of ``opts`` on one set of sims."""
     if ctx.smoke:
         opts = _smoke(opts)
     started = time.monotonic()
-    stack = _Stack(ctx.python, ctx.workdir)
+    stack = Stack(ctx.python, ctx.workdir)
     # The placements' order turns with the repeat, so none always runs first.
     k = ctx.repeat % len(opts.placements)
     order = opts.placements[k:] + opts.placements[:k]
@@ -665,155 +619,3 @@ def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
         "elapsed_s": round(time.monotonic() - started, 1),
         "cpus": os.cpu_count(),
     }
-
-
-# --------------------------------------------------------------------------- report
-
-
-def _results(result: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return result if isinstance(result, list) else [result]
-
-
-def _median_cells(
-    result: dict[str, Any] | list[dict[str, Any]],
-) -> dict[tuple[str, str], dict[str, Any]]:
-    """(workload, placement) -> the median over the repeats of each figure."""
-    by: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for res in _results(result):
-        for c in res["cells"]:
-            by.setdefault((c["workload"], c["placement"]), []).append(c)
-
-    def med(cells: list[dict[str, Any]], *path: str) -> float | None:
-        vals = []
-        for c in cells:
-            v: Any = c
-            for p in path:
-                v = v.get(p) if isinstance(v, dict) else None
-            if isinstance(v, int | float):
-                vals.append(float(v))
-        return statistics.median(vals) if vals else None
-
-    out: dict[tuple[str, str], dict[str, Any]] = {}
-    for key, cells in by.items():
-        out[key] = {
-            "n": len(cells),
-            "p50": med(cells, "ttft_ms", "p50"),
-            "p90": med(cells, "ttft_ms", "p90"),
-            "tok_s": med(cells, "throughput_tok_s"),
-            "ans_s": med(cells, "answers_per_s"),
-            "hit": med(cells, "hit_rate"),
-            "hit_req": med(cells, "hit_requests"),
-            "spread": med(cells, "instances_per_tenant"),
-            "foreign": med(cells, "foreign_cpu_pct"),
-            "errors": sum(sum(c["errors"].values()) for c in cells),
-        }
-    return out
-
-
-def _f(v: float | None, fmt: str) -> str:
-    return "-" if v is None else format(v, fmt)
-
-
-def tables(
-    result: dict[str, Any] | list[dict[str, Any]], scenario: str = "routing"
-) -> dict[str, str]:
-    """Markdown tables by marker key: ``routing`` (every cell) and
-    ``routing-target`` (the issue's two targets, met or not); another
-    scenario of this runner (``sessions``) gets its cells' table alone,
-    under its own name."""
-    cells = _median_cells(result)
-    rows = [
-        "| workload | placement | TTFT p50 ms | TTFT p90 ms | tokens/s | answers/s "
-        "| cache hit rate | full prefills | instances per tenant | errors | foreign CPU % |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for w in WORKLOADS:
-        for p in PLACEMENTS:
-            c = cells.get((w, p))
-            if c is None:
-                continue
-            rows.append(
-                f"| {w} | {p} | {_f(c['p50'], '.0f')} | {_f(c['p90'], '.0f')} "
-                f"| {_f(c['tok_s'], '.1f')} | {_f(c['ans_s'], '.2f')} "
-                f"| {_f(None if c['hit'] is None else c['hit'] * 100, '.1f')} % "
-                f"| {_f(None if c['hit_req'] is None else (1 - c['hit_req']) * 100, '.1f')} % "
-                f"| {_f(c['spread'], '.2f')} | {c['errors']} | {_f(c['foreign'], '.0f')} |"
-            )
-    n = max((c["n"] for c in cells.values()), default=0)
-    rows.append("")
-    rows.append(f"Median of {n} repeat(s) per cell.")
-    if scenario != "routing":
-        return {scenario: "\n".join(rows)}
-    out = {"routing": "\n".join(rows)}
-    target = [
-        "| target | least-loaded | prefix | ratio | met |",
-        "| --- | ---: | ---: | ---: | --- |",
-    ]
-    ll, px = cells.get(("shared", "least_loaded")), cells.get(("shared", "prefix"))
-    if ll and px and ll["p90"] and px["p90"]:
-        ratio = ll["p90"] / px["p90"]
-        target.append(
-            f"| shared: TTFT p90 at least halved | {ll['p90']:.0f} ms | {px['p90']:.0f} ms "
-            f"| {ratio:.2f}x | {'yes' if ratio >= 2 else 'no'} |"
-        )
-    ll, px = cells.get(("unique", "least_loaded")), cells.get(("unique", "prefix"))
-    if ll and px and ll["tok_s"] and px["tok_s"]:
-        ratio = px["tok_s"] / ll["tok_s"]
-        # "No throughput lost": within 2 %, the run-to-run spread of an open
-        # loop's completions on this box.
-        target.append(
-            f"| unique: no throughput lost | {ll['tok_s']:.1f} tok/s | {px['tok_s']:.1f} tok/s "
-            f"| {ratio:.3f} | {'yes' if ratio >= 0.98 else 'no'} |"
-        )
-    out["routing-target"] = "\n".join(target)
-    return out
-
-
-def plots(result: dict[str, Any] | list[dict[str, Any]], img_dir: Path) -> list[Path]:
-    """``bench_routing.png``: TTFT p50/p90 and hit rate per placement, both workloads."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cells = _median_cells(result)
-    img_dir.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    x = list(range(len(DEFAULT_PLACEMENTS)))
-    width = 0.38
-    for wi, w in enumerate(DEFAULT_WORKLOADS):
-        got = [cells.get((w, p)) for p in DEFAULT_PLACEMENTS]
-        off = [i + (wi - 0.5) * width for i in x]
-        p90 = [c["p90"] if c and c["p90"] else 0 for c in got]
-        p50 = [c["p50"] if c and c["p50"] else 0 for c in got]
-        axes[0].bar(off, p90, width, label=f"{w}: p90", alpha=0.55)
-        axes[0].scatter(off, p50, marker="_", s=300, color="black", zorder=3)
-        axes[1].bar(off, [c["tok_s"] if c and c["tok_s"] else 0 for c in got], width, label=w)
-        axes[2].bar(off, [(c["hit"] or 0) * 100 if c else 0 for c in got], width, label=w)
-    for ax, title in zip(
-        axes,
-        (
-            "TTFT p90 (bars), p50 (ticks), ms",
-            "throughput, completion tokens/s",
-            "cache hit rate, %",
-        ),
-        strict=True,
-    ):
-        ax.set_xticks(x, list(DEFAULT_PLACEMENTS))
-        ax.set_title(title)
-        ax.set_ylim(top=ax.get_ylim()[1] * 1.2)  # room for the legend above the bars
-        ax.legend(fontsize=8, loc="upper right", ncols=2)
-    fig.tight_layout()
-    path = img_dir / "bench_routing.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
-
-
-def _report(r: ReportInput) -> dict[str, str]:
-    """``iop bench report``: the tables over every repeat (each figure their
-    median), the plot, and the footer under each table."""
-    if r.scenario == "routing":  # bench_routing.png is that scenario's
-        plots(r.repeats, r.img_dir)
-    made = tables(r.repeats, r.scenario)
-    return {key: f"{text}\n\n{r.footer}" for key, text in made.items()}
