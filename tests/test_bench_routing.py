@@ -8,6 +8,7 @@ Shapes only: timings on a shared machine at smoke sizes mean nothing
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import tomllib
@@ -112,3 +113,18 @@ def test_the_tables_median_the_repeats_and_judge_the_targets(tmp_path: Path) -> 
     (png,) = plots(repeats, tmp_path)
     assert png.name == "bench_routing.png"
     assert png.read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_agents_workload_grows_each_sessions_transcript_behind_one_head() -> None:
+    from iop.bench._routing import _requests
+
+    opts = Options(workloads=["agents"], placements=["session"], tenants=3, requests=12)
+    reqs = _requests(opts, "agents", "t")
+    heads = {json.dumps(r.messages[:2]) for r in reqs}
+    assert len(heads) == 1  # one system prompt and brief: the head key cannot tell them apart
+    for session in range(3):
+        mine = [r for r in reqs if r.tenant == session]
+        lengths = [len(r.messages) for r in mine]
+        assert lengths == list(range(2, 2 + 2 * len(mine), 2))
+        for before, after in itertools.pairwise(mine):
+            assert after.messages[: len(before.messages)] == before.messages  # a growing prefix

@@ -23,10 +23,21 @@ Workloads
     to reuse; what it measures is whether a placement's preference for
     cached prefixes costs load balance.
 
+``agents``
+    ``tenants`` agent sessions (the sub-agents of one fan-out: one system
+    prompt and one brief for all of them, the conversation's head), each
+    request a session's next turn: its transcript so far, grown by an
+    assistant turn and a tool result of ``turn_tokens`` tokens each. The
+    head is the same for every session, so the head's affinity key cannot
+    tell them apart; a session key can (docs/benchmarks.md, "Sessions as
+    queue keys", ``configs/bench/sessions.toml``).
+
 Placements: ``random``; ``least_loaded`` with ``affinity = false``;
 ``affinity`` (``least_loaded`` with ``affinity = true``: a conversation,
 here a tenant's system prompt plus its user turn, goes back to the instance
-that served it); ``prefix`` (``iop/edge/scheduler/_prefix.py``).
+that served it); ``session`` (``affinity`` with each agent session's
+``x-iop-session-id`` header, ``agents`` only); ``prefix``
+(``iop/edge/scheduler/_prefix.py``).
 
 A cell's measurement
 --------------------
@@ -75,7 +86,13 @@ from iop.bench._client import sse_data
 from iop.bench._procs import Stack, machine_cpu_s, start_edge, start_node
 from iop.bench._procs import proc_cpu_s as _cpu_s
 from iop.bench._results import pct
-from iop.bench._routing_report import PLACEMENTS, WORKLOADS, Placement, Workload, report
+from iop.bench._routing_report import (
+    DEFAULT_PLACEMENTS,
+    DEFAULT_WORKLOADS,
+    Placement,
+    Workload,
+    report,
+)
 from iop.bench._runner import RunContext, register
 from iop.sim import tokenize
 from iop.testing import NODE_READY, SIM_READY, Proc, poll
@@ -87,6 +104,9 @@ MODEL: Final = "iop-sim"
 # its leading space (iop/sim/_tokenizer.py cuts a word with its leading space
 # into pieces of at most 6 bytes).
 _LETTERS: Final = "abcdefghijklmnopqrstuvwxyz"
+# An agent's turn in the ``agents`` workload: the session's header (placement
+# ``session`` only, ``iop.api._routing``).
+SESSION_HEADER: Final = "x-iop-session-id"
 
 
 class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -114,10 +134,12 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         client_timeout_s: A request not answered within this fails.
         scheduler: More of the edge's ``[scheduler]`` keys, for every cell
             (``placement`` and ``affinity`` are the cell's).
+        turn_tokens: In the ``agents`` workload, tokens of each assistant
+            turn and of each tool result a session's transcript grows by.
     """
 
-    workloads: list[Workload] = msgspec.field(default_factory=lambda: list(WORKLOADS))
-    placements: list[Placement] = msgspec.field(default_factory=lambda: list(PLACEMENTS))
+    workloads: list[Workload] = msgspec.field(default_factory=lambda: list(DEFAULT_WORKLOADS))
+    placements: list[Placement] = msgspec.field(default_factory=lambda: list(DEFAULT_PLACEMENTS))
     instances: int = 4
     tenants: int = 32
     prefix_tokens: int = 2048
@@ -136,6 +158,7 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     seed: int = 0
     client_timeout_s: float = 60.0
     scheduler: dict[str, Any] = msgspec.field(default_factory=dict)
+    turn_tokens: int = 96
 
     def __post_init__(self) -> None:
         if self.instances < 1 or self.tenants < 1 or self.requests < 1:
@@ -206,8 +229,43 @@ def _requests(opts: Options, workload: Workload, salt: str) -> list[_Request]:
     tenants = warm + [draws.randrange(opts.tenants) for _ in range(opts.requests)]
     out: list[_Request] = []
     at = 0.0
+    # The agents' shared head: one system prompt and one brief for all (the
+    # sub-agents of one fan-out), then each session's own growing turns.
+    agents_system = _text(
+        f"cell {salt} agents", random.Random(f"{opts.seed}/a"), opts.prefix_tokens
+    )
+    brief = _text(f"cell {salt} brief", random.Random(f"{opts.seed}/b"), opts.user_tokens)
+    turns: dict[int, list[dict[str, str]]] = {}
     for i, tenant in enumerate(tenants):
         user = _text(f"request {i}", rng, opts.user_tokens)
+        if workload == "agents":
+            mine = turns.setdefault(tenant, [])
+            out.append(
+                _Request(
+                    index=i,
+                    at=at,
+                    tenant=tenant,
+                    messages=[
+                        {"role": "system", "content": agents_system},
+                        {"role": "user", "content": brief},
+                        *mine,
+                    ],
+                    measured=i >= len(warm),
+                )
+            )
+            k = len(mine) // 2
+            turn = random.Random(f"{opts.seed}/{tenant}/{k}")
+            mine.append(
+                {
+                    "role": "assistant",
+                    "content": _text(f"agent {tenant} step {k}", turn, opts.turn_tokens),
+                }
+            )
+            mine.append(
+                {"role": "user", "content": _text(f"result {tenant} {k}", turn, opts.turn_tokens)}
+            )
+            at += arrivals.expovariate(opts.rate)
+            continue
         if workload == "shared":
             system = systems[tenant]
         else:
@@ -244,15 +302,20 @@ class _Sample:
     error: str = ""
 
 
-async def _one(client: httpx.AsyncClient, url: str, req: _Request, s: _Sample) -> None:
+async def _one(
+    client: httpx.AsyncClient, url: str, req: _Request, s: _Sample, sessions: bool
+) -> None:
     body = {
         "model": MODEL,
         "messages": req.messages,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    headers = {SESSION_HEADER: f"agent-{req.tenant}"} if sessions and req.tenant >= 0 else {}
     try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        async with client.stream(
+            "POST", url + "/v1/chat/completions", json=body, headers=headers
+        ) as r:
             if r.status_code != 200:
                 s.error = f"http {r.status_code}"
                 await r.aread()
@@ -287,7 +350,9 @@ def _take(s: _Sample, chunk: dict[str, Any]) -> None:
         s.cached_tokens = int(details.get("cached_tokens") or 0)
 
 
-async def _drive(url: str, reqs: list[_Request], timeout_s: float) -> tuple[list[_Sample], float]:
+async def _drive(
+    url: str, reqs: list[_Request], timeout_s: float, sessions: bool = False
+) -> tuple[list[_Sample], float]:
     """Send ``reqs`` at their scheduled times, whatever is still outstanding."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     timeout = httpx.Timeout(timeout_s, connect=10.0)
@@ -299,7 +364,7 @@ async def _drive(url: str, reqs: list[_Request], timeout_s: float) -> tuple[list
                 await trio.sleep_until(t0 + req.at)
                 s = _Sample(req.index, req.tenant, req.measured, t0 + req.at)
                 samples.append(s)
-                nursery.start_soon(_one, client, url, req, s)
+                nursery.start_soon(_one, client, url, req, s, sessions)
     return samples, t0
 
 
@@ -328,8 +393,8 @@ def _edge_config(
 ) -> dict[str, Any]:
     scheduler: dict[str, Any] = {
         **(extra or {}),
-        "placement": "least_loaded" if placement == "affinity" else placement,
-        "affinity": placement in ("affinity", "prefix"),
+        "placement": "least_loaded" if placement in ("affinity", "session") else placement,
+        "affinity": placement in ("affinity", "session", "prefix"),
     }
     return {"scheduler": scheduler, "timelines": {"export_path": str(export)}}
 
@@ -488,7 +553,7 @@ def _cell(
     cpu0 = {k: _cpu_s(p.pid) for k, p in procs.items()}
     me0, busy0, t0 = time.process_time(), machine_cpu_s()[0], time.monotonic()
     load0 = os.getloadavg()[0]
-    samples, _ = trio.run(_drive, url, reqs, opts.client_timeout_s)
+    samples, _ = trio.run(_drive, url, reqs, opts.client_timeout_s, placement == "session")
     wall = time.monotonic() - t0
     cpu = {k: round(_cpu_s(p.pid) - cpu0[k], 3) for k, p in procs.items()}
     client_cpu = time.process_time() - me0

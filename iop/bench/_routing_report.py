@@ -13,13 +13,38 @@ from typing import Any, Final, Literal
 from iop.bench._report import import_matplotlib
 from iop.bench._runner import ReportInput
 
-__all__ = ["PLACEMENTS", "WORKLOADS", "Placement", "Workload", "plots", "report", "tables"]
+__all__ = [
+    "DEFAULT_PLACEMENTS",
+    "DEFAULT_WORKLOADS",
+    "PLACEMENTS",
+    "WORKLOADS",
+    "Placement",
+    "Workload",
+    "plots",
+    "report",
+    "tables",
+]
 
-Placement = Literal["random", "least_loaded", "affinity", "prefix"]
-Workload = Literal["shared", "unique"]
+Placement = Literal["random", "least_loaded", "affinity", "session", "prefix"]
+Workload = Literal["shared", "unique", "agents"]
 
-PLACEMENTS: Final[tuple[Placement, ...]] = ("random", "least_loaded", "affinity", "prefix")
-WORKLOADS: Final[tuple[Workload, ...]] = ("shared", "unique")
+PLACEMENTS: Final[tuple[Placement, ...]] = (
+    "random",
+    "least_loaded",
+    "affinity",
+    "session",
+    "prefix",
+)
+WORKLOADS: Final[tuple[Workload, ...]] = ("shared", "unique", "agents")
+# What a scenario without ``workloads`` and ``placements`` runs: the
+# comparison of docs/benchmarks.md, "Placement: prefix-aware against least-loaded".
+DEFAULT_PLACEMENTS: Final[tuple[Placement, ...]] = (
+    "random",
+    "least_loaded",
+    "affinity",
+    "prefix",
+)
+DEFAULT_WORKLOADS: Final[tuple[Workload, ...]] = ("shared", "unique")
 
 
 def _results(result: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -66,9 +91,13 @@ def _f(v: float | None, fmt: str) -> str:
     return "-" if v is None else format(v, fmt)
 
 
-def tables(result: dict[str, Any] | list[dict[str, Any]]) -> dict[str, str]:
+def tables(
+    result: dict[str, Any] | list[dict[str, Any]], scenario: str = "routing"
+) -> dict[str, str]:
     """Markdown tables by marker key: ``routing`` (every cell) and
-    ``routing-target`` (the issue's two targets, met or not)."""
+    ``routing-target`` (the issue's two targets, met or not); another
+    scenario of this runner (``sessions``) gets its cells' table alone,
+    under its own name."""
     cells = _median_cells(result)
     rows = [
         "| workload | placement | TTFT p50 ms | TTFT p90 ms | tokens/s | answers/s "
@@ -90,6 +119,8 @@ def tables(result: dict[str, Any] | list[dict[str, Any]]) -> dict[str, str]:
     n = max((c["n"] for c in cells.values()), default=0)
     rows.append("")
     rows.append(f"Median of {n} repeat(s) per cell.")
+    if scenario != "routing":
+        return {scenario: "\n".join(rows)}
     out = {"routing": "\n".join(rows)}
     target = [
         "| target | least-loaded | prefix | ratio | met |",
@@ -123,10 +154,10 @@ def plots(result: dict[str, Any] | list[dict[str, Any]], img_dir: Path) -> list[
     cells = _median_cells(result)
     img_dir.mkdir(parents=True, exist_ok=True)
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    x = list(range(len(PLACEMENTS)))
+    x = list(range(len(DEFAULT_PLACEMENTS)))
     width = 0.38
-    for wi, w in enumerate(WORKLOADS):
-        got = [cells.get((w, p)) for p in PLACEMENTS]
+    for wi, w in enumerate(DEFAULT_WORKLOADS):
+        got = [cells.get((w, p)) for p in DEFAULT_PLACEMENTS]
         off = [i + (wi - 0.5) * width for i in x]
         p90 = [c["p90"] if c and c["p90"] else 0 for c in got]
         p50 = [c["p50"] if c and c["p50"] else 0 for c in got]
@@ -143,7 +174,7 @@ def plots(result: dict[str, Any] | list[dict[str, Any]], img_dir: Path) -> list[
         ),
         strict=True,
     ):
-        ax.set_xticks(x, list(PLACEMENTS))
+        ax.set_xticks(x, list(DEFAULT_PLACEMENTS))
         ax.set_title(title)
         ax.set_ylim(top=ax.get_ylim()[1] * 1.2)  # room for the legend above the bars
         ax.legend(fontsize=8, loc="upper right", ncols=2)
@@ -157,5 +188,7 @@ def plots(result: dict[str, Any] | list[dict[str, Any]], img_dir: Path) -> list[
 def report(r: ReportInput) -> dict[str, str]:
     """``iop bench report``: the tables over every repeat (each figure their
     median), the plot, and the footer under each table."""
-    plots(r.repeats, r.img_dir)
-    return {key: f"{text}\n\n{r.footer}" for key, text in tables(r.repeats).items()}
+    if r.scenario == "routing":  # bench_routing.png is that scenario's
+        plots(r.repeats, r.img_dir)
+    made = tables(r.repeats, r.scenario)
+    return {key: f"{text}\n\n{r.footer}" for key, text in made.items()}

@@ -51,8 +51,10 @@ API_DOC = ROOT / "docs" / "api.md"
 OPENAI_SCHEMAS = ROOT / "tests" / "data" / "openai-schemas.json"
 
 # Struct fields that are not keys of the wire body: Messages' ``ignored`` is
-# filled by the parser with the names of the keys it ignored (for the log).
-NOT_ON_THE_WIRE = frozenset({"ignored"})
+# filled by the parser with the names of the keys it ignored (for the log);
+# a request's ``routing`` is the edge's, from its headers (iop/api/_routing.py,
+# docs/api.md "Sessions and objectives").
+NOT_ON_THE_WIRE = frozenset({"ignored", "routing"})
 
 _HEADING = re.compile(r"^(#{2,6}) (.+)$")
 _TICKED = re.compile(r"`([^`]+)`")
