@@ -3,7 +3,7 @@
 Every finished run of an edge is one ``UsageRecord``: when it ended, whose
 it was (tenant, key name), what ran where (model, operation, node,
 instance, attempts), what it used (the usage its tenant is charged:
-``iop.edge.tenancy._tenants.charged_usage``), how it ended and what it cost. The
+``iop.edge.tenancy._charges.charged_usage``), how it ended and what it cost. The
 edge's writer (``iop.edge.tenancy._ledger``) appends them in batches to a SQLite
 file in WAL mode; ``iop usage`` and ``/admin/usage`` read it back
 (``LedgerStore.report``), and a restarted edge restores its tenants'

@@ -53,15 +53,10 @@ from iop.edge.scheduler import EVEN_SHARE, QueueShare, Scheduler
 from iop.edge.scheduler._admission import refuse_unservable
 from iop.edge.server._tls import EdgeTLS
 from iop.edge.tenancy._admission import TenantAdmission, usage_record
+from iop.edge.tenancy._charges import charged_usage, estimate_prompt_tokens
 from iop.edge.tenancy._cluster import SharedLimits, default_edge_id
 from iop.edge.tenancy._ledger import Ledger
-from iop.edge.tenancy._tenants import (
-    Tenant,
-    Tenants,
-    Ticket,
-    charged_usage,
-    estimate_prompt_tokens,
-)
+from iop.edge.tenancy._tenants import Tenant, Tenants, Ticket
 from iop.errors import ConfigError, ErrorCode, RequestError
 from iop.events import CancelReason, Usage
 from iop.ledger import Prices

@@ -206,7 +206,7 @@ class EdgeMetrics:
 
     def record(self, run: Run, now: float, charged: Usage | None) -> None:
         """Count one ended run (called once per run, off the hot path), and
-        for its tenant what it was ``charged`` (``iop.edge.tenancy._tenants.charged_usage``)."""
+        for its tenant what it was ``charged`` (``iop.edge.tenancy._charges.charged_usage``)."""
         model = run.spec.model
         o = run.outcome
         if isinstance(o, Complete):

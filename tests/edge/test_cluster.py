@@ -22,7 +22,8 @@ from prometheus_client import CollectorRegistry
 
 from iop.config import ClusterSettings, TenancySettings, TenantSettings
 from iop.edge.tenancy._cluster import SharedLimits
-from iop.edge.tenancy._tenants import RateLimited, Tenants, Via
+from iop.edge.tenancy._limits import RateLimited
+from iop.edge.tenancy._tenants import Tenants, Via
 from iop.errors import ConfigError
 from iop.events import Usage
 from iop.testing import free_port

@@ -24,7 +24,8 @@ from iop.config import decode_config as decode
 from iop.edge.routes._admin_page import render_admin_page
 from iop.edge.tenancy._cluster_replies import BadReply, decode_budget
 from iop.edge.tenancy._ledger import Ledger
-from iop.edge.tenancy._tenants import RateLimited, Tenants, Ticket
+from iop.edge.tenancy._limits import RateLimited
+from iop.edge.tenancy._tenants import Tenants, Ticket
 from iop.errors import ConfigError
 from iop.events import Usage
 from iop.ledger import (

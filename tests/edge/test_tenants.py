@@ -15,18 +15,9 @@ import pytest
 import trio
 
 from iop.config import EdgeConfig, EdgeServer, TenancySettings, TenantSettings, decode_config
-from iop.edge.tenancy._tenants import (
-    ANONYMOUS,
-    DEFAULT,
-    Bucket,
-    RateLimited,
-    Tenants,
-    charged_usage,
-    estimate_prompt_tokens,
-    estimate_tokens,
-    headers_anthropic,
-    headers_openai,
-)
+from iop.edge.tenancy._charges import charged_usage, estimate_prompt_tokens, estimate_tokens
+from iop.edge.tenancy._limits import Bucket, RateLimited, headers_anthropic, headers_openai
+from iop.edge.tenancy._tenants import ANONYMOUS, DEFAULT, Tenants
 from iop.errors import ConfigError
 from iop.events import Cancelled, CancelReason, Complete, Delta, Error, Start, Usage
 from iop.spec import ChatRequest, CompletionRequest, EmbeddingRequest, Message, TokenizeRequest

@@ -16,7 +16,8 @@ from iop._reload import ReloadOutcome
 from iop.config import EdgeConfig, TenancySettings, TenantSettings
 from iop.edge import open_edge_core
 from iop.edge.routes._admin_auth import AdminGate, Verdict
-from iop.edge.tenancy._tenants import ANONYMOUS, DEFAULT, RateLimited, Tenants
+from iop.edge.tenancy._limits import RateLimited
+from iop.edge.tenancy._tenants import ANONYMOUS, DEFAULT, Tenants
 from iop.events import Usage
 from tests.edge.test_app import config, edge
 

@@ -87,7 +87,8 @@ from iop.edge.routes._errors import (
 )
 from iop.edge.server._stall import ConnectionStall, client_gone_reason, current_connection
 from iop.edge.server._surface_asgi import Answer, BodyReader, EndKnownBody, SurfaceAnswer
-from iop.edge.tenancy._tenants import RateLimited, no_access, rate_headers, retry_headers
+from iop.edge.tenancy._limits import RateLimited, rate_headers, retry_headers
+from iop.edge.tenancy._tenants import no_access
 from iop.errors import ErrorCode, IopError, RequestError
 from iop.events import (
     Cancelled,

@@ -18,14 +18,9 @@ import time
 import trio
 
 from iop.config import TenancySettings
+from iop.edge.tenancy._charges import estimate_prompt_tokens, estimate_tokens
 from iop.edge.tenancy._cluster import SharedLimits
-from iop.edge.tenancy._tenants import (
-    Tenant,
-    Tenants,
-    Ticket,
-    estimate_prompt_tokens,
-    estimate_tokens,
-)
+from iop.edge.tenancy._tenants import Tenant, Tenants, Ticket
 from iop.events import Cancelled, Complete, Error, Usage
 from iop.ledger import Prices, UsageRecord
 from iop.runtime import Run

@@ -5,7 +5,7 @@ must agree on lives in one Valkey (or Redis) server, written only by the
 Lua scripts of ``iop.edge.tenancy._cluster_scripts``, each one atomic on the server and one round trip:
 
 * ``RESERVE`` at admission: refill the tenant's request and token buckets
-  (the same token buckets as ``iop.edge.tenancy._tenants.Bucket``: capacity
+  (the same token buckets as ``iop.edge.tenancy._limits.Bucket``: capacity
   *limit*, refilled at *limit / 60* per second, full when absent), count
   the concurrency slots held by *live* edges, and take 1 request, the
   estimated tokens and a slot, all or nothing. The clock is the server's
@@ -102,15 +102,8 @@ from iop.edge.tenancy._cluster_replies import (
     decode_reserve,
 )
 from iop.edge.tenancy._cluster_scripts import BUDGET_KEY_GRACE_S, SCRIPTS
-from iop.edge.tenancy._tenants import (
-    Limited,
-    RateLimited,
-    Tenant,
-    Tenants,
-    Ticket,
-    Via,
-    _human,
-)
+from iop.edge.tenancy._limits import Limited, RateLimited, human_seconds
+from iop.edge.tenancy._tenants import Tenant, Tenants, Ticket, Via
 from iop.errors import ConfigError, InvariantError
 from iop.events import Usage
 from iop.ledger import period_end
@@ -353,7 +346,7 @@ class SharedLimits:
                     wr,
                     "requests",
                     f"Rate limit reached for tenant {tenant.name} on requests per minute: "
-                    f"limit {tenant.requests.capacity}. Please try again in {_human(wr)}.",
+                    f"limit {tenant.requests.capacity}. Please try again in {human_seconds(wr)}.",
                 )
             )
         if wt != 0 and tenant.tokens is not None:
@@ -375,7 +368,7 @@ class SharedLimits:
                         "tokens",
                         f"Rate limit reached for tenant {tenant.name} on tokens per minute: "
                         f"limit {cap}, requested {tokens}. "
-                        f"Please try again in {_human(wt)}.",
+                        f"Please try again in {human_seconds(wt)}.",
                     )
                 )
         wait, limit, message = max(waits)

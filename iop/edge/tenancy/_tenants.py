@@ -34,7 +34,9 @@ The limits (docs/operations.md, "Tenants and limits"):
 A request over a limit is refused with 429 before it reaches the queue:
 ``RateLimited`` says which limit, when to retry, and the state of each
 bucket for the response headers (OpenAI's ``x-ratelimit-*``, Anthropic's
-``anthropic-ratelimit-*``: ``headers_openai``, ``headers_anthropic``).
+``anthropic-ratelimit-*``): the buckets, budgets and headers are in
+``iop/edge/tenancy/_limits.py``, what a request reserves and a run is
+charged in ``iop/edge/tenancy/_charges.py``.
 
 Prefix caches (docs/operations.md, "Tenants and limits", "Prefix caches").
 A cached prefix answers faster and says so (``cached_tokens``), so a tenant
@@ -62,48 +64,40 @@ import base64
 import enum
 import hashlib
 import math
-import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
-from typing import Final, cast
+from typing import Final
 
 import msgspec
 
-from iop.api import estimate_input_tokens
 from iop.config import TenancySettings, TenantSettings
 from iop.edge.scheduler import EVEN_SHARE, QueueShare
+from iop.edge.tenancy._limits import (
+    Bucket,
+    Budget,
+    Limited,
+    RateLimited,
+    human_seconds,
+    rebucket,
+    rebudget,
+    reset_duration,
+)
 from iop.errors import ErrorCode, RequestError
-from iop.events import Cancelled, Complete, Error, Usage
-from iop.ledger import Period, UsageRecord, money, period_end, period_key
+from iop.events import Usage
+from iop.ledger import UsageRecord, money, period_end
 from iop.spec import (
-    ChatRequest,
-    CompletionRequest,
-    EmbeddingRequest,
-    Operation,
     OperationRequest,
-    TokenizeRequest,
 )
 
 __all__ = [
     "ANONYMOUS",
     "DEFAULT",
-    "Bucket",
-    "Budget",
-    "Limited",
-    "RateLimited",
     "Tenant",
     "Tenants",
     "Ticket",
     "Via",
-    "charged_usage",
-    "estimate_prompt_tokens",
-    "estimate_tokens",
-    "headers_anthropic",
-    "headers_openai",
+    "digest",
     "no_access",
-    "rate_headers",
-    "retry_headers",
 ]
 
 # The key salts are derived under when ``tenancy.cache_salt_key`` is empty
@@ -118,93 +112,12 @@ DEFAULT: Final = "default"
 # A tenant's ``priority`` as the scheduler's class number (0 is served first).
 PRIORITIES: Final = {"high": 0, "normal": 1, "low": 2}
 
-# The chars-per-token ratio of iop.api.messages._tokens, for prompts that are
-# not chat messages.
-_CHARS_PER_TOKEN: Final = 4
-
 # A salt is 32 bytes, 43 characters of URL-safe base64: vLLM asks for a salt
 # "long enough to be unpredictable (e.g., 43 characters base64-encoded,
 # corresponding to 256 bit)" (the field's description since
 # https://github.com/vllm-project/vllm/pull/17045).
 _SALT_BYTES: Final = 32
 _SALT_PERSON: Final = b"iop-cache-salt"
-
-
-class Bucket:
-    """A token bucket of ``capacity``, refilled at ``capacity / 60`` per second.
-
-    The level may go below zero (a settled run that used more than it
-    reserved); it is never above ``capacity``.
-    """
-
-    __slots__ = ("_at", "_level", "capacity", "rate")
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.rate = capacity / 60.0
-        self._level = float(capacity)
-        # Full from its first use: the constructor needs no clock.
-        self._at: float | None = None
-
-    def level(self, now: float) -> float:
-        """The bucket's level at ``now``."""
-        if self._at is None:
-            self._at = now
-        elif now > self._at:
-            self._level = min(float(self.capacity), self._level + (now - self._at) * self.rate)
-            self._at = now
-        return self._level
-
-    def wait_for(self, cost: float, now: float) -> float:
-        """Seconds until ``cost`` can be taken (0: now). ``cost`` above the
-        capacity can never be taken: ``math.inf``."""
-        if cost > self.capacity:
-            return math.inf
-        short = cost - self.level(now)
-        return 0.0 if short <= 0 else short / self.rate
-
-    def take(self, cost: float, now: float) -> None:
-        """Take ``cost`` (the caller checked ``wait_for``); may go below zero."""
-        self._level = self.level(now) - cost
-
-    def give(self, amount: float, now: float) -> None:
-        """Give ``amount`` back (capped at the capacity)."""
-        self._level = min(float(self.capacity), self.level(now) + amount)
-
-    def until_full(self, now: float) -> float:
-        """Seconds until the bucket is full again (OpenAI's "reset")."""
-        return (self.capacity - self.level(now)) / self.rate
-
-    def resize(self, capacity: int, now: float) -> None:
-        """A new limit (a config reload): the level stays what it is, capped at
-        the new capacity; from now on it refills at ``capacity / 60``."""
-        level = self.level(now)
-        self.capacity = capacity
-        self.rate = capacity / 60.0
-        self._level = min(float(capacity), level)
-
-
-@dataclass(slots=True)
-class Budget:
-    """A tenant's spend in one UTC period (``day`` or ``month``), in micro-units.
-
-    ``spent`` holds the settled cost of the period's runs plus the
-    reservations of the runs still going; it starts again at 0 when the
-    period changes (``roll``).
-    """
-
-    period: Period
-    limit: int
-    spent: int = 0
-    key: str = ""  # the period ``spent`` is of (``iop.ledger.period_key``)
-
-    def roll(self, wall: float) -> str:
-        """Start the period holding ``wall`` if it is a new one; its key."""
-        key = period_key(self.period, wall)
-        if key != self.key:
-            self.key = key
-            self.spent = 0
-        return key
 
 
 @dataclass(slots=True)
@@ -238,16 +151,6 @@ class Tenant:
         return [m for m in models if self.may_use(m)]
 
 
-@dataclass(frozen=True, slots=True)
-class Limited:
-    """The state of one limit, for the response headers."""
-
-    kind: str  # "requests" or "tokens"
-    limit: int
-    remaining: int
-    reset_s: float
-
-
 class Via(enum.Enum):
     """Where a ticket's reservation was made, so it is settled there."""
 
@@ -278,65 +181,6 @@ class Ticket:
     budget_shared: bool = False
     # The name of the key the request came with (the usage ledger's).
     key_name: str = ""
-
-
-class RateLimited(RequestError):
-    """A request over one of its tenant's limits (429).
-
-    Attributes:
-        limit: Which limit: ``requests``, ``tokens`` or ``concurrency``
-            (the one that frees up last, when several are crossed).
-        retry_after_s: When the request could be admitted, at the earliest
-            (``math.inf``: never, it is larger than the limit itself).
-        limits: Every limit of the tenant, for the response headers.
-    """
-
-    def __init__(
-        self, message: str, *, limit: str, retry_after_s: float, limits: tuple[Limited, ...]
-    ) -> None:
-        super().__init__(message, status=429, code=ErrorCode.RATE_LIMIT_EXCEEDED)
-        self.limit = limit
-        self.retry_after_s = retry_after_s
-        self.limits = limits
-
-    @property
-    def retry_after_header(self) -> str:
-        """``Retry-After`` in whole seconds (at least 1)."""
-        if math.isinf(self.retry_after_s):
-            return "60"
-        return str(max(1, math.ceil(self.retry_after_s)))
-
-
-def estimate_tokens(request: OperationRequest, default_max_tokens: int) -> int:
-    """What a request reserves against ``tokens_per_minute``: its prompt
-    (``estimate_prompt_tokens``) plus the output it may produce."""
-    prompt = estimate_prompt_tokens(request)
-    if isinstance(request, ChatRequest):
-        return prompt + (request.max_completion_tokens or request.max_tokens or default_max_tokens)
-    if isinstance(request, CompletionRequest):
-        return prompt + (request.max_tokens or default_max_tokens)
-    return prompt
-
-
-def estimate_prompt_tokens(request: OperationRequest) -> int:
-    """A request's prompt, estimated as ``count_tokens`` does (docs/api.md,
-    "count_tokens"): what it reserves, and what it is charged for its prompt
-    when it is cancelled after its first output (``iop.runtime``'s
-    ``Run.prompt_tokens``). A token count's is 0: it generates nothing, so
-    it reserves and is charged no tokens."""
-    if isinstance(request, ChatRequest):
-        return estimate_input_tokens(request)
-    if isinstance(request, CompletionRequest):
-        prompt = request.prompt
-        # A prompt of token ids is its length in tokens.
-        return math.ceil(len(prompt) / _CHARS_PER_TOKEN) if isinstance(prompt, str) else len(prompt)
-    if isinstance(request, EmbeddingRequest):
-        return sum(
-            math.ceil(len(i) / _CHARS_PER_TOKEN) if isinstance(i, str) else len(i)
-            for i in request.inputs
-        )
-    assert isinstance(request, TokenizeRequest)
-    return 0
 
 
 def digest(key: str) -> str:
@@ -413,13 +257,13 @@ class Tenants:
                     name=t.name, models=frozenset(), requests=None, tokens=None, max_concurrent=0
                 )
             tenant.models = frozenset(t.models)
-            tenant.requests = _rebucket(tenant.requests, t.requests_per_minute, now)
-            tenant.tokens = _rebucket(tenant.tokens, t.tokens_per_minute, now)
+            tenant.requests = rebucket(tenant.requests, t.requests_per_minute, now)
+            tenant.tokens = rebucket(tenant.tokens, t.tokens_per_minute, now)
             tenant.max_concurrent = t.max_concurrent_runs
             tenant.share = QueueShare(t.name, PRIORITIES[t.priority], t.weight)
             tenant.isolated = not t.share_prefix_cache
             tenant.objective = t.objective
-            tenant.budgets = _rebudget(tenant.budgets, t.budget_micros)
+            tenant.budgets = rebudget(tenant.budgets, t.budget_micros)
             everyone[t.name] = tenant
             for d in t.key_sha256:
                 by_digest[d] = tenant
@@ -477,7 +321,7 @@ class Tenants:
                 message = (
                     f"Budget reached for tenant {tenant.name}: {money(budget.spent)} of "
                     f"{money(budget.limit)} per {budget.period} spent or reserved. "
-                    f"It renews in {_duration(wait)} (at the start of the next UTC "
+                    f"It renews in {reset_duration(wait)} (at the start of the next UTC "
                     f"{budget.period})."
                 )
             waits.append((wait, f"budget_{budget.period}", message))
@@ -573,7 +417,7 @@ class Tenants:
                         wait,
                         "requests",
                         f"Rate limit reached for tenant {tenant.name} on requests per minute: "
-                        f"limit {tenant.requests.capacity}. Please try again in {_human(wait)}.",
+                        f"limit {tenant.requests.capacity}. Please try again in {human_seconds(wait)}.",
                     )
                 )
         if tenant.tokens is not None:
@@ -595,7 +439,7 @@ class Tenants:
                         "tokens",
                         f"Rate limit reached for tenant {tenant.name} on tokens per minute: "
                         f"limit {tenant.tokens.capacity}, requested {tokens}. "
-                        f"Please try again in {_human(wait)}.",
+                        f"Please try again in {human_seconds(wait)}.",
                     )
                 )
         if waits:
@@ -688,42 +532,6 @@ class Tenants:
         return out
 
 
-def charged_usage(outcome: object, operation: Operation) -> Usage | None:
-    """What a run's tenant is charged: the usage a completed or cancelled run
-    reported (a cancelled run's is its prompt once the backend had read it,
-    and what it streamed: ``iop.runtime``, "What a ``Cancelled`` run used");
-    nothing for a run that failed (the platform's failure, not the tenant's
-    use) nor for a token count (it generates nothing); None (the
-    reservation stands) when the outcome is unknown."""
-    if isinstance(outcome, Complete | Cancelled):
-        return Usage() if operation == "tokenize" else outcome.usage
-    if isinstance(outcome, Error):
-        return Usage()
-    return None
-
-
-def _rebucket(bucket: Bucket | None, limit: int, now: float) -> Bucket | None:
-    """A tenant's bucket for ``limit`` (0: none), the live one kept when there is one."""
-    if not limit:
-        return None
-    if bucket is None:
-        return Bucket(limit)
-    if bucket.capacity != limit:
-        bucket.resize(limit, now)
-    return bucket
-
-
-def _rebudget(budgets: dict[str, Budget], limits: Mapping[str, int]) -> dict[str, Budget]:
-    """A tenant's budgets for ``limits`` (period -> micro-units), each live one
-    kept with its spend and reservations (only its limit changes)."""
-    out: dict[str, Budget] = {}
-    for period, limit in limits.items():
-        budget = budgets.get(period) or Budget(cast(Period, period), limit)
-        budget.limit = limit
-        out[period] = budget
-    return out
-
-
 def _unlimited(name: str, *, isolated: bool = False) -> Tenant:
     return Tenant(
         name=name,
@@ -736,54 +544,6 @@ def _unlimited(name: str, *, isolated: bool = False) -> Tenant:
     )
 
 
-def _human(seconds: float) -> str:
-    if seconds < 1:
-        return f"{max(1, round(seconds * 1000))}ms"
-    return f"{seconds:.1f}s" if seconds < 60 else _duration(seconds)
-
-
-def _duration(seconds: float) -> str:
-    """OpenAI's reset format: ``12ms``, ``1s``, ``6m0s``, ``1h2m3s``."""
-    if seconds < 1:
-        return f"{max(0, math.ceil(seconds * 1000))}ms"
-    total = math.ceil(seconds)
-    h, rest = divmod(total, 3600)
-    m, s = divmod(rest, 60)
-    if h:
-        return f"{h}h{m}m{s}s"
-    if m:
-        return f"{m}m{s}s"
-    return f"{s}s"
-
-
-def headers_openai(limits: Iterable[Limited]) -> dict[str, str]:
-    """OpenAI's rate-limit headers (https://platform.openai.com/docs/guides/rate-limits)."""
-    out: dict[str, str] = {}
-    for lim in limits:
-        out[f"x-ratelimit-limit-{lim.kind}"] = str(lim.limit)
-        out[f"x-ratelimit-remaining-{lim.kind}"] = str(lim.remaining)
-        out[f"x-ratelimit-reset-{lim.kind}"] = _duration(lim.reset_s)
-    return out
-
-
-def headers_anthropic(limits: Iterable[Limited], wall: float | None = None) -> dict[str, str]:
-    """Anthropic's rate-limit headers (https://docs.anthropic.com/en/api/rate-limits):
-    each reset an RFC 3339 time."""
-    wall = time.time() if wall is None else wall
-    out: dict[str, str] = {}
-    for lim in limits:
-        at = datetime.fromtimestamp(wall + lim.reset_s, UTC).replace(microsecond=0)
-        out[f"anthropic-ratelimit-{lim.kind}-limit"] = str(lim.limit)
-        out[f"anthropic-ratelimit-{lim.kind}-remaining"] = str(lim.remaining)
-        out[f"anthropic-ratelimit-{lim.kind}-reset"] = at.isoformat().replace("+00:00", "Z")
-    return out
-
-
-def rate_headers(limits: Iterable[Limited], anthropic: bool) -> dict[str, str]:
-    """The rate-limit headers of a response, in the surface's family."""
-    return headers_anthropic(limits) if anthropic else headers_openai(limits)
-
-
 def no_access(model: str) -> RequestError:
     """A model the tenant may not use: as OpenAI answers a model the key
     cannot see, so a tenant learns nothing of the models it may not use."""
@@ -793,8 +553,3 @@ def no_access(model: str) -> RequestError:
         code=ErrorCode.MODEL_NOT_FOUND,
         param="model",
     )
-
-
-def retry_headers(exc: RateLimited, anthropic: bool) -> dict[str, str]:
-    """The headers of a 429 for ``exc``, in the surface's family."""
-    return {"Retry-After": exc.retry_after_header, **rate_headers(exc.limits, anthropic)}
