@@ -735,7 +735,7 @@ async def test_affinity_memory_is_bounded(autojump_clock: trio.testing.MockClock
             await node.assigns.receive()
             await node.send(f"r{i}", Start(), Complete())
             await drain_events(run)
-        assert len(core.scheduler._affinity) == 3
+        assert len(core.scheduler.placement._affinity) == 3
         nursery.cancel_scope.cancel()
 
 

@@ -1,4 +1,4 @@
-"""Fair queueing (iop.edge.scheduler._placement, ``Scheduler.dispatch``): classes in order,
+"""Fair queueing (iop.edge.scheduler._scheduler, ``Scheduler.dispatch``): classes in order,
 tenants by weighted fair share, on an edge core with a hand-played node and a
 virtual clock."""
 

@@ -208,7 +208,7 @@ async def test_random_placement_uses_every_instance(autojump_clock: trio.testing
     async with open_edge_core(cfg) as core, trio.open_nursery() as nursery:
         a = await connect(core, nursery, [caps(slots=64)], "a")
         b = await connect(core, nursery, [caps(slots=64)], "b")
-        core.scheduler._random.seed(7)  # deterministic: both instances are drawn
+        core.scheduler.placement._random.seed(7)  # deterministic: both instances are drawn
         runs = [core.start_run(spec(chat(SYSTEM, f"q{i}"), f"r{i}")) for i in range(12)]
         await trio.testing.wait_all_tasks_blocked()
         assert a.assigned

@@ -17,7 +17,7 @@ from iop.errors import ErrorCode, RequestError
 
 if TYPE_CHECKING:
     from iop.edge.runs._nodes import NodeRegistry
-    from iop.edge.scheduler._placement import Scheduler
+    from iop.edge.scheduler._scheduler import Scheduler
 
 __all__ = ["refuse_unservable"]
 
