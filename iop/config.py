@@ -1037,6 +1037,9 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             prefix index (about a quarter as many tokens).
         prefix_index_bytes: Memory the prefix index may take, all instances
             together; the least recently routed blocks go first.
+        prefix_chars_per_token: Characters of rendered prompt per engine
+            token, to turn an instance's reported cache size (tokens) into
+            blocks of the prefix index.
         prefix_weight: Score of an instance expected to hold a whole
             prompt's prefix (a part in proportion).
         load_weight: Score lost per unit of an instance's load (in-flight
@@ -1077,6 +1080,11 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
     # 32 MiB: ~130,000 (instance, block) entries, e.g. 32 tenants' 2k-token
     # prefixes on 4 instances 30 times over.
     prefix_index_bytes: int = 32 * 1024 * 1024
+    # 4: what BPE tokenizers make of English (OpenAI's rule of thumb); a
+    # smaller figure than the true one makes the index forget a prefix a
+    # little early (a miss it could have had), never claim one evicted
+    # (docs/operations.md, "Prefix caches").
+    prefix_chars_per_token: float = 4.0
     prefix_weight: float = 1.0
     load_weight: float = 1.0
     affinity_weight: float = 0.5
@@ -1104,6 +1112,8 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             raise ValueError("prefix_block_chars must be >= 16")
         if self.prefix_index_bytes < 0:
             raise ValueError("prefix_index_bytes must be >= 0")
+        if not 0.5 <= self.prefix_chars_per_token <= 64:
+            raise ValueError("prefix_chars_per_token must be within 0.5 and 64")
         if min(self.prefix_weight, self.load_weight, self.affinity_weight, self.kv_weight) < 0:
             raise ValueError("placement weights must be >= 0")
         if not self.load_stale_s > 0:

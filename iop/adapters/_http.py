@@ -92,6 +92,7 @@ from iop.wire._engine_load import (
     EngineFigures,
     figures_from_metrics,
     metric_names,
+    parse_cache_config,
     parse_llamacpp_slots,
     parse_metrics,
 )
@@ -1030,7 +1031,10 @@ class HTTPAdapter:
                 self._use_slots = True
                 return await self.engine_load()
             raise
-        return figures_from_metrics(self.engine, parse_metrics(page, metric_names(self.engine)))
+        figures = figures_from_metrics(self.engine, parse_metrics(page, metric_names(self.engine)))
+        if self.engine is EngineDialect.VLLM:
+            figures = msgspec.structs.replace(figures, cache_tokens=parse_cache_config(page))
+        return figures
 
     async def aclose(self) -> None:
         await self._http.aclose()

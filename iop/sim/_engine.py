@@ -27,7 +27,10 @@ answers exactly as before):
 What the engine shows a scraper is what vLLM's ``/metrics`` shows
 (https://docs.vllm.ai/en/stable/usage/metrics/): ``vllm:num_requests_running``,
 ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (blocks the
-running requests hold, over the cache's blocks: 0 to 1), and the counters
+running requests hold, over the cache's blocks: 0 to 1; a prefix that
+several running requests share counts once, as vLLM's block pool shares
+it), ``vllm:cache_config_info`` (the cache's shape: ``num_gpu_blocks`` and
+``block_size`` labels, as vLLM publishes them), and the counters
 ``vllm:prefix_cache_queries`` and ``vllm:prefix_cache_hits`` in tokens. The
 response's usage says how many prompt tokens were cached
 (``prompt_tokens_details.cached_tokens``, as vLLM with
@@ -41,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -108,6 +111,9 @@ class Admission:
     cached_tokens: int
     prefill_s: float
     blocks: int  # the request's footprint in the cache while it runs
+    # The prompt's full blocks, shared with every running request of the
+    # same prefix (``blocks`` counts them too; the rest are its own).
+    shared: tuple[bytes, ...] = ()
 
 
 @dataclass
@@ -118,8 +124,12 @@ class Engine:
     cache: PrefixCache = field(init=False)
     running: int = 0
     waiting: int = 0
-    # Blocks held by running requests (kv_cache_usage_perc's numerator).
-    held_blocks: int = 0
+    # Blocks held by running requests that no other holds (their partial
+    # prompt block and their output), and how many running requests hold
+    # each shared prompt block: vLLM keeps one copy of a prefix's blocks
+    # however many requests run on it (held_blocks).
+    _own_blocks: int = 0
+    _shared_blocks: Counter[bytes] = field(default_factory=Counter)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     _seats: trio.Semaphore | None = field(init=False, default=None)
@@ -159,6 +169,7 @@ class Engine:
             cached_tokens=cached,
             prefill_s=prefill,
             blocks=math.ceil((total + output) / block),
+            shared=tuple(hashes) if self.config.kv_cache_blocks else (),
         )
 
     @contextlib.asynccontextmanager
@@ -171,18 +182,30 @@ class Engine:
         finally:
             self.waiting -= 1
         self.running += 1
-        self.held_blocks += admission.blocks
+        own = admission.blocks - len(admission.shared)
+        self._own_blocks += own
+        self._shared_blocks.update(admission.shared)
         try:
             yield
         finally:
             self.running -= 1
-            self.held_blocks -= admission.blocks
+            self._own_blocks -= own
+            self._shared_blocks.subtract(admission.shared)
+            for h in admission.shared:
+                if self._shared_blocks[h] <= 0:
+                    del self._shared_blocks[h]
             if self._seats is not None:
                 self._seats.release()
 
     def decode_factor(self, request_cfg: SimConfig) -> float:
         """How much the running batch stretches each token's delay now."""
         return 1.0 + request_cfg.decode_slowdown * max(0, self.running - 1)
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks the running requests hold, a shared prefix's once (the
+        numerator of ``kv_cache_usage_perc``, as vLLM counts it)."""
+        return self._own_blocks + len(self._shared_blocks)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -211,4 +234,16 @@ class Engine:
             "# TYPE vllm:prefix_cache_hits_total counter",
             f"vllm:prefix_cache_hits_total{label} {float(self.prefix_cache_hits)}",
         ]
+        if self.config.kv_cache_blocks > 0:
+            # vLLM's info gauge of its cache config: the shape is in the labels.
+            info = (
+                f'{{block_size="{max(1, self.config.kv_block_tokens)}",'
+                f'enable_prefix_caching="True",'
+                f'num_gpu_blocks="{self.config.kv_cache_blocks}"}}'
+            )
+            lines += [
+                "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+                "# TYPE vllm:cache_config_info gauge",
+                f"vllm:cache_config_info{info} 1.0",
+            ]
         return ("\n".join(lines) + "\n").encode()

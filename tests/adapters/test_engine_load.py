@@ -8,8 +8,9 @@ import pytest
 import trio
 
 from iop.adapters import EngineLoadReader, OpenAICompatAdapter, SimAdapter, VllmAdapter
-from iop.config import OpenAICompatInstance, SimInstance, VllmInstance
+from iop.config import OpenAICompatInstance, SimConfig, SimInstance, VllmInstance
 from iop.errors import BackendHTTPError, BackendProtocolError, BackendTimeout
+from iop.sim._engine import Engine
 from iop.wire import EngineFigures
 
 
@@ -132,3 +133,14 @@ async def test_a_backend_with_no_metrics_page_keeps_its_connection() -> None:
             await adapter.aclose()
         assert [r.path for r in fb.requests] == ["/metrics"] * 3
         assert len(fb.connections) == 1
+
+
+async def test_vllm_reads_the_cache_size_from_the_sims_metrics() -> None:
+    """The sim's ``/metrics`` (its engine model) publishes vLLM's
+    ``cache_config_info``; the vLLM adapter reads the cache size off it."""
+    page = Engine(SimConfig(kv_cache_blocks=96, kv_block_tokens=16)).metrics("m")
+    transport, _ = serving({"/metrics": httpx.Response(200, content=page)})
+    cfg = msgspec.convert({"name": "v", "endpoint": "http://engine.test:8000/v1"}, VllmInstance)
+    figures = await VllmAdapter(cfg, transport=transport).engine_load()
+    assert figures.cache_tokens == 96 * 16
+    assert figures.running == 0.0

@@ -209,3 +209,18 @@ async def test_over_http_a_salt_is_its_own_cache_and_must_not_be_empty() -> None
             )
             assert refused.status_code == 400
             assert "cache_salt" in refused.json()["error"]["message"]
+
+
+async def test_kv_cache_usage_counts_a_shared_prefix_once() -> None:
+    """Two running requests of one prompt hold its prompt blocks once (vLLM
+    shares a cached prefix's blocks between requests), plus each its own
+    output blocks: usage is not the sum of their footprints."""
+    engine = Engine(SimConfig(kv_cache_blocks=100, kv_block_tokens=4, output_tokens=4))
+    a = engine.admit(list(range(16)), engine.config)  # 4 prompt blocks + 1 of output
+    b = engine.admit(list(range(16)), engine.config)
+    assert a.blocks == b.blocks == 5
+    async with engine.seat(a), engine.seat(b):
+        assert engine.held_blocks == 4 + 1 + 1
+        assert engine.kv_cache_usage == 6 / 100
+    assert engine.held_blocks == 0
+    assert engine.kv_cache_usage == 0.0
