@@ -587,8 +587,7 @@ def _misses_per_window(samples: list[_Sample], window_s: float) -> list[float | 
             s.cached_tokens * 2 < s.prompt_tokens
         )
     return [
-        round(sum(bins[i]) / len(bins[i]), 4) if bins.get(i) else None
-        for i in range(max(bins) + 1)
+        round(sum(bins[i]) / len(bins[i]), 4) if bins.get(i) else None for i in range(max(bins) + 1)
     ]
 
 

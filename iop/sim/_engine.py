@@ -44,7 +44,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-from collections import Counter, OrderedDict
+import time
+from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -52,10 +53,22 @@ from typing import Final
 import trio
 
 from iop.config import SimConfig
+from iop.wire._kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVEventBatch,
+    encode_kv_events,
+)
 
-__all__ = ["Admission", "Engine", "PrefixCache", "block_hashes"]
+__all__ = ["KV_EVENT_BATCHES_KEPT", "Admission", "Engine", "PrefixCache", "block_hashes"]
 
 _HASH_SEED: Final = b"iop-sim-prefix"
+# Event batches kept for readers (one per request the engine admits, one per
+# clear): a node reads them every second, so 4096 outlast seconds of a busy
+# sim; a reader that fell further behind sees a gap in the numbers.
+KV_EVENT_BATCHES_KEPT: Final = 4096
 
 
 def block_hashes(token_ids: Sequence[int], block_tokens: int, salt: str = "") -> list[bytes]:
@@ -74,11 +87,18 @@ def block_hashes(token_ids: Sequence[int], block_tokens: int, salt: str = "") ->
 
 
 class PrefixCache:
-    """An LRU set of block hashes with room for ``capacity`` blocks."""
+    """An LRU set of block hashes with room for ``capacity`` blocks.
+
+    Every change is also published as vLLM publishes its KV cache events
+    (``iop.wire._kv_events``): one batch per insert or clear, numbered from
+    0, the last ``KV_EVENT_BATCHES_KEPT`` of them kept for ``events_after``.
+    """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._blocks: OrderedDict[bytes, None] = OrderedDict()
+        self._journal: deque[tuple[int, bytes]] = deque(maxlen=KV_EVENT_BATCHES_KEPT)
+        self._next_seq = 0
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -92,15 +112,63 @@ class PrefixCache:
             n += 1
         return n
 
-    def insert(self, hashes: Sequence[bytes]) -> None:
-        """Cache ``hashes`` as most recently used, evicting the least recently used."""
+    def insert(
+        self, hashes: Sequence[bytes], token_ids: Sequence[int] = (), block_tokens: int = 0
+    ) -> None:
+        """Cache ``hashes`` as most recently used, evicting the least recently used.
+
+        ``token_ids`` (the prompt's) and ``block_tokens`` go into the
+        published ``BlockStored`` events, as vLLM's carry them.
+        """
         if self.capacity <= 0:
             return
-        for h in hashes:
+        stored: list[int] = []  # indices into hashes of the blocks new to the cache
+        for i, h in enumerate(hashes):
+            if h not in self._blocks:
+                stored.append(i)
             self._blocks[h] = None
             self._blocks.move_to_end(h)
+        removed: list[bytes] = []
         while len(self._blocks) > self.capacity:
-            self._blocks.popitem(last=False)
+            removed.append(self._blocks.popitem(last=False)[0])
+        events: list[KVCacheEvent] = []
+        # One BlockStored per run of consecutive new blocks: an event is a
+        # chain, each block's parent the one before it (as vLLM's are).
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, end = run[0], run[-1] + 1
+            events.append(
+                BlockStored(
+                    block_hashes=[hashes[i] for i in run],
+                    parent_block_hash=hashes[first - 1] if first > 0 else None,
+                    token_ids=list(token_ids[first * block_tokens : end * block_tokens]),
+                    block_size=block_tokens,
+                )
+            )
+        if removed:
+            events.append(BlockRemoved(block_hashes=list(removed)))
+        self._publish(events)
+
+    def clear(self) -> None:
+        """Drop every block (vLLM's ``/reset_prefix_cache``)."""
+        self._blocks.clear()
+        self._publish([AllBlocksCleared()])
+
+    def _publish(self, events: list[KVCacheEvent]) -> None:
+        if events:
+            batch = KVEventBatch(ts=time.time(), events=events)
+            self._journal.append((self._next_seq, encode_kv_events(batch)))
+            self._next_seq += 1
+
+    def events_after(self, seq: int, limit: int) -> list[tuple[int, bytes]]:
+        """At most ``limit`` published batches numbered above ``seq``, oldest
+        first (a gap in the numbers: older ones were dropped)."""
+        return [(n, payload) for n, payload in self._journal if n > seq][:limit]
 
 
 @dataclass(frozen=True)
@@ -157,7 +225,7 @@ class Engine:
         block = max(1, self.config.kv_block_tokens)
         hashes = block_hashes(prompt_ids, block, salt)
         cached = self.cache.cached_blocks(hashes) * block if self.config.kv_cache_blocks else 0
-        self.cache.insert(hashes)
+        self.cache.insert(hashes, prompt_ids, block)
         total = len(prompt_ids)
         self.prefix_cache_queries += total
         self.prefix_cache_hits += cached
