@@ -265,7 +265,7 @@ def test_the_caches_events_name_exactly_what_it_holds(
             else:
                 assert isinstance(event, AllBlocksCleared)
                 named.clear()
-    assert named == {h for h in cache._blocks}
+    assert named == set(cache._blocks)
     assert mirror.blocks == len(cache)
 
 

@@ -46,8 +46,9 @@ def test_a_vllm_batch_decodes_old_and_new_fields_alike() -> None:
         block_size=16,
         medium="GPU",
     )
-    assert isinstance(older, BlockStored) and older.block_hashes == [b"\x01" * 32]
-    assert older.parent_block_hash == 12 and older.medium is None
+    assert isinstance(older, BlockStored)
+    assert older.block_hashes == [b"\x01" * 32]
+    assert (older.parent_block_hash, older.medium) == (12, None)
     assert removed == BlockRemoved(block_hashes=[11], medium="GPU")
     assert removed_old == BlockRemoved(block_hashes=[12])
     assert cleared == AllBlocksCleared()
