@@ -284,9 +284,20 @@ class VllmInstance(HTTPInstance, frozen=True, tag="vllm", kw_only=True):
     Attributes:
         text_tool_fallback: When vLLM refuses tools (no tool parser), retry
             with tools described in the prompt and parse calls from text.
+        kv_events_path: A path at the server's root that serves its KV
+            cache events over HTTP (``/kv_events`` of ``iop sim``), read
+            with each load scrape; empty: none. vLLM itself publishes them
+            over ZeroMQ only, which the node does not read
+            (docs/operations.md, "Prefix caches").
     """
 
     text_tool_fallback: bool = True
+    kv_events_path: str = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kv_events_path and not self.kv_events_path.startswith("/"):
+            raise ValueError("kv_events_path must start with /")
 
 
 def _check_json_object(key: str, text: str) -> None:

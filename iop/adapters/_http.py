@@ -653,16 +653,16 @@ class HTTPBackend:
 
     # --- the engine's published load -----------------------------------------
 
-    def root_url(self, path: str) -> str:
+    def root_url(self, path: str, query: str = "") -> str:
         """``path`` at the server's root: engines publish ``/metrics`` and
         ``/slots`` there, beside ``/v1``, whichever the endpoint names."""
         parts = urlsplit(self.endpoint)
         base = parts.path.rstrip("/")
         if base.endswith("/v1"):
             base = base[: -len("/v1")]
-        return urlunsplit(parts._replace(path=base + path, query=""))
+        return urlunsplit(parts._replace(path=base + path, query=query))
 
-    async def fetch_page(self, path: str) -> bytes:
+    async def fetch_page(self, path: str, query: str = "") -> bytes:
         """``GET path`` at the root, within ``load_scrape_timeout_s``, at most
         ``load_scrape_max_bytes``.
 
@@ -679,7 +679,7 @@ class HTTPBackend:
         ):
             request = httpx.Request(
                 "GET",
-                self.root_url(path),
+                self.root_url(path, query),
                 headers=self._get_headers,
                 extensions={"timeout": self._timeout},
             )

@@ -150,6 +150,8 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
             ``num_gpu_blocks`` times ``block_size``): prefix placement keeps
             no more of its prompts than fit (an edge from before this field
             ignores it; docs/protocol.md, "Cache reports").
+        cached_tokens: What its prefix cache holds now, in tokens, from the
+            engine's KV cache events (None: it publishes none the node reads).
     """
 
     running: float | None = None
@@ -157,6 +159,7 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     kv_usage: float | None = None
     age_s: float = 0.0
     cache_tokens: int | None = None
+    cached_tokens: int | None = None
 
 
 class InstanceLoad(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -81,6 +81,9 @@ class EngineFigures(msgspec.Struct, frozen=True, kw_only=True):
     # ``block_size`` of ``vllm:cache_config_info``): what prefix placement
     # bounds its picture of the cache with (``iop.edge.scheduler._prefix``).
     cache_tokens: int | None = None
+    # The tokens its prefix cache holds now, from the engine's KV events
+    # (``iop.wire._kv_events``; None: it publishes none we read).
+    cached_tokens: int | None = None
 
 
 # dialect -> (running names, waiting names, KV usage names); the first name

@@ -144,3 +144,47 @@ async def test_vllm_reads_the_cache_size_from_the_sims_metrics() -> None:
     figures = await VllmAdapter(cfg, transport=transport).engine_load()
     assert figures.cache_tokens == 96 * 16
     assert figures.running == 0.0
+
+
+async def test_vllm_reads_the_kv_events_the_server_serves_on_from_the_last() -> None:
+    """With ``kv_events_path`` each scrape reads the batches after the last
+    one it applied, and reports what the cache holds; garbage there fails
+    the scrape as the engine's fault."""
+    from iop.wire._kv_events import (
+        AllBlocksCleared,
+        BlockStored,
+        KVEventBatch,
+        encode_kv_events,
+    )
+
+    stored = encode_kv_events(
+        KVEventBatch(ts=0.0, events=[BlockStored([1, 2], None, [0] * 32, 16)])
+    )
+    cleared = encode_kv_events(KVEventBatch(ts=0.0, events=[AllBlocksCleared()]))
+    pages = [
+        msgspec.msgpack.encode([[0, stored]]),
+        msgspec.msgpack.encode([[1, cleared]]),
+        b"\x91\x01",
+    ]
+    seen: list[str] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, content=Engine(SimConfig(kv_cache_blocks=8)).metrics("m"))
+        seen.append(str(request.url.query, "ascii"))
+        return httpx.Response(200, content=pages[len(seen) - 1])
+
+    cfg = msgspec.convert(
+        {"name": "v", "endpoint": "http://engine.test:8000/v1", "kv_events_path": "/kv_events"},
+        VllmInstance,
+    )
+    adapter = VllmAdapter(cfg, transport=httpx.MockTransport(handle))
+    assert (await adapter.engine_load()).cached_tokens == 32
+    assert (await adapter.engine_load()).cached_tokens == 0
+    with pytest.raises(BackendProtocolError, match="/kv_events"):
+        await adapter.engine_load()
+    assert seen == ["after=-1", "after=0", "after=1"]
+    with pytest.raises(msgspec.ValidationError, match="kv_events_path must start with /"):
+        msgspec.convert(
+            {"name": "v", "endpoint": "http://e.test/v1", "kv_events_path": "kv"}, VllmInstance
+        )

@@ -230,6 +230,11 @@ def test_placement_settings_refuse_nonsense() -> None:
         SchedulerSettings(balance_rel_threshold=0.5)
     with pytest.raises(ValueError, match="balance_load_threshold"):
         SchedulerSettings(balance_load_threshold=-0.1)
+    for chars in (0.4, 65.0):
+        with pytest.raises(ValueError, match="prefix_chars_per_token"):
+            SchedulerSettings(prefix_chars_per_token=chars)
+    SchedulerSettings(prefix_chars_per_token=0.5)
+    SchedulerSettings(prefix_chars_per_token=64.0)
 
 
 def test_an_instance_keeps_no_more_blocks_than_its_cache_holds() -> None:
@@ -246,10 +251,17 @@ def test_an_instance_keeps_no_more_blocks_than_its_cache_holds() -> None:
     assert index.matched(("n", "a"), [b"4", b"5"]) == 2
     assert index.matched(("n", "b"), [b"1", b"2", b"3", b"4"]) == 4
     assert len(index) == 6
+    # A count from the engine's events trims once; what comes after may grow.
+    index.trim(("n", "b"), 1)
+    assert index.matched(("n", "b"), [b"4"]) == 1
+    assert index.matched(("n", "b"), [b"3"]) == 0
+    index.routed(("n", "b"), [b"6", b"7"])
+    assert index.held() == [(("n", "a"), 2, 2), (("n", "b"), 3, None)]
     index.forget("n")
     assert len(index) == 0
     index.routed(("n", "a"), [b"1", b"2", b"3"])  # a new link starts unbounded
     assert len(index) == 3
+    assert index.held() == [(("n", "a"), 3, None)]
 
 
 @given(

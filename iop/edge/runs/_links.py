@@ -225,18 +225,19 @@ class NodeLinks:
         settings = self.scheduler.settings
         for load in loads:
             engine = load.engine
-            if engine is None or engine.cache_tokens is None:
+            if engine is None or load.instance not in conn.instances:
                 continue
-            if load.instance not in conn.instances:
-                continue
-            self.scheduler.prefixes.bound(
-                (conn.node_id, load.instance),
-                cache_blocks(
-                    engine.cache_tokens,
-                    settings.prefix_block_chars,
-                    settings.prefix_chars_per_token,
-                ),
+            where = (conn.node_id, load.instance)
+            blocks = partial(
+                cache_blocks,
+                block_chars=settings.prefix_block_chars,
+                chars_per_token=settings.prefix_chars_per_token,
             )
+            if engine.cache_tokens is not None:
+                self.scheduler.prefixes.bound(where, blocks(engine.cache_tokens))
+            if engine.cached_tokens is not None:
+                # What its KV events say it holds now (0 after a reset).
+                self.scheduler.prefixes.trim(where, blocks(engine.cached_tokens))
 
     def _on_link_events(self, conn: NodeConnection, events: list[EdgeLinkEvent]) -> None:
         """A frame's events (the link reader: never blocks)."""

@@ -163,14 +163,30 @@ class PrefixIndex:
         if held is not None:
             self._trim(where, held)
 
-    def _trim(self, where: _Where, held: OrderedDict[bytes, None]) -> None:
-        bound = self._bounds.get(where)
+    def trim(self, where: _Where, max_blocks: int) -> None:
+        """``where``'s cache held ``max_blocks`` of our blocks when it last
+        said (its KV events' count): its least recently routed beyond that
+        are gone now; what is routed after may be more (unlike ``bound``)."""
+        held = self._by_where.get(where)
+        if held is not None:
+            self._trim(where, held, max(0, max_blocks))
+
+    def _trim(
+        self, where: _Where, held: OrderedDict[bytes, None], bound: int | None = None
+    ) -> None:
         if bound is None:
-            return
+            bound = self._bounds.get(where)
+            if bound is None:
+                return
         while len(held) > bound:
             block, _ = held.popitem(last=False)
             del self._entries[(where, block)]
             self.evicted += 1
+
+    def held(self) -> list[tuple[_Where, int, int | None]]:
+        """Per instance: the blocks claimed, and its bound (None: unbounded)."""
+        wheres = self._by_where.keys() | self._bounds.keys()
+        return [(w, len(self._by_where.get(w, ())), self._bounds.get(w)) for w in sorted(wheres)]
 
     def forget(self, node_id: str) -> None:
         """A node left: what its instances held is gone (a new link starts cold)."""
