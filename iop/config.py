@@ -288,7 +288,7 @@ class VllmInstance(HTTPInstance, frozen=True, tag="vllm", kw_only=True):
             cache events over HTTP (``/kv_events`` of ``iop sim``), read
             with each load scrape; empty: none. vLLM itself publishes them
             over ZeroMQ only, which the node does not read
-            (docs/operations.md, "Prefix caches").
+            (docs/operations.md, "What the caches hold").
     """
 
     text_tool_fallback: bool = True
@@ -1094,7 +1094,7 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
     # 4: what BPE tokenizers make of English (OpenAI's rule of thumb); a
     # smaller figure than the true one makes the index forget a prefix a
     # little early (a miss it could have had), never claim one evicted
-    # (docs/operations.md, "Prefix caches").
+    # (docs/operations.md, "What the caches hold").
     prefix_chars_per_token: float = 4.0
     prefix_weight: float = 1.0
     load_weight: float = 1.0

@@ -130,6 +130,9 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         window_s: Misses (requests that found less than half their prompt
             cached) are also counted per window of this long, to show a
             trend.
+        kv_events: The node reads each sim's KV cache events
+            (``kv_events_path = "/kv_events"``), so prefix placement learns
+            what the caches hold, not only their size.
     """
 
     workloads: list[Workload] = msgspec.field(default_factory=lambda: list(WORKLOADS))
@@ -157,6 +160,7 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     clients: int = 0
     duration_s: float = 0.0
     window_s: float = 10.0
+    kv_events: bool = False
 
     def __post_init__(self) -> None:
         if self.instances < 1 or self.tenants < 1 or self.requests < 1:
@@ -448,6 +452,7 @@ def _start_cluster(
                 "name": f"gpu{i}",
                 "endpoint": sim,
                 "max_concurrency": opts.max_concurrency,
+                **({"kv_events_path": "/kv_events"} if opts.kv_events else {}),
             }
             for i, sim in enumerate(sims)
         ],
@@ -781,8 +786,12 @@ def tables(result: dict[str, Any] | list[dict[str, Any]]) -> dict[str, str]:
     return out
 
 
-def plots(result: dict[str, Any] | list[dict[str, Any]], img_dir: Path) -> list[Path]:
-    """``bench_routing.png``: TTFT p50/p90 and hit rate per placement, both workloads."""
+def plots(
+    result: dict[str, Any] | list[dict[str, Any]], img_dir: Path, name: str = "routing"
+) -> list[Path]:
+    """``bench_NAME.png``: TTFT p50/p90 and hit rate per placement, both
+    workloads; ``bench_NAME_misses.png`` when the cells counted misses per
+    window: each repeat's misses over time, per placement."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -816,14 +825,76 @@ def plots(result: dict[str, Any] | list[dict[str, Any]], img_dir: Path) -> list[
         ax.set_ylim(top=ax.get_ylim()[1] * 1.2)  # room for the legend above the bars
         ax.legend(fontsize=8, loc="upper right", ncols=2)
     fig.tight_layout()
-    path = img_dir / "bench_routing.png"
+    path = img_dir / f"bench_{name}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return [path]
+    out = [path]
+    runs = _results(result)
+    if any(c.get("misses_per_window") for res in runs for c in res["cells"]):
+        fig, ax = plt.subplots(figsize=(8, 4))
+        colors = {"least_loaded": "tab:blue", "prefix": "tab:orange", "affinity": "tab:green"}
+        for res in runs:
+            window = float(res["options"].get("window_s", 10.0))
+            for c in res["cells"]:
+                ys = [
+                    v * 100 if v is not None else math.nan for v in c.get("misses_per_window", [])
+                ]
+                if ys:
+                    ax.plot(
+                        [(i + 1) * window for i in range(len(ys))],
+                        ys,
+                        color=colors.get(c["placement"], "tab:gray"),
+                        alpha=0.6,
+                        label=f"{c['placement']} (repeat {res['repeat']})",
+                    )
+        ax.set_xlabel("seconds into the window")
+        ax.set_ylabel("misses, % of answers")
+        ax.set_title("misses per window (< half the prompt cached)")
+        ax.legend(fontsize=7, ncols=2)
+        fig.tight_layout()
+        path = img_dir / f"bench_{name}_misses.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        out.append(path)
+    return out
+
+
+def repeats_table(result: dict[str, Any] | list[dict[str, Any]]) -> str:
+    """One row per repeat: least-loaded against prefix on the ``shared``
+    workload: TTFT p90, their ratio, throughput, misses overall and in the
+    last window (the closed-loop scenario's targets)."""
+    rows = [
+        "| repeat | window s | TTFT p90 least-loaded ms | TTFT p90 prefix ms | ratio "
+        "| tokens/s least-loaded | tokens/s prefix | misses prefix | misses prefix, "
+        "first / last window |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for res in _results(result):
+        by = {c["placement"]: c for c in res["cells"] if c["workload"] == "shared"}
+        ll, px = by.get("least_loaded"), by.get("prefix")
+        if not ll or not px:
+            continue
+        a, b = ll["ttft_ms"]["p90"], px["ttft_ms"]["p90"]
+        ratio = f"{a / b:.2f}x" if a and b else "-"
+        miss = None if px["hit_requests"] is None else (1 - px["hit_requests"]) * 100
+        series = [v for v in px.get("misses_per_window", []) if v is not None]
+        trend = f"{series[0] * 100:.1f} % / {series[-1] * 100:.1f} %" if series else "-"
+        rows.append(
+            f"| {res['repeat']} | {px['span_s']:.0f} | {_f(a, '.0f')} | {_f(b, '.0f')} | {ratio} "
+            f"| {ll['throughput_tok_s']:.1f} | {px['throughput_tok_s']:.1f} "
+            f"| {_f(miss, '.1f')} % | {trend} |"
+        )
+    return "\n".join(rows)
 
 
 def _report(r: ReportInput) -> dict[str, str]:
     """``iop bench report``: the tables over every repeat (each figure their
     median), the plot, and the footer under each table."""
-    plots(r.repeats, r.img_dir)
-    return {key: f"{text}\n\n{r.footer}" for key, text in tables(r.repeats).items()}
+    plots(r.repeats, r.img_dir, r.scenario)
+    out = {
+        key.replace("routing", r.scenario, 1): f"{text}\n\n{r.footer}"
+        for key, text in tables(r.repeats).items()
+    }
+    if any(c.get("misses_per_window") for res in r.repeats for c in res["cells"]):
+        out[f"{r.scenario}-repeats"] = f"{repeats_table(r.repeats)}\n\n{r.footer}"
+    return out

@@ -27,7 +27,7 @@ placement needs: how many blocks the cache holds (stored less removed,
 none after a clear), the block size, and how often it was cleared. It
 keeps counts, not the hashes: the edge names blocks by rendered
 characters, not by the engine's tokens, so the engine's hashes would name
-nothing it could look up (docs/operations.md, "Prefix caches"). A gap in
+nothing it could look up (docs/operations.md, "What the caches hold"). A gap in
 the sequence numbers (events lost) is counted; the count goes on from the
 next batch, clamped to 0 and never above the cache's size.
 """

@@ -3,7 +3,7 @@
 Two ``iop sim`` engines with small prefix caches (``iop/sim/_engine.py``),
 each behind its own ``iop node`` (a ``vllm`` instance that reads the sim's
 ``/metrics`` and its KV cache events), behind one edge with ``placement =
-"prefix"`` (docs/operations.md, "Prefix caches").
+"prefix"`` (docs/operations.md, "What the caches hold").
 
 * The edge sends a prompt back to the engine that cached it; once that
   engine has evicted it (its small cache filled with other prompts, sent

@@ -36,7 +36,7 @@ vLLM's ``vllm:cache_config_info``); the edge turns it into blocks of ours
 (``scheduler.prefix_chars_per_token``) and ``bound`` keeps at most that many
 per instance, least recently routed first: the engine's own eviction rule
 (vLLM frees least recently used blocks first), so the index models it
-(docs/operations.md, "Prefix caches"). Sans-IO.
+(docs/operations.md, "What the caches hold"). Sans-IO.
 """
 
 from __future__ import annotations
