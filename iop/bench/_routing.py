@@ -62,6 +62,7 @@ import random
 import statistics
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -340,25 +341,21 @@ async def _drive_closed(
     url: str, reqs: list[_Request], timeout_s: float, clients: int, duration_s: float
 ) -> tuple[list[_Sample], float]:
     """``clients`` closed loops over ``reqs`` in order: the warm-up first
-    (one client at a time, so each tenant's first prompt lands before the
-    window), then each client sends its next request as its last ends,
-    until ``reqs`` or ``duration_s`` of the window run out."""
+    (one request per tenant, as many at once as there are clients, as
+    clients that arrive together would send them; the window starts when
+    the last is answered), then each client sends its next request as its
+    last ends, until ``reqs`` or ``duration_s`` of the window run out."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     timeout = httpx.Timeout(timeout_s, connect=10.0)
     samples: list[_Sample] = []
-    warm = [r for r in reqs if not r.measured]
+    warm = iter([r for r in reqs if not r.measured])
     window = iter([r for r in reqs if r.measured])
     async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
         t0 = trio.current_time()
-        for req in warm:
-            s = _Sample(req.index, req.tenant, req.measured, trio.current_time())
-            samples.append(s)
-            await _one(client, url, req, s)
-        start = trio.current_time()
-        end = start + duration_s if duration_s > 0 else math.inf
+        end = math.inf
 
-        async def loop() -> None:
-            for req in window:
+        async def loop(todo: Iterator[_Request]) -> None:
+            for req in todo:
                 now = trio.current_time()
                 if now >= end:
                     return
@@ -366,9 +363,12 @@ async def _drive_closed(
                 samples.append(s)
                 await _one(client, url, req, s)
 
-        async with trio.open_nursery() as nursery:
-            for _ in range(clients):
-                nursery.start_soon(loop)
+        for todo in (warm, window):
+            if todo is window and duration_s > 0:
+                end = trio.current_time() + duration_s
+            async with trio.open_nursery() as nursery:
+                for _ in range(clients):
+                    nursery.start_soon(loop, todo)
     return samples, t0
 
 
