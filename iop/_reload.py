@@ -115,6 +115,8 @@ EDGE_RULES: Final[Rules] = {
     # runs that end after the reload.
     "usage": RESTART,
     "prices": LIVE,
+    # Read at each run's admission (EdgeCore.queue_share).
+    "objectives": LIVE,
 }
 
 # The node's keys. Restart: its id and edges (the links), the frame and

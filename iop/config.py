@@ -57,6 +57,7 @@ __all__ = [
     "SuperviseSettings",
     "TenantKey",
     "TimelineSettings",
+    "ToolCallStep",
     "TracingSettings",
     "UpConfig",
     "UsageSettings",
@@ -309,6 +310,21 @@ def _check_json_object(key: str, text: str) -> None:
         raise ValueError(f"{key} must be a JSON object")
 
 
+class ToolCallStep(_Config, frozen=True, kw_only=True):
+    """One step of the sim's scripted tool sequence (``SimConfig.tool_call_sequence``).
+
+    Attributes:
+        name: The tool called.
+        arguments: Its arguments, a JSON object, sent as given.
+    """
+
+    name: str
+    arguments: str = "{}"
+
+    def __post_init__(self) -> None:
+        _check_json_object("arguments", self.arguments)
+
+
 class SimConfig(_Config, frozen=True, kw_only=True):
     """The deterministic simulated backend.
 
@@ -343,6 +359,13 @@ class SimConfig(_Config, frozen=True, kw_only=True):
         tool_call_arguments_by_tool: Arguments for particular candidates
             (tool name -> JSON object), for agents whose shell tools take
             different arguments; the others get ``tool_call_arguments``.
+        tool_call_sequence: Scripted tool sequence, for driving real agents
+            through several tool round trips in one user turn: the turn's
+            first request calls the first step's tool with exactly its
+            arguments, each request after a tool result the next step's,
+            and the one after the last step's result answers in text quoting
+            it. A turn begins after the last assistant message without a
+            tool call. Set, it wins over ``tool_call_names``.
         embedding_dim: Size of the ``/v1/embeddings`` vectors (the largest
             ``dimensions`` a request may ask for).
         max_inputs: Most inputs in one ``/v1/embeddings`` request and most
@@ -385,6 +408,7 @@ class SimConfig(_Config, frozen=True, kw_only=True):
     tool_call_names: tuple[str, ...] = ()
     tool_call_arguments: str = "{}"
     tool_call_arguments_by_tool: dict[str, str] = {}
+    tool_call_sequence: tuple[ToolCallStep, ...] = ()
     # 384: the vector size of the common small embedding models
     # (all-MiniLM-L6-v2, bge-small), cheap to generate and to compare.
     embedding_dim: int = 384
@@ -1071,6 +1095,21 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             older than this is ignored: the instance is scored on the
             edge's own count, never as full. Told to nodes, which repeat
             an unchanged report every third of it.
+        session_fairness: Within a tenant (and objective), queued runs of
+            different sessions take turns (``iop.api._routing`` says what
+            a session key is); off: a tenant's runs are served in arrival
+            order.
+        max_sessions_per_tenant: Sessions the queue keeps fair-share state
+            for, per tenant; a session beyond them while all have runs
+            queued shares the turn of the tenant's runs without a session.
+        unkeyed_session_weight: The share of a tenant's runs without a
+            session key, taken together, against one session's (1).
+        shed_queue_fraction: A run of a sheddable objective that would
+            have to wait is refused (429) once the queue holds this share
+            of ``max_queue``.
+        default_objective: The objective of a run whose request names none
+            and whose tenant has none ("" for none: priority 0, not
+            sheddable, no deadline).
     """
 
     max_queue: int = 256
@@ -1115,8 +1154,23 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
     # figures are never this old; a node whose reports or scrapes stopped
     # is read on the edge's own counts within 5 s.
     load_stale_s: float = 5.0
+    session_fairness: bool = True
+    # 1024: an edge's tenant rarely has more agent sessions queued at once;
+    # ~150 bytes each, so 1024 tenants hold at most ~150 MiB of it.
+    max_sessions_per_tenant: int = 1024
+    unkeyed_session_weight: float = 1.0
+    # Half: past it, half the queue is still there for runs that may not
+    # be shed, and a sheddable flood never fills it.
+    shed_queue_fraction: float = 0.5
+    default_objective: str = ""
 
     def __post_init__(self) -> None:
+        if not 1 <= self.max_sessions_per_tenant <= 1_000_000:
+            raise ValueError("max_sessions_per_tenant must be between 1 and 1000000")
+        if not 0.001 <= self.unkeyed_session_weight <= 1000:
+            raise ValueError("unkeyed_session_weight must be between 0.001 and 1000")
+        if not 0 < self.shed_queue_fraction <= 1:
+            raise ValueError("shed_queue_fraction must be > 0 and <= 1")
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
         if self.prefix_block_chars < 16:
@@ -1253,6 +1307,47 @@ class TenantKey(_Config, frozen=True, kw_only=True):
             raise ValueError(f"key name {self.name!r} must be 1-64 letters, digits or _.@:-")
 
 
+# Objectives are metrics labels and per-objective queue levels: a few dozen
+# at most; 64 is far past any deployment's classes of traffic.
+MAX_OBJECTIVES: Final = 64
+# Priorities: a small range keeps configs readable and compares cheaply.
+OBJECTIVE_PRIORITY_RANGE: Final = (-1000, 1000)
+
+
+class Objective(_Config, frozen=True, kw_only=True):
+    """A named class of service (``[[objectives]]``): how the edge's queue
+    treats the runs that ask for it (docs/operations.md, "Sessions and
+    objectives").
+
+    Attributes:
+        name: What a request names (``x-iop-objective``) and a tenant's
+            ``objective`` refers to; a metrics label.
+        priority: Higher is served first (-1000 to 1000).
+        sheddable: Refused first under overload: at ``scheduler.shed_queue_fraction``
+            of the queue, and evicted from a full queue for a run that is not.
+        ttft_deadline_s: The run's time-to-first-token objective: the queue
+            serves earlier deadlines first within a priority, and refuses
+            at once (429) a run that would wait longer than this.
+    """
+
+    name: str
+    priority: int = 0
+    sheddable: bool = False
+    ttft_deadline_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if not _TENANT_NAME.fullmatch(self.name):
+            raise ValueError(
+                f"objective name {self.name!r} must be 1-64 letters, digits or _.- "
+                "(it is a metrics label)"
+            )
+        low, high = OBJECTIVE_PRIORITY_RANGE
+        if not low <= self.priority <= high:
+            raise ValueError(f"objective {self.name!r}: priority must be between {low} and {high}")
+        if self.ttft_deadline_s is not None and not 0 < self.ttft_deadline_s <= 86_400:
+            raise ValueError(f"objective {self.name!r}: ttft_deadline_s must be > 0 and <= 86400")
+
+
 class TenantSettings(_Config, frozen=True, kw_only=True):
     """One client of the edge: its keys, the models it may use, and its limits.
 
@@ -1308,6 +1403,7 @@ class TenantSettings(_Config, frozen=True, kw_only=True):
     share_prefix_cache: bool = False
     budget_per_day: Decimal = Decimal(0)
     budget_per_month: Decimal = Decimal(0)
+    objective: str = ""
 
     @property
     def digests(self) -> list[str]:
@@ -1528,10 +1624,25 @@ class EdgeConfig(_Config, frozen=True, kw_only=True):
     cluster: ClusterSettings = ClusterSettings()
     usage: UsageSettings = UsageSettings()
     prices: dict[str, Price] = {}
+    objectives: list[Objective] = []
+
+    def objective(self, name: str) -> Objective | None:
+        """The objective called ``name``, if one is."""
+        return next((o for o in self.objectives if o.name == name), None)
 
     def __post_init__(self) -> None:
         if self.link.client_ca is not None and self.server.tls_certfile is None:
             raise ValueError("link.client_ca needs server.tls_certfile and server.tls_keyfile")
+        if len(self.objectives) > MAX_OBJECTIVES:
+            raise ValueError(f"objectives: at most {MAX_OBJECTIVES} (each is a metrics label)")
+        objectives = {o.name for o in self.objectives}
+        if len(objectives) < len(self.objectives):
+            raise ValueError("objectives: a name is used twice")
+        named = [("scheduler.default_objective", self.scheduler.default_objective)]
+        named += [(f"tenants[{t.name}].objective", t.objective) for t in self.tenants]
+        for where, name in named:
+            if name and name not in objectives:
+                raise ValueError(f"{where}: no objective is called {name!r} (see [[objectives]])")
         names: set[str] = set()
         digests: dict[str, str] = {}
         for t in self.tenants:

@@ -46,6 +46,7 @@ __all__ = [
     "OperationRequest",
     "Prompt",
     "RefusalPart",
+    "Routing",
     "StreamOptions",
     "TextPart",
     "TokenizeRequest",
@@ -177,6 +178,32 @@ class StreamOptions(_Base, frozen=True):
     include_usage: bool | None = None
 
 
+class Routing(_Base, frozen=True):
+    """What a client said about where its run belongs in the edge's queue.
+
+    Read by the API surfaces from the request's headers and body
+    (``iop.api._routing``), used by the edge's scheduler and never sent to
+    a node or a backend (``EdgeCore.start_run`` takes it off the request).
+
+    Attributes:
+        session: The client's session key ("" for none): the conversation
+            or agent session a run belongs to, for affinity and fair
+            queueing between a tenant's sessions (docs/operations.md,
+            "Sessions and objectives").
+        session_from: Where ``session`` came from (a header's name,
+            ``prompt_cache_key``, ``metadata.user_id`` or ``user``).
+        objective: The named objective the client asked for ("" for its
+            tenant's default).
+        ttft_deadline_s: A time-to-first-token deadline that overrides the
+            objective's (``x-llm-d-slo-ttft-ms``).
+    """
+
+    session: str = ""
+    session_from: str = ""
+    objective: str = ""
+    ttft_deadline_s: float | None = None
+
+
 # --- the request ----------------------------------------------------------------
 
 
@@ -217,6 +244,8 @@ class ChatRequest(_Base, frozen=True, tag="chat", tag_field="op"):
     keep_alive: str | int | float | None = None
     # Keys of the client's request that IOP does not model, passed through.
     extra_body: dict[str, Any] | None = None
+    # The edge's, from the request's headers (``Routing``): never sent on.
+    routing: Routing | None = None
 
     def tool_names(self) -> list[str]:
         return [t.function.name for t in self.tools or ()]
@@ -254,6 +283,7 @@ class CompletionRequest(_Base, frozen=True, tag="completion", tag_field="op"):
     best_of: int | None = None
     user: str | None = None
     extra_body: dict[str, Any] | None = None
+    routing: Routing | None = None
 
 
 # One ``/v1/embeddings`` input: text or token ids.
@@ -275,6 +305,7 @@ class EmbeddingRequest(_Base, frozen=True, tag="embedding", tag_field="op"):
     dimensions: int | None = None
     user: str | None = None
     extra_body: dict[str, Any] | None = None
+    routing: Routing | None = None
 
 
 class TokenizeRequest(_Base, frozen=True, tag="tokenize", tag_field="op"):

@@ -253,6 +253,11 @@ class Timeline(msgspec.Struct, kw_only=True):
     operation: str = ""
     # The client's tenant (iop.edge.tenancy._tenants): "" where there is none (a node).
     tenant: str = ""
+    # Where the run stood in the queue (docs/operations.md, "Sessions and
+    # objectives"): its session key and where it came from, its objective.
+    session: str = ""
+    session_from: str = ""
+    objective: str = ""
     stream: bool = True
     received_unix: float = 0.0
     received: float = 0.0
@@ -355,6 +360,9 @@ class Timeline(msgspec.Struct, kw_only=True):
             "model": self.model,
             "operation": self.operation,
             "tenant": self.tenant,
+            "session": self.session,
+            "session_from": self.session_from,
+            "objective": self.objective,
             "stream": self.stream,
             "phase": self.phase,
             "received_unix": self.received_unix,
@@ -398,6 +406,8 @@ class Timeline(msgspec.Struct, kw_only=True):
             "run_id": self.run_id,
             "model": self.model,
             "tenant": self.tenant,
+            "session": self.session,
+            "objective": self.objective,
             "phase": self.phase,
             "received_unix": self.received_unix,
             "node": None if last is None else last.node,

@@ -1,9 +1,7 @@
 """Moved to ``iop/bench/_platform.py``; run by ``iop bench`` (docs/benchmarks.md, "How to rerun").
 
 This shim keeps ``python scripts/bench_platform.py ...`` working with the same
-options, and ``import bench_platform`` (as ``git show 37c0eb9^:scripts/bench_fixed_cost.py``
-did) getting the
-module itself, so that setting its globals still reaches its functions.
+options.
 """
 
 from __future__ import annotations
@@ -19,4 +17,3 @@ from iop.bench import _platform  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(_platform.main())
-sys.modules[__name__] = _platform

@@ -1,9 +1,8 @@
 """Moved to ``iop/bench/_stress.py``; run by ``iop bench`` (docs/benchmarks.md, "How to rerun").
 
 This shim keeps ``python scripts/bench_stress.py ...`` working with the same
-options, and ``import bench_stress`` (as ``git show 37c0eb9^:scripts/bench_fixed_cost.py``
-did) getting the
-module itself, so that setting its globals still reaches its functions.
+options. Each measurement is its own module: ``iop/bench/_cancel.py``,
+``_memory.py``, ``_overload.py``, ``_idle_nodes.py``.
 """
 
 from __future__ import annotations
@@ -19,4 +18,3 @@ from iop.bench import _stress  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(_stress.main())
-sys.modules[__name__] = _stress

@@ -16,8 +16,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from iop.bench import RunContext, _platform, _stress, register
+from iop.bench import RunContext, _platform, register
+from iop.bench._cancel_report import print_cancel
 from iop.bench._cli import SCENARIOS, discover
+from iop.bench._memory import print_memory
 from iop.bench._results import median_tree, rewrite_markers
 from iop.bench._scenario import ScenarioError, load_scenario
 from iop.cli import main
@@ -204,8 +206,8 @@ def test_smoke_run_then_report(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert rnd["opened"] == 5
     assert set(rnd["rss_kb"]) == {"before", "open", "after"}
     # The scripts' printed tables take the same results.
-    _stress.print_cancel(cancel_median)
-    _stress.print_memory(doc["scenarios"]["memory-smoke"]["median"])
+    print_cancel(cancel_median)
+    print_memory(doc["scenarios"]["memory-smoke"]["median"])
     _platform.print_tables(plat)
 
     docs = tmp_path / "docs"

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from iop.bench import _platform
+from iop.bench._procs import summarize_raw
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +169,7 @@ def test_the_py_spy_summary(bench: ModuleType, tmp_path: Path) -> None:
         f"{run};encode ({site}/msgspec/json.py:1) 1\n"
         "not a stack line\n"
     )
-    s = bench.summarize_raw(raw)
+    s = summarize_raw(raw)
     assert s["samples"] == 10
     assert s["self_pct_top_functions"][:3] == [
         ("send_all (trio)", 60.0),

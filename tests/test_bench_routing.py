@@ -8,6 +8,7 @@ Shapes only: timings on a shared machine at smoke sizes mean nothing
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import tomllib
@@ -17,7 +18,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from iop.bench._routing import Options, plots, run, tables
+from iop.bench._routing import Options, run
+from iop.bench._routing_report import plots, tables
 from iop.bench._runner import RUNNERS, RunContext
 
 SCENARIO = Path(__file__).resolve().parents[1] / "configs" / "bench" / "routing.toml"
@@ -113,6 +115,21 @@ def test_the_tables_median_the_repeats_and_judge_the_targets(tmp_path: Path) -> 
     assert png.read_bytes().startswith(b"\x89PNG")
 
 
+def test_the_agents_workload_grows_each_sessions_transcript_behind_one_head() -> None:
+    from iop.bench._routing import _requests
+
+    opts = Options(workloads=["agents"], placements=["session"], tenants=3, requests=12)
+    reqs = _requests(opts, "agents", "t")
+    heads = {json.dumps(r.messages[:2]) for r in reqs}
+    assert len(heads) == 1  # one system prompt and brief: the head key cannot tell them apart
+    for session in range(3):
+        mine = [r for r in reqs if r.tenant == session]
+        lengths = [len(r.messages) for r in mine]
+        assert lengths == list(range(2, 2 + 2 * len(mine), 2))
+        for before, after in itertools.pairwise(mine):
+            assert after.messages[: len(before.messages)] == before.messages  # a growing prefix
+
+
 def test_the_skewed_scenarios_are_the_workload_of_their_section() -> None:
     """docs/benchmarks.md, "Prefix placement on a skewed workload, caches
     reported": 24 tenants of 1-2k tokens, 14 % down to 2 % of the requests,
@@ -145,3 +162,32 @@ def test_misses_are_counted_per_window_of_sending_time() -> None:
     ]
     assert _misses_per_window(samples, 10.0) == [0.5, 0.0, None, 1.0]
     assert _misses_per_window([], 10.0) == []
+
+
+def test_a_closed_loop_report_has_its_repeats_table_and_misses_plot(tmp_path: Path) -> None:
+    from iop.bench._routing_report import misses_plot, repeats_table
+
+    def cell(placement: str, p90: float, hits: float) -> dict[str, Any]:
+        return {
+            "workload": "shared",
+            "placement": placement,
+            "ttft_ms": {"p90": p90},
+            "throughput_tok_s": 400.0,
+            "hit_requests": hits,
+            "span_s": 60.0,
+            "misses_per_window": [0.1, None, 0.05],
+        }
+
+    repeats = [
+        {
+            "repeat": 0,
+            "options": {"window_s": 10.0},
+            "cells": [cell("least_loaded", 300, 0.4), cell("prefix", 100, 0.95)],
+        }
+    ]
+    table = repeats_table(repeats).splitlines()
+    assert table[2] == "| 0 | 60 | 300 | 100 | 3.00x | 400.0 | 400.0 | 5.0 % | 10.0 % / 5.0 % |"
+    pytest.importorskip("matplotlib")
+    (png,) = misses_plot(repeats, tmp_path, "skewed")
+    assert png.name == "bench_skewed_misses.png"
+    assert misses_plot([{"repeat": 0, "options": {}, "cells": []}], tmp_path, "x") == []

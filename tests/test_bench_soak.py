@@ -18,7 +18,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from iop.bench._soak import SURFACES, Options, _Stream, slope, slopes
+from iop.bench._soak_report import slope, slopes
+from iop.bench._soak_traffic import SURFACES, Options, _Stream
 from iop.cli import main
 
 SCENARIO = Path(__file__).resolve().parents[1] / "configs" / "bench" / "soak.toml"

@@ -62,7 +62,7 @@ DOCS_CITATION = re.compile(r'docs/([a-z]+)\.md,?\s+"([^"]+)"')
 # A comment's line break and leader, so a citation may wrap across comment lines.
 _COMMENT_BREAK = re.compile(r"\s*\n\s*(#\s*)?")
 
-# A path of this repository's code: a module (`iop/edge/_app.py`, `tests/x.py`)
+# A path of this repository's code: a module (`iop/edge/_core.py`, `tests/x.py`)
 # or a package (`iop/api/`). Other paths (`configs/bench/KEY.toml`, the seeds'
 # `.go` files) name examples and files outside, and are not checked.
 CODE_PATH = re.compile(
@@ -196,7 +196,7 @@ def _tree_paths(line: str, tree: str | None) -> tuple[list[str], str | None]:
 def missing_code_paths(text: str) -> list[tuple[int, str]]:
     """(line number, path) of every module or package ``text`` names that does not exist.
 
-    Three forms: a path (``iop/edge/_app.py``, ``tests/api/``), a dotted name
+    Three forms: a path (``iop/edge/_core.py``, ``tests/api/``), a dotted name
     through a private module (``iop.runtime._run``), and the names in a
     layout tree of a code block (``iop/wire/`` at the margin, ``_sse.py``
     below it). A paragraph that cites a commit hash is history and is not

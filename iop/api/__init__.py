@@ -23,6 +23,13 @@ from iop.api._models import (
     wants_anthropic,
 )
 from iop.api._output import OutputShaper, shape_failure
+from iop.api._routing import (
+    OBJECTIVE_HEADERS,
+    SESSION_HEADERS,
+    SLO_TTFT_HEADER,
+    routing_of,
+    with_routing,
+)
 from iop.api._shaped import Shaped, ShapedDone, ShapedFailed, ShapedReasoning, ShapedText
 from iop.api._surface import Call, Collector, RunContext, StreamEncoder, Surface
 from iop.api.chat import CHAT, ChatSurface
@@ -39,6 +46,9 @@ __all__ = [
     "COMPLETIONS",
     "EMBEDDINGS",
     "MESSAGES",
+    "OBJECTIVE_HEADERS",
+    "SESSION_HEADERS",
+    "SLO_TTFT_HEADER",
     "Call",
     "ChatSurface",
     "Collector",
@@ -61,6 +71,8 @@ __all__ = [
     "estimate_input_tokens",
     "model_body",
     "model_list_body",
+    "routing_of",
     "shape_failure",
     "wants_anthropic",
+    "with_routing",
 ]

@@ -11,7 +11,7 @@ embeddings. Each lives in its own package under ``iop.api`` and turns
 * any error into the surface's own error body (:meth:`Surface.error_body`).
 
 None of them does I/O or imports trio, httpx or quart
-(``tests/test_layers.py``): the edge's HTTP layer (``iop.edge._app``) reads
+(``tests/test_layers.py``): the edge's HTTP layer (``iop.edge.routes``) reads
 the body, starts the run, and writes whatever bytes come back, the same way
 for every surface. So each surface inherits the run machinery as it is:
 cancellation in every window, failover before the first output, keep-alives,
@@ -34,7 +34,7 @@ the status, code and message of ``iop.api._output.shape_failure``. An
 encoder or collector that also has a ``summary()`` method gets it logged
 (at debug) when the response closes.
 
-The edge routes a surface with one line in ``iop.edge._app.surface_routes``::
+The edge routes a surface with one line in ``iop.edge.routes.surface_routes``::
 
     SurfaceRoute("/v1/chat/completions", CHAT)                 # Bearer key
     SurfaceRoute("/v1/messages", MESSAGES, key_of=some_reader)  # e.g. x-api-key
@@ -152,7 +152,7 @@ class Surface(Protocol):
 
         ``headers`` are the request's headers, names lower-cased
         (``anthropic-version``, ``anthropic-beta``...). The API key was
-        checked before (the route's key reader, ``iop.edge._app``) and
+        checked before (the route's key reader, ``iop.edge.routes``) and
         ``tenant`` is the name of its tenant: state a surface keeps between
         requests is that tenant's alone.
 

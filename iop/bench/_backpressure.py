@@ -1,83 +1,48 @@
-"""What the backpressure runners share: a sim + edge + node stack, slow and fast clients.
+"""The stack the backpressure runners share: ``iop sim`` + ``iop edge`` + ``iop node``.
 
 Used by ``iop.bench._slow_reader``, ``_credit_window``, ``_channel_capacity``
-and ``_hol`` (docs/research.md, sections 1 and 3). A ``Stack`` starts
-``iop sim``, ``iop edge`` and ``iop node`` with ``iop.testing.Proc`` (logs in
-the run's directory) and stops them all by PID, last started first, also on
-error. The clients speak HTTP/1.1 over trio sockets, so a slow reader really
-stops reading (its receive buffer set small before it connects: the kernel
-then holds a few KiB for it, not megabytes) and a fast one times its first
-content byte and its end.
+and ``_hol`` (docs/research.md, sections 1 and 3). A ``Stack`` starts the
+three on ports chosen up front, so that sim and edge start at once, and
+stops them all by PID (``iop.bench._procs.Stack``), also on error. Their
+clients, slow and fast readers on bare sockets, are
+``iop.bench._client.slow_reader`` and ``fast_stream``.
 
 Nothing here asserts a time: it measures. Every figure is taken on a 2-core
 machine shared with other work, so each window also says how much CPU no
-process of the run used (``foreign_cpu_pct_of_core``).
+process of the run used (``iop.bench._procs.CpuWindow``).
 """
 
 from __future__ import annotations
 
-import re
 import signal
-import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 import httpx
 import msgspec
-import trio
 
-from iop.bench._stress import CpuWindow, rss_kb
-from iop.testing import EDGE_READY, SIM_READY, Proc, free_port, poll, toml_dumps
+from iop.bench import _procs
+from iop.bench._client import SIM_MODEL
+from iop.bench._procs import NODE_TOKEN, rss_kb
+from iop.testing import EDGE_READY, SIM_READY, free_port, poll, toml_dumps
 
-__all__ = [
-    "MODEL",
-    "CpuWindow",
-    "FastResult",
-    "Stack",
-    "fast_stream",
-    "median",
-    "rss_kb",
-    "sim_stats",
-    "slow_reader",
-]
+__all__ = ["MODEL", "Stack", "sim_stats", "stack"]
 
-NODE_TOKEN: Final = "bench-token"
-MODEL: Final = "iop-sim"
-# The slow client's receive buffer: the kernel doubles it (socket(7)); a few
-# KiB, so that the edge's writes block after a few dozen chunks, not after
-# the megabytes loopback autotuning would grant.
-SLOW_RCVBUF: Final = 4096
-_CONTENT: Final = re.compile(rb'"content":"[^"]')
+MODEL: Final = SIM_MODEL
 
 
-def median(values: list[float]) -> float | None:
-    vals = sorted(v for v in values if v == v)
-    if not vals:
-        return None
-    mid = len(vals) // 2
-    return vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
-
-
-class Stack:
+class Stack(_procs.Stack):
     """``iop sim`` + ``iop edge`` + ``iop node``, stopped by PID (``close``)."""
 
     def __init__(self, python: str, logdir: Path) -> None:
-        self.python = python
-        self.logdir = logdir
-        self.procs: list[Proc] = []
+        super().__init__(python, logdir)
         self.sim_url = ""
         self.url = ""
         self.host = ""
         self.port = 0
         self.pids: dict[str, int] = {}
-
-    def _launch(self, name: str, *args: str) -> Proc:
-        p = Proc(name, list(args), self.logdir, python=self.python)
-        self.procs.append(p)
-        return p
 
     def start(
         self,
@@ -96,10 +61,10 @@ class Stack:
         self.sim_url = f"http://127.0.0.1:{sim_port}"
         self.url = f"http://127.0.0.1:{edge_port}"
         self.host, self.port = "127.0.0.1", edge_port
-        sim = self._launch("sim", "sim", "--port", str(sim_port), "--model", MODEL, *sim_flags)
+        sim = self.launch("sim", "sim", "--port", str(sim_port), "--model", MODEL, *sim_flags)
         path = self.logdir / "edge.toml"
         path.write_text(toml_dumps(edge))
-        e = self._launch(
+        e = self.launch(
             "edge",
             "edge",
             "--port",
@@ -130,7 +95,7 @@ class Stack:
         path = self.logdir / "node.toml"
         path.write_text(toml_dumps(node_cfg))
         sim.wait_stdout(SIM_READY)
-        n = self._launch("node", "node", "--config", str(path))
+        n = self.launch("node", "node", "--config", str(path))
         self.pids = {"edge": e.pid, "node": n.pid, "sim": sim.pid}
         e.wait_stdout(EDGE_READY)
 
@@ -152,12 +117,8 @@ class Stack:
 
     def close(self) -> None:
         for p in self.procs:
-            p.send(signal.SIGTERM)  # all drain at once; stop() below reaps each
-        for p in reversed(self.procs):
-            try:
-                p.stop()
-            except Exception as exc:  # keep stopping the others
-                print(f"bench: stopping {p.name}: {exc!r}")
+            p.send(signal.SIGTERM)  # all drain at once; stop_all() reaps each
+        self.stop_all()
 
 
 @contextmanager
@@ -178,98 +139,3 @@ class _SimStats(msgspec.Struct):
 async def sim_stats(client: httpx.AsyncClient, sim_url: str) -> _SimStats:
     r = await client.get(sim_url + "/sim/stats")
     return msgspec.json.decode(r.content, type=_SimStats)
-
-
-def _request(host: str, port: int, max_tokens: int) -> bytes:
-    body = msgspec.json.encode(
-        {
-            "model": MODEL,
-            "messages": [{"role": "user", "content": "Tell me a long story."}],
-            "stream": True,
-            "max_tokens": max_tokens,
-            # The sim's answer length for this request only: it generates a
-            # whole answer's words before it streams, so a server default as
-            # long as the slow readers' answers would cost every short
-            # request that CPU too (iop/sim/_script.py).
-            "iop_sim": {"output_tokens": max_tokens},
-        }
-    )
-    head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-        "Connection: close\r\n\r\n"
-    )
-    return head.encode() + body
-
-
-async def _connect(host: str, port: int, rcvbuf: int | None = None) -> trio.SocketStream:
-    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
-    if rcvbuf is not None:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
-    await sock.connect((host, port))
-    return trio.SocketStream(sock)
-
-
-async def slow_reader(
-    host: str,
-    port: int,
-    max_tokens: int,
-    *,
-    read_bytes_per_s: float,
-    hold_s: float,
-    first_bytes: trio.Event | None = None,
-) -> int:
-    """Stream ``max_tokens`` and read them slowly (0: not at all after the
-    first bytes) for ``hold_s``, then hang up; returns the bytes read."""
-    stream = await _connect(host, port, SLOW_RCVBUF)
-    got = 0
-    try:
-        await stream.send_all(_request(host, port, max_tokens))
-        got = len(await stream.receive_some(1024))
-        if first_bytes is not None:
-            first_bytes.set()
-        end = trio.current_time() + hold_s
-        if read_bytes_per_s <= 0:
-            await trio.sleep_until(end)
-            return got
-        step = 1024 / read_bytes_per_s
-        while trio.current_time() < end:
-            await trio.sleep(step)
-            data = await stream.receive_some(1024)
-            if not data:
-                break
-            got += len(data)
-        return got
-    finally:
-        # RST, not FIN: a client that goes away (its process ended), with
-        # unread data in its buffer, which Linux resets anyway.
-        with trio.move_on_after(1):
-            await stream.aclose()
-
-
-@dataclass
-class FastResult:
-    ttft_s: float | None
-    total_s: float
-    events: int
-    ok: bool
-
-
-async def fast_stream(host: str, port: int, max_tokens: int) -> FastResult:
-    """Stream ``max_tokens`` as fast as we can read; time the first content and the end."""
-    t0 = trio.current_time()
-    ttft: float | None = None
-    events = 0
-    tail = b""
-    stream = await _connect(host, port)
-    async with stream:
-        await stream.send_all(_request(host, port, max_tokens))
-        while True:
-            data = await stream.receive_some(65536)
-            if not data:
-                break
-            if ttft is None and _CONTENT.search(tail + data):
-                ttft = trio.current_time() - t0
-            events += data.count(b"data: ")
-            tail = data[-64:]
-    return FastResult(ttft, trio.current_time() - t0, events, b"[DONE]" in tail)

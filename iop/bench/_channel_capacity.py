@@ -15,7 +15,7 @@ node/edge: a run's memory channel  ``RUN_EVENT_BUFFER`` (16, iop/runtime/_run.py
                                    tests), not on the edge ↔ node path
 =================================  ==========================================
 
-The same two phases as ``credit-window`` (``sweep_point``), with the
+The same two phases as ``credit-window`` (``sweep``), with the
 window at its default.
 
 Entry points: ``run(Options(...), RunContext(...))``; ``tables(result)`` and
@@ -24,13 +24,12 @@ Entry points: ``run(Options(...), RunContext(...))``; ``tables(result)`` and
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from iop.bench._credit_window import sweep_plot, sweep_point, sweep_table
+from iop.bench._credit_window import smoke_sizes, sweep, sweep_plot, sweep_table
 from iop.bench._runner import RunContext, register, tables_report
 
 __all__ = ["Options", "plots", "run", "tables"]
@@ -54,32 +53,9 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 )
 def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
     if ctx.smoke:
-        opts = msgspec.structs.replace(
-            opts,
-            backlogs=[4],
-            streams=2,
-            tokens=50,
-            slow_readers=1,
-            slow_tokens=min(opts.slow_tokens, 20_000),
-            hold_s=1.0,
-        )
-    points = []
-    for b in opts.backlogs:
-        points.append(
-            sweep_point(
-                ctx,
-                f"backlog-{b}",
-                run_window=opts.run_window,
-                run_backlog=b,
-                streams=opts.streams,
-                tokens=opts.tokens,
-                slow_readers=opts.slow_readers,
-                slow_tokens=opts.slow_tokens,
-                hold_s=opts.hold_s,
-            )
-        )
-        time.sleep(0.2)
-    return {"options": msgspec.to_builtins(opts), "points": points}
+        opts = msgspec.structs.replace(opts, backlogs=[4], **smoke_sizes(opts))
+    points = [(f"backlog-{b}", opts.run_window, b) for b in opts.backlogs]
+    return {"options": msgspec.to_builtins(opts), "points": sweep(ctx, opts, points)}
 
 
 def tables(result: dict[str, Any]) -> dict[str, str]:

@@ -31,7 +31,7 @@ from typing import Any
 
 import iop.bench
 from iop.bench._against import BASE_SUFFIX, AgainstError, checkout, compare, side_env
-from iop.bench._platform import _term_as_int
+from iop.bench._procs import LITELLM_DEFAULT, git_commit, interrupted, machine_info, term_as_int
 from iop.bench._results import (
     CpuMeter,
     ResultError,
@@ -52,7 +52,6 @@ REPO = Path(__file__).resolve().parent.parent.parent
 SCENARIOS = REPO / "configs" / "bench"
 DOCS = REPO / "docs"
 RESULTS = REPO / "bench-results"
-LITELLM_DEFAULT = Path.home() / ".cache" / "iop" / "bench-litellm" / "bin" / "litellm"
 RESULT_FORMAT = 1  # the JSON's "format": bumped when its shape changes
 
 _EPILOG = f"""\
@@ -269,12 +268,6 @@ def cmd_list(scenarios: Path) -> int:
 # --------------------------------------------------------------------------- run
 
 
-def _interrupted(exc: BaseException) -> bool:
-    return isinstance(exc, KeyboardInterrupt) or (
-        isinstance(exc, BaseExceptionGroup) and exc.subgroup(KeyboardInterrupt) is not None
-    )
-
-
 def _write(path: Path, doc: dict[str, Any]) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=2, ensure_ascii=False, default=str) + "\n")
@@ -351,7 +344,6 @@ def _run(
         print(f"iop bench: --out {out}: {exc.strerror or exc}", file=sys.stderr)
         return 2, None
     path = out / f"bench-{stamp}.json"
-    from iop.bench._platform import git_commit, machine_info
 
     doc: dict[str, Any] = {
         "format": RESULT_FORMAT,
@@ -389,7 +381,7 @@ def _run(
             }
             pair[:] = [(sc, sc.name + BASE_SUFFIX, base_tree), (sc, sc.name, REPO)]
     old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
-    old_term = signal.signal(signal.SIGTERM, _term_as_int)
+    old_term = signal.signal(signal.SIGTERM, term_as_int)
     failed = 0
     t0 = time.monotonic()
     try:
@@ -400,7 +392,7 @@ def _run(
                     failed += _run_one(doc, sc, name, tree, rep, repeat, out, stamp, litellm, smoke)
                     _write(path, doc)
     except BaseException as exc:
-        if not _interrupted(exc):
+        if not interrupted(exc):
             raise
         doc["interrupted"] = True
         _medians(doc)

@@ -23,24 +23,28 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import msgspec
 import trio
 
-from iop.bench._backpressure import (
-    CpuWindow,
-    Stack,
-    fast_stream,
-    median,
-    sim_stats,
-    slow_reader,
-    stack,
-)
+from iop.bench._backpressure import Stack, sim_stats, stack
+from iop.bench._client import fast_stream, slow_reader
+from iop.bench._procs import CpuWindow
+from iop.bench._results import median
 from iop.bench._runner import RunContext, register, tables_report
 
-__all__ = ["Options", "plots", "run", "sweep_point", "tables"]
+__all__ = [
+    "Options",
+    "SweepOptions",
+    "plots",
+    "run",
+    "smoke_sizes",
+    "sweep",
+    "sweep_point",
+    "tables",
+]
 
 
 class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -53,16 +57,48 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     node_run_backlog: int = 16
 
 
-def _smoke(opts: Options) -> Options:
-    return msgspec.structs.replace(
-        opts,
-        windows=[0],
-        streams=2,
-        tokens=50,
-        slow_readers=1,
-        slow_tokens=min(opts.slow_tokens, 20_000),
-        hold_s=1.0,
-    )
+class SweepOptions(Protocol):
+    """What a sweep's points share: the fast streams and the slow readers."""
+
+    streams: int
+    tokens: int
+    slow_readers: int
+    slow_tokens: int
+    hold_s: float
+
+
+def smoke_sizes(opts: SweepOptions) -> dict[str, Any]:
+    """The smoke run's sizes of a sweep's points (seconds each)."""
+    return {
+        "streams": 2,
+        "tokens": 50,
+        "slow_readers": 1,
+        "slow_tokens": min(opts.slow_tokens, 20_000),
+        "hold_s": 1.0,
+    }
+
+
+def sweep(
+    ctx: RunContext, opts: SweepOptions, points: list[tuple[str, int, int]]
+) -> list[dict[str, Any]]:
+    """``sweep_point`` per (name, run_window, run_backlog), one after the other."""
+    out = []
+    for name, window, backlog in points:
+        out.append(
+            sweep_point(
+                ctx,
+                name,
+                run_window=window,
+                run_backlog=backlog,
+                streams=opts.streams,
+                tokens=opts.tokens,
+                slow_readers=opts.slow_readers,
+                slow_tokens=opts.slow_tokens,
+                hold_s=opts.hold_s,
+            )
+        )
+        time.sleep(0.2)
+    return out
 
 
 def sweep_point(
@@ -167,24 +203,9 @@ def _ms(v: float | None) -> float | None:
 )
 def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
     if ctx.smoke:
-        opts = _smoke(opts)
-    points = []
-    for w in opts.windows:
-        points.append(
-            sweep_point(
-                ctx,
-                f"window-{w}",
-                run_window=w,
-                run_backlog=opts.node_run_backlog,
-                streams=opts.streams,
-                tokens=opts.tokens,
-                slow_readers=opts.slow_readers,
-                slow_tokens=opts.slow_tokens,
-                hold_s=opts.hold_s,
-            )
-        )
-        time.sleep(0.2)
-    return {"options": msgspec.to_builtins(opts), "points": points}
+        opts = msgspec.structs.replace(opts, windows=[0], **smoke_sizes(opts))
+    points = [(f"window-{w}", w, opts.node_run_backlog) for w in opts.windows]
+    return {"options": msgspec.to_builtins(opts), "points": sweep(ctx, opts, points)}
 
 
 def _label(w: int) -> str:

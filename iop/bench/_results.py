@@ -1,5 +1,5 @@
 """Results of ``iop bench``: medians over repeats, the machine's foreign CPU,
-and the docs' marked blocks.
+the docs' marked blocks, and the statistics every runner takes of its samples.
 
 A result file (``bench-results/bench-<stamp>.json``) holds, per scenario,
 every repeat's result as its runner returned it and the median of them
@@ -15,7 +15,7 @@ and what is wrong, never a traceback.
 
 from __future__ import annotations
 
-import os
+import math
 import re
 import resource
 import statistics
@@ -26,19 +26,67 @@ from typing import Any
 
 import msgspec
 
+from iop.bench._procs import machine_cpu_s
+
 __all__ = [
     "CpuMeter",
     "Repeat",
     "ResultError",
     "ResultFile",
     "ScenarioResult",
+    "counter_delta",
+    "least_squares",
     "marker_keys",
+    "median",
     "median_tree",
+    "pct",
     "read_result",
     "rewrite_markers",
+    "summary",
 ]
 
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+def pct(values: list[float], p: float) -> float:
+    """Nearest-rank percentile (NaN left out; NaN of nothing)."""
+    vals = sorted(v for v in values if not math.isnan(v))
+    if not vals:
+        return math.nan
+    return vals[max(0, min(len(vals) - 1, math.ceil(p / 100 * len(vals)) - 1))]
+
+
+def summary(values: list[float]) -> dict[str, float | int]:
+    """How many, p50, p99 and max of ``values`` (NaN left out)."""
+    vals = [v for v in values if not math.isnan(v)]
+    if not vals:
+        return {"n": 0}
+    return {
+        "n": len(vals),
+        "p50": round(pct(vals, 50), 2),
+        "p99": round(pct(vals, 99), 2),
+        "max": round(max(vals), 2),
+    }
+
+
+def least_squares(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """The line ``y = intercept + slope * x`` nearest ``points`` (least squares):
+    (intercept, slope); the slope is 0 when every x is the same."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
+    return my - slope * mx, slope
+
+
+def counter_delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    """The counters that moved from ``before`` to ``after``, by how much."""
+    return {k: v - before.get(k, 0) for k, v in sorted(after.items()) if v != before.get(k, 0)}
+
+
+def median(values: list[float]) -> float | None:
+    """The median of ``values`` (NaN left out); None of nothing."""
+    vals = [v for v in values if not math.isnan(v)]
+    return statistics.median(vals) if vals else None
 
 
 def _is_number(v: Any) -> bool:
@@ -72,11 +120,7 @@ def median_tree(values: list[Any]) -> Any:
 
 
 def _machine_busy_s() -> float:
-    """Busy CPU seconds of the whole machine since boot (/proc/stat, proc(5))."""
-    with open("/proc/stat") as f:
-        parts = [int(x) for x in f.readline().split()[1:]]
-    idle = parts[3] + (parts[4] if len(parts) > 4 else 0)  # idle + iowait
-    return (sum(parts[:8]) - idle) / _CLK_TCK
+    return machine_cpu_s()[0]
 
 
 def _own_cpu_s() -> float:

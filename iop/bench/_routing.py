@@ -1,6 +1,7 @@
 """Placement against a prefix cache: random, least-loaded, affinity, prefix-aware.
 
-Issue 11's measurement of ``[scheduler] placement``. Four ``iop sim``
+The measurement of ``[scheduler] placement`` in docs/benchmarks.md
+("Placement: prefix-aware against least-loaded"). Four ``iop sim``
 processes stand for four engines (each its own KV prefix cache, prefill
 time and running batch: ``iop/sim/_engine.py``), behind one ``iop node`` with
 one ``vllm`` instance per sim, behind an ``iop edge`` started once per
@@ -22,10 +23,21 @@ Workloads
     to reuse; what it measures is whether a placement's preference for
     cached prefixes costs load balance.
 
+``agents``
+    ``tenants`` agent sessions (the sub-agents of one fan-out: one system
+    prompt and one brief for all of them, the conversation's head), each
+    request a session's next turn: its transcript so far, grown by an
+    assistant turn and a tool result of ``turn_tokens`` tokens each. The
+    head is the same for every session, so the head's affinity key cannot
+    tell them apart; a session key can (docs/benchmarks.md, "Sessions as
+    queue keys", ``configs/bench/sessions.toml``).
+
 Placements: ``random``; ``least_loaded`` with ``affinity = false``;
 ``affinity`` (``least_loaded`` with ``affinity = true``: a conversation,
 here a tenant's system prompt plus its user turn, goes back to the instance
-that served it); ``prefix`` (``iop/edge/scheduler/_prefix.py``).
+that served it); ``session`` (``affinity`` with each agent session's
+``x-iop-session-id`` header, ``agents`` only); ``prefix``
+(``iop/edge/scheduler/_prefix.py``).
 
 A cell's measurement
 --------------------
@@ -63,33 +75,39 @@ import statistics
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import httpx
 import msgspec
 import trio
 
-from iop.bench._platform import machine_cpu_s
-from iop.bench._platform import proc_cpu_s as _cpu_s
-from iop.bench._runner import ReportInput, RunContext, register
+from iop.bench._client import sse_data
+from iop.bench._procs import Stack, machine_cpu_s, start_edge, start_node
+from iop.bench._procs import proc_cpu_s as _cpu_s
+from iop.bench._results import pct
+from iop.bench._routing_report import (
+    DEFAULT_PLACEMENTS,
+    DEFAULT_WORKLOADS,
+    Placement,
+    Workload,
+    report,
+)
+from iop.bench._runner import RunContext, register
 from iop.sim import tokenize
-from iop.testing import EDGE_READY, NODE_READY, SIM_READY, Proc, poll, toml_dumps
+from iop.testing import NODE_READY, SIM_READY, Proc, poll
 
-__all__ = ["Options", "plots", "run", "tables"]
+__all__ = ["Options", "run"]
 
-Placement = Literal["random", "least_loaded", "affinity", "prefix"]
-Workload = Literal["shared", "unique"]
-
-PLACEMENTS: Final[tuple[Placement, ...]] = ("random", "least_loaded", "affinity", "prefix")
-WORKLOADS: Final[tuple[Workload, ...]] = ("shared", "unique")
 MODEL: Final = "iop-sim"
-NODE_TOKEN: Final = "bench-routing-token"
 # Words of the prompts: 2 to 5 lower-case letters, one toy token each with
 # its leading space (iop/sim/_tokenizer.py cuts a word with its leading space
 # into pieces of at most 6 bytes).
 _LETTERS: Final = "abcdefghijklmnopqrstuvwxyz"
+# An agent's turn in the ``agents`` workload: the session's header (placement
+# ``session`` only, ``iop.api._routing``).
+SESSION_HEADER: Final = "x-iop-session-id"
 
 
 class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -134,10 +152,12 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         kv_events: The node reads each sim's KV cache events
             (``kv_events_path = "/kv_events"``), so prefix placement learns
             what the caches hold, not only their size.
+        turn_tokens: In the ``agents`` workload, tokens of each assistant
+            turn and of each tool result a session's transcript grows by.
     """
 
-    workloads: list[Workload] = msgspec.field(default_factory=lambda: list(WORKLOADS))
-    placements: list[Placement] = msgspec.field(default_factory=lambda: list(PLACEMENTS))
+    workloads: list[Workload] = msgspec.field(default_factory=lambda: list(DEFAULT_WORKLOADS))
+    placements: list[Placement] = msgspec.field(default_factory=lambda: list(DEFAULT_PLACEMENTS))
     instances: int = 4
     tenants: int = 32
     prefix_tokens: int = 2048
@@ -162,6 +182,7 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     duration_s: float = 0.0
     window_s: float = 10.0
     kv_events: bool = False
+    turn_tokens: int = 96
 
     def __post_init__(self) -> None:
         if self.instances < 1 or self.tenants < 1 or self.requests < 1:
@@ -246,8 +267,43 @@ def _requests(opts: Options, workload: Workload, salt: str) -> list[_Request]:
     tenants = warm + drawn
     out: list[_Request] = []
     at = 0.0
+    # The agents' shared head: one system prompt and one brief for all (the
+    # sub-agents of one fan-out), then each session's own growing turns.
+    agents_system = _text(
+        f"cell {salt} agents", random.Random(f"{opts.seed}/a"), opts.prefix_tokens
+    )
+    brief = _text(f"cell {salt} brief", random.Random(f"{opts.seed}/b"), opts.user_tokens)
+    turns: dict[int, list[dict[str, str]]] = {}
     for i, tenant in enumerate(tenants):
         user = _text(f"request {i}", rng, opts.user_tokens)
+        if workload == "agents":
+            mine = turns.setdefault(tenant, [])
+            out.append(
+                _Request(
+                    index=i,
+                    at=at,
+                    tenant=tenant,
+                    messages=[
+                        {"role": "system", "content": agents_system},
+                        {"role": "user", "content": brief},
+                        *mine,
+                    ],
+                    measured=i >= len(warm),
+                )
+            )
+            k = len(mine) // 2
+            turn = random.Random(f"{opts.seed}/{tenant}/{k}")
+            mine.append(
+                {
+                    "role": "assistant",
+                    "content": _text(f"agent {tenant} step {k}", turn, opts.turn_tokens),
+                }
+            )
+            mine.append(
+                {"role": "user", "content": _text(f"result {tenant} {k}", turn, opts.turn_tokens)}
+            )
+            at += arrivals.expovariate(opts.rate)
+            continue
         if workload == "shared":
             system = systems[tenant]
         else:
@@ -284,36 +340,30 @@ class _Sample:
     error: str = ""
 
 
-async def _one(client: httpx.AsyncClient, url: str, req: _Request, s: _Sample) -> None:
+async def _one(
+    client: httpx.AsyncClient, url: str, req: _Request, s: _Sample, sessions: bool
+) -> None:
     body = {
         "model": MODEL,
         "messages": req.messages,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    headers = {SESSION_HEADER: f"agent-{req.tenant}"} if sessions and req.tenant >= 0 else {}
     try:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        async with client.stream(
+            "POST", url + "/v1/chat/completions", json=body, headers=headers
+        ) as r:
             if r.status_code != 200:
                 s.error = f"http {r.status_code}"
                 await r.aread()
                 return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if not s.run_id:
-                    s.run_id = str(chunk.get("id", "")).removeprefix("chatcmpl-")
-                if math.isnan(s.ttft_s):
-                    for choice in chunk.get("choices") or ():
-                        if (choice.get("delta") or {}).get("content"):
-                            s.ttft_s = trio.current_time() - s.scheduled
-                            break
-                usage = chunk.get("usage")
-                if usage:
-                    s.completion_tokens = int(usage.get("completion_tokens") or 0)
-                    s.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    s.cached_tokens = int(details.get("cached_tokens") or 0)
+            buf = b""
+            async for piece in r.aiter_raw():
+                payloads, buf = sse_data(buf + piece)
+                for payload in payloads:
+                    if payload != b"[DONE]":
+                        _take(s, json.loads(payload))
         s.end = trio.current_time()
         if math.isnan(s.ttft_s):
             s.error = "no content"
@@ -321,7 +371,26 @@ async def _one(client: httpx.AsyncClient, url: str, req: _Request, s: _Sample) -
         s.error = type(exc).__name__
 
 
-async def _drive(url: str, reqs: list[_Request], timeout_s: float) -> tuple[list[_Sample], float]:
+def _take(s: _Sample, chunk: dict[str, Any]) -> None:
+    """What one chunk of the stream tells: its run, its first content, the usage."""
+    if not s.run_id:
+        s.run_id = str(chunk.get("id", "")).removeprefix("chatcmpl-")
+    if math.isnan(s.ttft_s):
+        for choice in chunk.get("choices") or ():
+            if (choice.get("delta") or {}).get("content"):
+                s.ttft_s = trio.current_time() - s.scheduled
+                break
+    usage = chunk.get("usage")
+    if usage:
+        s.completion_tokens = int(usage.get("completion_tokens") or 0)
+        s.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        details = usage.get("prompt_tokens_details") or {}
+        s.cached_tokens = int(details.get("cached_tokens") or 0)
+
+
+async def _drive(
+    url: str, reqs: list[_Request], timeout_s: float, sessions: bool = False
+) -> tuple[list[_Sample], float]:
     """Send ``reqs`` at their scheduled times, whatever is still outstanding."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
     timeout = httpx.Timeout(timeout_s, connect=10.0)
@@ -333,12 +402,17 @@ async def _drive(url: str, reqs: list[_Request], timeout_s: float) -> tuple[list
                 await trio.sleep_until(t0 + req.at)
                 s = _Sample(req.index, req.tenant, req.measured, t0 + req.at)
                 samples.append(s)
-                nursery.start_soon(_one, client, url, req, s)
+                nursery.start_soon(_one, client, url, req, s, sessions)
     return samples, t0
 
 
 async def _drive_closed(
-    url: str, reqs: list[_Request], timeout_s: float, clients: int, duration_s: float
+    url: str,
+    reqs: list[_Request],
+    timeout_s: float,
+    clients: int,
+    duration_s: float,
+    sessions: bool = False,
 ) -> tuple[list[_Sample], float]:
     """``clients`` closed loops over ``reqs`` in order: the warm-up first
     (one request per tenant, as many at once as there are clients, as
@@ -361,7 +435,7 @@ async def _drive_closed(
                     return
                 s = _Sample(req.index, req.tenant, req.measured, now)
                 samples.append(s)
-                await _one(client, url, req, s)
+                await _one(client, url, req, s, sessions)
 
         for todo in (warm, window):
             if todo is window and duration_s > 0:
@@ -375,33 +449,7 @@ async def _drive_closed(
 # --------------------------------------------------------------------------- processes
 
 
-def _machine_busy_s() -> float:
-    return machine_cpu_s()[0]
-
-
-@dataclass
-class _Stack:
-    python: str
-    workdir: Path
-    procs: list[Proc] = field(default_factory=list)
-
-    def start(self, name: str, *args: str) -> Proc:
-        p = Proc(name, list(args), self.workdir, python=self.python)
-        self.procs.append(p)
-        return p
-
-    def stop(self, p: Proc) -> None:
-        p.stop()
-        self.procs.remove(p)
-
-    def stop_all(self) -> None:
-        for p in reversed(list(self.procs)):
-            with contextlib.suppress(Exception):
-                p.stop()
-        self.procs.clear()
-
-
-def _start_sims(stack: _Stack, opts: Options) -> list[tuple[Proc, str]]:
+def _start_sims(stack: Stack, opts: Options) -> list[tuple[Proc, str]]:
     flags = [
         "--model", MODEL,
         "--ttft", f"{opts.ttft_s:g}",
@@ -414,7 +462,7 @@ def _start_sims(stack: _Stack, opts: Options) -> list[tuple[Proc, str]]:
         "--max-num-seqs", str(opts.max_num_seqs),
         "--decode-slowdown", f"{opts.decode_slowdown:g}",
     ]  # fmt: skip
-    sims = [stack.start(f"sim{i}", "sim", "--port", "0", *flags) for i in range(opts.instances)]
+    sims = [stack.launch(f"sim{i}", "sim", "--port", "0", *flags) for i in range(opts.instances)]
     return [(p, p.wait_stdout(SIM_READY)[1]) for p in sims]
 
 
@@ -423,43 +471,30 @@ def _edge_config(
 ) -> dict[str, Any]:
     scheduler: dict[str, Any] = {
         **(extra or {}),
-        "placement": "least_loaded" if placement == "affinity" else placement,
-        "affinity": placement in ("affinity", "prefix"),
+        "placement": "least_loaded" if placement in ("affinity", "session") else placement,
+        "affinity": placement in ("affinity", "session", "prefix"),
     }
     return {"scheduler": scheduler, "timelines": {"export_path": str(export)}}
 
 
 def _start_cluster(
-    stack: _Stack, opts: Options, placement: Placement, sims: list[str], tag: str
+    stack: Stack, opts: Options, placement: Placement, sims: list[str], tag: str
 ) -> tuple[Proc, Proc, str, Path]:
-    export = stack.workdir / f"timelines-{tag}.jsonl"
-    edge_toml = stack.workdir / f"edge-{tag}.toml"
-    edge_toml.write_text(toml_dumps(_edge_config(placement, export, opts.scheduler)))
-    edge = stack.start(
-        f"edge-{tag}", "edge", "--port", "0", "--node-token", NODE_TOKEN, "--config", str(edge_toml)
-    )
-    m = edge.wait_stdout(EDGE_READY)
-    url, link = m[1], m[2]
-    node_cfg = {
-        "node": {
-            "id": "node",
-            "probe_interval_s": 30.0,
-            "edges": [{"url": link, "token": NODE_TOKEN}],
-        },
-        "instances": [
-            {
-                "adapter": "vllm",
-                "name": f"gpu{i}",
-                "endpoint": sim,
-                "max_concurrency": opts.max_concurrency,
-                **({"kv_events_path": "/kv_events"} if opts.kv_events else {}),
-            }
-            for i, sim in enumerate(sims)
-        ],
-    }
-    node_toml = stack.workdir / f"node-{tag}.toml"
-    node_toml.write_text(toml_dumps(node_cfg))
-    node = stack.start(f"node-{tag}", "node", "--config", str(node_toml))
+    export = stack.logdir / f"timelines-{tag}.jsonl"
+    config = _edge_config(placement, export, opts.scheduler)
+    edge, url, link = start_edge(stack, config, name=f"edge-{tag}")
+    instances = [
+        {
+            "adapter": "vllm",
+            "name": f"gpu{i}",
+            "endpoint": sim,
+            "max_concurrency": opts.max_concurrency,
+            **({"kv_events_path": "/kv_events"} if opts.kv_events else {}),
+        }
+        for i, sim in enumerate(sims)
+    ]
+    node_cfg = {"id": "node", "probe_interval_s": 30.0}
+    node = start_node(stack, f"node-{tag}", link, node_cfg, instances)
     node.wait_stdout(NODE_READY)
     with httpx.Client(timeout=5.0, trust_env=False) as c:
 
@@ -502,10 +537,8 @@ def _wait_idle(sims: list[str]) -> None:
 
 def _pct(values: list[float], p: float) -> float | None:
     """Nearest-rank percentile; None with no values."""
-    vals = sorted(v for v in values if not math.isnan(v))
-    if not vals:
-        return None
-    return vals[max(0, min(len(vals) - 1, math.ceil(p / 100 * len(vals)) - 1))]
+    v = pct(values, p)
+    return None if math.isnan(v) else v
 
 
 def _ms(v: float | None) -> float | None:
@@ -600,7 +633,7 @@ def _misses_per_window(samples: list[_Sample], window_s: float) -> list[float | 
 
 
 def _cell(
-    stack: _Stack,
+    stack: Stack,
     opts: Options,
     workload: Workload,
     placement: Placement,
@@ -614,23 +647,30 @@ def _cell(
     reqs = _requests(opts, workload, tag)
     before = _sim_counters(urls)
     cpu0 = {k: _cpu_s(p.pid) for k, p in procs.items()}
-    me0, busy0, t0 = time.process_time(), _machine_busy_s(), time.monotonic()
+    me0, busy0, t0 = time.process_time(), machine_cpu_s()[0], time.monotonic()
     load0 = os.getloadavg()[0]
+    sessions = placement == "session"
     if opts.clients > 0:
         samples, _ = trio.run(
-            _drive_closed, url, reqs, opts.client_timeout_s, opts.clients, opts.duration_s
+            _drive_closed,
+            url,
+            reqs,
+            opts.client_timeout_s,
+            opts.clients,
+            opts.duration_s,
+            sessions,
         )
     else:
-        samples, _ = trio.run(_drive, url, reqs, opts.client_timeout_s)
+        samples, _ = trio.run(_drive, url, reqs, opts.client_timeout_s, sessions)
     wall = time.monotonic() - t0
     cpu = {k: round(_cpu_s(p.pid) - cpu0[k], 3) for k, p in procs.items()}
     client_cpu = time.process_time() - me0
-    busy = _machine_busy_s() - busy0
+    busy = machine_cpu_s()[0] - busy0
     after = _sim_counters(urls)
     stack.stop(node)
     stack.stop(edge)  # flushes the timelines' export
     placements = _placements(export)
-    with (stack.workdir / f"samples-{tag}.jsonl").open("w") as f:
+    with (stack.logdir / f"samples-{tag}.jsonl").open("w") as f:
         for s in samples:
             where = placements.get(s.run_id, ("", "", {}))
             row = dataclasses.asdict(s) | dict(
@@ -660,14 +700,14 @@ def _cell(
     Options,
     "Placement against a prefix cache: TTFT, throughput and hit rate of random, "
     "least-loaded, affinity and prefix-aware placement on shared and unique prompts.",
-    report=lambda r: _report(r),
+    report=report,
 )
 def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
     """Every (workload, placement) cell of ``opts`` on one set of sims."""
     if ctx.smoke:
         opts = _smoke(opts)
     started = time.monotonic()
-    stack = _Stack(ctx.python, ctx.workdir)
+    stack = Stack(ctx.python, ctx.workdir)
     # The placements' order turns with the repeat, so none always runs first.
     k = ctx.repeat % len(opts.placements)
     order = opts.placements[k:] + opts.placements[:k]
@@ -688,213 +728,3 @@ def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
         "elapsed_s": round(time.monotonic() - started, 1),
         "cpus": os.cpu_count(),
     }
-
-
-# --------------------------------------------------------------------------- report
-
-
-def _results(result: dict[str, Any] | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return result if isinstance(result, list) else [result]
-
-
-def _median_cells(
-    result: dict[str, Any] | list[dict[str, Any]],
-) -> dict[tuple[str, str], dict[str, Any]]:
-    """(workload, placement) -> the median over the repeats of each figure."""
-    by: dict[tuple[str, str], list[dict[str, Any]]] = {}
-    for res in _results(result):
-        for c in res["cells"]:
-            by.setdefault((c["workload"], c["placement"]), []).append(c)
-
-    def med(cells: list[dict[str, Any]], *path: str) -> float | None:
-        vals = []
-        for c in cells:
-            v: Any = c
-            for p in path:
-                v = v.get(p) if isinstance(v, dict) else None
-            if isinstance(v, int | float):
-                vals.append(float(v))
-        return statistics.median(vals) if vals else None
-
-    out: dict[tuple[str, str], dict[str, Any]] = {}
-    for key, cells in by.items():
-        out[key] = {
-            "n": len(cells),
-            "p50": med(cells, "ttft_ms", "p50"),
-            "p90": med(cells, "ttft_ms", "p90"),
-            "tok_s": med(cells, "throughput_tok_s"),
-            "ans_s": med(cells, "answers_per_s"),
-            "hit": med(cells, "hit_rate"),
-            "hit_req": med(cells, "hit_requests"),
-            "spread": med(cells, "instances_per_tenant"),
-            "foreign": med(cells, "foreign_cpu_pct"),
-            "errors": sum(sum(c["errors"].values()) for c in cells),
-        }
-    return out
-
-
-def _f(v: float | None, fmt: str) -> str:
-    return "-" if v is None else format(v, fmt)
-
-
-def tables(result: dict[str, Any] | list[dict[str, Any]]) -> dict[str, str]:
-    """Markdown tables by marker key: ``routing`` (every cell) and
-    ``routing-target`` (the issue's two targets, met or not)."""
-    cells = _median_cells(result)
-    rows = [
-        "| workload | placement | TTFT p50 ms | TTFT p90 ms | tokens/s | answers/s "
-        "| cache hit rate | full prefills | instances per tenant | errors | foreign CPU % |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for w in WORKLOADS:
-        for p in PLACEMENTS:
-            c = cells.get((w, p))
-            if c is None:
-                continue
-            rows.append(
-                f"| {w} | {p} | {_f(c['p50'], '.0f')} | {_f(c['p90'], '.0f')} "
-                f"| {_f(c['tok_s'], '.1f')} | {_f(c['ans_s'], '.2f')} "
-                f"| {_f(None if c['hit'] is None else c['hit'] * 100, '.1f')} % "
-                f"| {_f(None if c['hit_req'] is None else (1 - c['hit_req']) * 100, '.1f')} % "
-                f"| {_f(c['spread'], '.2f')} | {c['errors']} | {_f(c['foreign'], '.0f')} |"
-            )
-    n = max((c["n"] for c in cells.values()), default=0)
-    rows.append("")
-    rows.append(f"Median of {n} repeat(s) per cell.")
-    out = {"routing": "\n".join(rows)}
-    target = [
-        "| target | least-loaded | prefix | ratio | met |",
-        "| --- | ---: | ---: | ---: | --- |",
-    ]
-    ll, px = cells.get(("shared", "least_loaded")), cells.get(("shared", "prefix"))
-    if ll and px and ll["p90"] and px["p90"]:
-        ratio = ll["p90"] / px["p90"]
-        target.append(
-            f"| shared: TTFT p90 at least halved | {ll['p90']:.0f} ms | {px['p90']:.0f} ms "
-            f"| {ratio:.2f}x | {'yes' if ratio >= 2 else 'no'} |"
-        )
-    ll, px = cells.get(("unique", "least_loaded")), cells.get(("unique", "prefix"))
-    if ll and px and ll["tok_s"] and px["tok_s"]:
-        ratio = px["tok_s"] / ll["tok_s"]
-        # "No throughput lost": within 2 %, the run-to-run spread of an open
-        # loop's completions on this box.
-        target.append(
-            f"| unique: no throughput lost | {ll['tok_s']:.1f} tok/s | {px['tok_s']:.1f} tok/s "
-            f"| {ratio:.3f} | {'yes' if ratio >= 0.98 else 'no'} |"
-        )
-    out["routing-target"] = "\n".join(target)
-    return out
-
-
-def plots(
-    result: dict[str, Any] | list[dict[str, Any]], img_dir: Path, name: str = "routing"
-) -> list[Path]:
-    """``bench_NAME.png``: TTFT p50/p90 and hit rate per placement, both
-    workloads; ``bench_NAME_misses.png`` when the cells counted misses per
-    window: each repeat's misses over time, per placement."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cells = _median_cells(result)
-    img_dir.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    x = list(range(len(PLACEMENTS)))
-    width = 0.38
-    for wi, w in enumerate(WORKLOADS):
-        got = [cells.get((w, p)) for p in PLACEMENTS]
-        off = [i + (wi - 0.5) * width for i in x]
-        p90 = [c["p90"] if c and c["p90"] else 0 for c in got]
-        p50 = [c["p50"] if c and c["p50"] else 0 for c in got]
-        axes[0].bar(off, p90, width, label=f"{w}: p90", alpha=0.55)
-        axes[0].scatter(off, p50, marker="_", s=300, color="black", zorder=3)
-        axes[1].bar(off, [c["tok_s"] if c and c["tok_s"] else 0 for c in got], width, label=w)
-        axes[2].bar(off, [(c["hit"] or 0) * 100 if c else 0 for c in got], width, label=w)
-    for ax, title in zip(
-        axes,
-        (
-            "TTFT p90 (bars), p50 (ticks), ms",
-            "throughput, completion tokens/s",
-            "cache hit rate, %",
-        ),
-        strict=True,
-    ):
-        ax.set_xticks(x, list(PLACEMENTS))
-        ax.set_title(title)
-        ax.set_ylim(top=ax.get_ylim()[1] * 1.2)  # room for the legend above the bars
-        ax.legend(fontsize=8, loc="upper right", ncols=2)
-    fig.tight_layout()
-    path = img_dir / f"bench_{name}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    out = [path]
-    runs = _results(result)
-    if any(c.get("misses_per_window") for res in runs for c in res["cells"]):
-        fig, ax = plt.subplots(figsize=(8, 4))
-        colors = {"least_loaded": "tab:blue", "prefix": "tab:orange", "affinity": "tab:green"}
-        for res in runs:
-            window = float(res["options"].get("window_s", 10.0))
-            for c in res["cells"]:
-                ys = [
-                    v * 100 if v is not None else math.nan for v in c.get("misses_per_window", [])
-                ]
-                if ys:
-                    ax.plot(
-                        [(i + 1) * window for i in range(len(ys))],
-                        ys,
-                        color=colors.get(c["placement"], "tab:gray"),
-                        alpha=0.6,
-                        label=f"{c['placement']} (repeat {res['repeat']})",
-                    )
-        ax.set_xlabel("seconds into the window")
-        ax.set_ylabel("misses, % of answers")
-        ax.set_title("misses per window (< half the prompt cached)")
-        ax.legend(fontsize=7, ncols=2)
-        fig.tight_layout()
-        path = img_dir / f"bench_{name}_misses.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        out.append(path)
-    return out
-
-
-def repeats_table(result: dict[str, Any] | list[dict[str, Any]]) -> str:
-    """One row per repeat: least-loaded against prefix on the ``shared``
-    workload: TTFT p90, their ratio, throughput, misses overall and in the
-    last window (the closed-loop scenario's targets)."""
-    rows = [
-        "| repeat | window s | TTFT p90 least-loaded ms | TTFT p90 prefix ms | ratio "
-        "| tokens/s least-loaded | tokens/s prefix | misses prefix | misses prefix, "
-        "first / last window |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
-    ]
-    for res in _results(result):
-        by = {c["placement"]: c for c in res["cells"] if c["workload"] == "shared"}
-        ll, px = by.get("least_loaded"), by.get("prefix")
-        if not ll or not px:
-            continue
-        a, b = ll["ttft_ms"]["p90"], px["ttft_ms"]["p90"]
-        ratio = f"{a / b:.2f}x" if a and b else "-"
-        miss = None if px["hit_requests"] is None else (1 - px["hit_requests"]) * 100
-        series = [v for v in px.get("misses_per_window", []) if v is not None]
-        trend = f"{series[0] * 100:.1f} % / {series[-1] * 100:.1f} %" if series else "-"
-        rows.append(
-            f"| {res['repeat']} | {px['span_s']:.0f} | {_f(a, '.0f')} | {_f(b, '.0f')} | {ratio} "
-            f"| {ll['throughput_tok_s']:.1f} | {px['throughput_tok_s']:.1f} "
-            f"| {_f(miss, '.1f')} % | {trend} |"
-        )
-    return "\n".join(rows)
-
-
-def _report(r: ReportInput) -> dict[str, str]:
-    """``iop bench report``: the tables over every repeat (each figure their
-    median), the plot, and the footer under each table."""
-    plots(r.repeats, r.img_dir, r.scenario)
-    out = {
-        key.replace("routing", r.scenario, 1): f"{text}\n\n{r.footer}"
-        for key, text in tables(r.repeats).items()
-    }
-    if any(c.get("misses_per_window") for res in r.repeats for c in res["cells"]):
-        out[f"{r.scenario}-repeats"] = f"{repeats_table(r.repeats)}\n\n{r.footer}"
-    return out

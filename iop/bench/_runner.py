@@ -32,6 +32,7 @@ __all__ = [
     "ReportInput",
     "RunContext",
     "Runner",
+    "options_argv",
     "register",
     "tables_report",
 ]
@@ -101,6 +102,26 @@ class Runner(Generic[OptionsT]):
     summary: str
     run: Callable[[OptionsT, RunContext], dict[str, Any]]
     report: ReportFn | None = None
+
+
+def options_argv(opts: msgspec.Struct, *, repeated: tuple[str, ...] = ()) -> list[str]:
+    """``opts`` as the command line of the script a runner wraps: ``--name
+    value`` per field, a bool as a flag, a list comma-separated (or the flag
+    per item when the field is in ``repeated``)."""
+    out: list[str] = []
+    for name in opts.__struct_fields__:
+        value = getattr(opts, name)
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            out += [flag] if value else []
+        elif isinstance(value, list) and name in repeated:
+            for item in value:
+                out += [flag, str(item)]
+        elif isinstance(value, list):
+            out += [flag, ",".join(str(v) for v in value)]
+        else:
+            out += [flag, str(value)]
+    return out
 
 
 def tables_report(module: str) -> ReportFn:

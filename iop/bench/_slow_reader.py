@@ -23,7 +23,9 @@ import httpx
 import msgspec
 import trio
 
-from iop.bench._backpressure import CpuWindow, Stack, sim_stats, slow_reader, stack
+from iop.bench._backpressure import Stack, sim_stats, stack
+from iop.bench._client import slow_reader
+from iop.bench._procs import CpuWindow
 from iop.bench._runner import RunContext, register, tables_report
 
 __all__ = ["Options", "plots", "run", "tables"]

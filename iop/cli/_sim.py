@@ -53,6 +53,9 @@ examples:
                                              # agents: call their shell tool, quote its output
   iop sim --tool-call-name shell --tool-call-arguments-for 'shell={"command": ["ls"]}'
                                              # ... with arguments for one tool only
+  iop sim --tool-call-step 'Write={"file_path": "/tmp/a", "content": "hi"}' \\
+          --tool-call-step 'Bash={"command": "cat /tmp/a"}'
+                                             # agents: several tool round trips in one turn
 
 per request: a request key "iop_sim" (an object of the same settings, e.g.
 {"iop_sim": {"failure": "http_429"}}) overrides the server's settings for
@@ -172,6 +175,17 @@ def add_parser(sub: Any) -> None:
         help="arguments for one candidate tool (repeatable), instead of --tool-call-arguments",
     )
     g.add_argument(
+        "--tool-call-step",
+        dest="tool_call_sequence",
+        action="append",
+        metavar="NAME=JSON",
+        help=(
+            "scripted tool sequence (repeat the flag for each step, in order): the "
+            "turn's Nth request calls the Nth tool with these arguments, then the "
+            "answer quotes the last result"
+        ),
+    )
+    g.add_argument(
         "--embedding-dim",
         type=int,
         metavar="N",
@@ -239,6 +253,7 @@ _OVERRIDES = (
     "tool_call_names",
     "tool_call_arguments",
     "tool_call_arguments_by_tool",
+    "tool_call_sequence",
     "embedding_dim",
     "max_inputs",
     "prefill_tokens_per_s",
@@ -258,7 +273,14 @@ def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
     base = load_config(args.config, SimFile).sim if args.config else SimConfig()
     flags = {k: getattr(args, k) for k in _OVERRIDES if getattr(args, k) is not None}
     if "tool_call_arguments_by_tool" in flags:
-        flags["tool_call_arguments_by_tool"] = _name_values(flags["tool_call_arguments_by_tool"])
+        flags["tool_call_arguments_by_tool"] = dict(
+            _name_values("--tool-call-arguments-for", flags["tool_call_arguments_by_tool"])
+        )
+    if "tool_call_sequence" in flags:
+        flags["tool_call_sequence"] = [
+            {"name": name, "arguments": arguments}
+            for name, arguments in _name_values("--tool-call-step", flags["tool_call_sequence"])
+        ]
     if not flags:
         return base
     try:
@@ -267,13 +289,13 @@ def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
         raise ConfigError(f"invalid sim setting: {exc}") from exc
 
 
-def _name_values(items: list[str]) -> dict[str, str]:
-    out: dict[str, str] = {}
+def _name_values(flag: str, items: list[str]) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
     for item in items:
         name, sep, value = item.partition("=")
         if not sep or not name:
-            raise ConfigError(f"--tool-call-arguments-for wants NAME=JSON, got {item!r}")
-        out[name] = value
+            raise ConfigError(f"{flag} wants NAME=JSON, got {item!r}")
+        out.append((name, value))
     return out
 
 

@@ -6,8 +6,8 @@ say (request parsing, output, error bodies) is sans-IO in ``iop.api``; the
 app routes each surface's requests through one generic handler.
 """
 
-from iop.edge._app import SurfaceRoute, bearer_key, create_edge_app
 from iop.edge._core import EdgeCore, open_edge_core
+from iop.edge.routes import SurfaceRoute, bearer_key, create_edge_app
 from iop.edge.runs import RemoteExecutor
 from iop.edge.server._serve import EdgeHandle, check_ports, serve_edge
 

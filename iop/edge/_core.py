@@ -22,6 +22,7 @@ A reload (``apply_config``) swaps the config in one synchronous step.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -33,6 +34,7 @@ import trio
 
 from iop._reload import Reloading
 from iop._secrets import SecretMasker, edge_secrets
+from iop.api import OBJECTIVE_HEADERS
 from iop.config import EdgeConfig, LinkSettings
 from iop.edge import _views
 from iop.edge._metrics import EdgeMetrics
@@ -47,7 +49,7 @@ from iop.edge.runs import (
     known_node,
     undrain_node,
 )
-from iop.edge.scheduler import EVEN_SHARE, Scheduler
+from iop.edge.scheduler import EVEN_SHARE, QueueShare, Scheduler
 from iop.edge.scheduler._admission import refuse_unservable
 from iop.edge.server._tls import EdgeTLS
 from iop.edge.tenancy._admission import TenantAdmission, usage_record
@@ -65,7 +67,7 @@ from iop.events import CancelReason, Usage
 from iop.ledger import Prices
 from iop.protocol import FrameChannel, NodeCredentials
 from iop.runtime import LinkClock, Run, RunSupervisor, open_run_supervisor
-from iop.spec import ExecutionSpec, OperationRequest
+from iop.spec import ExecutionSpec, OperationRequest, Routing
 from iop.timeline import Timeline, TimelineRing
 from iop.tracing import RunTrace, Tracing
 
@@ -221,7 +223,13 @@ class EdgeCore:
             raise RequestError("the server is shutting down", status=503, code=ErrorCode.DRAINING)
         model, op = spec.model, spec.operation
         refuse_unservable(self.registry, self.scheduler, model, op)
-        self.scheduler.admit(model, op, EVEN_SHARE if ticket is None else ticket.tenant.share)
+        share = self.queue_share(spec.request, ticket)
+        self.scheduler.admit(model, op, share)
+        routing = getattr(spec.request, "routing", None)
+        if routing is not None:
+            # The edge's alone: the node and the backend never see it.
+            request = msgspec.structs.replace(spec.request, routing=None)
+            spec = msgspec.structs.replace(spec, request=request)
         if ticket is not None:
             # The tenant's own prefix cache, on the edge and on the backend
             # (iop.edge.tenancy._tenants, "Prefix caches").
@@ -231,7 +239,7 @@ class EdgeCore:
         self.runs_started += 1
         window = self.delivery.run_buffer
         trace = None
-        executor = RemoteExecutor(self, collect=collect)
+        executor = RemoteExecutor(self, collect=collect, share=share)
         run = self.supervisor.start_run(
             executor,
             spec,
@@ -248,6 +256,9 @@ class EdgeCore:
         )
         timeline = run.timeline
         timeline.stream = not collect
+        timeline.session = share.session
+        timeline.session_from = "" if routing is None else routing.session_from
+        timeline.objective = share.objective
         timeline.max_stalls = self.config.timelines.max_stalls
         if ticket is not None:
             # Before the run's task starts: its queue share is its tenant's.
@@ -259,6 +270,49 @@ class EdgeCore:
         else:
             timeline.traceparent = spec.traceparent
         return run
+
+    def queue_share(self, request: OperationRequest, ticket: Ticket | None) -> QueueShare:
+        """Where ``request`` stands in the queue: its tenant's share, its
+        session and its objective (docs/operations.md, "Sessions and objectives").
+
+        The objective is the one the request names (``x-iop-objective``),
+        else its tenant's, else ``scheduler.default_objective``; a
+        ``x-llm-d-slo-ttft-ms`` header overrides its deadline.
+
+        Raises:
+            RequestError: 400 when the request names an objective the
+                config does not have.
+        """
+        share = EVEN_SHARE if ticket is None else ticket.tenant.share
+        routing = getattr(request, "routing", None)
+        if not isinstance(routing, Routing):
+            routing = Routing()
+        name = (
+            routing.objective
+            or (ticket.tenant.objective if ticket is not None else "")
+            or self.config.scheduler.default_objective
+        )
+        objective = self.config.objective(name) if name else None
+        if name and objective is None:
+            known = ", ".join(repr(o.name) for o in self.config.objectives) or "none"
+            raise RequestError(
+                f"Unknown objective {name!r} (header '{OBJECTIVE_HEADERS[0]}'): this "
+                f"server's objectives are {known}.",
+                status=400,
+                code=ErrorCode.INVALID_VALUE,
+                param=OBJECTIVE_HEADERS[0],
+            )
+        deadline = routing.ttft_deadline_s
+        if deadline is None and objective is not None:
+            deadline = objective.ttft_deadline_s
+        return dataclasses.replace(
+            share,
+            session=routing.session,
+            rank=0 if objective is None else objective.priority,
+            objective=name,
+            sheddable=objective is not None and objective.sheddable,
+            deadline_s=deadline,
+        )
 
     async def admit(self, tenant: Tenant, request: OperationRequest, key_name: str = "") -> Ticket:
         """Admit ``request`` of ``tenant`` (``TenantAdmission.admit``).

@@ -67,6 +67,33 @@ class _LiveCollector(Collector):
         for how, n in self._scheduler.exits.items():
             exits.add_metric([how.value], n)
         yield exits
+        refused = CounterMetricFamily(
+            "iop_queue_refused",
+            "Runs refused before they queued, by why (queue_full, queue_delay, deadline, shed).",
+            labels=["why"],
+        )
+        for why, n in self._scheduler.refused.items():
+            refused.add_metric([why], n)
+        yield refused
+        # Sessions as counts, never a label per session id (docs/operations.md,
+        # "Sessions and objectives").
+        yield CounterMetricFamily(
+            "iop_queue_sessions_seen",
+            "Sessions the queue began to track (a session key queued for the first time "
+            "since it was last forgotten).",
+            value=self._scheduler.sessions_seen,
+        )
+        yield CounterMetricFamily(
+            "iop_queue_sessions_overflowed",
+            "Queued runs whose session found no room under scheduler.max_sessions_per_tenant "
+            "(they share the turn of their tenant's runs without a session).",
+            value=self._scheduler.sessions_overflowed,
+        )
+        yield GaugeMetricFamily(
+            "iop_queue_sessions",
+            "Sessions with runs queued now.",
+            value=self._scheduler.sessions_queued,
+        )
         in_flight = GaugeMetricFamily(
             "iop_instance_in_flight",
             "Runs the edge has placed on each node instance.",

@@ -213,11 +213,18 @@ def _reported_view(scheduler: Scheduler, inst: InstanceState) -> dict[str, objec
 
 def _queue_view(scheduler: Scheduler) -> dict[str, object]:
     """How runs left the queue, and the last one's time on the host's
-    monotonic clock (``Scheduler.last_exit``)."""
+    monotonic clock (``Scheduler.last_exit``); the runs refused before they
+    queued, by why; and the sessions the queue tracks (counts, never ids)."""
     last = scheduler.last_exit
     return {
         "exits": {how.value: n for how, n in scheduler.exits.items()},
         "last_exit": None if last is None else msgspec.to_builtins(last),
+        "refused": dict(scheduler.refused),
+        "sessions": {
+            "seen": scheduler.sessions_seen,
+            "queued": scheduler.sessions_queued,
+            "overflowed": scheduler.sessions_overflowed,
+        },
     }
 
 

@@ -48,6 +48,19 @@ result's first ``TOOL_RESULT_QUOTE_CHARS`` characters, so that an end-to-end
 test can prove the model saw the tool's output. Everything else (tool
 choice, caps, timing) works as above.
 
+Scripted tool sequence (``tool_call_sequence`` set; it wins over
+``tool_call_names``), for driving a real agent through several round trips
+in one user turn: the request's *turn* is the messages after the last
+assistant message that called no tool (a final answer), so the next user
+turn of the same conversation plays the sequence again. A turn with N tool
+calls so far (assistant messages with native calls, or with a Hermes
+``<tool_call>`` in their text) calls step N's tool with exactly its
+arguments, natively or as Hermes text as above; once every step has been
+called, the answer quotes the last tool result as the scripted mode does. A
+step whose tool the request does not declare is answered in text saying so
+(an agent's run then ends, visibly). A named or ``none`` tool choice is
+honoured as above.
+
 ``max_completion_tokens`` (or ``max_tokens``) caps the whole completion,
 reasoning included, as vLLM does, and makes the finish reason ``length``.
 
@@ -67,7 +80,7 @@ from typing import Any, Final
 
 import msgspec
 
-from iop.config import SimConfig
+from iop.config import SimConfig, ToolCallStep
 from iop.errors import RequestError
 from iop.events import FinishReason
 from iop.spec import ChatRequest, Message, NamedToolChoice
@@ -480,6 +493,47 @@ def _scripted_arguments(cfg: SimConfig, name: str) -> str:
     return cfg.tool_call_arguments_by_tool.get(name, cfg.tool_call_arguments)
 
 
+def _calls_a_tool(message: Message) -> bool:
+    """An assistant message calling a tool, natively or as Hermes text."""
+    return message.role == "assistant" and (
+        bool(message.tool_calls) or "<tool_call>" in message.text()
+    )
+
+
+def _calls_this_turn(messages: list[Message]) -> int:
+    """Assistant messages calling a tool since the last one that called none."""
+    calls = 0
+    for m in reversed(messages):
+        if m.role != "assistant":
+            continue
+        if not _calls_a_tool(m):
+            break
+        calls += 1
+    return calls
+
+
+def _last_tool_result(messages: list[Message]) -> list[Message]:
+    """``messages`` up to their last tool result (a text message after it, such
+    as an agent's reminder, is left out), for ``_scripted_answer``."""
+    for i in range(len(messages), 0, -1):
+        if _after_tool_result(messages[:i]):
+            return messages[:i]
+    return messages
+
+
+def _sequence_step(
+    cfg: SimConfig, messages: list[Message], declared: list[str]
+) -> ToolCallStep | list[str]:
+    """The step the scripted sequence calls now, or the text it answers (tokens)."""
+    calls = _calls_this_turn(messages)
+    if calls >= len(cfg.tool_call_sequence):
+        return _scripted_answer(_last_tool_result(messages))
+    step = cfg.tool_call_sequence[calls]
+    if step.name not in declared:
+        return _fragments(f"The scripted tool {step.name} is not among the request's tools.")
+    return step
+
+
 def _after_tool_result(messages: list[Message]) -> bool:
     if not messages:
         return False
@@ -546,7 +600,25 @@ def build_script(request: ChatRequest, config: SimConfig) -> SimScript:
     finish = FinishReason.STOP
     tools = request.tools or []
     choice = request.tool_choice
-    if tools and cfg.tool_mode != "none" and choice != "none":
+    if (
+        tools
+        and cfg.tool_mode != "none"
+        and choice != "none"
+        and cfg.tool_call_sequence
+        and not isinstance(choice, NamedToolChoice)
+    ):
+        step = _sequence_step(cfg, request.messages, request.tool_names())
+        if isinstance(step, list):
+            steps.extend(ContentToken(t) for t in step)
+        elif cfg.tool_mode == "native":
+            call_id = "chatcmpl-tool-" + hashlib.sha256(digest + b"tool").hexdigest()[:32]
+            steps.append(ToolCallBegin(call_id, step.name))
+            steps.extend(ToolArgs(f) for f in _fragments(step.arguments))
+            finish = FinishReason.TOOL_CALLS
+        else:
+            args = json.loads(step.arguments)
+            steps.extend(ContentToken(t) for t in _hermes_tokens(step.name, args))
+    elif tools and cfg.tool_mode != "none" and choice != "none":
         if isinstance(choice, NamedToolChoice):
             name = choice.function.name
         else:
@@ -579,7 +651,14 @@ def build_script(request: ChatRequest, config: SimConfig) -> SimScript:
     elif not tools and cfg.tool_mode != "none" and (listed := _prompt_tools(request.messages)):
         listed_names = [n for n, _ in listed]
         scripted_name = _scripted_tool(cfg, listed_names)
-        if _after_tool_result(request.messages):
+        if cfg.tool_call_sequence:
+            step = _sequence_step(cfg, request.messages, listed_names)
+            if isinstance(step, list):
+                steps.extend(ContentToken(t) for t in step)
+            else:
+                args = json.loads(step.arguments)
+                steps.extend(ContentToken(t) for t in _hermes_tokens(step.name, args))
+        elif _after_tool_result(request.messages):
             if scripted_name is not None:
                 steps.extend(ContentToken(t) for t in _scripted_answer(request.messages))
             else:

@@ -48,6 +48,7 @@ import pytest
 
 __all__ = [
     "API_KEY",
+    "CLAUDE_ALLOWED_TOOLS",
     "CLAUDE_QUIET_ENV",
     "CLAUDE_VERSION",
     "CODEX_VERSION",
@@ -435,19 +436,26 @@ def run_codex(
         return _run(codex_command(binary, prompt, workdir), workdir, env, timeout, config)
 
 
-def claude_command(binary: Path, prompt: str, model: str) -> list[str]:
-    return [
-        str(binary),
-        "-p",
-        prompt,
-        "--model",
-        model,
-        # The tool round trip runs exactly this shell command, allowed up
-        # front (``-p`` cannot ask, and root may not skip permissions). Last:
-        # the option takes every argument after it.
-        "--allowedTools",
-        "Bash(echo:*)",
-    ]
+# The tool round trip runs exactly this shell command, allowed up front
+# (``-p`` cannot ask, and root may not skip permissions).
+CLAUDE_ALLOWED_TOOLS: Final = ("Bash(echo:*)",)
+
+
+def claude_command(
+    binary: Path,
+    prompt: str,
+    model: str,
+    *,
+    allowed_tools: Sequence[str] = CLAUDE_ALLOWED_TOOLS,
+    options: Sequence[str] = (),
+) -> list[str]:
+    """``claude -p PROMPT --model MODEL [options] --allowedTools ...``.
+
+    ``options``: more of its options (``--continue``, ``--session-id ID``,
+    ``--output-format json``). ``--allowedTools`` is last: it takes every
+    argument after it.
+    """
+    return [str(binary), "-p", prompt, "--model", model, *options, "--allowedTools", *allowed_tools]
 
 
 def run_claude(
@@ -462,15 +470,23 @@ def run_claude(
     proxy: str = DEAD_PROXY,
     quiet: bool = True,
     key_variable: str = "ANTHROPIC_API_KEY",
+    allowed_tools: Sequence[str] = CLAUDE_ALLOWED_TOOLS,
+    options: Sequence[str] = (),
+    home: Path | None = None,
 ) -> AgentResult:
     """``claude -p PROMPT`` in ``workdir`` against ``base_url`` (``/v1/messages``).
 
     The key goes in ``key_variable``: ``ANTHROPIC_API_KEY`` (sent as
     ``x-api-key``) or ``ANTHROPIC_AUTH_TOKEN`` (sent as ``Authorization: Bearer``).
+    ``allowed_tools`` and ``options``: as ``claude_command``. ``home``: the
+    ``HOME`` to run in, kept after the run (Claude Code keeps its sessions
+    there, so a later run with the same ``home`` can ``--continue`` one);
+    by default a throwaway one.
     """
     binary = binary or claude_binary()
-    with tempfile.TemporaryDirectory(prefix="iop-claude-home-") as scratch:
-        home = Path(scratch)
+    with contextlib.ExitStack() as stack:
+        if home is None:
+            home = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="iop-claude-home-")))
         env = _base_env(home, proxy) | {
             "CLAUDE_CONFIG_DIR": str(home / ".claude"),
             "ANTHROPIC_BASE_URL": base_url.rstrip("/"),
@@ -483,4 +499,7 @@ def run_claude(
         }
         if quiet:
             env |= CLAUDE_QUIET_ENV
-        return _run(claude_command(binary, prompt, model), workdir, env, timeout)
+        command = claude_command(
+            binary, prompt, model, allowed_tools=allowed_tools, options=options
+        )
+        return _run(command, workdir, env, timeout)

@@ -40,13 +40,23 @@ edge's keep-alives, a wrong key is refused on both surfaces, and Claude
 Code's ``ANTHROPIC_AUTH_TOKEN`` (Bearer) gets in. After every run the edge's
 log must hold one line per run with the expected finish, and no process a
 warning or an error.
+
+A whole Claude Code session goes through too (``up_session``): the sim's
+scripted tool sequence (``tool_call_sequence``) makes the model write a
+file with ``Write``, read it back with ``Read`` and ``ls``/``cat`` it with
+``Bash``, one call per request, then quote the last output; a second turn
+(``claude -p --resume <session id>``) plays the sequence again on top of
+the first turn's conversation. A recording relay between Claude Code and
+the edge (``tests/agents/_relay.py``) shows what each request carried: the
+``X-Claude-Code-Session-Id`` header, the same on every request of both
+turns and equal to the session id Claude reports.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -56,6 +66,7 @@ import pytest
 from iop.sim._script import _VOCABULARY
 from tests.agents._agents import (
     API_KEY,
+    CLAUDE_ALLOWED_TOOLS,
     PATCH_PROMPT,
     PLAIN_PROMPT,
     TOOL_PROMPT,
@@ -63,6 +74,7 @@ from tests.agents._agents import (
     run_claude,
     run_codex,
 )
+from tests.agents._relay import Relay
 from tests.e2e._platform import LOG_LINE, Proc, poll, start_edge, start_node, start_sim
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -85,6 +97,17 @@ CODEX_TOOL_ARGUMENTS: Final = {
     },
     "multi_agent_v1__wait_agent": {"targets": ["iop-no-such-agent"], "timeout_ms": 1000},
 }
+# Claude Code's session: the file its Write creates (in the test's directory)
+# and what the last step's Bash prints (ls, then cat: the file's line).
+SESSION_FILE: Final = "notes.txt"
+SESSION_TEXT: Final = "iop-session-ok"
+SESSION_SHELL: Final = f"ls && cat {SESSION_FILE}"
+SESSION_ANSWER: Final = f"The tool said: {SESSION_FILE}\n{SESSION_TEXT}"
+# The session's tools, allowed up front as the shell command is.
+SESSION_TOOLS: Final = (*CLAUDE_ALLOWED_TOOLS, "Write", "Read", "Bash(ls:*)", "Bash(cat:*)")
+# One request per step (each answered with a tool call), then the answer.
+SESSION_RUNS: Final = ["tool_calls", "tool_calls", "tool_calls", "stop"]
+SESSION_HEADER: Final = "X-Claude-Code-Session-Id"
 # Words in a plain answer: short enough for one line, long enough not to be luck.
 PLAIN_TOKENS: Final = 24
 # Where the tool round trips run: iop up (without and with reasoning before
@@ -145,10 +168,14 @@ class Platform:
 
 
 def _start_up(
-    log_dir: Path, name: str, sim: dict[str, object], server: dict[str, object] | None = None
+    log_dir: Path,
+    name: str,
+    sim: dict[str, object],
+    server: dict[str, object] | None = None,
+    sequence: Sequence[tuple[str, dict[str, object]]] = (),
 ) -> Iterator[Platform]:
-    """``iop up --backend sim`` with ``[embedded.sim]`` = ``sim`` and one API key
-    (and ``[edge.server]`` keys ``server``)."""
+    """``iop up --backend sim`` with ``[embedded.sim]`` = ``sim`` (and the
+    scripted tool ``sequence``), one API key and ``[edge.server]`` keys ``server``."""
     lines = [
         "[edge.server]",
         f"api_keys = [{json.dumps(API_KEY)}]",
@@ -168,6 +195,9 @@ def _start_up(
     if isinstance(by_tool, dict):
         lines += ["", "[embedded.sim.tool_call_arguments_by_tool]"]
         lines += [f"{tool} = {json.dumps(json.dumps(args))}" for tool, args in by_tool.items()]
+    for tool, args in sequence:
+        lines += ["", "[[embedded.sim.tool_call_sequence]]", f"name = {json.dumps(tool)}"]
+        lines += [f"arguments = {json.dumps(json.dumps(args))}"]
     log_dir.mkdir(parents=True, exist_ok=True)
     config = log_dir / f"{name}.toml"
     config.write_text("\n".join(lines) + "\n")
@@ -226,6 +256,30 @@ def up_codex_tools(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Platfor
         tmp_path_factory.mktemp("up-codex-tools"),
         "iop-up-codex-tools",
         {"tool_call_names": list(CODEX_TOOL_ARGUMENTS), "by_tool": CODEX_TOOL_ARGUMENTS},
+    )
+
+
+@pytest.fixture(scope="module")
+def session_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where Claude Code's session works: its scripted Write names a file here."""
+    return tmp_path_factory.mktemp("claude-session")
+
+
+@pytest.fixture(scope="module")
+def up_session(tmp_path_factory: pytest.TempPathFactory, session_dir: Path) -> Iterator[Platform]:
+    """``iop up --backend sim`` whose model, in each user turn, writes
+    ``SESSION_FILE`` in ``session_dir``, reads it, lists and prints it with
+    the shell (one tool call per request), then quotes the shell's output."""
+    path = str(session_dir / SESSION_FILE)
+    yield from _start_up(
+        tmp_path_factory.mktemp("up-session"),
+        "iop-up-session",
+        {},
+        sequence=[
+            ("Write", {"file_path": path, "content": SESSION_TEXT + "\n"}),
+            ("Read", {"file_path": path}),
+            ("Bash", {"command": SESSION_SHELL}),
+        ],
     )
 
 
@@ -475,3 +529,108 @@ def test_claude_with_an_auth_token_sends_bearer_and_is_let_in(
     assert result.returncode == 0, _explain(result, up_plain)
     _assert_sim_text(result.stdout.strip(), result, up_plain)
     assert up_plain.runs_since_mark(1) == ["stop"], _explain(result, up_plain)
+
+
+def _session_turn(
+    relay: Relay, prompt: str, workdir: Path, claude_bin: Path, home: Path, *options: str
+) -> tuple[AgentResult, dict[str, object]]:
+    """One ``claude -p`` turn of the session through ``relay``: its result and
+    the ``--output-format json`` summary Claude prints."""
+    result = run_claude(
+        relay.url,
+        prompt,
+        workdir,
+        binary=claude_bin,
+        model=MODEL,
+        allowed_tools=SESSION_TOOLS,
+        options=["--output-format", "json", *options],
+        home=home,
+    )
+    summary = json.loads(result.stdout) if result.returncode == 0 else {}
+    return result, summary
+
+
+def _without_cache_control(value: object) -> object:
+    if isinstance(value, dict):
+        return {k: _without_cache_control(v) for k, v in value.items() if k != "cache_control"}
+    if isinstance(value, list):
+        return [_without_cache_control(v) for v in value]
+    return value
+
+
+def _tool_results(body: object) -> list[str]:
+    """The text of every ``tool_result`` block of a Messages request body."""
+    assert isinstance(body, dict)
+    found: list[str] = []
+    for message in body["messages"]:
+        content = message["content"]
+        for block in content if isinstance(content, list) else []:
+            if block.get("type") == "tool_result":
+                inner = block["content"]
+                parts = inner if isinstance(inner, list) else [{"text": inner}]
+                found.append("".join(p.get("text", "") for p in parts))
+    return found
+
+
+def test_claude_session_with_tool_round_trips_and_a_resumed_turn(
+    up_session: Platform, session_dir: Path, claude_bin: Path, tmp_path: Path
+) -> None:
+    home = tmp_path / "home"  # kept between the turns: Claude's sessions live there
+    home.mkdir()
+    with Relay(up_session.url) as relay:
+        up_session.mark()
+        first, summary = _session_turn(
+            relay, "Write notes.txt, read it back, then list it.", session_dir, claude_bin, home
+        )
+        assert first.returncode == 0, _explain(first, up_session)
+        # Three tool round trips and the answer: the Write left the file, the
+        # Read's result carried its text, the Bash output reached the model.
+        assert summary["result"] == SESSION_ANSWER, _explain(first, up_session)
+        assert summary["num_turns"] == len(SESSION_RUNS), _explain(first, up_session)
+        assert (session_dir / SESSION_FILE).read_text() == SESSION_TEXT + "\n"
+        assert up_session.runs_since_mark(len(SESSION_RUNS)) == SESSION_RUNS, _explain(
+            first, up_session
+        )
+        turn_one = relay.exchanges()
+        # Every request of the turn went through the relay to IOP (as many as
+        # the edge ran), each a streamed Messages request that succeeded.
+        assert len(turn_one) == len(SESSION_RUNS), turn_one
+        assert {(e.method, e.path, e.status) for e in turn_one} == {
+            ("POST", "/v1/messages?beta=true", 200)
+        }
+        results = _tool_results(turn_one[-1].json())
+        assert len(results) == 3, results
+        assert SESSION_TEXT in results[1], results
+        assert results[2] == f"{SESSION_FILE}\n{SESSION_TEXT}", results
+        session_id = summary["session_id"]
+        assert isinstance(session_id, str)
+        assert session_id
+
+        # The second turn resumes the session: the same id, the first turn's
+        # conversation under the new prompt, the sequence played again.
+        up_session.mark()
+        second, summary = _session_turn(
+            relay, "Do it again.", session_dir, claude_bin, home, "--resume", session_id
+        )
+        assert second.returncode == 0, _explain(second, up_session)
+        assert summary["result"] == SESSION_ANSWER, _explain(second, up_session)
+        assert summary["session_id"] == session_id, summary
+        assert up_session.runs_since_mark(len(SESSION_RUNS)) == SESSION_RUNS, _explain(
+            second, up_session
+        )
+        turn_two = relay.exchanges()[len(turn_one) :]
+        assert len(turn_two) == len(SESSION_RUNS), turn_two
+        # The resumed turn starts with the whole conversation the first turn
+        # ended with (cache_control markers move to the newest message):
+        # the prefix a backend's cache holds.
+        before = _without_cache_control(turn_one[-1].json()["messages"])
+        resumed = _without_cache_control(turn_two[0].json()["messages"])
+        assert len(resumed) > len(before), resumed
+        assert resumed[: len(before)] == before, resumed
+        assert _tool_results(turn_two[0].json()) == results
+        assert len(_tool_results(turn_two[-1].json())) == 2 * len(results)
+
+    # One session id on every request of both turns: what the edge can key
+    # a session's scheduling on.
+    headers = {e.header(SESSION_HEADER) for e in turn_one + turn_two}
+    assert headers == {session_id}, headers

@@ -30,7 +30,7 @@ from iop.events import (
     Start,
     Usage,
 )
-from iop.spec import CompletionRequest
+from iop.spec import CompletionRequest, Routing
 from tests.sim._schemas import validate_completion, validate_completion_chunk
 
 CTX = RunContext(run_id="r1", created=1700000000, policy=OutputPolicy())
@@ -96,6 +96,8 @@ def test_parse_maps_the_request_onto_a_completion_run() -> None:
         echo=True,
         user="u1",
         extra_body={"top_k": 40},
+        # ``user`` is its session key too (iop.api._routing).
+        routing=Routing(session="u1", session_from="user"),
     )
 
 

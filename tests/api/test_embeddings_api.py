@@ -31,7 +31,7 @@ from iop.events import (
     Start,
     Usage,
 )
-from iop.spec import EmbeddingRequest
+from iop.spec import EmbeddingRequest, Routing
 from tests.sim._schemas import validate_embeddings
 
 CTX = RunContext(run_id="r1", created=1700000000, policy=OutputPolicy())
@@ -64,6 +64,7 @@ def test_parse_maps_inputs_and_options() -> None:
         dimensions=3,
         user="u",
         extra_body={"truncate_prompt_tokens": 8},
+        routing=Routing(session="u", session_from="user"),  # iop.api._routing
     )
 
 

@@ -25,7 +25,7 @@ from typing import Any, Final
 import httpx
 import pytest
 
-from iop.edge.tenancy._cluster import HEARTBEAT, RESERVE
+from iop.edge.tenancy._cluster_scripts import HEARTBEAT, RESERVE
 from iop.testing import poll
 from tests._resp_proxy import FAULTS, RespProxy, scripts_rule
 from tests._valkey import Valkey

@@ -1,7 +1,7 @@
 """Cancellation, failover and deadlines on every API surface: one matrix, surfaces x windows.
 
 The edge serves every surface through one handler over the same runs
-(``iop.edge._app``, ``docs/api.md``), so a client disconnect, a lost node or
+(``iop.edge.routes._surfaces``, ``docs/api.md``), so a client disconnect, a lost node or
 a wait timeout must behave the same whatever API the client speaks; only the
 bytes differ. Each test here is one *window* (when the failure strikes),
 parametrized over ``SURFACES``, a table with one row per surface: how to build

@@ -21,6 +21,7 @@ wrong type, invalid UTF-8 in a string, or truncation.
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
@@ -178,7 +179,12 @@ def _replace(value: Any, path: tuple[Any, ...], new: Any) -> Any:
 
 
 _DEEP = "\u0000deep\u0000"
-_WRONG = st.sampled_from([None, True, -1, 2**31, 1.5, "x", [], {}, [[]], {"a": None}])
+# Each draw its own copy: sampled_from hands out the same list or dict every
+# time, and a mutation inside one (a later draw's "wrong" value spliced into
+# the {"a": None} an earlier draw's "key" put in) made it contain itself.
+_WRONG = st.sampled_from([None, True, -1, 2**31, 1.5, "x", [], {}, [[]], {"a": None}]).map(
+    copy.deepcopy
+)
 _HUGE = st.sampled_from([2**64, 2**90, -(2**63) - 1, -(2**100)])
 
 
@@ -202,7 +208,9 @@ def mutated(draw: st.DrawFn, objects: st.SearchStrategy[dict[str, Any]]) -> Body
     """A body of one of ``objects`` (any surface's), as is or with one hostile
     mutation: deep nesting, an integer beyond 64 bits, a value of the wrong
     type, invalid UTF-8 in a string, truncation, or an unknown key."""
-    obj = draw(objects)
+    # A copy: strategies such as st.just hand out one object to every draw,
+    # and the mutations below change it in place.
+    obj = copy.deepcopy(draw(objects))
     mutation = draw(st.sampled_from(["none", "deep", "huge", "wrong", "utf8", "truncate", "key"]))
     if mutation in ("deep", "huge", "wrong"):
         path = draw(st.sampled_from(_paths(obj)))

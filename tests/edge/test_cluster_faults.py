@@ -32,7 +32,8 @@ import trio
 from prometheus_client import CollectorRegistry
 
 from iop.config import ClusterSettings, TenancySettings, TenantSettings
-from iop.edge.tenancy._cluster import HEARTBEAT, LEAVE, RESERVE, RESYNC, SETTLE, SharedLimits
+from iop.edge.tenancy._cluster import SharedLimits
+from iop.edge.tenancy._cluster_scripts import HEARTBEAT, LEAVE, RESERVE, RESYNC, SETTLE
 from iop.edge.tenancy._tenants import RateLimited, Tenants, Ticket, Via
 from iop.events import Usage
 from tests._resp_proxy import FAULTS, RespProxy, scripts_rule

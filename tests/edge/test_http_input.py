@@ -176,7 +176,7 @@ def _post_closing(body: bytes) -> bytes:
 async def test_a_stream_opens_with_its_first_chunk_and_ends_with_its_last(
     writes: list[bytes],
 ) -> None:
-    # iop/edge/_app.py _sse_body and iop/edge/server/_http1.py: the head, the opening
+    # iop/edge/routes/_surfaces.py _sse_body and iop/edge/server/_http1.py: the head, the opening
     # chunk and the first output in one write; the last events and the chunked
     # terminator in one write (it was 4 writes: head and opening, first chunk,
     # last chunk, terminator).
@@ -208,6 +208,74 @@ async def test_a_json_answer_is_one_write(writes: list[bytes]) -> None:
     [(status, _, body)] = _responses(got)
     assert status == 200
     assert json.loads(body)["choices"][0]["message"]["content"] == "ok"
+
+
+def _head(raw: bytes) -> tuple[str, list[str]]:
+    """The status line and the header lines of a response, in order, but ``date``."""
+    status, *lines = raw.partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
+    return status, [h for h in lines if not h.lower().startswith("date:")]
+
+
+async def test_the_heads_of_a_stream_a_json_answer_and_an_early_error() -> None:
+    # Every header the surface routes send, and their order, as quart sent them
+    # when it built each answer (iop/edge/routes/_surfaces.py builds them itself).
+    from iop.errors import ErrorCode
+    from iop.events import Complete, Delta, Error, Start
+
+    async with edge() as (handle, node, _):
+        assert node is not None
+        heads = []
+        for body, events in [
+            (_chat(stream=True), (Start(), Delta("ok"), Complete())),
+            (_chat(), (Start(), Delta("ok"), Complete())),
+            (
+                _chat(stream=True),
+                (Start(), Error(message="busy", status=429, code=ErrorCode.RATE_LIMIT_EXCEEDED)),
+            ),
+        ]:
+            async with trio.open_nursery() as n:
+                n.start_soon(answer, node, *events)
+                heads.append(_head(await _raw_exchange(handle.url, _post_closing(body))))
+    stream, collected, early = heads
+    assert stream == (
+        "HTTP/1.1 200 ",
+        [
+            "content-type: text/event-stream",
+            "cache-control: no-cache",
+            "x-accel-buffering: no",
+            "server: hypercorn-h11",
+            "Transfer-Encoding: chunked",
+            "Connection: close",
+        ],
+    )
+    assert collected[0] == "HTTP/1.1 200 "
+    assert collected[1][:1] == ["content-type: application/json"]
+    assert collected[1][1].startswith("content-length: ")
+    assert collected[1][2:] == ["server: hypercorn-h11", "Connection: close"]
+    assert early[0] == "HTTP/1.1 429 "
+    assert early[1][:2] == ["retry-after: 1", "content-type: application/json"]
+    assert early[1][2].startswith("content-length: ")
+    assert early[1][3:] == ["server: hypercorn-h11", "Connection: close"]
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_surface_path_with_a_doubled_slash_is_answered_as_the_path(stream: bool) -> None:
+    # Quart's routing (werkzeug merges the slashes) matches a path the surface
+    # layer does not (iop/edge/server/_surface_asgi.py): it is the same answer.
+    from iop.events import Complete, Delta, Start
+
+    async with edge() as (handle, node, client), trio.open_nursery() as n:
+        assert node is not None
+        n.start_soon(answer, node, Start(), Delta("ok"), Complete())
+        resp = await client.post(
+            handle.url + "//v1/chat/completions", json={**CHAT, "stream": stream}
+        )
+    assert resp.status_code == 200, resp.text
+    if stream:
+        assert resp.headers["content-type"] == "text/event-stream"
+        assert sse_objects(resp.content)[-1] == "[DONE]"
+    else:
+        assert resp.json()["choices"][0]["message"]["content"] == "ok"
 
 
 def h11_dechunk(chunked: bytes) -> bytes:

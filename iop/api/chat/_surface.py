@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import Final
 
 from iop.api._openai_errors import openai_error
+from iop.api._routing import with_routing
 from iop.api._surface import Call, RunContext
 from iop.api.chat._encode import ChatCompletionCollector, ChatCompletionStream
 from iop.api.chat._request import DEFAULT_MAX_JSON_DEPTH, parse_chat_request
@@ -40,7 +41,7 @@ class ChatSurface:
 
     def parse(self, body: bytes, headers: Mapping[str, str], *, tenant: str = "") -> Call:
         """``parse_chat_request``; raises its ``RequestError`` (400)."""
-        request = parse_chat_request(body, max_depth=self._max_depth)
+        request = with_routing(parse_chat_request(body, max_depth=self._max_depth), headers)
         return Call(request=request, stream=request.stream, model=request.model)
 
     def error_body(

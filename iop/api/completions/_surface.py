@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH
+from iop.api._routing import with_routing
 from iop.api._surface import Call, RunContext
 from iop.api.completions._encode import CompletionCollector, CompletionStream
 from iop.api.completions._errors import error_response
@@ -30,7 +31,7 @@ class CompletionsSurface:
     def parse(self, body: bytes, headers: Mapping[str, str], *, tenant: str = "") -> Call:
         parsed = parse_completion(body, max_depth=self._max_depth)
         return Call(
-            request=parsed.request,
+            request=with_routing(parsed.request, headers),
             stream=parsed.stream,
             model=parsed.request.model,
             native=parsed,

@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from typing import NoReturn
 
 from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH
+from iop.api._routing import with_routing
 from iop.api._surface import Call, RunContext
 from iop.api.completions._errors import error_response
 from iop.api.embeddings._encode import EmbeddingsCollector
@@ -31,7 +32,7 @@ class EmbeddingsSurface:
         return "embeddings"
 
     def parse(self, body: bytes, headers: Mapping[str, str], *, tenant: str = "") -> Call:
-        request = parse_embeddings(body, max_depth=self._max_depth)
+        request = with_routing(parse_embeddings(body, max_depth=self._max_depth), headers)
         return Call(request=request, stream=False, model=request.model, native=request)
 
     def error_body(

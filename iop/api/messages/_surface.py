@@ -24,6 +24,7 @@ from collections.abc import Mapping
 import msgspec
 
 from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH
+from iop.api._routing import with_routing
 from iop.api._surface import Call, RunContext
 from iop.api.messages._encode import MessagesCollector, MessagesStream
 from iop.api.messages._errors import anthropic_error, error_body
@@ -106,6 +107,7 @@ class MessagesSurface:
             RequestError: 400, worded like Anthropic's.
         """
         native, request = parse_messages_request(body, max_depth=self._max_depth)
+        request = with_routing(request, headers, user_from="metadata.user_id")
         return Call(request=request, stream=native.stream, model=native.model, native=native)
 
     def error_body(

@@ -31,8 +31,11 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Final
 
+import msgspec
+
 from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH
 from iop.api._openai_errors import error_status, openai_error
+from iop.api._routing import routing_of
 from iop.api._surface import Call, RunContext, Surface
 from iop.api.responses._encode import (
     ReasoningEcho,
@@ -170,7 +173,6 @@ class ResponsesSurface:
                 ``previous_response_id``, or another tenant's, included
                 (module docstring).
         """
-        del headers  # nothing of the Responses API is in headers
         req, extra = decode_request(body, max_depth=self._max_depth)
         prior: tuple[Message, ...] = ()
         if req.previous_response_id is not None:
@@ -184,6 +186,13 @@ class ResponsesSurface:
                 )
             prior = found
         chat, history, tools, choice = translate(req, extra, prior)
+        routing = routing_of(
+            headers,
+            prompt_cache_key=req.prompt_cache_key,
+            user=req.user or req.safety_identifier,
+            user_from="user" if req.user else "safety_identifier",
+        )
+        chat = msgspec.structs.replace(chat, routing=routing)
         native = ResponsesCall(
             echo=_echo(req, tools, choice), history=history, tenant=tenant, tools=tools.map
         )

@@ -46,7 +46,7 @@ from iop._secrets import SecretMasker, mask_event
 from iop.config import EdgeConfig
 from iop.edge.runs._attempt import AttemptEnd, RemoteRun, RunStart
 from iop.edge.runs._delivery import DeliveryPolicy
-from iop.edge.scheduler import Lease, Scheduler, affinity_key
+from iop.edge.scheduler import Lease, QueueShare, Scheduler, affinity_key
 from iop.errors import ErrorCode, InvariantError, RequestError, RunAborted
 from iop.events import Cancelled, CancelReason, Error
 from iop.protocol import COLLECT_FLUSH_S
@@ -101,12 +101,27 @@ class _Retry(Exception):
 class RemoteExecutor:
     """Executes one run on whichever node the scheduler picks."""
 
-    __slots__ = ("_collect", "_collect_flush_s", "_core", "_started", "_trace")  # one per stream
+    __slots__ = (  # one per stream
+        "_collect",
+        "_collect_flush_s",
+        "_core",
+        "_share",
+        "_started",
+        "_trace",
+    )
 
     def __init__(
-        self, core: RunHost, *, collect: bool = False, trace: RunTrace | None = None
+        self,
+        core: RunHost,
+        *,
+        collect: bool = False,
+        trace: RunTrace | None = None,
+        share: QueueShare | None = None,
     ) -> None:
         self._core = core
+        # Where the run stands in the queue (``EdgeCore.queue_share``);
+        # None: its tenant's share, looked up when it runs.
+        self._share = share
         # The run's spans when the edge traces (iop.tracing).
         self._trace = trace
         # Nobody reads the events as they come (``Assign.collect``).
@@ -127,9 +142,13 @@ class RemoteExecutor:
         # A tenant's conversations and prefixes are its own: the run's cache
         # salt scopes them as it scopes the backend's cache (start_run).
         scope = spec.cache_salt
-        affinity = affinity_key(spec.request, scope) if core.config.scheduler.affinity else None
+        share = self._share or core.tenants.share_of(send.timeline.tenant)
+        affinity = (
+            affinity_key(spec.request, scope, session=share.session, tenant=share.tenant)
+            if core.config.scheduler.affinity
+            else None
+        )
         prefix = core.scheduler.prompt_blocks(spec.request, scope)
-        share = core.tenants.share_of(send.timeline.tenant)
         attempts = MAX_ATTEMPTS if core.config.scheduler.failover else 1
         for attempt in range(attempts):
             if last is not None and not core.scheduler.could_serve(model, frozenset(excluded), op):

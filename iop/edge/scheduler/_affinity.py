@@ -29,18 +29,27 @@ AFFINITY_PROMPT_HEAD_CHARS: Final = 2048
 AFFINITY_PROMPT_HEAD_IDS: Final = 512
 
 
-def affinity_key(request: OperationRequest, scope: str = "") -> str | None:
+def affinity_key(
+    request: OperationRequest, scope: str = "", *, session: str = "", tenant: str = ""
+) -> str | None:
     """A stable key for the conversation ``request`` belongs to.
 
-    The client's ``user`` field when set (an explicit session), else a hash
-    of the model and the conversation's head messages (chat) or the prompt's
-    head (legacy completions). Embeddings and token counts without ``user``
-    have no conversation and no prefix to reuse: None. ``scope`` (the run's
-    cache salt: its tenant's, ``iop.edge.tenancy._tenants``) comes first, so that
-    another tenant's identical head or ``user`` is another conversation;
-    the empty scope is the shared cache.
+    The client's session key when it has one (``session``: a header, its
+    ``prompt_cache_key`` or ``user``, ``iop.api._routing``), else its
+    ``user`` field, else a hash of the model and the conversation's head
+    messages (chat) or the prompt's head (legacy completions). Embeddings
+    and token counts without either have no conversation and no prefix to
+    reuse: None. ``scope`` (the run's cache salt: its tenant's,
+    ``iop.edge.tenancy._tenants``) comes first, so that another tenant's
+    identical head or ``user`` is another conversation; the empty scope is
+    the shared cache. A session key is its ``tenant``'s even then: two
+    tenants that share their caches do not share session ids (one's
+    ``"1"`` is not the other's).
     """
-    key = _unscoped_affinity_key(request)
+    if session:
+        key: str | None = f"session:{len(tenant)}:{tenant}:{request.model}:{session}"
+    else:
+        key = _unscoped_affinity_key(request)
     if key is None or not scope:
         return key
     return f"{len(scope)}:{scope}:{key}"  # the length keeps any scope unambiguous

@@ -10,8 +10,11 @@ tenant's alone unless tenants share their caches). When none has, the run
 waits in the queue, bounded by ``queue_timeout_s`` (->
 ``Cancelled(queue_timeout)``). Every change of capacity (a run ends, a node
 joins or updates its capabilities) calls ``dispatch()``, which hands free
-slots to waiters by class, then tenants' fair shares, then arrival (first
-come first served with one tenant); waiters never poll.
+slots to waiters by objective priority and tenant class, then the earliest
+TTFT deadline, then tenants' fair shares, then sessions' fair shares within
+a tenant, then arrival (first come first served with one tenant and no
+session keys; docs/operations.md, "Sessions and objectives"); waiters
+never poll.
 
 Admission (``admit``, and ``acquire`` for a run that would have to wait):
 a run that finds a free slot always starts; one that would have to queue is
@@ -23,7 +26,11 @@ goodput at its capacity: past saturation the queue would otherwise fill to
 ``max_queue`` and every admitted run would wait ``max_queue`` / (runs
 finished per second), seconds that clients (and their timeouts) spend on
 runs that then fail late, while the excess is refused only once the count
-is reached (docs/benchmarks.md, "Overload").
+is reached (docs/benchmarks.md, "Overload"). Objectives add three
+refusals (``_refuse_if_behind``): a sheddable run past
+``shed_queue_fraction`` of the queue, a run whose predicted wait exceeds
+its own TTFT deadline, and, instead of refusing a run that may not be shed
+at a full queue, the eviction of a queued sheddable one.
 
 Waiters are kept by what they wait for (model, operation, excluded nodes),
 each group in arrival order: a pick that fails for a group's oldest waiter
@@ -60,7 +67,7 @@ import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, NoReturn
 
 import trio
 
@@ -72,6 +79,9 @@ from iop.edge.scheduler._queue import (
     QueueExit,
     QueueExitAt,
     QueueShare,
+    _Group,
+    _Level,
+    _Session,
     _Waiter,
     _WaitKey,
 )
@@ -88,6 +98,9 @@ __all__ = ["Scheduler"]
 # Candidates a placement keeps for the run's timeline: every instance of a
 # cluster of a few nodes; a bigger one's timeline must not grow with it.
 PLACEMENT_CANDIDATES_KEPT: Final = 32
+
+# Why a run was refused before it queued (``Scheduler.refused``, a metrics label).
+REFUSALS: Final = ("queue_full", "queue_delay", "deadline", "shed")
 
 
 def _least_loaded(
@@ -122,16 +135,28 @@ class Scheduler:
         self.last_exit: QueueExitAt | None = None
         # Waiters by what they wait for; each dict is an ordered set (arrival
         # order, O(1) removal of a waiter that gives up).
-        self._groups: dict[_WaitKey, dict[_Waiter, None]] = {}
+        self._groups: dict[_WaitKey, _Group] = {}
         self._queued = 0
         self._arrivals = itertools.count()
-        # Fair queueing: each class's virtual time (the start tag of the
-        # last waiter served) and each tenant's last finish tag in it. Keys
-        # are config tenants: bounded.
-        self._vtime: dict[int, float] = {}
-        self._last_finish: dict[tuple[int, str], float] = {}
-        # Waiters per (class, tenant): the queue's share rule (``_queue_full_for``).
-        self._tenant_queued: dict[tuple[int, str], int] = {}
+        # Fair queueing: each level's virtual time (the start tag of the
+        # last turn served) and each tenant's last finish tag in it. Keys
+        # are config tenants and objectives: bounded.
+        self._vtime: dict[_Level, float] = {}
+        self._last_finish: dict[tuple[_Level, str], float] = {}
+        # Within a tenant, its sessions' (``session_fairness``): the
+        # tenant's virtual time per level, and per tenant at most
+        # ``max_sessions_per_tenant`` keyed sessions (LRU, those with runs
+        # queued kept) plus the runs without a key, per level.
+        self._svtime: dict[tuple[_Level, str], float] = {}
+        self._sessions: dict[str, OrderedDict[tuple[_Level, str], _Session]] = {}
+        self._unkeyed: dict[tuple[_Level, str], _Session] = {}
+        self.sessions_seen = 0  # keyed sessions that began to be tracked
+        self.sessions_overflowed = 0  # runs whose session found no room to be tracked
+        self.sessions_queued = 0  # keyed sessions with runs queued now
+        # Runs refused before they queued, by why (``_refuse_if_behind``).
+        self.refused: dict[str, int] = dict.fromkeys(REFUSALS, 0)
+        # Waiters per tenant: the queue's share rule (``_queue_full_for``).
+        self._tenant_queued: dict[str, int] = {}
         # Conversation key -> (node, instance) that last served it; LRU-bounded.
         self._affinity: OrderedDict[str, tuple[str, str]] = OrderedDict()
         # What each instance's prefix cache probably holds (``placement = "prefix"``).
@@ -202,14 +227,16 @@ class Scheduler:
         """
         now = trio.current_time()
         worst = 0.0
-        for (m, op, _, priority, tenant), group in self._groups.items():
-            # Its own tenant's groups: with fair queueing, that is the line
-            # it joins (another tenant's flood is not ahead of it).
-            if (m, op, priority, tenant) != (model, operation, share.priority, share.tenant):
+        line = (model, operation, share.level, share.tenant)
+        for (m, op, _, level, tenant, _), group in self._groups.items():
+            # Its own tenant's groups of its level: with fair queueing, that
+            # is the line it joins (another tenant's flood, or a lower
+            # objective's, is not ahead of it).
+            if (m, op, level, tenant) != line:
                 continue
-            head = next(iter(group))
+            head = group.oldest()
             age = now - head.queued_at
-            worst = max(worst, len(group) * age / max(head.ahead, 1))
+            worst = max(worst, len(group.members) * age / max(head.ahead, 1))
         return worst
 
     def _candidates(
@@ -353,7 +380,7 @@ class Scheduler:
             IopError: 429 ``queue_full`` (the HTTP layer adds Retry-After).
         """
         if not self._has_room(model, operation):
-            self._refuse_if_behind(model, operation, share)
+            self._refuse_if_behind(model, operation, share, evict=False)
 
     def _queue_full_for(self, share: QueueShare) -> bool:
         """Whether a run of ``share``'s tenant may not join the queue for its size.
@@ -367,29 +394,78 @@ class Scheduler:
         limit = self.settings.max_queue
         if self._queued < limit:
             return False
-        mine = (share.priority, share.tenant)
+        mine = share.tenant
         tenants = len(self._tenant_queued) + (mine not in self._tenant_queued)
         return self._tenant_queued.get(mine, 0) >= limit / tenants
 
-    def _refuse_if_behind(self, model: str, operation: str, share: QueueShare = EVEN_SHARE) -> None:
-        """Raise 429 when a run for ``model`` may not join the queue now."""
-        if self._queue_full_for(share):
-            raise IopError(
-                f"all nodes serving {model!r} are busy and the queue is full "
-                f"({self.settings.max_queue} waiting)",
-                status=429,
-                code=ErrorCode.QUEUE_FULL,
+    def _refuse_if_behind(
+        self, model: str, operation: str, share: QueueShare = EVEN_SHARE, *, evict: bool = True
+    ) -> None:
+        """Raise 429 when a run for ``model`` may not join the queue now.
+
+        In this order: a sheddable run once the queue holds
+        ``shed_queue_fraction`` of ``max_queue``; a run the full queue has
+        no room for, unless it may not be shed and a sheddable run of its
+        level or lower is queued (that one is evicted, when ``evict``); a
+        run that would wait ``max_queue_delay_s`` or longer, or longer
+        than its own TTFT deadline.
+        """
+        s = self.settings
+        if share.sheddable and self._queued >= s.shed_queue_fraction * s.max_queue:
+            self._refuse(
+                "shed",
+                f"all nodes serving {model!r} are busy and the queue holds {self._queued} "
+                f"runs: objective {share.objective!r} is sheddable "
+                f"(scheduler.shed_queue_fraction={s.shed_queue_fraction:g})",
             )
-        limit = self.settings.max_queue_delay_s
-        if limit:
-            delay = self.queue_delay(model, operation, share)
-            if delay >= limit:
-                raise IopError(
-                    f"all nodes serving {model!r} are busy and a run queued now would "
-                    f"wait about {delay:.1f}s (scheduler.max_queue_delay_s={limit:g})",
-                    status=429,
-                    code=ErrorCode.QUEUE_FULL,
+        if self._queue_full_for(share):
+            victim = None if share.sheddable else self._shed_victim(share)
+            if victim is None:
+                self._refuse(
+                    "queue_full",
+                    f"all nodes serving {model!r} are busy and the queue is full "
+                    f"({s.max_queue} waiting)",
                 )
+            elif evict:
+                self._shed(victim)
+        limit = s.max_queue_delay_s
+        deadline = share.deadline_s
+        if not limit and deadline is None:
+            return
+        delay = self.queue_delay(model, operation, share)
+        if limit and delay >= limit:
+            self._refuse(
+                "queue_delay",
+                f"all nodes serving {model!r} are busy and a run queued now would "
+                f"wait about {delay:.1f}s (scheduler.max_queue_delay_s={limit:g})",
+            )
+        if deadline is not None and delay > deadline:
+            self._refuse(
+                "deadline",
+                f"all nodes serving {model!r} are busy and a run queued now would "
+                f"wait about {delay:.2f}s, past its time-to-first-token deadline "
+                f"of {deadline:g}s",
+            )
+
+    def _refuse(self, why: str, message: str) -> NoReturn:
+        self.refused[why] += 1
+        raise IopError(message, status=429, code=ErrorCode.QUEUE_FULL)
+
+    def _shed_victim(self, share: QueueShare) -> _Waiter | None:
+        """The queued run to evict for ``share``'s: the newest sheddable run
+        of the lowest level, if that is not above ``share``'s."""
+        victim: _Group | None = None
+        worst: _Level | None = None
+        for (_, _, _, level, _, sheddable), group in self._groups.items():
+            if sheddable and level >= share.level and (worst is None or level > worst):
+                victim, worst = group, level
+        return None if victim is None else victim.newest()
+
+    def _shed(self, waiter: _Waiter) -> None:
+        """Evict ``waiter``: its ``acquire`` raises 429."""
+        self._remove(waiter, QueueExit.SHED)
+        waiter.shed = True
+        waiter.event.set()
 
     def _has_room(self, model: str, operation: str = "chat") -> bool:
         return any(inst.free > 0 for _, inst in self._candidates(model, operation=operation))
@@ -435,18 +511,20 @@ class Scheduler:
             share=share,
             queued_at=trio.current_time(),
         )
-        cls = share.priority
-        waiter.start = max(
-            self._vtime.get(cls, 0.0), self._last_finish.get((cls, share.tenant), 0.0)
-        )
-        waiter.finish = waiter.start + 1.0 / share.weight
-        self._last_finish[cls, share.tenant] = waiter.finish
-        group = self._groups.setdefault(waiter.key, {})
-        waiter.ahead = len(group)
-        group[waiter] = None
+        if share.deadline_s is not None:
+            waiter.deadline_at = waiter.queued_at + share.deadline_s
+        mine = (share.level, share.tenant)
+        start = max(self._vtime.get(share.level, 0.0), self._last_finish.get(mine, 0.0))
+        finish = start + 1.0 / share.weight
+        self._last_finish[mine] = finish
+        self._join_session(waiter)
+        group = self._groups.get(waiter.key)
+        if group is None:
+            group = self._groups[waiter.key] = _Group()
+        waiter.ahead = len(group.members)
+        group.add(waiter, (start, finish, waiter.seq))
         self._queued += 1
-        mine = (cls, share.tenant)
-        self._tenant_queued[mine] = self._tenant_queued.get(mine, 0) + 1
+        self._tenant_queued[share.tenant] = self._tenant_queued.get(share.tenant, 0) + 1
         if timeline is not None:
             timeline.queued = waiter.queued_at
             timeline.why_queued = (
@@ -463,11 +541,20 @@ class Scheduler:
             # that was handed over just before the cancellation landed.
             if waiter.lease is not None:
                 waiter.lease.release()
-            else:
+            elif not waiter.shed:
                 self._remove(waiter, QueueExit.CANCELLED)
             if timeline is not None:
                 timeline.dequeued = trio.current_time()
             raise
+        if waiter.shed:
+            if timeline is not None:
+                timeline.dequeued = trio.current_time()
+            raise IopError(
+                f"the queue for {model!r} is full: this run of sheddable objective "
+                f"{share.objective!r} was shed for one that may not be",
+                status=429,
+                code=ErrorCode.QUEUE_FULL,
+            )
         if waiter.lease is None:
             self._remove(waiter, QueueExit.TIMED_OUT)
             if timeline is not None:
@@ -489,32 +576,82 @@ class Scheduler:
         ]
         return "every slot busy: " + ", ".join(loads[:8]) + (" ..." if len(loads) > 8 else "")
 
+    def _join_session(self, waiter: _Waiter) -> None:
+        """Tag ``waiter`` within its tenant: its session's turn (module docstring)."""
+        share = waiter.share
+        s = self.settings
+        mine = (share.level, share.tenant)
+        key = share.session if s.session_fairness else ""
+        state: _Session | None = None
+        if key:
+            table = self._sessions.setdefault(share.tenant, OrderedDict())
+            state = table.get((share.level, key))
+            if state is None and len(table) >= s.max_sessions_per_tenant:
+                idle = next((k for k, v in table.items() if not v.queued), None)
+                if idle is not None:
+                    del table[idle]
+            if state is None and len(table) < s.max_sessions_per_tenant:
+                state = table[share.level, key] = _Session()
+                self.sessions_seen += 1
+            if state is None:
+                self.sessions_overflowed += 1  # shares the unkeyed runs' turn
+            else:
+                table.move_to_end((share.level, key))
+                if not state.queued:
+                    self.sessions_queued += 1
+        weight = 1.0
+        if state is None:
+            state = self._unkeyed.setdefault(mine, _Session())
+            weight = s.unkeyed_session_weight
+        state.queued += 1
+        waiter.session = state
+        waiter.sstart = max(self._svtime.get(mine, 0.0), state.last_finish)
+        waiter.sfinish = waiter.sstart + 1.0 / weight
+        state.last_finish = waiter.sfinish
+
     def _remove(self, waiter: _Waiter, how: QueueExit) -> None:
         """Take a waiter out of the queue (one without a lease is always in it)."""
         group = self._groups[waiter.key]
-        del group[waiter]
-        tenant = (waiter.share.priority, waiter.share.tenant)
-        left = self._tenant_queued[tenant] - 1
+        group.discard(waiter)
+        tenant = (waiter.share.level, waiter.share.tenant)
+        left = self._tenant_queued[tenant[1]] - 1
         if left:
-            self._tenant_queued[tenant] = left
+            self._tenant_queued[tenant[1]] = left
         else:
-            del self._tenant_queued[tenant]
-        if how is not QueueExit.PLACED and self._last_finish.get(tenant) == waiter.finish:
-            # Its tenant's last waiter left unserved: it costs the tenant no turn.
-            self._last_finish[tenant] = waiter.start
+            del self._tenant_queued[tenant[1]]
+        session = waiter.session
+        assert session is not None  # set when it joined
+        session.queued -= 1
+        if not session.queued and session is not self._unkeyed.get(tenant):
+            self.sessions_queued -= 1
+        if how is QueueExit.PLACED:
+            # The group's oldest turn is taken, whichever of its runs takes it.
+            start, _, _ = group.tags.popleft()
+            self._vtime[tenant[0]] = max(self._vtime.get(tenant[0], 0.0), start)
+            self._svtime[tenant] = max(self._svtime.get(tenant, 0.0), waiter.sstart)
+        else:
+            start, finish, _ = group.tags.pop()
+            if self._last_finish.get(tenant) == finish:
+                # Its tenant's last turn went unserved: it costs the tenant none.
+                self._last_finish[tenant] = start
+            if session.last_finish == waiter.sfinish:
+                session.last_finish = waiter.sstart
         self._queued -= 1
-        if not group:
+        if not group.members:
             del self._groups[waiter.key]
         self.exits[how] += 1
         self.last_exit = QueueExitAt(how, time.monotonic())
 
     def dispatch(self) -> None:
-        """Hand free slots to waiters: classes in order, tenants by fair share.
+        """Hand free slots to waiters: levels in order, then deadlines, then
+        tenants and sessions by fair share.
 
         Each round takes, among the groups not yet known to be stuck, the
-        oldest waiter of the group that comes first by (class, virtual
-        finish tag, arrival): a higher class is always served first; within
-        a class, start-time fair queueing (Goyal, Vin and Cheng, SIGCOMM
+        first waiter (``_Group.first``) of the group that comes first by
+        (objective priority, tenant class, deadline, its tenant's virtual
+        finish tag, its session's virtual finish tag, arrival): a higher
+        level is always served first; within one, the earliest TTFT
+        deadline (none: last); then start-time fair queueing (Goyal, Vin and Cheng, SIGCOMM
         1996, https://doi.org/10.1145/248156.248171) with every run costing
         one: a run's start tag is the larger of its class's virtual time
         and its tenant's previous finish tag, its finish tag the start plus
@@ -522,23 +659,28 @@ class Scheduler:
         its start tag. A tenant with a burst queued thus takes turns with
         the others in proportion to the weights, and one that was idle
         comes back at the present virtual time, with no credit saved up.
-        With one tenant this is first come first served. A group whose
-        oldest waiter finds no slot is stuck for the rest of this call (its
-        other waiters need the same slots).
+        With one tenant this is first come first served. Within a tenant,
+        the same rule between its sessions (``session_fairness``): the
+        tenant's turns go, in order, to its sessions' runs by their session
+        tags, so an agent's burst of sub-agents takes turns with the
+        tenant's other sessions instead of holding them all back. A group
+        whose first waiter finds no slot is stuck for the rest of this call
+        (its other waiters need the same slots).
         """
         stuck: set[_WaitKey] = set()
         while self._queued:
             head: _Waiter | None = None
+            best: tuple[_Level, float, float, int] | None = None
             for key, group in self._groups.items():
                 if key in stuck:
                     continue
-                first = next(iter(group))
-                if head is None or (first.share.priority, first.finish, first.seq) < (
-                    head.share.priority,
-                    head.finish,
-                    head.seq,
-                ):
-                    head = first
+                first = group.first()
+                # The turn's tags, not the waiter's: session tags compare
+                # only within a tenant (``_Group.first``).
+                _, finish, seq = group.tags[0]
+                order = (key[3], first.deadline_at, finish, seq)
+                if best is None or order < best:
+                    head, best = first, order
             if head is None:
                 return
             lease = self._pick(head.model, head.exclude, head.affinity, head.operation, head.prefix)
@@ -546,7 +688,5 @@ class Scheduler:
                 stuck.add(head.key)
                 continue
             self._remove(head, QueueExit.PLACED)
-            cls = head.share.priority
-            self._vtime[cls] = max(self._vtime.get(cls, 0.0), head.start)
             head.lease = lease
             head.event.set()

@@ -2,7 +2,7 @@
 
 hypercorn runs ``EdgeASGI``: a WebSocket to the link path (``/v1/link``) is
 served here by ``LinkEndpoint``, HTTP (and the lifespan) goes to the quart
-app (``iop.edge._app``). A link frame takes one hop between the socket and
+app (``iop.edge.routes``). A link frame takes one hop between the socket and
 the link reader: hypercorn's queue to the app (``max_app_queue_size``, 10
 messages), which ``AsgiFrameChannel.receive`` reads. Served by quart, each
 frame also went through a task that moved it into quart's own queue, a

@@ -24,8 +24,8 @@ from typing import Final
 import trio
 
 from iop.config import EdgeConfig
-from iop.edge._app import SurfaceRoute, create_edge_app
 from iop.edge._core import EdgeCore, open_edge_core
+from iop.edge.routes import SurfaceRoute, create_edge_app
 from iop.edge.server._cors import cors
 from iop.edge.server._http1 import EdgeHypercornConfig
 from iop.edge.server._link_asgi import LINK_PATH, EdgeASGI, LinkEndpoint

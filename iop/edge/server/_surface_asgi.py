@@ -1,16 +1,16 @@
 """The API surface routes, served below quart: one ASGI handler per request.
 
-A ``POST`` to a surface path (``surface_routes`` in ``_app.py``) is answered
-here; every other request goes on to the quart app. The answer itself is
-``_app.py``'s (auth, content type, the body, parse, run, stream or collect:
-one handler for both ways in), given the request's headers and a way to read
-its body; what this module replaces is quart's per-request machinery around
-it. Quart-trio gives each request a request object with its own header and
-body containers, request and app contexts, a response object processed after
-the view, and two tasks besides the one hypercorn runs the app in (one
-awaits the view, one the client's disconnect): about 13 % of the edge's CPU
-for a short stream, and two of the five trio tasks an open stream keeps on
-the edge (``docs/benchmarks.md``, "Where the fixed cost goes").
+A ``POST`` to a surface path (``surface_routes`` in ``iop.edge.routes._surfaces``)
+is answered here; every other request goes on to the quart app. The answer
+itself is the route's (auth, content type, the body, parse, run, stream or
+collect: ``iop.edge.routes._surfaces``), given the request's headers and a
+way to read its body; what this module replaces is quart's per-request
+machinery around it. Quart-trio gives each request a request object with its
+own header and body containers, request and app contexts, a response object
+processed after the view, and two tasks besides the one hypercorn runs the
+app in (one awaits the view, one the client's disconnect): about 13 % of the
+edge's CPU for a short stream, and two of the five trio tasks an open stream
+keeps on the edge (``docs/benchmarks.md``, "Where the fixed cost goes").
 
 Here a request is its ASGI scope and messages:
 
@@ -20,52 +20,91 @@ Here a request is its ASGI scope and messages:
   ``server.max_body_bytes`` (a bigger ``Content-Length`` is refused before
   any byte is read; else 413 once the bytes pass it), both in the surface's
   error shape with ``Connection: close``, as quart's limits were
-  (``_app.py``'s ``http_error`` builds that response for both);
+  (``iop.edge.routes._errors``' ``Refusals`` builds that answer for both);
 * once the body is read, ``http.disconnect`` cancels the answer
   (quart-trio's own rule): a client that leaves ends its run as
   ``client_disconnect`` (or ``slow_client``, ``iop.edge.server._stall``). Under
   the edge's hypercorn the request's queue calls back when hypercorn puts
   the message in (``iop.edge.server._asgi_queue``); elsewhere one task waits for
   it;
-* the answer is a quart ``Response`` (used only as a container of status,
-  headers and body): a whole body goes out in one ``http.response.body``
-  message, a streamed one piece by piece, its last piece (when the body
-  says which, ``EndKnownBody``) in the message that ends the response;
+* the answer is an ``Answer``: the status and headers of
+  ``http.response.start`` as ASGI has them, and a body; a whole body goes out
+  in one ``http.response.body`` message, a streamed one (``EndKnownBody``)
+  piece by piece, its last piece in the message that ends the response;
 * an exception before the response starts is logged and answered with a 500
   in the surface's shape, as quart's error handler does.
 """
 
 from __future__ import annotations
 
+import abc
 import logging
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
-from typing import Any, Final
+from typing import Any, Final, NamedTuple
 
 import trio
-from quart import Response
-from quart.wrappers.response import DataBody
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge, RequestTimeout
 
 from iop.edge.server._asgi_queue import app_queue
 from iop.edge.server._http1 import response_ends
 
-__all__ = ["ASGIApp", "EndKnownBody", "SurfaceASGI", "SurfaceAnswer"]
+__all__ = ["ASGIApp", "Answer", "BodyReader", "EndKnownBody", "SurfaceASGI", "SurfaceAnswer"]
 
 log = logging.getLogger("iop.edge.http")
 
 ASGIApp = Callable[..., Awaitable[None]]
 
+
+class EndKnownBody(abc.ABC):
+    """A streamed body that knows when the piece it just gave is its last.
+
+    ``_send_answer`` sends that piece as the response's last message, so
+    that it leaves in one write with the end of the response (the chunked
+    terminator, ``_http1.response_ends``) instead of the terminator alone
+    after it; the body is closed at that piece, without being asked for one
+    more. It is always closed (``aclose``) once sent or abandoned."""
+
+    __slots__ = ()
+
+    @property
+    def at_end(self) -> bool:
+        return False
+
+    def __aiter__(self) -> EndKnownBody:
+        return self
+
+    @abc.abstractmethod
+    async def __anext__(self) -> bytes: ...
+
+    @abc.abstractmethod
+    async def aclose(self) -> None: ...
+
+
+class Answer(NamedTuple):
+    """A surface request's response, as the ASGI messages it goes out in.
+
+    Attributes:
+        status: ``http.response.start``'s status.
+        headers: ``http.response.start``'s headers (lower-case names, latin-1).
+        body: Whole (one ``http.response.body``) or streamed.
+    """
+
+    status: int
+    headers: Sequence[tuple[bytes, bytes]]
+    body: bytes | EndKnownBody
+
+
 BodyReader = Callable[[], Awaitable[bytes]]
-SurfaceAnswer = Callable[[Mapping[str, str], BodyReader], Awaitable[Response]]
+SurfaceAnswer = Callable[[Mapping[str, str], BodyReader], Awaitable[Answer]]
 """Answers one surface request, given its headers (names lower-cased) and a
 way to read its body (which raises werkzeug's 408 or 413)."""
 
-RefusalAnswer = Callable[[HTTPException, str], Response]
-"""The response to a refused request (408, 413), given the request's path."""
+RefusalAnswer = Callable[[HTTPException, str], Answer]
+"""The answer to a refused request (408, 413), given the request's path."""
 
-CrashAnswer = Callable[[Exception, str], Response]
-"""The response (and log) for an unexpected exception, given the path."""
+CrashAnswer = Callable[[Exception, str], Answer]
+"""The answer (and log) for an unexpected exception, given the path."""
 
 _METHOD: Final = "POST"
 
@@ -157,20 +196,18 @@ class SurfaceASGI:
 
         read_body = partial(self._read_then_watch, headers, receive, watch)
         try:
-            response = await answer(headers, read_body)
+            status, head, body = await answer(headers, read_body)
         except HTTPException as exc:  # 408, 413 from read_body
-            response = self._refused(exc, path)
+            status, head, body = self._refused(exc, path)
         except _Disconnected:
             return
         except Exception as exc:
-            response = self._crashed(exc, path)
+            status, head, body = self._crashed(exc, path)
         # A stream holds this frame open until it ends: keep only what the
-        # body needs, not the request's headers or the quart Response (1 KB
-        # per open stream, docs/benchmarks.md, "Memory", "Second pass").
-        start = _start_message(response)
-        body = response.response
-        del headers, read_body, response
-        await _send_response(start, body, send, unwatch)
+        # body needs, not the request's headers (1 KB per open stream,
+        # docs/benchmarks.md, "Memory", "Second pass").
+        del headers, read_body
+        await _send_answer(status, head, body, send, unwatch)
 
     async def _read_then_watch(
         self, headers: Mapping[str, str], receive: Any, watch: Callable[[], None]
@@ -225,51 +262,32 @@ def _nothing() -> None:
     pass
 
 
-class EndKnownBody:
-    """A streamed body that knows when the piece it just gave is its last.
-
-    ``_send_response`` sends that piece as the response's last message, so
-    that it leaves in one write with the end of the response (the chunked
-    terminator, ``_http1.response_ends``) instead of the terminator alone
-    after it; the body is closed at that piece, without being asked for one
-    more."""
-
-    @property
-    def at_end(self) -> bool:
-        return False
-
-
-def _start_message(response: Response) -> dict[str, Any]:
-    """The ``http.response.start`` message of ``response``."""
-    headers = [
-        (name.lower().encode("latin-1"), value.encode("latin-1"))
-        for name, value in response.headers.items()
-    ]
-    return {"type": "http.response.start", "status": response.status_code, "headers": headers}
-
-
-async def _send_response(
-    start: dict[str, Any], body: Any, send: Any, ending: Callable[[], None]
+async def _send_answer(
+    status: int,
+    headers: Sequence[tuple[bytes, bytes]],
+    body: bytes | EndKnownBody,
+    send: Any,
+    ending: Callable[[], None],
 ) -> None:
-    """A response as ASGI messages: ``start``, then ``body``; ``ending()`` before the last."""
-    await send(start)
-    del start  # hypercorn keeps what it needs of it
-    if isinstance(body, DataBody):
+    """An answer as ASGI messages: the start, then the body; ``ending()`` before the last."""
+    # Hypercorn keeps the start message (and copies its headers) for the response.
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    del headers
+    if isinstance(body, bytes):
         # Whole: one message (head, body and end leave in one write, _http1.py).
         ending()
         with response_ends():
-            await send({"type": "http.response.body", "body": body.data, "more_body": False})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
         return
-    async with body as pieces:
-        source = getattr(pieces, "iter", None)  # quart's IterableBody holds our iterator
-        ends = source if isinstance(source, EndKnownBody) else None
-        async for piece in pieces:
-            data = piece.encode() if isinstance(piece, str) else piece
-            if ends is not None and ends.at_end:
+    try:
+        async for data in body:
+            if body.at_end:
                 ending()
                 with response_ends():
                     await send({"type": "http.response.body", "body": data, "more_body": False})
                 return
             await send({"type": "http.response.body", "body": data, "more_body": True})
+    finally:
+        await body.aclose()
     ending()
     await send({"type": "http.response.body", "body": b"", "more_body": False})

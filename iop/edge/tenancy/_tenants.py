@@ -217,6 +217,8 @@ class Tenant:
     tokens: Bucket | None
     max_concurrent: int
     share: QueueShare = EVEN_SHARE
+    # Its runs' objective when a request names none ("" for the edge's default).
+    objective: str = ""
     # Its prompts get a prefix cache of their own (``Tenants.cache_salt``).
     isolated: bool = False
     # Its budgets by period; empty: none.
@@ -416,6 +418,7 @@ class Tenants:
             tenant.max_concurrent = t.max_concurrent_runs
             tenant.share = QueueShare(t.name, PRIORITIES[t.priority], t.weight)
             tenant.isolated = not t.share_prefix_cache
+            tenant.objective = t.objective
             tenant.budgets = _rebudget(tenant.budgets, t.budget_micros)
             everyone[t.name] = tenant
             for d in t.key_sha256:

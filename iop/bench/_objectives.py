@@ -1,0 +1,337 @@
+"""Objectives under overload: interactive requests through a sheddable flood.
+
+The measurement of ``[[objectives]]`` in docs/benchmarks.md ("Objectives
+under overload"). ``instances`` ``iop sim`` engines behind one ``iop node``
+(one ``vllm`` instance each, ``max_concurrency`` slots), behind an ``iop
+edge`` with two objectives: ``interactive`` (priority 10, not sheddable)
+and ``batch`` (priority 0, sheddable). The *capacity* is what the slots
+finish a second: ``instances * max_concurrency`` over one run's time
+(``ttft_s`` plus ``output_tokens / tokens_per_s``).
+
+Phases, each a fresh edge and node and ``duration_s`` of Poisson arrivals
+from this process (streamed chat completions, TTFT from the *scheduled*
+arrival to the first content chunk):
+
+``unloaded``
+    Interactive requests alone at ``interactive_pct`` % of capacity: the
+    reference TTFT.
+``loaded``
+    The same interactive requests (``x-iop-objective: interactive``) and a
+    background load of ``background_pct`` % of capacity
+    (``x-iop-objective: batch``).
+``no_objectives``
+    The same two loads without the headers: what the queue does without
+    objectives (the control).
+
+Figures per phase and class: TTFT p50, p90, p99; answers per second
+(goodput: the answers completed in the window over the window); 429s; 5xx
+and other failures (which must be none).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import httpx
+import msgspec
+import trio
+
+from iop.bench._procs import Stack, start_edge, start_node, start_sim
+from iop.bench._results import pct
+from iop.bench._runner import RunContext, register, tables_report
+from iop.testing import NODE_READY, Proc, poll
+
+__all__ = ["Options", "run"]
+
+Phase = Literal["unloaded", "loaded", "no_objectives"]
+PHASES: Final[tuple[Phase, ...]] = ("unloaded", "loaded", "no_objectives")
+MODEL: Final = "iop-sim"
+OBJECTIVES: Final = [
+    {"name": "interactive", "priority": 10, "sheddable": False},
+    {"name": "batch", "priority": 0, "sheddable": True},
+]
+
+
+class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The ``objectives`` runner's options (a scenario's ``[args]``).
+
+    Attributes:
+        instances: Engines (``iop sim`` processes), one ``vllm`` instance each.
+        max_concurrency: The node's slots per instance (and each sim's batch).
+        output_tokens: Tokens of an answer.
+        ttft_s: The sims' time to first token.
+        tokens_per_s: The sims' decode rate per request.
+        interactive_pct: Interactive arrivals, in % of capacity.
+        background_pct: Background (sheddable) arrivals, in % of capacity.
+        duration_s: Each phase's window of arrivals.
+        phases: Which phases to run.
+        seed: Seeds the arrivals (the same in every phase).
+        client_timeout_s: A request not answered within this fails.
+        scheduler: More of the edge's ``[scheduler]`` keys.
+    """
+
+    instances: int = 2
+    max_concurrency: int = 4
+    output_tokens: int = 32
+    ttft_s: float = 0.05
+    tokens_per_s: float = 50.0
+    interactive_pct: float = 20.0
+    background_pct: float = 150.0
+    duration_s: float = 20.0
+    phases: list[Phase] = msgspec.field(default_factory=lambda: list(PHASES))
+    seed: int = 0
+    client_timeout_s: float = 60.0
+    scheduler: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.instances < 1 or self.max_concurrency < 1:
+            raise ValueError("instances and max_concurrency must be >= 1")
+        if self.duration_s <= 0 or self.interactive_pct <= 0 or self.background_pct < 0:
+            raise ValueError("duration_s and interactive_pct must be > 0, background_pct >= 0")
+
+    @property
+    def capacity(self) -> float:
+        """Runs the slots finish a second."""
+        run_s = self.ttft_s + self.output_tokens / self.tokens_per_s
+        return self.instances * self.max_concurrency / run_s
+
+
+def _smoke(opts: Options) -> Options:
+    return msgspec.structs.replace(
+        opts, instances=1, max_concurrency=2, output_tokens=4, tokens_per_s=200.0, duration_s=2.0
+    )
+
+
+@dataclass
+class _Sample:
+    kind: str  # interactive | batch
+    scheduled: float
+    ttft_s: float = math.nan
+    end: float = math.nan
+    status: int = 0
+    error: str = ""
+
+
+async def _one(
+    client: httpx.AsyncClient, url: str, s: _Sample, objective: bool, tokens: int
+) -> None:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": f"{s.kind} at {s.scheduled:.6f}"}],
+        "stream": True,
+        "iop_sim": {"output_tokens": tokens},
+    }
+    headers = {"x-iop-objective": s.kind} if objective else {}
+    try:
+        async with client.stream(
+            "POST", url + "/v1/chat/completions", json=body, headers=headers
+        ) as r:
+            s.status = r.status_code
+            if r.status_code != 200:
+                await r.aread()
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    s.error = str(chunk["error"].get("code") or "stream error")
+                if math.isnan(s.ttft_s):
+                    for choice in chunk.get("choices") or ():
+                        if (choice.get("delta") or {}).get("content"):
+                            s.ttft_s = trio.current_time() - s.scheduled
+        s.end = trio.current_time()
+        if math.isnan(s.ttft_s) and not s.error:
+            s.error = "no content"
+    except httpx.HTTPError as exc:
+        s.error = type(exc).__name__
+
+
+def _arrivals(rate: float, duration_s: float, rng: random.Random) -> list[float]:
+    out: list[float] = []
+    at = rng.expovariate(rate) if rate > 0 else duration_s
+    while at < duration_s:
+        out.append(at)
+        at += rng.expovariate(rate)
+    return out
+
+
+async def _drive(url: str, opts: Options, background: bool, objective: bool) -> list[_Sample]:
+    cap = opts.capacity
+    plan = [
+        (at, "interactive")
+        for at in _arrivals(
+            cap * opts.interactive_pct / 100, opts.duration_s, random.Random(f"{opts.seed}/i")
+        )
+    ]
+    if background:
+        plan += [
+            (at, "batch")
+            for at in _arrivals(
+                cap * opts.background_pct / 100, opts.duration_s, random.Random(f"{opts.seed}/b")
+            )
+        ]
+    plan.sort()
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+    timeout = httpx.Timeout(opts.client_timeout_s, connect=10.0)
+    samples: list[_Sample] = []
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+        t0 = trio.current_time() + 0.05
+        async with trio.open_nursery() as nursery:
+            for at, kind in plan:
+                await trio.sleep_until(t0 + at)
+                s = _Sample(kind, t0 + at)
+                samples.append(s)
+                nursery.start_soon(_one, client, url, s, objective, opts.output_tokens)
+    return samples
+
+
+def _start_sims(stack: Stack, opts: Options) -> list[str]:
+    flags = [
+        "--model", MODEL,
+        "--ttft", f"{opts.ttft_s:g}",
+        "--tokens-per-s", f"{opts.tokens_per_s:g}",
+        "--output-tokens", str(opts.output_tokens),
+        "--reasoning-tokens", "0",
+        "--max-num-seqs", str(opts.max_concurrency),
+    ]  # fmt: skip
+    return [start_sim(stack, f"sim{i}", *flags) for i in range(opts.instances)]
+
+
+def _start_cluster(
+    stack: Stack, opts: Options, sims: list[str], tag: str
+) -> tuple[Proc, Proc, str]:
+    config = {"scheduler": {"max_queue": 64, **opts.scheduler}, "objectives": OBJECTIVES}
+    edge, url, link = start_edge(stack, config, name=f"edge-{tag}")
+    instances = [
+        {"adapter": "vllm", "name": f"gpu{i}", "endpoint": sim, "max_concurrency": opts.max_concurrency}
+        for i, sim in enumerate(sims)
+    ]  # fmt: skip
+    node = start_node(stack, f"node-{tag}", link, {"probe_interval_s": 30.0}, instances)
+    node.wait_stdout(NODE_READY)
+    with httpx.Client(timeout=5.0, trust_env=False) as c:
+
+        def ready() -> bool:
+            nodes = c.get(url + "/admin/nodes").json().get("nodes", [])
+            return any(len(n.get("instances", [])) == len(sims) for n in nodes)
+
+        poll(ready, timeout=30.0, what="the node's instances at the edge", interval=0.1)
+    return edge, node, url
+
+
+def _pct(values: list[float], p: float) -> float | None:
+    v = pct(values, p)
+    return None if math.isnan(v) else v
+
+
+def _ms(v: float | None) -> float | None:
+    return None if v is None else round(v * 1000, 1)
+
+
+def _figures(samples: list[_Sample], duration_s: float) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for kind in ("interactive", "batch"):
+        mine = [s for s in samples if s.kind == kind]
+        if not mine:
+            continue
+        ok = [s for s in mine if s.status == 200 and not s.error]
+        ttft = [s.ttft_s for s in ok]
+        last = max((s.end for s in ok), default=0.0)
+        first = min(s.scheduled for s in mine)
+        span = max(duration_s, last - first)
+        out[kind] = {
+            "sent": len(mine),
+            "answered": len(ok),
+            "answers_per_s": round(len(ok) / span, 3),
+            "refused_429": sum(1 for s in mine if s.status == 429),
+            "failed_5xx": sum(1 for s in mine if s.status >= 500),
+            "other_errors": dict(Counter(s.error for s in mine if s.error)),
+            "ttft_ms": {
+                "p50": _ms(_pct(ttft, 50)),
+                "p90": _ms(_pct(ttft, 90)),
+                "p99": _ms(_pct(ttft, 99)),
+            },
+        }
+    return out
+
+
+@register(
+    "objectives",
+    Options,
+    "Objectives under overload: interactive TTFT through a sheddable background flood, "
+    "against the unloaded figure and against the same loads without objectives.",
+    report=tables_report(__name__),
+)
+def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
+    """Every phase of ``opts`` on one set of sims, each with a fresh edge and node."""
+    if ctx.smoke:
+        opts = _smoke(opts)
+    started = time.monotonic()
+    stack = Stack(ctx.python, ctx.workdir)
+    phases: dict[str, Any] = {}
+    try:
+        sims = _start_sims(stack, opts)
+        for phase in opts.phases:
+            tag = f"r{ctx.repeat}-{phase}"
+            edge, node, url = _start_cluster(stack, opts, sims, tag)
+            samples = trio.run(_drive, url, opts, phase != "unloaded", phase != "no_objectives")
+            stack.stop(node)
+            stack.stop(edge)
+            phases[phase] = _figures(samples, opts.duration_s)
+            with (ctx.workdir / f"samples-{tag}.jsonl").open("w") as f:
+                for s in samples:
+                    f.write(json.dumps(s.__dict__) + "\n")
+    finally:
+        stack.stop_all()
+    return {
+        "options": msgspec.to_builtins(opts),
+        "capacity_per_s": round(opts.capacity, 2),
+        "phases": phases,
+        "elapsed_s": round(time.monotonic() - started, 1),
+        "cpus": os.cpu_count(),
+    }
+
+
+def _f(v: Any, fmt: str) -> str:
+    return "-" if not isinstance(v, int | float) else format(v, fmt)
+
+
+def tables(result: dict[str, Any]) -> str:
+    """One row per (phase, class): TTFT, goodput, refusals, failures."""
+    rows = [
+        "| phase | class | sent | answered/s | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms "
+        "| 429 | 5xx | other errors |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for phase in PHASES:
+        got = result.get("phases", {}).get(phase)
+        if not got:
+            continue
+        for kind in ("interactive", "batch"):
+            c = got.get(kind)
+            if not c:
+                continue
+            t = c["ttft_ms"]
+            other = sum(c["other_errors"].values()) if isinstance(c["other_errors"], dict) else 0
+            rows.append(
+                f"| {phase} | {kind} | {_f(c['sent'], '.0f')} | {_f(c['answers_per_s'], '.2f')} "
+                f"| {_f(t['p50'], '.0f')} | {_f(t['p90'], '.0f')} | {_f(t['p99'], '.0f')} "
+                f"| {_f(c['refused_429'], '.0f')} | {_f(c['failed_5xx'], '.0f')} | {other} |"
+            )
+    rows.append("")
+    rows.append(f"Capacity {_f(result.get('capacity_per_s'), '.1f')} runs/s (the slots' rate).")
+    return "\n".join(rows)
+
+
+def plots(result: dict[str, Any], img_dir: Path) -> list[Path]:
+    """No plot: the table says it."""
+    del result, img_dir
+    return []

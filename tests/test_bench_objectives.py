@@ -1,0 +1,44 @@
+"""The ``objectives`` runner (``iop.bench._objectives``): a smoke run on real
+processes reports every phase with the figures it promises, and its scenario
+file decodes. Shapes only: timings at smoke sizes on a shared machine mean
+nothing (docs/benchmarks.md, "Objectives under overload")."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tomllib
+from pathlib import Path
+
+import msgspec
+
+from iop.bench._objectives import Options, run, tables
+from iop.bench._runner import RUNNERS, RunContext
+
+SCENARIO = Path(__file__).resolve().parents[1] / "configs" / "bench" / "objectives.toml"
+
+
+def test_the_scenario_decodes_and_the_runner_is_registered() -> None:
+    raw = tomllib.loads(SCENARIO.read_text())
+    assert raw["runner"] == "objectives"
+    opts = msgspec.convert(raw["args"], Options)
+    assert RUNNERS["objectives"].options is Options
+    assert opts.capacity > 0
+
+
+def test_a_smoke_run_measures_every_phase(tmp_path: Path) -> None:
+    result = run(Options(), RunContext(python=sys.executable, workdir=tmp_path, smoke=True))
+    json.dumps(result)
+    phases = result["phases"]
+    assert set(phases) == {"unloaded", "loaded", "no_objectives"}
+    assert set(phases["unloaded"]) == {"interactive"}
+    for phase in ("loaded", "no_objectives"):
+        assert set(phases[phase]) == {"interactive", "batch"}
+    for got in phases.values():
+        for c in got.values():
+            assert c["failed_5xx"] == 0
+            assert set(c["ttft_ms"]) == {"p50", "p90", "p99"}
+    assert phases["unloaded"]["interactive"]["answered"] > 0
+    table = tables(result)
+    assert table.startswith("| phase | class |")
+    assert "| loaded | batch |" in table
