@@ -100,6 +100,7 @@ EDGE_RULES: Final[Rules] = {
     "scheduler": LIVE,
     "scheduler.prefix_block_chars": RESTART,
     "scheduler.prefix_index_bytes": RESTART,
+    "scheduler.prefix_chars_per_token": RESTART,
     "scheduler.load_stale_s": RESTART,
     "deadlines": LIVE,
     "responses": RESTART,

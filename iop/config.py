@@ -285,9 +285,20 @@ class VllmInstance(HTTPInstance, frozen=True, tag="vllm", kw_only=True):
     Attributes:
         text_tool_fallback: When vLLM refuses tools (no tool parser), retry
             with tools described in the prompt and parse calls from text.
+        kv_events_path: A path at the server's root that serves its KV
+            cache events over HTTP (``/kv_events`` of ``iop sim``), read
+            with each load scrape; empty: none. vLLM itself publishes them
+            over ZeroMQ only, which the node does not read
+            (docs/operations.md, "What the caches hold").
     """
 
     text_tool_fallback: bool = True
+    kv_events_path: str = ""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.kv_events_path and not self.kv_events_path.startswith("/"):
+            raise ValueError("kv_events_path must start with /")
 
 
 def _check_json_object(key: str, text: str) -> None:
@@ -1061,6 +1072,9 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             prefix index (about a quarter as many tokens).
         prefix_index_bytes: Memory the prefix index may take, all instances
             together; the least recently routed blocks go first.
+        prefix_chars_per_token: Characters of rendered prompt per engine
+            token, to turn an instance's reported cache size (tokens) into
+            blocks of the prefix index.
         prefix_weight: Score of an instance expected to hold a whole
             prompt's prefix (a part in proportion).
         load_weight: Score lost per unit of an instance's load (in-flight
@@ -1116,6 +1130,11 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
     # 32 MiB: ~130,000 (instance, block) entries, e.g. 32 tenants' 2k-token
     # prefixes on 4 instances 30 times over.
     prefix_index_bytes: int = 32 * 1024 * 1024
+    # 4: what BPE tokenizers make of English (OpenAI's rule of thumb); a
+    # smaller figure than the true one makes the index forget a prefix a
+    # little early (a miss it could have had), never claim one evicted
+    # (docs/operations.md, "What the caches hold").
+    prefix_chars_per_token: float = 4.0
     prefix_weight: float = 1.0
     load_weight: float = 1.0
     affinity_weight: float = 0.5
@@ -1158,6 +1177,8 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             raise ValueError("prefix_block_chars must be >= 16")
         if self.prefix_index_bytes < 0:
             raise ValueError("prefix_index_bytes must be >= 0")
+        if not 0.5 <= self.prefix_chars_per_token <= 64:
+            raise ValueError("prefix_chars_per_token must be within 0.5 and 64")
         if min(self.prefix_weight, self.load_weight, self.affinity_weight, self.kv_weight) < 0:
             raise ValueError("placement weights must be >= 0")
         if not self.load_stale_s > 0:

@@ -128,3 +128,66 @@ def test_the_agents_workload_grows_each_sessions_transcript_behind_one_head() ->
         assert lengths == list(range(2, 2 + 2 * len(mine), 2))
         for before, after in itertools.pairwise(mine):
             assert after.messages[: len(before.messages)] == before.messages  # a growing prefix
+
+
+def test_the_skewed_scenarios_are_the_workload_of_their_section() -> None:
+    """docs/benchmarks.md, "Prefix placement on a skewed workload, caches
+    reported": 24 tenants of 1-2k tokens, 14 % down to 2 % of the requests,
+    16 closed-loop clients, caches of about 1.4 copies of every prefix."""
+    for name, window in (("routing-skewed", 60.0), ("routing-skewed-long", 600.0)):
+        data = tomllib.loads((SCENARIO.parent / f"{name}.toml").read_text())
+        opts = msgspec.convert(data["args"], Options)
+        assert (opts.tenants, opts.prefix_tokens_min, opts.prefix_tokens) == (24, 1024, 2048)
+        weights = [(t + 1) ** -opts.zipf_s for t in range(opts.tenants)]
+        assert round(weights[0] / sum(weights), 2) == 0.14
+        assert round(weights[-1] / sum(weights), 2) == 0.02
+        assert (opts.clients, opts.duration_s, opts.max_concurrency) == (16, window, 8)
+        copies = opts.instances * opts.kv_cache_blocks * opts.kv_block_tokens / (24 * 1536)
+        assert 1.3 < copies < 1.5
+        assert opts.kv_events
+
+
+def test_misses_are_counted_per_window_of_sending_time() -> None:
+    from iop.bench._routing import _misses_per_window, _Sample
+
+    def sample(at: float, cached: int, measured: bool = True) -> _Sample:
+        return _Sample(0, 0, measured, at, prompt_tokens=100, cached_tokens=cached)
+
+    samples = [
+        sample(0.0, 0, measured=False),  # the warm-up: not counted
+        sample(1.0, 100),
+        sample(2.0, 10),  # a miss: less than half cached
+        sample(12.0, 60),
+        sample(31.0, 0),
+    ]
+    assert _misses_per_window(samples, 10.0) == [0.5, 0.0, None, 1.0]
+    assert _misses_per_window([], 10.0) == []
+
+
+def test_a_closed_loop_report_has_its_repeats_table_and_misses_plot(tmp_path: Path) -> None:
+    from iop.bench._routing_report import misses_plot, repeats_table
+
+    def cell(placement: str, p90: float, hits: float) -> dict[str, Any]:
+        return {
+            "workload": "shared",
+            "placement": placement,
+            "ttft_ms": {"p90": p90},
+            "throughput_tok_s": 400.0,
+            "hit_requests": hits,
+            "span_s": 60.0,
+            "misses_per_window": [0.1, None, 0.05],
+        }
+
+    repeats = [
+        {
+            "repeat": 0,
+            "options": {"window_s": 10.0},
+            "cells": [cell("least_loaded", 300, 0.4), cell("prefix", 100, 0.95)],
+        }
+    ]
+    table = repeats_table(repeats).splitlines()
+    assert table[2] == "| 0 | 60 | 300 | 100 | 3.00x | 400.0 | 400.0 | 5.0 % | 10.0 % / 5.0 % |"
+    pytest.importorskip("matplotlib")
+    (png,) = misses_plot(repeats, tmp_path, "skewed")
+    assert png.name == "bench_skewed_misses.png"
+    assert misses_plot([{"repeat": 0, "options": {}, "cells": []}], tmp_path, "x") == []

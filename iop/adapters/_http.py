@@ -92,6 +92,7 @@ from iop.wire._engine_load import (
     EngineFigures,
     figures_from_metrics,
     metric_names,
+    parse_cache_config,
     parse_llamacpp_slots,
     parse_metrics,
 )
@@ -652,16 +653,16 @@ class HTTPBackend:
 
     # --- the engine's published load -----------------------------------------
 
-    def root_url(self, path: str) -> str:
+    def root_url(self, path: str, query: str = "") -> str:
         """``path`` at the server's root: engines publish ``/metrics`` and
         ``/slots`` there, beside ``/v1``, whichever the endpoint names."""
         parts = urlsplit(self.endpoint)
         base = parts.path.rstrip("/")
         if base.endswith("/v1"):
             base = base[: -len("/v1")]
-        return urlunsplit(parts._replace(path=base + path, query=""))
+        return urlunsplit(parts._replace(path=base + path, query=query))
 
-    async def fetch_page(self, path: str) -> bytes:
+    async def fetch_page(self, path: str, query: str = "") -> bytes:
         """``GET path`` at the root, within ``load_scrape_timeout_s``, at most
         ``load_scrape_max_bytes``.
 
@@ -678,7 +679,7 @@ class HTTPBackend:
         ):
             request = httpx.Request(
                 "GET",
-                self.root_url(path),
+                self.root_url(path, query),
                 headers=self._get_headers,
                 extensions={"timeout": self._timeout},
             )
@@ -1030,7 +1031,10 @@ class HTTPAdapter:
                 self._use_slots = True
                 return await self.engine_load()
             raise
-        return figures_from_metrics(self.engine, parse_metrics(page, metric_names(self.engine)))
+        figures = figures_from_metrics(self.engine, parse_metrics(page, metric_names(self.engine)))
+        if self.engine is EngineDialect.VLLM:
+            figures = msgspec.structs.replace(figures, cache_tokens=parse_cache_config(page))
+        return figures
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -27,18 +27,21 @@ from __future__ import annotations
 
 import logging
 from contextlib import AsyncExitStack
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Final
 
 import httpx
+import msgspec
 
 from iop.adapters._base import require_model_and_messages
 from iop.adapters._http import HTTPAdapter, build_chat_body
 from iop.config import VllmInstance
+from iop.errors import BackendProtocolError
 from iop.events import Start
 from iop.runtime import EventSender
 from iop.spec import ChatRequest, ExecutionSpec
-from iop.wire._engine_load import EngineDialect
+from iop.wire._engine_load import EngineDialect, EngineFigures
 from iop.wire._errors import parse_error_body
+from iop.wire._kv_events import CacheMirror, decode_kv_events
 from iop.wire._tool_prompt import (
     fallback_messages,
     forced_tool_choice,
@@ -53,6 +56,8 @@ log = logging.getLogger("iop.adapters.vllm")
 # vLLM does not know Ollama's extensions; everything else of the request is
 # passed through as the OpenAI fields vLLM understands.
 _VLLM_PASSTHROUGH = ("tools", "tool_choice")
+# The sim's /kv_events page: [[seq, payload], ...] (iop/sim/_server.py).
+_EVENTS_PAGE: Final = msgspec.msgpack.Decoder(list[tuple[int, bytes]])
 
 
 class VllmAdapter(HTTPAdapter):
@@ -66,6 +71,31 @@ class VllmAdapter(HTTPAdapter):
         super().__init__(cfg, provider="vllm", transport=transport, cache_salt=True)
         self.cfg = cfg
         self.engine = EngineDialect.VLLM
+        # What the server's KV events say its prefix cache holds.
+        self._kv_mirror = CacheMirror()
+
+    async def engine_load(self) -> EngineFigures:
+        """The load on ``/metrics``, and, when the server serves its KV
+        cache events (``kv_events_path``), what its prefix cache holds now
+        (``iop.wire._kv_events``): read on from the last batch each time.
+
+        Raises:
+            BackendError: A page could not be read, or is not what it should be.
+        """
+        figures = await super().engine_load()
+        if not self.cfg.kv_events_path:
+            return figures
+        mirror = self._kv_mirror
+        if figures.cache_tokens is not None and mirror.block_size > 0:
+            mirror.capacity_blocks = figures.cache_tokens // mirror.block_size
+        page = await self._http.fetch_page(self.cfg.kv_events_path, f"after={mirror.last_seq}")
+        try:
+            batches = _EVENTS_PAGE.decode(page)
+            for seq, payload in batches:
+                mirror.apply(seq, decode_kv_events(payload))
+        except (msgspec.DecodeError, ValueError) as exc:
+            raise BackendProtocolError(f"{self.cfg.kv_events_path}: {exc}") from exc
+        return msgspec.structs.replace(figures, cached_tokens=mirror.tokens)
 
     async def execute_chat(self, spec: ExecutionSpec, send: EventSender) -> None:
         model = require_model_and_messages(self.kind, spec)

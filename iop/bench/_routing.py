@@ -74,6 +74,7 @@ import random
 import statistics
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -134,6 +135,23 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         client_timeout_s: A request not answered within this fails.
         scheduler: More of the edge's ``[scheduler]`` keys, for every cell
             (``placement`` and ``affinity`` are the cell's).
+        prefix_tokens_min: When above 0, each tenant's system prompt has a
+            length drawn between this and ``prefix_tokens``.
+        zipf_s: Tenants' popularity: tenant i (from 1) is drawn in
+            proportion to ``i ** -zipf_s`` (0: uniformly). 0.61 over 24
+            tenants: the most popular 14 % of requests, the least 2 %.
+        clients: When above 0, a closed loop: this many clients, each
+            sending its next request when its last is answered (``rate``
+            is then unused); the window is the ``requests`` after the
+            warm-up, or what ``duration_s`` lets them send.
+        duration_s: Closed loop only: the window ends after this long
+            (0: after ``requests``).
+        window_s: Misses (requests that found less than half their prompt
+            cached) are also counted per window of this long, to show a
+            trend.
+        kv_events: The node reads each sim's KV cache events
+            (``kv_events_path = "/kv_events"``), so prefix placement learns
+            what the caches hold, not only their size.
         turn_tokens: In the ``agents`` workload, tokens of each assistant
             turn and of each tool result a session's transcript grows by.
     """
@@ -158,6 +176,12 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     seed: int = 0
     client_timeout_s: float = 60.0
     scheduler: dict[str, Any] = msgspec.field(default_factory=dict)
+    prefix_tokens_min: int = 0
+    zipf_s: float = 0.0
+    clients: int = 0
+    duration_s: float = 0.0
+    window_s: float = 10.0
+    kv_events: bool = False
     turn_tokens: int = 96
 
     def __post_init__(self) -> None:
@@ -167,6 +191,8 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             raise ValueError("rate must be > 0")
         if not self.workloads or not self.placements:
             raise ValueError("workloads and placements must not be empty")
+        if self.clients < 0 or self.duration_s < 0 or not self.window_s > 0:
+            raise ValueError("clients and duration_s must be >= 0, window_s > 0")
 
 
 def _smoke(opts: Options) -> Options:
@@ -220,13 +246,25 @@ def _requests(opts: Options, workload: Workload, salt: str) -> list[_Request]:
     arrivals = random.Random(f"{opts.seed}/arrivals")
     draws = random.Random(f"{opts.seed}/tenants")
     rng = random.Random(f"{opts.seed}/words")
+    lengths = random.Random(f"{opts.seed}/lengths")
     systems = [
-        _text(f"cell {salt} tenant {t}", random.Random(f"{opts.seed}/{t}"), opts.prefix_tokens)
+        _text(
+            f"cell {salt} tenant {t}",
+            random.Random(f"{opts.seed}/{t}"),
+            lengths.randint(opts.prefix_tokens_min, opts.prefix_tokens)
+            if 0 < opts.prefix_tokens_min < opts.prefix_tokens
+            else opts.prefix_tokens,
+        )
         for t in range(opts.tenants)
     ]
     warm = list(range(opts.tenants))
     draws.shuffle(warm)
-    tenants = warm + [draws.randrange(opts.tenants) for _ in range(opts.requests)]
+    if opts.zipf_s > 0:
+        weights = [(t + 1) ** -opts.zipf_s for t in range(opts.tenants)]
+        drawn = draws.choices(range(opts.tenants), weights=weights, k=opts.requests)
+    else:
+        drawn = [draws.randrange(opts.tenants) for _ in range(opts.requests)]
+    tenants = warm + drawn
     out: list[_Request] = []
     at = 0.0
     # The agents' shared head: one system prompt and one brief for all (the
@@ -368,6 +406,46 @@ async def _drive(
     return samples, t0
 
 
+async def _drive_closed(
+    url: str,
+    reqs: list[_Request],
+    timeout_s: float,
+    clients: int,
+    duration_s: float,
+    sessions: bool = False,
+) -> tuple[list[_Sample], float]:
+    """``clients`` closed loops over ``reqs`` in order: the warm-up first
+    (one request per tenant, as many at once as there are clients, as
+    clients that arrive together would send them; the window starts when
+    the last is answered), then each client sends its next request as its
+    last ends, until ``reqs`` or ``duration_s`` of the window run out."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+    timeout = httpx.Timeout(timeout_s, connect=10.0)
+    samples: list[_Sample] = []
+    warm = iter([r for r in reqs if not r.measured])
+    window = iter([r for r in reqs if r.measured])
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+        t0 = trio.current_time()
+        end = math.inf
+
+        async def loop(todo: Iterator[_Request]) -> None:
+            for req in todo:
+                now = trio.current_time()
+                if now >= end:
+                    return
+                s = _Sample(req.index, req.tenant, req.measured, now)
+                samples.append(s)
+                await _one(client, url, req, s, sessions)
+
+        for todo in (warm, window):
+            if todo is window and duration_s > 0:
+                end = trio.current_time() + duration_s
+            async with trio.open_nursery() as nursery:
+                for _ in range(clients):
+                    nursery.start_soon(loop, todo)
+    return samples, t0
+
+
 # --------------------------------------------------------------------------- processes
 
 
@@ -411,6 +489,7 @@ def _start_cluster(
             "name": f"gpu{i}",
             "endpoint": sim,
             "max_concurrency": opts.max_concurrency,
+            **({"kv_events_path": "/kv_events"} if opts.kv_events else {}),
         }
         for i, sim in enumerate(sims)
     ]
@@ -533,6 +612,23 @@ def _cell_figures(
     }
 
 
+def _misses_per_window(samples: list[_Sample], window_s: float) -> list[float | None]:
+    """The window's misses (answers that found less than half their prompt
+    cached) per ``window_s`` of sending time, as shares of its answers."""
+    ok = [s for s in samples if s.measured and not s.error and s.prompt_tokens]
+    if not ok:
+        return []
+    first = min(s.scheduled for s in ok)
+    bins: dict[int, list[bool]] = {}
+    for s in ok:
+        bins.setdefault(int((s.scheduled - first) // window_s), []).append(
+            s.cached_tokens * 2 < s.prompt_tokens
+        )
+    return [
+        round(sum(bins[i]) / len(bins[i]), 4) if bins.get(i) else None for i in range(max(bins) + 1)
+    ]
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -553,7 +649,19 @@ def _cell(
     cpu0 = {k: _cpu_s(p.pid) for k, p in procs.items()}
     me0, busy0, t0 = time.process_time(), machine_cpu_s()[0], time.monotonic()
     load0 = os.getloadavg()[0]
-    samples, _ = trio.run(_drive, url, reqs, opts.client_timeout_s, placement == "session")
+    sessions = placement == "session"
+    if opts.clients > 0:
+        samples, _ = trio.run(
+            _drive_closed,
+            url,
+            reqs,
+            opts.client_timeout_s,
+            opts.clients,
+            opts.duration_s,
+            sessions,
+        )
+    else:
+        samples, _ = trio.run(_drive, url, reqs, opts.client_timeout_s, sessions)
     wall = time.monotonic() - t0
     cpu = {k: round(_cpu_s(p.pid) - cpu0[k], 3) for k, p in procs.items()}
     client_cpu = time.process_time() - me0
@@ -578,6 +686,7 @@ def _cell(
         "workload": workload,
         "placement": placement,
         **_cell_figures(samples, placements),
+        "misses_per_window": _misses_per_window(samples, opts.window_s),
         "sim_metrics_hit_rate": round(hits / queries, 4) if queries else None,
         "wall_s": round(wall, 2),
         "cpu_s": cpu | {"client": round(client_cpu, 3)},

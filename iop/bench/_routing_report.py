@@ -6,6 +6,7 @@ cell is one workload and one placement: ``iop/bench/_routing.py``).
 
 from __future__ import annotations
 
+import math
 import statistics
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -20,7 +21,9 @@ __all__ = [
     "WORKLOADS",
     "Placement",
     "Workload",
+    "misses_plot",
     "plots",
+    "repeats_table",
     "report",
     "tables",
 ]
@@ -185,10 +188,78 @@ def plots(result: dict[str, Any] | list[dict[str, Any]], img_dir: Path) -> list[
     return [path]
 
 
+def misses_plot(
+    result: dict[str, Any] | list[dict[str, Any]], img_dir: Path, name: str
+) -> list[Path]:
+    """``bench_NAME_misses.png``, when the cells counted misses per window
+    (the closed-loop scenarios): each repeat's misses over time, per placement."""
+    runs = _results(result)
+    if not any(c.get("misses_per_window") for res in runs for c in res["cells"]):
+        return []
+    import_matplotlib()
+    import matplotlib.pyplot as plt
+
+    img_dir.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 4))
+    colors = {"least_loaded": "tab:blue", "prefix": "tab:orange", "affinity": "tab:green"}
+    for res in runs:
+        window = float(res["options"].get("window_s", 10.0))
+        for c in res["cells"]:
+            ys = [v * 100 if v is not None else math.nan for v in c.get("misses_per_window", [])]
+            if ys:
+                ax.plot(
+                    [(i + 1) * window for i in range(len(ys))],
+                    ys,
+                    color=colors.get(c["placement"], "tab:gray"),
+                    alpha=0.6,
+                    label=f"{c['placement']} (repeat {res['repeat']})",
+                )
+    ax.set_xlabel("seconds into the window")
+    ax.set_ylabel("misses, % of answers")
+    ax.set_title("misses per window (< half the prompt cached)")
+    ax.legend(fontsize=7, ncols=2)
+    fig.tight_layout()
+    path = img_dir / f"bench_{name}_misses.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
+
+
+def repeats_table(result: dict[str, Any] | list[dict[str, Any]]) -> str:
+    """One row per repeat: least-loaded against prefix on the ``shared``
+    workload: TTFT p90, their ratio, throughput, misses overall and in the
+    first and last window (the closed-loop scenarios' targets)."""
+    rows = [
+        "| repeat | window s | TTFT p90 least-loaded ms | TTFT p90 prefix ms | ratio "
+        "| tokens/s least-loaded | tokens/s prefix | misses prefix | misses prefix, "
+        "first / last window |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for res in _results(result):
+        by = {c["placement"]: c for c in res["cells"] if c["workload"] == "shared"}
+        ll, px = by.get("least_loaded"), by.get("prefix")
+        if not ll or not px:
+            continue
+        a, b = ll["ttft_ms"]["p90"], px["ttft_ms"]["p90"]
+        ratio = f"{a / b:.2f}x" if a and b else "-"
+        miss = None if px["hit_requests"] is None else (1 - px["hit_requests"]) * 100
+        series = [v for v in px.get("misses_per_window", []) if v is not None]
+        trend = f"{series[0] * 100:.1f} % / {series[-1] * 100:.1f} %" if series else "-"
+        rows.append(
+            f"| {res['repeat']} | {px['span_s']:.0f} | {_f(a, '.0f')} | {_f(b, '.0f')} | {ratio} "
+            f"| {ll['throughput_tok_s']:.1f} | {px['throughput_tok_s']:.1f} "
+            f"| {_f(miss, '.1f')} % | {trend} |"
+        )
+    return "\n".join(rows)
+
+
 def report(r: ReportInput) -> dict[str, str]:
     """``iop bench report``: the tables over every repeat (each figure their
-    median), the plot, and the footer under each table."""
+    median), the plots, and the footer under each table; for a closed-loop
+    scenario also its per-repeat table (``SCENARIO-repeats``)."""
     if r.scenario == "routing":  # bench_routing.png is that scenario's
         plots(r.repeats, r.img_dir)
     made = tables(r.repeats, r.scenario)
+    if misses_plot(r.repeats, r.img_dir, r.scenario):
+        made[f"{r.scenario}-repeats"] = repeats_table(r.repeats)
     return {key: f"{text}\n\n{r.footer}" for key, text in made.items()}

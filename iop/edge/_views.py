@@ -116,6 +116,12 @@ def routing_view(edge: EdgeState) -> dict[str, object]:
             "max_entries": prefixes.max_entries,
             "evicted": prefixes.evicted,
         },
+        # Per instance: the blocks the index claims its cache holds, and the
+        # bound its reported cache size sets (None: none reported).
+        "prefix_held": {
+            f"{node}/{inst}": {"blocks": blocks, "bound": bound}
+            for (node, inst), blocks, bound in prefixes.held()
+        },
     }
 
 

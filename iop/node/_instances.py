@@ -141,6 +141,8 @@ class Instance:
                 waiting=e.waiting,
                 kv_usage=e.kv_usage,
                 age_s=round(max(0.0, now - self.engine_at), 3),
+                cache_tokens=e.cache_tokens,
+                cached_tokens=e.cached_tokens,
             )
         return InstanceLoad(
             instance=self.name,

@@ -146,12 +146,20 @@ class EngineLoad(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
         waiting: Requests queued inside the engine.
         kv_usage: Share of its KV cache in use, 0 to 1.
         age_s: How old the figures were when the report was sent.
+        cache_tokens: The size of its KV cache in tokens (vLLM's
+            ``num_gpu_blocks`` times ``block_size``): prefix placement keeps
+            no more of its prompts than fit (an edge from before this field
+            ignores it; docs/protocol.md, "Cache reports").
+        cached_tokens: What its prefix cache holds now, in tokens, from the
+            engine's KV cache events (None: it publishes none the node reads).
     """
 
     running: float | None = None
     waiting: float | None = None
     kv_usage: float | None = None
     age_s: float = 0.0
+    cache_tokens: int | None = None
+    cached_tokens: int | None = None
 
 
 class InstanceLoad(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

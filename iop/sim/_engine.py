@@ -27,7 +27,10 @@ answers exactly as before):
 What the engine shows a scraper is what vLLM's ``/metrics`` shows
 (https://docs.vllm.ai/en/stable/usage/metrics/): ``vllm:num_requests_running``,
 ``vllm:num_requests_waiting``, ``vllm:kv_cache_usage_perc`` (blocks the
-running requests hold, over the cache's blocks: 0 to 1), and the counters
+running requests hold, over the cache's blocks: 0 to 1; a prefix that
+several running requests share counts once, as vLLM's block pool shares
+it), ``vllm:cache_config_info`` (the cache's shape: ``num_gpu_blocks`` and
+``block_size`` labels, as vLLM publishes them), and the counters
 ``vllm:prefix_cache_queries`` and ``vllm:prefix_cache_hits`` in tokens. The
 response's usage says how many prompt tokens were cached
 (``prompt_tokens_details.cached_tokens``, as vLLM with
@@ -41,7 +44,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
-from collections import OrderedDict
+import time
+from collections import Counter, OrderedDict, deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final
@@ -49,10 +53,22 @@ from typing import Final
 import trio
 
 from iop.config import SimConfig
+from iop.wire._kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVEventBatch,
+    encode_kv_events,
+)
 
-__all__ = ["Admission", "Engine", "PrefixCache", "block_hashes"]
+__all__ = ["KV_EVENT_BATCHES_KEPT", "Admission", "Engine", "PrefixCache", "block_hashes"]
 
 _HASH_SEED: Final = b"iop-sim-prefix"
+# Event batches kept for readers (one per request the engine admits, one per
+# clear): a node reads them every second, so 4096 outlast seconds of a busy
+# sim; a reader that fell further behind sees a gap in the numbers.
+KV_EVENT_BATCHES_KEPT: Final = 4096
 
 
 def block_hashes(token_ids: Sequence[int], block_tokens: int, salt: str = "") -> list[bytes]:
@@ -71,11 +87,18 @@ def block_hashes(token_ids: Sequence[int], block_tokens: int, salt: str = "") ->
 
 
 class PrefixCache:
-    """An LRU set of block hashes with room for ``capacity`` blocks."""
+    """An LRU set of block hashes with room for ``capacity`` blocks.
+
+    Every change is also published as vLLM publishes its KV cache events
+    (``iop.wire._kv_events``): one batch per insert or clear, numbered from
+    0, the last ``KV_EVENT_BATCHES_KEPT`` of them kept for ``events_after``.
+    """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._blocks: OrderedDict[bytes, None] = OrderedDict()
+        self._journal: deque[tuple[int, bytes]] = deque(maxlen=KV_EVENT_BATCHES_KEPT)
+        self._next_seq = 0
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -89,15 +112,63 @@ class PrefixCache:
             n += 1
         return n
 
-    def insert(self, hashes: Sequence[bytes]) -> None:
-        """Cache ``hashes`` as most recently used, evicting the least recently used."""
+    def insert(
+        self, hashes: Sequence[bytes], token_ids: Sequence[int] = (), block_tokens: int = 0
+    ) -> None:
+        """Cache ``hashes`` as most recently used, evicting the least recently used.
+
+        ``token_ids`` (the prompt's) and ``block_tokens`` go into the
+        published ``BlockStored`` events, as vLLM's carry them.
+        """
         if self.capacity <= 0:
             return
-        for h in hashes:
+        stored: list[int] = []  # indices into hashes of the blocks new to the cache
+        for i, h in enumerate(hashes):
+            if h not in self._blocks:
+                stored.append(i)
             self._blocks[h] = None
             self._blocks.move_to_end(h)
+        removed: list[bytes] = []
         while len(self._blocks) > self.capacity:
-            self._blocks.popitem(last=False)
+            removed.append(self._blocks.popitem(last=False)[0])
+        events: list[KVCacheEvent] = []
+        # One BlockStored per run of consecutive new blocks: an event is a
+        # chain, each block's parent the one before it (as vLLM's are).
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, end = run[0], run[-1] + 1
+            events.append(
+                BlockStored(
+                    block_hashes=[hashes[i] for i in run],
+                    parent_block_hash=hashes[first - 1] if first > 0 else None,
+                    token_ids=list(token_ids[first * block_tokens : end * block_tokens]),
+                    block_size=block_tokens,
+                )
+            )
+        if removed:
+            events.append(BlockRemoved(block_hashes=list(removed)))
+        self._publish(events)
+
+    def clear(self) -> None:
+        """Drop every block (vLLM's ``/reset_prefix_cache``)."""
+        self._blocks.clear()
+        self._publish([AllBlocksCleared()])
+
+    def _publish(self, events: list[KVCacheEvent]) -> None:
+        if events:
+            batch = KVEventBatch(ts=time.time(), events=events)
+            self._journal.append((self._next_seq, encode_kv_events(batch)))
+            self._next_seq += 1
+
+    def events_after(self, seq: int, limit: int) -> list[tuple[int, bytes]]:
+        """At most ``limit`` published batches numbered above ``seq``, oldest
+        first (a gap in the numbers: older ones were dropped)."""
+        return [(n, payload) for n, payload in self._journal if n > seq][:limit]
 
 
 @dataclass(frozen=True)
@@ -108,6 +179,9 @@ class Admission:
     cached_tokens: int
     prefill_s: float
     blocks: int  # the request's footprint in the cache while it runs
+    # The prompt's full blocks, shared with every running request of the
+    # same prefix (``blocks`` counts them too; the rest are its own).
+    shared: tuple[bytes, ...] = ()
 
 
 @dataclass
@@ -118,8 +192,12 @@ class Engine:
     cache: PrefixCache = field(init=False)
     running: int = 0
     waiting: int = 0
-    # Blocks held by running requests (kv_cache_usage_perc's numerator).
-    held_blocks: int = 0
+    # Blocks held by running requests that no other holds (their partial
+    # prompt block and their output), and how many running requests hold
+    # each shared prompt block: vLLM keeps one copy of a prefix's blocks
+    # however many requests run on it (held_blocks).
+    _own_blocks: int = 0
+    _shared_blocks: Counter[bytes] = field(default_factory=Counter)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     _seats: trio.Semaphore | None = field(init=False, default=None)
@@ -147,7 +225,7 @@ class Engine:
         block = max(1, self.config.kv_block_tokens)
         hashes = block_hashes(prompt_ids, block, salt)
         cached = self.cache.cached_blocks(hashes) * block if self.config.kv_cache_blocks else 0
-        self.cache.insert(hashes)
+        self.cache.insert(hashes, prompt_ids, block)
         total = len(prompt_ids)
         self.prefix_cache_queries += total
         self.prefix_cache_hits += cached
@@ -159,6 +237,7 @@ class Engine:
             cached_tokens=cached,
             prefill_s=prefill,
             blocks=math.ceil((total + output) / block),
+            shared=tuple(hashes) if self.config.kv_cache_blocks else (),
         )
 
     @contextlib.asynccontextmanager
@@ -171,18 +250,30 @@ class Engine:
         finally:
             self.waiting -= 1
         self.running += 1
-        self.held_blocks += admission.blocks
+        own = admission.blocks - len(admission.shared)
+        self._own_blocks += own
+        self._shared_blocks.update(admission.shared)
         try:
             yield
         finally:
             self.running -= 1
-            self.held_blocks -= admission.blocks
+            self._own_blocks -= own
+            self._shared_blocks.subtract(admission.shared)
+            for h in admission.shared:
+                if self._shared_blocks[h] <= 0:
+                    del self._shared_blocks[h]
             if self._seats is not None:
                 self._seats.release()
 
     def decode_factor(self, request_cfg: SimConfig) -> float:
         """How much the running batch stretches each token's delay now."""
         return 1.0 + request_cfg.decode_slowdown * max(0, self.running - 1)
+
+    @property
+    def held_blocks(self) -> int:
+        """Blocks the running requests hold, a shared prefix's once (the
+        numerator of ``kv_cache_usage_perc``, as vLLM counts it)."""
+        return self._own_blocks + len(self._shared_blocks)
 
     @property
     def kv_cache_usage(self) -> float:
@@ -211,4 +302,16 @@ class Engine:
             "# TYPE vllm:prefix_cache_hits_total counter",
             f"vllm:prefix_cache_hits_total{label} {float(self.prefix_cache_hits)}",
         ]
+        if self.config.kv_cache_blocks > 0:
+            # vLLM's info gauge of its cache config: the shape is in the labels.
+            info = (
+                f'{{block_size="{max(1, self.config.kv_block_tokens)}",'
+                f'enable_prefix_caching="True",'
+                f'num_gpu_blocks="{self.config.kv_cache_blocks}"}}'
+            )
+            lines += [
+                "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+                "# TYPE vllm:cache_config_info gauge",
+                f"vllm:cache_config_info{info} 1.0",
+            ]
         return ("\n".join(lines) + "\n").encode()

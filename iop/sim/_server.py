@@ -82,6 +82,10 @@ MAX_REQUEST_BYTES: Final = 4 * 1024 * 1024
 SHUTDOWN_GRACE_S: Final = 1.0
 
 _JSON: Final = "application/json"
+# Event batches in one /kv_events answer: one per admitted request, a few
+# KiB each with its token ids, so 256 keep an answer under a MiB and well
+# within a reader's page limit; a reader behind asks again.
+KV_EVENTS_PER_ANSWER: Final = 256
 
 
 @dataclasses.dataclass
@@ -414,6 +418,29 @@ def create_sim_app(cfg: SimConfig) -> SimApp:
             status=200,
             content_type="text/plain; version=0.0.4; charset=utf-8",
         )
+
+    @app.get("/kv_events")
+    async def kv_events() -> Response:
+        # vLLM publishes these over ZeroMQ (--kv-events-config); the sim
+        # serves the same payloads with their numbers over HTTP, so a node
+        # can read them without ZeroMQ (iop.wire._kv_events): a msgpack
+        # array of [seq, payload] after ?after= (-1: from the oldest kept).
+        try:
+            after = int(request.args.get("after", "-1"))
+        except ValueError:
+            return _json_response(b'{"error": "after must be an integer"}', 400)
+        batches = app.engine.cache.events_after(after, KV_EVENTS_PER_ANSWER)
+        return Response(
+            msgspec.msgpack.encode([[n, payload] for n, payload in batches]),
+            status=200,
+            content_type="application/msgpack",
+        )
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        # vLLM's route of the same name: drop every cached block.
+        app.engine.cache.clear()
+        return Response(b"", status=200)
 
     @app.get("/sim/stats")
     async def sim_stats() -> Response:

@@ -14,6 +14,7 @@ from iop.wire._engine_load import (
     EngineFigures,
     figures_from_metrics,
     metric_names,
+    parse_cache_config,
     parse_llamacpp_slots,
     parse_metrics,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "figures_from_metrics",
     "map_finish_reason",
     "metric_names",
+    "parse_cache_config",
     "parse_error_body",
     "parse_llamacpp_slots",
     "parse_metrics",

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 from typing import Final
 
 import msgspec
@@ -50,6 +51,7 @@ __all__ = [
     "EngineFigures",
     "figures_from_metrics",
     "metric_names",
+    "parse_cache_config",
     "parse_llamacpp_slots",
     "parse_metrics",
 ]
@@ -75,6 +77,13 @@ class EngineFigures(msgspec.Struct, frozen=True, kw_only=True):
     running: float | None = None
     waiting: float | None = None
     kv_usage: float | None = None
+    # The KV cache's size in tokens (vLLM: ``num_gpu_blocks`` times
+    # ``block_size`` of ``vllm:cache_config_info``): what prefix placement
+    # bounds its picture of the cache with (``iop.edge.scheduler._prefix``).
+    cache_tokens: int | None = None
+    # The tokens its prefix cache holds now, from the engine's KV events
+    # (``iop.wire._kv_events``; None: it publishes none we read).
+    cached_tokens: int | None = None
 
 
 # dialect -> (running names, waiting names, KV usage names); the first name
@@ -201,6 +210,40 @@ def figures_from_metrics(dialect: EngineDialect, samples: dict[str, list[float]]
         waiting=None if waiting is None else max(0.0, sum(waiting)),
         kv_usage=None if kv is None else min(1.0, max(0.0, max(kv))),
     )
+
+
+# One label of a sample: name="value" (values of cache_config_info are
+# numbers, booleans and dtype names: no escapes to honour).
+_LABEL: Final = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="([^"\\]*)"')
+_CACHE_INFO: Final = "vllm:cache_config_info{"
+# Blocks times block size past this is read as no figure: a cache of more
+# than 2**40 tokens is a broken page, not an engine.
+MAX_CACHE_TOKENS: Final = 1 << 40
+
+
+def parse_cache_config(page: bytes) -> int | None:
+    """The KV cache's size in tokens from vLLM's ``vllm:cache_config_info``
+    gauge (its labels ``num_gpu_blocks`` and ``block_size``); None: not
+    published, not numbers, or absurd. Several engines (data parallel) add up.
+    """
+    total = 0
+    found = False
+    for raw in page.split(b"\n"):
+        if len(raw) > MAX_METRICS_LINE_BYTES or not raw.startswith(_CACHE_INFO.encode()):
+            continue
+        labels = dict(_LABEL.findall(raw.decode("utf-8", "replace")))
+        try:
+            blocks = int(labels["num_gpu_blocks"])
+            size = int(labels["block_size"])
+        except (KeyError, ValueError):
+            continue
+        if blocks <= 0 or size <= 0:
+            continue
+        total += blocks * size
+        found = True
+    if not found or total > MAX_CACHE_TOKENS:
+        return None
+    return total
 
 
 class _Slot(msgspec.Struct, frozen=True):

@@ -8,8 +8,9 @@ import pytest
 import trio
 
 from iop.adapters import EngineLoadReader, OpenAICompatAdapter, SimAdapter, VllmAdapter
-from iop.config import OpenAICompatInstance, SimInstance, VllmInstance
+from iop.config import OpenAICompatInstance, SimConfig, SimInstance, VllmInstance
 from iop.errors import BackendHTTPError, BackendProtocolError, BackendTimeout
+from iop.sim._engine import Engine
 from iop.wire import EngineFigures
 
 
@@ -132,3 +133,58 @@ async def test_a_backend_with_no_metrics_page_keeps_its_connection() -> None:
             await adapter.aclose()
         assert [r.path for r in fb.requests] == ["/metrics"] * 3
         assert len(fb.connections) == 1
+
+
+async def test_vllm_reads_the_cache_size_from_the_sims_metrics() -> None:
+    """The sim's ``/metrics`` (its engine model) publishes vLLM's
+    ``cache_config_info``; the vLLM adapter reads the cache size off it."""
+    page = Engine(SimConfig(kv_cache_blocks=96, kv_block_tokens=16)).metrics("m")
+    transport, _ = serving({"/metrics": httpx.Response(200, content=page)})
+    cfg = msgspec.convert({"name": "v", "endpoint": "http://engine.test:8000/v1"}, VllmInstance)
+    figures = await VllmAdapter(cfg, transport=transport).engine_load()
+    assert figures.cache_tokens == 96 * 16
+    assert figures.running == 0.0
+
+
+async def test_vllm_reads_the_kv_events_the_server_serves_on_from_the_last() -> None:
+    """With ``kv_events_path`` each scrape reads the batches after the last
+    one it applied, and reports what the cache holds; garbage there fails
+    the scrape as the engine's fault."""
+    from iop.wire._kv_events import (
+        AllBlocksCleared,
+        BlockStored,
+        KVEventBatch,
+        encode_kv_events,
+    )
+
+    stored = encode_kv_events(
+        KVEventBatch(ts=0.0, events=[BlockStored([1, 2], None, [0] * 32, 16)])
+    )
+    cleared = encode_kv_events(KVEventBatch(ts=0.0, events=[AllBlocksCleared()]))
+    pages = [
+        msgspec.msgpack.encode([[0, stored]]),
+        msgspec.msgpack.encode([[1, cleared]]),
+        b"\x91\x01",
+    ]
+    seen: list[str] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/metrics":
+            return httpx.Response(200, content=Engine(SimConfig(kv_cache_blocks=8)).metrics("m"))
+        seen.append(str(request.url.query, "ascii"))
+        return httpx.Response(200, content=pages[len(seen) - 1])
+
+    cfg = msgspec.convert(
+        {"name": "v", "endpoint": "http://engine.test:8000/v1", "kv_events_path": "/kv_events"},
+        VllmInstance,
+    )
+    adapter = VllmAdapter(cfg, transport=httpx.MockTransport(handle))
+    assert (await adapter.engine_load()).cached_tokens == 32
+    assert (await adapter.engine_load()).cached_tokens == 0
+    with pytest.raises(BackendProtocolError, match="/kv_events"):
+        await adapter.engine_load()
+    assert seen == ["after=-1", "after=0", "after=1"]
+    with pytest.raises(msgspec.ValidationError, match="kv_events_path must start with /"):
+        msgspec.convert(
+            {"name": "v", "endpoint": "http://e.test/v1", "kv_events_path": "kv"}, VllmInstance
+        )

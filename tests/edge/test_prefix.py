@@ -9,11 +9,14 @@ import tracemalloc
 import pytest
 import trio
 import trio.testing
+from hypothesis import given
+from hypothesis import strategies as st
 
 from iop.config import SchedulerSettings
 from iop.edge import open_edge_core
 from iop.edge.scheduler._prefix import ENTRY_BYTES, PrefixIndex, prompt_blocks
 from iop.events import CancelReason
+from iop.sim._engine import PrefixCache
 from iop.spec import ChatRequest, CompletionRequest, EmbeddingRequest, ExecutionSpec, Message
 from tests.edge.test_core import caps, config, connect, drain_events
 
@@ -227,3 +230,62 @@ def test_placement_settings_refuse_nonsense() -> None:
         SchedulerSettings(balance_rel_threshold=0.5)
     with pytest.raises(ValueError, match="balance_load_threshold"):
         SchedulerSettings(balance_load_threshold=-0.1)
+    for chars in (0.4, 65.0):
+        with pytest.raises(ValueError, match="prefix_chars_per_token"):
+            SchedulerSettings(prefix_chars_per_token=chars)
+    SchedulerSettings(prefix_chars_per_token=0.5)
+    SchedulerSettings(prefix_chars_per_token=64.0)
+
+
+def test_an_instance_keeps_no_more_blocks_than_its_cache_holds() -> None:
+    """A reported cache size bounds what the index claims for that instance,
+    least recently routed first; other instances keep theirs."""
+    index = PrefixIndex(max_bytes=100 * ENTRY_BYTES)
+    index.routed(("n", "a"), [b"1", b"2", b"3", b"4"])
+    index.routed(("n", "b"), [b"1", b"2", b"3", b"4"])
+    index.bound(("n", "a"), 2)
+    assert index.matched(("n", "a"), [b"1"]) == 0
+    assert index.matched(("n", "a"), [b"3", b"4"]) == 2
+    index.routed(("n", "a"), [b"5"])  # 3 goes: the bound holds for what comes after
+    assert index.matched(("n", "a"), [b"3"]) == 0
+    assert index.matched(("n", "a"), [b"4", b"5"]) == 2
+    assert index.matched(("n", "b"), [b"1", b"2", b"3", b"4"]) == 4
+    assert len(index) == 6
+    # A count from the engine's events trims once; what comes after may grow.
+    index.trim(("n", "b"), 1)
+    assert index.matched(("n", "b"), [b"4"]) == 1
+    assert index.matched(("n", "b"), [b"3"]) == 0
+    index.routed(("n", "b"), [b"6", b"7"])
+    assert index.held() == [(("n", "a"), 2, 2), (("n", "b"), 3, None)]
+    index.forget("n")
+    assert len(index) == 0
+    index.routed(("n", "a"), [b"1", b"2", b"3"])  # a new link starts unbounded
+    assert len(index) == 3
+    assert index.held() == [(("n", "a"), 3, None)]
+
+
+@given(
+    capacity=st.integers(min_value=0, max_value=8),
+    prompts=st.lists(
+        st.lists(st.sampled_from([b"a", b"b", b"c", b"d", b"e", b"f", b"g"]), max_size=6),
+        max_size=40,
+    ),
+)
+def test_the_index_never_claims_a_block_the_engine_evicted(
+    capacity: int, prompts: list[list[bytes]]
+) -> None:
+    """An engine with an LRU block cache of ``capacity`` (the sim's
+    ``PrefixCache``) caches every block of every prompt it is sent; once the
+    index knows that capacity, every block it claims is one the engine holds
+    (LRU's inclusion property: a smaller LRU cache fed the same sequence
+    holds a subset), whatever the sequence."""
+    engine = PrefixCache(capacity)
+    index = PrefixIndex(max_bytes=1000 * ENTRY_BYTES)
+    where = ("n", "i")
+    index.bound(where, capacity)
+    for blocks in prompts:
+        engine.insert(blocks)
+        index.routed(where, blocks)
+        for block in {b for p in prompts for b in p}:
+            if index.matched(where, [block]):
+                assert engine.cached_blocks([block]) == 1

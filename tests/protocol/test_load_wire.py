@@ -202,3 +202,59 @@ def test_a_held_up_writer_keeps_at_most_one_report_queued() -> None:
     session.tick(30.1)
     assert len(reports(session, 30.1)) == 1
     assert calls == [2]
+
+
+class _OldEngineLoad(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """``EngineLoad`` as an edge from before ``cache_tokens`` declares it."""
+
+    running: float | None = None
+    waiting: float | None = None
+    kv_usage: float | None = None
+    age_s: float = 0.0
+
+
+class _OldInstanceLoad(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    instance: str
+    in_flight: int
+    queued: int
+    max_concurrency: int
+    max_queue: int
+    engine: _OldEngineLoad | None = None
+
+
+class _OldLoadReport(msgspec.Struct, frozen=True, kw_only=True, tag_field="t", tag="load"):
+    instances: list[_OldInstanceLoad]
+
+
+def test_a_cache_size_round_trips_and_old_peers_read_the_report_without_it() -> None:
+    """``EngineLoad.cache_tokens`` rides the load report: a new edge reads it,
+    an edge from before it decodes the rest of the report, and a node from
+    before it sends reports a new edge reads as "size unknown"."""
+    sized = [
+        msgspec.structs.replace(FIGURES[0], engine=EngineLoad(kv_usage=0.5, cache_tokens=32768))
+    ]
+    frame = encode_batch([encode(LoadReport(instances=sized))])
+    assert decode_node_batch(frame) == [LoadReport(instances=sized)]
+    assert decode_node_batch(frame)[0].instances[0].engine.cache_tokens == 32768  # type: ignore[union-attr]
+    (old_edge,) = msgspec.msgpack.decode(frame, type=list[_OldLoadReport])
+    assert old_edge.instances[0].engine == _OldEngineLoad(kv_usage=0.5)
+    old_node = msgspec.msgpack.encode(
+        [
+            _OldLoadReport(
+                instances=[
+                    _OldInstanceLoad(
+                        instance="i0",
+                        in_flight=1,
+                        queued=0,
+                        max_concurrency=4,
+                        max_queue=8,
+                        engine=_OldEngineLoad(running=1.0),
+                    )
+                ]
+            )
+        ]
+    )
+    (report,) = decode_node_batch(old_node)
+    assert isinstance(report, LoadReport)
+    assert report.instances[0].engine == EngineLoad(running=1.0)
+    assert report.instances[0].engine.cache_tokens is None

@@ -4,6 +4,7 @@ running batch and vLLM's metrics, sans-IO and over a real loopback socket."""
 from __future__ import annotations
 
 import httpx
+import msgspec
 import trio
 import trio.testing
 from hypothesis import given
@@ -209,3 +210,86 @@ async def test_over_http_a_salt_is_its_own_cache_and_must_not_be_empty() -> None
             )
             assert refused.status_code == 400
             assert "cache_salt" in refused.json()["error"]["message"]
+
+
+async def test_kv_cache_usage_counts_a_shared_prefix_once() -> None:
+    """Two running requests of one prompt hold its prompt blocks once (vLLM
+    shares a cached prefix's blocks between requests), plus each its own
+    output blocks: usage is not the sum of their footprints."""
+    engine = Engine(SimConfig(kv_cache_blocks=100, kv_block_tokens=4, output_tokens=4))
+    a = engine.admit(list(range(16)), engine.config)  # 4 prompt blocks + 1 of output
+    b = engine.admit(list(range(16)), engine.config)
+    assert a.blocks == b.blocks == 5
+    async with engine.seat(a), engine.seat(b):
+        assert engine.held_blocks == 4 + 1 + 1
+        assert engine.kv_cache_usage == 6 / 100
+    assert engine.held_blocks == 0
+    assert engine.kv_cache_usage == 0.0
+
+
+@given(
+    capacity=st.integers(min_value=1, max_value=6),
+    prompts=st.lists(st.lists(st.integers(0, 3), max_size=24), max_size=25),
+    clear_at=st.integers(min_value=-1, max_value=25),
+)
+def test_the_caches_events_name_exactly_what_it_holds(
+    capacity: int, prompts: list[list[int]], clear_at: int
+) -> None:
+    """The sim publishes its cache's changes as vLLM's KV events: replayed
+    in order, they name exactly the blocks it holds (none it evicted), and
+    their count is its size."""
+    from iop.wire._kv_events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        CacheMirror,
+        decode_kv_events,
+    )
+
+    cache = PrefixCache(capacity)
+    for i, ids in enumerate(prompts):
+        if i == clear_at:
+            cache.clear()
+        cache.insert(block_hashes(ids, 4), ids, 4)
+    named: set[bytes] = set()
+    mirror = CacheMirror()
+    for seq, payload in cache.events_after(-1, 10_000):
+        batch = decode_kv_events(payload)
+        mirror.apply(seq, batch)
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                assert len(event.token_ids) == 4 * len(event.block_hashes)
+                named.update(event.block_hashes)  # type: ignore[arg-type]
+            elif isinstance(event, BlockRemoved):
+                named.difference_update(event.block_hashes)  # type: ignore[arg-type]
+            else:
+                assert isinstance(event, AllBlocksCleared)
+                named.clear()
+    assert named == set(cache._blocks)
+    assert mirror.blocks == len(cache)
+
+
+async def test_the_sim_serves_its_kv_events_and_resets_its_cache() -> None:
+    """``GET /kv_events`` and ``POST /reset_prefix_cache`` over a real socket."""
+    from iop.wire._kv_events import AllBlocksCleared, CacheMirror, decode_kv_events
+
+    async with (
+        running_sim(ENGINE) as (_, url),
+        httpx.AsyncClient(base_url=url, timeout=WAIT_S) as client,
+    ):
+        words = [{"role": "user", "content": "a fairly long prompt of many words " * 4}]
+        resp = await client.post("/v1/chat/completions", json=chat(messages=words, stream=False))
+        assert resp.status_code == 200
+        answer = await client.get("/kv_events", params={"after": -1})
+        assert answer.headers["content-type"] == "application/msgpack"
+        mirror = CacheMirror()
+        for seq, payload in msgspec.msgpack.decode(answer.content):
+            mirror.apply(seq, decode_kv_events(payload))
+        assert mirror.blocks > 0
+        assert (await client.post("/reset_prefix_cache")).status_code == 200
+        answer = await client.get("/kv_events", params={"after": mirror.last_seq})
+        ((seq, payload),) = msgspec.msgpack.decode(answer.content)
+        assert decode_kv_events(payload).events == [AllBlocksCleared()]
+        mirror.apply(seq, decode_kv_events(payload))
+        assert mirror.blocks == 0
+        assert (await client.get("/kv_events", params={"after": "x"})).status_code == 400

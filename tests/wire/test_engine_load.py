@@ -16,6 +16,7 @@ from iop.wire import (
     EngineFigures,
     figures_from_metrics,
     metric_names,
+    parse_cache_config,
     parse_llamacpp_slots,
     parse_metrics,
 )
@@ -179,3 +180,26 @@ def test_llamacpp_slots_current_and_old_shapes() -> None:
 )
 def test_llamacpp_slots_garbage_is_none(body: bytes) -> None:
     assert parse_llamacpp_slots(body) is None
+
+
+def test_the_cache_size_is_read_from_vllms_cache_config_info() -> None:
+    page = (
+        b"# TYPE vllm:cache_config_info gauge\n"
+        b'vllm:cache_config_info{block_size="16",cache_dtype="auto",'
+        b'enable_prefix_caching="True",gpu_memory_utilization="0.9",num_gpu_blocks="2048"} 1.0\n'
+        b"vllm:num_requests_running 1\n"
+    )
+    assert parse_cache_config(page) == 2048 * 16
+    # Data parallel: one line per engine, added up.
+    two = page + b'vllm:cache_config_info{block_size="16",engine="1",num_gpu_blocks="10"} 1.0\n'
+    assert parse_cache_config(two) == 2058 * 16
+    assert parse_cache_config(b"vllm:num_requests_running 1\n") is None
+    assert (
+        parse_cache_config(b'vllm:cache_config_info{block_size="16",num_gpu_blocks="None"} 1\n')
+        is None
+    )
+    assert (
+        parse_cache_config(b'vllm:cache_config_info{block_size="0",num_gpu_blocks="5"} 1\n') is None
+    )
+    huge = b'vllm:cache_config_info{block_size="1048576",num_gpu_blocks="1099511627776"} 1\n'
+    assert parse_cache_config(huge) is None

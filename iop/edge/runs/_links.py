@@ -28,6 +28,7 @@ from iop.edge.runs._delivery import DeliveryPolicy
 from iop.edge.runs._handshake import accept_node, close_link, edge_session, node_credentials
 from iop.edge.runs._nodes import NodeConnection, NodeRegistry
 from iop.edge.scheduler import Scheduler
+from iop.edge.scheduler._prefix import cache_blocks
 from iop.errors import LinkProtocolError
 from iop.protocol import (
     CLOSE_BAD_TOKEN,
@@ -39,6 +40,7 @@ from iop.protocol import (
     EdgeLinkEvent,
     EdgeSession,
     FrameChannel,
+    InstanceLoad,
     LinkClosed,
     LoadReported,
     NodeDraining,
@@ -217,6 +219,26 @@ class NodeLinks:
             affected,
         )
 
+    def _bound_prefixes(self, conn: NodeConnection, loads: list[InstanceLoad]) -> None:
+        """What each advertised instance's cache holds bounds the prefix index
+        (``iop.edge.scheduler._prefix``, ``PrefixIndex.bound``)."""
+        settings = self.scheduler.settings
+        for load in loads:
+            engine = load.engine
+            if engine is None or load.instance not in conn.instances:
+                continue
+            where = (conn.node_id, load.instance)
+            blocks = partial(
+                cache_blocks,
+                block_chars=settings.prefix_block_chars,
+                chars_per_token=settings.prefix_chars_per_token,
+            )
+            if engine.cache_tokens is not None:
+                self.scheduler.prefixes.bound(where, blocks(engine.cache_tokens))
+            if engine.cached_tokens is not None:
+                # What its KV events say it holds now (0 after a reset).
+                self.scheduler.prefixes.trim(where, blocks(engine.cached_tokens))
+
     def _on_link_events(self, conn: NodeConnection, events: list[EdgeLinkEvent]) -> None:
         """A frame's events (the link reader: never blocks)."""
         runs: list[RunEventsReceived] = []
@@ -229,6 +251,7 @@ class NodeLinks:
                 self.scheduler.dispatch()
             elif isinstance(event, LoadReported):
                 conn.on_load(event.instances, event.at)
+                self._bound_prefixes(conn, event.instances)
             elif isinstance(event, NodeDraining):
                 conn.draining = True
                 conn.goodbye = event.reason
