@@ -710,7 +710,7 @@ class VllmModel(VllmInstance, frozen=True, kw_only=True, tag_field="engine", tag
     def __post_init__(self) -> None:
         if self.endpoint:
             raise ValueError("endpoint is the started process's: set host and port instead")
-        # A placeholder until a load knows the port (iop.ondemand._engines).
+        # A placeholder until a load knows the port (iop.managed._models).
         msgspec.structs.force_setattr(self, "endpoint", f"http://{self.host}:{self.port}")
         if not self.targets:
             msgspec.structs.force_setattr(self, "targets", [self.name])

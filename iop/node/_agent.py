@@ -42,7 +42,7 @@ the probe finds goes to the edges as above. A ``llamacpp`` instance is
 started once: a change of one waits for a restart (``iop._reload``).
 
 Models on demand (``[[models]]``, docs/operations.md, "Models on demand")
-are owned by a ``ModelManager`` (``iop.ondemand``), started in the agent's
+are owned by a ``ModelManager`` (``iop.node._models``), started in the agent's
 nursery before the first probe. Each model is an instance named after it
 (its runs take the model's lease first: ``iop.node._instances``). The
 models' states go to the edges in the hello and, at every change of a
@@ -93,8 +93,8 @@ from iop.node._instances import (
     scrape_engine_load,
 )
 from iop.node._link import NodeLink, NodeRun
+from iop.node._models import ModelAdapter, ModelManager
 from iop.node._ws import DEFAULT_CONNECT_TIMEOUT_S, client_tls_context, open_ws_link
-from iop.ondemand import ModelAdapter, ModelManager
 from iop.protocol import (
     CLOSE_GOING_AWAY,
     CLOSE_HEARTBEAT,

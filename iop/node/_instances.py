@@ -38,8 +38,8 @@ from iop.adapters import Adapter, EngineLoadReader
 from iop.capabilities import Capabilities, ProviderStatus, provider_detail
 from iop.config import Deadlines, InstanceConfig
 from iop.errors import IopError
+from iop.node._models import ModelLease, ModelManager
 from iop.node._slots import InstanceSlots
-from iop.ondemand import ModelLease, ModelManager
 from iop.protocol import EngineLoad, InstanceLoad
 from iop.runtime import RunSink
 from iop.spec import ChatRequest, ExecutionSpec, TokenizeRequest

@@ -1,17 +1,16 @@
-"""Models on demand: the node starts the models it may run when runs want them.
+"""Models on demand, sans-IO: which models a node holds, loads and unloads.
 
-``ModelTable`` (sans-IO) decides which model to load, which to evict and
-when to unload; ``ModelManager`` (trio) starts and stops their processes
-(``iop.ondemand._engines``: llama.cpp, a vLLM command, the sim) and hands
-runs leases. docs/operations.md, "Models on demand", says what an operator
+``ModelTable`` decides which on-demand model to load, which to evict and
+when to unload (``iop.ondemand._table``); it does no IO. Its trio driver is
+the node's ``ModelManager`` (``iop.node._models``), which starts and stops
+the models' processes (``iop.managed._models``: llama.cpp, a vLLM command,
+the sim). docs/operations.md, "Models on demand", says what an operator
 sees; docs/protocol.md, "Models on demand", what the edge is told.
 """
 
-from iop.ondemand._engines import BackendFactory, ModelBackend, build_model_backend
-from iop.ondemand._instance import ModelAdapter
-from iop.ondemand._manager import ModelLease, ModelManager, model_table
 from iop.ondemand._table import (
     TRANSITIONS,
+    Action,
     Decision,
     GroupSpec,
     Model,
@@ -27,14 +26,10 @@ from iop.ondemand._table import (
 
 __all__ = [
     "TRANSITIONS",
-    "BackendFactory",
+    "Action",
     "Decision",
     "GroupSpec",
     "Model",
-    "ModelAdapter",
-    "ModelBackend",
-    "ModelLease",
-    "ModelManager",
     "ModelSpec",
     "ModelState",
     "ModelTable",
@@ -43,6 +38,4 @@ __all__ = [
     "StartLoad",
     "StartUnload",
     "Wait",
-    "build_model_backend",
-    "model_table",
 ]

@@ -5,7 +5,7 @@ Theory of operation
 A node may start more models than fit its memory (``[[models]]``,
 ``node.memory_mib``). ``ModelTable`` keeps one ``Model`` record per
 configured model and decides; it does no IO and reads no clock (every call
-takes ``now``). Its caller (``iop.ondemand._manager``) starts and stops the
+takes ``now``). Its caller (``iop.node._models``) starts and stops the
 processes it is told to (``actions``) and tells it how that went
 (``loaded``, ``load_failed``, ``unloaded``, ``exited``).
 
@@ -63,6 +63,7 @@ from iop.errors import InvariantError
 
 __all__ = [
     "TRANSITIONS",
+    "Action",
     "Decision",
     "GroupSpec",
     "Model",

@@ -6,7 +6,7 @@ the decisions) says, and tells it what happened. ``serve`` is its service
 when their ``idle_ttl_s`` passes, and owns every model's *life* task.
 
 A life (``_life``) is one load: a fresh ``ModelBackend``
-(``iop.ondemand._engines``) whose supervisor runs one life
+(``iop.managed._models``) whose supervisor runs one life
 (``Supervisor.serve(once=True)``, the same supervision as a ``llamacpp``
 instance's server: its start deadlines, liveness check and stop). The load
 succeeded when the supervisor is ``UP`` (``ModelTable.loaded``) or failed
@@ -22,6 +22,18 @@ it once, the others wait for the next change), then takes a lease, which
 load within ``timeout_s`` raises ``BackendUnavailable`` with the codes
 ``model_load_refused``, ``model_load_failed``, ``model_load_timeout``:
 errors before the run's start, which the edge fails over.
+
+A model as one of the node's instances
+--------------------------------------
+A model is an instance named after it (``iop.node._agent``): the edge
+assigns its runs to that instance, and the node's ``RunExecutor``
+(``iop.node._instances``) gets the model's lease before the run's slot
+(``ModelManager.acquire``: loading it if needed), then runs it on the
+adapter of the life it holds. ``ModelAdapter`` is the instance's adapter
+for everything else: its capabilities say the model's state (``available``
+while ready, ``degraded`` while loading, ``unavailable`` otherwise, the
+state in ``provider_detail``); its targets are always the model's
+``targets`` (its name by default), whatever the backend's own names.
 """
 
 from __future__ import annotations
@@ -31,15 +43,16 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
+from typing import ClassVar
 
 import trio
 
 from iop.adapters import Adapter
-from iop.config import ModelConfig, ModelGroup, NodeSection
-from iop.errors import BackendUnavailable, ErrorCode, IopError
-from iop.managed import BackendState
-from iop.ondemand._engines import BackendFactory, ModelBackend, build_model_backend
-from iop.ondemand._table import (
+from iop.capabilities import Capabilities, ProbeResult, ProviderStatus, provider_detail
+from iop.config import LlamaCppModel, ModelConfig, ModelGroup, NodeSection, SimModel
+from iop.errors import BackendUnavailable, ErrorCode, InvariantError, IopError
+from iop.managed import BackendFactory, BackendState, ModelBackend, build_model_backend
+from iop.ondemand import (
     GroupSpec,
     ModelSpec,
     ModelState,
@@ -50,8 +63,10 @@ from iop.ondemand._table import (
     StartUnload,
 )
 from iop.protocol import ModelOffer
+from iop.runtime import EventSender
+from iop.spec import OPERATIONS, ExecutionSpec
 
-__all__ = ["ModelLease", "ModelManager", "model_table"]
+__all__ = ["ModelAdapter", "ModelLease", "ModelManager", "model_table"]
 
 log = logging.getLogger("iop.node.models")
 
@@ -320,3 +335,85 @@ class ModelManager:
                 )
             )
         return out
+
+
+# --- a model as one of the node's instances ---------------------------------------
+
+# What a vllm model serves when it lists no ``operations`` (as a vllm instance).
+_VLLM_OPERATIONS = ("chat", "completion", "tokenize")
+
+_STATUS = {
+    ModelState.READY: ProviderStatus.AVAILABLE,
+    ModelState.LOADING: ProviderStatus.DEGRADED,
+}
+
+
+def _engine(cfg: ModelConfig) -> str:
+    if isinstance(cfg, LlamaCppModel):
+        return "llamacpp"
+    if isinstance(cfg, SimModel):
+        return "sim"
+    return "vllm"
+
+
+class ModelAdapter:
+    """The instance adapter of an on-demand model (capabilities, probes).
+
+    Runs never reach ``execute``: the node's executor runs them on the
+    leased life's adapter.
+    """
+
+    kind: ClassVar[str] = "model"
+
+    def __init__(self, manager: ModelManager, cfg: ModelConfig) -> None:
+        self._manager = manager
+        self.cfg = cfg
+        self.engine = _engine(cfg)
+
+    @property
+    def name(self) -> str:
+        return self.cfg.name
+
+    def _status(self) -> tuple[ProviderStatus, str]:
+        m = self._manager.table.models[self.cfg.name]
+        status = _STATUS.get(m.state, ProviderStatus.UNAVAILABLE)
+        if status is ProviderStatus.AVAILABLE:
+            return status, ""
+        detail = f"model {m.state.value}" + (f": {m.detail}" if m.detail else "")
+        return status, provider_detail(detail)
+
+    async def capabilities(self) -> Capabilities:
+        cfg = self.cfg
+        status, detail = self._status()
+        ops = cfg.operations or (OPERATIONS if self.engine == "sim" else _VLLM_OPERATIONS)
+        return Capabilities(
+            adapter=self.engine,
+            instance=cfg.name,
+            provider=f"on-demand {self.engine}",
+            targets=tuple(cfg.targets),
+            max_concurrency=cfg.max_concurrency,
+            max_queue=cfg.max_queue,
+            queue_timeout_s=cfg.queue_timeout_s,
+            request_timeout_s=cfg.deadlines.request_timeout_s or 0.0,
+            provider_status=status,
+            provider_detail=detail,
+            operations=tuple(ops),
+        )
+
+    async def probe(self, target: str = "") -> ProbeResult:
+        caps = await self.capabilities()
+        return ProbeResult(
+            adapter=caps.adapter,
+            instance=caps.instance,
+            target=target,
+            status=caps.provider_status,
+            targets=caps.targets,
+            detail=caps.provider_detail,
+            provider=caps.provider,
+        )
+
+    async def execute(self, spec: ExecutionSpec, send: EventSender) -> None:
+        raise InvariantError(f"model {self.name}: runs go to the leased life's adapter")
+
+    async def aclose(self) -> None:
+        pass

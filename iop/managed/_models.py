@@ -25,8 +25,9 @@ import trio
 from iop.adapters import Adapter, SimAdapter, build_adapter
 from iop.config import LlamaCppModel, ModelConfig, SimModel, SuperviseSettings, VllmModel
 from iop.errors import InvariantError
-from iop.managed import ManagedLlamaCppAdapter, Supervisor
+from iop.managed._adapter import ManagedLlamaCppAdapter
 from iop.managed._command import serve_command
+from iop.managed._supervise import Supervisor
 
 __all__ = ["BackendFactory", "ModelBackend", "build_model_backend"]
 
