@@ -191,10 +191,15 @@ class ModelManager:
                 with trio.move_on_at(deadline):
                     await self._wake.wait()
 
-    def _apply(self) -> None:
-        """Do what the table says, and tell whoever waits that something changed."""
+    def _apply(self, *, changed: bool = False) -> None:
+        """Do what the table says; if it said anything, or ``changed`` (a state
+        changed), tell whoever waits. Only then: a waiter that wants a model
+        again must not wake the service, nor the service the waiter."""
         assert self._nursery is not None, "ModelManager.serve is not running"
-        for action in self.table.actions():
+        actions = self.table.actions()
+        if not (actions or changed):
+            return
+        for action in actions:
             if isinstance(action, StartLoad):
                 m = self.table.models[action.model]
                 log.info(
@@ -231,7 +236,7 @@ class ModelManager:
                         took = trio.current_time() - began
                         self.table.loaded(name, trio.current_time())
                         log.info("model %s: ready, loaded in %.3gs", name, took)
-                        self._apply()
+                        self._apply(changed=True)
             finally:
                 self._scopes.pop(name, None)
                 self._live.pop(name, None)
@@ -257,7 +262,7 @@ class ModelManager:
         else:
             delay = self.table.exited(name, sup.detail, now)
             log.error("model %s: exited: %s; not loaded again for %gs", name, sup.detail, delay)
-        self._apply()
+        self._apply(changed=True)
 
     # --- runs ------------------------------------------------------------------------
 
@@ -303,6 +308,11 @@ class ModelManager:
                 raise BackendUnavailable(decision.reason, code=code)
             await changed.wait()
 
+    async def wait_state(self, name: str, *states: ModelState) -> None:
+        """Wait until ``name`` is in one of ``states`` (unbounded: the caller bounds it)."""
+        while self.table.models[name].state not in states:
+            await self._changed_event.wait()
+
     def release(self, lease: ModelLease) -> None:
         """A run that held ``lease`` ended."""
         self.table.release(lease.model, lease.life, trio.current_time())
@@ -311,7 +321,7 @@ class ModelManager:
     def unload(self, name: str, reason: str) -> bool:
         """Unload ``name`` once its runs end (the operator's)."""
         done = self.table.unload(name, reason)
-        self._apply()
+        self._apply(changed=done)
         return done
 
     # --- what the node reports ---------------------------------------------------------
