@@ -19,11 +19,17 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any, Protocol
 
-import msgspec
 import trio
 
 from iop.adapters import Adapter, SimAdapter, build_adapter
-from iop.config import LlamaCppModel, ModelConfig, SimModel, SuperviseSettings, VllmModel
+from iop.config import (
+    LlamaCppModel,
+    ModelConfig,
+    SimModel,
+    SuperviseSettings,
+    VllmInstance,
+    VllmModel,
+)
 from iop.errors import InvariantError
 from iop.managed._adapter import ManagedLlamaCppAdapter
 from iop.managed._command import serve_command
@@ -85,7 +91,10 @@ class _Command:
         )
 
     def _up(self, url: str) -> None:
-        self._adapter = build_adapter(msgspec.structs.replace(self._cfg, endpoint=url))
+        # A vllm instance on the started process's URL (the model's own
+        # keys dropped: a VllmModel refuses an endpoint).
+        keys = {f: getattr(self._cfg, f) for f in VllmInstance.__struct_fields__}
+        self._adapter = build_adapter(VllmInstance(**{**keys, "endpoint": url}))
 
     @property
     def adapter(self) -> Adapter:
