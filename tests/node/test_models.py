@@ -15,14 +15,14 @@ import trio
 import trio.testing
 
 from iop.config import ModelConfig, NodeConfig, NodeSection, SimModel, SuperviseSettings
-from iop.errors import BackendUnavailable, ErrorCode
+from iop.errors import BackendUnavailable, ErrorCode, LinkProtocolError
 from iop.events import Complete, Error
 from iop.managed import ModelBackend, Supervisor, build_model_backend
 from iop.node import open_node_agent
 from iop.node._models import ModelManager
 from iop.ondemand import ModelState
 from iop.protocol import EdgeLinkEvent, ModelLoadAnswered, ModelLoadResult
-from tests.node.test_agent import EDGE, assert_grammar, link
+from tests.node.test_agent import EDGE, assert_grammar, link, running_node, sim
 
 S = ModelState
 
@@ -268,4 +268,19 @@ async def test_the_edge_asks_for_a_model_and_hears_when_it_is_ready(
         assert not by_id["q2"].ok
         assert by_id["q2"].code == ErrorCode.UNKNOWN_INSTANCE
         assert edge.caps_updates  # the state changes reached the edge
+        nursery.cancel_scope.cancel()
+
+
+async def test_load_model_to_a_node_that_offers_no_models_breaks_the_protocol(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    async with running_node(sim()) as agent, trio.open_nursery() as nursery:
+        edge = await link(nursery, agent)
+        assert edge.hello is not None
+        assert edge.hello.models == []
+        edge.session.load_model("q1", "a")
+        await edge.flush()
+        await edge.node_done.wait()
+        assert isinstance(edge.node_error, LinkProtocolError)
+        assert "offered no models" in edge.node_error.message
         nursery.cancel_scope.cancel()
