@@ -329,7 +329,12 @@ class NodeAgent:
             self._caps_version += 1
             for link in self._links:
                 self._push_capabilities(link)
-            down = any(c.provider_status is ProviderStatus.UNAVAILABLE for c in results)
+            # A model that is not loaded is not down: it loads when wanted.
+            models = set(self.models.names) if self.models is not None else set()
+            down = any(
+                c.provider_status is ProviderStatus.UNAVAILABLE and c.instance not in models
+                for c in results
+            )
             log.log(
                 logging.WARNING if down else logging.INFO,
                 "instance status: %s",

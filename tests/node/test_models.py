@@ -284,3 +284,13 @@ async def test_load_model_to_a_node_that_offers_no_models_breaks_the_protocol(
         assert isinstance(edge.node_error, LinkProtocolError)
         assert "offered no models" in edge.node_error.message
         nursery.cancel_scope.cancel()
+
+
+async def test_a_reload_keeps_the_models_instances(autojump_clock: trio.abc.Clock) -> None:
+    cfg = NodeConfig(node=section(memory_mib=100), instances=[sim("s")], models=[model("a")])
+    async with open_node_agent(cfg) as agent, trio.open_nursery() as nursery:
+        agent.apply_config(msgspec.structs.replace(cfg, instances=[sim("s", output_tokens=2)]))
+        edge = await link(nursery, agent)
+        await edge.assign("r1", instance="a")
+        assert isinstance((await edge.wait_finished("r1"))[-1], Complete)
+        nursery.cancel_scope.cancel()
