@@ -128,6 +128,9 @@ NODE_RULES: Final[Rules] = {
     "node.probe_interval_s": LIVE,
     "node.drain_timeout_s": LIVE,
     "instances": LIVE,
+    # The model manager is built once, from the models and groups at start.
+    "models": RESTART,
+    "model_groups": RESTART,
     "tracing": RESTART,
 }
 

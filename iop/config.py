@@ -44,6 +44,9 @@ __all__ = [
     "InstanceConfig",
     "LinkSettings",
     "LlamaCppInstance",
+    "LlamaCppModel",
+    "ModelConfig",
+    "ModelGroup",
     "NodeConfig",
     "NodeEdge",
     "NodeSection",
@@ -54,6 +57,7 @@ __all__ = [
     "SchedulerSettings",
     "SimConfig",
     "SimInstance",
+    "SimModel",
     "SuperviseSettings",
     "TenantKey",
     "TimelineSettings",
@@ -62,6 +66,7 @@ __all__ = [
     "UpConfig",
     "UsageSettings",
     "VllmInstance",
+    "VllmModel",
     "decode_config",
     "expand_env",
     "load_config",
@@ -310,6 +315,12 @@ def _check_json_object(key: str, text: str) -> None:
         raise ValueError(f"{key} must be a JSON object")
 
 
+# On-demand models: beyond these a value is a typo, not a machine or a model.
+MAX_MEMORY_MIB: Final = 1 << 24  # 16 TiB
+MAX_MODEL_LOAD_S: Final = 3600.0  # an hour to load is a stuck load
+MAX_MODEL_TTL_S: Final = 7 * 86400.0  # a week
+
+
 class ToolCallStep(_Config, frozen=True, kw_only=True):
     """One step of the sim's scripted tool sequence (``SimConfig.tool_call_sequence``).
 
@@ -382,6 +393,10 @@ class SimConfig(_Config, frozen=True, kw_only=True):
             order; 0: no limit. The server's.
         decode_slowdown: Each other running request stretches a token's
             delay by this fraction (``1 + decode_slowdown * (running - 1)``).
+        load_time_s: A node's on-demand ``sim`` model (``[[models]]``,
+            ``engine = "sim"``) takes this long to load; 0: at once.
+        memory_mib: The memory such a model takes from the node's
+            ``node.memory_mib`` budget, unless the model sets its own.
     """
 
     model: str = "iop-sim"
@@ -422,6 +437,10 @@ class SimConfig(_Config, frozen=True, kw_only=True):
     kv_block_tokens: int = 16
     max_num_seqs: int = 0
     decode_slowdown: float = 0.0
+    # On-demand models (docs/operations.md, "Models on demand"): a sim model
+    # loads at once and takes 1 MiB unless a test says otherwise.
+    load_time_s: float = 0.0
+    memory_mib: int = 1
 
     def __post_init__(self) -> None:
         # Checked here so that a bad file, flag or per-request override is
@@ -439,6 +458,10 @@ class SimConfig(_Config, frozen=True, kw_only=True):
             raise ValueError("kv_cache_blocks and max_num_seqs must be >= 0")
         if self.kv_block_tokens < 1:
             raise ValueError("kv_block_tokens must be at least 1")
+        if not 0 <= self.load_time_s <= MAX_MODEL_LOAD_S:
+            raise ValueError(f"load_time_s must be 0..{MAX_MODEL_LOAD_S:g}")
+        if not 1 <= self.memory_mib <= MAX_MEMORY_MIB:
+            raise ValueError(f"memory_mib must be 1..{MAX_MEMORY_MIB}")
 
 
 class SimInstance(InstanceBase, frozen=True, tag="sim", kw_only=True):
@@ -612,6 +635,163 @@ class LlamaCppInstance(InstanceBase, frozen=True, tag="llamacpp", kw_only=True):
 InstanceConfig = OpenAICompatInstance | VllmInstance | SimInstance | LlamaCppInstance
 
 
+# --- models on demand -------------------------------------------------------
+
+
+def _check_model(m: LlamaCppModel | VllmModel | SimModel) -> None:
+    """The keys every on-demand model has (docs/operations.md, "Models on demand")."""
+    if m.memory_mib is not None and not 1 <= m.memory_mib <= MAX_MEMORY_MIB:
+        raise ValueError(f"memory_mib must be 1..{MAX_MEMORY_MIB}, got {m.memory_mib}")
+    if not 0 <= m.idle_ttl_s <= MAX_MODEL_TTL_S:
+        raise ValueError(f"idle_ttl_s must be 0 (never) to {MAX_MODEL_TTL_S:g}")
+    if not 0 <= m.min_residency_s <= MAX_MODEL_TTL_S:
+        raise ValueError(f"min_residency_s must be 0 to {MAX_MODEL_TTL_S:g}")
+    if m.pinned and m.idle_ttl_s:
+        raise ValueError("a pinned model is never unloaded: idle_ttl_s must be 0")
+
+
+class LlamaCppModel(
+    LlamaCppInstance, frozen=True, kw_only=True, tag_field="engine", tag="llamacpp"
+):
+    """An on-demand model served by llama.cpp's server, started by the node when wanted.
+
+    Every key of a ``llamacpp`` instance (``model``, ``ctx``, ``parallel``,
+    ``chat_template_file``, ...; ``alias`` defaults to the model's name),
+    plus the keys of every on-demand model:
+
+    Attributes:
+        memory_mib: What it takes from ``node.memory_mib`` while loaded (required).
+        pinned: Loaded when the node starts and never unloaded or evicted.
+        idle_ttl_s: Unloaded after this long without a run; 0: never.
+        min_residency_s: Not evicted for another model within this long of
+            its last use (load or run): the other model's load is refused.
+    """
+
+    alias: str = ""
+    memory_mib: int | None = None
+    pinned: bool = False
+    idle_ttl_s: float = 0.0
+    min_residency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.alias:
+            # What clients ask for is the model's name: its server answers to it.
+            msgspec.structs.force_setattr(self, "alias", self.name)
+        super().__post_init__()
+        if self.memory_mib is None:
+            raise ValueError("memory_mib is required")
+        _check_model(self)
+
+
+class VllmModel(VllmInstance, frozen=True, kw_only=True, tag_field="engine", tag="vllm"):
+    """An on-demand model served by a command the node starts (vLLM's ``vllm serve``).
+
+    Every key of a ``vllm`` instance but ``endpoint`` (the node's started
+    process is the endpoint), the keys of every on-demand model (as
+    ``LlamaCppModel``), and:
+
+    Attributes:
+        command: The argv to start; ``{port}``, ``{model}`` and ``{name}``
+            are replaced by the port, ``model`` and the model's name (for
+            ``--served-model-name {name}``; ``targets`` default to the name). Started as a child process in a
+            session of its own, stopped with SIGTERM then SIGKILL.
+        model: What ``{model}`` stands for (a path or a Hugging Face id).
+        host: Where the process listens (the endpoint's host).
+        port: Its port; 0: a free one picked at each load.
+        health_path: Polled until it answers 2xx: the model is loaded.
+        ready_timeout_s: From start to ``health_path`` answering 2xx.
+        stop_grace_s: From SIGTERM to SIGKILL when unloading it.
+    """
+
+    endpoint: str = ""
+    command: list[str]
+    model: str = ""
+    host: str = "127.0.0.1"
+    port: int = 0
+    health_path: Literal["/health", "/v1/models"] = "/health"
+    # vLLM loads weights and captures CUDA graphs before it listens: minutes
+    # for a large model, so the default is generous; a load past it failed.
+    ready_timeout_s: float = 600.0
+    stop_grace_s: float = 10.0
+    memory_mib: int | None = None
+    pinned: bool = False
+    idle_ttl_s: float = 0.0
+    min_residency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.endpoint:
+            raise ValueError("endpoint is the started process's: set host and port instead")
+        # A placeholder until a load knows the port (iop.managed._models).
+        msgspec.structs.force_setattr(self, "endpoint", f"http://{self.host}:{self.port}")
+        if not self.targets:
+            msgspec.structs.force_setattr(self, "targets", [self.name])
+        super().__post_init__()
+        if not self.command or not self.command[0].strip():
+            raise ValueError("command must name a program")
+        if not any("{port}" in arg for arg in self.command):
+            raise ValueError("command must pass {port} to the server")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be 0..65535, got {self.port}")
+        for name in ("ready_timeout_s", "stop_grace_s"):
+            if not 0 < getattr(self, name) <= MAX_MODEL_LOAD_S:
+                raise ValueError(f"{name} must be > 0 and <= {MAX_MODEL_LOAD_S:g}")
+        if self.memory_mib is None:
+            raise ValueError("memory_mib is required")
+        _check_model(self)
+
+
+class SimModel(SimInstance, frozen=True, kw_only=True, tag_field="engine", tag="sim"):
+    """An on-demand ``sim`` model (tests): loads in ``sim.load_time_s``.
+
+    Every key of a ``sim`` instance and of every on-demand model (as
+    ``LlamaCppModel``); ``memory_mib`` defaults to ``sim.memory_mib``.
+    """
+
+    memory_mib: int | None = None
+    pinned: bool = False
+    idle_ttl_s: float = 0.0
+    min_residency_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.targets:
+            msgspec.structs.force_setattr(self, "targets", [self.name])
+        super().__post_init__()
+        if self.memory_mib is None:
+            msgspec.structs.force_setattr(self, "memory_mib", self.sim.memory_mib)
+        _check_model(self)
+
+
+ModelConfig = LlamaCppModel | VllmModel | SimModel
+
+
+class ModelGroup(_Config, frozen=True, kw_only=True):
+    """Models that may not run together, llama-swap's ``groups``
+    (https://github.com/mostlygeek/llama-swap/blob/main/docs/configuration.md).
+
+    Attributes:
+        name: The group's name (for the log and the refusals).
+        members: Names of ``[[models]]`` in it; a model is in at most one group.
+        swap: At most one member loaded at a time: loading one unloads the
+            other (false: the members may run together).
+        exclusive: Loading a member unloads every loaded model of the other
+            groups, but those of ``persistent`` groups.
+        persistent: The members are never unloaded by another group's
+            ``exclusive`` load.
+    """
+
+    name: str
+    members: list[str]
+    swap: bool = True
+    exclusive: bool = True
+    persistent: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.name.strip():
+            raise ValueError("name must not be empty")
+        if not self.members:
+            raise ValueError(f"group {self.name!r} has no members")
+
+
 # Where a machine's stable identity lives (systemd; D-Bus on older systems).
 _MACHINE_ID_FILES: Final = ("/etc/machine-id", "/var/lib/dbus/machine-id")
 
@@ -691,6 +871,14 @@ class NodeSection(_Config, frozen=True, kw_only=True):
             and the last state always goes). 0: none (the edge places on
             its own counts). The edge's welcome may lower it
             (``Welcome.load_reports_per_s``); at most 20.
+        memory_mib: The memory the node's on-demand models (``[[models]]``)
+            may take together; required with them. A load that would pass
+            it evicts idle models first, or is refused.
+        model_load_timeout_s: How long a run for a model that is not loaded
+            waits for its load before it fails (503 ``model_load_timeout``).
+        model_retry_min_s: After a failed load, the wait before the model
+            may be loaded again; doubled after each failure in a row.
+        model_retry_max_s: Cap of that doubling wait.
     """
 
     id: str = msgspec.field(default_factory=lambda: default_node_id())
@@ -709,8 +897,24 @@ class NodeSection(_Config, frozen=True, kw_only=True):
     # messages a second per edge, a fifth of the edge's default budget for
     # messages that cost no credit (link.control_rate_per_s = 50).
     load_reports_per_s: float = 10.0
+    memory_mib: int = 0
+    # 300 s: a large vLLM model loads in a few minutes; a run that waits
+    # longer than that is better refused than queued on a stuck load.
+    model_load_timeout_s: float = 300.0
+    # 5 s, doubling to 5 min: a model that fails to load (a bad file, out of
+    # memory) is not restarted in a tight loop by a stream of runs.
+    model_retry_min_s: float = 5.0
+    model_retry_max_s: float = 300.0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.memory_mib <= MAX_MEMORY_MIB:
+            raise ValueError(f"memory_mib must be 0..{MAX_MEMORY_MIB}")
+        if not 0 < self.model_load_timeout_s <= MAX_MODEL_LOAD_S:
+            raise ValueError(f"model_load_timeout_s must be > 0 and <= {MAX_MODEL_LOAD_S:g}")
+        if not 0 < self.model_retry_min_s <= self.model_retry_max_s <= MAX_RESTART_DELAY_S:
+            raise ValueError(
+                f"need 0 < model_retry_min_s <= model_retry_max_s <= {MAX_RESTART_DELAY_S:g}"
+            )
         if not self.id:
             raise ValueError("node id must not be empty")
         if self.run_backlog < 1:
@@ -756,11 +960,50 @@ class TracingSettings(_Config, frozen=True, kw_only=True):
 
 
 class NodeConfig(_Config, frozen=True, kw_only=True):
-    """A node: its identity, the edges it dials, and its adapter instances."""
+    """A node: its identity, the edges it dials, its adapter instances, and
+    the models it may start on demand (``models``, ``model_groups``)."""
 
     node: NodeSection = NodeSection()
     instances: list[InstanceConfig] = []
+    models: list[ModelConfig] = []
+    model_groups: list[ModelGroup] = []
     tracing: TracingSettings = TracingSettings()
+
+    def __post_init__(self) -> None:
+        _check_models(self)
+
+
+def _check_models(cfg: NodeConfig) -> None:
+    """The cross-key rules of ``[[models]]`` and ``[[model_groups]]``."""
+    names = [i.name for i in cfg.instances] + [m.name for m in cfg.models]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup and cfg.models:
+        raise ValueError(f"instances and models need names of their own, shared: {dup}")
+    if not cfg.models:
+        if cfg.model_groups:
+            raise ValueError("model_groups without models")
+        return
+    budget = cfg.node.memory_mib
+    if budget <= 0:
+        raise ValueError("node.memory_mib is required with [[models]]")
+    pinned = 0
+    for m in cfg.models:
+        need = m.memory_mib or 0
+        if need > budget:
+            raise ValueError(f"models[{m.name}].memory_mib {need} exceeds node.memory_mib {budget}")
+        if m.pinned:
+            pinned += need
+    if pinned > budget:
+        raise ValueError(f"pinned models take {pinned} MiB, over node.memory_mib {budget}")
+    known = {m.name for m in cfg.models}
+    seen: dict[str, str] = {}
+    for g in cfg.model_groups:
+        for member in g.members:
+            if member not in known:
+                raise ValueError(f"model_groups[{g.name}] names no model {member!r}")
+            if member in seen:
+                raise ValueError(f"model {member!r} is in groups {seen[member]!r} and {g.name!r}")
+            seen[member] = g.name
 
 
 class OutputPolicy(_Config, frozen=True, kw_only=True):

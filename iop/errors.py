@@ -120,6 +120,9 @@ class ErrorCode(enum.StrEnum):
     NODE_DRAINING = "node_draining"  # the node is draining
     UNKNOWN_INSTANCE = "unknown_instance"  # the node has no such instance
     RUN_ID_IN_USE = "run_id_in_use"  # the node already runs a run with that id
+    MODEL_LOAD_FAILED = "model_load_failed"  # the node's on-demand model failed to load
+    MODEL_LOAD_REFUSED = "model_load_refused"  # its load would evict models that must stay
+    MODEL_LOAD_TIMEOUT = "model_load_timeout"  # not loaded within node.model_load_timeout_s
     BAD_NODE_EVENTS = "bad_node_events"  # a node sent a run's events out of order
 
     # --- HTTP, before a request reaches a surface -----------------------------------
@@ -194,6 +197,10 @@ RETRYABLE_CODES: Final[frozenset[str]] = frozenset(
         ErrorCode.UNKNOWN_INSTANCE,
         ErrorCode.BACKEND_UNAVAILABLE,
         ErrorCode.BACKEND_LOST,
+        # Another node may have the model loaded, or room for it.
+        ErrorCode.MODEL_LOAD_FAILED,
+        ErrorCode.MODEL_LOAD_REFUSED,
+        ErrorCode.MODEL_LOAD_TIMEOUT,
     }
 )
 

@@ -32,6 +32,7 @@ SANS_IO_MODULES = [
     "iop.protocol",
     "iop.protocol._messages",
     "iop.protocol._session",
+    "iop.ondemand._table",
 ]
 
 
@@ -68,6 +69,7 @@ PUBLIC_PACKAGES = [
     "iop.testing",
     "iop.sim",
     "iop.managed",
+    "iop.ondemand",
     "iop.api",
     "iop.edge.scheduler",
     "iop.edge.runs",

@@ -5,7 +5,8 @@ wheel) with a small model shipped in a wheel, the embedded default backend
 of ``iop up``; ``llamacpp_available`` says whether it can run here, and why
 not. ``ManagedLlamaCppAdapter`` is a node's ``llamacpp`` instance: the
 server, kept serving by a ``Supervisor`` (restarts with backoff, crash
-loops, a liveness check), and the runs on it; ``open_adapter`` gives any
+loops, a liveness check), and the runs on it; ``build_model_backend`` one
+load of a node's on-demand model (``iop.managed._models``); ``open_adapter`` gives any
 instance's adapter for one use (``iop probe``, ``iop run``).
 """
 
@@ -24,6 +25,7 @@ from iop.managed._llamacpp import (
     open_llamacpp,
     serve_llamacpp,
 )
+from iop.managed._models import BackendFactory, ModelBackend, build_model_backend
 from iop.managed._supervise import (
     OPERATOR_ACTION,
     BackendState,
@@ -37,16 +39,19 @@ from iop.managed._supervise import (
 __all__ = [
     "LOSS_CONFIRM_S",
     "OPERATOR_ACTION",
+    "BackendFactory",
     "BackendState",
     "Life",
     "LlamaCppEndpoint",
     "LlamaCppSettings",
     "ManagedLlamaCppAdapter",
+    "ModelBackend",
     "RestartPolicy",
     "ServeFn",
     "SupervisedAdapter",
     "Supervisor",
     "build_instance_adapter",
+    "build_model_backend",
     "launcher_command",
     "llamacpp_available",
     "llamacpp_settings",

@@ -41,6 +41,15 @@ once the last of them ends. Then every instance is probed at once, and what
 the probe finds goes to the edges as above. A ``llamacpp`` instance is
 started once: a change of one waits for a restart (``iop._reload``).
 
+Models on demand (``[[models]]``, docs/operations.md, "Models on demand")
+are owned by a ``ModelManager`` (``iop.node._models``), started in the agent's
+nursery before the first probe. Each model is an instance named after it
+(its runs take the model's lease first: ``iop.node._instances``). The
+models' states go to the edges in the hello and, at every change of a
+state, in a ``CapabilitiesUpdate`` (with the instances, whose status
+follows the model's); an edge's ``LoadModel`` is answered by a task in the
+agent's nursery once the model is ready or not (``ModelLoadResult``).
+
 Several edges may share the node; its slots are the authority on what an
 instance takes, whichever edge sent the run. Every change of an instance's
 slots or of its engine's figures (read by ``scrape_engine_load``, one task
@@ -84,6 +93,7 @@ from iop.node._instances import (
     scrape_engine_load,
 )
 from iop.node._link import NodeLink, NodeRun
+from iop.node._models import ModelAdapter, ModelManager
 from iop.node._ws import DEFAULT_CONNECT_TIMEOUT_S, client_tls_context, open_ws_link
 from iop.protocol import (
     CLOSE_GOING_AWAY,
@@ -91,6 +101,9 @@ from iop.protocol import (
     AssignReceived,
     FrameChannel,
     InstanceLoad,
+    LoadModel,
+    ModelLoadResult,
+    ModelOffer,
     NodeSession,
     Welcome,
     Welcomed,
@@ -200,6 +213,7 @@ class NodeSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     instances: list[InstanceSnapshot]
     links: list[LinkSnapshot]
     runs: list[RunSnapshot]
+    models: list[ModelOffer] = []
 
 
 # --- the agent ------------------------------------------------------------------
@@ -231,8 +245,10 @@ class NodeAgent:
         connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         tracing: Tracing | None = None,
         owned: set[Adapter] | None = None,
+        models: ModelManager | None = None,
     ) -> None:
         self.config = config
+        self.models = models
         self._tracing = tracing
         # The adapters this agent built (closed by it or by open_node_agent).
         self._owned = owned if owned is not None else set()
@@ -244,6 +260,14 @@ class NodeAgent:
         self._masker = SecretMasker(value for value, _ in node_secrets(config))
         self._supervisor = supervisor
         self._instances = {cfg.name: Instance(cfg, adapters[cfg.name]) for cfg in config.instances}
+        if models is not None:
+            for mcfg in config.models:
+                self._instances[mcfg.name] = Instance(
+                    mcfg, ModelAdapter(models, mcfg), models=models
+                )
+            models.on_change = self._models_changed
+        # The models' states last told the edges (a change of one is pushed).
+        self._model_states: list[tuple[str, str, str]] = []
         for inst in self._instances.values():
             inst.slots.on_change = self._load_changed
         self._welcome_timeout_s = welcome_timeout_s
@@ -305,7 +329,12 @@ class NodeAgent:
             self._caps_version += 1
             for link in self._links:
                 self._push_capabilities(link)
-            down = any(c.provider_status is ProviderStatus.UNAVAILABLE for c in results)
+            # A model that is not loaded is not down: it loads when wanted.
+            models = set(self.models.names) if self.models is not None else set()
+            down = any(
+                c.provider_status is ProviderStatus.UNAVAILABLE and c.instance not in models
+                for c in results
+            )
             log.log(
                 logging.WARNING if down else logging.INFO,
                 "instance status: %s",
@@ -321,7 +350,65 @@ class NodeAgent:
     def _push_capabilities(self, link: NodeLink) -> None:
         if link.caps_version != self._caps_version:
             link.caps_version = self._caps_version
-            link.session.capabilities(self._capabilities)
+            link.session.capabilities(self._capabilities, self._offers())
+            link.driver.wake()
+
+    # --- models on demand ----------------------------------------------------------
+
+    def _offers(self) -> list[ModelOffer] | None:
+        return None if self.models is None else self.models.offers()
+
+    def _models_changed(self) -> None:
+        """A model's state may have changed: the edges hear of it, its instance is probed."""
+        assert self.models is not None
+        states = [(o.model, o.state, o.detail) for o in self.models.offers()]
+        if states == self._model_states:
+            return
+        self._model_states = states
+        self._caps_version += 1
+        for link in self._links:
+            self._push_capabilities(link)
+        self._probe_due.set()
+
+    def _on_load_model(self, link: NodeLink, request: LoadModel) -> None:
+        """An edge asks for a model: answered once it is ready or not."""
+        assert self._nursery is not None
+        self._nursery.start_soon(self._answer_load, link, request)
+
+    async def _answer_load(self, link: NodeLink, request: LoadModel) -> None:
+        models = self.models
+        name = request.model
+        result = ModelLoadResult(request_id=request.request_id, model=name, ok=True)
+        if self._draining:
+            code, message = ErrorCode.NODE_DRAINING, f"node {self.node_id} is draining"
+            result = msgspec.structs.replace(result, ok=False, code=code, message=message)
+        elif models is None or name not in models.names:
+            code, message = ErrorCode.UNKNOWN_INSTANCE, f"node {self.node_id} has no model {name!r}"
+            result = msgspec.structs.replace(result, ok=False, code=code, message=message)
+        else:
+            timeout = models.load_timeout_s
+            try:
+                with trio.move_on_after(timeout) as scope:
+                    await models.wait_ready(name)
+                if scope.cancelled_caught:
+                    result = msgspec.structs.replace(
+                        result,
+                        ok=False,
+                        code=ErrorCode.MODEL_LOAD_TIMEOUT,
+                        message=f"model {name} was not loaded within {timeout:g}s",
+                    )
+            except IopError as exc:
+                result = msgspec.structs.replace(
+                    result, ok=False, code=exc.code, message=self._masker.mask(exc.message)
+                )
+        log.info(
+            "edge %s asked for model %s: %s",
+            link.edge.url,
+            name,
+            "ready" if result.ok else f"{result.code}: {result.message}",
+        )
+        if not link.closed:
+            link.session.model_load_result(result)
             link.driver.wake()
 
     async def _probe_loop(self, *, task_status: trio.TaskStatus[None]) -> None:
@@ -417,7 +504,11 @@ class NodeAgent:
         changed = [
             cfg for cfg in config.instances if cfg.name not in old or old[cfg.name].cfg != cfg
         ]
-        removed = [inst.cfg for name, inst in old.items() if name not in names]
+        # On-demand models are restart keys: their instances stay as they run.
+        model_names = {m.name for m in self.config.models}
+        removed = [
+            inst.cfg for name, inst in old.items() if name not in names and name not in model_names
+        ]
         managed = [
             cfg.name
             for cfg in (*changed, *removed, *(old[c.name].cfg for c in changed if c.name in old))
@@ -445,6 +536,8 @@ class NodeAgent:
                 self._retire(inst, inst.replace(cfg, adapter))
             instances[cfg.name] = inst
             self._start_scraper(inst)
+        for name in model_names:
+            instances[name] = old[name]
         for name, inst in old.items():
             if name not in instances:
                 inst.removed = True
@@ -569,6 +662,7 @@ class NodeAgent:
             on_assign=self._on_assign,
             on_run_closed=self._run_closed,
             run_backlog=self.config.node.run_backlog,
+            on_load_model=None if self.models is None else self._on_load_model,
         )
         try:
             welcome = await self._handshake(link)
@@ -610,7 +704,13 @@ class NodeAgent:
         with trio.move_on_after(self._welcome_timeout_s):
             # What changes after this hello is pushed once the link is up.
             link.caps_version = self._caps_version
-            await link.chan.send(session.hello(self._capabilities, software=f"iop/{__version__}"))
+            hello = session.hello(
+                self._capabilities,
+                software=f"iop/{__version__}",
+                models=self._offers(),
+                memory_mib=0 if self.models is None else self.models.budget_mib,
+            )
+            await link.chan.send(hello)
             frame = await link.chan.receive()
             try:
                 (event,) = session.receive(frame, trio.current_time())
@@ -789,6 +889,7 @@ class NodeAgent:
             instances=instances,
             links=links,
             runs=runs,
+            models=self._offers() or [],
         )
 
 
@@ -799,6 +900,7 @@ async def open_node_agent(
     adapters: Mapping[str, Adapter] | None = None,
     welcome_timeout_s: float = WELCOME_TIMEOUT_S,
     connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+    models: ModelManager | None = None,
 ) -> AsyncIterator[NodeAgent]:
     """Open a node agent: build its adapters, start the backends it runs itself,
     probe them once, start the probe loop.
@@ -812,6 +914,8 @@ async def open_node_agent(
         adapters: Adapters by instance name to use instead of building them.
         welcome_timeout_s: Deadline of a link's handshake.
         connect_timeout_s: Deadline of the default WebSocket connect.
+        models: The manager of the on-demand models, instead of one built
+            from ``config.models`` (tests give one with fake backends).
 
     Raises:
         ConfigError: Two instances share a name.
@@ -832,6 +936,8 @@ async def open_node_agent(
     # The adapters to close at exit: these, and those a reload builds.
     owned = set(built.values())
     tracing = Tracing.from_settings(config.tracing, "iop-node")
+    if models is None and config.models:
+        models = ModelManager(config.models, config.model_groups, config.node)
     try:
         async with (
             open_run_supervisor(logger="iop.node.run") as supervisor,
@@ -845,7 +951,11 @@ async def open_node_agent(
                 connect_timeout_s=connect_timeout_s,
                 tracing=tracing,
                 owned=owned,
+                models=models,
             )
+            agent._nursery = nursery
+            if models is not None:
+                await nursery.start(models.serve)
             await agent.start_backends(nursery)
             await nursery.start(agent._probe_loop)
             agent.start_scrapers(nursery)

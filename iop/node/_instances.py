@@ -10,6 +10,12 @@ leading system prompt unless the instance keeps them (``system_messages``,
 concurrently and within ``PROBE_GUARD_S``; a probe that fails or hangs
 reports its instance as unavailable, with why.
 
+An on-demand model (``[[models]]``, ``iop.ondemand``) is an instance too,
+with its ``ModelManager`` in ``models``: a run first takes the model's
+lease (``acquire``: loading it if it is not, within
+``node.model_load_timeout_s``), inside ``sink.queued()`` as the slot, then
+a slot, and runs on the adapter of the life it holds.
+
 ``scrape_engine_load`` reads, every ``load_scrape_interval_s``, what an
 instance's engine publishes about its load (``EngineLoadReader``), for the
 node's load reports (``Instance.load``). A failed scrape keeps the last
@@ -32,6 +38,7 @@ from iop.adapters import Adapter, EngineLoadReader
 from iop.capabilities import Capabilities, ProviderStatus, provider_detail
 from iop.config import Deadlines, InstanceConfig
 from iop.errors import IopError
+from iop.node._models import ModelLease, ModelManager
 from iop.node._slots import InstanceSlots
 from iop.protocol import EngineLoad, InstanceLoad
 from iop.runtime import RunSink
@@ -70,8 +77,12 @@ class Instance:
     runs to their end, then its adapter is closed.
     """
 
-    def __init__(self, cfg: InstanceConfig, adapter: Adapter) -> None:
+    def __init__(
+        self, cfg: InstanceConfig, adapter: Adapter, *, models: ModelManager | None = None
+    ) -> None:
         self.cfg = cfg
+        # An on-demand model's manager (None: an instance the operator runs).
+        self.models = models
         self.name = cfg.name
         self.adapter = adapter
         self.deadlines: Deadlines = cfg.deadlines
@@ -181,6 +192,9 @@ class RunExecutor:
         # the stack and the generator cost 1.4 KiB per open stream
         # (docs/benchmarks.md, "Memory", "Second pass").
         instance = self._instance
+        if instance.models is not None:
+            await self._execute_model(instance.models, spec, send)
+            return
         slots = instance.slots
         with send.queued():  # waiting for a slot is not the backend's latency
             await slots.take()
@@ -192,6 +206,27 @@ class RunExecutor:
         finally:
             slots.release()
             instance.release(adapter)  # after the slot: ``unused`` counts both
+
+    async def _execute_model(
+        self, models: ModelManager, spec: ExecutionSpec, send: RunSink
+    ) -> None:
+        instance = self._instance
+        slots = instance.slots
+        lease: ModelLease | None = None
+        try:
+            # Waiting for the model's load is not the backend's latency either.
+            with send.queued():
+                lease = await models.acquire(instance.name, models.load_timeout_s)
+                await slots.take()
+            if instance.cfg.system_messages == "fold":
+                spec = _folded(spec)
+            try:
+                await lease.adapter.execute(spec, send)
+            finally:
+                slots.release()
+        finally:
+            if lease is not None:
+                models.release(lease)
 
 
 def _folded(spec: ExecutionSpec) -> ExecutionSpec:

@@ -54,6 +54,8 @@ from iop.protocol import (
     CancelReceived,
     CreditReceived,
     FrameChannel,
+    LoadModel,
+    LoadModelReceived,
     NodeLinkEvent,
     NodeSession,
     Welcomed,
@@ -145,6 +147,8 @@ class NodeLink:
         masker: Masks the node's secrets in what it sends.
         on_assign: Called with each assign (must not block).
         on_run_closed: Called when a run's outlet closes.
+        on_load_model: Called with each ``LoadModel`` (must not block); None:
+            the node has no on-demand models, and a request is a protocol error.
     """
 
     def __init__(
@@ -157,7 +161,9 @@ class NodeLink:
         on_assign: Callable[[NodeLink, AssignReceived], None],
         on_run_closed: Callable[[NodeRun], None],
         run_backlog: int = RUN_BACKLOG,
+        on_load_model: Callable[[NodeLink, LoadModel], None] | None = None,
     ) -> None:
+        self._on_load_model = on_load_model
         self.edge = edge
         self.run_backlog = run_backlog
         # Runs waiting for the writer to send what they queued (not credit).
@@ -215,6 +221,10 @@ class NodeLink:
                 nr = self.runs.get(event.cancel.run_id)
                 if nr is not None:
                     nr.cut_off(event.cancel.reason, event.cancel.message)
+            elif isinstance(event, LoadModelReceived):
+                if self._on_load_model is None:
+                    raise LinkProtocolError("load_model to a node that offered no models")
+                self._on_load_model(self, event.request)
             elif isinstance(event, Welcomed):
                 raise LinkProtocolError("second welcome on an open link")
 

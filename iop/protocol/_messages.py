@@ -29,6 +29,14 @@ checked in the ``Hello``.
      |  LoadReport(instances) ------------> |  when the load changes, at most
      |                                      |  Welcome.load_reports_per_s a second
 
+On-demand models (docs/protocol.md, "Models on demand") are new in protocol
+3 without a version bump either: a node that may start models lists them
+(``ModelOffer``) in its ``Hello`` and ``CapabilitiesUpdate`` (fields an
+older edge ignores), and only an edge that read them sends ``LoadModel``,
+naming a model the node offered; the node answers each with one
+``ModelLoadResult``. An older node, which would refuse the unknown tag,
+offers none and so is never asked.
+
 ``LoadReport`` is new in protocol 3 without a version bump: a node sends it
 only to an edge whose ``Welcome`` asked for it (``load_reports_per_s`` > 0),
 so an older edge, which would refuse the unknown tag, never gets one, and an
@@ -58,7 +66,10 @@ __all__ = [
     "Goodbye",
     "Hello",
     "InstanceLoad",
+    "LoadModel",
     "LoadReport",
+    "ModelLoadResult",
+    "ModelOffer",
     "NodeMessage",
     "Ping",
     "RunEvents",
@@ -88,6 +99,43 @@ class _Msg(msgspec.Struct, frozen=True, kw_only=True, tag_field="t"):
 # --- node -> edge -------------------------------------------------------------
 
 
+class ModelOffer(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """An on-demand model of the node: what it is doing, and what loading it costs.
+
+    Attributes:
+        model: The model's name: the instance a run for it is assigned to.
+        state: ``cold``, ``loading``, ``ready``, ``draining``, ``unloading``
+            or ``failed`` (``iop.ondemand.ModelState``).
+        memory_mib: What it takes of the node's budget while loaded.
+        load_s: How long its last load took (0: never loaded yet).
+        pinned: Loaded at start and never unloaded.
+        runs: Runs holding it now.
+        detail: Why it is failed, or what it loads or unloads for.
+        retry_in_s: While failed: how long until it may load again.
+    """
+
+    model: str
+    state: str
+    memory_mib: int
+    load_s: float = 0.0
+    pinned: bool = False
+    runs: int = 0
+    detail: str = ""
+    retry_in_s: float = 0.0
+
+
+class ModelLoadResult(_Msg, frozen=True, kw_only=True, tag="model_load"):
+    """The answer to ``LoadModel``: ``ok`` once the model is ready, or why not
+    (``code``: ``model_load_failed``, ``model_load_refused``,
+    ``model_load_timeout``, ``unknown_instance``, ``node_draining``)."""
+
+    request_id: str
+    model: str
+    ok: bool
+    code: str = ""
+    message: str = ""
+
+
 class Hello(_Msg, frozen=True, kw_only=True, tag="hello"):
     """First frame of a node: who it is, its token, what it serves."""
 
@@ -100,12 +148,17 @@ class Hello(_Msg, frozen=True, kw_only=True, tag="hello"):
     # which accepted 16 MiB). The edge sends nothing bigger: a run whose
     # Assign would not fit is refused alone (413), the link stays up.
     max_frame_bytes: int = 0
+    # On-demand models (an older node sends none) and their memory budget.
+    models: list[ModelOffer] = []
+    memory_mib: int = 0
 
 
-class CapabilitiesUpdate(_Msg, frozen=True, kw_only=True, tag="caps"):
-    """The node's instances changed (probe status, targets)."""
+class CapabilitiesUpdate(_Msg, frozen=True, kw_only=True, tag="caps", omit_defaults=True):
+    """The node's instances changed (probe status, targets), or its
+    on-demand models' states (``models``: None from a node without them)."""
 
     instances: list[Capabilities]
+    models: list[ModelOffer] | None = None
 
 
 class RunEvents(_Msg, frozen=True, kw_only=True, tag="events", omit_defaults=True):
@@ -190,7 +243,7 @@ class LoadReport(_Msg, frozen=True, kw_only=True, tag="load"):
     instances: list[InstanceLoad]
 
 
-NodeMessage = Hello | CapabilitiesUpdate | RunEvents | Ping | Goodbye | LoadReport
+NodeMessage = Hello | CapabilitiesUpdate | RunEvents | Ping | Goodbye | LoadReport | ModelLoadResult
 
 
 # --- edge -> node -------------------------------------------------------------
@@ -245,7 +298,16 @@ class Cancel(_Msg, frozen=True, kw_only=True, tag="cancel"):
     message: str = ""
 
 
-EdgeMessage = Welcome | Assign | Credit | Cancel | Ping
+class LoadModel(_Msg, frozen=True, kw_only=True, tag="load_model"):
+    """Load the node's on-demand ``model`` (one it offered); the node answers
+    one ``ModelLoadResult`` with the same ``request_id`` once it is ready or
+    not, within ``node.model_load_timeout_s``."""
+
+    request_id: str
+    model: str
+
+
+EdgeMessage = Welcome | Assign | Credit | Cancel | Ping | LoadModel
 
 _M = TypeVar("_M", NodeMessage, EdgeMessage)
 

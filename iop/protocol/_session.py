@@ -161,7 +161,10 @@ from iop.protocol._messages import (
     Goodbye,
     Hello,
     InstanceLoad,
+    LoadModel,
     LoadReport,
+    ModelLoadResult,
+    ModelOffer,
     Ping,
     RunEvents,
     Welcome,
@@ -199,7 +202,9 @@ __all__ = [
     "EdgeLinkEvent",
     "EdgeSession",
     "LinkState",
+    "LoadModelReceived",
     "LoadReported",
+    "ModelLoadAnswered",
     "NodeDraining",
     "NodeJoined",
     "NodeLinkEvent",
@@ -419,6 +424,8 @@ class NodeJoined(msgspec.Struct, frozen=True):
 
 class CapabilitiesChanged(msgspec.Struct, frozen=True):
     instances: list[Capabilities]
+    # The node's on-demand models (None: it sent none).
+    models: list[ModelOffer] | None = None
 
 
 class RunEventsReceived(msgspec.Struct, frozen=True):
@@ -446,6 +453,12 @@ class LoadReported(msgspec.Struct, frozen=True):
     at: float
 
 
+class ModelLoadAnswered(msgspec.Struct, frozen=True):
+    """The node's answer to the edge's ``LoadModel`` (``EdgeSession.load_model``)."""
+
+    result: ModelLoadResult
+
+
 class Welcomed(msgspec.Struct, frozen=True):
     welcome: Welcome
 
@@ -463,8 +476,22 @@ class CancelReceived(msgspec.Struct, frozen=True):
     cancel: Cancel
 
 
-EdgeLinkEvent = NodeJoined | CapabilitiesChanged | RunEventsReceived | NodeDraining | LoadReported
-NodeLinkEvent = Welcomed | AssignReceived | CreditReceived | CancelReceived
+class LoadModelReceived(msgspec.Struct, frozen=True):
+    """The edge asks the node to load an on-demand model (answer with
+    ``NodeSession.model_load_result``)."""
+
+    request: LoadModel
+
+
+EdgeLinkEvent = (
+    NodeJoined
+    | CapabilitiesChanged
+    | RunEventsReceived
+    | NodeDraining
+    | LoadReported
+    | ModelLoadAnswered
+)
+NodeLinkEvent = Welcomed | AssignReceived | CreditReceived | CancelReceived | LoadModelReceived
 
 
 class _TokenBucket:
@@ -576,6 +603,8 @@ class EdgeSession:
         self._control = _TokenBucket(control_rate_per_s, control_burst, now)
         self._out = _Outgoing(now)
         self._nonce = 0
+        # LoadModel requests sent and not answered yet.
+        self._model_loads: set[str] = set()
 
     # --- state --------------------------------------------------------------
 
@@ -656,11 +685,16 @@ class EdgeSession:
             if isinstance(msg, Ping):
                 continue
             if isinstance(msg, CapabilitiesUpdate):
-                events.append(CapabilitiesChanged(msg.instances))
+                events.append(CapabilitiesChanged(msg.instances, msg.models))
             elif isinstance(msg, LoadReport):
                 events.append(LoadReported(msg.instances, now))
             elif isinstance(msg, Goodbye):
                 events.append(NodeDraining(msg.reason))
+            elif isinstance(msg, ModelLoadResult):
+                if msg.request_id not in self._model_loads:
+                    raise LinkProtocolError(f"model_load answers no load_model {msg.request_id!r}")
+                self._model_loads.discard(msg.request_id)
+                events.append(ModelLoadAnswered(msg))
             else:
                 raise LinkProtocolError(f"unexpected {type(msg).__name__} on an open link")
         return events
@@ -803,6 +837,14 @@ class EdgeSession:
         run.credit += credit
         self._out.messages.append(encode(Credit(run_id=run_id, credit=credit)))
         return True
+
+    def load_model(self, request_id: str, model: str) -> None:
+        """Ask the node to load its on-demand ``model`` (one its hello or
+        capabilities offered: an older node, which offers none, would close
+        the link on the unknown message); the answer is a ``ModelLoadAnswered``."""
+        self._require_open()
+        self._model_loads.add(request_id)
+        self._out.messages.append(encode(LoadModel(request_id=request_id, model=model)))
 
     def cancel(self, run_id: str, reason: CancelReason, message: str = "") -> bool:
         """Queue the cancel of a run: it is ENDING, its late events are dropped.
@@ -1001,7 +1043,14 @@ class NodeSession:
 
     # --- input --------------------------------------------------------------
 
-    def hello(self, instances: list[Capabilities], software: str = "") -> bytes:
+    def hello(
+        self,
+        instances: list[Capabilities],
+        software: str = "",
+        *,
+        models: list[ModelOffer] | None = None,
+        memory_mib: int = 0,
+    ) -> bytes:
         return encode(
             Hello(
                 protocol_version=PROTOCOL_VERSION,
@@ -1010,6 +1059,8 @@ class NodeSession:
                 instances=instances,
                 software=software,
                 max_frame_bytes=self.max_frame_bytes,
+                models=models or [],
+                memory_mib=memory_mib,
             )
         )
 
@@ -1060,6 +1111,8 @@ class NodeSession:
                 events.append(CancelReceived(msg))
             elif isinstance(msg, Ping):
                 self._answer(now)
+            elif isinstance(msg, LoadModel):
+                events.append(LoadModelReceived(msg))
             else:
                 raise LinkProtocolError(f"unexpected {type(msg).__name__} on an open link")
         return events
@@ -1244,8 +1297,15 @@ class NodeSession:
         """End an assigned run that never started, with ``error``."""
         self.push(run_id, error)
 
-    def capabilities(self, instances: list[Capabilities]) -> None:
-        self._out.messages.append(encode(CapabilitiesUpdate(instances=instances)))
+    def capabilities(
+        self, instances: list[Capabilities], models: list[ModelOffer] | None = None
+    ) -> None:
+        self._out.messages.append(encode(CapabilitiesUpdate(instances=instances, models=models)))
+
+    def model_load_result(self, result: ModelLoadResult) -> None:
+        """Answer the edge's ``LoadModel``."""
+        if self.state is LinkState.OPEN:
+            self._out.messages.append(encode(result))
 
     def goodbye(self, reason: str = "") -> None:
         self._out.messages.append(encode(Goodbye(reason=reason)))
