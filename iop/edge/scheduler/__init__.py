@@ -6,10 +6,11 @@ prefix-aware placement reads.
 from iop.edge.scheduler._affinity import affinity_key
 from iop.edge.scheduler._leases import Lease
 from iop.edge.scheduler._placement import Scheduler
-from iop.edge.scheduler._queue import EVEN_SHARE, QueueExit, QueueExitAt, QueueShare
+from iop.edge.scheduler._queue import EVEN_SHARE, Excluded, QueueExit, QueueExitAt, QueueShare
 
 __all__ = [
     "EVEN_SHARE",
+    "Excluded",
     "Lease",
     "QueueExit",
     "QueueExitAt",

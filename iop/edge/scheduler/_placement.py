@@ -76,6 +76,7 @@ from iop.edge.scheduler._leases import Lease
 from iop.edge.scheduler._prefix import PrefixIndex, prompt_blocks
 from iop.edge.scheduler._queue import (
     EVEN_SHARE,
+    Excluded,
     QueueExit,
     QueueExitAt,
     QueueShare,
@@ -240,7 +241,7 @@ class Scheduler:
         return worst
 
     def _candidates(
-        self, model: str, exclude: frozenset[str] = frozenset(), operation: str = "chat"
+        self, model: str, exclude: Excluded = frozenset(), operation: str = "chat"
     ) -> Iterator[tuple[NodeConnection, InstanceState]]:
         """Instances that may run ``operation`` on ``model``: live, neither
         draining nor drained, not excluded, up, and advertising the operation."""
@@ -248,6 +249,8 @@ class Scheduler:
         for conn, inst in self.registry.instances():
             if conn.draining or conn.node_id in exclude or conn.node_id in drained:
                 continue
+            if exclude and (conn.node_id, inst.caps.instance) in exclude:
+                continue  # its backend failed this run before any output
             if not inst.usable:
                 continue
             if model in inst.caps.targets and inst.caps.serves(operation):
@@ -266,7 +269,7 @@ class Scheduler:
     def _pick(
         self,
         model: str,
-        exclude: frozenset[str],
+        exclude: Excluded,
         affinity: str | None = None,
         operation: str = "chat",
         prefix: Sequence[bytes] = (),
@@ -367,7 +370,7 @@ class Scheduler:
         while len(self._affinity) > self.settings.affinity_entries:
             self._affinity.popitem(last=False)
 
-    def could_serve(self, model: str, exclude: frozenset[str], operation: str = "chat") -> bool:
+    def could_serve(self, model: str, exclude: Excluded, operation: str = "chat") -> bool:
         """Whether any node outside ``exclude`` serves ``operation`` on ``model``
         (free or busy)."""
         return any(True for _ in self._candidates(model, exclude, operation))
@@ -474,7 +477,7 @@ class Scheduler:
         self,
         model: str,
         *,
-        exclude: frozenset[str] = frozenset(),
+        exclude: Excluded = frozenset(),
         affinity: str | None = None,
         operation: str = "chat",
         timeline: Timeline | None = None,
@@ -568,7 +571,7 @@ class Scheduler:
             timeline.dequeued = trio.current_time()
         return waiter.lease
 
-    def _busy_text(self, model: str, exclude: frozenset[str], operation: str) -> str:
+    def _busy_text(self, model: str, exclude: Excluded, operation: str) -> str:
         """Why a run for ``model`` found no slot: each candidate's load."""
         loads = [
             f"{conn.node_id}/{inst.caps.instance} {inst.in_flight}/{inst.caps.max_concurrency}"
