@@ -6,7 +6,7 @@ told the client: a streamed Responses answer has sent ``response.created``
 and a Messages answer ``message_start`` (with the headers, once
 ``keepalive_interval_s`` passed without output, then keep-alives), and
 those openings say nothing about the instance (docs/architecture.md,
-"Remote runs"; the field's counter-example: a gateway that stops falling
+"The edge"; the field's counter-example: a gateway that stops falling
 back once ``response.created`` is out, https://github.com/maximhq/bifrost/issues/5395).
 
 Real processes: ``iop edge``; ``iop node`` with two instances of the model,
