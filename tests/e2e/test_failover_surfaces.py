@@ -13,12 +13,12 @@ Real processes: ``iop edge``; ``iop node`` with two instances of the model,
 the first (which an idle tie puts the run on) a sim whose every answer
 fails before its first token (``midstream_error``, ``fail_after_tokens =
 0``: a 500 for a whole body, an error event after the role chunk for a
-stream), the second a sim that answers. Two rigs: one whose bad backend
-fails at once (before the edge sent anything), one whose bad backend fails
-only after ``SLOW_FAIL_S``, when the headers, the surface's opening event
-and keep-alives are long out. Each run must end with one complete answer
-from the good instance, one opening event, and a timeline with both
-attempts.
+stream), the second a sim that answers. Three rigs (``BAD``): one whose bad
+backend fails at once (before the edge sent anything), one whose bad
+backend fails only after ``SLOW_FAIL_S``, when the headers, the surface's
+opening event and keep-alives are long out, and one that answers 500.
+Each run must end with one complete answer from the good instance, one
+opening event, and a timeline with both attempts.
 """
 
 from __future__ import annotations
@@ -101,26 +101,43 @@ def _rig(procs: Procs, good: Sim, bad: Sim) -> Edge:
             "scheduler": {"affinity": False},
         }
     )
+    # No load reports or engine scrapes: a report that still counts the last
+    # run on an instance would break the idle tie.
+    quiet = {"load_scrape_interval_s": 0}
     procs.node(
         [edge],
         bad,
-        instance={"name": "bad"},
-        more_instances=[{"adapter": "vllm", "name": "good", "endpoint": good.url}],
+        node={"load_reports_per_s": 0},
+        instance={"name": "bad", **quiet},
+        more_instances=[{"adapter": "vllm", "name": "good", "endpoint": good.url, **quiet}],
     )
     edge.wait_ready(node_id="n1")
     return edge
 
 
-@pytest.fixture(scope="module", params=["fast", "slow"])
+# How the bad backend fails: an error before its first token, at once or
+# after SLOW_FAIL_S; or a 500 answer instead of a stream.
+BAD: Final = {
+    "fast": ("--failure", "midstream_error", "--fail-after-tokens", "0", "--ttft", "0"),
+    "slow": (
+        "--failure",
+        "midstream_error",
+        "--fail-after-tokens",
+        "0",
+        "--ttft",
+        str(SLOW_FAIL_S),
+    ),
+    "http_500": ("--failure", "http_500"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(BAD))
 def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     slow = request.param == "slow"
     procs = Procs(tmp_path_factory.mktemp(f"failover-{request.param}"))
     try:
         good = procs.sim("good", "--output-tokens", str(TOKENS))
-        ttft = str(SLOW_FAIL_S if slow else 0.0)
-        bad = procs.sim(
-            "bad", "--failure", "midstream_error", "--fail-after-tokens", "0", "--ttft", ttft
-        )
+        bad = procs.sim("bad", *BAD[request.param])
         yield Rig(_rig(procs, good, bad), slow)
     finally:
         procs.stop_all()
