@@ -50,6 +50,7 @@ import errno
 from typing import Final, TypeVar
 
 __all__ = [
+    "BACKEND_FAILURE_CODES",
     "RETRYABLE_CANCEL_REASONS",
     "RETRYABLE_CODES",
     "BackendError",
@@ -72,6 +73,7 @@ __all__ = [
     "ListenError",
     "RequestError",
     "RunAborted",
+    "backend_fails_over",
     "first_leaf",
     "listen_error_from",
 ]
@@ -203,6 +205,28 @@ RETRYABLE_CODES: Final[frozenset[str]] = frozenset(
         ErrorCode.MODEL_LOAD_TIMEOUT,
     }
 )
+
+# A backend's failure before any output that another instance may not have:
+# the backend died, broke its stream or answered a 5xx before its first token
+# (``backend_fails_over``). Nothing of the answer reached the client, so the
+# edge tries the run on another instance (iop/edge/runs/_attempt.py); a 4xx
+# (a bad request, context overflow) would be the same anywhere.
+BACKEND_FAILURE_CODES: Final[frozenset[str]] = frozenset(
+    {
+        ErrorCode.BACKEND_ERROR,
+        ErrorCode.BACKEND_TIMEOUT,
+        ErrorCode.BACKEND_HTTP_ERROR,
+        ErrorCode.BACKEND_STREAM_ERROR,
+        ErrorCode.BACKEND_PROTOCOL_ERROR,
+    }
+)
+
+
+def backend_fails_over(code: str, status: int) -> bool:
+    """Whether a node's ``Error`` before any output is its backend's failure
+    another instance may not have (``BACKEND_FAILURE_CODES`` with a 5xx)."""
+    return status >= 500 and code in BACKEND_FAILURE_CODES
+
 
 # A node's ``Cancelled`` before any output that another node may not give:
 # the run waited in the node's own queue for its ``queue_timeout_s`` (the

@@ -13,6 +13,9 @@ end                    what happened                                   what the 
 ``REFUSED``            before any output, the node refused it or       fails over (another node
                        never ran it (a retryable ``Error`` or           may), else reports the
                        ``Cancelled``, kept in ``refusal``)             refusal
+``FAILED``             before any output, its backend failed: died,    fails over to another
+                       broke its stream or answered a 5xx              instance, else reports the
+                       (``backend_fails_over``, kept in ``refusal``)   error
 ``VIOLATION``          the node broke the event grammar (the sink      502 ``bad_node_events``
                        refused an event; also after a terminal in the
                        same frame, which it overrides)
@@ -21,8 +24,14 @@ end                    what happened                                   what the 
                        consumer
 =====================  ==============================================  =========================
 
-A run's attempts share one ``RunStart``: a failover attempt's own Start is
-not forwarded again (the consumer has had one).
+"Output" is content, reasoning, another output event or a terminal that
+reached the consumer; a Start is none. What a surface sends before the
+first content (the SSE head, chat's role chunk, Responses'
+``response.created``, Messages' ``message_start``, keep-alives) is the
+edge's own and says nothing of the attempt (the encoders ignore
+``Start.target``), so an attempt may fail over behind it. A run's attempts
+share one ``RunStart``: a failover attempt's own Start is not forwarded
+again (the consumer has had one).
 """
 
 from __future__ import annotations
@@ -33,7 +42,12 @@ from dataclasses import dataclass
 import trio
 
 from iop._secrets import SecretMasker, mask_event
-from iop.errors import RETRYABLE_CANCEL_REASONS, RETRYABLE_CODES, InvariantError
+from iop.errors import (
+    RETRYABLE_CANCEL_REASONS,
+    RETRYABLE_CODES,
+    InvariantError,
+    backend_fails_over,
+)
 from iop.events import Cancelled, Error, RuntimeEvent, Start, is_terminal
 from iop.runtime import RunSink
 from iop.timeline import NodeTimeline, Timeline
@@ -46,6 +60,7 @@ class AttemptEnd(enum.Enum):
 
     COMPLETED = "completed"
     REFUSED = "refused"
+    FAILED = "failed"
     VIOLATION = "violation"
     LOST = "lost"
     LOST_AFTER_OUTPUT = "lost_after_output"
@@ -93,7 +108,7 @@ class RemoteRun:
         self.end: AttemptEnd | None = None
         # What the end says: the refusal's, the violation's or the loss's message.
         self.detail = ""
-        self.refusal: Error | Cancelled | None = None  # with REFUSED
+        self.refusal: Error | Cancelled | None = None  # with REFUSED and FAILED
         self._output = False  # content, reasoning or a terminal reached the consumer
 
     def _end(
@@ -132,6 +147,11 @@ class RemoteRun:
         ):
             # The node refused or never ran it: another node may.
             self._end(AttemptEnd.REFUSED, ev.message, ev)
+            return None
+        elif not self._output and isinstance(ev, Error) and backend_fails_over(ev.code, ev.status):
+            # The backend failed before its first token: another instance
+            # may answer (the client has seen nothing of this attempt).
+            self._end(AttemptEnd.FAILED, ev.message, ev)
             return None
         else:
             self._output = True

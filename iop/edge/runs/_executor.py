@@ -29,8 +29,13 @@ sends it with the next frame); the node cancels its run and closing the
 backend response makes the backend stop. How each attempt ended
 (``AttemptEnd``, ``iop.edge.runs._attempt``) decides what comes next: an
 attempt the node refused, or whose link died, before any output is retried
-on another node (failover, up to ``MAX_ATTEMPTS`` in all); one whose link
-died after output ends the run with ``Cancelled(node_lost)``.
+on another node, and one whose backend failed before any output on another
+instance (failover, up to ``MAX_ATTEMPTS`` in all); one whose link died
+after output ends the run with ``Cancelled(node_lost)``. Output is what the
+node sent (``iop.edge.runs._attempt``): the surface's opening (SSE head,
+``response.created``, ``message_start``) and keep-alives are the edge's own,
+so a stream that sent them still fails over, and its client sees one
+opening and the answer of the attempt that succeeded.
 """
 
 from __future__ import annotations
@@ -89,10 +94,20 @@ class RunHost(Protocol):
 class _Retry(Exception):
     """This attempt failed before any output; try another node."""
 
-    def __init__(self, node_id: str, why: str, error: Error | Cancelled | None = None) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        why: str,
+        error: Error | Cancelled | None = None,
+        *,
+        instance: str | None = None,
+    ) -> None:
         super().__init__(why)
         self.node_id = node_id
         self.why = why
+        # What the next attempts avoid: the node, or only this instance of
+        # it when its backend failed (the node's other instances may serve).
+        self.excluded: str | tuple[str, str] = node_id if instance is None else (node_id, instance)
         # What the node ended the attempt with (a refusal, or its queue
         # timeout): the run's outcome when no other node can take it.
         self.error = error
@@ -137,7 +152,7 @@ class RemoteExecutor:
     async def execute(self, spec: ExecutionSpec, send: RunSink) -> None:
         core = self._core
         model, op = spec.model, spec.operation
-        excluded: set[str] = set()
+        excluded: set[str | tuple[str, str]] = set()
         last: _Retry | None = None
         # A tenant's conversations and prefixes are its own: the run's cache
         # salt scopes them as it scopes the backend's cache (start_run).
@@ -174,12 +189,13 @@ class RemoteExecutor:
                 return
             except _Retry as retry:
                 last = retry
-                excluded.add(retry.node_id)
+                excluded.add(retry.excluded)
                 log.warning(
-                    "run %s: attempt %d on node %s failed before output (%s)%s",
+                    "run %s: attempt %d on node %s instance %s failed before output (%s)%s",
                     spec.run_id,
                     attempt + 1,
                     retry.node_id,
+                    lease.instance.caps.instance,
                     retry.why,
                     "; failing over" if attempt + 1 < attempts else "",
                 )
@@ -245,6 +261,10 @@ class RemoteExecutor:
                     ended = True
                     placement.result = f"retry: {rr.detail}"
                     raise _Retry(conn.node_id, rr.detail, rr.refusal)
+                case AttemptEnd.FAILED:
+                    ended = True
+                    placement.result = f"retry: {rr.detail}"
+                    raise _Retry(conn.node_id, rr.detail, rr.refusal, instance=instance)
                 case AttemptEnd.VIOLATION:
                     # The node's run may still go on: cancelled below.
                     placement.result = "ran"

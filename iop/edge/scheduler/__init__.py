@@ -5,11 +5,12 @@ prefix-aware placement reads.
 
 from iop.edge.scheduler._affinity import affinity_key
 from iop.edge.scheduler._leases import Lease
-from iop.edge.scheduler._queue import EVEN_SHARE, QueueExit, QueueExitAt, QueueShare
+from iop.edge.scheduler._queue import EVEN_SHARE, Excluded, QueueExit, QueueExitAt, QueueShare
 from iop.edge.scheduler._scheduler import Scheduler
 
 __all__ = [
     "EVEN_SHARE",
+    "Excluded",
     "Lease",
     "QueueExit",
     "QueueExitAt",

@@ -48,6 +48,7 @@ import trio
 
 from iop.config import SchedulerSettings
 from iop.edge.scheduler._prefix import PrefixIndex, prompt_blocks
+from iop.edge.scheduler._queue import Excluded
 from iop.spec import OperationRequest
 
 if TYPE_CHECKING:
@@ -146,7 +147,7 @@ class Placement:
         return sum(1 for _, inst in self.registry.instances() if self.is_stale(inst, now))
 
     def candidates(
-        self, model: str, exclude: frozenset[str] = frozenset(), operation: str = "chat"
+        self, model: str, exclude: Excluded = frozenset(), operation: str = "chat"
     ) -> Iterator[tuple[NodeConnection, InstanceState]]:
         """Instances that may run ``operation`` on ``model``: live, neither
         draining nor drained, not excluded, up, and advertising the operation."""
@@ -154,6 +155,8 @@ class Placement:
         for conn, inst in self.registry.instances():
             if conn.draining or conn.node_id in exclude or conn.node_id in drained:
                 continue
+            if exclude and (conn.node_id, inst.caps.instance) in exclude:
+                continue  # its backend failed this run before any output
             if not inst.usable:
                 continue
             if model in inst.caps.targets and inst.caps.serves(operation):
@@ -172,7 +175,7 @@ class Placement:
     def pick(
         self,
         model: str,
-        exclude: frozenset[str],
+        exclude: Excluded,
         affinity: str | None = None,
         operation: str = "chat",
         prefix: Sequence[bytes] = (),
@@ -275,7 +278,7 @@ class Placement:
         while len(self._affinity) > self.settings.affinity_entries:
             self._affinity.popitem(last=False)
 
-    def could_serve(self, model: str, exclude: frozenset[str], operation: str = "chat") -> bool:
+    def could_serve(self, model: str, exclude: Excluded, operation: str = "chat") -> bool:
         """Whether any node outside ``exclude`` serves ``operation`` on ``model``
         (free or busy)."""
         return any(True for _ in self.candidates(model, exclude, operation))

@@ -32,7 +32,7 @@ import trio
 if TYPE_CHECKING:
     from iop.edge.scheduler._leases import Lease
 
-__all__ = ["EVEN_SHARE", "QueueExit", "QueueExitAt", "QueueShare"]
+__all__ = ["EVEN_SHARE", "Excluded", "QueueExit", "QueueExitAt", "QueueShare"]
 
 
 class QueueExit(enum.StrEnum):
@@ -96,10 +96,15 @@ EVEN_SHARE: Final = QueueShare()
 # Strict levels of the queue: (minus the objective's priority, the tenant's class).
 _Level = tuple[int, int]
 
+# What a run's failed attempts rule out: a node id (its link died, or it
+# refused the run), or a (node id, instance) pair (that instance's backend
+# failed before any output; the node's other instances may still serve).
+Excluded = frozenset[str | tuple[str, str]]
+
 # What a waiter waits for: a free slot for (model, operation) outside these
-# nodes; and whose it is (level, tenant, sheddable), so that a group is one
-# tenant's runs of one level.
-_WaitKey = tuple[str, str, frozenset[str], _Level, str, bool]
+# nodes and instances; and whose it is (level, tenant, sheddable), so that a
+# group is one tenant's runs of one level.
+_WaitKey = tuple[str, str, Excluded, _Level, str, bool]
 
 
 @dataclass(eq=False, slots=True)
@@ -113,7 +118,7 @@ class _Session:
 @dataclass(eq=False)
 class _Waiter:
     model: str
-    exclude: frozenset[str]
+    exclude: Excluded
     affinity: str | None = None
     operation: str = "chat"
     prefix: Sequence[bytes] = ()  # the prompt's blocks (iop.edge.scheduler._prefix)

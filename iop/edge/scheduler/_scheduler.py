@@ -51,6 +51,7 @@ from iop.edge.scheduler._placement import Placement
 from iop.edge.scheduler._prefix import PrefixIndex
 from iop.edge.scheduler._queue import (
     EVEN_SHARE,
+    Excluded,
     QueueExit,
     QueueExitAt,
     QueueShare,
@@ -141,19 +142,19 @@ class Scheduler:
     def serves(self, model: str, operation: str = "chat") -> bool:
         return self.placement.could_serve(model, frozenset(), operation)
 
-    def could_serve(self, model: str, exclude: frozenset[str], operation: str = "chat") -> bool:
+    def could_serve(self, model: str, exclude: Excluded, operation: str = "chat") -> bool:
         """``Placement.could_serve``."""
         return self.placement.could_serve(model, exclude, operation)
 
     def _candidates(
-        self, model: str, exclude: frozenset[str] = frozenset(), operation: str = "chat"
+        self, model: str, exclude: Excluded = frozenset(), operation: str = "chat"
     ) -> Iterator[tuple[NodeConnection, InstanceState]]:
         return self.placement.candidates(model, exclude, operation)
 
     def _pick(
         self,
         model: str,
-        exclude: frozenset[str],
+        exclude: Excluded,
         affinity: str | None = None,
         operation: str = "chat",
         prefix: Sequence[bytes] = (),
@@ -298,7 +299,7 @@ class Scheduler:
         self,
         model: str,
         *,
-        exclude: frozenset[str] = frozenset(),
+        exclude: Excluded = frozenset(),
         affinity: str | None = None,
         operation: str = "chat",
         timeline: Timeline | None = None,
@@ -392,7 +393,7 @@ class Scheduler:
             timeline.dequeued = trio.current_time()
         return waiter.lease
 
-    def _busy_text(self, model: str, exclude: frozenset[str], operation: str) -> str:
+    def _busy_text(self, model: str, exclude: Excluded, operation: str) -> str:
         """Why a run for ``model`` found no slot: each candidate's load."""
         loads = [
             f"{conn.node_id}/{inst.caps.instance} {inst.in_flight}/{inst.caps.max_concurrency}"
