@@ -81,8 +81,22 @@ def _stop_on_error(proc: Proc) -> Iterator[None]:
         raise
 
 
+# A pooled connection is dropped after this long idle: well inside the edge's
+# and the sim's keep-alive timeout (server.keep_alive_timeout_s, 5 s), so the
+# client never reuses a connection the server is closing at that moment (a
+# request on it fails "Server disconnected without sending a response"; seen
+# once, after a 5 s poll, on a busy machine).
+KEEPALIVE_EXPIRY_S: Final = 2.0
+
+
 def _http(base_url: str, verify: ssl.SSLContext | bool = True) -> httpx.Client:
-    return httpx.Client(base_url=base_url, timeout=5.0, trust_env=False, verify=verify)
+    return httpx.Client(
+        base_url=base_url,
+        timeout=5.0,
+        trust_env=False,
+        verify=verify,
+        limits=httpx.Limits(keepalive_expiry=KEEPALIVE_EXPIRY_S),
+    )
 
 
 # --- the sim ---------------------------------------------------------------------------
