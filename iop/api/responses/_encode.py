@@ -521,10 +521,21 @@ class _Record:
         elapsed = self._clock() - self._t0 if self._clock is not None else 0.0
         return self.response.created_at + int(elapsed)
 
-    def keep(self, response: _Response, output: list[_Item], calls: list[ToolCall]) -> None:
-        """Store a finished ``response`` (when ``store`` and a store allow)."""
+    def finish(self, done: ShapedDone, output: list[_Item], calls: list[ToolCall]) -> _Response:
+        """The Response of a run that completed or is incomplete (``done``),
+        stored when ``store`` and a store allow."""
+        incomplete = _INCOMPLETE.get(done.finish_reason)
+        response = msgspec.structs.replace(
+            self.response,
+            status="incomplete" if incomplete else "completed",
+            completed_at=None if incomplete else self.completed_at(),
+            incomplete_details=_Incomplete(incomplete) if incomplete else None,
+            output=output,
+            usage=_usage(done.usage),
+        )
         if self._keep is not None and self._history is not None:
             self._keep(response.id, _conversation(self._history, output, calls))
+        return response
 
 
 class ResponsesStream:
@@ -787,32 +798,12 @@ class ResponsesStream:
         calls = [_clean_call(call) for call in done.calls]
         out += [self._call(call) for call in calls]
         self._state = _State.FINISHED
-        if incomplete:
-            response = msgspec.structs.replace(
-                self._response,
-                status="incomplete",
-                incomplete_details=_Incomplete(incomplete),
-                output=self._output,
-                usage=_usage(done.usage),
-            )
-            kind = "response.incomplete"
-        else:
-            response = msgspec.structs.replace(
-                self._response,
-                status="completed",
-                completed_at=self._completed_at(),
-                output=self._output,
-                usage=_usage(done.usage),
-            )
-            kind = "response.completed"
-        self._record.keep(response, self._output, calls)
+        response = self._record.finish(done, self._output, calls)
+        kind = "response.incomplete" if incomplete else "response.completed"
         out.append(
             self._sse(_ResponseEvent(type=kind, sequence_number=self._next(), response=response))
         )
         return b"".join(out)
-
-    def _completed_at(self) -> int:
-        return self._record.completed_at()
 
     def _failed(self, failed: ShapedFailed) -> bytes:
         out = self._close("incomplete")
@@ -858,7 +849,6 @@ class ResponsesCollector(ShapedCollector):
         super().__init__(OutputShaper(call.chat, ctx.policy, ctx.run_id, buffered=True))
         self._run_id = ctx.run_id
         self._record = _Record(call, ctx, keep, clock, response_id)
-        self._response = self._record.response
         self._tools = _tool_map(call)
 
     def feed_shaped(self, event: Shaped) -> None:
@@ -887,13 +877,5 @@ class ResponsesCollector(ShapedCollector):
         calls = [_clean_call(call) for call in done.calls]
         for call in calls:
             output.append(_call_item(call, self._tools, self._run_id, len(output)))
-        response = msgspec.structs.replace(
-            self._response,
-            status=status,
-            completed_at=None if incomplete else self._record.completed_at(),
-            incomplete_details=_Incomplete(incomplete) if incomplete else None,
-            output=output,
-            usage=_usage(done.usage),
-        )
-        self._record.keep(response, output, calls)
+        response = self._record.finish(done, output, calls)
         return _json(response)
