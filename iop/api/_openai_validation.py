@@ -21,7 +21,7 @@ import msgspec
 
 from iop.errors import ErrorCode, RequestError
 
-__all__ = ["Hint", "from_validation", "type_phrase"]
+__all__ = ["Hint", "from_validation", "missing_parameter", "type_phrase"]
 
 _AT: Final = re.compile(r"^(?P<msg>.*?)(?: - at `\$(?P<path>[^`]*)`)?$", re.DOTALL)
 _MISSING: Final = re.compile(r"^Object missing required field `(?P<field>[^`]+)`$")
@@ -62,6 +62,15 @@ def _param(prefix: str, path: str) -> str | None:
     return prefix or path or None
 
 
+def missing_parameter(param: str) -> RequestError:
+    """OpenAI's 400 for a required parameter that is absent (or empty)."""
+    return RequestError(
+        f"Missing required parameter: '{param}'.",
+        param=param,
+        code=ErrorCode.MISSING_REQUIRED_PARAMETER,
+    )
+
+
 def from_validation(
     exc: msgspec.ValidationError, *, prefix: str = "", hint: Hint | None = None
 ) -> RequestError:
@@ -77,11 +86,7 @@ def from_validation(
     msg, param = m["msg"], _param(prefix, m["path"] or "")
     if missing := _MISSING.match(msg):
         param = f"{param}.{missing['field']}" if param else missing["field"]
-        return RequestError(
-            f"Missing required parameter: '{param}'.",
-            param=param,
-            code=ErrorCode.MISSING_REQUIRED_PARAMETER,
-        )
+        return missing_parameter(param)
     where = f" for '{param}'" if param else ""
     if wrong := _TYPE.match(msg):
         expected = type_phrase(wrong["expected"]) + wrong["rest"]

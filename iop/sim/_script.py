@@ -610,14 +610,11 @@ def build_script(request: ChatRequest, config: SimConfig) -> SimScript:
         step = _sequence_step(cfg, request.messages, request.tool_names())
         if isinstance(step, list):
             steps.extend(ContentToken(t) for t in step)
-        elif cfg.tool_mode == "native":
-            call_id = "chatcmpl-tool-" + hashlib.sha256(digest + b"tool").hexdigest()[:32]
-            steps.append(ToolCallBegin(call_id, step.name))
-            steps.extend(ToolArgs(f) for f in _fragments(step.arguments))
-            finish = FinishReason.TOOL_CALLS
         else:
-            args = json.loads(step.arguments)
-            steps.extend(ContentToken(t) for t in _hermes_tokens(step.name, args))
+            native = cfg.tool_mode == "native"
+            steps += _call_steps(step.name, step.arguments, digest, native=native)
+            if native:
+                finish = FinishReason.TOOL_CALLS
     elif tools and cfg.tool_mode != "none" and choice != "none":
         if isinstance(choice, NamedToolChoice):
             name = choice.function.name
@@ -633,17 +630,13 @@ def build_script(request: ChatRequest, config: SimConfig) -> SimScript:
                 args_text = json.dumps(
                     _arguments_for(tool.function.parameters, rng), ensure_ascii=False
                 )
-            if cfg.tool_mode == "native":
-                call_id = "chatcmpl-tool-" + hashlib.sha256(digest + b"tool").hexdigest()[:32]
-                steps.append(ToolCallBegin(call_id, name))
-                steps.extend(ToolArgs(f) for f in _fragments(args_text))
-                # vLLM main: "tool_calls" for auto/required, "stop" for a named
-                # choice (OpenAI's behaviour; docs/architecture.md, "Facts about
-                # the backends: vLLM").
-                if not isinstance(choice, NamedToolChoice):
-                    finish = FinishReason.TOOL_CALLS
-            else:
-                steps.extend(ContentToken(t) for t in _hermes_tokens(name, json.loads(args_text)))
+            native = cfg.tool_mode == "native"
+            steps += _call_steps(name, args_text, digest, native=native)
+            # vLLM main: "tool_calls" for auto/required, "stop" for a named
+            # choice (OpenAI's behaviour; docs/architecture.md, "Facts about
+            # the backends: vLLM").
+            if native and not isinstance(choice, NamedToolChoice):
+                finish = FinishReason.TOOL_CALLS
         elif scripted:
             steps.extend(ContentToken(t) for t in _scripted_answer(request.messages))
         else:
@@ -656,16 +649,15 @@ def build_script(request: ChatRequest, config: SimConfig) -> SimScript:
             if isinstance(step, list):
                 steps.extend(ContentToken(t) for t in step)
             else:
-                args = json.loads(step.arguments)
-                steps.extend(ContentToken(t) for t in _hermes_tokens(step.name, args))
+                steps += _call_steps(step.name, step.arguments, digest, native=False)
         elif _after_tool_result(request.messages):
             if scripted_name is not None:
                 steps.extend(ContentToken(t) for t in _scripted_answer(request.messages))
             else:
                 steps.extend(ContentToken(w) for w in _words(rng, max(cfg.output_tokens, 0)))
         elif scripted_name is not None:
-            args = json.loads(_scripted_arguments(cfg, scripted_name))
-            steps.extend(ContentToken(t) for t in _hermes_tokens(scripted_name, args))
+            arguments = _scripted_arguments(cfg, scripted_name)
+            steps += _call_steps(scripted_name, arguments, digest, native=False)
         else:
             name, parameters = listed[0]
             args = _arguments_for(parameters, rng)
@@ -709,6 +701,15 @@ def _structured_output(response_format: dict[str, Any] | None, rng: _Rng) -> str
     if kind == "json_object":
         return json.dumps({"answer": " ".join(_words(rng, 3))}, ensure_ascii=False)
     return None
+
+
+def _call_steps(name: str, arguments: str, digest: bytes, *, native: bool) -> list[Step]:
+    """One call of ``name`` with exactly ``arguments`` (a JSON object): vLLM's
+    native tool-call deltas, or Hermes ``<tool_call>`` text."""
+    if not native:
+        return [ContentToken(t) for t in _hermes_tokens(name, json.loads(arguments))]
+    call_id = "chatcmpl-tool-" + hashlib.sha256(digest + b"tool").hexdigest()[:32]
+    return [ToolCallBegin(call_id, name), *(ToolArgs(f) for f in _fragments(arguments))]
 
 
 def _hermes_tokens(name: str, args: dict[str, Any]) -> list[str]:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import enum
 import math
 import re
+from collections.abc import Iterator
 from typing import Final
 
 import msgspec
@@ -215,10 +216,24 @@ def figures_from_metrics(dialect: EngineDialect, samples: dict[str, list[float]]
 # One label of a sample: name="value" (values of cache_config_info are
 # numbers, booleans and dtype names: no escapes to honour).
 _LABEL: Final = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="([^"\\]*)"')
-_CACHE_INFO: Final = "vllm:cache_config_info{"
+_CACHE_INFO: Final = b"vllm:cache_config_info{"
 # Blocks times block size past this is read as no figure: a cache of more
 # than 2**40 tokens is a broken page, not an engine.
 MAX_CACHE_TOKENS: Final = 1 << 40
+_NEWLINE: Final = ord("\n")
+
+
+def _lines_starting(page: bytes, prefix: bytes) -> Iterator[bytes]:
+    """The lines of ``page`` that start with ``prefix``, found with
+    ``bytes.find``: a vLLM page is hundreds of KiB of histogram lines and
+    holds one such line per engine, so the page is not split into lines."""
+    at = page.find(prefix)
+    while at >= 0:
+        end = page.find(b"\n", at)
+        end = len(page) if end < 0 else end
+        if at == 0 or page[at - 1] == _NEWLINE:
+            yield page[at:end]
+        at = page.find(prefix, end)  # none before end starts a line
 
 
 def parse_cache_config(page: bytes) -> int | None:
@@ -228,8 +243,8 @@ def parse_cache_config(page: bytes) -> int | None:
     """
     total = 0
     found = False
-    for raw in page.split(b"\n"):
-        if len(raw) > MAX_METRICS_LINE_BYTES or not raw.startswith(_CACHE_INFO.encode()):
+    for raw in _lines_starting(page, _CACHE_INFO):
+        if len(raw) > MAX_METRICS_LINE_BYTES:
             continue
         labels = dict(_LABEL.findall(raw.decode("utf-8", "replace")))
         try:

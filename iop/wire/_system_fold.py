@@ -31,6 +31,7 @@ config, default ``fold``; ``keep`` sends the conversation as it came:
 
 from __future__ import annotations
 
+import itertools
 from typing import Final
 
 from iop.spec import Message
@@ -48,7 +49,7 @@ def fold_system_messages(messages: list[Message]) -> list[Message] | None:
     lead = 0
     while lead < len(messages) and messages[lead].role == "system":
         lead += 1
-    later = any(m.role == "system" for m in messages[lead:])
+    later = any(m.role == "system" for m in itertools.islice(messages, lead, None))
     if lead <= 1 and not later:
         return None
     parts = [m.text() for m in messages[:lead]]

@@ -203,3 +203,34 @@ def test_the_cache_size_is_read_from_vllms_cache_config_info() -> None:
     )
     huge = b'vllm:cache_config_info{block_size="1048576",num_gpu_blocks="1099511627776"} 1\n'
     assert parse_cache_config(huge) is None
+
+
+_INFO_LINE = b'vllm:cache_config_info{block_size="16",num_gpu_blocks="%d"} 1.0'
+
+
+def _cache_config_by_lines(page: bytes) -> int | None:
+    """``parse_cache_config`` as a reader would write it first: split, test each line."""
+    sizes = [
+        parse_cache_config(raw)
+        for raw in page.split(b"\n")
+        if raw.startswith(b"vllm:cache_config_info{") and len(raw) <= MAX_METRICS_LINE_BYTES
+    ]
+    found = [s for s in sizes if s is not None]
+    total = sum(found)
+    return total if found and total <= 1 << 40 else None
+
+
+@given(
+    st.lists(
+        st.one_of(
+            st.integers(-2, 10**6).map(lambda n: _INFO_LINE % n),
+            st.integers(1, 99).map(lambda n: b"x " + _INFO_LINE % n),  # not at a line's start
+            st.just(b"vllm:cache_config_info{"),
+            st.binary(max_size=40),
+        ),
+        max_size=8,
+    )
+)
+def test_cache_config_finds_exactly_the_lines_that_start_with_it(lines: list[bytes]) -> None:
+    page = b"\n".join(lines)
+    assert parse_cache_config(page) == _cache_config_by_lines(page)

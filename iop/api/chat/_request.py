@@ -46,7 +46,7 @@ from typing import Any, Final
 import msgspec
 
 from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH, guarded_decode, json_nesting_depth
-from iop.api._openai_validation import from_validation
+from iop.api._openai_validation import from_validation, missing_parameter
 from iop.errors import ErrorCode, RequestError
 from iop.spec import ChatRequest, Message, NamedToolChoice
 
@@ -160,11 +160,7 @@ def _check(req: ChatRequest) -> None:
     """The checks msgspec's types cannot express (module docstring)."""
     _check_ranges(req)
     if not req.model.strip():
-        raise RequestError(
-            "Missing required parameter: 'model'.",
-            param="model",
-            code=ErrorCode.MISSING_REQUIRED_PARAMETER,
-        )
+        raise missing_parameter("model")
     if not req.messages:
         raise RequestError(
             "Invalid 'messages': empty array. Expected an array with minimum length 1, "

@@ -26,8 +26,8 @@ from typing import Any, Final
 import msgspec
 
 from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH
+from iop.api._openai_validation import missing_parameter
 from iop.api.completions._errors import decode_object, from_validation, invalid
-from iop.errors import ErrorCode, RequestError
 from iop.spec import CompletionRequest, StreamOptions
 
 __all__ = ["DEFAULT_MAX_TOKENS", "MAX_STOP_SEQUENCES", "ParsedCompletion", "parse_completion"]
@@ -86,11 +86,7 @@ _PROMPT_FORMS: Final = (
 
 def _prompt(value: str | list[Any] | None) -> str | list[int]:
     if value is None:
-        raise RequestError(
-            "Missing required parameter: 'prompt'.",
-            param="prompt",
-            code=ErrorCode.MISSING_REQUIRED_PARAMETER,
-        )
+        raise missing_parameter("prompt")
     if isinstance(value, str):
         return value
     if not value:
@@ -129,21 +125,13 @@ def parse_completion(body: bytes, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) ->
     known = {k: v for k, v in top.items() if k in _KNOWN}
     extra: dict[str, Any] = {k: v for k, v in top.items() if k not in _KNOWN}
     if "prompt" not in known:
-        raise RequestError(
-            "Missing required parameter: 'prompt'.",
-            param="prompt",
-            code=ErrorCode.MISSING_REQUIRED_PARAMETER,
-        )
+        raise missing_parameter("prompt")
     try:
         req = msgspec.convert(known, _Body)
     except msgspec.ValidationError as exc:
         raise from_validation(exc) from exc
     if not req.model.strip():
-        raise RequestError(
-            "Missing required parameter: 'model'.",
-            param="model",
-            code=ErrorCode.MISSING_REQUIRED_PARAMETER,
-        )
+        raise missing_parameter("model")
     prompt = _prompt(req.prompt)
     stream = bool(req.stream)
     if req.stream_options is not None and not stream:

@@ -24,8 +24,8 @@ from typing import Any, Final, Literal
 import msgspec
 
 from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH
+from iop.api._openai_validation import missing_parameter
 from iop.api.completions._errors import decode_object, from_validation, invalid
-from iop.errors import ErrorCode, RequestError
 from iop.spec import EmbeddingInput, EmbeddingRequest
 
 __all__ = ["MAX_INPUTS", "parse_embeddings"]
@@ -89,21 +89,13 @@ def parse_embeddings(body: bytes, *, max_depth: int = DEFAULT_MAX_JSON_DEPTH) ->
         raise invalid("Embeddings are not streamed: 'stream' is not supported.", "stream")
     for name in ("model", "input"):
         if name not in top:
-            raise RequestError(
-                f"Missing required parameter: '{name}'.",
-                param=name,
-                code=ErrorCode.MISSING_REQUIRED_PARAMETER,
-            )
+            raise missing_parameter(name)
     try:
         req = msgspec.convert({k: v for k, v in top.items() if k in _KNOWN}, _Body)
     except msgspec.ValidationError as exc:
         raise from_validation(exc) from exc
     if not req.model.strip():
-        raise RequestError(
-            "Missing required parameter: 'model'.",
-            param="model",
-            code=ErrorCode.MISSING_REQUIRED_PARAMETER,
-        )
+        raise missing_parameter("model")
     if req.dimensions is not None and req.dimensions < 1:
         raise invalid(
             f"{req.dimensions} is less than the minimum of 1 - 'dimensions'", "dimensions"

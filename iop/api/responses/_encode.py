@@ -85,6 +85,7 @@ the sequence number and the JSON-encoded text.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable, Iterable
 from typing import Any, Final, Literal
 
@@ -520,10 +521,21 @@ class _Record:
         elapsed = self._clock() - self._t0 if self._clock is not None else 0.0
         return self.response.created_at + int(elapsed)
 
-    def keep(self, response: _Response, output: list[_Item], calls: list[ToolCall]) -> None:
-        """Store a finished ``response`` (when ``store`` and a store allow)."""
+    def finish(self, done: ShapedDone, output: list[_Item], calls: list[ToolCall]) -> _Response:
+        """The Response of a run that completed or is incomplete (``done``),
+        stored when ``store`` and a store allow."""
+        incomplete = _INCOMPLETE.get(done.finish_reason)
+        response = msgspec.structs.replace(
+            self.response,
+            status="incomplete" if incomplete else "completed",
+            completed_at=None if incomplete else self.completed_at(),
+            incomplete_details=_Incomplete(incomplete) if incomplete else None,
+            output=output,
+            usage=_usage(done.usage),
+        )
         if self._keep is not None and self._history is not None:
             self._keep(response.id, _conversation(self._history, output, calls))
+        return response
 
 
 class ResponsesStream:
@@ -578,6 +590,12 @@ class ResponsesStream:
 
     def _sse(self, event: _Event) -> bytes:
         return b"".join((b"event: ", event.type.encode(), b"\ndata: ", _json(event), b"\n\n"))
+
+    def _item_event(self, kind: str, index: int, item: _Item) -> bytes:
+        """``response.output_item.added`` or ``.done`` of the item at ``index``."""
+        return self._sse(
+            _ItemEvent(type=kind, sequence_number=self._next(), output_index=index, item=item)
+        )
 
     # -- the API ------------------------------------------------------------------------
 
@@ -674,14 +692,7 @@ class ResponsesStream:
             added = _MessageItem(id=item_id, status="in_progress", role="assistant", content=[])
             part = _OutputText("")
         self._output.append(added)  # replaced by the finished item in _close
-        return self._sse(
-            _ItemEvent(
-                type="response.output_item.added",
-                sequence_number=self._next(),
-                output_index=index,
-                item=added,
-            )
-        ) + self._sse(
+        return self._item_event("response.output_item.added", index, added) + self._sse(
             _PartEvent(
                 type="response.content_part.added",
                 sequence_number=self._next(),
@@ -733,88 +744,51 @@ class ResponsesStream:
             content_index=0,
             part=part,
         )
-        item_done = _ItemEvent(
-            type="response.output_item.done",
-            sequence_number=self._next(),
-            output_index=item.index,
-            item=finished,
+        return (
+            self._sse(done)
+            + self._sse(part_done)
+            + self._item_event("response.output_item.done", item.index, finished)
         )
-        return self._sse(done) + self._sse(part_done) + self._sse(item_done)
 
     def _call(self, call: ToolCall) -> bytes:
+        """A finished call's item: added empty, its payload (a function's
+        arguments or a custom tool's input) as one delta and a done event,
+        then the item done."""
         index = len(self._output)
         finished = _call_item(call, self._tools, self._run_id, index)
         self._output.append(finished)
-        events: list[_Event]
+        added: _Item
+        payload_done: Callable[..., _Event]
         if isinstance(finished, _CustomToolCallItem):
-            added: _Item = msgspec.structs.replace(finished, input="")
-            events = [
-                _ItemEvent(
-                    type="response.output_item.added",
-                    sequence_number=self._next(),
-                    output_index=index,
-                    item=added,
-                )
-            ]
-            if finished.input:
-                events.append(
-                    _DeltaEvent(
-                        type="response.custom_tool_call_input.delta",
-                        sequence_number=self._next(),
-                        item_id=finished.id,
-                        output_index=index,
-                        delta=finished.input,
-                    )
-                )
-            events.append(
-                _InputDoneEvent(
-                    type="response.custom_tool_call_input.done",
-                    sequence_number=self._next(),
-                    item_id=finished.id,
-                    output_index=index,
-                    input=finished.input,
-                )
-            )
+            added = msgspec.structs.replace(finished, input="")
+            kind, payload = "response.custom_tool_call_input", finished.input
+            payload_done = functools.partial(_InputDoneEvent, input=payload)
         else:
             assert isinstance(finished, _FunctionCallItem)
             added = msgspec.structs.replace(finished, status="in_progress", arguments="")
-            events = [
-                _ItemEvent(
-                    type="response.output_item.added",
-                    sequence_number=self._next(),
-                    output_index=index,
-                    item=added,
-                )
-            ]
-            if finished.arguments:
-                events.append(
-                    _DeltaEvent(
-                        type="response.function_call_arguments.delta",
-                        sequence_number=self._next(),
-                        item_id=finished.id,
-                        output_index=index,
-                        delta=finished.arguments,
-                    )
-                )
-            events.append(
-                _ArgumentsDoneEvent(
-                    type="response.function_call_arguments.done",
-                    sequence_number=self._next(),
-                    item_id=finished.id,
-                    output_index=index,
-                    name=finished.name,
-                    arguments=finished.arguments,
-                )
+            kind, payload = "response.function_call_arguments", finished.arguments
+            payload_done = functools.partial(
+                _ArgumentsDoneEvent, name=finished.name, arguments=payload
             )
-        events.append(
-            _ItemEvent(
-                type="response.output_item.done",
+        out = [self._item_event("response.output_item.added", index, added)]
+        if payload:
+            delta = _DeltaEvent(
+                type=f"{kind}.delta",
                 sequence_number=self._next(),
+                item_id=finished.id,
                 output_index=index,
-                item=finished,
+                delta=payload,
             )
+            out.append(self._sse(delta))
+        done = payload_done(
+            type=f"{kind}.done",
+            sequence_number=self._next(),
+            item_id=finished.id,
+            output_index=index,
         )
-        return b"".join(self._sse(e) for e in events)
+        out.append(self._sse(done))
+        out.append(self._item_event("response.output_item.done", index, finished))
+        return b"".join(out)
 
     # -- terminals ----------------------------------------------------------------------
 
@@ -824,32 +798,12 @@ class ResponsesStream:
         calls = [_clean_call(call) for call in done.calls]
         out += [self._call(call) for call in calls]
         self._state = _State.FINISHED
-        if incomplete:
-            response = msgspec.structs.replace(
-                self._response,
-                status="incomplete",
-                incomplete_details=_Incomplete(incomplete),
-                output=self._output,
-                usage=_usage(done.usage),
-            )
-            kind = "response.incomplete"
-        else:
-            response = msgspec.structs.replace(
-                self._response,
-                status="completed",
-                completed_at=self._completed_at(),
-                output=self._output,
-                usage=_usage(done.usage),
-            )
-            kind = "response.completed"
-        self._record.keep(response, self._output, calls)
+        response = self._record.finish(done, self._output, calls)
+        kind = "response.incomplete" if incomplete else "response.completed"
         out.append(
             self._sse(_ResponseEvent(type=kind, sequence_number=self._next(), response=response))
         )
         return b"".join(out)
-
-    def _completed_at(self) -> int:
-        return self._record.completed_at()
 
     def _failed(self, failed: ShapedFailed) -> bytes:
         out = self._close("incomplete")
@@ -895,7 +849,6 @@ class ResponsesCollector(ShapedCollector):
         super().__init__(OutputShaper(call.chat, ctx.policy, ctx.run_id, buffered=True))
         self._run_id = ctx.run_id
         self._record = _Record(call, ctx, keep, clock, response_id)
-        self._response = self._record.response
         self._tools = _tool_map(call)
 
     def feed_shaped(self, event: Shaped) -> None:
@@ -924,13 +877,5 @@ class ResponsesCollector(ShapedCollector):
         calls = [_clean_call(call) for call in done.calls]
         for call in calls:
             output.append(_call_item(call, self._tools, self._run_id, len(output)))
-        response = msgspec.structs.replace(
-            self._response,
-            status=status,
-            completed_at=None if incomplete else self._record.completed_at(),
-            incomplete_details=_Incomplete(incomplete) if incomplete else None,
-            output=output,
-            usage=_usage(done.usage),
-        )
-        self._record.keep(response, output, calls)
+        response = self._record.finish(done, output, calls)
         return _json(response)

@@ -82,7 +82,7 @@ from typing import Any, Final, Literal, TypeVar
 import msgspec
 
 from iop.api._json_guard import DEFAULT_MAX_JSON_DEPTH, guarded_decode
-from iop.api._openai_validation import from_validation
+from iop.api._openai_validation import from_validation, missing_parameter
 from iop.api.responses._tools import (
     CustomToolEcho,
     FunctionToolEcho,
@@ -398,17 +398,9 @@ def _unsupported(param: str, what: str) -> RequestError:
 def _check(req: ResponsesRequest) -> None:
     """The checks msgspec's types cannot express (module docstring)."""
     if not req.model.strip():
-        raise RequestError(
-            "Missing required parameter: 'model'.",
-            param="model",
-            code=ErrorCode.MISSING_REQUIRED_PARAMETER,
-        )
+        raise missing_parameter("model")
     if req.input is None:
-        raise RequestError(
-            "Missing required parameter: 'input'.",
-            param="input",
-            code=ErrorCode.MISSING_REQUIRED_PARAMETER,
-        )
+        raise missing_parameter("input")
     _range("temperature", req.temperature, 0, 2)
     _range("top_p", req.top_p, 0, 1)
     _range("max_output_tokens", req.max_output_tokens, MAX_OUTPUT_TOKENS_MIN, None)
@@ -857,11 +849,7 @@ def _response_format(text: _Text | None) -> dict[str, Any] | None:
     if kind == "json_schema":
         if not isinstance(fmt.get("name"), str) or not isinstance(fmt.get("schema"), dict):
             missing = "name" if not isinstance(fmt.get("name"), str) else "schema"
-            raise RequestError(
-                f"Missing required parameter: 'text.format.{missing}'.",
-                param=f"text.format.{missing}",
-                code=ErrorCode.MISSING_REQUIRED_PARAMETER,
-            )
+            raise missing_parameter(f"text.format.{missing}")
         spec = {k: fmt[k] for k in ("name", "description", "schema", "strict") if k in fmt}
         return {"type": "json_schema", "json_schema": spec}
     raise RequestError(
