@@ -223,7 +223,7 @@ class EdgeCore:
         self.runs_started += 1
         window = self.delivery.run_buffer
         trace = None
-        executor = RemoteExecutor(self, collect=collect, share=share)
+        executor = RemoteExecutor(self, share, collect=collect)
         run = self.supervisor.start_run(
             executor,
             spec,
@@ -249,7 +249,7 @@ class EdgeCore:
             self.admission.hold(run, ticket)
         if self.tracing is not None:
             trace = self.tracing.request(timeline, spec.traceparent, f"{op} {model}")
-            executor._trace = self._traces[spec.run_id] = trace
+            executor.trace = self._traces[spec.run_id] = trace
             timeline.traceparent = trace.traceparent
         else:
             timeline.traceparent = spec.traceparent
