@@ -72,7 +72,6 @@ class Reloader(Generic[C]):
         self._log = log
         self._restart = restart
         self._lock = trio.Lock()
-        self.reloads = 0
 
     async def reload(self, via: str) -> ReloadOutcome:
         """Re-read the file and apply what changed; says what it did.
@@ -83,7 +82,6 @@ class Reloader(Generic[C]):
         """
         async with self._lock:
             outcome = await self._reload()
-            self.reloads += 1
         level = logging.ERROR if outcome.status == "refused" else logging.INFO
         if outcome.restart_required:
             level = logging.WARNING

@@ -46,7 +46,6 @@ from iop.edge.runs import (
     delivery_policy,
     drain_node,
     drain_runs,
-    known_node,
     undrain_node,
 )
 from iop.edge.scheduler import EVEN_SHARE, QueueShare, Scheduler
@@ -60,7 +59,7 @@ from iop.edge.tenancy._tenants import Tenant, Tenants, Ticket
 from iop.errors import ConfigError, ErrorCode, RequestError
 from iop.events import CancelReason, Usage
 from iop.ledger import Prices
-from iop.protocol import FrameChannel, NodeCredentials
+from iop.protocol import FrameChannel
 from iop.runtime import LinkClock, Run, RunSupervisor, open_run_supervisor
 from iop.spec import ExecutionSpec, OperationRequest, Routing
 from iop.timeline import Timeline, TimelineRing
@@ -146,16 +145,6 @@ class EdgeCore:
         # every reload.
         self.tls: EdgeTLS | None = None
 
-    @property
-    def prices(self) -> Prices:
-        """What runs cost ([prices])."""
-        return self.admission.prices
-
-    @property
-    def node_credentials(self) -> NodeCredentials:
-        """What a node's hello may present now."""
-        return self.links.credentials
-
     def apply_config(self, config: EdgeConfig) -> None:
         """Run with a reloaded config, whose keys that need a restart are the
         running ones (``iop._reload.plan_reload``).
@@ -234,7 +223,7 @@ class EdgeCore:
         self.runs_started += 1
         window = self.delivery.run_buffer
         trace = None
-        executor = RemoteExecutor(self, collect=collect, share=share)
+        executor = RemoteExecutor(self, share, collect=collect)
         run = self.supervisor.start_run(
             executor,
             spec,
@@ -257,10 +246,10 @@ class EdgeCore:
         timeline.max_stalls = self.config.timelines.max_stalls
         if ticket is not None:
             # Before the run's task starts: its queue share is its tenant's.
-            self.hold_ticket(run, ticket)
+            self.admission.hold(run, ticket)
         if self.tracing is not None:
             trace = self.tracing.request(timeline, spec.traceparent, f"{op} {model}")
-            executor._trace = self._traces[spec.run_id] = trace
+            executor.trace = self._traces[spec.run_id] = trace
             timeline.traceparent = trace.traceparent
         else:
             timeline.traceparent = spec.traceparent
@@ -321,10 +310,6 @@ class EdgeCore:
         """Settle ``ticket`` where it was reserved (``TenantAdmission.settle``)."""
         self.admission.settle(ticket, usage, cost)
 
-    def hold_ticket(self, run: Run, ticket: Ticket) -> None:
-        """``run`` was admitted with ``ticket``: settle it when the run ends."""
-        self.admission.hold(run, ticket)
-
     def record_outcome(self, run: Run) -> None:
         """Count a finished run (the metrics' run counter, which /admin reads too)
         and keep its timeline."""
@@ -367,10 +352,6 @@ class EdgeCore:
 
     # --- admin / lifecycle --------------------------------------------------------
 
-    def known_node(self, node_id: str) -> bool:
-        """Whether ``node_id`` is connected or drained (what drain and undrain act on)."""
-        return known_node(self.registry, node_id)
-
     def drain_node(self, node_id: str, *, reason: str = "", by: str = "") -> bool:
         """An operator's drain of ``node_id`` (``iop.edge.runs._drains``).
 
@@ -390,10 +371,6 @@ class EdgeCore:
     def drain_view(self, node_id: str) -> dict[str, object]:
         """One node id's drain state (what drain and undrain answer)."""
         return _views.drain_view(self, node_id)
-
-    def routing_view(self) -> dict[str, object]:
-        """The scheduler's policy, its weights and the prefix index's size."""
-        return _views.routing_view(self)
 
     def snapshot(self) -> dict[str, object]:
         """The admin view: nodes, instances, load, drains, routing, runs."""

@@ -11,6 +11,7 @@ import trio
 import trio.testing
 
 from iop.edge import open_edge_core
+from iop.edge.runs import known_node
 from iop.errors import ErrorCode, RequestError
 from iop.events import CancelReason, Complete, Delta, Start
 from tests.edge.test_core import FakeNode, caps, config, connect, drain_events, spec
@@ -101,7 +102,7 @@ async def test_the_drain_outlives_the_nodes_reconnect(
         await trio.testing.wait_all_tasks_blocked()
         assert "gpu-3" not in core.registry.nodes
         # ...gone, it is still known: drained, and it may be undrained or shown.
-        assert core.known_node("gpu-3")
+        assert known_node(core.registry, "gpu-3")
         assert core.drain_view("gpu-3")["connected"] is False
         assert core.snapshot()["drained"] == {
             "gpu-3": {

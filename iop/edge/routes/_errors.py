@@ -46,6 +46,9 @@ log = logging.getLogger("iop.edge.http")
 NO_KEY: Final = "No API key provided: send one as `Authorization: Bearer KEY`."
 ANTHROPIC_NO_KEY: Final = "No API key provided: send one in the `x-api-key` header."
 
+# What a crash is told (the log has the rest).
+_CRASHED: Final = "internal server error"
+
 # What a person who opens the edge's root (or /v1) in a browser is told.
 _ROOT_POINTERS: Final = (
     "This is an IOP edge: the OpenAI and Anthropic APIs are under /v1 "
@@ -93,12 +96,20 @@ def from_exc(
     exc: IopError, surface: Surface = CHAT, headers: Mapping[str, str] | None = None
 ) -> Response:
     """The error response of ``exc`` (a 429 says when to retry)."""
-    if headers is None and exc.status == 429:
-        headers = {"Retry-After": "1"}
-    param = exc.param if isinstance(exc, RequestError) else None
+    param, headers = _exc_fields(exc, headers)
     return error(
         exc.status, exc.message, code=exc.code, param=param, headers=headers, surface=surface
     )
+
+
+def _exc_fields(
+    exc: IopError, headers: Mapping[str, str] | None
+) -> tuple[str | None, Mapping[str, str] | None]:
+    """What ``exc``'s error says besides its status, message and code: the
+    parameter at fault, and its headers (a 429 says when to retry)."""
+    if headers is None and exc.status == 429:
+        headers = {"Retry-After": "1"}
+    return (exc.param if isinstance(exc, RequestError) else None), headers
 
 
 # The surface routes answer below quart (``iop.edge.server._surface_asgi``):
@@ -138,9 +149,7 @@ def exc_answer(
     exc: IopError, surface: Surface = CHAT, headers: Mapping[str, str] | None = None
 ) -> Answer:
     """``from_exc``'s response as a surface route's answer."""
-    if headers is None and exc.status == 429:
-        headers = {"Retry-After": "1"}
-    param = exc.param if isinstance(exc, RequestError) else None
+    param, headers = _exc_fields(exc, headers)
     return error_answer(
         exc.status, exc.message, code=exc.code, param=param, headers=headers, surface=surface
     )
@@ -243,16 +252,17 @@ class Refusals:
         status, message, code, headers, surface = self._refusal(exc, "POST", path)
         return error_answer(status, message, code=code, headers=headers, surface=surface)
 
+    def _crash(self, exc: Exception, method: str, path: str) -> Surface:
+        """Logs an unexpected exception; the surface its 500 takes the shape of."""
+        log.error("unhandled error on %s %s", method, path, exc_info=exc)
+        return self._surfaces.get(path, CHAT)
+
     def crashed(self, exc: Exception, method: str, path: str) -> Response:
         """Logs an unexpected exception; its 500 in the path's surface's shape."""
-        log.error("unhandled error on %s %s", method, path, exc_info=exc)
-        surface = self._surfaces.get(path, CHAT)
-        return error(500, "internal server error", code=ErrorCode.INTERNAL_ERROR, surface=surface)
+        surface = self._crash(exc, method, path)
+        return error(500, _CRASHED, code=ErrorCode.INTERNAL_ERROR, surface=surface)
 
     def crashed_answer(self, exc: Exception, path: str) -> Answer:
         """``crashed`` of a ``POST`` to a surface route, as its answer."""
-        log.error("unhandled error on %s %s", "POST", path, exc_info=exc)
-        surface = self._surfaces.get(path, CHAT)
-        return error_answer(
-            500, "internal server error", code=ErrorCode.INTERNAL_ERROR, surface=surface
-        )
+        surface = self._crash(exc, "POST", path)
+        return error_answer(500, _CRASHED, code=ErrorCode.INTERNAL_ERROR, surface=surface)

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import TYPE_CHECKING, Final, Protocol, assert_never
+from typing import Final, Protocol, assert_never
 
 import msgspec
 import trio
@@ -59,9 +59,6 @@ from iop.runtime import RunSink
 from iop.spec import ExecutionSpec
 from iop.timeline import Placement
 from iop.tracing import RunTrace
-
-if TYPE_CHECKING:
-    from iop.edge.tenancy._tenants import Tenants
 
 __all__ = ["MAX_ATTEMPTS", "RemoteExecutor", "RunHost"]
 
@@ -83,9 +80,6 @@ class RunHost(Protocol):
 
     @property
     def masker(self) -> SecretMasker: ...
-
-    @property
-    def tenants(self) -> Tenants: ...
 
     @property
     def delivery(self) -> DeliveryPolicy: ...
@@ -122,23 +116,17 @@ class RemoteExecutor:
         "_core",
         "_share",
         "_started",
-        "_trace",
+        "trace",
     )
 
-    def __init__(
-        self,
-        core: RunHost,
-        *,
-        collect: bool = False,
-        trace: RunTrace | None = None,
-        share: QueueShare | None = None,
-    ) -> None:
+    def __init__(self, core: RunHost, share: QueueShare, *, collect: bool = False) -> None:
         self._core = core
-        # Where the run stands in the queue (``EdgeCore.queue_share``);
-        # None: its tenant's share, looked up when it runs.
+        # Where the run stands in the queue (``EdgeCore.queue_share``).
         self._share = share
-        # The run's spans when the edge traces (iop.tracing).
-        self._trace = trace
+        # The run's spans when the edge traces (iop.tracing): set by
+        # ``EdgeCore.start_run`` once the run (and so its timeline) exists,
+        # before its task starts.
+        self.trace: RunTrace | None = None
         # Nobody reads the events as they come (``Assign.collect``).
         self._collect = collect
         # How long the node may hold them: an eighth of the idle deadline
@@ -157,7 +145,7 @@ class RemoteExecutor:
         # A tenant's conversations and prefixes are its own: the run's cache
         # salt scopes them as it scopes the backend's cache (start_run).
         scope = spec.cache_salt
-        share = self._share or core.tenants.share_of(send.timeline.tenant)
+        share = self._share
         affinity = (
             affinity_key(spec.request, scope, session=share.session, tenant=share.tenant)
             if core.config.scheduler.affinity
@@ -230,8 +218,8 @@ class RemoteExecutor:
         # The node's run joins the trace: the attempt's span, or the client's
         # context passed on when the edge does not trace.
         traceparent = (
-            self._trace.attempt(conn.node_id, instance, number, placement.at)
-            if self._trace is not None
+            self.trace.attempt(conn.node_id, instance, number, placement.at)
+            if self.trace is not None
             else timeline.traceparent
         )
         if traceparent != spec.traceparent:

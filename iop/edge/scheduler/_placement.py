@@ -23,7 +23,7 @@ there.
 
 Load reports (``iop.edge.runs._nodes.ReportedLoad``): placement scores an
 instance by the larger of the edge's own count and the node's in-flight
-plus queued, plus the engine's waiting requests (``Scheduler.occupancy``);
+plus queued, plus the engine's waiting requests (``Placement.occupancy``);
 with ``prefix`` placement the engine's KV-cache usage costs ``kv_weight``.
 A report is a hint and only orders the candidates: a free slot is still the
 edge's own count, so a report older than ``load_stale_s`` (ignored: the
@@ -161,9 +161,6 @@ class Placement:
                 continue
             if model in inst.caps.targets and inst.caps.serves(operation):
                 yield conn, inst
-
-    def serves(self, model: str, operation: str = "chat") -> bool:
-        return self.could_serve(model, frozenset(), operation)
 
     def prompt_blocks(self, request: OperationRequest, scope: str = "") -> list[bytes]:
         """``request``'s prompt blocks in ``scope`` (the run's cache salt)

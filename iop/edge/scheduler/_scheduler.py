@@ -40,7 +40,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final, NoReturn
 
 import trio
@@ -67,7 +67,7 @@ from iop.spec import OperationRequest
 from iop.timeline import Timeline
 
 if TYPE_CHECKING:
-    from iop.edge.runs._nodes import InstanceState, NodeConnection, NodeRegistry
+    from iop.edge.runs._nodes import InstanceState, NodeRegistry
 
 __all__ = ["REFUSALS", "Scheduler"]
 
@@ -145,11 +145,6 @@ class Scheduler:
     def could_serve(self, model: str, exclude: Excluded, operation: str = "chat") -> bool:
         """``Placement.could_serve``."""
         return self.placement.could_serve(model, exclude, operation)
-
-    def _candidates(
-        self, model: str, exclude: Excluded = frozenset(), operation: str = "chat"
-    ) -> Iterator[tuple[NodeConnection, InstanceState]]:
-        return self.placement.candidates(model, exclude, operation)
 
     def _pick(
         self,
@@ -359,45 +354,42 @@ class Scheduler:
             )
         self.dispatch()
         try:
-            with trio.move_on_after(self.settings.queue_timeout_s):
-                await waiter.event.wait()
-        except BaseException:
-            # Cancelled while waiting: leave the queue, or give back a slot
-            # that was handed over just before the cancellation landed.
-            if waiter.lease is not None:
-                waiter.lease.release()
-            elif not waiter.shed:
-                self._remove(waiter, QueueExit.CANCELLED)
+            try:
+                with trio.move_on_after(self.settings.queue_timeout_s):
+                    await waiter.event.wait()
+            except BaseException:
+                # Cancelled while waiting: leave the queue, or give back a slot
+                # that was handed over just before the cancellation landed.
+                if waiter.lease is not None:
+                    waiter.lease.release()
+                elif not waiter.shed:
+                    self._remove(waiter, QueueExit.CANCELLED)
+                raise
+            if waiter.shed:
+                raise IopError(
+                    f"the queue for {model!r} is full: this run of sheddable objective "
+                    f"{share.objective!r} was shed for one that may not be",
+                    status=429,
+                    code=ErrorCode.QUEUE_FULL,
+                )
+            if waiter.lease is None:
+                self._remove(waiter, QueueExit.TIMED_OUT)
+                raise RunAborted(
+                    f"no capacity for model {model!r} within queue_timeout_s="
+                    f"{self.settings.queue_timeout_s:g}",
+                    reason=CancelReason.QUEUE_TIMEOUT,
+                )
+            return waiter.lease
+        finally:
+            # However it left the queue: placed, shed, timed out or cancelled.
             if timeline is not None:
                 timeline.dequeued = trio.current_time()
-            raise
-        if waiter.shed:
-            if timeline is not None:
-                timeline.dequeued = trio.current_time()
-            raise IopError(
-                f"the queue for {model!r} is full: this run of sheddable objective "
-                f"{share.objective!r} was shed for one that may not be",
-                status=429,
-                code=ErrorCode.QUEUE_FULL,
-            )
-        if waiter.lease is None:
-            self._remove(waiter, QueueExit.TIMED_OUT)
-            if timeline is not None:
-                timeline.dequeued = trio.current_time()
-            raise RunAborted(
-                f"no capacity for model {model!r} within queue_timeout_s="
-                f"{self.settings.queue_timeout_s:g}",
-                reason=CancelReason.QUEUE_TIMEOUT,
-            )
-        if timeline is not None:
-            timeline.dequeued = trio.current_time()
-        return waiter.lease
 
     def _busy_text(self, model: str, exclude: Excluded, operation: str) -> str:
         """Why a run for ``model`` found no slot: each candidate's load."""
         loads = [
             f"{conn.node_id}/{inst.caps.instance} {inst.in_flight}/{inst.caps.max_concurrency}"
-            for conn, inst in self._candidates(model, exclude, operation)
+            for conn, inst in self.placement.candidates(model, exclude, operation)
         ]
         return "every slot busy: " + ", ".join(loads[:8]) + (" ..." if len(loads) > 8 else "")
 

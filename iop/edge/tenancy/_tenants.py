@@ -491,11 +491,6 @@ class Tenants:
         )
         return base64.urlsafe_b64encode(mac.digest()).rstrip(b"=").decode()
 
-    def share_of(self, name: str) -> QueueShare:
-        """The queue share of the tenant ``name`` (an even one if unknown)."""
-        tenant = self.all.get(name)
-        return EVEN_SHARE if tenant is None else tenant.share
-
     def snapshot(self, now: float) -> list[dict[str, object]]:
         """Every tenant's state, for ``/admin/tenants`` and the admin page."""
         out: list[dict[str, object]] = []
