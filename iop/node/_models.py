@@ -270,43 +270,42 @@ class ModelManager:
         """Wait until ``name`` is loaded (loading it if needed), then hold it.
 
         Raises:
+            BackendUnavailable: As ``wait_ready``.
+        """
+        await self.wait_ready(name, timeout_s)
+        # No checkpoint since wait_ready saw it READY and live.
+        life = self.table.lease(name, trio.current_time())
+        self._apply()
+        return ModelLease(name, self._live[name].adapter, life)
+
+    async def wait_ready(self, name: str, timeout_s: float) -> None:
+        """Want ``name`` until it is ready (a run's lease, an edge's ``LoadModel``).
+
+        Raises:
             BackendUnavailable: Refused, failed, or not loaded in ``timeout_s``
                 (codes ``model_load_refused``, ``model_load_failed``,
                 ``model_load_timeout``).
         """
         with trio.move_on_after(timeout_s):
             while True:
-                await self.wait_ready(name)
-                backend = self._live.get(name)
-                if backend is not None and self.table.models[name].state is ModelState.READY:
-                    now = trio.current_time()
-                    life = self.table.lease(name, now)
-                    self._apply()
-                    return ModelLease(name, backend.adapter, life)
+                decision = self.table.want(name, trio.current_time())
+                self._apply()
+                changed = self._changed_event
+                if isinstance(decision, Ready) and name in self._live:
+                    return
+                if isinstance(decision, Refused):
+                    code = (
+                        ErrorCode.MODEL_LOAD_FAILED
+                        if decision.failed
+                        else ErrorCode.MODEL_LOAD_REFUSED
+                    )
+                    log.warning("model %s: load refused: %s", name, decision.reason)
+                    raise BackendUnavailable(decision.reason, code=code)
+                await changed.wait()
         raise BackendUnavailable(
             f"model {name} was not loaded within {timeout_s:g}s (node.model_load_timeout_s)",
             code=ErrorCode.MODEL_LOAD_TIMEOUT,
         )
-
-    async def wait_ready(self, name: str) -> None:
-        """Want ``name`` until it is ready (unbounded: the caller bounds it).
-
-        Raises:
-            BackendUnavailable: Its load is refused or failed.
-        """
-        while True:
-            decision = self.table.want(name, trio.current_time())
-            self._apply()
-            changed = self._changed_event
-            if isinstance(decision, Ready) and name in self._live:
-                return
-            if isinstance(decision, Refused):
-                code = (
-                    ErrorCode.MODEL_LOAD_FAILED if decision.failed else ErrorCode.MODEL_LOAD_REFUSED
-                )
-                log.warning("model %s: load refused: %s", name, decision.reason)
-                raise BackendUnavailable(decision.reason, code=code)
-            await changed.wait()
 
     async def wait_state(self, name: str, *states: ModelState) -> None:
         """Wait until ``name`` is in one of ``states`` (unbounded: the caller bounds it)."""
