@@ -175,20 +175,11 @@ class ModelManager:
             self._nursery = nursery
             task_status.started()
             while True:
-                now = trio.current_time()
-                self.table.tick(now)
-                for m in self.table.models.values():
-                    pinned_down = m.state in (ModelState.COLD, ModelState.FAILED)
-                    if m.spec.pinned and pinned_down and now >= m.retry_at:
-                        self.table.want(m.name, now)
+                self.table.tick(trio.current_time())
                 self._apply()
                 # After the apply, which sets the old one: a later change wakes us.
                 self._wake = trio.Event()
-                deadline = self.table.next_deadline()
-                for m in self.table.models.values():
-                    if m.spec.pinned and m.state is ModelState.FAILED:
-                        deadline = min(deadline, m.retry_at)
-                with trio.move_on_at(deadline):
+                with trio.move_on_at(self.table.next_deadline()):
                     await self._wake.wait()
 
     def _apply(self, *, changed: bool = False) -> None:
