@@ -47,7 +47,7 @@ from typing import ClassVar
 
 import trio
 
-from iop.adapters import Adapter
+from iop.adapters import HTTP_OPERATIONS, Adapter
 from iop.capabilities import Capabilities, ProbeResult, ProviderStatus, provider_detail
 from iop.config import LlamaCppModel, ModelConfig, ModelGroup, NodeSection, SimModel
 from iop.errors import BackendUnavailable, ErrorCode, InvariantError, IopError
@@ -339,9 +339,6 @@ class ModelManager:
 
 # --- a model as one of the node's instances ---------------------------------------
 
-# What a vllm model serves when it lists no ``operations`` (as a vllm instance).
-_VLLM_OPERATIONS = ("chat", "completion", "tokenize")
-
 _STATUS = {
     ModelState.READY: ProviderStatus.AVAILABLE,
     ModelState.LOADING: ProviderStatus.DEGRADED,
@@ -385,7 +382,8 @@ class ModelAdapter:
     async def capabilities(self) -> Capabilities:
         cfg = self.cfg
         status, detail = self._status()
-        ops = cfg.operations or (OPERATIONS if self.engine == "sim" else _VLLM_OPERATIONS)
+        # Unlisted: what the model's server serves as a configured instance would.
+        ops = cfg.operations or (OPERATIONS if self.engine == "sim" else HTTP_OPERATIONS)
         return Capabilities(
             adapter=self.engine,
             instance=cfg.name,
