@@ -12,13 +12,14 @@ from __future__ import annotations
 import httpx
 
 from iop.adapters._base import Adapter, EngineLoadReader, require_model_and_messages
-from iop.adapters._http import build_chat_body, join_openai_path
+from iop.adapters._http import HTTP_OPERATIONS, build_chat_body, join_openai_path
 from iop.adapters.openai_compat import OpenAICompatAdapter
 from iop.adapters.sim import SimAdapter
 from iop.adapters.vllm import VllmAdapter
 from iop.config import InstanceConfig, OpenAICompatInstance, SimInstance, VllmInstance
 
 __all__ = [
+    "HTTP_OPERATIONS",
     "Adapter",
     "EngineLoadReader",
     "OpenAICompatAdapter",

@@ -7,9 +7,9 @@
    replaces ``{port}``, ``{model}`` and ``{name}`` in the argv, and spawns it in a
    session of its own (a Ctrl-C on the terminal reaches only the node, which
    stops it in order). Its stdout and stderr go through one pipe, read
-   continuously line by line (``MAX_LOG_LINE_BYTES``) into the
-   ``iop.managed.command`` logger at DEBUG; the last ``LOG_TAIL_LINES`` lines
-   are kept for error messages.
+   continuously line by line (split as the llama.cpp server's log,
+   ``iop.managed._llamacpp``) into the ``iop.managed.command`` logger at DEBUG;
+   the last ``LOG_TAIL_LINES`` lines are kept for error messages.
 2. It polls ``health_path`` every ``HEALTH_POLL_INTERVAL_S`` until it
    answers 2xx, within ``ready_timeout_s`` (vLLM answers ``/health`` once
    the model is loaded); the process exiting first, or the deadline, fails
@@ -27,7 +27,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 from collections.abc import Callable, Sequence
 from typing import Final
@@ -36,26 +35,23 @@ import httpx
 import trio
 
 from iop.errors import BackendUnavailable
+from iop.managed._llamacpp import (
+    ERROR_TAIL_LINES,
+    LOG_TAIL_LINES,
+    PIPE_READ_BYTES,
+    _LineSplitter,
+    _raise_sole,
+)
+from iop.managed._llamacpp_server import _free_port
 
-__all__ = ["free_port", "serve_command"]
+__all__ = ["serve_command"]
 
 log = logging.getLogger("iop.managed.command")
 
-# As the llama.cpp server's log (iop.managed._llamacpp): lines are split
-# past this, never buffered whole; the tail explains a failed start.
-MAX_LOG_LINE_BYTES: Final = 16 * 1024
-LOG_TAIL_LINES: Final = 40
-ERROR_TAIL_LINES: Final = 12
-PIPE_READ_BYTES: Final = 64 * 1024
+# The log's limits (line length, tail) are the llama.cpp server's
+# (iop.managed._llamacpp, which says why).
 HEALTH_POLL_INTERVAL_S: Final = 0.2
 HEALTH_REQUEST_TIMEOUT_S: Final = 2.0
-
-
-def free_port(host: str) -> int:
-    """A port of ``host`` free now (the kernel's pick; the server binds it next)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def _tail_text(message: str, tail: Sequence[str]) -> str:
@@ -68,23 +64,16 @@ def _tail_text(message: str, tail: Sequence[str]) -> str:
 async def _read_log(
     stream: trio.abc.ReceiveStream, name: str, tail: collections.deque[str]
 ) -> None:
-    buf = bytearray()
-
-    def emit(raw: bytes | bytearray) -> None:
-        line = bytes(raw).decode("utf-8", errors="replace").rstrip("\r")
-        tail.append(line)
-        log.debug("%s: %s", name, line)
-
-    while data := await stream.receive_some(PIPE_READ_BYTES):
-        buf += data
-        while (i := buf.find(b"\n")) >= 0:
-            emit(buf[:i])
-            del buf[: i + 1]
-        while len(buf) >= MAX_LOG_LINE_BYTES:
-            emit(buf[:MAX_LOG_LINE_BYTES])
-            del buf[:MAX_LOG_LINE_BYTES]
-    if buf:
-        emit(buf)
+    # The stream stays open after its reader is cancelled: the server's last
+    # lines while it stops wait in the pipe rather than meet a closed one.
+    splitter = _LineSplitter()
+    while True:
+        data = await stream.receive_some(PIPE_READ_BYTES)
+        for line in splitter.feed(data) if data else splitter.flush():
+            tail.append(line)
+            log.debug("%s: %s", name, line)
+        if not data:
+            return
 
 
 async def _stop(proc: trio.Process, grace_s: float) -> None:
@@ -119,7 +108,7 @@ async def serve_command(
         BackendUnavailable: It could not start, was not healthy within
             ``ready_timeout_s``, or exited; the message quotes its log.
     """
-    port = port or free_port(host)
+    port = port or _free_port(host)
     args = [
         a.replace("{port}", str(port)).replace("{model}", model).replace("{name}", name)
         for a in argv
@@ -175,10 +164,7 @@ async def serve_command(
             on_exit(reason)
             raise BackendUnavailable(_tail_text(reason, tail))
     except BaseExceptionGroup as group:
-        leaves = group.exceptions
-        if len(leaves) == 1:
-            raise leaves[0] from None
-        raise
+        _raise_sole(group)
     finally:
         with trio.CancelScope(shield=True):
             await _stop(proc, stop_grace_s)

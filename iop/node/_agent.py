@@ -386,17 +386,8 @@ class NodeAgent:
             code, message = ErrorCode.UNKNOWN_INSTANCE, f"node {self.node_id} has no model {name!r}"
             result = msgspec.structs.replace(result, ok=False, code=code, message=message)
         else:
-            timeout = models.load_timeout_s
             try:
-                with trio.move_on_after(timeout) as scope:
-                    await models.wait_ready(name)
-                if scope.cancelled_caught:
-                    result = msgspec.structs.replace(
-                        result,
-                        ok=False,
-                        code=ErrorCode.MODEL_LOAD_TIMEOUT,
-                        message=f"model {name} was not loaded within {timeout:g}s",
-                    )
+                await models.wait_ready(name, models.load_timeout_s)
             except IopError as exc:
                 result = msgspec.structs.replace(
                     result, ok=False, code=exc.code, message=self._masker.mask(exc.message)

@@ -47,7 +47,7 @@ from typing import ClassVar
 
 import trio
 
-from iop.adapters import Adapter
+from iop.adapters import HTTP_OPERATIONS, Adapter
 from iop.capabilities import Capabilities, ProbeResult, ProviderStatus, provider_detail
 from iop.config import LlamaCppModel, ModelConfig, ModelGroup, NodeSection, SimModel
 from iop.errors import BackendUnavailable, ErrorCode, InvariantError, IopError
@@ -175,20 +175,11 @@ class ModelManager:
             self._nursery = nursery
             task_status.started()
             while True:
-                now = trio.current_time()
-                self.table.tick(now)
-                for m in self.table.models.values():
-                    pinned_down = m.state in (ModelState.COLD, ModelState.FAILED)
-                    if m.spec.pinned and pinned_down and now >= m.retry_at:
-                        self.table.want(m.name, now)
+                self.table.tick(trio.current_time())
                 self._apply()
                 # After the apply, which sets the old one: a later change wakes us.
                 self._wake = trio.Event()
-                deadline = self.table.next_deadline()
-                for m in self.table.models.values():
-                    if m.spec.pinned and m.state is ModelState.FAILED:
-                        deadline = min(deadline, m.retry_at)
-                with trio.move_on_at(deadline):
+                with trio.move_on_at(self.table.next_deadline()):
                     await self._wake.wait()
 
     def _apply(self, *, changed: bool = False) -> None:
@@ -270,43 +261,42 @@ class ModelManager:
         """Wait until ``name`` is loaded (loading it if needed), then hold it.
 
         Raises:
+            BackendUnavailable: As ``wait_ready``.
+        """
+        await self.wait_ready(name, timeout_s)
+        # No checkpoint since wait_ready saw it READY and live.
+        life = self.table.lease(name, trio.current_time())
+        self._apply()
+        return ModelLease(name, self._live[name].adapter, life)
+
+    async def wait_ready(self, name: str, timeout_s: float) -> None:
+        """Want ``name`` until it is ready (a run's lease, an edge's ``LoadModel``).
+
+        Raises:
             BackendUnavailable: Refused, failed, or not loaded in ``timeout_s``
                 (codes ``model_load_refused``, ``model_load_failed``,
                 ``model_load_timeout``).
         """
         with trio.move_on_after(timeout_s):
             while True:
-                await self.wait_ready(name)
-                backend = self._live.get(name)
-                if backend is not None and self.table.models[name].state is ModelState.READY:
-                    now = trio.current_time()
-                    life = self.table.lease(name, now)
-                    self._apply()
-                    return ModelLease(name, backend.adapter, life)
+                decision = self.table.want(name, trio.current_time())
+                self._apply()
+                changed = self._changed_event
+                if isinstance(decision, Ready) and name in self._live:
+                    return
+                if isinstance(decision, Refused):
+                    code = (
+                        ErrorCode.MODEL_LOAD_FAILED
+                        if decision.failed
+                        else ErrorCode.MODEL_LOAD_REFUSED
+                    )
+                    log.warning("model %s: load refused: %s", name, decision.reason)
+                    raise BackendUnavailable(decision.reason, code=code)
+                await changed.wait()
         raise BackendUnavailable(
             f"model {name} was not loaded within {timeout_s:g}s (node.model_load_timeout_s)",
             code=ErrorCode.MODEL_LOAD_TIMEOUT,
         )
-
-    async def wait_ready(self, name: str) -> None:
-        """Want ``name`` until it is ready (unbounded: the caller bounds it).
-
-        Raises:
-            BackendUnavailable: Its load is refused or failed.
-        """
-        while True:
-            decision = self.table.want(name, trio.current_time())
-            self._apply()
-            changed = self._changed_event
-            if isinstance(decision, Ready) and name in self._live:
-                return
-            if isinstance(decision, Refused):
-                code = (
-                    ErrorCode.MODEL_LOAD_FAILED if decision.failed else ErrorCode.MODEL_LOAD_REFUSED
-                )
-                log.warning("model %s: load refused: %s", name, decision.reason)
-                raise BackendUnavailable(decision.reason, code=code)
-            await changed.wait()
 
     async def wait_state(self, name: str, *states: ModelState) -> None:
         """Wait until ``name`` is in one of ``states`` (unbounded: the caller bounds it)."""
@@ -348,9 +338,6 @@ class ModelManager:
 
 
 # --- a model as one of the node's instances ---------------------------------------
-
-# What a vllm model serves when it lists no ``operations`` (as a vllm instance).
-_VLLM_OPERATIONS = ("chat", "completion", "tokenize")
 
 _STATUS = {
     ModelState.READY: ProviderStatus.AVAILABLE,
@@ -395,7 +382,8 @@ class ModelAdapter:
     async def capabilities(self) -> Capabilities:
         cfg = self.cfg
         status, detail = self._status()
-        ops = cfg.operations or (OPERATIONS if self.engine == "sim" else _VLLM_OPERATIONS)
+        # Unlisted: what the model's server serves as a configured instance would.
+        ops = cfg.operations or (OPERATIONS if self.engine == "sim" else HTTP_OPERATIONS)
         return Capabilities(
             adapter=self.engine,
             instance=cfg.name,

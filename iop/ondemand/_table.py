@@ -46,7 +46,9 @@ A failed load (or a ready model's process exiting) makes the model
 ``FAILED`` until ``retry_at``: ``model_retry_min_s``, doubled with each
 failure in a row, at most ``model_retry_max_s``; a want before then is
 refused with the failure's reason. A ready model with no lease and
-``idle_ttl_s`` set is unloaded once it is idle that long (``tick``).
+``idle_ttl_s`` set is unloaded once it is idle that long, and a ``pinned``
+model that is not loaded is wanted, at the start and again at each
+``retry_at`` (``tick``, when ``next_deadline`` says).
 
 Leases count per *life* (one load): a run that started on a life which then
 exited releases nothing of the next one's.
@@ -244,11 +246,14 @@ class ModelTable:
         return out
 
     def next_deadline(self) -> float:
-        """When ``tick`` has something to do next (an idle model's ttl): inf if never."""
+        """When ``tick`` has something to do next (an idle model's ttl, a
+        failed pinned model's retry): inf if never."""
         when = math.inf
         for m in self.models.values():
             if self._idle_candidate(m):
                 when = min(when, m.last_used + m.spec.idle_ttl_s)
+            elif m.spec.pinned and m.state is _S.FAILED:
+                when = min(when, m.retry_at)
         return when
 
     # --- a run or the edge wants a model ----------------------------------------
@@ -405,12 +410,16 @@ class ModelTable:
         return m.state is _S.READY and not m.leases and not m.spec.pinned and m.spec.idle_ttl_s > 0
 
     def tick(self, now: float) -> None:
-        """Unload the models idle for their ``idle_ttl_s``."""
+        """Unload the models idle for their ``idle_ttl_s``; want the pinned
+        ones not loaded (cold, or failed and past ``retry_at``)."""
         for m in self.models.values():
             if self._idle_candidate(m) and now - m.last_used >= m.spec.idle_ttl_s:
                 self._unload(
                     m, f"idle for {now - m.last_used:.3g}s (idle_ttl_s {m.spec.idle_ttl_s:g})"
                 )
+        for m in self.models.values():
+            if m.spec.pinned and m.state in (_S.COLD, _S.FAILED) and now >= m.retry_at:
+                self.want(m.name, now)  # a refusal: wanted again at the next tick
 
     def _unload(self, m: Model, reason: str) -> None:
         self._enter(m, _S.UNLOADING)

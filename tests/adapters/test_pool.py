@@ -12,9 +12,7 @@ import contextlib
 import gc
 import gzip
 import math
-import shutil
 import ssl
-import subprocess
 import warnings
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -476,24 +474,6 @@ async def test_a_stream_read_to_its_end_leaves_no_generator_to_trio() -> None:
             gc.collect()
     assert isinstance(events[-1], Complete)
     assert [str(w.message) for w in caught if "Async generator" in str(w.message)] == []
-
-
-@pytest.fixture(scope="module")
-def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    """A self-signed certificate for 127.0.0.1 and its key (made with openssl)."""
-    if shutil.which("openssl") is None:
-        pytest.skip("no openssl binary to make a test certificate with")
-    where = tmp_path_factory.mktemp("tls")
-    cert, key = str(where / "cert.pem"), str(where / "key.pem")
-    argv = ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
-    argv += ["-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
-    subprocess.run(
-        [*argv, "-keyout", key, "-out", cert],
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-    return cert, key
 
 
 async def test_https_through_the_pool(tls_files: tuple[str, str]) -> None:

@@ -271,6 +271,35 @@ async def test_the_edge_asks_for_a_model_and_hears_when_it_is_ready(
         nursery.cancel_scope.cancel()
 
 
+async def test_the_edge_hears_a_load_past_the_deadline_as_a_timeout(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    cfg = NodeConfig(
+        node=section(memory_mib=100, model_load_timeout_s=5.0),
+        models=[model("a", load_time_s=600.0)],
+    )
+    async with open_node_agent(cfg) as agent, trio.open_nursery() as nursery:
+        edge = await link(nursery, agent)
+        answers: list[ModelLoadResult] = []
+        receive = edge.session.receive
+
+        def recording(frame: bytes, now: float) -> list[EdgeLinkEvent]:
+            events = receive(frame, now)
+            answers.extend(e.result for e in events if isinstance(e, ModelLoadAnswered))
+            return events
+
+        edge.session.receive = recording  # type: ignore[method-assign]
+        edge.session.load_model("q1", "a")
+        await edge.flush()
+        while not answers:
+            await edge.progress.wait()
+        assert not answers[0].ok
+        assert answers[0].code == ErrorCode.MODEL_LOAD_TIMEOUT
+        assert "model_load_timeout_s" in answers[0].message
+        assert agent.snapshot().models[0].state == "loading"  # the load goes on
+        nursery.cancel_scope.cancel()
+
+
 async def test_load_model_to_a_node_that_offers_no_models_breaks_the_protocol(
     autojump_clock: trio.abc.Clock,
 ) -> None:

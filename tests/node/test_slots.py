@@ -16,6 +16,19 @@ async def hold(slots: InstanceSlots, name: str, order: list[str], release: trio.
         await release.wait()
 
 
+async def hold_in_turn(
+    nursery: trio.Nursery,
+    slots: InstanceSlots,
+    names: str,
+    order: list[str],
+    releases: dict[str, trio.Event],
+) -> None:
+    """Start a ``hold`` per name, each blocked before the next: the queue's order."""
+    for name in names:
+        nursery.start_soon(hold, slots, name, order, releases[name])
+        await trio.testing.wait_all_tasks_blocked()
+
+
 async def test_free_slot_runs_immediately_and_counters(autojump_clock: trio.abc.Clock) -> None:
     slots = InstanceSlots(2, 4, 10.0)
     assert (slots.in_flight, slots.queued) == (0, 0)
@@ -33,9 +46,7 @@ async def test_waiters_get_slots_in_fifo_order(autojump_clock: trio.abc.Clock) -
     order: list[str] = []
     releases = {name: trio.Event() for name in "abcde"}
     async with trio.open_nursery() as nursery:
-        for name in "abcde":
-            nursery.start_soon(hold, slots, name, order, releases[name])
-            await trio.testing.wait_all_tasks_blocked()
+        await hold_in_turn(nursery, slots, "abcde", order, releases)
         assert order == ["a"]
         assert (slots.in_flight, slots.queued) == (1, 4)
         for name in "abcde":
@@ -212,9 +223,7 @@ async def test_a_larger_concurrency_hands_its_new_slots_to_the_oldest_waiters(
     order: list[str] = []
     releases = {name: trio.Event() for name in "abcd"}
     async with trio.open_nursery() as nursery:
-        for name in "abcd":
-            nursery.start_soon(hold, slots, name, order, releases[name])
-            await trio.testing.wait_all_tasks_blocked()
+        await hold_in_turn(nursery, slots, "abcd", order, releases)
         assert order == ["a"]
         slots.resize(3, 10, 100.0)
         await trio.testing.wait_all_tasks_blocked()
@@ -232,9 +241,7 @@ async def test_a_smaller_concurrency_is_reached_as_runs_end(
     order: list[str] = []
     releases = {name: trio.Event() for name in "abcd"}
     async with trio.open_nursery() as nursery:
-        for name in "abc":
-            nursery.start_soon(hold, slots, name, order, releases[name])
-            await trio.testing.wait_all_tasks_blocked()
+        await hold_in_turn(nursery, slots, "abc", order, releases)
         slots.resize(1, 0, 100.0)
         assert slots.in_flight == 3  # nothing running is taken away
         # A lower queue bound refuses the next waiter.

@@ -3,6 +3,7 @@ transitions, eviction and refusal cases, and hypothesis over random sequences.""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -198,6 +199,22 @@ def test_an_idle_model_is_unloaded_after_its_ttl_and_never_while_held() -> None:
     assert t.actions() == []
     t.tick(1060.0)
     assert t.actions() == [StartUnload("a", "idle for 60s (idle_ttl_s 60)")]
+
+
+def test_a_pinned_model_is_loaded_by_the_tick_and_again_after_each_retry() -> None:
+    t = table(ModelSpec("p", 10, pinned=True))
+    t.tick(0.0)
+    assert t.actions() == [StartLoad("p")]
+    assert t.load_failed("p", "boom", 1.0) == 5.0
+    assert t.next_deadline() == 6.0  # its retry
+    t.tick(5.9)
+    assert t.actions() == []
+    t.tick(6.0)
+    assert t.actions() == [StartLoad("p")]
+    t.loaded("p", 7.0)
+    assert t.next_deadline() == math.inf
+    t.tick(1000.0)
+    assert t.actions() == []
 
 
 def test_a_lease_of_a_life_that_ended_releases_nothing_of_the_next() -> None:
