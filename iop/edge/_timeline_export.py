@@ -42,6 +42,10 @@ EXPORT_BUFFER: Final = 4096
 # the Cancel's round trip over the link, with room for a loaded node.
 NODE_PART_WAIT_S: Final = 2.0
 
+# Cancelled runs' lines held for their node's side at most: a storm of
+# cancels writes the oldest without it rather than holding them all.
+NODE_PART_WAITING_MAX: Final = EXPORT_BUFFER
+
 _ENCODER: Final = msgspec.json.Encoder()
 
 # The export is the operator's: readable by the edge's user alone.
@@ -117,6 +121,8 @@ class TimelineExport:
                     waiting.append((now + NODE_PART_WAIT_S, timeline))
                 else:
                     ready.append(timeline)
+            while len(waiting) > NODE_PART_WAITING_MAX:
+                ready.append(waiting.popleft()[1])
             if ready:
                 lines = [_ENCODER.encode(t.to_json()) + b"\n" for t in ready]
                 size = await trio.to_thread.run_sync(self._write, lines, size)

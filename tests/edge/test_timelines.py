@@ -372,3 +372,33 @@ async def test_the_admin_page_lists_recent_runs_and_opens_their_timeline() -> No
         assert "frame-ancestors 'none'" in view.headers["content-security-policy"]
         # A script gets the JSON.
         assert (await client.get(f"/admin/runs/{run_id}")).json()["run_id"] == run_id
+
+
+async def test_cancelled_lines_held_for_their_node_are_bounded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A storm of cancels: past NODE_PART_WAITING_MAX held lines, the oldest is
+    written without its node's side instead of holding them all for the wait."""
+    from iop.timeline import Placement
+
+    monkeypatch.setattr("iop.edge._timeline_export.NODE_PART_WAIT_S", 3600.0)
+    monkeypatch.setattr("iop.edge._timeline_export.NODE_PART_WAITING_MAX", 3)
+    export = TimelineExport(TimelineSettings(export_path=str(tmp_path / "x.jsonl")))
+
+    def cancelled(i: int) -> Timeline:
+        t = _timeline(i)
+        t.cancel_sent = 1.5
+        t.placements = [Placement(attempt=1, node="n1", instance="a", at=1.0, result="cancelled")]
+        return t
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(export.run)
+        for i in range(5):
+            export.add(cancelled(i))
+        with trio.fail_after(10):
+            while export.written < 2:
+                await trio.sleep(0.01)
+        assert export.written == 2
+        export.close()
+    ids = [msgspec.json.decode(ln)["run_id"] for ln in (tmp_path / "x.jsonl").read_text().split()]
+    assert ids == [f"run-{i:04d}" for i in range(5)]
