@@ -32,11 +32,11 @@ import msgspec
 import trio
 
 from iop.bench._procs import proc_cpu_s as _cpu_s
-from iop.bench._procs import start_valkey, valkey_binary
+from iop.bench._procs import start_valkey
 from iop.bench._runner import RunContext, register, tables_report
 from iop.testing import EDGE_READY, NODE_READY, SIM_READY, Proc, free_port, poll, toml_dumps
 
-__all__ = ["Options", "plots", "run", "tables", "valkey_binary"]
+__all__ = ["Options", "plots", "run", "tables"]
 
 _KEY_FREE: Final = "iop-bench-edges-free"
 _KEY_LIMITED: Final = "iop-bench-edges-limited"
