@@ -40,10 +40,12 @@ __all__ = [
     "FastResult",
     "RawClient",
     "Sample",
+    "StreamEvent",
     "admin_nodes",
     "chat_body",
     "decode_chunk",
     "fast_stream",
+    "load_client",
     "next_event",
     "one_completion",
     "one_request",
@@ -104,7 +106,9 @@ class _ErrorBody(msgspec.Struct):
     message: str = ""
 
 
-class _StreamEvent(msgspec.Struct):
+class StreamEvent(msgspec.Struct):
+    """A chat.completion.chunk of a stream, or an error event (the fields the clients read)."""
+
     choices: list[_Choice] = []
     error: _ErrorBody | None = None
 
@@ -131,7 +135,7 @@ class _Completion(msgspec.Struct):
 
 
 # A chat.completion.chunk (or an error event) of a stream.
-decode_chunk = msgspec.json.Decoder(_StreamEvent).decode
+decode_chunk = msgspec.json.Decoder(StreamEvent).decode
 _decode_error = msgspec.json.Decoder(_ErrorDoc).decode
 _decode_completion = msgspec.json.Decoder(_Completion).decode
 
@@ -353,6 +357,18 @@ async def wait_edge_idle(client: httpx.AsyncClient, url: str, timeout_s: float) 
 
 
 # --------------------------------------------------------------------------- httpx
+
+
+def load_client(timeout_s: float, *, keepalive: int) -> httpx.AsyncClient:
+    """An httpx client for an open-loop load: no cap on connections (an
+    arrival never waits for a free one), ``keepalive`` idle ones kept, each
+    read bounded by ``timeout_s``, the connect by 10 s; no proxy from the
+    environment."""
+    return httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=keepalive),
+        timeout=httpx.Timeout(timeout_s, connect=10.0),
+        trust_env=False,
+    )
 
 
 @dataclass
