@@ -61,6 +61,12 @@ MAX_HTTP_BYTES: Final = 1024 * 1024
 # KiB, so that the edge's writes block after a few dozen chunks, not after
 # the megabytes loopback autotuning would grant.
 SLOW_RCVBUF: Final = 4096
+# How long a backpressure runner's stream may take to connect and answer its
+# first bytes (slow_reader), or to end (fast_stream): far above what one
+# takes on a loaded 2-core box (a fast stream stalled behind a slow reader is
+# cut by the edge's write_stall_timeout_s, 10 s by default), so that a server
+# that never answers fails the run instead of hanging it.
+STREAM_DEADLINE_S: Final = 120.0
 # The model of the backpressure runners' sim.
 SIM_MODEL: Final = "iop-sim"
 _CONTENT: Final = re.compile(rb'"content":"[^"]')
@@ -479,12 +485,18 @@ async def slow_reader(
     first_bytes: trio.Event | None = None,
 ) -> int:
     """Stream ``max_tokens`` and read them slowly (0: not at all after the
-    first bytes) for ``hold_s``, then hang up; returns the bytes read."""
-    stream = await _connect(host, port, SLOW_RCVBUF)
+    first bytes) for ``hold_s``, then hang up; returns the bytes read.
+
+    Raises:
+        trio.TooSlowError: No first bytes within ``STREAM_DEADLINE_S``.
+    """
+    with trio.fail_after(STREAM_DEADLINE_S):
+        stream = await _connect(host, port, SLOW_RCVBUF)
     got = 0
     try:
-        await stream.send_all(_request(host, port, max_tokens))
-        got = len(await stream.receive_some(1024))
+        with trio.fail_after(STREAM_DEADLINE_S):
+            await stream.send_all(_request(host, port, max_tokens))
+            got = len(await stream.receive_some(1024))
         if first_bytes is not None:
             first_bytes.set()
         end = trio.current_time() + hold_s
@@ -515,20 +527,25 @@ class FastResult:
 
 
 async def fast_stream(host: str, port: int, max_tokens: int) -> FastResult:
-    """Stream ``max_tokens`` as fast as we can read; time the first content and the end."""
+    """Stream ``max_tokens`` as fast as we can read; time the first content and the end.
+
+    Raises:
+        trio.TooSlowError: The stream did not end within ``STREAM_DEADLINE_S``.
+    """
     t0 = trio.current_time()
     ttft: float | None = None
     events = 0
     tail = b""
-    stream = await _connect(host, port)
-    async with stream:
-        await stream.send_all(_request(host, port, max_tokens))
-        while True:
-            data = await stream.receive_some(65536)
-            if not data:
-                break
-            if ttft is None and _CONTENT.search(tail + data):
-                ttft = trio.current_time() - t0
-            events += data.count(b"data: ")
-            tail = data[-64:]
+    with trio.fail_after(STREAM_DEADLINE_S):
+        stream = await _connect(host, port)
+        async with stream:
+            await stream.send_all(_request(host, port, max_tokens))
+            while True:
+                data = await stream.receive_some(65536)
+                if not data:
+                    break
+                if ttft is None and _CONTENT.search(tail + data):
+                    ttft = trio.current_time() - t0
+                events += data.count(b"data: ")
+                tail = data[-64:]
     return FastResult(ttft, trio.current_time() - t0, events, b"[DONE]" in tail)
