@@ -49,6 +49,7 @@ __all__ = [
     "next_event",
     "one_completion",
     "one_request",
+    "read_sse",
     "slow_reader",
     "sse_data",
     "stream_answer",
@@ -385,6 +386,17 @@ class Sample:
     chunks: int  # content chunks (non-streaming: completion tokens)
     reads: int  # body pieces received: about the number of the gateway's writes
     error: str = ""
+
+
+async def read_sse(response: httpx.Response, on_payload: Callable[[bytes], None]) -> None:
+    """Feed ``on_payload`` the data of each complete event of a streamed
+    response as it arrives (``sse_data``), ``[DONE]`` left out."""
+    buf = b""
+    async for piece in response.aiter_raw():
+        payloads, buf = sse_data(buf + piece)
+        for payload in payloads:
+            if payload != b"[DONE]":
+                on_payload(payload)
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: bytes, expect: int) -> Sample:

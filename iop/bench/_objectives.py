@@ -44,7 +44,7 @@ import httpx
 import msgspec
 import trio
 
-from iop.bench._client import StreamEvent, decode_chunk, load_client, sse_data
+from iop.bench._client import StreamEvent, decode_chunk, load_client, read_sse
 from iop.bench._procs import (
     Stack,
     process_stack,
@@ -148,12 +148,7 @@ async def _one(
                 if r.status_code != 200:
                     await r.aread()
                     return
-                buf = b""
-                async for piece in r.aiter_raw():
-                    payloads, buf = sse_data(buf + piece)
-                    for payload in payloads:
-                        if payload != b"[DONE]":
-                            _take(s, decode_chunk(payload))
+                await read_sse(r, lambda payload: _take(s, decode_chunk(payload)))
             s.end = trio.current_time()
             if math.isnan(s.ttft_s) and not s.error:
                 s.error = "no content"

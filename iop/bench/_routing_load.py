@@ -28,7 +28,7 @@ import httpx
 import msgspec
 import trio
 
-from iop.bench._client import load_client, sse_data
+from iop.bench._client import load_client, read_sse
 from iop.bench._results import pct_ms
 from iop.bench._routing_report import (
     DEFAULT_PLACEMENTS,
@@ -294,12 +294,7 @@ async def _one(
                     s.error = f"http {r.status_code}"
                     await r.aread()
                     return
-                buf = b""
-                async for piece in r.aiter_raw():
-                    payloads, buf = sse_data(buf + piece)
-                    for payload in payloads:
-                        if payload != b"[DONE]":
-                            _take(s, json.loads(payload))
+                await read_sse(r, lambda payload: _take(s, json.loads(payload)))
             s.end = trio.current_time()
             if math.isnan(s.ttft_s):
                 s.error = "no content"
