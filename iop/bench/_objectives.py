@@ -44,10 +44,18 @@ import httpx
 import msgspec
 import trio
 
-from iop.bench._procs import Stack, start_edge, start_node, start_sim
-from iop.bench._results import pct
+from iop.bench._client import StreamEvent, decode_chunk, load_client, read_sse
+from iop.bench._procs import (
+    Stack,
+    process_stack,
+    start_edge,
+    start_node,
+    start_sims,
+    wait_instances,
+)
+from iop.bench._results import pct_ms
 from iop.bench._runner import RunContext, register, tables_report
-from iop.testing import NODE_READY, Proc, poll
+from iop.testing import NODE_READY, Proc
 
 __all__ = ["Options", "run"]
 
@@ -121,38 +129,40 @@ class _Sample:
 
 
 async def _one(
-    client: httpx.AsyncClient, url: str, s: _Sample, objective: bool, tokens: int
+    client: httpx.AsyncClient, url: str, s: _Sample, objective: bool, opts: Options
 ) -> None:
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": f"{s.kind} at {s.scheduled:.6f}"}],
         "stream": True,
-        "iop_sim": {"output_tokens": tokens},
+        "iop_sim": {"output_tokens": opts.output_tokens},
     }
     headers = {"x-iop-objective": s.kind} if objective else {}
-    try:
-        async with client.stream(
-            "POST", url + "/v1/chat/completions", json=body, headers=headers
-        ) as r:
-            s.status = r.status_code
-            if r.status_code != 200:
-                await r.aread()
-                return
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if "error" in chunk:
-                    s.error = str(chunk["error"].get("code") or "stream error")
-                if math.isnan(s.ttft_s):
-                    for choice in chunk.get("choices") or ():
-                        if (choice.get("delta") or {}).get("content"):
-                            s.ttft_s = trio.current_time() - s.scheduled
-        s.end = trio.current_time()
-        if math.isnan(s.ttft_s) and not s.error:
-            s.error = "no content"
-    except httpx.HTTPError as exc:
-        s.error = type(exc).__name__
+    # httpx's timeout bounds each read; this, the whole answer.
+    with trio.move_on_after(opts.client_timeout_s) as deadline:
+        try:
+            async with client.stream(
+                "POST", url + "/v1/chat/completions", json=body, headers=headers
+            ) as r:
+                s.status = r.status_code
+                if r.status_code != 200:
+                    await r.aread()
+                    return
+                await read_sse(r, lambda payload: _take(s, decode_chunk(payload)))
+            s.end = trio.current_time()
+            if math.isnan(s.ttft_s) and not s.error:
+                s.error = "no content"
+        except httpx.HTTPError as exc:
+            s.error = type(exc).__name__
+    if deadline.cancelled_caught:
+        s.error = "timeout"
+
+
+def _take(s: _Sample, chunk: StreamEvent) -> None:
+    if chunk.error is not None:
+        s.error = chunk.error.code or "stream error"
+    if math.isnan(s.ttft_s) and any(c.delta.content for c in chunk.choices):
+        s.ttft_s = trio.current_time() - s.scheduled
 
 
 def _arrivals(rate: float, duration_s: float, rng: random.Random) -> list[float]:
@@ -180,17 +190,15 @@ async def _drive(url: str, opts: Options, background: bool, objective: bool) -> 
             )
         ]
     plan.sort()
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
-    timeout = httpx.Timeout(opts.client_timeout_s, connect=10.0)
     samples: list[_Sample] = []
-    async with httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) as client:
+    async with load_client(opts.client_timeout_s, keepalive=512) as client:
         t0 = trio.current_time() + 0.05
         async with trio.open_nursery() as nursery:
             for at, kind in plan:
                 await trio.sleep_until(t0 + at)
                 s = _Sample(kind, t0 + at)
                 samples.append(s)
-                nursery.start_soon(_one, client, url, s, objective, opts.output_tokens)
+                nursery.start_soon(_one, client, url, s, objective, opts)
     return samples
 
 
@@ -203,7 +211,7 @@ def _start_sims(stack: Stack, opts: Options) -> list[str]:
         "--reasoning-tokens", "0",
         "--max-num-seqs", str(opts.max_concurrency),
     ]  # fmt: skip
-    return [start_sim(stack, f"sim{i}", *flags) for i in range(opts.instances)]
+    return [url for _, url in start_sims(stack, opts.instances, *flags)]
 
 
 def _start_cluster(
@@ -217,23 +225,8 @@ def _start_cluster(
     ]  # fmt: skip
     node = start_node(stack, f"node-{tag}", link, {"probe_interval_s": 30.0}, instances)
     node.wait_stdout(NODE_READY)
-    with httpx.Client(timeout=5.0, trust_env=False) as c:
-
-        def ready() -> bool:
-            nodes = c.get(url + "/admin/nodes").json().get("nodes", [])
-            return any(len(n.get("instances", [])) == len(sims) for n in nodes)
-
-        poll(ready, timeout=30.0, what="the node's instances at the edge", interval=0.1)
+    wait_instances(url, len(sims))
     return edge, node, url
-
-
-def _pct(values: list[float], p: float) -> float | None:
-    v = pct(values, p)
-    return None if math.isnan(v) else v
-
-
-def _ms(v: float | None) -> float | None:
-    return None if v is None else round(v * 1000, 1)
 
 
 def _figures(samples: list[_Sample], duration_s: float) -> dict[str, Any]:
@@ -255,9 +248,9 @@ def _figures(samples: list[_Sample], duration_s: float) -> dict[str, Any]:
             "failed_5xx": sum(1 for s in mine if s.status >= 500),
             "other_errors": dict(Counter(s.error for s in mine if s.error)),
             "ttft_ms": {
-                "p50": _ms(_pct(ttft, 50)),
-                "p90": _ms(_pct(ttft, 90)),
-                "p99": _ms(_pct(ttft, 99)),
+                "p50": pct_ms(ttft, 50),
+                "p90": pct_ms(ttft, 90),
+                "p99": pct_ms(ttft, 99),
             },
         }
     return out
@@ -275,9 +268,8 @@ def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
     if ctx.smoke:
         opts = _smoke(opts)
     started = time.monotonic()
-    stack = Stack(ctx.python, ctx.workdir)
     phases: dict[str, Any] = {}
-    try:
+    with process_stack(ctx.python, ctx.workdir) as stack:
         sims = _start_sims(stack, opts)
         for phase in opts.phases:
             tag = f"r{ctx.repeat}-{phase}"
@@ -289,8 +281,6 @@ def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
             with (ctx.workdir / f"samples-{tag}.jsonl").open("w") as f:
                 for s in samples:
                     f.write(json.dumps(s.__dict__) + "\n")
-    finally:
-        stack.stop_all()
     return {
         "options": msgspec.to_builtins(opts),
         "capacity_per_s": round(opts.capacity, 2),

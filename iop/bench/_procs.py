@@ -73,10 +73,12 @@ __all__ = [
     "start_node",
     "start_py_spy",
     "start_sim",
+    "start_sims",
     "start_valkey",
     "summarize_raw",
     "term_as_int",
     "valkey_binary",
+    "wait_instances",
     "wait_models",
 ]
 
@@ -293,6 +295,29 @@ def start_sim(stack: Stack, name: str, *flags: str) -> str:
     """``iop sim FLAGS`` on a free port; its URL."""
     sim = stack.launch(name, "sim", "--port", "0", *flags)
     return sim.wait_stdout(SIM_READY, 30)[1]
+
+
+def start_sims(stack: Stack, count: int, *flags: str) -> list[tuple[Proc, str]]:
+    """``count`` ``iop sim FLAGS`` named ``sim0``.. (all started, then each
+    waited for): each process and its URL."""
+    sims = [stack.launch(f"sim{i}", "sim", "--port", "0", *flags) for i in range(count)]
+    return [(p, p.wait_stdout(SIM_READY, 30)[1]) for p in sims]
+
+
+def wait_instances(url: str, count: int, timeout: float = 30.0) -> None:
+    """Wait until a node at the edge at ``url`` lists ``count`` instances
+    (``/admin/nodes``): the edge can place on every one of them.
+
+    Raises:
+        AssertionError: ``timeout`` passed first.
+    """
+    with httpx.Client(timeout=5.0, trust_env=False) as c:
+
+        def ready() -> bool:
+            nodes = c.get(url + "/admin/nodes").json().get("nodes", [])
+            return any(len(n.get("instances", [])) == count for n in nodes)
+
+        poll(ready, timeout=timeout, what="the node's instances at the edge", interval=0.1)
 
 
 def wait_models(

@@ -40,6 +40,7 @@ __all__ = [
     "median",
     "median_tree",
     "pct",
+    "pct_ms",
     "read_result",
     "rewrite_markers",
     "summary",
@@ -52,6 +53,12 @@ def pct(values: list[float], p: float) -> float:
     if not vals:
         return math.nan
     return vals[max(0, min(len(vals) - 1, math.ceil(p / 100 * len(vals)) - 1))]
+
+
+def pct_ms(values: list[float], p: float) -> float | None:
+    """``pct`` of seconds, in milliseconds to 0.1 ms; None of nothing (JSON has no NaN)."""
+    v = pct(values, p)
+    return None if math.isnan(v) else round(v * 1000, 1)
 
 
 def summary(values: list[float]) -> dict[str, float | int]:
