@@ -1,0 +1,110 @@
+"""A backend that lies in what it publishes about its cache cannot cut its node's link.
+
+One ``iop node`` with two ``vllm`` instances: the sim, and a server whose
+KV cache events (``kv_events_path``, docs/operations.md "What the caches
+hold") claim blocks of 2**64 - 1 tokens. The node's one load report
+carries every instance's figures to the edge; a count that msgpack cannot
+carry must not make that report unsendable, or every run on the node (the
+sim's too) is lost with the link, again at each scrape.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, ClassVar, Final
+
+import msgspec
+import pytest
+
+from tests.e2e._platform import MODEL, Procs, Sim, poll, read_stream
+
+pytestmark = pytest.mark.timeout(120)
+
+LIAR_MODEL: Final = "kv-liar"
+# More blocks, each of more tokens, than any cache holds: their product is
+# past what msgpack carries (2**64 - 1).
+HUGE_BLOCK: Final = 2**64 - 1
+
+
+class _Liar(BaseHTTPRequestHandler):
+    """``/v1/models`` and ``/metrics`` as vLLM; ``/kv_events`` lies (counted)."""
+
+    protocol_version = "HTTP/1.1"
+    scrapes: ClassVar[int] = 0
+    seq: ClassVar[int] = -1
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _send(self, body: bytes, ctype: str) -> None:
+        self.send_response(200)
+        self.send_header("content-type", ctype)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        if self.path.startswith("/kv_events"):
+            type(self).seq += 1
+            type(self).scrapes += 1
+            stored = ["BlockStored", [1, 2, 3], None, [1], HUGE_BLOCK, None, None]
+            batch = msgspec.msgpack.encode([1.0, [stored], None])
+            self._send(msgspec.msgpack.encode([[self.seq, batch]]), "application/msgpack")
+        elif self.path.startswith("/metrics"):
+            self._send(b"vllm:num_requests_running 0\nvllm:num_requests_waiting 0\n", "text/plain")
+        else:
+            models = {"object": "list", "data": [{"id": LIAR_MODEL, "object": "model"}]}
+            self._send(json.dumps(models).encode(), "application/json")
+
+
+@pytest.fixture
+def liar() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Liar)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+def test_absurd_kv_events_do_not_cut_the_link(procs: Procs, sim: Sim, liar: str) -> None:
+    edge = procs.edge({"server": {"keepalive_interval_s": 0.5}})
+    procs.node(
+        [edge],
+        sim,
+        node_id="n-liar",
+        more_instances=[
+            {
+                "adapter": "vllm",
+                "name": "liar",
+                "endpoint": liar,
+                "kv_events_path": "/kv_events",
+                "load_scrape_interval_s": 0.1,
+            }
+        ],
+    )
+    edge.wait_ready(node_id="n-liar")
+    edge.wait_ready(LIAR_MODEL, node_id="n-liar")
+    with (
+        edge.openai() as client,
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Tell me a story."}],
+            stream=True,
+            extra_body={"iop_sim": {"output_tokens": 20, "tokens_per_s": 20.0}},
+        ) as stream,
+    ):
+        first = _Liar.scrapes
+        # Several of the liar's pages are read (and reported) while the sim streams.
+        poll(lambda: _Liar.scrapes >= first + 5, timeout=20, what="the node to scrape the liar")
+        r = read_stream(stream)
+    assert r.finish_reason == "stop"
+    assert len(r.content_deltas) == 20
+    assert edge.outcome("cancelled:node_lost") == 0
+    assert "crashed" not in procs._owned[-1].stderr()
