@@ -1,11 +1,15 @@
-"""A backend that lies in what it publishes about its cache cannot cut its node's link.
+"""A backend that lies in numbers cannot cut its node's link.
 
-One ``iop node`` with two ``vllm`` instances: the sim, and a server whose
-KV cache events (``kv_events_path``, docs/operations.md "What the caches
-hold") claim blocks of 2**64 - 1 tokens. The node's one load report
-carries every instance's figures to the edge; a count that msgpack cannot
-carry must not make that report unsendable, or every run on the node (the
-sim's too) is lost with the link, again at each scrape.
+One ``iop node`` with two ``vllm`` instances: the sim, and a server that
+lies:
+
+* its KV cache events (``kv_events_path``, docs/operations.md "What the
+  caches hold") claim blocks of 2**64 - 1 tokens. The node's one load
+  report carries every instance's figures to the edge; a count that
+  msgpack cannot carry must not make that report unsendable, or every run
+  on the node (the sim's too) is lost with the link, again at each scrape;
+* its answers report usage of 2**70 tokens: that run alone ends with
+  ``backend_protocol_error`` (502), the sim's stream beside it completes.
 """
 
 from __future__ import annotations
@@ -17,9 +21,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, ClassVar, Final
 
 import msgspec
+import openai
 import pytest
 
-from tests.e2e._platform import MODEL, Procs, Sim, poll, read_stream
+from tests.e2e._platform import MODEL, Edge, Procs, Sim, poll, read_stream
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,6 +64,17 @@ class _Liar(BaseHTTPRequestHandler):
             models = {"object": "list", "data": [{"id": LIAR_MODEL, "object": "model"}]}
             self._send(json.dumps(models).encode(), "application/json")
 
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        head = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": LIAR_MODEL}
+        chunks = [
+            {**head, "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]},
+            {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+            {**head, "choices": [], "usage": {"prompt_tokens": 2**70, "completion_tokens": 2**70}},
+        ]
+        body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        self._send(body.encode(), "text/event-stream")
+
 
 @pytest.fixture
 def liar() -> Iterator[str]:
@@ -73,7 +89,7 @@ def liar() -> Iterator[str]:
         thread.join(timeout=10)
 
 
-def test_absurd_kv_events_do_not_cut_the_link(procs: Procs, sim: Sim, liar: str) -> None:
+def _start(procs: Procs, sim: Sim, liar: str) -> Edge:
     edge = procs.edge({"server": {"keepalive_interval_s": 0.5}})
     procs.node(
         [edge],
@@ -91,18 +107,50 @@ def test_absurd_kv_events_do_not_cut_the_link(procs: Procs, sim: Sim, liar: str)
     )
     edge.wait_ready(node_id="n-liar")
     edge.wait_ready(LIAR_MODEL, node_id="n-liar")
+    return edge
+
+
+def _story(client: openai.OpenAI) -> openai.Stream[Any]:
+    return client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Tell me a story."}],
+        stream=True,
+        extra_body={"iop_sim": {"output_tokens": 20, "tokens_per_s": 20.0}},
+    )
+
+
+def test_absurd_kv_events_do_not_cut_the_link(procs: Procs, sim: Sim, liar: str) -> None:
+    edge = _start(procs, sim, liar)
     with (
         edge.openai() as client,
-        client.chat.completions.create(
-            model=MODEL,
-            messages=[{"role": "user", "content": "Tell me a story."}],
-            stream=True,
-            extra_body={"iop_sim": {"output_tokens": 20, "tokens_per_s": 20.0}},
-        ) as stream,
+        _story(client) as stream,
     ):
         first = _Liar.scrapes
         # Several of the liar's pages are read (and reported) while the sim streams.
         poll(lambda: _Liar.scrapes >= first + 5, timeout=20, what="the node to scrape the liar")
+        r = read_stream(stream)
+    assert r.finish_reason == "stop"
+    assert len(r.content_deltas) == 20
+    assert edge.outcome("cancelled:node_lost") == 0
+    assert "crashed" not in procs._owned[-1].stderr()
+
+
+def test_usage_past_64_bits_ends_that_run_alone(procs: Procs, sim: Sim, liar: str) -> None:
+    edge = _start(procs, sim, liar)
+    with edge.openai() as client, _story(client) as stream:
+        sim.wait_open()
+        for streamed in (False, True):
+            with pytest.raises(openai.APIStatusError) as refused:
+                answer = client.chat.completions.create(
+                    model=LIAR_MODEL,
+                    messages=[{"role": "user", "content": "hi"}],
+                    stream=streamed,
+                )
+                if streamed:
+                    for _ in answer:  # type: ignore[union-attr]
+                        pass
+            assert refused.value.status_code == 502
+            assert "backend_protocol_error" in str(refused.value.body)
         r = read_stream(stream)
     assert r.finish_reason == "stop"
     assert len(r.content_deltas) == 20
