@@ -9,7 +9,10 @@ lies:
   msgpack cannot carry must not make that report unsendable, or every run
   on the node (the sim's too) is lost with the link, again at each scrape;
 * its answers report usage of 2**70 tokens: that run alone ends with
-  ``backend_protocol_error`` (502), the sim's stream beside it completes.
+  ``backend_protocol_error`` (502), the sim's stream beside it completes;
+* its answers report -5 or 2**64 - 1 output tokens: the edge, which counts
+  them (``/metrics``, the usage ledger), keeps serving and writes every
+  run.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import json
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any, ClassVar, Final
 
 import msgspec
@@ -32,6 +36,14 @@ LIAR_MODEL: Final = "kv-liar"
 # More blocks, each of more tokens, than any cache holds: their product is
 # past what msgpack carries (2**64 - 1).
 HUGE_BLOCK: Final = 2**64 - 1
+
+
+# The usage the liar reports, by the request's last message.
+_USAGE: Final = {
+    "huge": {"prompt_tokens": 2**70, "completion_tokens": 2**70},
+    "negative": {"prompt_tokens": 1, "completion_tokens": -5},
+    "past-int64": {"prompt_tokens": 2**64 - 1, "completion_tokens": 2**64 - 1},
+}
 
 
 class _Liar(BaseHTTPRequestHandler):
@@ -65,12 +77,13 @@ class _Liar(BaseHTTPRequestHandler):
             self._send(json.dumps(models).encode(), "application/json")
 
     def do_POST(self) -> None:
-        self.rfile.read(int(self.headers.get("content-length", 0)))
+        request = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
+        usage = _USAGE[request["messages"][-1]["content"]]
         head = {"id": "x", "object": "chat.completion.chunk", "created": 1, "model": LIAR_MODEL}
         chunks = [
             {**head, "choices": [{"index": 0, "delta": {"content": "hi"}, "finish_reason": None}]},
             {**head, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
-            {**head, "choices": [], "usage": {"prompt_tokens": 2**70, "completion_tokens": 2**70}},
+            {**head, "choices": [], "usage": usage},
         ]
         body = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
         self._send(body.encode(), "text/event-stream")
@@ -89,8 +102,14 @@ def liar() -> Iterator[str]:
         thread.join(timeout=10)
 
 
-def _start(procs: Procs, sim: Sim, liar: str) -> Edge:
-    edge = procs.edge({"server": {"keepalive_interval_s": 0.5}})
+def _start(procs: Procs, sim: Sim, liar: str, ledger: Path | None = None) -> Edge:
+    """An edge whose one node serves the sim and the liar; with a usage
+    ``ledger`` directory, prices and the ledger too."""
+    config: dict[str, Any] = {"server": {"keepalive_interval_s": 0.5}}
+    if ledger is not None:
+        config["usage"] = {"ledger_path": str(ledger / "usage.db")}
+        config["prices"] = {"*": {"input": 1.0, "output": 2.0}}
+    edge = procs.edge(config)
     procs.node(
         [edge],
         sim,
@@ -141,14 +160,14 @@ def test_usage_past_64_bits_ends_that_run_alone(procs: Procs, sim: Sim, liar: st
         sim.wait_open()
         with pytest.raises(openai.APIStatusError) as refused:
             client.chat.completions.create(
-                model=LIAR_MODEL, messages=[{"role": "user", "content": "hi"}]
+                model=LIAR_MODEL, messages=[{"role": "user", "content": "huge"}]
             )
         assert refused.value.status_code == 502
         assert "backend_protocol_error" in str(refused.value.body)
         # Streamed, the error ends the stream (docs/api.md, "The stream").
         with pytest.raises(openai.APIError) as ended:
             for _ in client.chat.completions.create(
-                model=LIAR_MODEL, messages=[{"role": "user", "content": "hi"}], stream=True
+                model=LIAR_MODEL, messages=[{"role": "user", "content": "huge"}], stream=True
             ):
                 pass
         assert "backend_protocol_error" in str(ended.value.body)
@@ -157,3 +176,25 @@ def test_usage_past_64_bits_ends_that_run_alone(procs: Procs, sim: Sim, liar: st
     assert len(r.content_deltas) == 20
     assert edge.outcome("cancelled:node_lost") == 0
     assert "crashed" not in procs._owned[-1].stderr()
+
+
+@pytest.mark.parametrize("usage", ["negative", "past-int64"])
+def test_absurd_usage_is_answered_and_the_edge_keeps_serving(
+    procs: Procs, sim: Sim, liar: str, tmp_path: Path, usage: str
+) -> None:
+    edge = _start(procs, sim, liar, tmp_path)
+    with edge.openai() as client:
+        for streamed in (False, True):
+            answer = client.chat.completions.create(
+                model=LIAR_MODEL, messages=[{"role": "user", "content": usage}], stream=streamed
+            )
+            if streamed:
+                for _ in answer:  # type: ignore[union-attr]
+                    pass
+        with _story(client) as stream:
+            r = read_stream(stream)
+    assert r.finish_reason == "stop"
+    assert edge.proc.popen.poll() is None
+    assert edge.admin_get("/metrics").status_code == 200
+    # Every run was counted and written: no error in the edge's log.
+    assert [line for line in edge.proc.stderr().splitlines() if " ERROR " in line] == []
