@@ -132,9 +132,11 @@ def secret_forms(value: str) -> set[str]:
 class SecretMasker:
     """Replaces every occurrence of a set of secret strings with ``***``.
 
-    Pure and immutable: ``with_secrets`` returns a new masker. Matching is
-    exact (case-sensitive, as credentials are) and prefers the longest form
-    when two overlap.
+    Pure and immutable: ``with_secrets`` returns a new masker. Matching
+    ignores case (a backend that echoes a key lower-cased still gives all
+    of it but its letters' case away; a secret is at least
+    ``MIN_SECRET_LENGTH`` characters, so nothing else matches by chance)
+    and prefers the longest form when two overlap.
 
     Args:
         values: Secret values; each is expanded with ``secret_forms``, and
@@ -149,7 +151,10 @@ class SecretMasker:
         for v in self._values:
             forms |= secret_forms(v)
         self._pattern = (
-            re.compile("|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True)))
+            re.compile(
+                "|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True)),
+                re.IGNORECASE,
+            )
             if forms
             else None
         )

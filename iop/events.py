@@ -43,6 +43,7 @@ import msgspec
 from iop.errors import CancelReason, ErrorCode
 
 __all__ = [
+    "MAX_USAGE_TOKENS",
     "TERMINAL_EVENT_TYPES",
     "CancelReason",
     "Cancelled",
@@ -73,6 +74,13 @@ class FinishReason(enum.StrEnum):
     FUNCTION_CALL = "function_call"
 
 
+MAX_USAGE_TOKENS: Final = 2**40
+"""The largest token count a run's outcome keeps. No run uses a trillion
+tokens; a backend that says so lies, and its count, times a price and
+summed over a day, must still fit the usage ledger's SQLite integers
+(``iop.ledger``: at most 2**63 - 1)."""
+
+
 class Usage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """Token counts for a run.
 
@@ -94,6 +102,28 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     @property
     def total_tokens(self) -> int:
         return self.input_tokens + self.output_tokens
+
+    def bounded(self) -> Usage:
+        """These counts, each within 0 … ``MAX_USAGE_TOKENS``: a backend's
+        negative count is none, an absurd one the most the counters, the
+        usage ledger and the limits can take (``Run`` applies it to every
+        run's outcome)."""
+        counts = (
+            self.input_tokens,
+            self.output_tokens,
+            self.cached_input_tokens,
+            self.reasoning_tokens,
+        )
+        if all(0 <= n <= MAX_USAGE_TOKENS for n in counts):
+            return self
+        i, o, c, r = (min(max(n, 0), MAX_USAGE_TOKENS) for n in counts)
+        return Usage(
+            input_tokens=i,
+            output_tokens=o,
+            cached_input_tokens=c,
+            reasoning_tokens=r,
+            estimated=self.estimated,
+        )
 
 
 class ToolCall(msgspec.Struct, frozen=True, kw_only=True):

@@ -194,6 +194,9 @@ class Routing(_Base, frozen=True):
             ``prompt_cache_key``, ``metadata.user_id`` or ``user``).
         objective: The named objective the client asked for ("" for its
             tenant's default).
+        objective_from: The alias header ``objective`` came from, for an
+            error that names it ("": ``x-iop-objective``, the first of
+            ``iop.api._routing.OBJECTIVE_HEADERS``).
         ttft_deadline_s: A time-to-first-token deadline that overrides the
             objective's (``x-llm-d-slo-ttft-ms``).
     """
@@ -201,6 +204,7 @@ class Routing(_Base, frozen=True):
     session: str = ""
     session_from: str = ""
     objective: str = ""
+    objective_from: str = ""
     ttft_deadline_s: float | None = None
 
 

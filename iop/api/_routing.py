@@ -114,10 +114,11 @@ def routing_of(
             session, source = prompt_cache_key, "prompt_cache_key"
         elif user:
             session, source = user, user_from
-    objective = ""
+    objective, objective_from = "", ""
     for name in OBJECTIVE_HEADERS:
         objective = headers.get(name, "").strip()
         if objective:
+            objective_from = name
             break
     deadline = _ttft_deadline(headers.get(SLO_TTFT_HEADER))
     if not session and not objective and deadline is None:
@@ -126,6 +127,7 @@ def routing_of(
         session=_bounded(session),
         session_from=source,
         objective=objective,
+        objective_from=objective_from if objective_from != OBJECTIVE_HEADERS[0] else "",
         ttft_deadline_s=deadline,
     )
 

@@ -279,12 +279,13 @@ class EdgeCore:
         objective = self.config.objective(name) if name else None
         if name and objective is None:
             known = ", ".join(repr(o.name) for o in self.config.objectives) or "none"
+            header = routing.objective_from or OBJECTIVE_HEADERS[0]
             raise RequestError(
-                f"Unknown objective {name!r} (header '{OBJECTIVE_HEADERS[0]}'): this "
+                f"Unknown objective {name!r} (header '{header}'): this "
                 f"server's objectives are {known}.",
                 status=400,
                 code=ErrorCode.INVALID_VALUE,
-                param=OBJECTIVE_HEADERS[0],
+                param=header,
             )
         deadline = routing.ttft_deadline_s
         if deadline is None and objective is not None:

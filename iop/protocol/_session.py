@@ -1381,8 +1381,13 @@ class NodeSession:
     ) -> list[bytes]:
         """``batch`` as events messages, each fitting a frame of ``limit`` bytes."""
         timeline = run.timeline if batch and is_terminal(batch[-1]) else None
-        message = encode(RunEvents(run_id=run_id, seq=run.seq, events=batch, timeline=timeline))
-        if len(message) + _BATCH_HEADER_MAX <= limit:
+        try:
+            message = encode(RunEvents(run_id=run_id, seq=run.seq, events=batch, timeline=timeline))
+        except OverflowError:
+            # An integer msgpack cannot carry (a backend's usage of 2**70
+            # tokens): found event by event below.
+            message = b""
+        if message and len(message) + _BATCH_HEADER_MAX <= limit:
             run.seq += 1
             return [message]
         if timeline is not None:
@@ -1394,18 +1399,29 @@ class NodeSession:
         current: list[RuntimeEvent] = []
         used = 0
         for ev in batch:
-            size = len(_EVENT_ENCODER.encode(ev))
+            error: Error | None = None
+            try:
+                size = len(_EVENT_ENCODER.encode(ev))
+            except OverflowError:
+                size = 0
+                error = Error(
+                    message=f"run {run_id}: the backend sent an integer outside -2**63 .. "
+                    "2**64-1, which the link cannot carry",
+                    status=502,
+                    code=ErrorCode.BACKEND_PROTOCOL_ERROR,
+                )
             if size > room:
-                # One event larger than the edge accepts: sending it would
-                # close the link under every other run. This run alone ends.
-                if current:
-                    messages.append(self._events_message(run_id, run, current))
                 error = Error(
                     message=f"run {run_id}: the backend produced an event larger than the "
                     f"edge accepts on the link ({limit} bytes)",
                     status=502,
                     code=ErrorCode.EVENT_TOO_LARGE,
                 )
+            if error is not None:
+                # One event the edge cannot take: sending it would close the
+                # link under every other run. This run alone ends.
+                if current:
+                    messages.append(self._events_message(run_id, run, current))
                 messages.append(self._events_message(run_id, run, [error]))
                 run.queued.clear()
                 run.advance(RunTrigger.TERMINAL, run_id)  # the error just queued

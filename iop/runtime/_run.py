@@ -373,7 +373,16 @@ class Run:
         return self.spec.run_id
 
     def _decided(self, outcome: TerminalEvent) -> None:
-        """The run's outcome is ``outcome``: it is DONE (the consumer may not have it yet)."""
+        """The run's outcome is ``outcome``: it is DONE (the consumer may not have it yet).
+
+        Its usage is ``Usage.bounded``: what a backend (or a node) reports is
+        counted by ``on_outcome`` (metrics, ledger, limits), which a negative
+        or absurd count must not break.
+        """
+        if isinstance(outcome, Complete | Cancelled):
+            usage = outcome.usage.bounded()
+            if usage is not outcome.usage:
+                outcome = msgspec.structs.replace(outcome, usage=usage)
         self.state = RunState.DONE
         self.outcome = outcome
         self.timeline.end(trio.current_time(), outcome)

@@ -29,7 +29,10 @@ keeps counts, not the hashes: the edge names blocks by rendered
 characters, not by the engine's tokens, so the engine's hashes would name
 nothing it could look up (docs/operations.md, "What the caches hold"). A gap in
 the sequence numbers (events lost) is counted; the count goes on from the
-next batch, clamped to 0 and never above the cache's size.
+next batch, clamped to 0 and never above the cache's size. A count of
+more tokens than any cache holds (``MAX_CACHE_TOKENS``, a block size no
+engine has) is no figure: the node's load report, which carries every
+instance's figures in msgpack, must stay encodable whatever a server says.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from __future__ import annotations
 from typing import Final
 
 import msgspec
+
+from iop.wire._engine_load import MAX_CACHE_TOKENS
 
 __all__ = [
     "MAX_KV_EVENTS_BYTES",
@@ -133,10 +138,12 @@ class CacheMirror:
 
     @property
     def tokens(self) -> int | None:
-        """The tokens the cached blocks hold (None: no block size seen yet)."""
+        """The tokens the cached blocks hold (None: no block size seen yet,
+        or more than ``MAX_CACHE_TOKENS``: the events are not an engine's)."""
         if self.last_seq < 0 or (self.block_size <= 0 and self.blocks):
             return None
-        return self.blocks * self.block_size
+        tokens = self.blocks * self.block_size
+        return tokens if tokens <= MAX_CACHE_TOKENS else None
 
     def apply(self, seq: int, batch: KVEventBatch) -> None:
         """Batch ``seq`` (the publisher's sequence number); older ones are ignored."""

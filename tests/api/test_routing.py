@@ -98,7 +98,9 @@ def test_a_routing_object_in_the_body_is_never_the_clients_to_set() -> None:
 
 
 def test_objective_headers_and_the_llm_d_aliases() -> None:
-    assert routing_of({"x-llm-d-inference-objective": "batch"}) == Routing(objective="batch")
+    assert routing_of({"x-llm-d-inference-objective": "batch"}) == Routing(
+        objective="batch", objective_from="x-llm-d-inference-objective"
+    )
     both = {"x-iop-objective": "interactive", "x-llm-d-inference-objective": "batch"}
     assert routing_of(both) == Routing(objective="interactive")
     assert routing_of({"x-llm-d-slo-ttft-ms": "250"}) == Routing(ttft_deadline_s=0.25)

@@ -135,3 +135,16 @@ def test_a_session_header_reaches_the_runs_timeline(
         ids.append(made.id.removeprefix("chatcmpl-"))
     t = _timeline(edge, ids[0])
     assert (t["session"], t["session_from"]) == (value, header)
+
+
+@pytest.mark.parametrize("header", ["x-iop-objective", "x-llm-d-inference-objective"])
+def test_an_unknown_objective_names_the_header_it_came_in(cluster: Cluster, header: str) -> None:
+    with cluster.edge.openai() as client, pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, extra_headers={header: "realtime"}
+        )
+    error = refused.value.body
+    assert isinstance(error, dict)
+    assert error["param"] == header
+    assert f"(header '{header}')" in error["message"]
+    assert "'realtime'" in error["message"]

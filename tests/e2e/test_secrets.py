@@ -14,6 +14,8 @@ from __future__ import annotations
 import base64
 import json
 import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import httpx
@@ -205,3 +207,75 @@ def test_iop_up_masks_the_secrets_of_its_edge_node_and_instances(procs: Procs) -
     outputs = {"response": refused.text, "stdout": up.stdout(), "stderr": up.stderr(), **pages}
     for where, text in outputs.items():
         assert_no_secret(f"iop up {where}", text)
+
+
+MIXED_CASE_KEY = "sk-E2e-Backend-MixedCase-Marker-7Qx"
+
+
+class _CaseFoldingEcho(BaseHTTPRequestHandler):
+    """A backend that refuses every chat with the ``Authorization`` it got,
+    case-folded as the path says (``/v1/models`` lists ``echo-m``)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+    def _send(self, status: int, body: dict[str, Any]) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._send(200, {"object": "list", "data": [{"id": "echo-m", "object": "model"}]})
+
+    def do_POST(self) -> None:
+        request = json.loads(self.rfile.read(int(self.headers.get("content-length", 0))))
+        fold = request["messages"][-1]["content"]
+        auth = self.headers.get("authorization", "")
+        echoed = auth.lower() if fold == "lower" else auth.upper()
+        self._send(401, {"error": {"message": f"invalid key: {echoed}"}})
+
+
+@pytest.mark.parametrize("fold", ["lower", "upper"])
+def test_a_case_folded_echo_of_a_backend_credential_is_masked(procs: Procs, fold: str) -> None:
+    """A backend that echoes the instance's key lower- or upper-cased still
+    gives it away (all but its letters' case): it is masked like the key."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _CaseFoldingEcho)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        edge = procs.edge({"server": {"keepalive_interval_s": 0.5}})
+        procs.node(
+            [edge],
+            procs.sim(),
+            node_id="n-echo",
+            more_instances=[
+                {
+                    "adapter": "vllm",
+                    "name": "echo",
+                    "endpoint": f"http://127.0.0.1:{server.server_address[1]}",
+                    "headers": {"Authorization": f"Bearer {MIXED_CASE_KEY}"},
+                }
+            ],
+        )
+        edge.wait_ready("echo-m", node_id="n-echo")
+        for stream in (False, True):
+            r = edge.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "echo-m",
+                    "messages": [{"role": "user", "content": fold}],
+                    "stream": stream,
+                },
+            )
+            assert r.status_code == 401, r.text
+            assert "invalid key" in r.text
+            assert MIXED_CASE_KEY.lower() not in r.text.lower(), r.text
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
