@@ -1632,6 +1632,12 @@ class TenantSettings(_Config, frozen=True, kw_only=True):
             settled at the end, 429 when spent (docs/operations.md,
             "Usage and budgets").
         budget_per_month: The same per UTC calendar month.
+        objective: Its runs' objective when a request names none.
+        objectives: Among several tenants, the objectives its requests may
+            name (``x-iop-objective``); unset: those whose priority is no
+            higher than its own ``objective``'s (else
+            ``scheduler.default_objective``'s; 0 without one), so that no
+            tenant's header lifts it above its neighbours.
     """
 
     name: str
@@ -1647,6 +1653,7 @@ class TenantSettings(_Config, frozen=True, kw_only=True):
     budget_per_day: Decimal = Decimal(0)
     budget_per_month: Decimal = Decimal(0)
     objective: str = ""
+    objectives: list[str] | None = None
 
     @property
     def digests(self) -> list[str]:
@@ -1883,6 +1890,11 @@ class EdgeConfig(_Config, frozen=True, kw_only=True):
             raise ValueError("objectives: a name is used twice")
         named = [("scheduler.default_objective", self.scheduler.default_objective)]
         named += [(f"tenants[{t.name}].objective", t.objective) for t in self.tenants]
+        named += [
+            (f"tenants[{t.name}].objectives", name)
+            for t in self.tenants
+            for name in t.objectives or ()
+        ]
         for where, name in named:
             if name and name not in objectives:
                 raise ValueError(f"{where}: no objective is called {name!r} (see [[objectives]])")

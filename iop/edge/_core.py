@@ -35,7 +35,7 @@ import trio
 from iop._reload import Reloading
 from iop._secrets import SecretMasker, edge_secrets
 from iop.api import OBJECTIVE_HEADERS
-from iop.config import EdgeConfig, LinkSettings
+from iop.config import EdgeConfig, LinkSettings, Objective
 from iop.edge import _views
 from iop.edge._metrics import EdgeMetrics
 from iop.edge._timeline_export import TimelineExport
@@ -287,6 +287,8 @@ class EdgeCore:
                 code=ErrorCode.INVALID_VALUE,
                 param=header,
             )
+        if routing.objective and ticket is not None and objective is not None:
+            self._may_name(ticket.tenant, objective, routing.objective_from)
         deadline = routing.ttft_deadline_s
         if deadline is None and objective is not None:
             deadline = objective.ttft_deadline_s
@@ -298,6 +300,33 @@ class EdgeCore:
             sheddable=objective is not None and objective.sheddable,
             deadline_s=deadline,
         )
+
+    def _may_name(self, tenant: Tenant, objective: Objective, header: str) -> None:
+        """Refuse (400) an objective ``tenant``'s request may not name.
+
+        Objective priority is weighed before a tenant's class and fair share,
+        so among several tenants a client naming the top objective on every
+        request would starve its neighbours: it may name only the objectives
+        its tenant lists (``[[tenants]] objectives``), or, unlisted, those no
+        higher than its tenant's own. With one tenant there is nobody to
+        starve.
+        """
+        if len(self.tenants.all) < 2:
+            return
+        if tenant.objectives is not None:
+            allowed = objective.name in tenant.objectives or objective.name == tenant.objective
+        else:
+            own = self.config.objective(tenant.objective or self.config.scheduler.default_objective)
+            allowed = objective.priority <= (own.priority if own is not None else 0)
+        if not allowed:
+            raise RequestError(
+                f"Objective {objective.name!r} (header '{header or OBJECTIVE_HEADERS[0]}') is "
+                f"above what tenant {tenant.name!r} may ask for: its operator lists the "
+                "objectives it may name ([[tenants]] objectives).",
+                status=400,
+                code=ErrorCode.INVALID_VALUE,
+                param=header or OBJECTIVE_HEADERS[0],
+            )
 
     async def admit(self, tenant: Tenant, request: OperationRequest, key_name: str = "") -> Ticket:
         """Admit ``request`` of ``tenant`` (``TenantAdmission.admit``).

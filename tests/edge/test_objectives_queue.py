@@ -206,3 +206,50 @@ def test_a_tenants_objective_must_exist() -> None:
     digest = hashlib.sha256(b"k").hexdigest()
     with pytest.raises(ConfigError, match=r"tenants\[a\]\.objective.*'gold'"):
         edge({"tenants": [{"name": "a", "key_sha256": [digest], "objective": "gold"}]})
+
+
+# --- tenants are walls: a header cannot lift a tenant above its neighbours ------------
+
+
+async def test_among_tenants_a_request_cannot_name_an_objective_above_its_tenants(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Objective priority is weighed before a tenant's class and share, so a
+    tenant's client naming the top objective on every request would starve
+    its neighbours: among several tenants, a request may name only objectives
+    no higher than its tenant's own (or those its tenant lists)."""
+    settings = SchedulerSettings(max_queue=64, queue_timeout_s=600.0, max_queue_delay_s=0.0)
+    cfg = config(
+        scheduler=settings,
+        tenants=[tenant("a"), tenant("b", objectives=["interactive"])],
+        objectives=OBJECTIVES,
+    )
+    async with edge_with_node(cfg, [caps(slots=1)]) as (core, _, _):
+
+        def named(who: str, run_id: str, objective: str) -> Run:
+            routing = Routing(objective=objective)
+            request = ChatRequest(
+                model="m", messages=[Message(role="user", content="hi")], routing=routing
+            )
+            ticket = core.tenants.admit(core.tenants.all[who], 0, trio.current_time())
+            return core.start_run(ExecutionSpec(run_id=run_id, request=request), ticket=ticket)
+
+        with pytest.raises(RequestError) as info:
+            named("a", "a0", "interactive")
+        assert info.value.status == 400
+        assert info.value.param == "x-iop-objective"
+        assert "'interactive'" in info.value.message
+        assert "tenant 'a'" in info.value.message
+        # Lower, or equal, is always allowed; a listed objective too.
+        assert named("a", "a1", "batch").timeline.objective == "batch"
+        assert named("b", "b0", "interactive").timeline.objective == "interactive"
+
+
+def test_a_tenants_objectives_must_exist() -> None:
+    with pytest.raises(ConfigError, match=r"tenants\[a\]\.objectives: no objective is called 'x'"):
+        edge(
+            {
+                "objectives": [{"name": "batch"}],
+                "tenants": [{"name": "a", "key_sha256": ["0" * 64], "objectives": ["x"]}],
+            }
+        )

@@ -132,6 +132,9 @@ class Tenant:
     share: QueueShare = EVEN_SHARE
     # Its runs' objective when a request names none ("" for the edge's default).
     objective: str = ""
+    # Among several tenants, the objectives its requests may name (None:
+    # those no higher in priority than its own; ``EdgeCore.queue_share``).
+    objectives: frozenset[str] | None = None
     # Its prompts get a prefix cache of their own (``Tenants.cache_salt``).
     isolated: bool = False
     # Its budgets by period; empty: none.
@@ -263,6 +266,7 @@ class Tenants:
             tenant.share = QueueShare(t.name, PRIORITIES[t.priority], t.weight)
             tenant.isolated = not t.share_prefix_cache
             tenant.objective = t.objective
+            tenant.objectives = None if t.objectives is None else frozenset(t.objectives)
             tenant.budgets = rebudget(tenant.budgets, t.budget_micros)
             everyone[t.name] = tenant
             for d in t.key_sha256:
