@@ -131,6 +131,7 @@ class ErrorCode(enum.StrEnum):
     BAD_REQUEST = "bad_request"  # malformed HTTP/1.1
     INVALID_REQUEST = "invalid_request"  # both Content-Length and Transfer-Encoding
     REQUEST_HEADER_FIELDS_TOO_LARGE = "request_header_fields_too_large"  # head over the limit
+    HTTP_VERSION_NOT_SUPPORTED = "http_version_not_supported"  # HTTP/2 in clear text
     NOT_FOUND = "not_found"  # no such route
     METHOD_NOT_ALLOWED = "method_not_allowed"  # the route does not take the method
     REQUEST_TIMEOUT = "request_timeout"  # the body did not arrive in time
