@@ -93,3 +93,25 @@ def test_pin_and_ca_file_are_one_or_the_other() -> None:
         NodeEdge(url=URL, token="t", tls_pin_certfile="a.pem", tls_ca_file="b.pem")
     with pytest.raises(ValueError, match="wss://"):
         NodeEdge(url="ws://h:1/v1/link", token="t", tls_pin_certfile="a.pem")
+
+
+async def test_a_certificate_renewed_in_place_is_pinned_at_the_next_dial(
+    chain: tuple[trustme.CA, trustme.LeafCert, Path],
+) -> None:
+    """``iop up`` reloads a renewed edge certificate (SIGHUP); its node, should
+    its link drop, must dial trusting the new one, not the one of its start."""
+    from iop.config import NodeConfig, NodeSection
+    from iop.node import open_node_agent
+
+    intermediate, old, path = chain
+    edge = NodeEdge(url=URL, token="t" * 16, tls_pin_certfile=str(path))
+    cfg = NodeConfig(node=NodeSection(id="n1", edges=[edge]), instances=[])
+    async with open_node_agent(cfg) as agent:
+        renewed = intermediate.issue_cert("edge.example.com")
+        path.write_bytes(b"".join(blob.bytes() for blob in renewed.cert_chain_pems))
+        ctx = agent._dial_tls(edge)
+        assert ctx is not None
+        assert await _handshake(ctx, _server(renewed), "127.0.0.1")
+        assert not await _handshake(ctx, _server(old), "127.0.0.1")
+        path.write_text("gone\n")  # unreadable now: the last good pin stays
+        assert agent._dial_tls(edge) is ctx
