@@ -20,7 +20,17 @@ import pytest
 import trio
 
 from iop.testing import NODE_READY
-from tests.e2e._platform import TOKEN, Edge, Node, Proc, Procs, poll, read_stream, toml_dumps
+from tests.e2e._platform import (
+    TOKEN,
+    Edge,
+    Node,
+    Proc,
+    Procs,
+    poll,
+    read_stream,
+    require_real_backend,
+    toml_dumps,
+)
 
 MESSAGES: list[Any] = [{"role": "user", "content": "hi"}]
 LOAD_S: Final = 0.3
@@ -230,3 +240,72 @@ def test_a_load_that_fails_ends_the_request_with_the_model_and_the_reason(
     # The other model still loads and serves.
     answer = client.chat.completions.create(model="a", messages=MESSAGES, max_tokens=4)
     assert answer.choices[0].message.content
+
+
+def test_a_swap_inside_min_residency_is_refused_and_the_request_waits_then_times_out(
+    procs: Procs,
+) -> None:
+    # Room for one model; a stays resident 600 s after its last use. A request
+    # for b must not evict it: the node refuses, the edge waits (never asking
+    # again within its backoff) and ends the request 503 with the refusal.
+    edge = procs.edge({**EDGE_CONFIG, "scheduler": {"model_load_wait_s": 2.0}})
+    node = start_model_node(
+        procs, [edge], [sim_model("a", min_residency_s=600.0), sim_model("b")], memory_mib=50
+    )
+    edge.wait_ready("b")
+    client = edge.openai()
+    assert client.chat.completions.create(model="a", messages=MESSAGES, max_tokens=4).choices
+    with pytest.raises(openai.APIStatusError) as waited:
+        client.chat.completions.create(model="b", messages=MESSAGES, max_tokens=4)
+    assert waited.value.status_code == 503
+    body = waited.value.response.json()["error"]
+    assert body["code"] == "model_load_timeout"
+    assert "min_residency_s" in body["message"]
+    assert loads(node) == ["a"]  # b never loaded, a never unloaded
+    assert "model a: unloading" not in node.proc.stderr()
+    # a still serves.
+    assert client.chat.completions.create(model="a", messages=MESSAGES, max_tokens=4).choices
+
+
+def test_the_real_llamacpp_server_a_third_model_evicts_the_least_recent(procs: Procs) -> None:
+    """The packaged SmolLM2-135M under three names, each its own llama.cpp
+    server (different ``ctx``), on a node with room for two."""
+    require_real_backend()
+
+    def smol(name: str, ctx: int) -> dict[str, Any]:
+        return {
+            "engine": "llamacpp",
+            "name": name,
+            "memory_mib": 600,
+            "ctx": ctx,
+            "parallel": 1,
+            "cache_ram_mib": 0,
+            "supervise": {"liveness_interval_s": 0},
+        }
+
+    edge = procs.edge({"scheduler": {"model_load_wait_s": 120.0}})
+    node = start_model_node(
+        procs,
+        [edge],
+        [smol("smol-a", 512), smol("smol-b", 768), smol("smol-c", 1024)],
+        memory_mib=1200,
+    )
+    edge.wait_ready("smol-c")
+    client = edge.openai(timeout=120.0)
+    for name in ("smol-a", "smol-b"):
+        answer = client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=4)
+        assert answer.choices[0].message.content is not None
+    stream = client.chat.completions.create(
+        model="smol-c", messages=MESSAGES, max_tokens=4, stream=True
+    )
+    assert read_stream(stream).finish_reason is not None
+    node.proc.wait_stderr(r"model smol-a: unloading: evicted for smol-c", 30)
+    assert loads(node) == ["smol-a", "smol-b", "smol-c"]
+    load = run_timeline(edge)["model_load"]
+    assert load["model"] == "smol-c"
+    assert load["result"] == "ready"
+    # b was used last of the two still loaded: it stays, and serves at once.
+    answer = client.chat.completions.create(model="smol-b", messages=MESSAGES, max_tokens=4)
+    assert answer.choices[0].message.content is not None
+    assert run_timeline(edge)["model_load"] is None
+    assert loads(node) == ["smol-a", "smol-b", "smol-c"]
