@@ -18,7 +18,7 @@ from iop.capabilities import Capabilities, ProviderStatus
 from iop.config import EdgeConfig, SchedulerSettings
 from iop.edge import EdgeCore, open_edge_core
 from iop.edge.runs import InstanceState, NodeConnection
-from iop.edge.scheduler import QueueExit
+from iop.edge.scheduler import QueueExit, QueueShare
 from iop.edge.scheduler._ondemand import RANK_EVICTS, RANK_FREE, RANK_LOADING, choose_load
 from iop.errors import ErrorCode, IopError
 from iop.events import CancelReason, Complete, Error, Start
@@ -371,3 +371,47 @@ def test_the_ranks_are_ordered_and_a_node_without_budget_has_room() -> None:
     choice, _ = choose_load([wanted(unbounded)])
     assert choice is not None
     assert choice.why == "no memory budget"
+
+
+async def test_the_runs_ttft_deadline_bounds_its_wait_for_a_load(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with edge(od_config(model_load_wait_s=60.0)) as (core, nursery):
+        await join(core, nursery, "n1", [offer("a")], 100)
+        with pytest.raises(IopError) as late:
+            await core.scheduler.acquire("a", share=QueueShare(objective="chat", deadline_s=3.0))
+        assert late.value.code == ErrorCode.MODEL_LOAD_TIMEOUT
+        assert "within 3s" in late.value.message
+        assert trio.current_time() == pytest.approx(3.0, abs=0.1)
+
+
+async def test_a_waiter_of_a_loaded_but_busy_model_asks_for_no_load(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # Two runs wait for a; the node refuses its load (backoff 5 s), then
+    # loads it anyway (another edge asked later): a has one slot. The second
+    # run waits for that slot; when the backoff ends and wakes it, it must
+    # not ask for a load of a model that is loaded.
+    async with edge(od_config(model_load_backoff_s=5.0)) as (core, nursery):
+        node = await join(core, nursery, "n1", [offer("a")], 100)
+        runs = [core.start_run(spec("a", f"r{i}")) for i in range(2)]
+        await trio.testing.wait_all_tasks_blocked()
+        await node.answer(0, ok=False, code=ErrorCode.MODEL_LOAD_REFUSED, message="in the way")
+        await trio.sleep(1.0)
+        node.session.capabilities(
+            [
+                msgspec.structs.replace(
+                    model_caps("a", slots=1), provider_status=ProviderStatus.AVAILABLE
+                )
+            ],
+            [offer("a", "ready")],
+        )
+        await node.flush()
+        first = await node.assigns.receive()
+        await trio.sleep(5.0)  # the backoff ends: the second run wakes
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(node.loads) == 1
+        await node.send(first.assign.run_id, Start(), Complete())
+        await serve_one(node)
+        for run in runs:
+            assert (await drain_events(run))[-1] == Complete()

@@ -137,6 +137,8 @@ class Load:
     model: str
     request_id: str
     started: float
+    # The link it was asked on: a node that reconnects is asked again on its new one.
+    link: NodeConnection | None = None
     # The answer, once it came: ``ok`` or why not.
     result: ModelLoadResult | None = None
 
@@ -179,7 +181,7 @@ class ModelLoads:
         if load is None:
             request_id = f"load-{next(self._ids)}"
             conn.load_model(request_id, model)
-            load = self._inflight[key] = Load(conn.node_id, model, request_id, now)
+            load = self._inflight[key] = Load(conn.node_id, model, request_id, now, conn)
             self.asked += 1
         return load
 
@@ -192,6 +194,9 @@ class ModelLoads:
         else:  # an answer to an ask the edge forgot (its node's link was replaced)
             load = Load(node_id, result.model, result.request_id, now)
         load.result = result
+        # Forget the backoffs that are over (at most one per node and model).
+        for k in [k for k, b in self._backoff.items() if b.until <= now]:
+            del self._backoff[k]
         if result.ok:
             self._backoff.pop(key, None)
         else:
@@ -199,9 +204,9 @@ class ModelLoads:
             self._backoff[key] = _Backoff(now + backoff_s, result.code, result.message)
         return load
 
-    def forget_node(self, node_id: str) -> list[Load]:
-        """``node_id``'s link is gone: its loads will not be answered."""
-        gone = [k for k in self._inflight if k[0] == node_id]
+    def forget_link(self, conn: NodeConnection) -> list[Load]:
+        """``conn``'s link is gone: the loads asked on it will not be answered."""
+        gone = [k for k, load in self._inflight.items() if load.link is conn]
         return [self._inflight.pop(k) for k in gone]
 
 

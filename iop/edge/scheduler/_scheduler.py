@@ -18,6 +18,12 @@ a tenant, then arrival (first come first served with one tenant and no
 session keys; docs/operations.md, "Sessions and objectives"); waiters
 never poll.
 
+A run for an on-demand model that no node serves now but one offers waits
+in the same queue while one node loads it (``iop.edge.scheduler._ondemand``
+chooses the node and keeps the loads and backoffs), bounded by
+``model_load_wait_s`` instead of ``queue_timeout_s``; once the node says the
+model is ready, dispatch places it as any waiter.
+
 Admission (``admit``, and ``acquire`` for a run that would have to wait):
 a run that finds a free slot always starts; one that would have to queue is
 refused at once with 429 ``queue_full`` (the HTTP layer adds Retry-After)
@@ -276,7 +282,7 @@ class Scheduler:
 
     def node_gone(self, conn: NodeConnection, reason: str) -> None:
         """``conn``'s link is gone: the runs waiting for its loads look elsewhere."""
-        gone = {(load.node_id, load.model) for load in self.loads.forget_node(conn.node_id)}
+        gone = {(load.node_id, load.model) for load in self.loads.forget_link(conn)}
         for waiter in self._load_waiters():
             if waiter.load_at in gone:
                 waiter.load_why = reason
@@ -292,7 +298,11 @@ class Scheduler:
             waiter.nudge = trio.Event()
             with trio.move_on_at(self.loads.next_retry(trio.current_time())):
                 await waiter.nudge.wait()
-            if not waiter.event.is_set() and waiter.load_at is None:
+            if (
+                not waiter.event.is_set()
+                and waiter.load_at is None
+                and self.needs_load(waiter.model, waiter.exclude, waiter.operation)
+            ):
                 self._start_load(waiter)
 
     def _pick(
