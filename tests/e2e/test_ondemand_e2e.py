@@ -206,10 +206,24 @@ def test_a_load_that_fails_ends_the_request_with_the_model_and_the_reason(
         # The engine's process dies while loading, saying why.
         "command": ["sh", "-c", "echo 'CUDA out of memory' >&2; exit 3", "{port}"],
     }
+    # One that fails later than the stream's first keep-alive: its client
+    # has the stream's head already, and gets the error as a stream event.
+    late = {
+        **broken,
+        "name": "late",
+        "command": ["sh", "-c", "sleep 0.5; echo 'health never passed' >&2; exit 1", "{port}"],
+    }
     edge = procs.edge(EDGE_CONFIG)
-    start_model_node(procs, [edge], [broken, sim_model("a")])
+    start_model_node(procs, [edge], [broken, late, sim_model("a")], memory_mib=150)
     edge.wait_ready("broken")
     client = edge.openai()
+    stream = client.chat.completions.create(
+        model="late", messages=MESSAGES, max_tokens=4, stream=True
+    )
+    with pytest.raises(openai.APIError) as in_stream:
+        read_stream(stream)
+    assert "'late'" in in_stream.value.message
+    assert "exited with 1 while loading" in in_stream.value.message
     with pytest.raises(openai.APIStatusError) as failed:
         client.chat.completions.create(model="broken", messages=MESSAGES, max_tokens=4)
     err = failed.value
