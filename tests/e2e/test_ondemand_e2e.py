@@ -120,6 +120,8 @@ def test_a_cold_model_streams_after_its_load_and_a_third_evicts_the_least_recent
     assert load["model"] == "a"
     assert load["result"] == "ready"
     assert load["elapsed_ms"] >= LOAD_S * 1000 * 0.9
+    listed = edge.admin_get("/admin/runs?limit=1").json()["recent"][0]
+    assert listed["model_load_ms"] == load["elapsed_ms"]
     # Warm now: no load, the SDK streams at once.
     stream = client.chat.completions.create(model="a", messages=MESSAGES, stream=True, max_tokens=4)
     assert read_stream(stream).finish_reason is not None
