@@ -189,6 +189,7 @@ async def test_concurrent_runs_for_a_cold_model_wait_for_one_load_then_run(
         assert isinstance(shown, dict)
         assert shown["elapsed_ms"] == pytest.approx(2000.0)
         assert len(node.loads) == 1
+        assert (core.scheduler.loads.asked, core.scheduler.loads.failed) == (1, 0)
 
 
 async def test_a_failed_load_fails_its_waiters_naming_model_and_reason_then_backs_off(
