@@ -299,12 +299,16 @@ def test_the_real_llamacpp_server_a_third_model_evicts_the_least_recent(procs: P
             "supervise": {"liveness_interval_s": 0},
         }
 
+    # And one whose file is no GGUF: llama.cpp cannot load it.
+    bad_file = procs.log_dir / "not-a-model.gguf"
+    bad_file.write_text("this is not a GGUF file\n")
+    bad = {**smol("smol-bad", 512), "model": str(bad_file), "memory_mib": 10}
     edge = procs.edge({"scheduler": {"model_load_wait_s": 120.0}})
     node = start_model_node(
         procs,
         [edge],
-        [smol("smol-a", 512), smol("smol-b", 768), smol("smol-c", 1024)],
-        memory_mib=1200,
+        [smol("smol-a", 512), smol("smol-b", 768), smol("smol-c", 1024), bad],
+        memory_mib=1210,
     )
     edge.wait_ready("smol-c")
     client = edge.openai(timeout=120.0)
@@ -325,3 +329,14 @@ def test_the_real_llamacpp_server_a_third_model_evicts_the_least_recent(procs: P
     assert answer.choices[0].message.content is not None
     assert run_timeline(edge)["model_load"] is None
     assert loads(node) == ["smol-a", "smol-b", "smol-c"]
+    with pytest.raises(openai.APIStatusError) as failed:
+        client.chat.completions.create(model="smol-bad", messages=MESSAGES, max_tokens=4)
+    assert failed.value.status_code == 503
+    error = failed.value.response.json()["error"]
+    assert error["code"] == "model_load_failed"
+    assert "'smol-bad'" in error["message"]
+    assert "exited before it was ready" in error["message"]
+    # The others are untouched: b still serves at once.
+    answer = client.chat.completions.create(model="smol-b", messages=MESSAGES, max_tokens=4)
+    assert answer.choices[0].message.content is not None
+    assert run_timeline(edge)["model_load"] is None
