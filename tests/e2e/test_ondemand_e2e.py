@@ -258,6 +258,25 @@ def test_a_load_that_fails_ends_the_request_with_the_model_and_the_reason(
     assert answer.choices[0].message.content
 
 
+def test_a_load_goes_to_the_node_with_free_memory_not_to_one_that_must_evict(
+    procs: Procs,
+) -> None:
+    edge = procs.edge(EDGE_CONFIG)
+    # n1 has a loaded and no room for x beside it; n2 has room for x.
+    n1 = start_model_node(procs, [edge], [sim_model("a"), sim_model("x", memory_mib=60)])
+    n2 = start_model_node(procs, [edge], [sim_model("x", memory_mib=60)], node_id="n2")
+    edge.wait_ready("x", "n2")
+    client = edge.openai()
+    assert client.chat.completions.create(model="a", messages=MESSAGES, max_tokens=4).choices
+    assert loads(n1) == ["a"]
+    assert client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=4).choices
+    load = run_timeline(edge)["model_load"]
+    assert load["node"] == "n2"
+    assert "free" in run_timeline(edge)["why_queued"]
+    assert loads(n2) == ["x"]
+    assert loads(n1) == ["a"]  # a was not evicted for x
+
+
 def test_a_swap_inside_min_residency_is_refused_and_the_request_waits_then_times_out(
     procs: Procs,
 ) -> None:
