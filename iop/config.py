@@ -1353,6 +1353,16 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
         default_objective: The objective of a run whose request names none
             and whose tenant has none ("" for none: priority 0, not
             sheddable, no deadline).
+        reserved_slot_fraction: The share of each instance's slots (rounded
+            down) that runs of sheddable objectives may not take: kept for
+            runs that may not be shed, which then find a slot free at once
+            while a sheddable flood holds the rest (0 to below 1).
+        max_preemptions: How many times one run of a sheddable objective may
+            be preempted: when a run of a higher objective priority finds no
+            slot, the newest such run of the lowest priority that has sent
+            no output yet gives up its slot, its attempt is cancelled on its
+            node and it is placed again, first of its level; its client sees
+            nothing of it. ``0`` never preempts (0 to 100).
     """
 
     max_queue: int = 256
@@ -1406,6 +1416,14 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
     # be shed, and a sheddable flood never fills it.
     shed_queue_fraction: float = 0.5
     default_objective: str = ""
+    # None reserved: a sheddable load may take every slot, as before there
+    # was a reserve; what the reserve costs and buys is measured in
+    # docs/benchmarks.md, "Objectives under overload".
+    reserved_slot_fraction: float = 0.0
+    # Once: a preempted run loses what its engine did (its prefill), so a
+    # run is not made to lose it twice; it still yields to every higher run
+    # while it waits in the queue (docs/operations.md, "Sessions and objectives").
+    max_preemptions: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_sessions_per_tenant <= 1_000_000:
@@ -1414,6 +1432,10 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             raise ValueError("unkeyed_session_weight must be between 0.001 and 1000")
         if not 0 < self.shed_queue_fraction <= 1:
             raise ValueError("shed_queue_fraction must be > 0 and <= 1")
+        if not 0 <= self.reserved_slot_fraction < 1:
+            raise ValueError("reserved_slot_fraction must be >= 0 and < 1")
+        if not 0 <= self.max_preemptions <= 100:
+            raise ValueError("max_preemptions must be between 0 and 100")
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
         if self.prefix_block_chars < 16:

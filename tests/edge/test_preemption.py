@@ -28,6 +28,7 @@ OBJECTIVES = [
     Objective(name="batch", priority=0, sheddable=True),
     Objective(name="bulk", priority=-5, sheddable=True),
 ]
+NAMES = [o.name for o in OBJECTIVES]
 
 
 def setup(**sched: object) -> EdgeConfig:
@@ -39,7 +40,7 @@ def setup(**sched: object) -> EdgeConfig:
     )
     return config(
         scheduler=settings,
-        tenants=[tenant("a"), tenant("b", objectives=["interactive"])],
+        tenants=[tenant("a", objectives=NAMES), tenant("b", objectives=NAMES)],
         objectives=OBJECTIVES,
     )
 

@@ -118,6 +118,9 @@ class InstanceState:
     node_id: str
     caps: Capabilities
     in_flight: int = 0
+    # Of those, runs of sheddable objectives (the reserve's count:
+    # iop.edge.scheduler._placement).
+    sheddable_in_flight: int = 0
     reported: ReportedLoad | None = None
 
     @property
