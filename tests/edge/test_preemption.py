@@ -161,6 +161,7 @@ async def test_a_sheddable_run_that_sent_nothing_yields_its_slot_and_runs_again(
         assert timeline.outcome == "complete:stop"
         assert core.scheduler.preempted == 1
         assert core.snapshot()["outcomes"] == {"complete": 2}
+        assert core.snapshot()["queue"]["preempted"] == 1
 
 
 async def test_a_run_that_sent_output_is_never_preempted(
