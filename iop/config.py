@@ -1589,7 +1589,10 @@ class Objective(_Config, frozen=True, kw_only=True):
             ``objective`` refers to; a metrics label.
         priority: Higher is served first (-1000 to 1000).
         sheddable: Refused first under overload: at ``scheduler.shed_queue_fraction``
-            of the queue, and evicted from a full queue for a run that is not.
+            of the queue, and evicted from a full queue for a run that is not;
+            preempted before its first output for a run of a higher priority
+            (``scheduler.max_preemptions``); kept from the instances' reserved
+            slots (``scheduler.reserved_slot_fraction``).
         ttft_deadline_s: The run's time-to-first-token objective: the queue
             serves earlier deadlines first within a priority, and refuses
             at once (429) a run that would wait longer than this.
