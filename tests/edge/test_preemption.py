@@ -40,7 +40,11 @@ def setup(**sched: object) -> EdgeConfig:
     )
     return config(
         scheduler=settings,
-        tenants=[tenant("a", objectives=NAMES), tenant("b", objectives=NAMES)],
+        tenants=[
+            tenant("a", objectives=NAMES),
+            tenant("b", objectives=NAMES),
+            tenant("vip", objectives=NAMES, priority="high"),
+        ],
         objectives=OBJECTIVES,
     )
 
@@ -221,6 +225,7 @@ async def test_max_preemptions_zero_never_preempts(
     [
         ("batch", "", "a"),  # no objective: priority 0, the batch run's own
         ("batch", "batch", "b"),  # another tenant's run of the same objective
+        ("batch", "batch", "vip"),  # a tenant of a higher class: its class never preempts
         ("", "interactive", "a"),  # a run that may not be shed is never a victim
     ],
 )

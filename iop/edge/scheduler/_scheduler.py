@@ -39,8 +39,9 @@ objectives"). Serving higher priorities first decides who gets the next
 slot that frees, not when one frees: behind a sheddable flood holding every
 slot, an interactive run waited up to a whole run's time (the hold of the
 slot freed next; docs/benchmarks.md, "Objectives under overload"). Two
-mechanisms bound that wait. A reserve: a sheddable run may not take an
-instance's last ``reserved_slot_fraction`` of slots (``Placement.fits``).
+mechanisms bound that wait. A reserve: sheddable runs may not hold more
+than an instance's slots but ``reserved_slot_fraction`` of them
+(``Placement.fits``).
 Preemption: a waiter that finds no slot (``dispatch``) takes the slot of a
 running sheddable run of a lower objective priority that has sent no output
 yet (``_preempt_for``): the lowest priority first, then the newest (least
@@ -58,7 +59,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final, NoReturn
 
@@ -133,6 +134,9 @@ class Scheduler:
         # those preempted whose attempt has not released them yet.
         self._preemptible: dict[Lease, None] = {}
         self._preempting: dict[Lease, None] = {}
+        # How many of those are of each objective priority: a waiter that no
+        # preemptible run is below costs ``dispatch`` no look at them.
+        self._preemptible_ranks: Counter[int] = Counter()
         self.preempted = 0  # runs preempted (module docstring)
 
     @property
@@ -198,11 +202,16 @@ class Scheduler:
             placed.inst.sheddable_in_flight += 1
             if preemptions < self.settings.max_preemptions:
                 self._preemptible[lease] = None
+                self._preemptible_ranks[share.rank] += 1
         return lease
+
+    def _not_preemptible(self, lease: Lease) -> None:
+        if self._preemptible.pop(lease, False) is None:
+            self._preemptible_ranks[lease.share.rank] -= 1
 
     def released(self, lease: Lease) -> None:
         """``lease``'s slot is free: hand it on (``Lease.release``)."""
-        self._preemptible.pop(lease, None)
+        self._not_preemptible(lease)
         self._preempting.pop(lease, None)
         self.dispatch()
 
@@ -451,11 +460,9 @@ class Scheduler:
             reserve = self.placement.reserve(inst) if sheddable else 0
             reserved = reserved or reserve > 0
             loads.append(f"{load} ({reserve} reserved)" if reserve else load)
-        why = (
-            "every slot busy or reserved for runs that may not be shed"
-            if reserved
-            else ("every slot busy")
-        )
+        why = "every slot busy"
+        if reserved:
+            why = "every slot busy or reserved for runs that may not be shed"
         return f"{why}: " + ", ".join(loads[:8]) + (" ..." if len(loads) > 8 else "")
 
     def _join_session(self, waiter: _Waiter) -> None:
@@ -586,9 +593,9 @@ class Scheduler:
         """Preempt a sheddable run for ``head``, which found no slot, if one
         of a lower objective priority on an instance ``head`` may use has
         sent no output yet (module docstring)."""
-        if not self._preemptible:
-            return
         rank = head.share.rank
+        if not any(n and r < rank for r, n in self._preemptible_ranks.items()):
+            return
         usable = {
             id(inst)
             for _, inst in self.placement.candidates(head.model, head.exclude, head.operation)
@@ -606,7 +613,7 @@ class Scheduler:
                     victim = lease
             if victim is None:
                 return
-            del self._preemptible[victim]
+            self._not_preemptible(victim)
             assert victim.preempt is not None
             if victim.preempt():
                 self._preempting[victim] = None
