@@ -17,8 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from iop.edge.scheduler._queue import EVEN_SHARE, QueueShare
-
 if TYPE_CHECKING:
     from iop.edge.runs._nodes import InstanceState, NodeConnection
 
@@ -45,8 +43,9 @@ class Lease:
     scores: dict[str, float] = field(default_factory=dict)
     # The instances it was chosen from: (node, instance, in flight, slots).
     candidates: list[tuple[str, str, int, int]] = field(default_factory=list)
-    # Whose run holds it (its objective's priority, whether it may be shed).
-    share: QueueShare = EVEN_SHARE
+    # Its run's objective: priority, and whether it may be shed.
+    rank: int = 0
+    sheddable: bool = False
     # Ends the attempt if it sent no output yet, and says whether it did
     # (set by the attempt while it may be preempted; module docstring).
     preempt: Callable[[], bool] | None = None
@@ -55,6 +54,6 @@ class Lease:
         if not self.released:
             self.released = True
             self.instance.in_flight -= 1
-            if self.share.sheddable:
+            if self.sheddable:
                 self.instance.sheddable_in_flight -= 1
             self._scheduler.released(self)

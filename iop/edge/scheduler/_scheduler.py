@@ -196,7 +196,8 @@ class Scheduler:
             why=placed.why,
             scores=placed.scores,
             candidates=placed.candidates,
-            share=share,
+            rank=share.rank,
+            sheddable=share.sheddable,
         )
         if share.sheddable:
             placed.inst.sheddable_in_flight += 1
@@ -207,7 +208,7 @@ class Scheduler:
 
     def _not_preemptible(self, lease: Lease) -> None:
         if self._preemptible.pop(lease, False) is None:
-            self._preemptible_ranks[lease.share.rank] -= 1
+            self._preemptible_ranks[lease.rank] -= 1
 
     def released(self, lease: Lease) -> None:
         """``lease``'s slot is free: hand it on (``Lease.release``)."""
@@ -607,9 +608,9 @@ class Scheduler:
             for lease in reversed(self._preemptible):  # the newest first
                 inst = lease.instance
                 # (A sheddable head fits where a sheddable victim was.)
-                if lease.share.rank >= rank or lease.preempt is None or id(inst) not in usable:
+                if lease.rank >= rank or lease.preempt is None or id(inst) not in usable:
                     continue
-                if victim is None or lease.share.rank < victim.share.rank:
+                if victim is None or lease.rank < victim.rank:
                     victim = lease
             if victim is None:
                 return
