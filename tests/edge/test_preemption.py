@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import trio
+import trio.lowlevel
 import trio.testing
 
 from iop.config import EdgeConfig, Objective, SchedulerSettings, decode_config
@@ -293,6 +294,35 @@ async def test_a_preempted_run_its_client_leaves_while_it_waits_ends_once(
         assert core.scheduler.queued == 0
         events = await drain_events(runs["b0"])
         assert sum(isinstance(ev, Cancelled | Complete) for ev in events) == 1
+        await node.send("i0", Start(), Complete())
+        assert await drain_events(runs["i0"]) == [Start(), Complete()]
+
+
+async def test_a_run_its_client_leaves_as_it_is_preempted_ends_once_and_is_not_placed_again(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The client leaves right after the scheduler preempts its run (at the
+    first checkpoint after): the run ends cancelled, once, and does not
+    queue again."""
+    async with edge_with_node(setup(max_preemptions=1), [caps(slots=1)]) as (core, node, _):
+        runs = await submit(core, "batch", "b0")
+        await next_assign(node)
+        runs["i0"] = start(core, "i0", "interactive")
+        for _ in range(1000):  # checkpoints, until the interactive run's task preempts
+            if core.scheduler.preempted:
+                break
+            await trio.lowlevel.checkpoint()
+        assert core.scheduler.preempted == 1
+        runs["b0"].cancel(CancelReason.CLIENT_DISCONNECT, "client went away")
+        outcome = await runs["b0"].wait()
+        assert isinstance(outcome, Cancelled)
+        assert outcome.reason is CancelReason.CLIENT_DISCONNECT
+        events = await drain_events(runs["b0"])
+        assert sum(isinstance(ev, Cancelled | Complete) for ev in events) == 1
+        assert (await next_assign(node)).assign.run_id == "i0"
+        await trio.testing.wait_all_tasks_blocked()
+        assert core.scheduler.queued == 0
+        assert assigned(node) == []
         await node.send("i0", Start(), Complete())
         assert await drain_events(runs["i0"]) == [Start(), Complete()]
 
