@@ -201,6 +201,14 @@ class RemoteExecutor:
                 attempt += 1
                 last = retry
                 excluded.add(retry.excluded)
+                if attempts == 1:
+                    then = ""  # failover is off
+                elif attempt == attempts:  # counted already
+                    then = f"; {attempts} attempts made, giving up"
+                elif core.scheduler.could_serve(model, frozenset(excluded), op):
+                    then = "; failing over"
+                else:
+                    then = "; no other instance serves the model, giving up"
                 log.warning(
                     "run %s: attempt %d on node %s instance %s failed before output (%s)%s",
                     spec.run_id,
@@ -208,7 +216,7 @@ class RemoteExecutor:
                     retry.node_id,
                     lease.instance.caps.instance,
                     retry.why,
-                    "; failing over" if attempt < attempts else "",
+                    then,
                 )
             finally:
                 lease.release()
