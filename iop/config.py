@@ -1370,6 +1370,16 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             model, the edge asks that node for that model again no sooner
             than this; runs for it meanwhile go to another node that offers
             it, or end 503 ``model_load_failed`` with ``Retry-After``.
+        reserved_slot_fraction: The share of each instance's slots (rounded
+            down) that runs of sheddable objectives may not take: kept for
+            runs that may not be shed, which then find a slot free at once
+            while a sheddable flood holds the rest (0 to below 1).
+        max_preemptions: How many times one run of a sheddable objective may
+            be preempted: when a run of a higher objective priority finds no
+            slot, the newest such run of the lowest priority that has sent
+            no output yet gives up its slot, its attempt is cancelled on its
+            node and it is placed again, first of its level; its client sees
+            nothing of it. ``0`` never preempts (0 to 100).
     """
 
     max_queue: int = 256
@@ -1430,6 +1440,14 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
     # a broken model costs a node one failed load per 10 s at most, not one
     # per request.
     model_load_backoff_s: float = 10.0
+    # None reserved: a sheddable load may take every slot, as before there
+    # was a reserve; what the reserve costs and buys is measured in
+    # docs/benchmarks.md, "Objectives under overload".
+    reserved_slot_fraction: float = 0.0
+    # Once: a preempted run loses what its engine did (its prefill), so a
+    # run is not made to lose it twice; it still yields to every higher run
+    # while it waits in the queue (docs/operations.md, "Sessions and objectives").
+    max_preemptions: int = 1
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_sessions_per_tenant <= 1_000_000:
@@ -1438,6 +1456,10 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             raise ValueError("unkeyed_session_weight must be between 0.001 and 1000")
         if not 0 < self.shed_queue_fraction <= 1:
             raise ValueError("shed_queue_fraction must be > 0 and <= 1")
+        if not 0 <= self.reserved_slot_fraction < 1:
+            raise ValueError("reserved_slot_fraction must be >= 0 and < 1")
+        if not 0 <= self.max_preemptions <= 100:
+            raise ValueError("max_preemptions must be between 0 and 100")
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
         if self.prefix_block_chars < 16:
@@ -1595,7 +1617,10 @@ class Objective(_Config, frozen=True, kw_only=True):
             ``objective`` refers to; a metrics label.
         priority: Higher is served first (-1000 to 1000).
         sheddable: Refused first under overload: at ``scheduler.shed_queue_fraction``
-            of the queue, and evicted from a full queue for a run that is not.
+            of the queue, and evicted from a full queue for a run that is not;
+            preempted before its first output for a run of a higher priority
+            (``scheduler.max_preemptions``); kept from the instances' reserved
+            slots (``scheduler.reserved_slot_fraction``).
         ttft_deadline_s: The run's time-to-first-token objective: the queue
             serves earlier deadlines first within a priority, and refuses
             at once (429) a run that would wait longer than this.

@@ -30,15 +30,21 @@ def test_a_smoke_run_measures_every_phase(tmp_path: Path) -> None:
     result = run(Options(), RunContext(python=sys.executable, workdir=tmp_path, smoke=True))
     json.dumps(result)
     phases = result["phases"]
-    assert set(phases) == {"unloaded", "loaded", "no_objectives"}
-    assert set(phases["unloaded"]) == {"interactive"}
-    for phase in ("loaded", "no_objectives"):
-        assert set(phases[phase]) == {"interactive", "batch"}
+    assert set(phases) == {"unloaded", "queue_only", "loaded", "reserved", "no_objectives"}
+    assert set(phases["unloaded"]) == {"interactive", "preempted"}
+    for phase in ("queue_only", "loaded", "reserved", "no_objectives"):
+        assert set(phases[phase]) == {"interactive", "batch", "preempted"}
+    # Without preemption the edge preempts nothing.
+    assert phases["queue_only"]["preempted"] == 0
     for got in phases.values():
-        for c in got.values():
+        for kind in ("interactive", "batch"):
+            c = got.get(kind)
+            if c is None:
+                continue
             assert c["failed_5xx"] == 0
             assert set(c["ttft_ms"]) == {"p50", "p90", "p99"}
     assert phases["unloaded"]["interactive"]["answered"] > 0
     table = tables(result)
     assert table.startswith("| phase | class |")
     assert "| loaded | batch |" in table
+    assert "| reserved | batch |" in table

@@ -15,17 +15,25 @@ arrival to the first content chunk):
 ``unloaded``
     Interactive requests alone at ``interactive_pct`` % of capacity: the
     reference TTFT.
-``loaded``
+``queue_only``
     The same interactive requests (``x-iop-objective: interactive``) and a
     background load of ``background_pct`` % of capacity
-    (``x-iop-objective: batch``).
+    (``x-iop-objective: batch``), the queue's order alone
+    (``max_preemptions = 0``): what objectives did before preemption.
+``loaded``
+    The same two loads with the edge's default ``[scheduler]``: a batch run
+    that has sent nothing yet is preempted for an interactive one.
+``reserved``
+    The same, and ``reserved_slot_fraction`` of each instance's slots kept
+    from the batch runs.
 ``no_objectives``
     The same two loads without the headers: what the queue does without
     objectives (the control).
 
 Figures per phase and class: TTFT p50, p90, p99; answers per second
 (goodput: the answers completed in the window over the window); 429s; 5xx
-and other failures (which must be none).
+and other failures (which must be none); and the edge's preemptions
+(``/admin/nodes``).
 """
 
 from __future__ import annotations
@@ -59,8 +67,14 @@ from iop.testing import NODE_READY, Proc
 
 __all__ = ["Options", "run"]
 
-Phase = Literal["unloaded", "loaded", "no_objectives"]
-PHASES: Final[tuple[Phase, ...]] = ("unloaded", "loaded", "no_objectives")
+Phase = Literal["unloaded", "queue_only", "loaded", "reserved", "no_objectives"]
+PHASES: Final[tuple[Phase, ...]] = (
+    "unloaded",
+    "queue_only",
+    "loaded",
+    "reserved",
+    "no_objectives",
+)
 MODEL: Final = "iop-sim"
 OBJECTIVES: Final = [
     {"name": "interactive", "priority": 10, "sheddable": False},
@@ -80,6 +94,7 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         interactive_pct: Interactive arrivals, in % of capacity.
         background_pct: Background (sheddable) arrivals, in % of capacity.
         duration_s: Each phase's window of arrivals.
+        reserved_slot_fraction: The ``reserved`` phase's reserve.
         phases: Which phases to run.
         seed: Seeds the arrivals (the same in every phase).
         client_timeout_s: A request not answered within this fails.
@@ -94,6 +109,7 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     interactive_pct: float = 20.0
     background_pct: float = 150.0
     duration_s: float = 20.0
+    reserved_slot_fraction: float = 0.5
     phases: list[Phase] = msgspec.field(default_factory=lambda: list(PHASES))
     seed: int = 0
     client_timeout_s: float = 60.0
@@ -214,10 +230,20 @@ def _start_sims(stack: Stack, opts: Options) -> list[str]:
     return [url for _, url in start_sims(stack, opts.instances, *flags)]
 
 
+def _phase_scheduler(opts: Options, phase: Phase) -> dict[str, Any]:
+    """The edge's ``[scheduler]`` in ``phase``."""
+    own: dict[str, Any] = {}
+    if phase == "queue_only":
+        own = {"max_preemptions": 0}
+    elif phase == "reserved":
+        own = {"reserved_slot_fraction": opts.reserved_slot_fraction}
+    return {"max_queue": 64, **opts.scheduler, **own}
+
+
 def _start_cluster(
-    stack: Stack, opts: Options, sims: list[str], tag: str
+    stack: Stack, opts: Options, sims: list[str], tag: str, phase: Phase
 ) -> tuple[Proc, Proc, str]:
-    config = {"scheduler": {"max_queue": 64, **opts.scheduler}, "objectives": OBJECTIVES}
+    config = {"scheduler": _phase_scheduler(opts, phase), "objectives": OBJECTIVES}
     edge, url, link = start_edge(stack, config, name=f"edge-{tag}")
     instances = [
         {"adapter": "vllm", "name": f"gpu{i}", "endpoint": sim, "max_concurrency": opts.max_concurrency}
@@ -273,11 +299,13 @@ def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
         sims = _start_sims(stack, opts)
         for phase in opts.phases:
             tag = f"r{ctx.repeat}-{phase}"
-            edge, node, url = _start_cluster(stack, opts, sims, tag)
+            edge, node, url = _start_cluster(stack, opts, sims, tag, phase)
             samples = trio.run(_drive, url, opts, phase != "unloaded", phase != "no_objectives")
+            queue = httpx.get(url + "/admin/nodes", timeout=10.0, trust_env=False).json()["queue"]
             stack.stop(node)
             stack.stop(edge)
             phases[phase] = _figures(samples, opts.duration_s)
+            phases[phase]["preempted"] = queue.get("preempted", 0)
             with (ctx.workdir / f"samples-{tag}.jsonl").open("w") as f:
                 for s in samples:
                     f.write(json.dumps(s.__dict__) + "\n")
@@ -298,8 +326,8 @@ def tables(result: dict[str, Any]) -> str:
     """One row per (phase, class): TTFT, goodput, refusals, failures."""
     rows = [
         "| phase | class | sent | answered/s | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms "
-        "| 429 | 5xx | other errors |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| 429 | 5xx | other errors | preempted |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for phase in PHASES:
         got = result.get("phases", {}).get(phase)
@@ -311,10 +339,12 @@ def tables(result: dict[str, Any]) -> str:
                 continue
             t = c["ttft_ms"]
             other = sum(c["other_errors"].values()) if isinstance(c["other_errors"], dict) else 0
+            preempted = _f(got.get("preempted"), ".0f") if kind == "batch" else ""
             rows.append(
                 f"| {phase} | {kind} | {_f(c['sent'], '.0f')} | {_f(c['answers_per_s'], '.2f')} "
                 f"| {_f(t['p50'], '.0f')} | {_f(t['p90'], '.0f')} | {_f(t['p99'], '.0f')} "
-                f"| {_f(c['refused_429'], '.0f')} | {_f(c['failed_5xx'], '.0f')} | {other} |"
+                f"| {_f(c['refused_429'], '.0f')} | {_f(c['failed_5xx'], '.0f')} | {other} "
+                f"| {preempted} |"
             )
     rows.append("")
     rows.append(f"Capacity {_f(result.get('capacity_per_s'), '.1f')} runs/s (the slots' rate).")

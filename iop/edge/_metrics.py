@@ -75,6 +75,12 @@ class _LiveCollector(Collector):
         for why, n in self._scheduler.refused.items():
             refused.add_metric([why], n)
         yield refused
+        yield CounterMetricFamily(
+            "iop_preemptions",
+            "Sheddable runs that gave their slot to a run of a higher objective priority "
+            "before any output, and were placed again.",
+            value=self._scheduler.preempted,
+        )
         # Sessions as counts, never a label per session id (docs/operations.md,
         # "Sessions and objectives").
         yield CounterMetricFamily(

@@ -220,6 +220,7 @@ def _queue_view(scheduler: Scheduler) -> dict[str, object]:
         "exits": {how.value: n for how, n in scheduler.exits.items()},
         "last_exit": None if last is None else msgspec.to_builtins(last),
         "refused": dict(scheduler.refused),
+        "preempted": scheduler.preempted,
         "sessions": {
             "seen": scheduler.sessions_seen,
             "queued": scheduler.sessions_queued,

@@ -1,6 +1,8 @@
 """Objectives on real processes (docs/operations.md, "Sessions and objectives"): a
 sheddable flood queues behind a one-slot instance, an interactive request is served
-next, and a deadline the queue cannot meet is refused at once, through the openai SDK.
+next, a batch run that has sent nothing yet gives its slot to an interactive one and
+still answers whole, and a deadline the queue cannot meet is refused at once, through
+the openai SDK.
 
 The order of service is read from the runs' timelines on the edge
 (``/admin/runs/{id}``, the edge's monotonic clock). No timing is asserted.
@@ -111,6 +113,70 @@ def test_an_interactive_request_is_served_before_a_queued_sheddable_flood(
     assert sum(1 for t in floods if (t["dequeued"] or 0) > calm["dequeued"]) >= 4
     metrics = edge.admin_get("/metrics").text
     assert 'iop_queue_refused_total{why="deadline"} 1.0' in metrics
+
+
+def test_a_batch_run_still_in_its_prefill_yields_its_slot_and_still_answers_whole(
+    cluster: Cluster,
+) -> None:
+    """A streamed batch run holds the one slot and has sent nothing yet (a
+    long prefill); an interactive request comes: the batch run's attempt is
+    cancelled on the node and the interactive one runs at once; then the
+    batch run is placed again and its client gets one whole answer, no error
+    (docs/operations.md, "Sessions and objectives")."""
+    edge = cluster.edge
+    edge.admin_key = ADMIN_KEY
+    texts: list[str] = []
+    finishes: list[str | None] = []
+    ids: list[str] = []
+
+    def stream_batch(client: openai.OpenAI) -> None:
+        stream = client.chat.completions.create(
+            model=MODEL,
+            messages=MESSAGES,
+            stream=True,
+            extra_body={"iop_sim": {"ttft_s": 3.0, "output_tokens": 8}},
+            extra_headers={"x-iop-objective": "batch"},
+        )
+        for chunk in stream:
+            ids.append(chunk.id.removeprefix("chatcmpl-"))
+            for choice in chunk.choices:
+                texts.append(choice.delta.content or "")
+                if choice.finish_reason is not None:
+                    finishes.append(choice.finish_reason)
+
+    def placed_batch() -> bool:
+        live = edge.admin_get("/admin/runs").json()["live"]
+        return any(r["objective"] == "batch" and r["phase"] == "placed" for r in live)
+
+    interactive: list[str] = []
+    before = _preemptions(edge)
+    with edge.openai(timeout=60) as client:
+        batch = threading.Thread(target=stream_batch, args=(client,))
+        batch.start()
+        poll(placed_batch, timeout=30, what="the batch run to be on the node")
+        _ask(client, "interactive", interactive)
+        batch.join(timeout=60)
+    assert not batch.is_alive()
+    assert finishes == ["stop"]
+    assert "".join(texts)
+    (run_id,) = set(ids)
+    slow = _timeline(edge, run_id)
+    calm = _timeline(edge, interactive[0])
+    assert [p["result"] for p in slow["placements"]] == ["preempted", "ran"]
+    assert slow["outcome"] == "complete:stop"
+    assert slow["cancel_requested_ms"] is None
+    # The interactive run had its answer before the batch run's first token.
+    calm_done = calm["received_unix"] + calm["terminal_ms"] / 1000.0
+    slow_first = slow["received_unix"] + slow["first_output_ms"] / 1000.0
+    assert calm_done < slow_first
+    assert _preemptions(edge) == before + 1
+
+
+def _preemptions(edge: Edge) -> float:
+    for line in edge.admin_get("/metrics").text.splitlines():
+        if line.startswith("iop_preemptions_total "):
+            return float(line.split()[1])
+    raise AssertionError("no iop_preemptions_total in /metrics")
 
 
 @pytest.mark.parametrize(

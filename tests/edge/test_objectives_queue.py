@@ -28,6 +28,10 @@ OBJECTIVES = [
 
 
 def setup(max_queue: int = 64, **sched: object) -> EdgeConfig:
+    # The queue's order alone: the hand-played node sends nothing until a run
+    # is served, so each running batch run could be preempted
+    # (tests/edge/test_preemption.py has that).
+    sched.setdefault("max_preemptions", 0)
     settings = SchedulerSettings(
         max_queue=max_queue,
         queue_timeout_s=600.0,
@@ -142,7 +146,9 @@ async def test_an_unknown_objective_is_a_400_naming_it(
 
 
 async def test_a_tenants_objective_is_its_default(autojump_clock: trio.testing.MockClock) -> None:
-    settings = SchedulerSettings(max_queue=64, queue_timeout_s=600.0, max_queue_delay_s=0.0)
+    settings = SchedulerSettings(
+        max_queue=64, queue_timeout_s=600.0, max_queue_delay_s=0.0, max_preemptions=0
+    )
     cfg = config(
         scheduler=settings,
         tenants=[tenant("a", objective="batch")],

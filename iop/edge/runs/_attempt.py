@@ -22,6 +22,9 @@ end                    what happened                                   what the 
 ``LOST``               the node's link died before any output          fails over
 ``LOST_AFTER_OUTPUT``  the node's link died after output reached the   ``Cancelled(node_lost)``
                        consumer
+``PREEMPTED``          before any output, the scheduler took its slot  cancels it on the node and
+                       for a run of a higher objective priority        places the run again
+                       (``preempt``)
 =====================  ==============================================  =========================
 
 "Output" is content, reasoning, another output event or a terminal that
@@ -64,6 +67,7 @@ class AttemptEnd(enum.Enum):
     VIOLATION = "violation"
     LOST = "lost"
     LOST_AFTER_OUTPUT = "lost_after_output"
+    PREEMPTED = "preempted"
 
 
 @dataclass(slots=True)
@@ -171,6 +175,14 @@ class RemoteRun:
     def node_timeline(self, node: NodeTimeline, now: float) -> None:
         """The node's side of the attempt arrived (with its terminal)."""
         keep_node_timeline(self.sink.timeline, self.assigned_at, node, now)
+
+    def preempt(self) -> bool:
+        """End the attempt for a run of a higher priority, if it sent no
+        output yet (``iop.edge.scheduler._leases``); whether it did end it."""
+        if self.end is not None or self._output:
+            return False
+        self._end(AttemptEnd.PREEMPTED, "preempted for a run of a higher priority")
+        return True
 
     def lose(self, message: str) -> None:
         """The node's link is gone."""

@@ -36,6 +36,15 @@ node sent (``iop.edge.runs._attempt``): the surface's opening (SSE head,
 ``response.created``, ``message_start``) and keep-alives are the edge's own,
 so a stream that sent them still fails over, and its client sees one
 opening and the answer of the attempt that succeeded.
+
+A sheddable run's attempt that has sent no output yet may be preempted by
+the scheduler for a run of a higher objective priority
+(``iop.edge.scheduler._scheduler``): it ends ``PREEMPTED``, its node gets
+``Cancel`` (``explicit``), and the run is placed again, which costs no
+failover attempt. The node may still be ending the preempted attempt, so
+each later attempt goes on the link under an id of its own (``run_id~N``,
+N the preemptions so far; the node keys every frame by it, the client's
+answer keeps the run's id).
 """
 
 from __future__ import annotations
@@ -107,6 +116,11 @@ class _Retry(Exception):
         self.error = error
 
 
+class _Preempted(Exception):
+    """This attempt gave its slot to a run of a higher priority before any
+    output; place the run again."""
+
+
 class RemoteExecutor:
     """Executes one run on whichever node the scheduler picks."""
 
@@ -153,9 +167,12 @@ class RemoteExecutor:
         )
         prefix = core.scheduler.prompt_blocks(spec.request, scope)
         attempts = MAX_ATTEMPTS if core.config.scheduler.failover else 1
-        for attempt in range(attempts):
+        attempt = 0  # failed attempts (failovers); preemptions are not counted
+        preempted = 0
+        while attempt < attempts:
             if last is not None and not core.scheduler.could_serve(model, frozenset(excluded), op):
                 break  # no other node to fail over to: report what happened
+            first = attempt == 0 and not preempted
             try:
                 with send.queued():  # the queue wait is not the node's latency
                     lease = await core.scheduler.acquire(
@@ -164,23 +181,29 @@ class RemoteExecutor:
                         affinity=affinity,
                         operation=op,
                         # A failover's wait shows as the gap between placements.
-                        timeline=send.timeline if attempt == 0 else None,
+                        timeline=send.timeline if first else None,
                         prefix=prefix,
                         share=share,
+                        preemptions=preempted,
                     )
             except RunAborted:
                 if last is not None and last.error is not None:
                     break  # report the node's own error rather than the wait
                 raise
+            link_id = spec.run_id if not preempted else f"{spec.run_id}~{preempted}"
             try:
-                await self._attempt(lease, spec, send, attempt + 1)
+                await self._attempt(lease, spec, send, len(send.timeline.placements) + 1, link_id)
                 return
+            except _Preempted:
+                preempted += 1
+                continue
             except _Retry as retry:
+                attempt += 1
                 last = retry
                 excluded.add(retry.excluded)
                 if attempts == 1:
                     then = ""  # failover is off
-                elif attempt + 1 == attempts:
+                elif attempt == attempts:  # counted already
                     then = f"; {attempts} attempts made, giving up"
                 elif core.scheduler.could_serve(model, frozenset(excluded), op):
                     then = "; failing over"
@@ -189,7 +212,7 @@ class RemoteExecutor:
                 log.warning(
                     "run %s: attempt %d on node %s instance %s failed before output (%s)%s",
                     spec.run_id,
-                    attempt + 1,
+                    attempt,
                     retry.node_id,
                     lease.instance.caps.instance,
                     retry.why,
@@ -207,9 +230,11 @@ class RemoteExecutor:
             return
         raise RunAborted(core.masker.mask(last.why), reason=CancelReason.NODE_LOST)
 
-    async def _attempt(self, lease: Lease, spec: ExecutionSpec, send: RunSink, number: int) -> None:
+    async def _attempt(
+        self, lease: Lease, spec: ExecutionSpec, send: RunSink, number: int, run_id: str
+    ) -> None:
+        """One attempt on ``lease``'s instance, on the link as ``run_id``."""
         conn, instance = lease.conn, lease.instance.caps.instance
-        run_id = spec.run_id
         placement = Placement(
             attempt=number,
             node=conn.node_id,
@@ -245,6 +270,7 @@ class RemoteExecutor:
             except InvariantError as exc:
                 raise _Retry(conn.node_id, "link closed before assign") from exc
             send.on_consumed(partial(conn.consume, run_id))
+            lease.preempt = rr.preempt
             await rr.ended.wait()
             end = rr.end
             assert end is not None  # set with ``ended``
@@ -278,12 +304,19 @@ class RemoteExecutor:
                     raise RunAborted(
                         self._core.masker.mask(rr.detail), reason=CancelReason.NODE_LOST
                     )
+                case AttemptEnd.PREEMPTED:
+                    # The node's run goes on until the Cancel below reaches it.
+                    placement.result = "preempted"
+                    raise _Preempted
                 case _:
                     assert_never(end)
         finally:
             reason: CancelReason | None = None
+            lease.preempt = None
             if not ended:
                 reason = send.cancel_reason
+                if rr.end is AttemptEnd.PREEMPTED:
+                    reason = CancelReason.EXPLICIT
                 if reason is CancelReason.SLOW_CLIENT:
                     # Nodes older than slow_client cannot decode it (a link
                     # protocol error would drop every run of the node); for
@@ -291,5 +324,7 @@ class RemoteExecutor:
                     reason = CancelReason.CLIENT_DISCONNECT
                 if placement.result is None:
                     placement.result = "cancelled"
-            if conn.close_run(run_id, reason) and timeline.cancel_sent is None:
+            cancelled = conn.close_run(run_id, reason)
+            # A preemption's Cancel is the edge's, not the run's: the run goes on.
+            if cancelled and timeline.cancel_sent is None and rr.end is not AttemptEnd.PREEMPTED:
                 timeline.cancel_sent = trio.current_time()

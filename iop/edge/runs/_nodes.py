@@ -124,6 +124,9 @@ class InstanceState:
     node_id: str
     caps: Capabilities
     in_flight: int = 0
+    # Of those, runs of sheddable objectives (the reserve's count:
+    # iop.edge.scheduler._placement).
+    sheddable_in_flight: int = 0
     reported: ReportedLoad | None = None
     # An on-demand model of the node (``[[models]]``): its state and what a
     # load costs (``iop.edge.scheduler._ondemand``); None for an instance.

@@ -3,10 +3,17 @@
 ``Scheduler`` hands one out when it places a run (at once, or to a waiter
 in ``dispatch``); the attempt releases it when it ends, which frees the
 slot and lets the scheduler hand it to the next waiter.
+
+A lease of a sheddable run may be preempted (``Scheduler`` calls
+``preempt`` for a waiter of a higher objective priority that finds no
+slot): the attempt holding it sets ``preempt`` once it is on its node, and
+the hook ends the attempt only if it has sent no output yet (it says
+whether it did); the attempt then releases the lease as any attempt does.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -19,7 +26,7 @@ __all__ = ["Lease"]
 class Dispatcher(Protocol):
     """What a released slot is handed back to (``Scheduler``)."""
 
-    def dispatch(self) -> None: ...
+    def released(self, lease: Lease) -> None: ...
 
 
 @dataclass(eq=False)
@@ -36,9 +43,17 @@ class Lease:
     scores: dict[str, float] = field(default_factory=dict)
     # The instances it was chosen from: (node, instance, in flight, slots).
     candidates: list[tuple[str, str, int, int]] = field(default_factory=list)
+    # Its run's objective: priority, and whether it may be shed.
+    rank: int = 0
+    sheddable: bool = False
+    # Ends the attempt if it sent no output yet, and says whether it did
+    # (set by the attempt while it may be preempted; module docstring).
+    preempt: Callable[[], bool] | None = None
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             self.instance.in_flight -= 1
-            self._scheduler.dispatch()
+            if self.sheddable:
+                self.instance.sheddable_in_flight -= 1
+            self._scheduler.released(self)

@@ -10,7 +10,11 @@ the backend's prefix cache holds the prompt's head; see ``affinity_key``; a
 conversation is its tenant's alone unless tenants share their caches);
 ``prefix`` scores each by the share of the prompt it is expected to hold
 (``iop.edge.scheduler._prefix``), minus its load, plus affinity; ``random``
-is a baseline. Nothing here waits: when no instance has a free slot the
+is a baseline. Runs of sheddable objectives hold at most an instance's
+slots but its reserve (``reserved_slot_fraction`` of them, rounded down:
+``reserve``): while they hold that many, the other slots are for runs that
+may not be shed, which thus find one free at once as long as fewer of them
+than the reserve run. Nothing here waits: when no instance has a free slot the
 scheduler queues the run (``iop/edge/scheduler/_scheduler.py``).
 
 Waiters are kept by what they wait for (model, operation, excluded nodes),
@@ -169,6 +173,18 @@ class Placement:
             return []
         return prompt_blocks(request, self.settings.prefix_block_chars, scope)
 
+    def reserve(self, inst: InstanceState) -> int:
+        """The slots of ``inst`` sheddable runs may not hold."""
+        return int(self.settings.reserved_slot_fraction * inst.caps.max_concurrency)
+
+    def fits(self, inst: InstanceState, sheddable: bool) -> bool:
+        """Whether ``inst`` has a free slot for a run (a sheddable one: and
+        sheddable runs hold fewer than its slots but its reserve)."""
+        if inst.free <= 0:
+            return False
+        limit = inst.caps.max_concurrency - self.reserve(inst)
+        return not sheddable or inst.sheddable_in_flight < limit
+
     def pick(
         self,
         model: str,
@@ -176,13 +192,16 @@ class Placement:
         affinity: str | None = None,
         operation: str = "chat",
         prefix: Sequence[bytes] = (),
+        *,
+        sheddable: bool = False,
     ) -> Placed | None:
         """The instance for a run, its slot counted (``in_flight``), or None
-        when no candidate has a free slot."""
+        when no candidate has a free slot (for a ``sheddable`` run, beyond
+        the instance's reserve)."""
         free = [
             (conn, inst)
             for conn, inst in self.candidates(model, exclude, operation)
-            if inst.free > 0
+            if self.fits(inst, sheddable)
         ]
         if not free:
             return None
@@ -280,6 +299,9 @@ class Placement:
         (free or busy)."""
         return any(True for _ in self.candidates(model, exclude, operation))
 
-    def has_room(self, model: str, operation: str = "chat") -> bool:
-        """Whether an instance serving ``operation`` on ``model`` has a free slot."""
-        return any(inst.free > 0 for _, inst in self.candidates(model, operation=operation))
+    def has_room(self, model: str, operation: str = "chat", sheddable: bool = False) -> bool:
+        """Whether an instance serving ``operation`` on ``model`` has a free
+        slot (for a ``sheddable`` run, beyond its reserve)."""
+        return any(
+            self.fits(inst, sheddable) for _, inst in self.candidates(model, operation=operation)
+        )

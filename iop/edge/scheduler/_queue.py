@@ -136,6 +136,7 @@ class _Waiter:
     queued_at: float = 0.0
     ahead: int = 0  # waiters of its group ahead of it when it came
     shed: bool = False  # evicted for a run that may not be shed
+    preemptions: int = 0  # times its run was preempted (``Scheduler._preempt_for``)
     event: trio.Event = field(default_factory=trio.Event)
     lease: Lease | None = None
     # It waits for a node to load its model (``iop.edge.scheduler._ondemand``):
@@ -154,6 +155,11 @@ class _Waiter:
         """It leaves the queue: placed, shed or failed."""
         self.event.set()
         self.nudge.set()
+
+    @property
+    def resumed(self) -> bool:
+        """Its run was preempted: it queues again, never refused nor shed."""
+        return self.preemptions > 0
 
     @property
     def key(self) -> _WaitKey:
@@ -193,6 +199,3 @@ class _Group:
 
     def oldest(self) -> _Waiter:
         return next(iter(self.members))
-
-    def newest(self) -> _Waiter:
-        return next(reversed(self.members))

@@ -39,13 +39,33 @@ refusals (``_refuse_if_behind``): a sheddable run past
 ``shed_queue_fraction`` of the queue, a run whose predicted wait exceeds
 its own TTFT deadline, and, instead of refusing a run that may not be shed
 at a full queue, the eviction of a queued sheddable one.
+
+Slots for runs that may not wait (docs/operations.md, "Sessions and
+objectives"). Serving higher priorities first decides who gets the next
+slot that frees, not when one frees: behind a sheddable flood holding every
+slot, an interactive run waited up to a whole run's time (the hold of the
+slot freed next; docs/benchmarks.md, "Objectives under overload"). Two
+mechanisms bound that wait. A reserve: sheddable runs may not hold more
+than an instance's slots but ``reserved_slot_fraction`` of them
+(``Placement.fits``).
+Preemption: a waiter that finds no slot (``dispatch``) takes the slot of a
+running sheddable run of a lower objective priority that has sent no output
+yet (``_preempt_for``): the lowest priority first, then the newest (least
+work lost); its attempt is cancelled on its node and the run is placed
+again (``acquire(preemptions=...)``), first of its level, never refused nor
+shed for it, at most ``max_preemptions`` times; its client sees one answer.
+Only objective priority preempts: a tenant's class or share never does,
+and a run that may not be shed is never preempted. One preemption is on
+its way at a time for the instances a waiter could use, so a burst of
+waiters preempts one run each, not every run at once.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Final, NoReturn
 
@@ -120,6 +140,14 @@ class Scheduler:
         self.placement = Placement(registry, settings)
         # The on-demand models the edge asked nodes to load (``_ondemand``).
         self.loads = ModelLoads()
+        # Leases of sheddable runs that may be preempted, oldest first; and
+        # those preempted whose attempt has not released them yet.
+        self._preemptible: dict[Lease, None] = {}
+        self._preempting: dict[Lease, None] = {}
+        # How many of those are of each objective priority: a waiter that no
+        # preemptible run is below costs ``dispatch`` no look at them.
+        self._preemptible_ranks: Counter[int] = Counter()
+        self.preempted = 0  # runs preempted (module docstring)
 
     @property
     def queued(self) -> int:
@@ -322,18 +350,40 @@ class Scheduler:
         affinity: str | None = None,
         operation: str = "chat",
         prefix: Sequence[bytes] = (),
+        share: QueueShare = EVEN_SHARE,
+        preemptions: int = 0,
     ) -> Lease | None:
-        placed = self.placement.pick(model, exclude, affinity, operation, prefix)
+        placed = self.placement.pick(
+            model, exclude, affinity, operation, prefix, sheddable=share.sheddable
+        )
         if placed is None:
             return None
-        return Lease(
+        lease = Lease(
             placed.conn,
             placed.inst,
             self,
             why=placed.why,
             scores=placed.scores,
             candidates=placed.candidates,
+            rank=share.rank,
+            sheddable=share.sheddable,
         )
+        if share.sheddable:
+            placed.inst.sheddable_in_flight += 1
+            if preemptions < self.settings.max_preemptions:
+                self._preemptible[lease] = None
+                self._preemptible_ranks[share.rank] += 1
+        return lease
+
+    def _not_preemptible(self, lease: Lease) -> None:
+        if self._preemptible.pop(lease, False) is None:
+            self._preemptible_ranks[lease.rank] -= 1
+
+    def released(self, lease: Lease) -> None:
+        """``lease``'s slot is free: hand it on (``Lease.release``)."""
+        self._not_preemptible(lease)
+        self._preempting.pop(lease, None)
+        self.dispatch()
 
     def queue_delay(
         self, model: str, operation: str = "chat", share: QueueShare = EVEN_SHARE
@@ -376,7 +426,7 @@ class Scheduler:
             if failure is not None:
                 raise failure
             self._refuse_if_behind(model, operation, share, evict=False, estimate=False)
-        elif not self.placement.has_room(model, operation):
+        elif not self.placement.has_room(model, operation, share.sheddable):
             self._refuse_if_behind(model, operation, share, evict=False)
 
     def _queue_full_for(self, share: QueueShare) -> bool:
@@ -459,12 +509,16 @@ class Scheduler:
     def _shed_victim(self, share: QueueShare) -> _Waiter | None:
         """The queued run to evict for ``share``'s: the newest sheddable run
         of the lowest level, if that is not above ``share``'s."""
-        victim: _Group | None = None
+        victim: _Waiter | None = None
         worst: _Level | None = None
         for (_, _, _, level, _, sheddable), group in self._groups.items():
             if sheddable and level >= share.level and (worst is None or level > worst):
-                victim, worst = group, level
-        return None if victim is None else victim.newest()
+                # A run that was preempted is not shed: its client waits for
+                # the answer it was promised (module docstring).
+                newest = next((w for w in reversed(group.members) if not w.resumed), None)
+                if newest is not None:
+                    victim, worst = newest, level
+        return victim
 
     def _shed(self, waiter: _Waiter) -> None:
         """Evict ``waiter``: its ``acquire`` raises 429."""
@@ -482,6 +536,7 @@ class Scheduler:
         timeline: Timeline | None = None,
         prefix: Sequence[bytes] = (),
         share: QueueShare = EVEN_SHARE,
+        preemptions: int = 0,
     ) -> Lease:
         """A slot for ``operation`` on ``model``, waiting in the queue if needed.
 
@@ -489,7 +544,9 @@ class Scheduler:
         was queued, why, and when it left the queue with a slot. ``prefix``:
         the prompt's blocks, for ``prefix`` placement (``prompt_blocks``).
         ``share``: whose the run is, for the order in which waiters are
-        served (``dispatch``).
+        served (``dispatch``). ``preemptions``: how often the run was
+        preempted already; one that was is placed again first of its level,
+        and never refused nor shed (module docstring).
 
         A run for an on-demand model no node serves now waits while a node
         loads it (``iop.edge.scheduler._ondemand``), at most
@@ -502,7 +559,7 @@ class Scheduler:
         """
         ahead = self._queued
         if not ahead:
-            lease = self._pick(model, exclude, affinity, operation, prefix)
+            lease = self._pick(model, exclude, affinity, operation, prefix, share, preemptions)
             if lease is not None:
                 if timeline is not None:
                     timeline.admitted = trio.current_time()
@@ -512,7 +569,9 @@ class Scheduler:
             failure = self._load_failure(model, exclude, operation)
             if failure is not None:
                 raise failure
-        self._refuse_if_behind(model, operation, share, estimate=not load)
+        resumed = preemptions > 0
+        if not resumed:
+            self._refuse_if_behind(model, operation, share, estimate=not load)
         waiter = _Waiter(
             model,
             exclude,
@@ -524,8 +583,11 @@ class Scheduler:
             queued_at=trio.current_time(),
             load=load,
             timeline=timeline,
+            preemptions=preemptions,
         )
-        if share.deadline_s is not None:
+        if resumed:
+            waiter.deadline_at = -math.inf  # it had its turn: the next one of its level
+        elif share.deadline_s is not None:
             waiter.deadline_at = waiter.queued_at + share.deadline_s
         mine = (share.level, share.tenant)
         start = max(self._vtime.get(share.level, 0.0), self._last_finish.get(mine, 0.0))
@@ -544,7 +606,7 @@ class Scheduler:
             timeline.why_queued = (
                 f"{ahead} run(s) queued ahead"
                 if ahead
-                else self._busy_text(model, exclude, operation)
+                else self._busy_text(model, exclude, operation, share.sheddable)
             )
         timeout = self.settings.queue_timeout_s
         if load:
@@ -606,13 +668,24 @@ class Scheduler:
                     loaded.ended = now
                     loaded.result = "ready" if waiter.lease is not None else "gave up"
 
-    def _busy_text(self, model: str, exclude: Excluded, operation: str) -> str:
-        """Why a run for ``model`` found no slot: each candidate's load."""
-        loads = [
-            f"{conn.node_id}/{inst.caps.instance} {inst.in_flight}/{inst.caps.max_concurrency}"
-            for conn, inst in self.placement.candidates(model, exclude, operation)
-        ]
-        return "every slot busy: " + ", ".join(loads[:8]) + (" ..." if len(loads) > 8 else "")
+    def _busy_text(
+        self, model: str, exclude: Excluded, operation: str, sheddable: bool = False
+    ) -> str:
+        """Why a run for ``model`` found no slot: each candidate's load (for a
+        sheddable run, with the slots reserved from it)."""
+        loads = []
+        reserved = False
+        for conn, inst in self.placement.candidates(model, exclude, operation):
+            load = (
+                f"{conn.node_id}/{inst.caps.instance} {inst.in_flight}/{inst.caps.max_concurrency}"
+            )
+            reserve = self.placement.reserve(inst) if sheddable else 0
+            reserved = reserved or reserve > 0
+            loads.append(f"{load} ({reserve} reserved)" if reserve else load)
+        why = "every slot busy"
+        if reserved:
+            why = "every slot busy or reserved for runs that may not be shed"
+        return f"{why}: " + ", ".join(loads[:8]) + (" ..." if len(loads) > 8 else "")
 
     def _join_session(self, waiter: _Waiter) -> None:
         """Tag ``waiter`` within its tenant: its session's turn (module docstring)."""
@@ -721,13 +794,54 @@ class Scheduler:
                     head, best = first, order
             if head is None:
                 return
-            lease = self._pick(head.model, head.exclude, head.affinity, head.operation, head.prefix)
+            lease = self._pick(
+                head.model,
+                head.exclude,
+                head.affinity,
+                head.operation,
+                head.prefix,
+                head.share,
+                head.preemptions,
+            )
             if lease is None:
                 stuck.add(head.key)
                 if head.load and head.load_at is None:
                     # Its model may have room now (a node's models changed).
                     self._reconsider(head)
+                self._preempt_for(head)
                 continue
             self._remove(head, QueueExit.PLACED)
             head.lease = lease
             head.wake()
+
+    def _preempt_for(self, head: _Waiter) -> None:
+        """Preempt a sheddable run for ``head``, which found no slot, if one
+        of a lower objective priority on an instance ``head`` may use has
+        sent no output yet (module docstring)."""
+        rank = head.share.rank
+        if not any(n and r < rank for r, n in self._preemptible_ranks.items()):
+            return
+        usable = {
+            id(inst)
+            for _, inst in self.placement.candidates(head.model, head.exclude, head.operation)
+        }
+        if any(id(lease.instance) in usable for lease in self._preempting):
+            return  # a slot is on its way to where it may go
+        while True:
+            victim: Lease | None = None
+            for lease in reversed(self._preemptible):  # the newest first
+                inst = lease.instance
+                # (A sheddable head fits where a sheddable victim was.)
+                if lease.rank >= rank or lease.preempt is None or id(inst) not in usable:
+                    continue
+                if victim is None or lease.rank < victim.rank:
+                    victim = lease
+            if victim is None:
+                return
+            self._not_preemptible(victim)
+            assert victim.preempt is not None
+            if victim.preempt():
+                self._preempting[victim] = None
+                self.preempted += 1
+                return
+            # It has sent output: never preempted now; try the next.
