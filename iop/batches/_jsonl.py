@@ -122,18 +122,23 @@ def _read_line(number: int, raw: bytes, first: BatchLine | None) -> BatchLine:
         )
     for name in ("custom_id", "method", "url", "body"):
         if name not in obj:
-            raise _bad(
-                number, f"{name!r} is missing", ErrorCode.MISSING_REQUIRED_PARAMETER, name
-            )
+            raise _bad(number, f"{name!r} is missing", ErrorCode.MISSING_REQUIRED_PARAMETER, name)
     custom_id, method, url, body = obj["custom_id"], obj["method"], obj["url"], obj["body"]
     if not isinstance(custom_id, str) or not custom_id:
-        raise _bad(number, "custom_id must be a non-empty string", ErrorCode.INVALID_TYPE, "custom_id")
+        raise _bad(
+            number, "custom_id must be a non-empty string", ErrorCode.INVALID_TYPE, "custom_id"
+        )
     if method != "POST":
-        raise _bad(number, f"method must be 'POST', not {method!r}", ErrorCode.INVALID_VALUE, "method")
+        raise _bad(
+            number, f"method must be 'POST', not {method!r}", ErrorCode.INVALID_VALUE, "method"
+        )
     if url not in ENDPOINTS:
         known = ", ".join(ENDPOINTS)
         raise _bad(
-            number, f"url {url!r} is not a batch endpoint ({known})", ErrorCode.UNSUPPORTED_VALUE, "url"
+            number,
+            f"url {url!r} is not a batch endpoint ({known})",
+            ErrorCode.UNSUPPORTED_VALUE,
+            "url",
         )
     if first is not None and url != first.url:
         raise _bad(

@@ -30,8 +30,8 @@ from typing import Any, Final
 
 import msgspec
 
-from iop.batches._state import ACTIVE, TIMESTAMPS, BatchEvent, BatchStatus, advance
 from iop.batches._jsonl import error_line
+from iop.batches._state import ACTIVE, TIMESTAMPS, BatchEvent, BatchStatus, advance
 from iop.errors import ConfigError, ErrorCode
 
 __all__ = ["BatchRow", "BatchStore", "FileRow", "LineResult", "PendingLine", "Progress"]
@@ -321,7 +321,7 @@ class BatchStore:
     def counts(self) -> dict[str, int]:
         """Batches by status (every tenant's: /metrics)."""
         got = self._db.execute("SELECT status, COUNT(*) FROM batches GROUP BY status").fetchall()
-        return {status: n for status, n in got}
+        return dict(got)
 
     # --- lines ------------------------------------------------------------------
 
@@ -394,7 +394,11 @@ class BatchStore:
                 self._db.executemany(
                     "UPDATE lines SET result = ?, ok = 0 WHERE batch_id = ? AND idx = ?",
                     (
-                        (error_line(new_id("batch_req_"), p.custom_id, code, message), row.id, p.idx)
+                        (
+                            error_line(new_id("batch_req_"), p.custom_id, code, message),
+                            row.id,
+                            p.idx,
+                        )
                         for p in left
                     ),
                 )
@@ -457,8 +461,7 @@ class BatchStore:
                 where.append(f"(created_at, id) {cmp} (?, ?)")
                 args += [mark[0], after]
         got = self._db.execute(
-            f"{select} WHERE {' AND '.join(where)} ORDER BY created_at {order}, id {order} "
-            "LIMIT ?",
+            f"{select} WHERE {' AND '.join(where)} ORDER BY created_at {order}, id {order} LIMIT ?",
             (*args, limit + 1),
         ).fetchall()
         return [make(g) for g in got[:limit]], len(got) > limit

@@ -298,8 +298,10 @@ class EdgeCore:
         )
         objective = self.config.objective(name) if name else None
         if given is not None:
-            name, objective, routing = given.name, given, msgspec.structs.replace(
-                routing, objective=""
+            name, objective, routing = (
+                given.name,
+                given,
+                msgspec.structs.replace(routing, objective=""),
             )
         if name and objective is None:
             known = ", ".join(repr(o.name) for o in self.config.objectives) or "none"

@@ -51,7 +51,7 @@ def test_a_final_batch_cannot_be_cancelled_409(final: BatchStatus) -> None:
 
 
 def test_every_state_is_final_or_active_and_reachable() -> None:
-    assert FINAL | ACTIVE == set(BatchStatus)
+    assert set(BatchStatus) == FINAL | ACTIVE
     assert not FINAL & ACTIVE
     reached = {S.VALIDATING} | set(TRANSITIONS.values())
     assert reached == set(BatchStatus)
@@ -78,8 +78,6 @@ def test_any_sequence_of_events_keeps_the_table(events: list[BatchEvent]) -> Non
         stamped.add(field)
         if row.status in FINAL:
             # Nothing leaves a final state.
-            assert all(
-                (row.status, e) not in TRANSITIONS for e in BatchEvent
-            )
+            assert all((row.status, e) not in TRANSITIONS for e in BatchEvent)
     # Cancelling is only ever left for cancelled.
     assert row.status is not S.CANCELLING or row.cancelled_at is None

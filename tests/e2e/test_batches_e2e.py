@@ -150,7 +150,8 @@ def test_a_batch_round_trip_with_the_sdk(procs: Procs, sim: Sim, tmp_path: Path)
         assert done.request_counts is not None
         assert (done.request_counts.total, done.request_counts.completed) == (n, n)
         assert done.request_counts.failed == 0
-        assert done.completed_at is not None and done.finalizing_at is not None
+        assert done.completed_at is not None
+        assert done.finalizing_at is not None
         assert done.error_file_id is None
         answers = _answers(client, done)
         # The batch's usage is its lines' (what each answer says).
@@ -188,9 +189,7 @@ def test_a_batch_round_trip_with_the_sdk(procs: Procs, sim: Sim, tmp_path: Path)
 
 
 def _tenant_runs(edge: Edge, tenant: str) -> int:
-    r = httpx.get(
-        f"{edge.url}/admin/usage?by=tenant", headers={"Authorization": f"Bearer {ADMIN}"}
-    )
+    r = httpx.get(f"{edge.url}/admin/usage?by=tenant", headers={"Authorization": f"Bearer {ADMIN}"})
     r.raise_for_status()
     rows = r.json()["rows"]
     return sum(int(row["runs"]) for row in rows if row.get("tenant") == tenant)
@@ -222,7 +221,8 @@ def test_another_tenants_ids_are_the_same_404_as_none(
                 call(b, "file-" + "0" * 24, "batch_" + "0" * 24)
             # The same answer but for the id it names.
             mine, other = theirs.value.body, none.value.body
-            assert isinstance(mine, dict) and isinstance(other, dict), name
+            assert isinstance(mine, dict), name
+            assert isinstance(other, dict), name
             assert mine["message"].replace(up.id, "X").replace(batch.id, "X") == other[
                 "message"
             ].replace("file-" + "0" * 24, "X").replace("batch_" + "0" * 24, "X"), name
@@ -241,13 +241,17 @@ def test_a_bad_file_is_a_400_naming_its_line(procs: Procs, sim: Sim, tmp_path: P
     bad["custom_id"] = "req-0"
     with _client(edge, KEY_A) as client:
         with pytest.raises(openai.BadRequestError) as info:
-            client.files.create(file=("x.jsonl", (good + json.dumps(bad)).encode()), purpose="batch")
+            client.files.create(
+                file=("x.jsonl", (good + json.dumps(bad)).encode()), purpose="batch"
+            )
         assert _said(info.value).startswith("Line 2: ")
         assert info.value.code == "duplicate_custom_id"
         bad["custom_id"] = "other"
         bad["body"]["messages"] = "not a list"
         with pytest.raises(openai.BadRequestError) as info:
-            client.files.create(file=("x.jsonl", (good + json.dumps(bad)).encode()), purpose="batch")
+            client.files.create(
+                file=("x.jsonl", (good + json.dumps(bad)).encode()), purpose="batch"
+            )
         assert _said(info.value).startswith("Line 2: ")
         assert info.value.param == "body.messages"
         with pytest.raises(openai.BadRequestError) as info:
@@ -279,11 +283,13 @@ def test_cancel_ends_the_lines_in_flight(procs: Procs, sim: Sim, tmp_path: Path)
         cancelling = client.batches.cancel(batch.id)
         assert cancelling.status in ("cancelling", "cancelled")
         done = _wait_status(client, batch.id, "cancelled")
-        assert done.cancelling_at is not None and done.cancelled_at is not None
+        assert done.cancelling_at is not None
+        assert done.cancelled_at is not None
         answers = _answers(client, done)
         assert sorted(a["custom_id"] for a in answers) == sorted(f"req-{i}" for i in range(n))
         codes = [a["error"]["code"] for a in answers if a["error"]]
-        assert codes and set(codes) == {"batch_cancelled"}
+        assert codes
+        assert set(codes) == {"batch_cancelled"}
         with pytest.raises(openai.ConflictError):
             client.batches.cancel(batch.id)
     sim.wait_idle()  # the runs in flight were stopped on the backend
@@ -325,8 +331,10 @@ def test_kill_9_mid_batch_answers_every_line_once(procs: Procs, sim: Sim, tmp_pa
             input_file_id=up.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
         poll(
-            lambda: (c := client.batches.retrieve(batch.id).request_counts) is not None
-            and c.completed >= 8,
+            lambda: (
+                (c := client.batches.retrieve(batch.id).request_counts) is not None
+                and c.completed >= 8
+            ),
             timeout=60,
             what="a few lines to be done",
         )

@@ -61,7 +61,6 @@ from iop.batches import (
     PendingLine,
     Progress,
     answer_line,
-    error_line,
 )
 from iop.config import BatchSettings, Objective
 from iop.errors import ErrorCode, RequestError
@@ -201,9 +200,7 @@ class Batches:
     async def _db(self, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
         store = self._store
         if store is None:
-            raise RequestError(
-                "the batch store is closed", status=503, code=ErrorCode.DRAINING
-            )
+            raise RequestError("the batch store is closed", status=503, code=ErrorCode.DRAINING)
         async with self._lock:
             return await trio.to_thread.run_sync(lambda: fn(*args, **kwargs))
 

@@ -170,7 +170,10 @@ class _BatchRoutes:
         upload = files.get("file")
         if upload is None:
             raise RequestError(
-                "file is missing", status=400, code=ErrorCode.MISSING_REQUIRED_PARAMETER, param="file"
+                "file is missing",
+                status=400,
+                code=ErrorCode.MISSING_REQUIRED_PARAMETER,
+                param="file",
             )
         data = upload.stream.read(settings.max_file_bytes + 1)
         if len(data) > settings.max_file_bytes:

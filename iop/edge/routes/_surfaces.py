@@ -247,7 +247,9 @@ class _Surfaces:
             status, out = surface.error_body(exc.status, exc.message, code=exc.code, param=param)
             return LineAnswer(status, out, run_id)
         ctx = RunContext(
-            run_id=run_id, created=int(time.time()), policy=core.config.policy_for(call.request.model)
+            run_id=run_id,
+            created=int(time.time()),
+            policy=core.config.policy_for(call.request.model),
         )
         collector = surface.collector(call, ctx)
         done = False
