@@ -7,6 +7,7 @@ runs at once. The store is a real SQLite file in the test's tmp dir.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -167,7 +168,7 @@ async def test_refusals_pause_the_batch_with_backoff_and_are_not_written(
         row = await _create(batches, 2)
         done = await _until(batches, "t", row.id, BatchStatus.COMPLETED)
     times = [t for t, _ in backend.calls]
-    gaps = [round(b - a, 6) for a, b in zip(times, times[1:], strict=False)][:5]
+    gaps = [round(b - a, 6) for a, b in itertools.pairwise(times)][:5]
     # The pause doubles from retry_initial_s and stops at retry_max_s.
     assert gaps == [1.0, 2.0, 4.0, 4.0, 4.0]
     assert batches.retries._value.get() == 5
