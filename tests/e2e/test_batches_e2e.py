@@ -354,3 +354,37 @@ def test_kill_9_mid_batch_answers_every_line_once(procs: Procs, sim: Sim, tmp_pa
     # Lines with a stored result never ran again: the backend saw each line
     # once, and again only those in flight at the kill (at most 4).
     assert n <= sim.stats()["requests"] - sent <= n + 4
+
+
+def test_interactive_runs_go_before_queued_batch_lines(
+    procs: Procs, sim: Sim, tmp_path: Path
+) -> None:
+    # One slot: one line runs, three wait in the edge's queue as the batch
+    # objective; a client's request that arrives then is served next.
+    edge = _start(
+        procs, sim, _config(tmp_path, max_concurrent_per_batch=4), instance={"max_concurrency": 1}
+    )
+    with _client(edge, KEY_A) as client:
+        up = client.files.create(
+            file=("in.jsonl", _lines(8, tokens=20, tokens_per_s=20.0)), purpose="batch"
+        )
+        batch = client.batches.create(
+            input_file_id=up.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        poll(lambda: edge.admin()["queued"] >= 3, timeout=30, what="three lines queued")
+        before = client.batches.retrieve(batch.id).request_counts
+        assert before is not None
+        # The same tenant's: its fair share does not decide, the objective does.
+        answer = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "now"}],
+            extra_body={"iop_sim": {"output_tokens": 2}},
+        )
+        assert answer.choices[0].finish_reason == "stop"
+        after = client.batches.retrieve(batch.id).request_counts
+        assert after is not None
+        # At most the line that held the slot ended meanwhile; in arrival
+        # order the three queued lines would have gone first.
+        assert after.completed <= before.completed + 1
+        client.batches.cancel(batch.id)
+        _wait_status(client, batch.id, "cancelled")

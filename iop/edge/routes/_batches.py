@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import io
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, Final
 
 import msgspec
+import trio
 from quart import Response, request
 from quart_trio import QuartTrio
 from werkzeug.exceptions import RequestEntityTooLarge
@@ -189,7 +191,11 @@ class _BatchRoutes:
             if check is not None:
                 check(url, tenant.name, line_body)
 
-        read_batch_file(data, max_lines=settings.max_lines, check_body=check_body)
+        # Up to max_file_bytes of JSON parsed: in a worker thread, so that
+        # the event loop goes on serving meanwhile.
+        await trio.to_thread.run_sync(
+            partial(read_batch_file, data, max_lines=settings.max_lines, check_body=check_body)
+        )
         return await self.batches.add_file(
             tenant.name, upload.filename or "batch.jsonl", purpose, data
         )
@@ -304,7 +310,9 @@ class _BatchRoutes:
             )
         # Checked at upload; read again for its lines (a reload may have
         # lowered max_lines: the file as it was taken is what counts).
-        lines = read_batch_file(data, max_lines=MAX_BATCH_LINES)
+        lines = await trio.to_thread.run_sync(
+            partial(read_batch_file, data, max_lines=MAX_BATCH_LINES)
+        )
         if lines[0].url != asked.endpoint:
             raise RequestError(
                 f"The requests of file {file.id} go to {lines[0].url}, not to the batch's "

@@ -184,7 +184,11 @@ _NOT_NOW: Final = frozenset(
         ErrorCode.NODE_DRAINING,
     }
 )
-_CUT_SHORT: Final = frozenset({CancelReason.QUEUE_TIMEOUT, CancelReason.SHUTDOWN})
+# A run cut by the edge's queue, its shutdown or a node that went away: the
+# line was not answered, only interrupted.
+_CUT_SHORT: Final = frozenset(
+    {CancelReason.QUEUE_TIMEOUT, CancelReason.SHUTDOWN, CancelReason.NODE_LOST}
+)
 
 
 class _Surfaces:
@@ -212,9 +216,10 @@ class _Surfaces:
         (parse, the tenant's admission, the run, its collector), with the
         batch's tenant and ``objective``, and no HTTP.
 
-        A refusal for want of capacity (``_NOT_NOW``; the tenant's limits; a
-        run cut by the queue's timeout or the edge's shutdown) is
-        ``LineAnswer.refused``: the batch runs the line again later."""
+        A refusal for want of capacity (``_NOT_NOW``, any 429: the queue's,
+        a sheddable run shed or evicted, the backend's; the tenant's limits;
+        a run cut short, ``_CUT_SHORT``) is ``LineAnswer.refused``: the batch
+        runs the line again later."""
         core = self.core
         surface = self.by_path[path].surface
         run_id = new_run_id()
@@ -241,7 +246,7 @@ class _Surfaces:
             core.metrics.tenant_refused.labels(tenant.name, exc.limit).inc()
             return LineAnswer(429, b"", run_id, refused=True)
         except IopError as exc:
-            if exc.code in _NOT_NOW:
+            if exc.code in _NOT_NOW or exc.status == 429:
                 return LineAnswer(exc.status, b"", run_id, refused=True)
             param = exc.param if isinstance(exc, RequestError) else None
             status, out = surface.error_body(exc.status, exc.message, code=exc.code, param=param)
@@ -267,7 +272,7 @@ class _Surfaces:
                 run.cancel(CancelReason.EXPLICIT, "its batch was cancelled or the edge stopped")
             run.events.close()
         outcome = run.outcome
-        if (isinstance(outcome, Error) and outcome.code in _NOT_NOW | {"queue_full"}) or (
+        if (isinstance(outcome, Error) and (outcome.code in _NOT_NOW or outcome.status == 429)) or (
             isinstance(outcome, Cancelled) and outcome.reason in _CUT_SHORT
         ):
             return LineAnswer(429, b"", run_id, refused=True)
