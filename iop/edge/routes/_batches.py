@@ -48,8 +48,7 @@ __all__ = ["FILES_PATH", "MULTIPART_ENVELOPE_BYTES", "add_batch_routes"]
 FILES_PATH: Final = "/v1/files"
 
 # What a multipart upload adds around its file: the boundaries, the part
-# headers and the purpose field (a few hundred bytes); 64 KiB is generous
-# and bounds the fields the parser keeps in memory too.
+# headers and the purpose field (a few hundred bytes); 64 KiB is generous.
 MULTIPART_ENVELOPE_BYTES: Final = 64 * 1024
 # The parts an upload has: ``file`` and ``purpose`` (and the SDK's
 # ``expires_after`` pair); more is not an upload of ours.
@@ -143,9 +142,10 @@ class _BatchRoutes:
 
     async def _store_upload(self, tenant: Tenant, body: bytes, boundary: bytes) -> FileRow:
         settings = self.core.config.batches
-        parser = MultiPartParser(
-            max_form_memory_size=MULTIPART_ENVELOPE_BYTES, max_form_parts=_MAX_PARTS
-        )
+        # No form-memory limit: werkzeug's counts a file part of many short
+        # lines against it (a 300 KB file of them was refused), and the
+        # body is bounded already (max_file_bytes and the envelope).
+        parser = MultiPartParser(max_form_memory_size=None, max_form_parts=_MAX_PARTS)
         try:
             form, files = parser.parse(io.BytesIO(body), boundary, len(body))
         except (ValueError, RequestEntityTooLarge) as exc:
