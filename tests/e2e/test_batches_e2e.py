@@ -391,3 +391,46 @@ def test_interactive_runs_go_before_queued_batch_lines(
         assert after.completed <= before.completed + 1
         client.batches.cancel(batch.id)
         _wait_status(client, batch.id, "cancelled")
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "object_"),
+    [
+        ("/v1/responses", {"input": "hello"}, "response"),
+        ("/v1/completions", {"prompt": "hello", "max_tokens": 4}, "text_completion"),
+    ],
+)
+def test_a_batch_of_another_endpoint(
+    procs: Procs, sim: Sim, tmp_path: Path, endpoint: str, body: dict[str, Any], object_: str
+) -> None:
+    edge = _start(procs, sim, _config(tmp_path))
+    data = b"".join(
+        json.dumps(
+            {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": endpoint,
+                "body": {"model": MODEL, **body, "iop_sim": {"output_tokens": 3}},
+            }
+        ).encode()
+        + b"\n"
+        for i in range(3)
+    )
+    with _client(edge, KEY_A) as client:
+        up = client.files.create(file=("in.jsonl", data), purpose="batch")
+        with pytest.raises(openai.BadRequestError) as info:
+            client.batches.create(
+                input_file_id=up.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+        assert info.value.param == "endpoint"
+        batch = client.batches.create(
+            input_file_id=up.id,
+            endpoint=endpoint,  # type: ignore[arg-type]
+            completion_window="24h",
+        )
+        done = _wait_status(client, batch.id, "completed")
+        answers = _answers(client, done)
+    assert sorted(a["custom_id"] for a in answers) == ["r0", "r1", "r2"]
+    for a in answers:
+        assert a["response"]["status_code"] == 200, a
+        assert a["response"]["body"]["object"] == object_

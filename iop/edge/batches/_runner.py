@@ -408,6 +408,11 @@ class Batches:
                 with live.scope:
                     await self._run_lines(live, pending)
             await self._finish(live)
+        except* Exception:
+            # The store failed (a full disk, a broken file): this batch stops
+            # here, loudly, as it is in the store (its results so far kept);
+            # the edge and the other batches go on, and a restart resumes it.
+            log.exception("batch %s: stopped, its store failed; a restart resumes it", row.id)
         finally:
             self._live.pop(row.id, None)
 
