@@ -11,7 +11,14 @@ the routes (``iop.edge.routes._batches``): docs/api.md, "Batches and files";
 docs/operations.md, "Batches".
 """
 
-from iop.batches._jsonl import ENDPOINTS, BatchLine, answer_line, error_line, read_batch_file
+from iop.batches._jsonl import (
+    ENDPOINTS,
+    BatchLine,
+    answer_line,
+    check_line,
+    error_line,
+    read_batch_file,
+)
 from iop.batches._state import (
     ACTIVE,
     FINAL,
@@ -42,6 +49,7 @@ __all__ = [
     "Progress",
     "advance",
     "answer_line",
+    "check_line",
     "error_line",
     "read_batch_file",
 ]

@@ -24,7 +24,14 @@ import msgspec
 
 from iop.errors import ErrorCode, RequestError
 
-__all__ = ["ENDPOINTS", "BatchLine", "answer_line", "error_line", "read_batch_file"]
+__all__ = [
+    "ENDPOINTS",
+    "BatchLine",
+    "answer_line",
+    "check_line",
+    "error_line",
+    "read_batch_file",
+]
 
 ENDPOINTS: Final = ("/v1/chat/completions", "/v1/responses", "/v1/completions", "/v1/embeddings")
 """The endpoints a batch may go to (``POST /v1/batches`` ``endpoint``)."""
@@ -92,11 +99,7 @@ def read_batch_file(
                 "custom_id",
             )
         if check_body is not None:
-            try:
-                check_body(line.url, line.body)
-            except RequestError as exc:
-                param = f"body.{exc.param}" if exc.param else "body"
-                raise _bad(number, exc.message, exc.code, param) from exc
+            check_line(line, check_body)
         lines.append(line)
     if not lines:
         raise RequestError(
@@ -106,6 +109,19 @@ def read_batch_file(
             param="file",
         )
     return lines
+
+
+def check_line(line: BatchLine, check_body: Callable[[str, bytes], None]) -> None:
+    """``check_body`` of ``line``, its refusal naming the line.
+
+    Raises:
+        RequestError: 400 ``Line N: ...``, ``param`` under ``body.``.
+    """
+    try:
+        check_body(line.url, line.body)
+    except RequestError as exc:
+        param = f"body.{exc.param}" if exc.param else "body"
+        raise _bad(line.number, exc.message, exc.code, param) from exc
 
 
 def _read_line(number: int, raw: bytes, first: BatchLine | None) -> BatchLine:

@@ -263,6 +263,18 @@ def test_a_bad_file_is_a_400_naming_its_line(procs: Procs, sim: Sim, tmp_path: P
         with pytest.raises(openai.APIStatusError) as big:
             client.files.create(file=("x.jsonl", b" " * 4097 + _lines(1)), purpose="batch")
         assert big.value.status_code == 413
+        # A Responses line is checked as /v1/responses checks its body: an
+        # unknown previous_response_id is refused naming the line.
+        prior = {
+            "custom_id": "p",
+            "method": "POST",
+            "url": "/v1/responses",
+            "body": {"model": MODEL, "input": "hi", "previous_response_id": "resp_nope"},
+        }
+        with pytest.raises(openai.BadRequestError) as info:
+            client.files.create(file=("x.jsonl", json.dumps(prior).encode()), purpose="batch")
+        assert _said(info.value).startswith("Line 1: Previous response")
+        assert info.value.param == "body.previous_response_id"
         up = client.files.create(file=("x.jsonl", _lines(3)), purpose="batch")
         with pytest.raises(openai.BadRequestError) as info:
             client.batches.create(

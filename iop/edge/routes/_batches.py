@@ -24,10 +24,10 @@ from werkzeug.exceptions import RequestEntityTooLarge
 from werkzeug.formparser import MultiPartParser
 from werkzeug.http import parse_options_header
 
-from iop.batches import ENDPOINTS, BadTransition, BatchRow, FileRow, read_batch_file
+from iop.batches import ENDPOINTS, BadTransition, BatchRow, FileRow, check_line, read_batch_file
 from iop.config import MAX_BATCH_LINES
 from iop.edge._core import EdgeCore
-from iop.edge.batches import COMPLETION_WINDOW_S
+from iop.edge.batches import COMPLETION_WINDOW_S, LineCheck
 from iop.edge.routes._errors import (
     bearer_key,
     error,
@@ -59,6 +59,10 @@ _MAX_PARTS: Final = 8
 _METADATA_PAIRS: Final = 16
 _METADATA_KEY_CHARS: Final = 64
 _METADATA_VALUE_CHARS: Final = 512
+
+# Bodies checked between two checkpoints at upload: a chat body parses in
+# tens of microseconds, so 256 hold the event loop some milliseconds.
+_CHECKS_PER_TURN: Final = 256
 
 # List pages: OpenAI's defaults and bounds (files: 10,000; batches: 20, 1..100).
 _FILES_PAGE: Final = 10_000
@@ -185,17 +189,21 @@ class _BatchRoutes:
                 code=ErrorCode.REQUEST_ENTITY_TOO_LARGE,
                 param="file",
             )
-        check = self.batches.check
-
-        def check_body(url: str, line_body: bytes) -> None:
-            if check is not None:
-                check(url, tenant.name, line_body)
-
-        # Up to max_file_bytes of JSON parsed: in a worker thread, so that
-        # the event loop goes on serving meanwhile.
-        await trio.to_thread.run_sync(
-            partial(read_batch_file, data, max_lines=settings.max_lines, check_body=check_body)
+        # Up to max_file_bytes of JSON read: in a worker thread, so that the
+        # event loop goes on serving meanwhile...
+        lines = await trio.to_thread.run_sync(
+            partial(read_batch_file, data, max_lines=settings.max_lines)
         )
+        check = self.batches.check
+        if check is not None:
+            # ...then each body by its endpoint's parser, here: a surface's
+            # parse may touch state the event loop owns (the Responses
+            # store, which a lookup reorders and expires). A checkpoint every
+            # _CHECKS_PER_TURN lines lets other requests in between.
+            for i, line in enumerate(lines, start=1):
+                check_line(line, partial(_check_as, check, tenant.name))
+                if i % _CHECKS_PER_TURN == 0:
+                    await trio.lowlevel.checkpoint()
         return await self.batches.add_file(
             tenant.name, upload.filename or "batch.jsonl", purpose, data
         )
@@ -410,6 +418,10 @@ class _BatchRoutes:
         if row is None:
             return from_exc(_not_found("Batch", batch_id, "batch_id"))
         return json_response(await self._object(row))
+
+
+def _check_as(check: LineCheck, tenant: str, url: str, body: bytes) -> None:
+    check(url, tenant, body)
 
 
 def _check_metadata(metadata: dict[str, str] | None) -> None:
