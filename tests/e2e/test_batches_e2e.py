@@ -295,6 +295,13 @@ def test_cancel_ends_the_lines_in_flight(procs: Procs, sim: Sim, tmp_path: Path)
             input_file_id=up.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
         sim.wait_open(2)  # two lines in flight
+        # The operator sees it run: /admin/nodes and the admin page.
+        (running,) = edge.admin()["batches"]
+        assert (running["id"], running["tenant"], running["total"]) == (batch.id, "a", n)
+        page = edge.admin_get("/admin")
+        assert page.status_code == 200
+        assert "<h2>Batches</h2>" in page.text
+        assert batch.id in page.text
         cancelling = client.batches.cancel(batch.id)
         assert cancelling.status in ("cancelling", "cancelled")
         done = _wait_status(client, batch.id, "cancelled")
@@ -354,6 +361,13 @@ def test_kill_9_mid_batch_answers_every_line_once(procs: Procs, sim: Sim, tmp_pa
             what="a few lines to be done",
         )
         sim.wait_open(1)  # and some in flight
+        # IOP's progress beside OpenAI's fields (the SDK keeps it as an extra).
+        running = client.batches.retrieve(batch.id)
+        assert running.model_extra is not None
+        progress = running.model_extra["iop"]
+        assert progress["output_tokens"] > 0
+        assert progress["lines_per_s"] > 0
+        assert progress["eta_s"] > 0
     edge.proc.send(signal.SIGKILL)
     assert edge.proc.wait(5) == -signal.SIGKILL
     edge = procs.edge(config, port=port, name="edge-2")
