@@ -460,3 +460,24 @@ def test_a_batch_of_another_endpoint(
     for a in answers:
         assert a["response"]["status_code"] == 200, a
         assert a["response"]["body"]["object"] == object_
+
+
+def test_a_tenants_limits_hold_its_batch_back(procs: Procs, sim: Sim, tmp_path: Path) -> None:
+    # Tenant a may run one request at a time: three of the batch's four
+    # lines in flight are refused by its limit, and wait, every time.
+    config = _config(tmp_path, max_concurrent_per_batch=4)
+    config["tenants"][0]["max_concurrent_runs"] = 1
+    edge = _start(procs, sim, config)
+    n = 6
+    with _client(edge, KEY_A) as client:
+        up = client.files.create(
+            file=("in.jsonl", _lines(n, tokens=5, tokens_per_s=100.0)), purpose="batch"
+        )
+        batch = client.batches.create(
+            input_file_id=up.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        done = _wait_status(client, batch.id, "completed")
+        assert done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (n, 0)
+    assert _metric(edge, "iop_tenant_rate_limited_total", tenant="a", limit="concurrency") > 0
+    assert _metric(edge, "iop_batch_line_retries_total") > 0
