@@ -57,6 +57,7 @@ from werkzeug.datastructures import Headers
 
 from iop.api import (
     ANTHROPIC_AUTH_FAILED,
+    Call,
     ChatSurface,
     Collector,
     CompletionsSurface,
@@ -90,7 +91,7 @@ from iop.edge.server._stall import ConnectionStall, client_gone_reason, current_
 from iop.edge.server._surface_asgi import Answer, BodyReader, EndKnownBody, SurfaceAnswer
 from iop.edge.tenancy._charges import charged_usage
 from iop.edge.tenancy._limits import RateLimited, rate_headers, retry_headers
-from iop.edge.tenancy._tenants import no_access
+from iop.edge.tenancy._tenants import Tenant, Ticket, no_access
 from iop.errors import ErrorCode, IopError, RequestError
 from iop.events import (
     Cancelled,
@@ -201,6 +202,42 @@ class _Surfaces:
         self.messages = messages
         self.by_path = {r.path: r for r in routes}
 
+    async def _start(
+        self,
+        surface: Surface,
+        tenant: Tenant,
+        key_name: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        objective: Objective | None = None,
+    ) -> tuple[Call, Ticket, Run]:
+        """Parse ``body``, admit it into ``tenant``'s limits and start its run:
+        what every request of a surface, and every batch line, goes through.
+
+        Raises:
+            RateLimited: Over one of the tenant's limits or budgets.
+            IopError: The surface's 4xx, a model the tenant may not use, or
+                the run refused (``EdgeCore.start_run``; its ticket settled).
+        """
+        core = self.core
+        call = surface.parse(body, headers, tenant=tenant.name)
+        if not tenant.may_use(call.request.model):
+            raise no_access(call.request.model)
+        ticket = await core.admit(tenant, call.request, key_name)
+        spec = ExecutionSpec(
+            run_id=new_run_id(),
+            request=call.request,
+            target=call.request.model,
+            # A client's trace context (checked): the run joins its trace.
+            traceparent=valid_traceparent(headers.get("traceparent")),
+        )
+        try:
+            run = core.start_run(spec, collect=not call.stream, ticket=ticket, objective=objective)
+        except IopError:
+            core.settle(ticket, Usage())  # it never ran
+            raise
+        return call, ticket, run
+
     def check_line(self, path: str, tenant: str, body: bytes) -> None:
         """A batch line's body, parsed as ``path``'s surface parses a request.
 
@@ -222,7 +259,6 @@ class _Surfaces:
         runs the line again later."""
         core = self.core
         surface = self.by_path[path].surface
-        run_id = new_run_id()
         tenant = core.tenants.all.get(tenant_name)
         if tenant is None:
             status, out = surface.error_body(
@@ -230,27 +266,20 @@ class _Surfaces:
                 f"Tenant {tenant_name!r} of this batch is no longer configured.",
                 code=ErrorCode.INVALID_API_KEY,
             )
-            return LineAnswer(status, out, run_id)
+            return LineAnswer(status, out, new_run_id())
         try:
-            call = surface.parse(body, {}, tenant=tenant.name)
-            if not tenant.may_use(call.request.model):
-                raise no_access(call.request.model)
-            ticket = await core.admit(tenant, call.request, key_name)
-            spec = ExecutionSpec(run_id=run_id, request=call.request, target=call.request.model)
-            try:
-                run = core.start_run(spec, collect=True, ticket=ticket, objective=objective)
-            except IopError:
-                core.settle(ticket, Usage())  # it never ran
-                raise
+            # A line is never streamed (iop.batches._jsonl refuses stream).
+            call, _, run = await self._start(surface, tenant, key_name, body, {}, objective)
         except RateLimited as exc:
             core.metrics.tenant_refused.labels(tenant.name, exc.limit).inc()
-            return LineAnswer(429, b"", run_id, refused=True)
+            return LineAnswer(429, b"", "", refused=True)
         except IopError as exc:
             if exc.code in _NOT_NOW or exc.status == 429:
-                return LineAnswer(exc.status, b"", run_id, refused=True)
+                return LineAnswer(exc.status, b"", "", refused=True)
             param = exc.param if isinstance(exc, RequestError) else None
             status, out = surface.error_body(exc.status, exc.message, code=exc.code, param=param)
-            return LineAnswer(status, out, run_id)
+            return LineAnswer(status, out, new_run_id())
+        run_id, spec = run.run_id, run.spec
         ctx = RunContext(
             run_id=run_id,
             created=int(time.time()),
@@ -305,29 +334,17 @@ class _Surfaces:
         anthropic = isinstance(surface, MessagesSurface)
         limit_headers: dict[str, str] | None = None
         try:
-            call = surface.parse(body, headers, tenant=tenant.name)
-            if not tenant.may_use(call.request.model):
-                raise no_access(call.request.model)
-            ticket = await core.admit(tenant, call.request, tenants.key_name(route.key_of(headers)))
+            call, ticket, run = await self._start(
+                surface, tenant, tenants.key_name(route.key_of(headers)), body, headers
+            )
             if ticket.limits:
                 limit_headers = rate_headers(ticket.limits, anthropic)
-            spec = ExecutionSpec(
-                run_id=new_run_id(),
-                request=call.request,
-                target=call.request.model,
-                # A client's trace context (checked): the run joins its trace.
-                traceparent=valid_traceparent(headers.get("traceparent")),
-            )
-            try:
-                run = core.start_run(spec, collect=not call.stream, ticket=ticket)
-            except IopError:
-                core.settle(ticket, Usage())  # it never ran
-                raise
         except RateLimited as exc:
             core.metrics.tenant_refused.labels(tenant.name, exc.limit).inc()
             return exc_answer(exc, surface, retry_headers(exc, anthropic))
         except IopError as exc:
             return exc_answer(exc, surface)
+        spec = run.spec
         connection = current_connection()
         if connection is not None:
             run.on_outcome = _cut_off_when_slow(connection)
