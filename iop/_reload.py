@@ -117,6 +117,8 @@ EDGE_RULES: Final[Rules] = {
     "prices": LIVE,
     # Read at each run's admission (EdgeCore.queue_share).
     "objectives": LIVE,
+    # The store and the runner are opened once (iop.edge.batches).
+    "batches": RESTART,
 }
 
 # The node's keys. Restart: its id and edges (the links), the frame and

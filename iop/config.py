@@ -34,6 +34,7 @@ __all__ = [
     "DEFAULT_MAX_TOKENIZE_BODY_BYTES",
     "DEFAULT_MAX_TOOL_CALL_BYTES",
     "DEFAULT_PROBE_MAX_BODY_BYTES",
+    "BatchSettings",
     "ClusterSettings",
     "Deadlines",
     "EdgeConfig",
@@ -1855,6 +1856,73 @@ class UsageSettings(_Config, frozen=True, kw_only=True):
             raise ValueError(f"buffer must be between {MIN_LEDGER_BUFFER} and {MAX_LEDGER_BUFFER}")
 
 
+# Batches ([batches]): an uploaded file's size and lines, bounded so that
+# one upload is read and checked in one request's memory.
+DEFAULT_BATCH_FILE_BYTES: Final = 50 * 1024 * 1024
+MAX_BATCH_FILE_BYTES: Final = 512 * 1024 * 1024
+DEFAULT_BATCH_LINES: Final = 50_000
+MAX_BATCH_LINES: Final = 1_000_000
+MAX_BATCH_CONCURRENCY: Final = 4096
+BATCH_OBJECTIVE: Final = "batch"
+
+
+class BatchSettings(_Config, frozen=True, kw_only=True):
+    """OpenAI's Batch API on the edge's own nodes (``iop.edge.batches``;
+    docs/operations.md, "Batches").
+
+    Attributes:
+        path: The SQLite file of files, batches and each line's result (WAL
+            mode); empty: ``batches.sqlite3`` beside ``usage.ledger_path``,
+            or, without a ledger, in memory (batches then end with the
+            process).
+        max_file_bytes: Largest file ``POST /v1/files`` takes (413 above).
+        max_lines: Most request lines in one batch file (400 above).
+        max_concurrent_per_batch: Lines of one batch running at once.
+        max_concurrent: Lines of every batch running at once.
+        objective: The objective batch lines run as; when ``[[objectives]]``
+            has none of that name, a built-in one: the lowest priority
+            (-1000), sheddable.
+        retry_initial_s: After the scheduler or a tenant's limit refuses a
+            line (a 429), the batch waits this long before it tries again...
+        retry_max_s: ...doubling each time up to this.
+    """
+
+    path: str = ""
+    max_file_bytes: int = DEFAULT_BATCH_FILE_BYTES
+    max_lines: int = DEFAULT_BATCH_LINES
+    # 8: a default instance's slots (DEFAULT_MAX_CONCURRENCY); spare slots
+    # are filled by the queue, lowest priority, and a batch holds no more
+    # of the queue than this.
+    max_concurrent_per_batch: int = 8
+    # 32: four batches at their own bound; the scheduler's queue (256)
+    # keeps room for interactive runs.
+    max_concurrent: int = 32
+    objective: str = BATCH_OBJECTIVE
+    retry_initial_s: float = 0.5
+    retry_max_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_file_bytes <= MAX_BATCH_FILE_BYTES:
+            raise ValueError(f"max_file_bytes must be between 1 and {MAX_BATCH_FILE_BYTES}")
+        if not 1 <= self.max_lines <= MAX_BATCH_LINES:
+            raise ValueError(f"max_lines must be between 1 and {MAX_BATCH_LINES}")
+        for name in ("max_concurrent_per_batch", "max_concurrent"):
+            if not 1 <= getattr(self, name) <= MAX_BATCH_CONCURRENCY:
+                raise ValueError(f"{name} must be between 1 and {MAX_BATCH_CONCURRENCY}")
+        if not _TENANT_NAME.fullmatch(self.objective):
+            raise ValueError(f"objective {self.objective!r} must be 1-64 letters, digits or _.-")
+        if not 0.01 <= self.retry_initial_s <= self.retry_max_s <= 3600:
+            raise ValueError("retry_initial_s and retry_max_s: 0.01 <= initial <= max <= 3600")
+
+    def store_path(self, ledger_path: str) -> str:
+        """Where the store is: ``path``, else beside the ledger, else in memory."""
+        if self.path:
+            return self.path
+        if ledger_path:
+            return str(Path(ledger_path).with_name("batches.sqlite3"))
+        return ":memory:"
+
+
 class ClusterSettings(_Config, frozen=True, kw_only=True):
     """Several edges sharing their tenants' limits in Valkey (``iop.edge.tenancy._cluster``).
 
@@ -1928,10 +1996,17 @@ class EdgeConfig(_Config, frozen=True, kw_only=True):
     usage: UsageSettings = UsageSettings()
     prices: dict[str, Price] = {}
     objectives: list[Objective] = []
+    batches: BatchSettings = BatchSettings()
 
     def objective(self, name: str) -> Objective | None:
         """The objective called ``name``, if one is."""
         return next((o for o in self.objectives if o.name == name), None)
+
+    def batch_objective(self) -> Objective:
+        """The objective batch lines run as (``BatchSettings.objective``)."""
+        name = self.batches.objective
+        low, _ = OBJECTIVE_PRIORITY_RANGE
+        return self.objective(name) or Objective(name=name, priority=low, sheddable=True)
 
     def __post_init__(self) -> None:
         if self.link.client_ca is not None and self.server.tls_certfile is None:

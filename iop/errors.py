@@ -161,6 +161,9 @@ class ErrorCode(enum.StrEnum):
     OBJECT_ABOVE_MAX_PROPERTIES = "object_above_max_properties"  # an object with too many keys
     STRING_ABOVE_MAX_LENGTH = "string_above_max_length"  # a string over its length limit
     PREVIOUS_RESPONSE_NOT_FOUND = "previous_response_not_found"  # not in the Responses store
+    DUPLICATE_CUSTOM_ID = "duplicate_custom_id"  # a batch file's custom_id used twice
+    BATCH_CANCELLED = "batch_cancelled"  # a batch line not run: its batch was cancelled
+    BATCH_EXPIRED = "batch_expired"  # a batch line not run within its completion window
 
     # --- a backend's error, in OpenAI's words ---------------------------------------
     CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # the prompt exceeds the context

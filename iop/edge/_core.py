@@ -39,6 +39,7 @@ from iop.config import EdgeConfig, LinkSettings, Objective
 from iop.edge import _views
 from iop.edge._metrics import EdgeMetrics
 from iop.edge._timeline_export import TimelineExport
+from iop.edge.batches import Batches
 from iop.edge.runs import (
     NodeLinks,
     NodeRegistry,
@@ -122,6 +123,14 @@ class EdgeCore:
         self.admission = TenantAdmission(
             self.tenants, self.cluster, Prices(config.prices), config.tenancy
         )
+        # OpenAI's Batch API on this edge's nodes ([batches]; open_edge_core
+        # runs it, the routes bind how a line runs).
+        self.batches = Batches(
+            config.batches,
+            config.batches.store_path(config.usage.ledger_path),
+            self.metrics.registry,
+            lambda: self.config.batch_objective(),
+        )
         # The timelines of recent finished runs, and their export (open_edge_core runs it).
         self.timelines = TimelineRing(config.timelines.recent)
         self.export = export
@@ -187,7 +196,12 @@ class EdgeCore:
         return [ModelEntry(m, tuple(nodes)) for m, nodes in sorted(self.registry.models().items())]
 
     def start_run(
-        self, spec: ExecutionSpec, *, collect: bool = False, ticket: Ticket | None = None
+        self,
+        spec: ExecutionSpec,
+        *,
+        collect: bool = False,
+        ticket: Ticket | None = None,
+        objective: Objective | None = None,
     ) -> Run:
         """Admit and start a run on the cluster.
 
@@ -199,6 +213,9 @@ class EdgeCore:
             collect: The caller reads the events only to build one answer
                 (a non-streaming request): the node may send them in a few
                 merged messages instead of one per token (``Assign.collect``).
+            objective: The objective the edge itself gives the run (a batch
+                line's, ``EdgeConfig.batch_objective``), over whatever the
+                request or its tenant name.
 
         Raises:
             RequestError: 404 unknown model, 503 draining or no node, 429 queue full.
@@ -207,7 +224,7 @@ class EdgeCore:
             raise RequestError("the server is shutting down", status=503, code=ErrorCode.DRAINING)
         model, op = spec.model, spec.operation
         refuse_unservable(self.registry, self.scheduler, model, op)
-        share = self.queue_share(spec.request, ticket)
+        share = self.queue_share(spec.request, ticket, objective)
         self.scheduler.admit(model, op, share)
         routing = getattr(spec.request, "routing", None)
         if routing is not None:
@@ -255,13 +272,16 @@ class EdgeCore:
             timeline.traceparent = spec.traceparent
         return run
 
-    def queue_share(self, request: OperationRequest, ticket: Ticket | None) -> QueueShare:
+    def queue_share(
+        self, request: OperationRequest, ticket: Ticket | None, given: Objective | None = None
+    ) -> QueueShare:
         """Where ``request`` stands in the queue: its tenant's share, its
         session and its objective (docs/operations.md, "Sessions and objectives").
 
         The objective is the one the request names (``x-iop-objective``),
         else its tenant's, else ``scheduler.default_objective``; a
-        ``x-llm-d-slo-ttft-ms`` header overrides its deadline.
+        ``x-llm-d-slo-ttft-ms`` header overrides its deadline. An objective
+        the edge ``given`` (a batch line's) is taken as it is.
 
         Raises:
             RequestError: 400 when the request names an objective the
@@ -277,6 +297,12 @@ class EdgeCore:
             or self.config.scheduler.default_objective
         )
         objective = self.config.objective(name) if name else None
+        if given is not None:
+            name, objective, routing = (
+                given.name,
+                given,
+                msgspec.structs.replace(routing, objective=""),
+            )
         if name and objective is None:
             known = ", ".join(repr(o.name) for o in self.config.objectives) or "none"
             header = routing.objective_from or OBJECTIVE_HEADERS[0]
@@ -449,6 +475,9 @@ async def open_edge_core(config: EdgeConfig) -> AsyncIterator[EdgeCore]:
                         restored.spent, restored.recent, restored.at, trio.current_time()
                     )
                 links.start_soon(core.link_clock.run, name="edge link clock")
+                # Cancelled with the links, before the supervisor closes: the
+                # lines in flight end unwritten and run again at the next start.
+                await links.start(core.batches.run, name="batches")
                 if core.cluster is not None:
                     await links.start(core.cluster.run, name="edge cluster")
                 try:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from iop.config import EdgeConfig
     from iop.edge._metrics import EdgeMetrics
     from iop.edge._timeline_export import TimelineExport
+    from iop.edge.batches import Batches
     from iop.edge.runs import InstanceState, NodeRegistry
     from iop.edge.scheduler import Scheduler
     from iop.edge.tenancy._cluster import SharedLimits
@@ -58,6 +59,8 @@ class EdgeState(Protocol):
     def draining(self) -> bool: ...
     @property
     def runs_started(self) -> int: ...
+    @property
+    def batches(self) -> Batches: ...
 
     def timeline(self, run_id: str) -> Timeline | None: ...
 
@@ -182,6 +185,8 @@ def snapshot(edge: EdgeState) -> dict[str, object]:
             "outcomes": edge.metrics.outcomes(),
             "tenants": tenants,
             "cluster": None if edge.cluster is None else edge.cluster.snapshot(),
+            # The batches this process runs, with their progress (every tenant's).
+            "batches": edge.batches.live_view(),
         }
     )
 

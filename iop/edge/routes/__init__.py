@@ -1,5 +1,5 @@
 """The edge's routes: the API surfaces with their streamed and collected bodies, the admin pages
-with their authentication, and models, health and metrics.
+with their authentication, models, health and metrics, and OpenAI's Files and Batches.
 
 ``create_edge_app`` assembles them over an ``EdgeCore``: the API surface
 routes (``POST /v1/chat/completions``, ``/v1/responses``, ``/v1/messages``,
@@ -8,7 +8,8 @@ quart (``iop.edge.server._surface_asgi``); the quart-trio app behind them
 serves Anthropic's ``/v1/messages/count_tokens`` (``_surfaces``), the
 models, health and metrics GETs (``_ops``) and the admin pages (``_admin``,
 with ``_admin_auth`` saying who may open them and ``_admin_page`` drawing
-them). The node link WebSocket (``/v1/link``) is served beside this app, at
+them), OpenAI's Files and Batches (``_batches``; ``POST /v1/files`` below
+quart with a body limit of its own). The node link WebSocket (``/v1/link``) is served beside this app, at
 the ASGI level (``iop.edge.server._link_asgi``). Every error a client sees
 is its API's error body (``_errors``).
 """
@@ -24,6 +25,7 @@ from werkzeug.exceptions import HTTPException
 from iop.api import MessagesSurface, Surface
 from iop.edge._core import EdgeCore
 from iop.edge.routes._admin import add_admin_routes, open_gates
+from iop.edge.routes._batches import add_batch_routes
 from iop.edge.routes._errors import Refusals, bearer_key
 from iop.edge.routes._ops import add_ops_routes
 from iop.edge.routes._surfaces import SurfaceRoute, add_surface_routes, surface_routes
@@ -71,10 +73,12 @@ def create_edge_app(core: EdgeCore, *, routes: Sequence[SurfaceRoute] | None = N
     answers = add_surface_routes(
         app, core, surface_routes(core) if routes is None else routes, messages, surfaces
     )
+    uploads, body_limits = add_batch_routes(app, core)
     return SurfaceASGI(
         app,
-        answers,
+        {**answers, **uploads},
         max_body_bytes=cfg.server.max_body_bytes,
+        body_limits=body_limits,
         body_read_timeout_s=cfg.server.body_read_timeout_s,
         refused=refusals.refusal_answer,
         crashed=refusals.crashed_answer,

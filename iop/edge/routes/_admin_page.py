@@ -263,6 +263,19 @@ def render_admin_page(
         for k, v in sorted(snapshot.get("outcomes", {}).items())
     ]
     tenant_rows = [_tenant_row(t) for t in snapshot.get("tenants", [])]
+    batch_rows = [
+        "<tr>"
+        + _cell(b["id"])
+        + _cell(b["tenant"])
+        + _cell(b["model"])
+        + _cell(b["status"] + (" (paused)" if b["paused"] else ""))
+        + _cell(f"{b['done']} / {b['total']}", "num")
+        + _cell(b["failed"], "num")
+        + _cell(b["lines_per_s"], "num")
+        + _cell("" if b["eta_s"] is None else f"{b['eta_s']} s", "num")
+        + "</tr>"
+        for b in snapshot.get("batches", [])
+    ]
     state = "draining" if snapshot.get("draining") else "serving"
     body = (
         f"{_HEAD}<meta http-equiv='refresh' content='{REFRESH_S}'>"
@@ -306,6 +319,12 @@ def render_admin_page(
         )
         + "<h2>Outcomes</h2>"
         + _table(["outcome", "runs"], outcome_rows, "No run has ended yet.")
+        + "<h2>Batches</h2>"
+        + _table(
+            ["batch", "tenant", "model", "status", "lines done", "failed", "lines/s", "left"],
+            batch_rows,
+            "No batch is running.",
+        )
         + _usage_section(usage)
         + "<h2>Tenants</h2>"
         + _cluster_line(snapshot.get("cluster"))

@@ -57,6 +57,7 @@ from werkzeug.datastructures import Headers
 
 from iop.api import (
     ANTHROPIC_AUTH_FAILED,
+    Call,
     ChatSurface,
     Collector,
     CompletionsSurface,
@@ -68,8 +69,9 @@ from iop.api import (
     Surface,
     shape_failure,
 )
-from iop.config import EdgeConfig
+from iop.config import EdgeConfig, Objective
 from iop.edge._core import EdgeCore
+from iop.edge.batches import LineAnswer
 from iop.edge.routes._errors import (
     KeyReader,
     anthropic_key,
@@ -88,8 +90,9 @@ from iop.edge.routes._errors import (
 )
 from iop.edge.server._stall import ConnectionStall, client_gone_reason, current_connection
 from iop.edge.server._surface_asgi import Answer, BodyReader, EndKnownBody, SurfaceAnswer
+from iop.edge.tenancy._charges import charged_usage
 from iop.edge.tenancy._limits import RateLimited, rate_headers, retry_headers
-from iop.edge.tenancy._tenants import no_access
+from iop.edge.tenancy._tenants import Tenant, Ticket, no_access
 from iop.errors import ErrorCode, IopError, RequestError
 from iop.events import (
     Cancelled,
@@ -171,12 +174,141 @@ class _Summarised(Protocol):
     def summary(self) -> object: ...
 
 
+# What a batch line meets that says "not now" rather than answering it: the
+# edge has no capacity for it yet (iop.edge.batches, "Spare capacity").
+_NOT_NOW: Final = frozenset(
+    {
+        ErrorCode.QUEUE_FULL,
+        ErrorCode.NO_NODES,
+        ErrorCode.MODEL_NOT_FOUND,
+        ErrorCode.MODEL_UNAVAILABLE,
+        ErrorCode.DRAINING,
+        ErrorCode.NODE_DRAINING,
+    }
+)
+# A run cut by the edge's queue, its shutdown or a node that went away: the
+# line was not answered, only interrupted.
+_CUT_SHORT: Final = frozenset(
+    {CancelReason.QUEUE_TIMEOUT, CancelReason.SHUTDOWN, CancelReason.NODE_LOST}
+)
+
+
 class _Surfaces:
     """The surface routes over one core; ``messages`` answers count_tokens."""
 
-    def __init__(self, core: EdgeCore, messages: MessagesSurface) -> None:
+    def __init__(
+        self, core: EdgeCore, messages: MessagesSurface, routes: Sequence[SurfaceRoute] = ()
+    ) -> None:
         self.core = core
         self.messages = messages
+        self.by_path = {r.path: r for r in routes}
+
+    async def _start(
+        self,
+        surface: Surface,
+        tenant: Tenant,
+        key_name: str,
+        body: bytes,
+        headers: Mapping[str, str],
+        objective: Objective | None = None,
+    ) -> tuple[Call, Ticket, Run]:
+        """Parse ``body``, admit it into ``tenant``'s limits and start its run:
+        what every request of a surface, and every batch line, goes through.
+
+        Raises:
+            RateLimited: Over one of the tenant's limits or budgets.
+            IopError: The surface's 4xx, a model the tenant may not use, or
+                the run refused (``EdgeCore.start_run``; its ticket settled).
+        """
+        core = self.core
+        call = surface.parse(body, headers, tenant=tenant.name)
+        if not tenant.may_use(call.request.model):
+            raise no_access(call.request.model)
+        ticket = await core.admit(tenant, call.request, key_name)
+        spec = ExecutionSpec(
+            run_id=new_run_id(),
+            request=call.request,
+            target=call.request.model,
+            # A client's trace context (checked): the run joins its trace.
+            traceparent=valid_traceparent(headers.get("traceparent")),
+        )
+        try:
+            run = core.start_run(spec, collect=not call.stream, ticket=ticket, objective=objective)
+        except IopError:
+            core.settle(ticket, Usage())  # it never ran
+            raise
+        return call, ticket, run
+
+    def check_line(self, path: str, tenant: str, body: bytes) -> None:
+        """A batch line's body, parsed as ``path``'s surface parses a request.
+
+        Raises:
+            RequestError: What the surface answers the body with.
+        """
+        self.by_path[path].surface.parse(body, {}, tenant=tenant)
+
+    async def line(
+        self, path: str, tenant_name: str, key_name: str, body: bytes, objective: Objective
+    ) -> LineAnswer:
+        """One batch line: what ``answer`` does for a non-streaming request
+        (parse, the tenant's admission, the run, its collector), with the
+        batch's tenant and ``objective``, and no HTTP.
+
+        A refusal for want of capacity (``_NOT_NOW``, any 429: the queue's,
+        a sheddable run shed or evicted, the backend's; the tenant's limits;
+        a run cut short, ``_CUT_SHORT``) is ``LineAnswer.refused``: the batch
+        runs the line again later."""
+        core = self.core
+        surface = self.by_path[path].surface
+        tenant = core.tenants.all.get(tenant_name)
+        if tenant is None:
+            status, out = surface.error_body(
+                401,
+                f"Tenant {tenant_name!r} of this batch is no longer configured.",
+                code=ErrorCode.INVALID_API_KEY,
+            )
+            return LineAnswer(status, out, new_run_id())
+        try:
+            # A line is never streamed (iop.batches._jsonl refuses stream).
+            call, _, run = await self._start(surface, tenant, key_name, body, {}, objective)
+        except RateLimited as exc:
+            core.metrics.tenant_refused.labels(tenant.name, exc.limit).inc()
+            return LineAnswer(429, b"", "", refused=True)
+        except IopError as exc:
+            if exc.code in _NOT_NOW or exc.status == 429:
+                return LineAnswer(exc.status, b"", "", refused=True)
+            param = exc.param if isinstance(exc, RequestError) else None
+            status, out = surface.error_body(exc.status, exc.message, code=exc.code, param=param)
+            return LineAnswer(status, out, new_run_id())
+        run_id, spec = run.run_id, run.spec
+        ctx = RunContext(
+            run_id=run_id,
+            created=int(time.time()),
+            policy=core.config.policy_for(call.request.model),
+        )
+        collector = surface.collector(call, ctx)
+        done = False
+        try:
+            async for ev in run.events:
+                collector.feed(ev)
+                if is_terminal(ev):
+                    break
+            else:
+                if run.outcome is not None:
+                    collector.feed(run.outcome)
+            done = True
+        finally:
+            if not done:  # the batch was cancelled, expired, or the edge stops
+                run.cancel(CancelReason.EXPLICIT, "its batch was cancelled or the edge stopped")
+            run.events.close()
+        outcome = run.outcome
+        if (isinstance(outcome, Error) and (outcome.code in _NOT_NOW or outcome.status == 429)) or (
+            isinstance(outcome, Cancelled) and outcome.reason in _CUT_SHORT
+        ):
+            return LineAnswer(429, b"", run_id, refused=True)
+        status, out = collector.result()
+        usage = charged_usage(outcome, spec.operation) if outcome is not None else None
+        return LineAnswer(status, out, run_id, usage or Usage())
 
     async def answer(
         self, route: SurfaceRoute, headers: Mapping[str, str], read_body: BodyReader
@@ -203,30 +335,18 @@ class _Surfaces:
         anthropic = isinstance(surface, MessagesSurface)
         limit_headers: dict[str, str] | None = None
         try:
-            call = surface.parse(body, headers, tenant=tenant.name)
-            if not tenant.may_use(call.request.model):
-                raise no_access(call.request.model)
-            ticket = await core.admit(tenant, call.request, tenants.key_name(route.key_of(headers)))
+            call, ticket, run = await self._start(
+                surface, tenant, tenants.key_name(route.key_of(headers)), body, headers
+            )
             if ticket.limits:
                 limit_headers = rate_headers(ticket.limits, anthropic)
-            spec = ExecutionSpec(
-                run_id=new_run_id(),
-                request=call.request,
-                target=call.request.model,
-                # A client's trace context (checked): the run joins its trace.
-                traceparent=valid_traceparent(headers.get("traceparent")),
-            )
-            try:
-                run = core.start_run(spec, collect=not call.stream, ticket=ticket)
-            except IopError:
-                core.settle(ticket, Usage())  # it never ran
-                raise
         except RateLimited as exc:
             core.metrics.tenant_refused.labels(tenant.name, exc.limit).inc()
             return exc_answer(exc, surface, retry_headers(exc, anthropic))
         except IopError as exc:
             backoff = core.config.scheduler.model_load_backoff_s
             return exc_answer(exc, surface, retry_after(exc.status, exc.code, backoff))
+        spec = run.spec
         connection = current_connection()
         if connection is not None:
             run.on_outcome = _cut_off_when_slow(connection)
@@ -345,7 +465,9 @@ def add_surface_routes(
 ) -> dict[str, SurfaceAnswer]:
     """The answer of each surface route's path, served below quart; count_tokens
     in quart. Each path's surface goes into ``surfaces`` (its errors' shape)."""
-    served = _Surfaces(core, messages)
+    served = _Surfaces(core, messages, routes)
+    # Batch lines run through the same surfaces (iop.edge.batches).
+    core.batches.bind(served.line, served.check_line)
     answers: dict[str, SurfaceAnswer] = {}
     for route in routes:
         surfaces[route.path] = route.surface

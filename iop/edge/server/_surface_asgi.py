@@ -120,6 +120,9 @@ class SurfaceASGI:
         fallback: The app for every other request (quart).
         answers: The answer of each surface path.
         max_body_bytes: ``server.max_body_bytes``.
+        body_limits: A path's own body limit in place of ``max_body_bytes``
+            (``POST /v1/files``: ``batches.max_file_bytes`` and its
+            multipart envelope).
         body_read_timeout_s: ``server.body_read_timeout_s``.
         refused: Builds the response of a 408 or 413.
         crashed: Logs an unexpected exception and builds its 500.
@@ -134,10 +137,12 @@ class SurfaceASGI:
         body_read_timeout_s: float,
         refused: RefusalAnswer,
         crashed: CrashAnswer,
+        body_limits: Mapping[str, int] | None = None,
     ) -> None:
         self.fallback = fallback
         self._answers = dict(answers)
         self._max_body_bytes = max_body_bytes
+        self._body_limits = dict(body_limits or {})
         self._body_read_timeout_s = body_read_timeout_s
         self._refused = refused
         self._crashed = crashed
@@ -194,7 +199,8 @@ class SurfaceASGI:
         path: str = scope["path"]
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
 
-        read_body = partial(self._read_then_watch, headers, receive, watch)
+        limit = self._body_limits.get(path, self._max_body_bytes)
+        read_body = partial(self._read_then_watch, headers, receive, watch, limit)
         try:
             status, head, body = await answer(headers, read_body)
         except HTTPException as exc:  # 408, 413 from read_body
@@ -210,23 +216,22 @@ class SurfaceASGI:
         await _send_answer(status, head, body, send, unwatch)
 
     async def _read_then_watch(
-        self, headers: Mapping[str, str], receive: Any, watch: Callable[[], None]
+        self, headers: Mapping[str, str], receive: Any, watch: Callable[[], None], limit: int
     ) -> bytes:
-        body = await self._read_body(headers, receive)
+        body = await self._read_body(headers, receive, limit)
         # From now on only a disconnect can arrive: it cancels the answer.
         watch()
         return body
 
-    async def _read_body(self, headers: Mapping[str, str], receive: Any) -> bytes:
+    async def _read_body(self, headers: Mapping[str, str], receive: Any, limit: int) -> bytes:
         """The whole request body, or werkzeug's 413 / 408 (what quart raised).
 
         Raises:
-            RequestEntityTooLarge: Over ``max_body_bytes``, by its
-                ``Content-Length`` or once read.
+            RequestEntityTooLarge: Over ``limit`` (``max_body_bytes`` or the
+                path's own), by its ``Content-Length`` or once read.
             RequestTimeout: Not all there within ``body_read_timeout_s``.
             _Disconnected: The client left first.
         """
-        limit = self._max_body_bytes
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise RequestEntityTooLarge()
