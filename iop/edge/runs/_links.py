@@ -43,6 +43,7 @@ from iop.protocol import (
     InstanceLoad,
     LinkClosed,
     LoadReported,
+    ModelControlAnswered,
     NodeDraining,
     RunEventsReceived,
     close_code,
@@ -191,6 +192,7 @@ class NodeLinks:
                 # A new link of this node starts cold (iop.edge.scheduler._prefix).
                 self.scheduler.prefixes.forget(conn.node_id)
             session.close()
+            conn.model_ops.close()
             conn.wake = _nothing
             reason = conn.close_reason or "link closed"
             affected = conn.lose_runs(f"node {conn.node_id} lost: {reason}")
@@ -246,12 +248,18 @@ class NodeLinks:
             if isinstance(event, RunEventsReceived):
                 runs.append(event)
             elif isinstance(event, CapabilitiesChanged):
+                if event.models is not None:
+                    conn.model_ops.update(
+                        event.models, trio.current_time(), self.registry.model_stats
+                    )
                 conn.update_instances(event.instances)
                 log.info("node %s updated its capabilities", conn.node_id)
                 self.scheduler.dispatch()
             elif isinstance(event, LoadReported):
                 conn.on_load(event.instances, event.at)
                 self._bound_prefixes(conn, event.instances)
+            elif isinstance(event, ModelControlAnswered):
+                conn.model_ops.answer(event.result)
             elif isinstance(event, NodeDraining):
                 conn.draining = True
                 conn.goodbye = event.reason
