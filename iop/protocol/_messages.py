@@ -174,8 +174,13 @@ class ModelControlResult(_Msg, frozen=True, kw_only=True, tag="model_control", o
     offer: ModelOffer | None = None
 
 
-class Hello(_Msg, frozen=True, kw_only=True, tag="hello"):
-    """First frame of a node: who it is, its token, what it serves."""
+class Hello(_Msg, frozen=True, kw_only=True, tag="hello", omit_defaults=True):
+    """First frame of a node: who it is, its token, what it serves.
+
+    Its defaulted fields are left out when at their default: every peer
+    since each was added reads a missing one as that default, and a node
+    without models or controls keeps its hello as small as before them
+    (``link.max_hello_bytes``)."""
 
     protocol_version: int
     node_id: str
