@@ -77,7 +77,10 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--config", required=True, metavar="FILE", help="node config (TOML): [node], [[instances]]"
+        "--config",
+        required=True,
+        metavar="FILE",
+        help="node config (TOML): [node], [[instances]], [[models]]",
     )
     p.set_defaults(func=_cmd_node)
 
@@ -88,8 +91,8 @@ def _load(path: str) -> NodeConfig:
         raise ConfigError(
             f"{path}: no edges to dial; add a [[node.edges]] table with url and token"
         )
-    if not cfg.instances:
-        raise ConfigError(f"{path}: no instances to serve; add an [[instances]] table")
+    if not cfg.instances and not cfg.models:
+        raise ConfigError(f"{path}: nothing to serve; add an [[instances]] or [[models]] table")
     if cfg.tracing.otlp_endpoint:
         require(Extra.OTEL, "tracing.otlp_endpoint")
     return cfg
