@@ -1353,6 +1353,14 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
         default_objective: The objective of a run whose request names none
             and whose tenant has none ("" for none: priority 0, not
             sheddable, no deadline).
+        model_load_wait_s: How long a run for an on-demand model no node
+            serves now waits at the edge for a node to load it (its TTFT
+            deadline, if shorter, bounds it too); past it the run ends 503
+            ``model_load_timeout``.
+        model_load_backoff_s: After a node failed (or refused) to load a
+            model, the edge asks that node for that model again no sooner
+            than this; runs for it meanwhile go to another node that offers
+            it, or end 503 ``model_load_failed`` with ``Retry-After``.
     """
 
     max_queue: int = 256
@@ -1406,6 +1414,13 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
     # be shed, and a sheddable flood never fills it.
     shed_queue_fraction: float = 0.5
     default_objective: str = ""
+    # 300 s: the node's own bound on a load (node.model_load_timeout_s);
+    # a large model's weights take minutes to read.
+    model_load_wait_s: float = 300.0
+    # 10 s: twice the node's first retry delay (node.model_retry_min_s), so
+    # a broken model costs a node one failed load per 10 s at most, not one
+    # per request.
+    model_load_backoff_s: float = 10.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_sessions_per_tenant <= 1_000_000:
@@ -1430,6 +1445,10 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             raise ValueError("balance_load_threshold must be >= 0, balance_rel_threshold >= 1")
         if self.max_queue_delay_s < 0:
             raise ValueError("max_queue_delay_s must be >= 0 (0 disables it)")
+        if not 0 < self.model_load_wait_s <= MAX_MODEL_LOAD_S:
+            raise ValueError(f"model_load_wait_s must be > 0 and <= {MAX_MODEL_LOAD_S:g}")
+        if not 0 < self.model_load_backoff_s <= MAX_MODEL_LOAD_S:
+            raise ValueError(f"model_load_backoff_s must be > 0 and <= {MAX_MODEL_LOAD_S:g}")
 
 
 class TimelineSettings(_Config, frozen=True, kw_only=True):

@@ -11,6 +11,8 @@ field                  the moment                                 recorded by
 ``admitted``           a slot was free at once                    scheduler
 ``queued`` + ``why``   it had to wait, and for what               scheduler
 ``dequeued``           the wait ended with a slot                 scheduler
+``model_load``         it waited for a node to load its model:    scheduler
+                       where, from when to when, how it ended
 ``placements``         each attempt: node, instance, when, result executor
 ``first_output``       the first output event reached the run     runtime
 ``stalls``             credit stalls (the consumer held a whole   runtime,
@@ -55,6 +57,7 @@ from iop.events import Cancelled, CancelReason, Complete, Error, TerminalEvent
 
 __all__ = [
     "DEFAULT_MAX_STALLS",
+    "ModelLoad",
     "NodeTimeline",
     "Placement",
     "Stall",
@@ -133,6 +136,18 @@ class Placement(msgspec.Struct, kw_only=True):
             f"{node}/{instance}": round(in_flight / max(slots, 1), 4)
             for node, instance, in_flight, slots in self.candidates
         }
+
+
+class ModelLoad(msgspec.Struct, kw_only=True):
+    """A run's wait for a node to load its on-demand model
+    (``iop.edge.scheduler._ondemand``): the load it asked for or joined."""
+
+    node: str
+    model: str  # the node's model (the instance named after it)
+    started: float
+    ended: float | None = None
+    # None while it loads; then "ready", or why not ("failed: ...").
+    result: str | None = None
 
 
 class NodeTimeline(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -265,6 +280,7 @@ class Timeline(msgspec.Struct, kw_only=True):
     queued: float | None = None
     why_queued: str | None = None
     dequeued: float | None = None
+    model_load: ModelLoad | None = None
     placements: list[Placement] = []
     first_output: float | None = None
     stalls: list[Stall] = []
@@ -320,6 +336,9 @@ class Timeline(msgspec.Struct, kw_only=True):
             return "streaming"
         if self.placements and self.placements[-1].result is None:
             return "placed"
+        load = self.model_load
+        if load is not None and load.ended is None:
+            return "loading"
         if self.queued is not None and self.dequeued is None:
             return "queued"
         return "received"
@@ -370,6 +389,18 @@ class Timeline(msgspec.Struct, kw_only=True):
             "queued_ms": ms(self.queued),
             "why_queued": self.why_queued,
             "dequeued_ms": ms(self.dequeued),
+            "model_load": None
+            if (load := self.model_load) is None
+            else {
+                "node": load.node,
+                "model": load.model,
+                "started_ms": ms(load.started),
+                "ended_ms": ms(load.ended),
+                "elapsed_ms": round(((load.ended or 0.0) - load.started) * 1000.0, 3)
+                if load.ended is not None
+                else None,
+                "result": load.result,
+            },
             "placements": [
                 {
                     "attempt": p.attempt,

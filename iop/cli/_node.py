@@ -92,7 +92,11 @@ def _load(path: str) -> NodeConfig:
             f"{path}: no edges to dial; add a [[node.edges]] table with url and token"
         )
     if not cfg.instances and not cfg.models:
-        raise ConfigError(f"{path}: nothing to serve; add an [[instances]] or [[models]] table")
+        # A node of on-demand models alone serves them (docs/operations.md,
+        # "Models on demand").
+        raise ConfigError(
+            f"{path}: no instances to serve; add an [[instances]] or a [[models]] table"
+        )
     if cfg.tracing.otlp_endpoint:
         require(Extra.OTEL, "tracing.otlp_endpoint")
     return cfg

@@ -345,7 +345,7 @@ async def test_each_way_out_of_the_queue_is_counted_with_the_time_of_the_last(
     async with edge_with_node(instances=[caps(slots=1)]) as (core, node, _):
         sched = core.scheduler
         assert core.snapshot()["queue"] == {
-            "exits": {"placed": 0, "cancelled": 0, "timed_out": 0, "shed": 0},
+            "exits": {"placed": 0, "cancelled": 0, "timed_out": 0, "shed": 0, "load_failed": 0},
             "last_exit": None,
             "refused": {"queue_full": 0, "queue_delay": 0, "deadline": 0, "shed": 0},
             "sessions": {"seen": 0, "queued": 0, "overflowed": 0},
@@ -364,7 +364,13 @@ async def test_each_way_out_of_the_queue_is_counted_with_the_time_of_the_last(
         assert sched.last_exit.how is QueueExit.CANCELLED
         assert before <= sched.last_exit.monotonic_s <= after
         view = core.snapshot()["queue"]
-        assert view["exits"] == {"placed": 0, "cancelled": 1, "timed_out": 0, "shed": 0}
+        assert view["exits"] == {
+            "placed": 0,
+            "cancelled": 1,
+            "timed_out": 0,
+            "shed": 0,
+            "load_failed": 0,
+        }
         assert view["last_exit"] == {
             "how": "cancelled",
             "monotonic_s": sched.last_exit.monotonic_s,
@@ -383,6 +389,7 @@ async def test_each_way_out_of_the_queue_is_counted_with_the_time_of_the_last(
             QueueExit.CANCELLED: 1,
             QueueExit.TIMED_OUT: 1,
             QueueExit.SHED: 0,
+            QueueExit.LOAD_FAILED: 0,
         }
         text = core.metrics.render().decode()
         for how in ("placed", "cancelled", "timed_out"):

@@ -11,6 +11,7 @@ shape of the path's surface.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import Final
 
@@ -36,6 +37,7 @@ __all__ = [
     "key_refused",
     "raw_headers",
     "request_headers",
+    "retry_after",
     "unknown_url",
     "unsupported_content_type",
 ]
@@ -90,6 +92,24 @@ def error(
     """An error response in ``surface``'s shape (OpenAI's unless a route says otherwise)."""
     sent, body = surface.error_body(status, message, code=code, param=param)
     return json_response(body, sent, None if headers is None else dict(headers))
+
+
+# A model that failed to load, or was not loaded in time: retryable, once the
+# edge asks its nodes again (``scheduler.model_load_backoff_s``,
+# docs/operations.md, "Models on demand").
+_MODEL_LOAD_CODES: Final = frozenset(
+    {ErrorCode.MODEL_LOAD_FAILED, ErrorCode.MODEL_LOAD_REFUSED, ErrorCode.MODEL_LOAD_TIMEOUT}
+)
+
+
+def retry_after(status: int, code: str, load_backoff_s: float) -> dict[str, str] | None:
+    """The ``Retry-After`` of a failed run's answer: 1 s for a 429, the edge's
+    load backoff for a 503 of a model's load, else none."""
+    if status == 429:
+        return {"Retry-After": "1"}
+    if status == 503 and code in _MODEL_LOAD_CODES:
+        return {"Retry-After": str(max(1, math.ceil(load_backoff_s)))}
+    return None
 
 
 def from_exc(

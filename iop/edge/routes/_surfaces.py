@@ -83,6 +83,7 @@ from iop.edge.routes._errors import (
     key_refused,
     raw_headers,
     request_headers,
+    retry_after,
     unsupported_content_type,
 )
 from iop.edge.server._stall import ConnectionStall, client_gone_reason, current_connection
@@ -224,7 +225,8 @@ class _Surfaces:
             core.metrics.tenant_refused.labels(tenant.name, exc.limit).inc()
             return exc_answer(exc, surface, retry_headers(exc, anthropic))
         except IopError as exc:
-            return exc_answer(exc, surface)
+            backoff = core.config.scheduler.model_load_backoff_s
+            return exc_answer(exc, surface, retry_after(exc.status, exc.code, backoff))
         connection = current_connection()
         if connection is not None:
             run.on_outcome = _cut_off_when_slow(connection)
@@ -239,11 +241,15 @@ class _Surfaces:
             if not call.stream:
                 collector = surface.collector(call, ctx)
                 handed_over = True  # _complete owns the run
-                return await _complete(run, collector, limit_headers)
+                return await _complete(
+                    run, collector, limit_headers, core.config.scheduler.model_load_backoff_s
+                )
             stream = surface.stream(call, ctx)
             keepalive_s = core.config.server.keepalive_interval_s
             first = await _first_output(run, keepalive_s)
-            early = _early_failure(first, surface, limit_headers)
+            early = _early_failure(
+                first, surface, limit_headers, core.config.scheduler.model_load_backoff_s
+            )
             if early is not None:
                 run.events.close()
                 return early
@@ -402,7 +408,10 @@ class _RunBody(EndKnownBody):
 
 
 def _early_failure(
-    first: list[RuntimeEvent], surface: Surface, limit_headers: Mapping[str, str] | None
+    first: list[RuntimeEvent],
+    surface: Surface,
+    limit_headers: Mapping[str, str] | None,
+    load_backoff_s: float,
 ) -> Answer | None:
     """An HTTP error for a run that ended before any output, else None."""
     if not first or any(not isinstance(e, Start) for e in first[:-1]):
@@ -411,7 +420,7 @@ def _early_failure(
     if not isinstance(end, Error | Cancelled):
         return None
     failed = shape_failure(end)
-    headers = {"Retry-After": "1"} if failed.status == 429 else None
+    headers = retry_after(failed.status, failed.code, load_backoff_s)
     status, head, body = error_answer(
         failed.status,
         failed.message,
@@ -530,7 +539,10 @@ def _cut_off_when_slow(connection: ConnectionStall) -> Callable[[TerminalEvent],
 
 
 async def _complete(
-    run: Run, collector: Collector, extra_headers: dict[str, str] | None = None
+    run: Run,
+    collector: Collector,
+    extra_headers: dict[str, str] | None = None,
+    load_backoff_s: float = 1.0,
 ) -> Answer:
     done = False
     try:
@@ -549,7 +561,9 @@ async def _complete(
             run.cancel(*client_gone_reason())
         run.events.close()
     status, body = collector.result()
-    headers = {"Retry-After": "1"} if status == 429 else None
+    outcome = run.outcome
+    code = outcome.code if isinstance(outcome, Error) else ""
+    headers = retry_after(status, code, load_backoff_s)
     if extra_headers:
         headers = {**extra_headers, **(headers or {})}
     return json_answer(body, status, headers)

@@ -175,8 +175,10 @@ async def _handshake(
             instances={},
             connected_at=time.time(),
             software=hello.software,
+            memory_mib=hello.memory_mib,
         )
         conn.update_instances(hello.instances)
+        conn.update_models(hello.models)
         conn.model_ops = NodeModels(
             hello.models,
             hello.memory_mib,

@@ -8,7 +8,8 @@ production, ``iop.testing.memory_link_pair`` in tests) drives it: one
 reader, one writer, no other task per link. The reader hands each frame's
 events over without blocking (``_on_link_events``): run events to the
 connection's delivery, capabilities and load reports to its instances, a
-goodbye to its draining flag. When the link ends, however it ends, every
+goodbye to its draining flag, the answer to a model load to the scheduler
+(``iop.edge.scheduler._ondemand``). When the link ends, however it ends, every
 run on it is told (``RemoteRun.lose``: the executor fails it over or ends
 it ``node_lost``), the close is logged at the level its cause deserves, and
 the scheduler gives the freed slots to waiters.
@@ -44,6 +45,7 @@ from iop.protocol import (
     LinkClosed,
     LoadReported,
     ModelControlAnswered,
+    ModelLoadAnswered,
     NodeDraining,
     RunEventsReceived,
     close_code,
@@ -196,6 +198,8 @@ class NodeLinks:
             conn.wake = _nothing
             reason = conn.close_reason or "link closed"
             affected = conn.lose_runs(f"node {conn.node_id} lost: {reason}")
+            # Its loads will not be answered: their waiters look elsewhere.
+            self.scheduler.node_gone(conn, f"node {conn.node_id} lost: {reason}")
             await close_link(chan, conn.close_code or CLOSE_NORMAL, conn.close_reason)
             self._log_disconnect(conn, affected)
             self.scheduler.dispatch()
@@ -253,8 +257,11 @@ class NodeLinks:
                         event.models, trio.current_time(), self.registry.model_stats
                     )
                 conn.update_instances(event.instances)
+                conn.update_models(event.models)
                 log.info("node %s updated its capabilities", conn.node_id)
                 self.scheduler.dispatch()
+            elif isinstance(event, ModelLoadAnswered):
+                self.scheduler.load_answered(conn, event.result)
             elif isinstance(event, LoadReported):
                 conn.on_load(event.instances, event.at)
                 self._bound_prefixes(conn, event.instances)

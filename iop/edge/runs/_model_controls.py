@@ -16,7 +16,10 @@ ends the wait with ``None`` at once (``close``).
 
 ``ModelStats`` (one per edge, in the ``NodeRegistry``) adds up, per model,
 the increase of each node's counters between two offers: loads (and their
-load times, from ``load_s``), failed loads, evictions, cold starts. Model
+load times, from ``load_s``), failed loads, evictions, cold starts (runs
+the node made wait for a load), and the runs the edge itself queues while a
+node loads their model (``cold_start``: the edge places runs only on a
+model that is ready, so these are most cold starts). Model
 names come only from nodes' offers, which list their configured
 ``[[models]]`` (never a name a client sent), so the metrics' label sets are
 bounded by the nodes' configs. A node's counters restart at 0 when it does;
@@ -88,6 +91,11 @@ class ModelStats:
         t.load_failures += max(0, after.load_failures - before.load_failures)
         t.evictions += max(0, after.evictions - before.evictions)
         t.cold_starts += max(0, after.cold_starts - before.cold_starts)
+
+    def cold_start(self, model: str) -> None:
+        """A run for ``model`` waits at the edge for a node to load it
+        (``iop.edge.scheduler._ondemand``): a cold start the node does not see."""
+        self.totals.setdefault(model, ModelTotals()).cold_starts += 1
 
     def known(self, model: str) -> None:
         """``model`` is offered: its series exist (at 0) from now on."""

@@ -38,7 +38,13 @@ from iop.capabilities import Capabilities, ProviderStatus
 from iop.edge.runs._attempt import RemoteRun, keep_node_timeline
 from iop.edge.runs._model_controls import ModelStats, NodeModels
 from iop.events import CancelReason
-from iop.protocol import RELEASED_RUNS_REMEMBERED, EdgeSession, InstanceLoad, RunEventsReceived
+from iop.protocol import (
+    RELEASED_RUNS_REMEMBERED,
+    EdgeSession,
+    InstanceLoad,
+    ModelOffer,
+    RunEventsReceived,
+)
 from iop.runtime import Backpressure
 from iop.spec import ExecutionSpec
 from iop.timeline import Timeline
@@ -120,9 +126,17 @@ class InstanceState:
     caps: Capabilities
     in_flight: int = 0
     reported: ReportedLoad | None = None
+    # An on-demand model of the node (``[[models]]``): its state and what a
+    # load costs (``iop.edge.scheduler._ondemand``); None for an instance.
+    offer: ModelOffer | None = None
 
     @property
     def usable(self) -> bool:
+        """Whether runs may be placed on it now. An on-demand model only while
+        it is ready: a run for one that is cold or loading waits at the edge
+        for its load (``Scheduler.acquire``), not in the node's queue."""
+        if self.offer is not None:
+            return self.offer.state == "ready"
         return self.caps.provider_status is not ProviderStatus.UNAVAILABLE
 
     @property
@@ -194,6 +208,8 @@ class NodeConnection:
     peer: str = ""
     draining: bool = False
     goodbye: str = ""  # the reason of the node's goodbye, once it sent one
+    # The memory its on-demand models share (``node.memory_mib``; 0: none offered).
+    memory_mib: int = 0
     runs: dict[str, RemoteRun] = field(default_factory=dict)
     # Runs the edge cancelled, until the node's terminal (and timeline)
     # comes back; the last RELEASED_RUNS_REMEMBERED, as the session's.
@@ -232,6 +248,30 @@ class NodeConnection:
                 inst.caps = c
             instances[c.instance] = inst
         self.instances = instances
+
+    def update_models(self, offers: list[ModelOffer] | None) -> None:
+        """The node's on-demand models (None: it said nothing of them, e.g. an
+        older node): each offer goes to the instance named after its model."""
+        if offers is None:
+            return
+        by_name = {o.model: o for o in offers}
+        for name, inst in self.instances.items():
+            inst.offer = by_name.get(name)
+
+    def offers(self) -> Iterator[tuple[InstanceState, ModelOffer]]:
+        """Its on-demand models' instances with their offers."""
+        for inst in self.instances.values():
+            if inst.offer is not None:
+                yield inst, inst.offer
+
+    def load_model(self, request_id: str, model: str) -> None:
+        """Ask the node to load its on-demand ``model`` (``EdgeSession.load_model``).
+
+        Raises:
+            InvariantError: The link is not open.
+        """
+        self.session.load_model(request_id, model)
+        self.wake()
 
     def on_load(self, loads: list[InstanceLoad], now: float) -> None:
         """The node's load report: kept per instance it advertised (others ignored)."""
@@ -368,10 +408,14 @@ class NodeRegistry:
                 yield conn, inst
 
     def models(self) -> dict[str, list[str]]:
-        """Model -> node ids serving it (usable instances of live nodes)."""
+        """Model -> node ids serving it (usable instances of live nodes), or
+        offering to load it (their on-demand models, in any state: a run for
+        one waits for its load, or is told why it failed)."""
         out: dict[str, list[str]] = {}
         for conn, inst in self.instances():
-            if conn.draining or conn.node_id in self.drained or not inst.usable:
+            if conn.draining or conn.node_id in self.drained:
+                continue
+            if not inst.usable and inst.offer is None:
                 continue
             for t in inst.caps.targets:
                 nodes = out.setdefault(t, [])

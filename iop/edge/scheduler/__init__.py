@@ -1,6 +1,7 @@
 """Where a run is placed: placement (``Scheduler``), the leases it hands out,
-the queue in front of it, session affinity and the prefix index that
-prefix-aware placement reads.
+the queue in front of it, session affinity, the prefix index that
+prefix-aware placement reads, and which node loads an on-demand model
+(``_ondemand``).
 """
 
 from iop.edge.scheduler._affinity import affinity_key

@@ -8,8 +8,8 @@ tenant class, its tenant, whether it may be shed), each group a
 (deadline, then the session's fair share: docs/operations.md, "Sessions
 and objectives"). Every waiter leaves the queue one way (``QueueExit``):
 placed, cancelled (its run ended while it waited: the client left, a
-deadline, shutdown), timed out, or shed (evicted for a run that may not
-be). The scheduler counts the exits and keeps the host's
+deadline, shutdown), timed out, shed (evicted for a run that may not
+be), or failed with its model's load (``iop.edge.scheduler._ondemand``). The scheduler counts the exits and keeps the host's
 monotonic time of the last one (``QueueExitAt``): ``/metrics`` and
 ``/admin/nodes`` show them, and ``scripts/bench_stress.py`` times a queued
 run's cancel with it on the clock it shares with the edge
@@ -29,6 +29,9 @@ from typing import TYPE_CHECKING, Final
 import msgspec
 import trio
 
+from iop.errors import IopError
+from iop.timeline import Timeline
+
 if TYPE_CHECKING:
     from iop.edge.scheduler._leases import Lease
 
@@ -42,6 +45,7 @@ class QueueExit(enum.StrEnum):
     CANCELLED = "cancelled"  # its run ended while it waited (client gone, deadline, shutdown)
     TIMED_OUT = "timed_out"  # no slot within queue_timeout_s
     SHED = "shed"  # a sheddable run evicted for one that is not (429)
+    LOAD_FAILED = "load_failed"  # its model failed to load on every node that offers it (503)
 
 
 class QueueExitAt(msgspec.Struct, frozen=True):
@@ -134,6 +138,22 @@ class _Waiter:
     shed: bool = False  # evicted for a run that may not be shed
     event: trio.Event = field(default_factory=trio.Event)
     lease: Lease | None = None
+    # It waits for a node to load its model (``iop.edge.scheduler._ondemand``):
+    # the (node, model) whose load it awaits (None: none on its way now), the
+    # last refusal, the run's timeline, and what ends it when the load fails.
+    load: bool = False
+    load_at: tuple[str, str] | None = None
+    load_why: str = ""
+    timeline: Timeline | None = None
+    error: IopError | None = None
+    # What a waiter for a load waits on: set with ``event``, and when a
+    # load's answer changes when it should ask again (``Scheduler._wait``).
+    nudge: trio.Event = field(default_factory=trio.Event)
+
+    def wake(self) -> None:
+        """It leaves the queue: placed, shed or failed."""
+        self.event.set()
+        self.nudge.set()
 
     @property
     def key(self) -> _WaitKey:

@@ -18,6 +18,12 @@ a tenant, then arrival (first come first served with one tenant and no
 session keys; docs/operations.md, "Sessions and objectives"); waiters
 never poll.
 
+A run for an on-demand model that no node serves now but one offers waits
+in the same queue while one node loads it (``iop.edge.scheduler._ondemand``
+chooses the node and keeps the loads and backoffs), bounded by
+``model_load_wait_s`` instead of ``queue_timeout_s``; once the node says the
+model is ready, dispatch places it as any waiter.
+
 Admission (``admit``, and ``acquire`` for a run that would have to wait):
 a run that finds a free slot always starts; one that would have to queue is
 refused at once with 429 ``queue_full`` (the HTTP layer adds Retry-After)
@@ -40,13 +46,14 @@ from __future__ import annotations
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Final, NoReturn
 
 import trio
 
 from iop.config import SchedulerSettings
 from iop.edge.scheduler._leases import Lease
+from iop.edge.scheduler._ondemand import FAILED_CODES, ModelLoads, choose_load
 from iop.edge.scheduler._placement import Placement
 from iop.edge.scheduler._prefix import PrefixIndex
 from iop.edge.scheduler._queue import (
@@ -61,13 +68,14 @@ from iop.edge.scheduler._queue import (
     _Waiter,
     _WaitKey,
 )
-from iop.errors import ErrorCode, IopError, RunAborted
+from iop.errors import ErrorCode, InvariantError, IopError, RunAborted
 from iop.events import CancelReason
+from iop.protocol import ModelLoadResult
 from iop.spec import OperationRequest
-from iop.timeline import Timeline
+from iop.timeline import ModelLoad, Timeline
 
 if TYPE_CHECKING:
-    from iop.edge.runs._nodes import InstanceState, NodeRegistry
+    from iop.edge.runs._nodes import InstanceState, NodeConnection, NodeRegistry
 
 __all__ = ["REFUSALS", "Scheduler"]
 
@@ -110,6 +118,8 @@ class Scheduler:
         self._tenant_queued: dict[str, int] = {}
         # Which instance a run goes to, once it may have a slot.
         self.placement = Placement(registry, settings)
+        # The on-demand models the edge asked nodes to load (``_ondemand``).
+        self.loads = ModelLoads()
 
     @property
     def queued(self) -> int:
@@ -140,11 +150,160 @@ class Scheduler:
         return self.placement.prompt_blocks(request, scope)
 
     def serves(self, model: str, operation: str = "chat") -> bool:
-        return self.placement.could_serve(model, frozenset(), operation)
+        """Whether a node serves ``operation`` on ``model``, or offers to load it."""
+        return self.could_serve(model, frozenset(), operation)
 
     def could_serve(self, model: str, exclude: Excluded, operation: str = "chat") -> bool:
-        """``Placement.could_serve``."""
-        return self.placement.could_serve(model, exclude, operation)
+        """``Placement.could_serve``, or a node outside ``exclude`` offers the model."""
+        return self.placement.could_serve(model, exclude, operation) or any(
+            True for _ in self.offered(model, exclude, operation)
+        )
+
+    # --- models on demand (``iop.edge.scheduler._ondemand``) --------------------
+
+    def offered(
+        self, model: str, exclude: Excluded = frozenset(), operation: str = "chat"
+    ) -> Iterator[tuple[NodeConnection, InstanceState]]:
+        """The on-demand models of live nodes (neither draining nor drained,
+        not excluded) that would serve ``operation`` on ``model`` once loaded."""
+        drained = self.registry.drained
+        for conn, inst in self.registry.instances():
+            if inst.offer is None or conn.draining or conn.node_id in drained:
+                continue
+            if conn.node_id in exclude or (
+                exclude and (conn.node_id, inst.caps.instance) in exclude
+            ):
+                continue
+            if model in inst.caps.targets and inst.caps.serves(operation):
+                yield conn, inst
+
+    def needs_load(self, model: str, exclude: Excluded, operation: str = "chat") -> bool:
+        """Whether a run for ``model`` must wait for a node to load it: no node
+        serves it now, one offers it."""
+        return not self.placement.could_serve(model, exclude, operation) and any(
+            True for _ in self.offered(model, exclude, operation)
+        )
+
+    def _load_failure(self, model: str, exclude: Excluded, operation: str) -> IopError | None:
+        """The 503 for a run of ``model`` when every node that offers it failed
+        to load it lately (the edge backs off from each), else None."""
+        now = trio.current_time()
+        failures = []
+        for conn, inst in self.offered(model, exclude, operation):
+            backoff = self.loads.backing_off(conn.node_id, inst.caps.instance, now)
+            if backoff is None or backoff.code not in FAILED_CODES:
+                return None
+            failures.append(f"node {conn.node_id}: {backoff.message}")
+        if not failures:
+            return None
+        return IopError(
+            f"model {model!r} failed to load on every node that offers it "
+            f"(asked again after scheduler.model_load_backoff_s="
+            f"{self.settings.model_load_backoff_s:g}s): {'; '.join(failures)}",
+            status=503,
+            code=ErrorCode.MODEL_LOAD_FAILED,
+        )
+
+    def _start_load(self, waiter: _Waiter) -> bool:
+        """Have a node load ``waiter``'s model (or join a load on its way).
+
+        Returns:
+            False when no node may load it now (each backing off, or without
+            room): ``waiter.load_why`` says why.
+        """
+        now = trio.current_time()
+        candidates = []
+        backoffs = []
+        for conn, inst in self.offered(waiter.model, waiter.exclude, waiter.operation):
+            backoff = self.loads.backing_off(conn.node_id, inst.caps.instance, now)
+            if backoff is None:
+                candidates.append((conn, inst))
+            else:
+                backoffs.append(
+                    f"node {conn.node_id} is asked again in {backoff.until - now:.3g}s "
+                    f"({backoff.message})"
+                )
+        choice, why_not = choose_load(candidates)
+        if choice is None:
+            waiter.load_at = None
+            waiter.load_why = "; ".join([*backoffs, *why_not]) or "no node offers it"
+            return False
+        conn, name = choice.conn, choice.inst.caps.instance
+        try:
+            self.loads.ask(conn, name, now)
+        except InvariantError:  # its link is closing: node_gone comes next
+            waiter.load_at = None
+            waiter.load_why = f"node {conn.node_id}'s link is closing"
+            return False
+        waiter.load_at = (conn.node_id, name)
+        timeline = waiter.timeline
+        if timeline is not None:
+            if timeline.model_load is None:
+                timeline.model_load = ModelLoad(node=conn.node_id, model=name, started=now)
+            else:
+                load = timeline.model_load
+                load.node, load.model, load.ended, load.result = conn.node_id, name, None, None
+            timeline.why_queued = (
+                f"model {waiter.model!r} is loading on node {conn.node_id}: {choice.why}"
+            )
+        return True
+
+    def _load_waiters(self) -> list[_Waiter]:
+        return [w for g in self._groups.values() for w in g.members if w.load]
+
+    def load_answered(self, conn: NodeConnection, result: ModelLoadResult) -> None:
+        """The node's answer to the edge's ``LoadModel`` (``_ondemand`` docstring)."""
+        now = trio.current_time()
+        self.loads.answered(conn.node_id, result, now, self.settings.model_load_backoff_s)
+        where = (conn.node_id, result.model)
+        for waiter in self._load_waiters():
+            if waiter.load_at != where:
+                continue
+            load = waiter.timeline.model_load if waiter.timeline is not None else None
+            if load is not None:
+                load.ended = now
+                load.result = "ready" if result.ok else f"{result.code}: {result.message}"
+            if result.ok:
+                waiter.load_at = None
+                continue
+            waiter.load_why = f"node {conn.node_id}: {result.message}"
+            if self._start_load(waiter):
+                continue  # another node loads it
+            failure = self._load_failure(waiter.model, waiter.exclude, waiter.operation)
+            if failure is not None:
+                self._remove(waiter, QueueExit.LOAD_FAILED)
+                waiter.error = failure
+                waiter.wake()
+            else:
+                # Refused (a model in the way may not go yet): it waits and
+                # asks again when the backoff ends.
+                waiter.nudge.set()
+        self.dispatch()
+
+    def node_gone(self, conn: NodeConnection, reason: str) -> None:
+        """``conn``'s link is gone: the runs waiting for its loads look elsewhere."""
+        gone = {(load.node_id, load.model) for load in self.loads.forget_link(conn)}
+        for waiter in self._load_waiters():
+            if waiter.load_at in gone:
+                waiter.load_why = reason
+                self._start_load(waiter)
+
+    async def _wait(self, waiter: _Waiter) -> None:
+        """Until ``waiter`` is served, shed or failed; one that waits for a
+        load asks again whenever a backoff ends."""
+        while not waiter.event.is_set():
+            if not waiter.load:
+                await waiter.event.wait()
+                return
+            waiter.nudge = trio.Event()
+            with trio.move_on_at(self.loads.next_retry(trio.current_time())):
+                await waiter.nudge.wait()
+            if (
+                not waiter.event.is_set()
+                and waiter.load_at is None
+                and self.needs_load(waiter.model, waiter.exclude, waiter.operation)
+            ):
+                self._start_load(waiter)
 
     def _pick(
         self,
@@ -202,7 +361,12 @@ class Scheduler:
         Raises:
             IopError: 429 ``queue_full`` (the HTTP layer adds Retry-After).
         """
-        if not self.placement.has_room(model, operation):
+        if self.needs_load(model, frozenset(), operation):
+            failure = self._load_failure(model, frozenset(), operation)
+            if failure is not None:
+                raise failure
+            self._refuse_if_behind(model, operation, share, evict=False, estimate=False)
+        elif not self.placement.has_room(model, operation):
             self._refuse_if_behind(model, operation, share, evict=False)
 
     def _queue_full_for(self, share: QueueShare) -> bool:
@@ -222,7 +386,13 @@ class Scheduler:
         return self._tenant_queued.get(mine, 0) >= limit / tenants
 
     def _refuse_if_behind(
-        self, model: str, operation: str, share: QueueShare = EVEN_SHARE, *, evict: bool = True
+        self,
+        model: str,
+        operation: str,
+        share: QueueShare = EVEN_SHARE,
+        *,
+        evict: bool = True,
+        estimate: bool = True,
     ) -> None:
         """Raise 429 when a run for ``model`` may not join the queue now.
 
@@ -231,7 +401,9 @@ class Scheduler:
         no room for, unless it may not be shed and a sheddable run of its
         level or lower is queued (that one is evicted, when ``evict``); a
         run that would wait ``max_queue_delay_s`` or longer, or longer
-        than its own TTFT deadline.
+        than its own TTFT deadline (not with ``estimate`` False: a run
+        waiting for a model's load, whose wait is the load's, not the
+        queue's drain).
         """
         s = self.settings
         if share.sheddable and self._queued >= s.shed_queue_fraction * s.max_queue:
@@ -253,7 +425,7 @@ class Scheduler:
                 self._shed(victim)
         limit = s.max_queue_delay_s
         deadline = share.deadline_s
-        if not limit and deadline is None:
+        if not estimate or (not limit and deadline is None):
             return
         delay = self.queue_delay(model, operation, share)
         if limit and delay >= limit:
@@ -288,7 +460,7 @@ class Scheduler:
         """Evict ``waiter``: its ``acquire`` raises 429."""
         self._remove(waiter, QueueExit.SHED)
         waiter.shed = True
-        waiter.event.set()
+        waiter.wake()
 
     async def acquire(
         self,
@@ -309,8 +481,13 @@ class Scheduler:
         ``share``: whose the run is, for the order in which waiters are
         served (``dispatch``).
 
+        A run for an on-demand model no node serves now waits while a node
+        loads it (``iop.edge.scheduler._ondemand``), at most
+        ``model_load_wait_s`` or its TTFT deadline.
+
         Raises:
-            IopError: 429 when the queue is full or too far behind.
+            IopError: 429 when the queue is full or too far behind; 503
+                ``model_load_failed`` or ``model_load_timeout``.
             RunAborted: ``queue_timeout`` when no slot came in time.
         """
         ahead = self._queued
@@ -320,7 +497,17 @@ class Scheduler:
                 if timeline is not None:
                     timeline.admitted = trio.current_time()
                 return lease
-        self._refuse_if_behind(model, operation, share)
+        load = self.needs_load(model, exclude, operation)
+        if load:
+            failure = self._load_failure(model, exclude, operation)
+            if failure is not None:
+                raise failure
+            # A cold start (/metrics, iop_model_cold_starts_total), under the
+            # offered model's name: a configured [[models]] name, never the client's.
+            for _, offered in self.offered(model, exclude, operation):
+                self.registry.model_stats.cold_start(offered.caps.instance)
+                break
+        self._refuse_if_behind(model, operation, share, estimate=not load)
         waiter = _Waiter(
             model,
             exclude,
@@ -330,6 +517,8 @@ class Scheduler:
             seq=next(self._arrivals),
             share=share,
             queued_at=trio.current_time(),
+            load=load,
+            timeline=timeline,
         )
         if share.deadline_s is not None:
             waiter.deadline_at = waiter.queued_at + share.deadline_s
@@ -352,19 +541,28 @@ class Scheduler:
                 if ahead
                 else self._busy_text(model, exclude, operation)
             )
+        timeout = self.settings.queue_timeout_s
+        if load:
+            timeout = self.settings.model_load_wait_s
+            if share.deadline_s is not None:
+                timeout = min(timeout, share.deadline_s)
+            if not self._start_load(waiter) and timeline is not None:
+                timeline.why_queued = f"model {model!r} is not loaded: {waiter.load_why}"
         self.dispatch()
         try:
             try:
-                with trio.move_on_after(self.settings.queue_timeout_s):
-                    await waiter.event.wait()
+                with trio.move_on_after(timeout):
+                    await self._wait(waiter)
             except BaseException:
                 # Cancelled while waiting: leave the queue, or give back a slot
                 # that was handed over just before the cancellation landed.
                 if waiter.lease is not None:
                     waiter.lease.release()
-                elif not waiter.shed:
+                elif not waiter.shed and waiter.error is None:
                     self._remove(waiter, QueueExit.CANCELLED)
                 raise
+            if waiter.error is not None:
+                raise waiter.error
             if waiter.shed:
                 raise IopError(
                     f"the queue for {model!r} is full: this run of sheddable objective "
@@ -374,6 +572,14 @@ class Scheduler:
                 )
             if waiter.lease is None:
                 self._remove(waiter, QueueExit.TIMED_OUT)
+                if waiter.load and self.needs_load(model, exclude, operation):
+                    raise IopError(
+                        f"model {model!r} was not loaded within {timeout:g}s "
+                        f"(scheduler.model_load_wait_s, or the run's deadline)"
+                        + (f": {waiter.load_why}" if waiter.load_why else ""),
+                        status=503,
+                        code=ErrorCode.MODEL_LOAD_TIMEOUT,
+                    )
                 raise RunAborted(
                     f"no capacity for model {model!r} within queue_timeout_s="
                     f"{self.settings.queue_timeout_s:g}",
@@ -383,7 +589,11 @@ class Scheduler:
         finally:
             # However it left the queue: placed, shed, timed out or cancelled.
             if timeline is not None:
-                timeline.dequeued = trio.current_time()
+                timeline.dequeued = now = trio.current_time()
+                loaded = timeline.model_load
+                if loaded is not None and loaded.ended is None:
+                    loaded.ended = now
+                    loaded.result = "ready" if waiter.lease is not None else "gave up"
 
     def _busy_text(self, model: str, exclude: Excluded, operation: str) -> str:
         """Why a run for ``model`` found no slot: each candidate's load."""
@@ -503,7 +713,14 @@ class Scheduler:
             lease = self._pick(head.model, head.exclude, head.affinity, head.operation, head.prefix)
             if lease is None:
                 stuck.add(head.key)
+                if (
+                    head.load
+                    and head.load_at is None
+                    and self.needs_load(head.model, head.exclude, head.operation)
+                ):
+                    # Its model may have room now (a node's models changed).
+                    self._start_load(head)
                 continue
             self._remove(head, QueueExit.PLACED)
             head.lease = lease
-            head.event.set()
+            head.wake()
