@@ -101,6 +101,8 @@ def test_a_smoke_run_measures_both_modes(tmp_path: Path) -> None:
     assert loaded["memory_share"] == pytest.approx(1.0, abs=0.05)
     # On demand, the nodes load what is asked for, and hold less than everything.
     assert demand["loads"] > 0
+    # A run is a cold start at most once, however many attempts it took.
+    assert 0 < demand["cold_starts"] <= demand["sent"]
     assert demand["memory_share"] < 1.0
     text = tables(result)
     assert text.startswith("| mode | answered |")

@@ -148,7 +148,7 @@ class _LiveCollector(Collector):
             "loads": "Loads of the on-demand model that succeeded, over all nodes.",
             "load_failures": "Its loads that failed, and loaded processes that exited.",
             "evictions": "Its unloads to make room for another model.",
-            "cold_starts": "Runs that found it not loaded on their node and waited for a load.",
+            "cold_starts": "Ended runs that waited at the edge for a node to load the model.",
         }
         totals = sorted(self._registry.model_stats.totals.items())
         for what, doc in counts.items():
@@ -202,6 +202,7 @@ class EdgeMetrics:
         masker: SecretMasker,
     ) -> None:
         self.masker = masker
+        self._nodes = nodes
         self.registry = CollectorRegistry(auto_describe=True)
         self.runs = Counter(
             "iop_runs",
@@ -285,6 +286,10 @@ class EdgeMetrics:
                     self.tenant_tokens.labels(tenant, "input").inc(charged.input_tokens)
                 if charged.output_tokens:
                     self.tenant_tokens.labels(tenant, "output").inc(charged.output_tokens)
+        load = run.timeline.model_load
+        if load is not None:
+            # Once per run, under the node's model name (a configured [[models]]).
+            self._nodes.model_stats.cold_start(load.model)
         self.duration.labels(model, outcome).observe(max(0.0, now - run.started_at))
         if run.first_output_at is not None:
             self.ttft.labels(model).observe(max(0.0, run.first_output_at - run.started_at))

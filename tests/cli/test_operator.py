@@ -169,5 +169,5 @@ def test_a_node_with_only_on_demand_models_is_a_node(tmp_path: Path) -> None:
     cfg.write_text(f'[node]\nmemory_mib = 100\n{edge}[[models]]\nname = "a"\nengine = "sim"\n')
     assert [m.name for m in _load(str(cfg)).models] == ["a"]
     cfg.write_text(f"[node]\n{edge}")
-    with pytest.raises(ConfigError, match=r"add an \[\[instances\]\] or \[\[models\]\] table"):
+    with pytest.raises(ConfigError, match=r"add an \[\[instances\]\] or a \[\[models\]\] table"):
         _load(str(cfg))

@@ -16,10 +16,11 @@ ends the wait with ``None`` at once (``close``).
 
 ``ModelStats`` (one per edge, in the ``NodeRegistry``) adds up, per model,
 the increase of each node's counters between two offers: loads (and their
-load times, from ``load_s``), failed loads, evictions, cold starts (runs
-the node made wait for a load), and the runs the edge itself queues while a
-node loads their model (``cold_start``: the edge places runs only on a
-model that is ready, so these are most cold starts). Model
+load times, from ``load_s``), failed loads, evictions; and the cold starts:
+each ended run that waited at the edge for a node to load its model, once
+(``cold_start``, from the run's timeline: the edge places runs only on a
+model that is ready, so the wait is the edge's; the node's own count, of
+runs placed on a model it unloaded meanwhile, is in the admin view). Model
 names come only from nodes' offers, which list their configured
 ``[[models]]`` (never a name a client sent), so the metrics' label sets are
 bounded by the nodes' configs. A node's counters restart at 0 when it does;
@@ -90,11 +91,10 @@ class ModelStats:
             t.observe_load(after.load_s, loads)
         t.load_failures += max(0, after.load_failures - before.load_failures)
         t.evictions += max(0, after.evictions - before.evictions)
-        t.cold_starts += max(0, after.cold_starts - before.cold_starts)
 
     def cold_start(self, model: str) -> None:
-        """A run for ``model`` waits at the edge for a node to load it
-        (``iop.edge.scheduler._ondemand``): a cold start the node does not see."""
+        """A run ended that had waited at the edge for a node to load ``model``
+        (its timeline's ``model_load``: ``iop.edge.scheduler._ondemand``)."""
         self.totals.setdefault(model, ModelTotals()).cold_starts += 1
 
     def known(self, model: str) -> None:

@@ -502,11 +502,6 @@ class Scheduler:
             failure = self._load_failure(model, exclude, operation)
             if failure is not None:
                 raise failure
-            # A cold start (/metrics, iop_model_cold_starts_total), under the
-            # offered model's name: a configured [[models]] name, never the client's.
-            for _, offered in self.offered(model, exclude, operation):
-                self.registry.model_stats.cold_start(offered.caps.instance)
-                break
         self._refuse_if_behind(model, operation, share, estimate=not load)
         waiter = _Waiter(
             model,
