@@ -64,7 +64,8 @@ def tables(result: dict[str, Any]) -> str:
 
 
 def plots(result: dict[str, Any], img_dir: Path) -> list[Path]:
-    """``bench_ondemand.png``: memory held over time, and each mode's TTFT distribution."""
+    """``bench_ondemand.png`` (``bench_ondemand_N_per_node.png`` for one mode):
+    memory held over time, and each mode's TTFT distribution."""
     import_matplotlib()
     import matplotlib.pyplot as plt
 
@@ -95,7 +96,14 @@ def plots(result: dict[str, Any], img_dir: Path) -> list[Path]:
     for ax in (mem_ax, ttft_ax):
         ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
-    path = img_dir / "bench_ondemand.png"
+    # The comparison is bench_ondemand.png; a run of one mode (the tight
+    # scenario) names its memory, so the two never overwrite each other.
+    name = (
+        "bench_ondemand.png"
+        if len(result["modes"]) > 1
+        else f"bench_ondemand_{o['per_node']}_per_node.png"
+    )
+    path = img_dir / name
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return [path]
