@@ -828,6 +828,12 @@ class NodeEdge(_Config, frozen=True, kw_only=True):
         tls_certfile: The node's own certificate (PEM, chain included), for
             an edge that asks for one (``link.client_ca``); with ``tls_keyfile``.
         tls_keyfile: The private key of ``tls_certfile`` (PEM).
+        tls_pin_certfile: The edge's own certificate file (PEM, a chain file
+            too): its first certificate, the edge's, is the only one trusted,
+            whoever signed it, and the host name is not checked (the edge
+            proves it holds that certificate's key). What ``iop up`` sets for
+            its node, which dials its own edge on loopback. Not with
+            ``tls_ca_file``.
     """
 
     url: str
@@ -835,6 +841,7 @@ class NodeEdge(_Config, frozen=True, kw_only=True):
     tls_ca_file: str | None = None
     tls_certfile: str | None = None
     tls_keyfile: str | None = None
+    tls_pin_certfile: str | None = None
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("ws://", "wss://")):
@@ -843,9 +850,11 @@ class NodeEdge(_Config, frozen=True, kw_only=True):
             raise ValueError("token must not be empty")
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             raise ValueError("tls_certfile and tls_keyfile go together")
-        tls_keys = (self.tls_ca_file, self.tls_certfile)
+        tls_keys = (self.tls_ca_file, self.tls_certfile, self.tls_pin_certfile)
         if not self.url.startswith("wss://") and any(k is not None for k in tls_keys):
             raise ValueError(f"tls_* keys need a wss:// url, got {self.url!r}")
+        if self.tls_pin_certfile is not None and self.tls_ca_file is not None:
+            raise ValueError("tls_pin_certfile and tls_ca_file: choose one")
 
 
 class NodeSection(_Config, frozen=True, kw_only=True):

@@ -131,6 +131,7 @@ class ErrorCode(enum.StrEnum):
     BAD_REQUEST = "bad_request"  # malformed HTTP/1.1
     INVALID_REQUEST = "invalid_request"  # both Content-Length and Transfer-Encoding
     REQUEST_HEADER_FIELDS_TOO_LARGE = "request_header_fields_too_large"  # head over the limit
+    HTTP_VERSION_NOT_SUPPORTED = "http_version_not_supported"  # HTTP/2 in clear text
     NOT_FOUND = "not_found"  # no such route
     METHOD_NOT_ALLOWED = "method_not_allowed"  # the route does not take the method
     REQUEST_TIMEOUT = "request_timeout"  # the body did not arrive in time
@@ -210,8 +211,8 @@ RETRYABLE_CODES: Final[frozenset[str]] = frozenset(
 )
 
 # A backend's failure before any output that another instance may not have:
-# the backend died, broke its stream or answered a 5xx before its first token
-# (``backend_fails_over``). Nothing of the answer reached the client, so the
+# the backend died, broke its stream or answered a 5xx (or a 429) before its
+# first token (``backend_fails_over``). Nothing of the answer reached the client, so the
 # edge tries the run on another instance (iop/edge/runs/_attempt.py); a 4xx
 # (a bad request, context overflow) would be the same anywhere.
 BACKEND_FAILURE_CODES: Final[frozenset[str]] = frozenset(
@@ -227,7 +228,12 @@ BACKEND_FAILURE_CODES: Final[frozenset[str]] = frozenset(
 
 def backend_fails_over(code: str, status: int) -> bool:
     """Whether a node's ``Error`` before any output is its backend's failure
-    another instance may not have (``BACKEND_FAILURE_CODES`` with a 5xx)."""
+    another instance may not have: ``BACKEND_FAILURE_CODES`` with a 5xx, or
+    the backend's 429 (``rate_limit_exceeded``: that server is out of
+    capacity or over a limit of its own; another may have room). When every
+    instance answers so, the last answer reaches the client as it came."""
+    if status == 429:
+        return code == ErrorCode.RATE_LIMIT_EXCEEDED
     return status >= 500 and code in BACKEND_FAILURE_CODES
 
 

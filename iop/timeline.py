@@ -451,6 +451,11 @@ class Timeline(msgspec.Struct, kw_only=True):
             if self.terminal is None
             else round((self.terminal - t0) * 1000.0, 3),
             "stalls": len(self.stalls) + self.stalls_dropped,
+            # How long it waited for its on-demand model's load (None: it did
+            # not, or it still waits: its phase says ``loading``).
+            "model_load_ms": None
+            if (load := self.model_load) is None or load.ended is None
+            else round((load.ended - load.started) * 1000.0, 3),
             "outcome": self.outcome,
         }
 

@@ -118,6 +118,21 @@ class RunTrace:
                 attributes={"iop.why_queued": t.why_queued or ""},
             )
             queue.end(end_time=_unix_ns(t, t.dequeued) or end)
+        load = t.model_load
+        if load is not None:
+            # The wait for an on-demand model's load (docs/operations.md,
+            # "Models on demand"): inside the queue's span, beside it here.
+            span = tracer.start_span(
+                "model_load",
+                context=root_ctx,
+                start_time=_unix_ns(t, load.started),
+                attributes={
+                    "iop.node": load.node,
+                    "iop.model": load.model,
+                    "iop.result": load.result or "",
+                },
+            )
+            span.end(end_time=_unix_ns(t, load.ended) or end)
         for i, span in enumerate(self._attempts):
             placement = t.placements[i] if i < len(t.placements) else None
             if placement is not None and placement.result:

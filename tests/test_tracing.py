@@ -11,7 +11,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 
 from iop.config import TracingSettings
 from iop.events import Cancelled, CancelReason, Complete
-from iop.timeline import Placement, Stall, StallKind, Timeline
+from iop.timeline import ModelLoad, Placement, Stall, StallKind, Timeline
 from iop.tracing import Tracing, valid_traceparent
 
 CLIENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
@@ -59,6 +59,21 @@ def edge_timeline() -> Timeline:
     t.stalls.append(Stall(kind=StallKind.CREDIT, start=50.6, end=50.7, size=8))
     t.end(51.0, Complete())
     return t
+
+
+def test_a_runs_wait_for_its_models_load_is_a_span_of_its_own() -> None:
+    tr, exporter = tracing()
+    t = edge_timeline()
+    t.model_load = ModelLoad(node="a", model="m", started=50.0, ended=50.15, result="ready")
+    trace = tr.request(t, CLIENT, "chat m")
+    trace.finish()
+    tr.shutdown()
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    load = spans["model_load"]
+    assert load.parent is not None
+    assert load.parent.span_id == spans["chat m"].context.span_id
+    assert (load.start_time, load.end_time) == (1000 * 10**9, int(1000.15 * 1e9))
+    assert dict(load.attributes or {}) == {"iop.node": "a", "iop.model": "m", "iop.result": "ready"}
 
 
 def test_a_run_becomes_a_request_span_with_queue_and_attempts() -> None:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections.abc import Mapping
 from typing import Final, TypeVar
 
@@ -132,13 +133,15 @@ def routing_of(
     )
 
 
+_DECIMAL: Final = re.compile(r"[0-9]{1,12}(?:\.[0-9]{1,9})?", re.ASCII)
+
+
 def _ttft_deadline(raw: str | None) -> float | None:
     if raw is None or not raw.strip():
         return None
-    try:
-        ms = float(raw)
-    except ValueError:
-        ms = math.nan
+    # A plain decimal number: float() alone would also take "1_000", "1e3",
+    # "+5" and digits of other scripts.
+    ms = float(raw) if _DECIMAL.fullmatch(raw.strip()) else math.nan
     if not 0 < ms <= _MAX_TTFT_MS:  # NaN fails too
         raise RequestError(
             f"Invalid header '{SLO_TTFT_HEADER}': {raw!r} is not a number of milliseconds "

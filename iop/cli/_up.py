@@ -145,10 +145,15 @@ def _node_config(cfg: UpConfig, link_url: str, instances: list[InstanceConfig]) 
     """The node of ``iop up``: dialling its edge, serving ``cfg``'s instances
     (or ``instances``, the embedded backend's, when it has none) and its
     on-demand models."""
+    # With TLS the node dials wss:// on loopback: it trusts the certificate
+    # its edge serves, whoever signed it and whatever host it names.
+    edge = NodeEdge(
+        url=link_url,
+        token=cfg.edge.link.node_tokens[0],
+        tls_pin_certfile=cfg.edge.server.tls_certfile if link_url.startswith("wss://") else None,
+    )
     return NodeConfig(
-        node=msgspec.structs.replace(
-            cfg.node, edges=[NodeEdge(url=link_url, token=cfg.edge.link.node_tokens[0])]
-        ),
+        node=msgspec.structs.replace(cfg.node, edges=[edge]),
         instances=cfg.instances or instances,
         models=cfg.models,
         model_groups=cfg.model_groups,

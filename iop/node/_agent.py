@@ -61,6 +61,7 @@ each link's session, which sends the edges a ``LoadReport``, coalesced to
 from __future__ import annotations
 
 import logging
+import ssl
 from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Final
@@ -645,8 +646,19 @@ class NodeAgent:
             edge.url,
             connect_timeout_s=self._connect_timeout_s,
             max_message_size=self.config.node.max_frame_bytes,
-            ssl_context=self._tls[edge.url],
+            ssl_context=self._dial_tls(edge),
         )
+
+    def _dial_tls(self, edge: NodeEdge) -> ssl.SSLContext | None:
+        """The TLS context of a dial: a pinned certificate is read again each
+        time (the edge may have renewed it in place and reloaded), the last
+        good one kept when the file cannot be read now."""
+        if edge.tls_pin_certfile is not None:
+            try:
+                self._tls[edge.url] = client_tls_context(edge)
+            except ConfigError as exc:
+                log.warning("%s; dialling with the certificate pinned before", exc)
+        return self._tls[edge.url]
 
     async def serve(
         self,

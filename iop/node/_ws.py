@@ -133,8 +133,9 @@ class WebSocketFrameChannel:
 
 def client_tls_context(edge: NodeEdge) -> ssl.SSLContext | None:
     """The TLS context for dialling ``edge`` (None for ``ws://``): the
-    system's roots or ``tls_ca_file``, host name checked, the node's own
-    certificate when the entry has one.
+    system's roots or ``tls_ca_file``, host name checked (or the one
+    certificate of ``tls_pin_certfile``), the node's own certificate when the
+    entry has one.
 
     Raises:
         ConfigError: A file of the entry cannot be loaded (the message names
@@ -143,10 +144,13 @@ def client_tls_context(edge: NodeEdge) -> ssl.SSLContext | None:
     if not edge.url.startswith("wss://"):
         return None
     where = f"node.edges ({edge.url})"
-    try:
-        ctx = ssl.create_default_context(cafile=edge.tls_ca_file)
-    except (OSError, ssl.SSLError) as exc:
-        raise ConfigError(f"{where}: tls_ca_file {edge.tls_ca_file!r}: {exc}") from None
+    if edge.tls_pin_certfile is not None:
+        ctx = _pinned_context(edge.tls_pin_certfile, where)
+    else:
+        try:
+            ctx = ssl.create_default_context(cafile=edge.tls_ca_file)
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"{where}: tls_ca_file {edge.tls_ca_file!r}: {exc}") from None
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     if edge.tls_certfile is not None and edge.tls_keyfile is not None:
         try:
@@ -157,6 +161,34 @@ def client_tls_context(edge: NodeEdge) -> ssl.SSLContext | None:
                 f"{edge.tls_keyfile!r}: {exc}"
             ) from None
     return ctx
+
+
+def _pinned_context(path: str, where: str) -> ssl.SSLContext:
+    """A client context trusting exactly the first certificate in ``path``.
+
+    OpenSSL's partial-chain flag lets that certificate anchor the chain on
+    its own, so the edge's chain need not reach a root this node knows; only
+    the first certificate is loaded, so that a chain file's intermediates
+    (which sign other hosts' certificates too) are not trusted. With one
+    certificate trusted, the host name adds nothing and is not checked.
+    """
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read()
+        end = text.index(_PEM_END) + len(_PEM_END)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.load_verify_locations(cadata=text[text.index(_PEM_BEGIN) : end])
+    except (OSError, UnicodeDecodeError, ValueError, ssl.SSLError) as exc:
+        reason = "no PEM certificate in it" if isinstance(exc, ValueError) else exc
+        raise ConfigError(f"{where}: tls_pin_certfile {path!r}: {reason}") from None
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    return ctx
+
+
+_PEM_BEGIN: Final = "-----BEGIN CERTIFICATE-----"
+_PEM_END: Final = "-----END CERTIFICATE-----"
 
 
 class _WatchedStream(trio.abc.Stream):

@@ -104,9 +104,15 @@ def test_objective_headers_and_the_llm_d_aliases() -> None:
     both = {"x-iop-objective": "interactive", "x-llm-d-inference-objective": "batch"}
     assert routing_of(both) == Routing(objective="interactive")
     assert routing_of({"x-llm-d-slo-ttft-ms": "250"}) == Routing(ttft_deadline_s=0.25)
+    assert routing_of({"x-llm-d-slo-ttft-ms": " 12.5 "}) == Routing(ttft_deadline_s=0.0125)
 
 
-@pytest.mark.parametrize("raw", ["abc", "0", "-5", "nan", "inf", "86400001"])
+# Python's float() also takes "1_000", "1e3" and "٣" (Arabic-Indic digits):
+# a header is a plain decimal number (RFC 9110 section 5.5 field values).
+@pytest.mark.parametrize(
+    "raw",
+    ["abc", "0", "-5", "nan", "inf", "86400001", "1_000", "1e3", "\u0663\u0660", "+5", "0x10"],
+)
 def test_a_bad_ttft_header_is_a_400_naming_it(raw: str) -> None:
     with pytest.raises(RequestError) as info:
         chat({"x-llm-d-slo-ttft-ms": raw})

@@ -13,10 +13,11 @@ Real processes: ``iop edge``; ``iop node`` with two instances of the model,
 the first (which an idle tie puts the run on) a sim whose every answer
 fails before its first token (``midstream_error``, ``fail_after_tokens =
 0``: a 500 for a whole body, an error event after the role chunk for a
-stream), the second a sim that answers. Three rigs (``BAD``): one whose bad
+stream), the second a sim that answers. Four rigs (``BAD``): one whose bad
 backend fails at once (before the edge sent anything), one whose bad
 backend fails only after ``SLOW_FAIL_S``, when the headers, the surface's
-opening event and keep-alives are long out, and one that answers 500.
+opening event and keep-alives are long out, one that answers 500 and one
+that answers 429.
 Each run must end with one complete answer from the good instance, one
 opening event, and a timeline with both attempts.
 """
@@ -128,6 +129,9 @@ BAD: Final = {
         str(SLOW_FAIL_S),
     ),
     "http_500": ("--failure", "http_500"),
+    # A backend out of capacity (vLLM behind a rate limiter, a hosted
+    # OpenAI-compatible server): another instance may have room.
+    "http_429": ("--failure", "http_429"),
 }
 
 

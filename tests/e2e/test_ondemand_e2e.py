@@ -120,6 +120,8 @@ def test_a_cold_model_streams_after_its_load_and_a_third_evicts_the_least_recent
     assert load["model"] == "a"
     assert load["result"] == "ready"
     assert load["elapsed_ms"] >= LOAD_S * 1000 * 0.9
+    listed = edge.admin_get("/admin/runs?limit=1").json()["recent"][0]
+    assert listed["model_load_ms"] == load["elapsed_ms"]
     # Warm now: no load, the SDK streams at once.
     stream = client.chat.completions.create(model="a", messages=MESSAGES, stream=True, max_tokens=4)
     assert read_stream(stream).finish_reason is not None
@@ -206,10 +208,24 @@ def test_a_load_that_fails_ends_the_request_with_the_model_and_the_reason(
         # The engine's process dies while loading, saying why.
         "command": ["sh", "-c", "echo 'CUDA out of memory' >&2; exit 3", "{port}"],
     }
+    # One that fails later than the stream's first keep-alive: its client
+    # has the stream's head already, and gets the error as a stream event.
+    late = {
+        **broken,
+        "name": "late",
+        "command": ["sh", "-c", "sleep 0.5; echo 'health never passed' >&2; exit 1", "{port}"],
+    }
     edge = procs.edge(EDGE_CONFIG)
-    start_model_node(procs, [edge], [broken, sim_model("a")])
+    start_model_node(procs, [edge], [broken, late, sim_model("a")], memory_mib=150)
     edge.wait_ready("broken")
     client = edge.openai()
+    stream = client.chat.completions.create(
+        model="late", messages=MESSAGES, max_tokens=4, stream=True
+    )
+    with pytest.raises(openai.APIError) as in_stream:
+        read_stream(stream)
+    assert "'late'" in in_stream.value.message
+    assert "exited with 1 while loading" in in_stream.value.message
     with pytest.raises(openai.APIStatusError) as failed:
         client.chat.completions.create(model="broken", messages=MESSAGES, max_tokens=4)
     err = failed.value
@@ -240,6 +256,25 @@ def test_a_load_that_fails_ends_the_request_with_the_model_and_the_reason(
     # The other model still loads and serves.
     answer = client.chat.completions.create(model="a", messages=MESSAGES, max_tokens=4)
     assert answer.choices[0].message.content
+
+
+def test_a_load_goes_to_the_node_with_free_memory_not_to_one_that_must_evict(
+    procs: Procs,
+) -> None:
+    edge = procs.edge(EDGE_CONFIG)
+    # n1 has a loaded and no room for x beside it; n2 has room for x.
+    n1 = start_model_node(procs, [edge], [sim_model("a"), sim_model("x", memory_mib=60)])
+    n2 = start_model_node(procs, [edge], [sim_model("x", memory_mib=60)], node_id="n2")
+    edge.wait_ready("x", "n2")
+    client = edge.openai()
+    assert client.chat.completions.create(model="a", messages=MESSAGES, max_tokens=4).choices
+    assert loads(n1) == ["a"]
+    assert client.chat.completions.create(model="x", messages=MESSAGES, max_tokens=4).choices
+    load = run_timeline(edge)["model_load"]
+    assert load["node"] == "n2"
+    assert "free" in run_timeline(edge)["why_queued"]
+    assert loads(n2) == ["x"]
+    assert loads(n1) == ["a"]  # a was not evicted for x
 
 
 def test_a_swap_inside_min_residency_is_refused_and_the_request_waits_then_times_out(
@@ -283,12 +318,16 @@ def test_the_real_llamacpp_server_a_third_model_evicts_the_least_recent(procs: P
             "supervise": {"liveness_interval_s": 0},
         }
 
+    # And one whose file is no GGUF: llama.cpp cannot load it.
+    bad_file = procs.log_dir / "not-a-model.gguf"
+    bad_file.write_text("this is not a GGUF file\n")
+    bad = {**smol("smol-bad", 512), "model": str(bad_file), "memory_mib": 10}
     edge = procs.edge({"scheduler": {"model_load_wait_s": 120.0}})
     node = start_model_node(
         procs,
         [edge],
-        [smol("smol-a", 512), smol("smol-b", 768), smol("smol-c", 1024)],
-        memory_mib=1200,
+        [smol("smol-a", 512), smol("smol-b", 768), smol("smol-c", 1024), bad],
+        memory_mib=1210,
     )
     edge.wait_ready("smol-c")
     client = edge.openai(timeout=120.0)
@@ -309,3 +348,14 @@ def test_the_real_llamacpp_server_a_third_model_evicts_the_least_recent(procs: P
     assert answer.choices[0].message.content is not None
     assert run_timeline(edge)["model_load"] is None
     assert loads(node) == ["smol-a", "smol-b", "smol-c"]
+    with pytest.raises(openai.APIStatusError) as failed:
+        client.chat.completions.create(model="smol-bad", messages=MESSAGES, max_tokens=4)
+    assert failed.value.status_code == 503
+    error = failed.value.response.json()["error"]
+    assert error["code"] == "model_load_failed"
+    assert "'smol-bad'" in error["message"]
+    assert "exited before it was ready" in error["message"]
+    # The others are untouched: b still serves at once.
+    answer = client.chat.completions.create(model="smol-b", messages=MESSAGES, max_tokens=4)
+    assert answer.choices[0].message.content is not None
+    assert run_timeline(edge)["model_load"] is None

@@ -171,3 +171,41 @@ def test_the_root_url_points_to_the_api_the_admin_view_and_the_docs(tmp_path: Pa
         assert other == "Unknown request URL: GET /nope."
     finally:
         proc.stop()
+
+
+def test_with_tls_its_own_node_joins_over_wss_and_clients_get_https(tmp_path: Path) -> None:
+    """``server.tls_*`` on ``iop up``: its node dials its own edge over
+    ``wss://`` on loopback and must trust that edge's certificate, whoever
+    signed it and whatever names it has (here: a leaf of an intermediate CA,
+    for another host name, served as a chain file), while clients verify it
+    against the CA as usual."""
+    import ssl
+
+    import trustme
+
+    root = trustme.CA()
+    leaf = root.create_child_ca().issue_cert("api.example.com", "127.0.0.1")
+    chain = tmp_path / "chain.pem"
+    chain.write_bytes(b"".join(blob.bytes() for blob in leaf.cert_chain_pems))
+    key = tmp_path / "key.pem"
+    key.write_bytes(leaf.private_key_pem.bytes())
+    ca = tmp_path / "ca.pem"
+    ca.write_bytes(root.cert_pem.bytes())
+    config = {"edge": {"server": {"tls_certfile": str(chain), "tls_keyfile": str(key)}}}
+    proc, url = start_up(tmp_path / "up", config=config)  # its node joined: MODEL is listed
+    try:
+        assert url.startswith("https://"), url
+        verify = ssl.create_default_context(cafile=str(ca))
+        with openai.OpenAI(
+            base_url=f"{url}/v1",
+            api_key="x",
+            max_retries=0,
+            timeout=30,
+            http_client=httpx.Client(verify=verify),
+        ) as c:
+            answer = c.chat.completions.create(model=MODEL, messages=MESSAGES)
+        assert answer.choices[0].message.content
+    finally:
+        rc = proc.stop()
+    assert rc == 0, proc.logs()
+    assert "certificate verification failed" not in proc.stderr(), proc.logs()

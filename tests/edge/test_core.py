@@ -297,6 +297,30 @@ async def test_node_error_before_start_fails_over(
         nursery.cancel_scope.cancel()
 
 
+async def test_the_log_says_whether_a_failed_attempt_fails_over(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator reading "failing over" expects another attempt; with the
+    model's only node excluded, the log says the run gives up instead."""
+    busy = Error(message="busy", status=429, code="queue_full")
+    async with open_edge_core(config()) as core, trio.open_nursery() as nursery:
+        a = await connect(core, nursery, [caps(slots=1)], "a")
+        b = await connect(core, nursery, [caps(slots=1)], "b")
+        run = core.start_run(spec())
+        await trio.testing.wait_all_tasks_blocked()
+        first, other = (a, b) if a.assigned else (b, a)
+        await first.assigns.receive()
+        await first.send("r1", busy)
+        await other.assigns.receive()
+        await other.send("r1", busy)
+        assert (await drain_events(run))[-1] == busy
+        nursery.cancel_scope.cancel()
+    said = [r.getMessage() for r in caplog.records if "failed before output" in r.getMessage()]
+    assert len(said) == 2, said
+    assert said[0].endswith("; failing over"), said
+    assert said[1].endswith("; no other instance serves the model, giving up"), said
+
+
 async def test_non_retryable_node_error_is_the_outcome(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -314,6 +314,37 @@ async def test_content_length_with_chunked_is_refused_and_the_connection_closed(
     assert "Transfer-Encoding" in obj["error"]["message"]
 
 
+async def test_an_http2_preface_in_clear_text_is_a_505_and_the_connection_closed() -> None:
+    # HTTP/2 with prior knowledge (RFC 9113 section 3.3): hypercorn would
+    # switch to its HTTP/2 code, which has none of the edge's HTTP/1 guards
+    # (header size, smuggling, stalls). The edge serves HTTP/1.1 only.
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+    settings = b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"  # an empty SETTINGS frame
+    async with edge(config(api_keys=["k"])) as (handle, _, _):
+        got = await _raw_exchange(handle.url, preface + settings)
+    [(status, headers, body)] = _responses(got)
+    assert status == 505
+    assert headers["connection"] == "close"
+    obj = json.loads(body)
+    validate_error(obj)
+    assert obj["error"]["code"] == "http_version_not_supported"
+    assert "HTTP/1.1" in obj["error"]["message"]
+
+
+async def test_an_h2c_upgrade_is_ignored_and_the_request_served_in_http1() -> None:
+    # RFC 9110 section 7.8: a server may ignore Upgrade. Switching would take
+    # the connection out of the edge's HTTP/1 guards; a 431 for a too-large
+    # head must still come in HTTP/1.1 after the upgrade was asked for.
+    upgrade = (
+        b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings, close\r\n"
+        b"Upgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA\r\n\r\n"
+    )
+    async with edge(config(api_keys=["k"])) as (handle, _, _):
+        got = await _raw_exchange(handle.url, upgrade)
+    assert got.startswith(b"HTTP/1.1 200 "), got[:200]
+    assert b" 101 " not in got.split(b"\r\n", 1)[0]
+
+
 @pytest.mark.parametrize("split", [False, True], ids=["one read", "incomplete head"])
 async def test_too_large_headers_are_a_431_in_openais_body(split: bool) -> None:
     limit = 4096

@@ -189,6 +189,7 @@ async def test_concurrent_runs_for_a_cold_model_wait_for_one_load_then_run(
         assert isinstance(shown, dict)
         assert shown["elapsed_ms"] == pytest.approx(2000.0)
         assert len(node.loads) == 1
+        assert (core.scheduler.loads.asked, core.scheduler.loads.failed) == (1, 0)
 
 
 async def test_a_failed_load_fails_its_waiters_naming_model_and_reason_then_backs_off(
@@ -415,3 +416,28 @@ async def test_a_waiter_of_a_loaded_but_busy_model_asks_for_no_load(
         await serve_one(node)
         for run in runs:
             assert (await drain_events(run))[-1] == Complete()
+
+
+async def test_runs_that_waited_for_room_fail_with_the_load_a_later_change_started(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # No room at first (b holds the memory with a run): the runs for a wait
+    # with no load asked. b's run ends: one load of a is asked for; it fails,
+    # and every run waiting for a ends with it, not at model_load_wait_s.
+    async with edge(od_config(model_load_wait_s=60.0)) as (core, nursery):
+        node = await join(core, nursery, "n1", [offer("a"), offer("b", "ready", runs=1)], 100)
+        runs = [core.start_run(spec("a", f"r{i}")) for i in range(3)]
+        await trio.testing.wait_all_tasks_blocked()
+        assert node.loads == []
+        assert "no room for a" in (runs[0].timeline.why_queued or "")
+        node.offers["b"] = offer("b", "ready")  # its run ended
+        await node.models()
+        assert [ev.request.model for ev in node.loads] == ["a"]
+        await trio.sleep(1.0)
+        await node.answer(0, ok=False, code=ErrorCode.MODEL_LOAD_FAILED, message="bad gguf")
+        for run in runs:
+            (end,) = await drain_events(run)
+            assert isinstance(end, Error)
+            assert end.code == ErrorCode.MODEL_LOAD_FAILED
+            assert "bad gguf" in end.message
+        assert trio.current_time() == pytest.approx(1.0, abs=0.1)

@@ -14,6 +14,8 @@ import trio
 from trio_websocket import WebSocketRequest, serve_websocket
 
 from iop.cli import build_parser
+from iop.cli._node import _load as load_node_config
+from iop.errors import ConfigError
 from iop.events import Complete, RuntimeEvent, is_terminal
 from iop.protocol import (
     CLOSE_GOING_AWAY,
@@ -84,6 +86,19 @@ def test_a_config_without_edges_is_refused(tmp_path: Path) -> None:
     )
     assert out.returncode != 0
     assert "node.edges" in out.stderr
+
+
+def test_a_config_with_nothing_to_serve_is_refused_models_alone_are_something(
+    tmp_path: Path,
+) -> None:
+    cfg = tmp_path / "node.toml"
+    edges = '[[node.edges]]\nurl = "ws://127.0.0.1:1/v1/link"\ntoken = "t"\n'
+    cfg.write_text('[node]\nid = "n1"\nmemory_mib = 100\n' + edges)
+    with pytest.raises(ConfigError, match=r"add an \[\[instances\]\] or a \[\[models\]\]"):
+        load_node_config(str(cfg))
+    models = '[[models]]\nname = "a"\nengine = "sim"\n'
+    cfg.write_text('[node]\nid = "n1"\nmemory_mib = 100\n' + edges + models)
+    assert [m.name for m in load_node_config(str(cfg)).models] == ["a"]
 
 
 async def test_node_process_serves_then_drains_on_sigterm(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from iop.config import LlamaCppModel, NodeConfig, SimModel, VllmModel, load_config
+from iop.config import EdgeConfig, LlamaCppModel, NodeConfig, SimModel, VllmModel, load_config
 from iop.errors import ConfigError
 
 BASE = '[node]\nmemory_mib = 1000\n[[models]]\nname = "a"\nengine = "sim"\n'
@@ -73,3 +73,23 @@ def test_a_bad_model_key_is_an_error_naming_it(tmp_path: Path, text: str, named:
     with pytest.raises(ConfigError) as err:
         load(tmp_path, text)
     assert named in err.value.message
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        ("[scheduler]\nmodel_load_wait_s = 0\n", "model_load_wait_s"),
+        ("[scheduler]\nmodel_load_wait_s = 3601\n", "model_load_wait_s"),
+        ("[scheduler]\nmodel_load_backoff_s = 0\n", "model_load_backoff_s"),
+        ("[scheduler]\nmodel_load_backoff_s = 3601\n", "model_load_backoff_s"),
+    ],
+)
+def test_the_edges_load_keys_are_bounded(tmp_path: Path, text: str, named: str) -> None:
+    p = tmp_path / "edge.toml"
+    p.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(p, EdgeConfig)
+    assert named in err.value.message
+    p.write_text("[scheduler]\nmodel_load_wait_s = 3600\nmodel_load_backoff_s = 0.5\n")
+    scheduler = load_config(p, EdgeConfig).scheduler
+    assert (scheduler.model_load_wait_s, scheduler.model_load_backoff_s) == (3600.0, 0.5)

@@ -178,6 +178,14 @@ class RemoteExecutor:
             except _Retry as retry:
                 last = retry
                 excluded.add(retry.excluded)
+                if attempts == 1:
+                    then = ""  # failover is off
+                elif attempt + 1 == attempts:
+                    then = f"; {attempts} attempts made, giving up"
+                elif core.scheduler.could_serve(model, frozenset(excluded), op):
+                    then = "; failing over"
+                else:
+                    then = "; no other instance serves the model, giving up"
                 log.warning(
                     "run %s: attempt %d on node %s instance %s failed before output (%s)%s",
                     spec.run_id,
@@ -185,7 +193,7 @@ class RemoteExecutor:
                     retry.node_id,
                     lease.instance.caps.instance,
                     retry.why,
-                    "; failing over" if attempt + 1 < attempts else "",
+                    then,
                 )
             finally:
                 lease.release()

@@ -54,6 +54,10 @@ __all__ = ["FAILED_CODES", "Load", "LoadChoice", "ModelLoads", "choose_load", "l
 # (``iop.ondemand._table``, ``_HOLDING``).
 _HOLDING: Final = frozenset({"loading", "ready", "draining", "unloading"})
 
+# The codes of a load's answer that mean "it failed" (its waiters end with
+# it), not "not now" (refused, draining: they wait, or go elsewhere).
+FAILED_CODES: Final = frozenset({ErrorCode.MODEL_LOAD_FAILED, ErrorCode.MODEL_LOAD_TIMEOUT})
+
 # The ranks of a node for a load, best first (``load_rank``).
 RANK_LOADING: Final = 0  # its load is on its way: join it
 RANK_FREE: Final = 1  # room for it without unloading anything
@@ -150,11 +154,9 @@ class ModelLoads:
         self._inflight: dict[tuple[str, str], Load] = {}
         self._backoff: dict[tuple[str, str], _Backoff] = {}
         self._ids = itertools.count(1)
-        self.asked = 0  # LoadModel messages sent
-        self.failed = 0  # answers that were not ready
-
-    def inflight(self, node_id: str, model: str) -> Load | None:
-        return self._inflight.get((node_id, model))
+        # Counts for the edge's views: LoadModel messages sent, answers not ready.
+        self.asked = 0
+        self.failed = 0
 
     def backing_off(self, node_id: str, model: str, now: float) -> _Backoff | None:
         """The failure the edge backs off from ``model`` on ``node_id`` for, if any."""
@@ -208,7 +210,3 @@ class ModelLoads:
         """``conn``'s link is gone: the loads asked on it will not be answered."""
         gone = [k for k, load in self._inflight.items() if load.link is conn]
         return [self._inflight.pop(k) for k in gone]
-
-
-# The codes of a load's answer that mean "it failed", not "not now".
-FAILED_CODES: Final = frozenset({ErrorCode.MODEL_LOAD_FAILED, ErrorCode.MODEL_LOAD_TIMEOUT})

@@ -267,30 +267,44 @@ class Scheduler:
                 waiter.load_at = None
                 continue
             waiter.load_why = f"node {conn.node_id}: {result.message}"
-            if self._start_load(waiter):
-                continue  # another node loads it
-            failure = self._load_failure(waiter.model, waiter.exclude, waiter.operation)
-            if failure is not None:
-                self._remove(waiter, QueueExit.LOAD_FAILED)
-                waiter.error = failure
-                waiter.wake()
-            else:
-                # Refused (a model in the way may not go yet): it waits and
-                # asks again when the backoff ends.
-                waiter.nudge.set()
+            self._reconsider(waiter)
+        if not result.ok:
+            # Those waiting with no load of their own on its way (none could
+            # be asked for when they came) see the new backoff too.
+            for waiter in self._load_waiters():
+                if waiter.load_at is None:
+                    waiter.nudge.set()
         self.dispatch()
+
+    def _reconsider(self, waiter: _Waiter) -> None:
+        """A waiter whose model is not loaded and whose load is not on its
+        way: ask a node to load it; else, when every node that offers it
+        failed to, end it (503); else (refused, or no room) it waits and asks
+        again when a backoff ends or a node's models change."""
+        if not self.needs_load(waiter.model, waiter.exclude, waiter.operation):
+            return  # loaded (a slot is what it waits for now), or no longer offered
+        if self._start_load(waiter):
+            return
+        failure = self._load_failure(waiter.model, waiter.exclude, waiter.operation)
+        if failure is not None:
+            self._remove(waiter, QueueExit.LOAD_FAILED)
+            waiter.error = failure
+            waiter.wake()
+        else:
+            waiter.nudge.set()  # its wait now ends with the new backoff
 
     def node_gone(self, conn: NodeConnection, reason: str) -> None:
         """``conn``'s link is gone: the runs waiting for its loads look elsewhere."""
         gone = {(load.node_id, load.model) for load in self.loads.forget_link(conn)}
         for waiter in self._load_waiters():
             if waiter.load_at in gone:
+                waiter.load_at = None
                 waiter.load_why = reason
-                self._start_load(waiter)
+                self._reconsider(waiter)
 
     async def _wait(self, waiter: _Waiter) -> None:
         """Until ``waiter`` is served, shed or failed; one that waits for a
-        load asks again whenever a backoff ends."""
+        load asks again whenever a backoff ends, or when nudged."""
         while not waiter.event.is_set():
             if not waiter.load:
                 await waiter.event.wait()
@@ -298,12 +312,8 @@ class Scheduler:
             waiter.nudge = trio.Event()
             with trio.move_on_at(self.loads.next_retry(trio.current_time())):
                 await waiter.nudge.wait()
-            if (
-                not waiter.event.is_set()
-                and waiter.load_at is None
-                and self.needs_load(waiter.model, waiter.exclude, waiter.operation)
-            ):
-                self._start_load(waiter)
+            if not waiter.event.is_set() and waiter.load_at is None:
+                self._reconsider(waiter)
 
     def _pick(
         self,
@@ -575,6 +585,12 @@ class Scheduler:
                         status=503,
                         code=ErrorCode.MODEL_LOAD_TIMEOUT,
                     )
+                if waiter.load:  # loaded, but no slot came within the same wait
+                    raise RunAborted(
+                        f"no capacity for model {model!r} within {timeout:g}s of waiting "
+                        "for its load and a slot (scheduler.model_load_wait_s)",
+                        reason=CancelReason.QUEUE_TIMEOUT,
+                    )
                 raise RunAborted(
                     f"no capacity for model {model!r} within queue_timeout_s="
                     f"{self.settings.queue_timeout_s:g}",
@@ -708,13 +724,9 @@ class Scheduler:
             lease = self._pick(head.model, head.exclude, head.affinity, head.operation, head.prefix)
             if lease is None:
                 stuck.add(head.key)
-                if (
-                    head.load
-                    and head.load_at is None
-                    and self.needs_load(head.model, head.exclude, head.operation)
-                ):
+                if head.load and head.load_at is None:
                     # Its model may have room now (a node's models changed).
-                    self._start_load(head)
+                    self._reconsider(head)
                 continue
             self._remove(head, QueueExit.PLACED)
             head.lease = lease

@@ -142,6 +142,16 @@ def refusal(request: h11.Request, max_header_bytes: int) -> tuple[int, str, Erro
     Returns:
         ``(status, message, code)``, or None for a request to serve.
     """
+    if request.http_version not in (b"1.0", b"1.1"):
+        # HTTP/2 with prior knowledge (its preface reads as ``PRI * HTTP/2.0``,
+        # RFC 9113 section 3.3): the edge serves HTTP/1.x only, so that every
+        # connection passes the guards of this module.
+        return (
+            505,
+            "This server speaks HTTP/1.1 only (HTTP/2 is not served in clear text "
+            "or over TLS); the connection is closed.",
+            ErrorCode.HTTP_VERSION_NOT_SUPPORTED,
+        )
     if _head_size(request) > max_header_bytes:
         return (
             431,

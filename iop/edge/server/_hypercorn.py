@@ -168,7 +168,11 @@ class EdgeH11Protocol(H11Protocol):
             await self._send_error(*refused)
             await self.send(Closed())
             raise _Refused
-        await super()._check_protocol(event)
+        # hypercorn's own check would switch to its HTTP/2 protocol on an h2c
+        # upgrade or a prior-knowledge preface, out of the guards above: the
+        # preface is refused by ``refusal`` (505), and an ``Upgrade: h2c`` is
+        # ignored (RFC 9110 section 7.8 lets a server ignore Upgrade), so the
+        # request is served in HTTP/1.1. WebSocket upgrades are not decided here.
 
     async def _send_error_response(self, status_code: int) -> None:
         await self._send_error(*h11_error(status_code, self.config.max_header_bytes))
@@ -181,9 +185,10 @@ class EdgeH11Protocol(H11Protocol):
 class EdgeProtocolWrapper(ProtocolWrapper):
     """Hypercorn's protocol switch, starting with ``EdgeH11Protocol`` (HTTP/1.1).
 
-    The edge offers only ``http/1.1`` in ALPN (``_tls.py``); hypercorn's own
-    ``handle`` still switches to its HTTP/2 protocol on an h2c upgrade or a
-    prior-knowledge preface, as before.
+    The edge offers only ``http/1.1`` in ALPN (``_tls.py``), and
+    ``EdgeH11Protocol._check_protocol`` never raises the errors on which
+    hypercorn's ``handle`` would switch to HTTP/2 (an h2c upgrade, a
+    prior-knowledge preface): every connection stays HTTP/1.1.
     """
 
     def __init__(
