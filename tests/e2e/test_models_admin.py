@@ -148,6 +148,23 @@ def test_admin_loads_evicts_pins_and_unloads_models(procs: Procs, sim: Sim) -> N
     resp = admin_post(edge, "/admin/nodes/n9/models/m-a/load")
     assert (resp.status_code, resp.json()["error"]["code"]) == (404, "node_not_found")
 
+    # The page's buttons post forms: answered with the page; refused from another site.
+    with httpx.Client(base_url=edge.url, trust_env=False, timeout=30.0) as client:
+        form = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        resp = client.post(
+            "/admin/nodes/n1/models/m-c/unpin",
+            headers={**form, "Origin": "https://evil.example"},
+            data={},
+        )
+        assert (resp.status_code, resp.json()["error"]["code"]) == (403, "cross_origin")
+        assert model_view(edge, "m-c")["pinned"] is True
+        resp = client.post(
+            "/admin/nodes/n1/models/m-c/unpin", headers={**form, "Origin": edge.url}, data={"x": ""}
+        )
+        assert (resp.status_code, resp.headers["Location"]) == (303, "/admin")
+        assert model_view(edge, "m-c")["pinned"] is False
+        assert client.post("/admin/nodes/n1/models/m-c/pin", headers=form).status_code == 200
+
     # The page shows them, with their buttons.
     page = httpx.get(
         f"{edge.url}/admin",
