@@ -429,7 +429,8 @@ class _Admin:
             return _see_other("/admin")
         if not result.ok:
             status = 404 if result.code == ErrorCode.MODEL_NOT_FOUND else 409
-            return error(status, result.message, code=result.code or ErrorCode.IOP_ERROR)
+            message = core.masker.mask(result.message)
+            return error(status, message, code=result.code or ErrorCode.IOP_ERROR)
         return json_response(msgspec.json.encode(_control_answer(node_id, action, result, core)))
 
     async def reload(self) -> Response:
