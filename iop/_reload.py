@@ -144,6 +144,8 @@ UP_RULES: Final[Rules] = {
     "edge.link.node_tokens": RESTART,
     **{key: how for key, how in NODE_RULES.items() if key.startswith("node")},
     "instances": LIVE,
+    "models": RESTART,
+    "model_groups": RESTART,
     "embedded": RESTART,
 }
 

@@ -2150,12 +2150,30 @@ class EmbeddedBackend(_Config, frozen=True, kw_only=True):
 
 
 class UpConfig(_Config, frozen=True, kw_only=True):
-    """``iop up``: an edge and a node in one process."""
+    """``iop up``: an edge and a node in one process.
+
+    The node serves ``instances``, and ``models`` on demand (with
+    ``node.memory_mib``, as a node's ``[[models]]``); with neither, the
+    ``embedded`` backend.
+    """
 
     edge: EdgeConfig = EdgeConfig()
     node: NodeSection = NodeSection(id="local")
     instances: list[InstanceConfig] = []
+    models: list[ModelConfig] = []
+    model_groups: list[ModelGroup] = []
     embedded: EmbeddedBackend = EmbeddedBackend()
+
+    def __post_init__(self) -> None:
+        # The node's cross-key rules, when the file is read (not once iop up runs).
+        _check_models(
+            NodeConfig(
+                node=self.node,
+                instances=self.instances,
+                models=self.models,
+                model_groups=self.model_groups,
+            )
+        )
 
 
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")

@@ -144,6 +144,9 @@ class ErrorCode(enum.StrEnum):
     METRICS_DISABLED = "metrics_disabled"  # client keys set, no metrics or admin key
     NODE_NOT_FOUND = "node_not_found"  # drain/undrain of a node id neither connected nor drained
     RELOAD_UNAVAILABLE = "reload_unavailable"  # POST /admin/reload on an edge with no config file
+    MODEL_PINNED = "model_pinned"  # an operator's unload of a pinned on-demand model
+    MODEL_CONTROLS_UNSUPPORTED = "model_controls_unsupported"  # a node too old for them
+    MODEL_CONTROL_TIMEOUT = "model_control_timeout"  # the node did not answer a model control
 
     # --- a request body OpenAI would refuse (OpenAI's codes) -------------------------
     INVALID_JSON = "invalid_json"  # the body is not JSON

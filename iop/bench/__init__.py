@@ -19,7 +19,8 @@ decoding). The runners: ``_platform`` (with ``_platform_stack``,
 ``_overload``, ``_idle_nodes`` (the stress steps, with ``_steps`` and
 ``_stress``, the script that runs them together); ``_slow_reader``,
 ``_credit_window``, ``_channel_capacity``, ``_hol`` (on ``_backpressure``);
-``_edges``; ``_routing`` (with ``_routing_load``); ``_soak``. A runner's ``*_report`` module turns
+``_edges``; ``_routing`` (with ``_routing_load``); ``_soak``; ``_ondemand``
+(models on demand, with ``_ondemand_report``). A runner's ``*_report`` module turns
 its results into text.
 """
 

@@ -279,13 +279,22 @@ def start_edge(stack: Stack, config: dict[str, Any], name: str = "edge") -> tupl
 
 
 def start_node(
-    stack: Stack, name: str, link: str, node: dict[str, Any], instances: list[Any]
+    stack: Stack,
+    name: str,
+    link: str,
+    node: dict[str, Any],
+    instances: list[Any],
+    *,
+    models: list[Any] | None = None,
 ) -> Proc:
-    """``iop node`` named ``name``, dialling ``link``, with ``instances``."""
-    config = {
+    """``iop node`` named ``name``, dialling ``link``, with ``instances`` and
+    on-demand ``models`` (``[[models]]``: ``node`` then sets ``memory_mib``)."""
+    config: dict[str, Any] = {
         "node": {"id": name, **node, "edges": [{"url": link, "token": NODE_TOKEN}]},
         "instances": instances,
     }
+    if models:
+        config["models"] = models
     path = stack.logdir / f"{name}.toml"
     path.write_text(toml_dumps(config))
     return stack.launch(name, "node", "--config", str(path))

@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_log_level(parser, default="info")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     from iop.bench import _cli as _bench
-    from iop.cli import _edge, _keys, _node, _reload, _run, _sim, _up, _usage
+    from iop.cli import _edge, _keys, _models, _node, _reload, _run, _sim, _up, _usage
 
     _up.add_parser(sub)
     _edge.add_parser(sub)
@@ -42,6 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     _run.add_parser(sub)
     _keys.add_parser(sub)
     _reload.add_parser(sub)
+    _models.add_parser(sub)
     _usage.add_parser(sub)
     _bench.add_parser(sub)
     for command in sub.choices.values():

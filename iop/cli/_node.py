@@ -77,7 +77,10 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--config", required=True, metavar="FILE", help="node config (TOML): [node], [[instances]]"
+        "--config",
+        required=True,
+        metavar="FILE",
+        help="node config (TOML): [node], [[instances]], [[models]]",
     )
     p.set_defaults(func=_cmd_node)
 

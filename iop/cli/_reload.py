@@ -32,7 +32,7 @@ from iop._log import scrub
 from iop.config import expand_env, read_config_file
 from iop.errors import ConfigError
 
-__all__ = ["add_parser"]
+__all__ = ["add_parser", "add_where_arguments", "admin_where"]
 
 # The edge answers once its reload is done: reading a file and swapping a
 # few objects, well under a second; the rest is a loaded machine.
@@ -63,6 +63,19 @@ def add_parser(sub: Any) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_where_arguments(p)
+    p.add_argument(
+        "--pid", type=int, help="send SIGHUP to this process instead (a node: it has no HTTP)"
+    )
+    p.add_argument(
+        "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait for the reply"
+    )
+    p.set_defaults(func=_cmd_reload)
+
+
+def add_where_arguments(p: argparse.ArgumentParser) -> None:
+    """``--config``, ``--url``, ``--key``: which edge to ask, with what admin key
+    (``admin_where``)."""
     p.add_argument(
         "--config",
         metavar="FILE",
@@ -73,13 +86,6 @@ def add_parser(sub: Any) -> None:
         "--key",
         help="an admin key (default: $IOP_ADMIN_KEY, else the config's first admin key)",
     )
-    p.add_argument(
-        "--pid", type=int, help="send SIGHUP to this process instead (a node: it has no HTTP)"
-    )
-    p.add_argument(
-        "--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait for the reply"
-    )
-    p.set_defaults(func=_cmd_reload)
 
 
 def _cmd_reload(args: argparse.Namespace) -> int:
@@ -94,7 +100,7 @@ def _cmd_reload(args: argparse.Namespace) -> int:
             return 1
         print(f"sent SIGHUP to {args.pid}: it logs what it applied", flush=True)
         return 0
-    url, key = _where(args)
+    url, key = admin_where(args)
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
         with httpx.Client(timeout=args.timeout, trust_env=False) as client:
@@ -109,8 +115,10 @@ def _cmd_reload(args: argparse.Namespace) -> int:
     return 1
 
 
-def _where(args: argparse.Namespace) -> tuple[str, str | None]:
-    """The edge's URL and the admin key to present.
+def admin_where(
+    args: argparse.Namespace, ways: str = "--url, --config or --pid"
+) -> tuple[str, str | None]:
+    """The edge's URL and the admin key to present (``add_where_arguments``).
 
     Raises:
         ConfigError: Neither ``--url`` nor a readable ``--config`` says where.
@@ -127,7 +135,7 @@ def _where(args: argparse.Namespace) -> tuple[str, str | None]:
         found = table.get("server", {})
         server = found if isinstance(found, dict) else {}
     elif not args.url:
-        raise ConfigError("say which edge to ask: --url, --config or --pid")
+        raise ConfigError(f"say which edge to ask: {ways}")
     url = args.url
     if not url:
         host = str(server.get("host", _DEFAULT_HOST))

@@ -57,6 +57,7 @@ examples:
   iop up                         # llama.cpp + SmolLM2-135M on http://127.0.0.1:8080/v1
   iop up --port 9000 --backend sim
   iop up --config configs/up.toml
+  iop up --config configs/up-models.toml   # three on-demand models: `iop models list`
 
 then:
   curl -N http://127.0.0.1:8080/v1/chat/completions -H 'Content-Type: application/json' \\
@@ -91,7 +92,9 @@ def add_parser(sub: Any) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
-        "--config", metavar="FILE", help="TOML with [edge], [node], [[instances]], [embedded]"
+        "--config",
+        metavar="FILE",
+        help="TOML with [edge], [node], [[instances]], [[models]], [embedded]",
     )
     p.add_argument("--host", help="interface for the API (default: 127.0.0.1)")
     p.add_argument("--port", type=int, help="port for the API, 0 for a free one (default: 8080)")
@@ -140,7 +143,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 def _node_config(cfg: UpConfig, link_url: str, instances: list[InstanceConfig]) -> NodeConfig:
     """The node of ``iop up``: dialling its edge, serving ``cfg``'s instances
-    (or ``instances``, the embedded backend's, when it has none)."""
+    (or ``instances``, the embedded backend's, when it has none) and its
+    on-demand models."""
     # With TLS the node dials wss:// on loopback: it trusts the certificate
     # its edge serves, whoever signed it and whatever host it names.
     edge = NodeEdge(
@@ -151,6 +155,8 @@ def _node_config(cfg: UpConfig, link_url: str, instances: list[InstanceConfig]) 
     return NodeConfig(
         node=msgspec.structs.replace(cfg.node, edges=[edge]),
         instances=cfg.instances or instances,
+        models=cfg.models,
+        model_groups=cfg.model_groups,
         # One [edge.tracing] for both: the node's spans as iop-node.
         tracing=msgspec.structs.replace(cfg.edge.tracing, service_name=""),
     )
@@ -197,7 +203,8 @@ def _served_operations(handle: EdgeHandle) -> set[str] | None:
 async def _up(cfg: UpConfig, args: argparse.Namespace) -> int:
     reload = bool(args.config)  # without a file SIGHUP (a closed terminal) stops it
     async with open_stop_signals(log, restart=True, reload=reload) as stop:
-        instances = cfg.instances or embedded_instances(cfg)
+        # On-demand models are the node's backends: no embedded one beside them.
+        instances = cfg.instances or ([] if cfg.models else embedded_instances(cfg))
         async with trio.open_nursery() as nursery:
             handle: EdgeHandle = await nursery.start(
                 partial(serve_edge, cfg.edge, shutdown=stop.drain)

@@ -14,13 +14,20 @@ counters.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Final
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
+from iop.edge.runs._model_controls import LOAD_TIME_BUCKETS
 from iop.events import Cancelled, Complete, Error, Usage
 
 if TYPE_CHECKING:
@@ -138,6 +145,49 @@ class _LiveCollector(Collector):
         for node_id in sorted(self._registry.nodes.keys() | self._registry.drained.keys()):
             drained.add_metric([node_id], 1 if node_id in self._registry.drained else 0)
         yield drained
+        yield from self._models()
+
+    def _models(self) -> Iterator[Metric]:
+        """On-demand models (iop.edge.runs._model_controls): label values are
+        only the model names nodes offer, their configured ``[[models]]``."""
+        counts = {
+            "loads": "Loads of the on-demand model that succeeded, over all nodes.",
+            "load_failures": "Its loads that failed, and loaded processes that exited.",
+            "evictions": "Its unloads to make room for another model.",
+            "cold_starts": "Ended runs that waited at the edge for a node to load the model.",
+        }
+        totals = sorted(self._registry.model_stats.totals.items())
+        for what, doc in counts.items():
+            family = CounterMetricFamily(f"iop_model_{what}", doc, labels=["model"])
+            for model, t in totals:
+                family.add_metric([model], getattr(t, what))
+            yield family
+        load_time = HistogramMetricFamily(
+            "iop_model_load_seconds",
+            "How long the on-demand model's good loads took (from the plan to ready).",
+            labels=["model"],
+        )
+        for model, t in totals:
+            cumulative, buckets = 0, []
+            for bound, n in zip((*LOAD_TIME_BUCKETS, math.inf), t.load_buckets, strict=True):
+                cumulative += n
+                buckets.append(("+Inf" if bound == math.inf else f"{bound:g}", cumulative))
+            load_time.add_metric([model], buckets, t.load_sum_s)
+        yield load_time
+        states = GaugeMetricFamily(
+            "iop_model_nodes",
+            "Connected nodes offering the on-demand model, by its state there "
+            "(cold, loading, ready, draining, unloading, failed).",
+            labels=["model", "state"],
+        )
+        by_state: dict[tuple[str, str], int] = {}
+        for conn in self._registry.nodes.values():
+            for offer in conn.model_ops.offers.values():
+                key = (offer.model, offer.state)
+                by_state[key] = by_state.get(key, 0) + 1
+        for (model, state), n in sorted(by_state.items()):
+            states.add_metric([model, state], n)
+        yield states
 
 
 class EdgeMetrics:
@@ -158,6 +208,7 @@ class EdgeMetrics:
         masker: SecretMasker,
     ) -> None:
         self.masker = masker
+        self._nodes = nodes
         self.registry = CollectorRegistry(auto_describe=True)
         self.runs = Counter(
             "iop_runs",
@@ -241,6 +292,10 @@ class EdgeMetrics:
                     self.tenant_tokens.labels(tenant, "input").inc(charged.input_tokens)
                 if charged.output_tokens:
                     self.tenant_tokens.labels(tenant, "output").inc(charged.output_tokens)
+        load = run.timeline.model_load
+        if load is not None:
+            # Once per run, under the node's model name (a configured [[models]]).
+            self._nodes.model_stats.cold_start(load.model)
         self.duration.labels(model, outcome).observe(max(0.0, now - run.started_at))
         if run.first_output_at is not None:
             self.ttft.labels(model).observe(max(0.0, run.first_output_at - run.started_at))

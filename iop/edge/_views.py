@@ -155,6 +155,8 @@ def snapshot(edge: EdgeState) -> dict[str, object]:
                     }
                     for i in conn.instances.values()
                 ],
+                # Its on-demand models (docs/operations.md, "Operator controls").
+                **conn.model_ops.view(trio.current_time()),
             }
         )
     runs = [

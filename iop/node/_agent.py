@@ -96,13 +96,17 @@ from iop.node._instances import (
 from iop.node._link import NodeLink, NodeRun
 from iop.node._models import ModelAdapter, ModelManager
 from iop.node._ws import DEFAULT_CONNECT_TIMEOUT_S, client_tls_context, open_ws_link
+from iop.ondemand import Decision, Refused
 from iop.protocol import (
     CLOSE_GOING_AWAY,
     CLOSE_HEARTBEAT,
     AssignReceived,
+    ControlModel,
     FrameChannel,
     InstanceLoad,
     LoadModel,
+    ModelAction,
+    ModelControlResult,
     ModelLoadResult,
     ModelOffer,
     NodeSession,
@@ -268,7 +272,7 @@ class NodeAgent:
                 )
             models.on_change = self._models_changed
         # The models' states last told the edges (a change of one is pushed).
-        self._model_states: list[tuple[str, str, str]] = []
+        self._model_states: list[tuple[object, ...]] = []
         for inst in self._instances.values():
             inst.slots.on_change = self._load_changed
         self._welcome_timeout_s = welcome_timeout_s
@@ -362,7 +366,13 @@ class NodeAgent:
     def _models_changed(self) -> None:
         """A model's state may have changed: the edges hear of it, its instance is probed."""
         assert self.models is not None
-        states = [(o.model, o.state, o.detail) for o in self.models.offers()]
+        # Not the clock's fields (loading_s, retry_in_s) nor each run's lease.
+        states: list[tuple[object, ...]] = [
+            msgspec.structs.astuple(
+                msgspec.structs.replace(o, loading_s=0.0, retry_in_s=0.0, runs=0)
+            )
+            for o in self.models.offers()
+        ]
         if states == self._model_states:
             return
         self._model_states = states
@@ -402,6 +412,61 @@ class NodeAgent:
         if not link.closed:
             link.session.model_load_result(result)
             link.driver.wake()
+
+    def _on_control_model(self, link: NodeLink, request: ControlModel) -> None:
+        """An operator's action on a model (docs/operations.md, "Operator
+        controls"): done (a load started, not waited for) and answered at once."""
+        result = self._control_model(request)
+        log.info(
+            "model %s: %s by %s (via edge %s): %s",
+            request.model,
+            request.action.value,
+            request.by or "an operator",
+            link.edge.url,
+            "done" if result.ok else f"{result.code}: {result.message}",
+        )
+        if not link.closed:
+            link.session.model_control_result(result)
+            link.driver.wake()
+
+    def _control_model(self, request: ControlModel) -> ModelControlResult:
+        models = self.models
+        name, action = request.model, request.action
+        result = ModelControlResult(request_id=request.request_id, model=name, ok=True)
+
+        def refused(code: ErrorCode, message: str) -> ModelControlResult:
+            return msgspec.structs.replace(
+                result, ok=False, code=code, message=self._masker.mask(message)
+            )
+
+        if models is None or name not in models.names:
+            return refused(ErrorCode.MODEL_NOT_FOUND, f"node {self.node_id} has no model {name!r}")
+        if self._draining and action in (ModelAction.LOAD, ModelAction.PIN):
+            return refused(ErrorCode.NODE_DRAINING, f"node {self.node_id} is draining")
+        decision: Decision | None = None
+        message = ""
+        if action is ModelAction.LOAD:
+            decision = models.load(name)
+        elif action is ModelAction.PIN:
+            decision = models.pin(name, True)
+        elif action is ModelAction.UNPIN:
+            models.pin(name, False)
+        elif models.table.models[name].pinned:
+            return refused(
+                ErrorCode.MODEL_PINNED, f"model {name} is pinned: unpin it before unloading it"
+            )
+        elif not models.unload(name, f"unloaded by {request.by or 'an operator'}"):
+            message = f"model {name} was not loaded"
+        if isinstance(decision, Refused):
+            if action is ModelAction.LOAD:
+                code = (
+                    ErrorCode.MODEL_LOAD_FAILED if decision.failed else ErrorCode.MODEL_LOAD_REFUSED
+                )
+                return refused(code, decision.reason)
+            message = f"pinned; its load waits: {decision.reason}"
+        offer = next(o for o in models.offers() if o.model == name)
+        offer = msgspec.structs.replace(offer, detail=self._masker.mask(offer.detail))
+        return msgspec.structs.replace(result, message=self._masker.mask(message), offer=offer)
 
     async def _probe_loop(self, *, task_status: trio.TaskStatus[None]) -> None:
         await self.refresh_capabilities()
@@ -666,6 +731,7 @@ class NodeAgent:
             on_run_closed=self._run_closed,
             run_backlog=self.config.node.run_backlog,
             on_load_model=None if self.models is None else self._on_load_model,
+            on_control_model=None if self.models is None else self._on_control_model,
         )
         try:
             welcome = await self._handshake(link)
@@ -712,6 +778,7 @@ class NodeAgent:
                 software=f"iop/{__version__}",
                 models=self._offers(),
                 memory_mib=0 if self.models is None else self.models.budget_mib,
+                model_controls=self.models is not None,
             )
             await link.chan.send(hello)
             frame = await link.chan.receive()

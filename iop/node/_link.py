@@ -52,10 +52,12 @@ from iop.protocol import (
     RUN_BACKLOG,
     AssignReceived,
     CancelReceived,
+    ControlModel,
     CreditReceived,
     FrameChannel,
     LoadModel,
     LoadModelReceived,
+    ModelControlReceived,
     NodeLinkEvent,
     NodeSession,
     Welcomed,
@@ -149,6 +151,8 @@ class NodeLink:
         on_run_closed: Called when a run's outlet closes.
         on_load_model: Called with each ``LoadModel`` (must not block); None:
             the node has no on-demand models, and a request is a protocol error.
+        on_control_model: Called with each ``ControlModel`` (must not
+            block; None as ``on_load_model``).
     """
 
     def __init__(
@@ -162,8 +166,10 @@ class NodeLink:
         on_run_closed: Callable[[NodeRun], None],
         run_backlog: int = RUN_BACKLOG,
         on_load_model: Callable[[NodeLink, LoadModel], None] | None = None,
+        on_control_model: Callable[[NodeLink, ControlModel], None] | None = None,
     ) -> None:
         self._on_load_model = on_load_model
+        self._on_control_model = on_control_model
         self.edge = edge
         self.run_backlog = run_backlog
         # Runs waiting for the writer to send what they queued (not credit).
@@ -225,6 +231,10 @@ class NodeLink:
                 if self._on_load_model is None:
                     raise LinkProtocolError("load_model to a node that offered no models")
                 self._on_load_model(self, event.request)
+            elif isinstance(event, ModelControlReceived):
+                if self._on_control_model is None:
+                    raise LinkProtocolError("control_model to a node that offered no models")
+                self._on_control_model(self, event.request)
             elif isinstance(event, Welcomed):
                 raise LinkProtocolError("second welcome on an open link")
 

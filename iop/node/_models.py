@@ -53,6 +53,7 @@ from iop.config import LlamaCppModel, ModelConfig, ModelGroup, NodeSection, SimM
 from iop.errors import BackendUnavailable, ErrorCode, InvariantError, IopError
 from iop.managed import BackendFactory, BackendState, ModelBackend, build_model_backend
 from iop.ondemand import (
+    Decision,
     GroupSpec,
     ModelSpec,
     ModelState,
@@ -263,6 +264,8 @@ class ModelManager:
         Raises:
             BackendUnavailable: As ``wait_ready``.
         """
+        if self.table.models[name].state is not ModelState.READY or name not in self._live:
+            self.table.cold_start(name)
         await self.wait_ready(name, timeout_s)
         # No checkpoint since wait_ready saw it READY and live.
         life = self.table.lease(name, trio.current_time())
@@ -314,6 +317,19 @@ class ModelManager:
         self._apply(changed=done)
         return done
 
+    def load(self, name: str) -> Decision:
+        """Start loading ``name`` if it is not loaded (the operator's: not
+        waited for, unlike ``wait_ready``); the table's decision."""
+        decision = self.table.want(name, trio.current_time())
+        self._apply()
+        return decision
+
+    def pin(self, name: str, pinned: bool) -> Decision | None:
+        """Pin or unpin ``name`` until the node restarts (``ModelTable.pin``)."""
+        decision = self.table.pin(name, pinned, trio.current_time())
+        self._apply(changed=True)
+        return decision
+
     # --- what the node reports ---------------------------------------------------------
 
     def offers(self) -> list[ModelOffer]:
@@ -322,16 +338,22 @@ class ModelManager:
         out = []
         for m in self.table.models.values():
             retry = m.retry_at - now if m.state is ModelState.FAILED else 0.0
+            loading = now - m.loading_since if m.state is ModelState.LOADING else 0.0
             out.append(
                 ModelOffer(
                     model=m.name,
                     state=m.state.value,
                     memory_mib=m.spec.memory_mib,
                     load_s=round(m.last_load_s, 3),
-                    pinned=m.spec.pinned,
+                    pinned=m.pinned,
                     runs=m.leases,
                     detail=m.detail,
                     retry_in_s=round(max(0.0, retry), 3) if math.isfinite(retry) else 0.0,
+                    loading_s=round(max(0.0, loading), 3),
+                    loads=m.loads,
+                    load_failures=m.load_failures,
+                    evictions=m.evictions,
+                    cold_starts=m.cold_starts,
                 )
             )
         return out

@@ -141,10 +141,21 @@ class Model:
         failures: Failed loads (or exits) in a row.
         retry_at: While ``FAILED``: when it may load again.
         detail: Why it is failed, or what it is loading or unloading for.
+        pinned: Kept loaded: ``spec.pinned``, until an operator says
+            otherwise (``ModelTable.pin``).
+        loads: Good loads so far (counters for the node's offers).
+        load_failures: Failed loads, and exits of a loaded life.
+        evictions: Unloads to make room for another model.
+        cold_starts: Runs that found it not loaded (``ModelTable.cold_start``).
     """
 
     def __init__(self, spec: ModelSpec) -> None:
         self.spec = spec
+        self.pinned = spec.pinned
+        self.loads = 0
+        self.load_failures = 0
+        self.evictions = 0
+        self.cold_starts = 0
         self.state = ModelState.COLD
         self.leases = 0
         self.life = 0
@@ -252,7 +263,7 @@ class ModelTable:
         for m in self.models.values():
             if self._idle_candidate(m):
                 when = min(when, m.last_used + m.spec.idle_ttl_s)
-            elif m.spec.pinned and m.state is _S.FAILED:
+            elif m.pinned and m.state is _S.FAILED:
                 when = min(when, m.retry_at)
         return when
 
@@ -313,6 +324,7 @@ class ModelTable:
                     f"{', '.join(kept) or 'nothing'}"
                 )
         for v in victims:
+            v.evictions += 1
             self._unload(v, f"evicted for {m.name}")
         self._enter(m, _S.LOADING)
         m.started = False
@@ -341,7 +353,7 @@ class ModelTable:
 
     def _why_kept(self, m: Model, now: float) -> str:
         """Why ``m`` may not be unloaded for another model now ("" if it may)."""
-        if m.spec.pinned:
+        if m.pinned:
             return "pinned"
         if m.state is _S.LOADING:
             return "loading"
@@ -406,8 +418,28 @@ class ModelTable:
             self._unload(m, reason)
         return True
 
+    def pin(self, name: str, pinned: bool, now: float) -> Decision | None:
+        """An operator pins (or unpins) ``name`` until the node restarts.
+
+        A pinned model is never evicted nor unloaded when idle, and is
+        wanted when it is not loaded (as at start).
+
+        Returns:
+            The want of a pinned model that is cold (or failed and past its
+            ``retry_at``): its load planned, or why it cannot be; else None.
+        """
+        m = self.models[name]
+        m.pinned = pinned
+        if pinned and m.state in (_S.COLD, _S.FAILED) and now >= m.retry_at:
+            return self.want(name, now)
+        return None
+
+    def cold_start(self, name: str) -> None:
+        """A run found ``name`` not loaded and waits for its load (counted)."""
+        self.models[name].cold_starts += 1
+
     def _idle_candidate(self, m: Model) -> bool:
-        return m.state is _S.READY and not m.leases and not m.spec.pinned and m.spec.idle_ttl_s > 0
+        return m.state is _S.READY and not m.leases and not m.pinned and m.spec.idle_ttl_s > 0
 
     def tick(self, now: float) -> None:
         """Unload the models idle for their ``idle_ttl_s``; want the pinned
@@ -418,7 +450,7 @@ class ModelTable:
                     m, f"idle for {now - m.last_used:.3g}s (idle_ttl_s {m.spec.idle_ttl_s:g})"
                 )
         for m in self.models.values():
-            if m.spec.pinned and m.state in (_S.COLD, _S.FAILED) and now >= m.retry_at:
+            if m.pinned and m.state in (_S.COLD, _S.FAILED) and now >= m.retry_at:
                 self.want(m.name, now)  # a refusal: wanted again at the next tick
 
     def _unload(self, m: Model, reason: str) -> None:
@@ -432,6 +464,7 @@ class ModelTable:
         """``name``'s process serves."""
         m = self.models[name]
         self._enter(m, _S.READY)
+        m.loads += 1
         m.life += 1
         m.leases = 0
         m.failures = 0
@@ -455,6 +488,7 @@ class ModelTable:
         self._enter(m, _S.FAILED)
         m.started = False
         m.failures += 1
+        m.load_failures += 1
         delay = float(min(self._retry_max_s, self._retry_min_s * 2.0 ** (m.failures - 1)))
         m.retry_at = now + delay
         m.detail = reason

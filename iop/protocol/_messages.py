@@ -37,6 +37,14 @@ naming a model the node offered; the node answers each with one
 ``ModelLoadResult``. An older node, which would refuse the unknown tag,
 offers none and so is never asked.
 
+The operator's controls of those models (``ControlModel``: load, unload,
+pin, unpin, from the edge's admin API) came later, again without a version
+bump: a node that takes them says so in its ``Hello`` (``model_controls``),
+and an edge sends ``ControlModel`` only to such a node; the node answers
+each at once with one ``ModelControlResult`` carrying the model's new
+state. The counters and ``loading_s`` a newer node adds to ``ModelOffer``
+are fields an older edge ignores.
+
 ``LoadReport`` is new in protocol 3 without a version bump: a node sends it
 only to an edge whose ``Welcome`` asked for it (``load_reports_per_s`` > 0),
 so an older edge, which would refuse the unknown tag, never gets one, and an
@@ -45,6 +53,7 @@ older node simply never sends one (the edge then places on its own counts).
 
 from __future__ import annotations
 
+import enum
 from typing import Final, TypeVar
 
 import msgspec
@@ -60,6 +69,7 @@ __all__ = [
     "Assign",
     "Cancel",
     "CapabilitiesUpdate",
+    "ControlModel",
     "Credit",
     "EdgeMessage",
     "EngineLoad",
@@ -68,6 +78,8 @@ __all__ = [
     "InstanceLoad",
     "LoadModel",
     "LoadReport",
+    "ModelAction",
+    "ModelControlResult",
     "ModelLoadResult",
     "ModelOffer",
     "NodeMessage",
@@ -112,6 +124,13 @@ class ModelOffer(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
         runs: Runs holding it now.
         detail: Why it is failed, or what it loads or unloads for.
         retry_in_s: While failed: how long until it may load again.
+        loading_s: While loading: how long it has been loading when the
+            offer was sent (the reader adds the time since).
+        loads: Good loads since the node started (counters: the edge's
+            metrics count their increase).
+        load_failures: Failed loads, and exits of a loaded model.
+        evictions: Unloads to make room for another model.
+        cold_starts: Runs that found it not loaded and waited for a load.
     """
 
     model: str
@@ -122,6 +141,11 @@ class ModelOffer(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     runs: int = 0
     detail: str = ""
     retry_in_s: float = 0.0
+    loading_s: float = 0.0
+    loads: int = 0
+    load_failures: int = 0
+    evictions: int = 0
+    cold_starts: int = 0
 
 
 class ModelLoadResult(_Msg, frozen=True, kw_only=True, tag="model_load"):
@@ -136,8 +160,27 @@ class ModelLoadResult(_Msg, frozen=True, kw_only=True, tag="model_load"):
     message: str = ""
 
 
-class Hello(_Msg, frozen=True, kw_only=True, tag="hello"):
-    """First frame of a node: who it is, its token, what it serves."""
+class ModelControlResult(_Msg, frozen=True, kw_only=True, tag="model_control", omit_defaults=True):
+    """The answer to ``ControlModel``, sent at once (a load is started, not
+    waited for): ``ok`` with the model's state after it (``offer``), or why
+    not (``code``: ``model_not_found``, ``model_pinned``,
+    ``model_load_refused``, ``model_load_failed``, ``node_draining``)."""
+
+    request_id: str
+    model: str
+    ok: bool
+    code: str = ""
+    message: str = ""
+    offer: ModelOffer | None = None
+
+
+class Hello(_Msg, frozen=True, kw_only=True, tag="hello", omit_defaults=True):
+    """First frame of a node: who it is, its token, what it serves.
+
+    Its defaulted fields are left out when at their default: every peer
+    since each was added reads a missing one as that default, and a node
+    without models or controls keeps its hello as small as before them
+    (``link.max_hello_bytes``)."""
 
     protocol_version: int
     node_id: str
@@ -151,6 +194,9 @@ class Hello(_Msg, frozen=True, kw_only=True, tag="hello"):
     # On-demand models (an older node sends none) and their memory budget.
     models: list[ModelOffer] = []
     memory_mib: int = 0
+    # The node takes ``ControlModel`` (an older node, which would close the
+    # link on the unknown tag, sends False and is never sent one).
+    model_controls: bool = False
 
 
 class CapabilitiesUpdate(_Msg, frozen=True, kw_only=True, tag="caps", omit_defaults=True):
@@ -243,7 +289,16 @@ class LoadReport(_Msg, frozen=True, kw_only=True, tag="load"):
     instances: list[InstanceLoad]
 
 
-NodeMessage = Hello | CapabilitiesUpdate | RunEvents | Ping | Goodbye | LoadReport | ModelLoadResult
+NodeMessage = (
+    Hello
+    | CapabilitiesUpdate
+    | RunEvents
+    | Ping
+    | Goodbye
+    | LoadReport
+    | ModelLoadResult
+    | ModelControlResult
+)
 
 
 # --- edge -> node -------------------------------------------------------------
@@ -307,7 +362,28 @@ class LoadModel(_Msg, frozen=True, kw_only=True, tag="load_model"):
     model: str
 
 
-EdgeMessage = Welcome | Assign | Credit | Cancel | Ping | LoadModel
+class ModelAction(enum.Enum):
+    """What an operator does to a node's on-demand model (``ControlModel``)."""
+
+    LOAD = "load"  # start its load now (not waited for)
+    UNLOAD = "unload"  # unload it once its runs end
+    PIN = "pin"  # never evict or idle-unload it; load it if it is not loaded
+    UNPIN = "unpin"  # evictable again (the config's ``pinned`` returns at restart)
+
+
+class ControlModel(_Msg, frozen=True, kw_only=True, tag="control_model"):
+    """An operator's ``action`` on the node's on-demand ``model``; sent only
+    to a node whose hello said ``model_controls``. Answered at once with one
+    ``ModelControlResult`` of the same ``request_id``; ``by`` says who asked
+    (for the node's log)."""
+
+    request_id: str
+    model: str
+    action: ModelAction
+    by: str = ""
+
+
+EdgeMessage = Welcome | Assign | Credit | Cancel | Ping | LoadModel | ControlModel
 
 _M = TypeVar("_M", NodeMessage, EdgeMessage)
 

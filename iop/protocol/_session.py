@@ -157,12 +157,15 @@ from iop.protocol._messages import (
     Assign,
     Cancel,
     CapabilitiesUpdate,
+    ControlModel,
     Credit,
     Goodbye,
     Hello,
     InstanceLoad,
     LoadModel,
     LoadReport,
+    ModelAction,
+    ModelControlResult,
     ModelLoadResult,
     ModelOffer,
     Ping,
@@ -204,6 +207,8 @@ __all__ = [
     "LinkState",
     "LoadModelReceived",
     "LoadReported",
+    "ModelControlAnswered",
+    "ModelControlReceived",
     "ModelLoadAnswered",
     "NodeDraining",
     "NodeJoined",
@@ -459,6 +464,12 @@ class ModelLoadAnswered(msgspec.Struct, frozen=True):
     result: ModelLoadResult
 
 
+class ModelControlAnswered(msgspec.Struct, frozen=True):
+    """The node's answer to the edge's ``ControlModel`` (``EdgeSession.control_model``)."""
+
+    result: ModelControlResult
+
+
 class Welcomed(msgspec.Struct, frozen=True):
     welcome: Welcome
 
@@ -483,6 +494,13 @@ class LoadModelReceived(msgspec.Struct, frozen=True):
     request: LoadModel
 
 
+class ModelControlReceived(msgspec.Struct, frozen=True):
+    """An operator's action on an on-demand model (answer with
+    ``NodeSession.model_control_result``)."""
+
+    request: ControlModel
+
+
 EdgeLinkEvent = (
     NodeJoined
     | CapabilitiesChanged
@@ -490,8 +508,16 @@ EdgeLinkEvent = (
     | NodeDraining
     | LoadReported
     | ModelLoadAnswered
+    | ModelControlAnswered
 )
-NodeLinkEvent = Welcomed | AssignReceived | CreditReceived | CancelReceived | LoadModelReceived
+NodeLinkEvent = (
+    Welcomed
+    | AssignReceived
+    | CreditReceived
+    | CancelReceived
+    | LoadModelReceived
+    | ModelControlReceived
+)
 
 
 class _TokenBucket:
@@ -605,6 +631,10 @@ class EdgeSession:
         self._nonce = 0
         # LoadModel requests sent and not answered yet.
         self._model_loads: set[str] = set()
+        # ControlModel requests sent and not answered yet; whether the
+        # node's hello said it takes them.
+        self._model_controls: set[str] = set()
+        self.peer_model_controls = False
 
     # --- state --------------------------------------------------------------
 
@@ -695,6 +725,13 @@ class EdgeSession:
                     raise LinkProtocolError(f"model_load answers no load_model {msg.request_id!r}")
                 self._model_loads.discard(msg.request_id)
                 events.append(ModelLoadAnswered(msg))
+            elif isinstance(msg, ModelControlResult):
+                if msg.request_id not in self._model_controls:
+                    raise LinkProtocolError(
+                        f"model_control answers no control_model {msg.request_id!r}"
+                    )
+                self._model_controls.discard(msg.request_id)
+                events.append(ModelControlAnswered(msg))
             else:
                 raise LinkProtocolError(f"unexpected {type(msg).__name__} on an open link")
         return events
@@ -711,6 +748,7 @@ class EdgeSession:
         if hello.max_frame_bytes < 0 or 0 < hello.max_frame_bytes < MIN_PEER_FRAME_BYTES:
             raise LinkProtocolError(f"hello with max_frame_bytes {hello.max_frame_bytes}")
         self.node_id = hello.node_id
+        self.peer_model_controls = hello.model_controls
         if hello.max_frame_bytes:
             self.peer_max_frame_bytes = hello.max_frame_bytes
         self.state = LinkState.OPEN
@@ -845,6 +883,22 @@ class EdgeSession:
         self._require_open()
         self._model_loads.add(request_id)
         self._out.messages.append(encode(LoadModel(request_id=request_id, model=model)))
+
+    def control_model(self, request_id: str, model: str, action: ModelAction, by: str = "") -> None:
+        """Ask the node for an operator's ``action`` on its on-demand ``model``;
+        the answer is a ``ModelControlAnswered``.
+
+        Raises:
+            InvariantError: The node's hello did not say it takes them
+                (``peer_model_controls``): an older node would close the link.
+        """
+        self._require_open()
+        if not self.peer_model_controls:
+            raise InvariantError(f"node {self.node_id!r} takes no control_model")
+        self._model_controls.add(request_id)
+        self._out.messages.append(
+            encode(ControlModel(request_id=request_id, model=model, action=action, by=by))
+        )
 
     def cancel(self, run_id: str, reason: CancelReason, message: str = "") -> bool:
         """Queue the cancel of a run: it is ENDING, its late events are dropped.
@@ -1050,6 +1104,7 @@ class NodeSession:
         *,
         models: list[ModelOffer] | None = None,
         memory_mib: int = 0,
+        model_controls: bool = False,
     ) -> bytes:
         return encode(
             Hello(
@@ -1061,6 +1116,7 @@ class NodeSession:
                 max_frame_bytes=self.max_frame_bytes,
                 models=models or [],
                 memory_mib=memory_mib,
+                model_controls=model_controls,
             )
         )
 
@@ -1113,6 +1169,8 @@ class NodeSession:
                 self._answer(now)
             elif isinstance(msg, LoadModel):
                 events.append(LoadModelReceived(msg))
+            elif isinstance(msg, ControlModel):
+                events.append(ModelControlReceived(msg))
             else:
                 raise LinkProtocolError(f"unexpected {type(msg).__name__} on an open link")
         return events
@@ -1304,6 +1362,11 @@ class NodeSession:
 
     def model_load_result(self, result: ModelLoadResult) -> None:
         """Answer the edge's ``LoadModel``."""
+        if self.state is LinkState.OPEN:
+            self._out.messages.append(encode(result))
+
+    def model_control_result(self, result: ModelControlResult) -> None:
+        """Answer the edge's ``ControlModel``."""
         if self.state is LinkState.OPEN:
             self._out.messages.append(encode(result))
 

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from iop.errors import ConfigError
+
 CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "node-sim.toml")
 
 
@@ -156,3 +158,16 @@ def test_a_config_fault_found_once_running_is_one_line_too(tmp_path: Path) -> No
     line = out.stderr.splitlines()[-1]
     assert line == "iop: config error: instance names must be unique, got ['a', 'a']"
     assert "Traceback" not in out.stderr
+
+
+def test_a_node_with_only_on_demand_models_is_a_node(tmp_path: Path) -> None:
+    """``[[models]]`` are backends too: a node with no ``[[instances]]`` serves them."""
+    from iop.cli._node import _load
+
+    cfg = tmp_path / "node.toml"
+    edge = '[[node.edges]]\nurl = "ws://127.0.0.1:1/v1/link"\ntoken = "t"\n'
+    cfg.write_text(f'[node]\nmemory_mib = 100\n{edge}[[models]]\nname = "a"\nengine = "sim"\n')
+    assert [m.name for m in _load(str(cfg)).models] == ["a"]
+    cfg.write_text(f"[node]\n{edge}")
+    with pytest.raises(ConfigError, match=r"add an \[\[instances\]\] or a \[\[models\]\] table"):
+        _load(str(cfg))

@@ -17,7 +17,7 @@ import trio
 import trio.testing
 
 from iop._reload import NODE_RULES
-from iop.cli._reload import _where
+from iop.cli._reload import admin_where as _where
 from iop.cli._reloader import Reloader, watch_reloads
 from iop.cli._signals import open_stop_signals
 from iop.config import NodeConfig, NodeSection, SimInstance

@@ -325,9 +325,11 @@ def start_node(
     log_level: str | None = None,
     tracing: dict[str, Any] | None = None,
     edge_settings: dict[str, Any] | None = None,
+    models: Iterable[dict[str, Any]] = (),
 ) -> Node:
     """``iop node`` with one vllm instance on ``sim_url`` (and ``more_instances``),
-    dialling ``edges`` (link URLs), each entry with ``edge_settings`` (TLS files)."""
+    dialling ``edges`` (link URLs), each entry with ``edge_settings`` (TLS files),
+    and on-demand ``models`` (``[[models]]``; ``node`` then sets ``memory_mib``)."""
     config: dict[str, Any] = {
         "node": {
             "id": node_id,
@@ -343,6 +345,8 @@ def start_node(
     }
     if tracing is not None:
         config["tracing"] = tracing
+    if models:
+        config["models"] = list(models)
     log_dir.mkdir(parents=True, exist_ok=True)
     cfg = log_dir / f"{name}.toml"
     cfg.write_text(toml_dumps(config))

@@ -351,3 +351,44 @@ def test_memory_never_exceeds_the_budget_and_held_or_pinned_models_stay(
             assert m.leases >= 0
             if m.spec.pinned and before[n][0] is S.READY:
                 assert m.state in (S.READY, S.FAILED)  # only its own death ends it
+
+
+# --- the operator's pin, and the counters the node offers ------------------------------
+
+
+def test_an_operator_pin_keeps_a_model_from_eviction_and_loads_it() -> None:
+    t = table(ModelSpec("a", 60), ModelSpec("b", 60))
+    # Pinning a cold model plans its load, as a pinned model's start does.
+    assert t.pin("a", True, 0.0) == Wait()
+    assert t.actions() == [StartLoad("a")]
+    t.loaded("a", 1.0)
+    refused = t.want("b", 2.0)
+    assert isinstance(refused, Refused)
+    assert "a (pinned)" in refused.reason
+    # Unpinned, it is evicted for b like any idle model.
+    assert t.pin("a", False, 3.0) is None
+    assert t.want("b", 3.0) == Wait()
+    assert t.actions() == [StartUnload("a", "evicted for b")]
+    assert t.models["a"].evictions == 1
+
+
+def test_pinning_a_loaded_model_plans_nothing() -> None:
+    t = table(ModelSpec("a", 60))
+    load(t, "a", 0.0)
+    assert t.pin("a", True, 1.0) is None
+    assert t.actions() == []
+
+
+def test_the_counters_count_loads_failures_evictions_and_cold_starts() -> None:
+    t = table(ModelSpec("a", 60), ModelSpec("b", 60))
+    t.cold_start("a")
+    load(t, "a", 0.0)
+    load(t, "b", 1.0)  # evicts a
+    assert t.want("a", 2.0) == Wait()
+    for act in t.actions():
+        if isinstance(act, StartUnload):
+            t.unloaded(act.model)
+    t.load_failed("a", "boom", 3.0)
+    a, b = t.models["a"], t.models["b"]
+    assert (a.loads, a.load_failures, a.evictions, a.cold_starts) == (1, 1, 1, 1)
+    assert (b.loads, b.load_failures, b.evictions, b.cold_starts) == (1, 0, 1, 0)

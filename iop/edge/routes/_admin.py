@@ -3,7 +3,9 @@
 ``GET /admin`` is HTML (or its login form); ``POST /admin/login`` and
 ``/admin/logout``; ``GET /admin/nodes`` as JSON; ``POST
 /admin/nodes/{id}/drain`` and ``/undrain``, from a script or the page's
-buttons; ``GET /admin/runs`` and ``/admin/runs/{id}`` (the page for a
+buttons; ``POST /admin/nodes/{id}/models/{model}/load``, ``/unload``,
+``/pin`` and ``/unpin`` (an on-demand model of that node: docs/operations.md,
+"Operator controls"), likewise; ``GET /admin/runs`` and ``/admin/runs/{id}`` (the page for a
 browser); ``GET /admin/usage``; ``POST /admin/reload``. ``_admin_auth`` says
 who may open them: every route asks ``_Admin.refusal`` first (the login page
 for a browser, a JSON error for a script). The forms a browser posts are
@@ -16,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from functools import partial
 from typing import Any, Final, cast
 from urllib.parse import urlsplit
 
@@ -45,6 +48,7 @@ from iop.edge.routes._errors import error, json_response, unsupported_content_ty
 from iop.errors import ErrorCode
 from iop.ledger import GROUPS as USAGE_GROUPS
 from iop.ledger import parse_day, period_start, report_json
+from iop.protocol import ModelAction, ModelControlResult
 
 __all__ = [
     "ADMIN_RUNS_LIMIT",
@@ -367,6 +371,68 @@ class _Admin:
     async def undrain(self, node_id: str) -> Response:
         return await self.drain_or_undrain(node_id, drain=False)
 
+    async def model_action(self, node_id: str, model: str, action: ModelAction) -> Response:
+        """``POST /admin/nodes/{id}/models/{model}/{action}``: an operator's
+        load, unload, pin or unpin of one node's on-demand model.
+
+        The node does it and answers at once (a load is started, not waited
+        for: ``GET /admin/nodes`` shows it loading, then ready or failed). A
+        script gets the model's state after it as JSON; the page's buttons
+        post a form and are sent back to the page.
+        """
+        if not _same_origin():
+            return _cross_origin_refused()
+        form = request.mimetype == "application/x-www-form-urlencoded"
+        refused = self.refusal(html=form)
+        if refused is not None:
+            return refused
+        core = self.core
+        conn = core.registry.nodes.get(node_id)
+        if conn is None:
+            return error(404, f"No node {node_id!r} is connected.", code=ErrorCode.NODE_NOT_FOUND)
+        ops = conn.model_ops
+        if model not in ops.offers:
+            return error(
+                404,
+                f"Node {node_id!r} offers no on-demand model {model!r} "
+                f"(it offers: {', '.join(ops.offers) or 'none'}).",
+                code=ErrorCode.MODEL_NOT_FOUND,
+            )
+        if not ops.controls:
+            return error(
+                409,
+                f"Node {node_id!r} runs software ({conn.software or 'unknown'}) that takes no "
+                "model load, unload, pin or unpin from the edge; upgrade it.",
+                code=ErrorCode.MODEL_CONTROLS_UNSUPPORTED,
+            )
+        by = self.who()
+        timeout_s = core.config.link.heartbeat_timeout_s
+        result = await ops.control(
+            conn.session, conn.wake, model, action, by=by, timeout_s=timeout_s
+        )
+        if result is None:
+            return error(
+                504,
+                f"Node {node_id!r} did not answer the {action.value} of {model!r} within "
+                f"{timeout_s:g}s (link.heartbeat_timeout_s), or its link closed.",
+                code=ErrorCode.MODEL_CONTROL_TIMEOUT,
+            )
+        log.info(
+            "model %s on node %s: %s by %s: %s",
+            model,
+            node_id,
+            action.value,
+            by,
+            "done" if result.ok else f"{result.code}: {result.message}",
+        )
+        if form:
+            return _see_other("/admin")
+        if not result.ok:
+            status = 404 if result.code == ErrorCode.MODEL_NOT_FOUND else 409
+            message = core.masker.mask(result.message)
+            return error(status, message, code=result.code or ErrorCode.IOP_ERROR)
+        return json_response(msgspec.json.encode(_control_answer(node_id, action, result, core)))
+
     async def reload(self) -> Response:
         """Re-read the config file and apply what changed (docs/operations.md,
         "Reloading"): 200 with the plan, or 422 with why the file was refused."""
@@ -485,6 +551,22 @@ class _Admin:
         return resp
 
 
+def _control_answer(
+    node_id: str, action: ModelAction, result: ModelControlResult, core: EdgeCore
+) -> dict[str, object]:
+    offer = result.offer
+    state = None if offer is None else {f: getattr(offer, f) for f in offer.__struct_fields__}
+    return core.masker.mask_tree(
+        {
+            "node": node_id,
+            "model": result.model,
+            "action": action.value,
+            "message": result.message,
+            "state": state,
+        }
+    )
+
+
 def add_admin_routes(app: QuartTrio, core: EdgeCore, gate: AdminGate) -> None:
     """Route ``/admin*`` of ``app`` to ``core``, behind ``gate``."""
     admin = _Admin(core, gate)
@@ -497,6 +579,13 @@ def add_admin_routes(app: QuartTrio, core: EdgeCore, gate: AdminGate) -> None:
     app.add_url_rule(
         "/admin/nodes/<path:node_id>/undrain", "admin_undrain", admin.undrain, methods=post
     )
+    for action in ModelAction:
+        app.add_url_rule(
+            f"/admin/nodes/<path:node_id>/models/<path:model>/{action.value}",
+            f"admin_model_{action.value}",
+            partial(admin.model_action, action=action),
+            methods=post,
+        )
     app.add_url_rule("/admin/reload", "admin_reload", admin.reload, methods=post)
     app.add_url_rule("/admin/usage", "admin_usage", admin.usage, methods=get)
     app.add_url_rule("/admin/runs", "admin_runs", admin.runs, methods=get)

@@ -1,5 +1,6 @@
 """The admin pages: ``GET /admin`` (nodes, instances, load, operator drains
-with their Drain/Undrain buttons, the routing policy, live and recent runs)
+with their Drain/Undrain buttons, on-demand models with their state, memory
+and Load/Unload, Pin/Unpin buttons, the routing policy, live and recent runs)
 and a run's timeline (``GET /admin/runs/{id}`` from a browser: its spans,
 moments and placements, with the candidates each was chosen from) as HTML.
 With a usage ledger, ``GET /admin`` also plots the last days' tokens and
@@ -8,7 +9,8 @@ cost as inline SVG bars (no script, no dependency).
 Rendered on the server from ``EdgeCore.snapshot()`` and ``EdgeCore.runs_view()``
 (the same data as ``GET /admin/nodes`` and ``GET /admin/runs``), escaped,
 with no script: the page reloads itself every few seconds, and its buttons
-are forms that post to the edge (drain, undrain, log out; the edge refuses
+are forms that post to the edge (drain, undrain, a model's load, unload,
+pin and unpin, log out; the edge refuses
 them cross-origin). A run's timeline
 is a table of its moments and a chart of its spans drawn with plain
 ``div``s whose offsets and widths are percentages of the run's duration. When admin keys are configured, ``render_login_page`` is what a
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 from html import escape
 from typing import Any, Final
+from urllib.parse import quote
 
 __all__ = [
     "RECENT_ON_PAGE",
@@ -134,6 +137,72 @@ def _drain_cell(mark: Any) -> str:
         return _cell("no")
     said = f": {mark.get('reason')}" if mark.get("reason") else ""
     return _cell(f"drained by {mark.get('by') or '?'}{said}", "bad")
+
+
+def _model_form(node_id: str, model: str, action: str, title: str) -> str:
+    """One button of a model's row: a form posting ``action`` to the edge."""
+    path = f"/admin/nodes/{quote(node_id, safe='')}/models/{quote(model, safe='')}/{action}"
+    return (
+        f"<form method='post' action='{escape(path, quote=True)}' style='display:inline'>"
+        f"<button type='submit' title='{escape(title, quote=True)}'>"
+        f"{action.capitalize()}</button></form>"
+    )
+
+
+def _model_state(m: dict[str, Any]) -> tuple[str, str]:
+    """A model's state as the page says it, and its cell's class."""
+    state = str(m.get("state", ""))
+    detail = str(m.get("detail") or "")
+    if state == "loading":
+        said = f"loading for {m.get('loading_for_s', 0)} s"
+        return (f"{said} ({detail})" if detail else said), ""
+    if state == "failed":
+        return f"failed: {detail}; retried in {m.get('retry_in_s', 0)} s at the earliest", "bad"
+    if state in ("draining", "unloading") and detail:
+        return f"{state}: {detail}", "muted"
+    return state, "ok" if state == "ready" else "muted" if state == "cold" else ""
+
+
+def _models_section(nodes: list[dict[str, Any]]) -> str:
+    """On-demand models (docs/operations.md, "Operator controls"): each node's
+    memory, each model's state and its Load/Unload and Pin/Unpin buttons."""
+    rows = []
+    for n in nodes:
+        mem = n.get("memory_mib") or {}
+        for m in n.get("models") or []:
+            state, cls = _model_state(m)
+            loaded = m.get("state") in ("loading", "ready", "draining")
+            buttons = ""
+            if n.get("controls"):
+                buttons = (
+                    _model_form(n["id"], m["model"], "unload", "Unload once its runs end")
+                    if loaded
+                    else _model_form(n["id"], m["model"], "load", "Start its load now")
+                ) + (
+                    _model_form(n["id"], m["model"], "unpin", "Let it be evicted again")
+                    if m.get("pinned")
+                    else _model_form(n["id"], m["model"], "pin", "Keep it loaded")
+                )
+            rows.append(
+                "<tr>"
+                + _cell(n["id"])
+                + _cell(m.get("model", ""))
+                + _cell(state, cls)
+                + _cell("yes" if m.get("pinned") else "no")
+                + _cell(m.get("runs", 0), "num")
+                + _cell(f"{m.get('memory_mib', 0)} MiB", "num")
+                + _cell(f"{mem.get('used', 0)} / {mem.get('budget', 0)} MiB", "num")
+                + _cell(f"{m.get('load_s', 0)} s" if m.get("load_s") else "", "num")
+                + f"<td>{buttons}</td>"
+                + "</tr>"
+            )
+    if not rows:
+        return ""
+    return "<h2>On-demand models</h2>" + _table(
+        ["node", "model", "state", "pinned", "runs", "memory", "node memory", "last load", ""],
+        rows,
+        "",
+    )
 
 
 def _routing(snapshot: dict[str, Any]) -> str:
@@ -308,6 +377,7 @@ def render_admin_page(
             node_rows,
             "None.",
         )
+        + _models_section(nodes)
         + _routing(snapshot)
         + "<h2>Runs in flight</h2>"
         + _table(["run", "model", "phase", "age"], run_rows, "None.")

@@ -14,6 +14,7 @@ from iop.edge.runs._drains import drain_node, drain_runs, known_node, undrain_no
 from iop.edge.runs._executor import MAX_ATTEMPTS, RemoteExecutor, RunHost
 from iop.edge.runs._handshake import accept_node, node_credentials
 from iop.edge.runs._links import NodeLinks
+from iop.edge.runs._model_controls import LOAD_TIME_BUCKETS, ModelStats, ModelTotals, NodeModels
 from iop.edge.runs._nodes import (
     LOAD_FIGURE_CAP,
     InstanceState,
@@ -25,14 +26,18 @@ from iop.edge.runs._nodes import (
 
 __all__ = [
     "LOAD_FIGURE_CAP",
+    "LOAD_TIME_BUCKETS",
     "MAX_ATTEMPTS",
     "RUN_BUFFER_WITHOUT_CREDIT",
     "AttemptEnd",
     "DeliveryPolicy",
     "InstanceState",
+    "ModelStats",
+    "ModelTotals",
     "NodeConnection",
     "NodeDrain",
     "NodeLinks",
+    "NodeModels",
     "NodeRegistry",
     "RemoteExecutor",
     "RemoteRun",

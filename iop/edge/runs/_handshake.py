@@ -30,6 +30,7 @@ from typing import Final
 import trio
 
 from iop.config import MAX_LOAD_REPORTS_PER_S, EdgeConfig, LinkSettings
+from iop.edge.runs._model_controls import NodeModels
 from iop.edge.runs._nodes import NodeConnection, NodeRegistry
 from iop.errors import LinkAuthError, LinkError, LinkLimitError, LinkProtocolError
 from iop.protocol import (
@@ -178,6 +179,14 @@ async def _handshake(
         )
         conn.update_instances(hello.instances)
         conn.update_models(hello.models)
+        conn.model_ops = NodeModels(
+            hello.models,
+            hello.memory_mib,
+            controls=hello.model_controls,
+            now=trio.current_time(),
+        )
+        for offer in hello.models:
+            registry.model_stats.known(offer.model)
         return conn
     return None
 

@@ -44,6 +44,7 @@ from iop.protocol import (
     InstanceLoad,
     LinkClosed,
     LoadReported,
+    ModelControlAnswered,
     ModelLoadAnswered,
     NodeDraining,
     RunEventsReceived,
@@ -193,6 +194,7 @@ class NodeLinks:
                 # A new link of this node starts cold (iop.edge.scheduler._prefix).
                 self.scheduler.prefixes.forget(conn.node_id)
             session.close()
+            conn.model_ops.close()
             conn.wake = _nothing
             reason = conn.close_reason or "link closed"
             affected = conn.lose_runs(f"node {conn.node_id} lost: {reason}")
@@ -250,6 +252,10 @@ class NodeLinks:
             if isinstance(event, RunEventsReceived):
                 runs.append(event)
             elif isinstance(event, CapabilitiesChanged):
+                if event.models is not None:
+                    conn.model_ops.update(
+                        event.models, trio.current_time(), self.registry.model_stats
+                    )
                 conn.update_instances(event.instances)
                 conn.update_models(event.models)
                 log.info("node %s updated its capabilities", conn.node_id)
@@ -259,6 +265,8 @@ class NodeLinks:
             elif isinstance(event, LoadReported):
                 conn.on_load(event.instances, event.at)
                 self._bound_prefixes(conn, event.instances)
+            elif isinstance(event, ModelControlAnswered):
+                conn.model_ops.answer(event.result)
             elif isinstance(event, NodeDraining):
                 conn.draining = True
                 conn.goodbye = event.reason

@@ -36,6 +36,7 @@ import trio
 
 from iop.capabilities import Capabilities, ProviderStatus
 from iop.edge.runs._attempt import RemoteRun, keep_node_timeline
+from iop.edge.runs._model_controls import ModelStats, NodeModels
 from iop.events import CancelReason
 from iop.protocol import (
     RELEASED_RUNS_REMEMBERED,
@@ -225,6 +226,9 @@ class NodeConnection:
     # How the link's reader hands events to the runs: chosen once per link
     # (``iop.edge.runs._delivery.DeliveryPolicy``).
     delivery: LinkDelivery = field(init=False)
+    # Its on-demand models as last offered, and the operator's controls of
+    # them (iop.edge.runs._model_controls).
+    model_ops: NodeModels = field(default_factory=NodeModels)
 
     def __post_init__(self) -> None:
         self.delivery = DirectDelivery(self)
@@ -384,6 +388,8 @@ class NodeRegistry:
         self.nodes: dict[str, NodeConnection] = {}
         self.drained: dict[str, NodeDrain] = {}
         self.joined = trio.Event()  # set once any node has connected
+        # On-demand models' loads, evictions, cold starts (/metrics).
+        self.model_stats = ModelStats()
 
     def add(self, conn: NodeConnection) -> NodeConnection | None:
         """Register ``conn``; return the registration it replaces, if any."""
