@@ -57,6 +57,7 @@ from iop.wire._engine_load import MAX_CACHE_TOKENS
 
 __all__ = [
     "MAX_KV_EVENTS_BYTES",
+    "MEDIUM_GPU",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",

@@ -1,19 +1,13 @@
 """vLLM's KV cache events as vLLM's own structs encode them, byte for byte.
 
-The classes below are vLLM's, copied from ``vllm/distributed/kv_events.py``
-as three versions of that file declare them (docs/protocol.md, "vLLM's KV
-cache events", has the URLs): the first release (everything a positional
-array), the positional arrays with ``medium`` and ``data_parallel_rank``,
-and the source since https://github.com/vllm-project/vllm/pull/42892 (no
-``array_like``: every struct a map, events tagged by ``"type"``). Payloads
-are encoded with ``msgspec.msgpack.Encoder()``, as vLLM's publisher thread
-encodes them, and framed as it sends them: ``(topic, seq.to_bytes(8, "big"),
-payload)``.
+vLLM's structs, in three versions, are copied in ``tests/_vllm_kv_events.py``.
+Payloads are encoded with ``msgspec.msgpack.Encoder()``, as vLLM's publisher
+thread encodes them, and framed as it sends them: ``(topic,
+seq.to_bytes(8, "big"), payload)`` live, ``(identity, "", seq, payload)``
+then ``(identity, "", END_SEQ, "")`` on the replay socket.
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import msgspec
 import pytest
@@ -25,127 +19,31 @@ from iop.wire._kv_events import (
     KVEventBatch,
     decode_kv_events,
     encode_kv_events,
+    parse_live_frames,
+    parse_replay_frames,
+)
+from tests._vllm_kv_events import (
+    END_SEQ,
+    PACK,
+    V1AllBlocksCleared,
+    V1BlockRemoved,
+    V1BlockStored,
+    V1KVEventBatch,
+    V2BlockRemoved,
+    V2BlockStored,
+    V2KVEventBatch,
+    V3AllBlocksCleared,
+    V3BlockRemoved,
+    V3BlockStored,
+    V3KVEventBatch,
+    frames,
 )
 
-# --- the first release: vllm/distributed/kv_events.py at b4e69e0 --------------------
-
-
-class V1EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-
-
-class V1KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class V1BlockStored(V1KVCacheEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-
-
-class V1BlockRemoved(V1KVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-
-
-class V1AllBlocksCleared(V1KVCacheEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class V1KVEventBatch(V1EventBatch):
-    events: list[V1BlockStored | V1BlockRemoved | V1AllBlocksCleared]
-
-
-# --- positional, with medium and the data parallel rank (the subscriber example) -----
-
-
-class V2EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class V2KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class V2BlockStored(V2KVCacheEvent, tag="BlockStored"):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-
-
-class V2BlockRemoved(V2KVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[bytes | int]
-    medium: str | None
-
-
-class V2AllBlocksCleared(V2KVCacheEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class V2KVEventBatch(V2EventBatch):
-    events: list[V2BlockStored | V2BlockRemoved | V2AllBlocksCleared]
-
-
-# --- maps: vllm/distributed/kv_events.py at 0181ea3 ----------------------------------
-
-
-class V3EventBatch(msgspec.Struct, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
-
-
-class V3KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    pass
-
-
-class V3BlockStored(V3KVCacheEvent, tag="BlockStored"):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class V3BlockRemoved(V3KVCacheEvent, tag="BlockRemoved"):
-    block_hashes: list[bytes | int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class V3AllBlocksCleared(V3KVCacheEvent, tag="AllBlocksCleared"):
-    pass
-
-
-class V3KVEventBatch(V3EventBatch):
-    events: list[V3BlockStored | V3BlockRemoved | V3AllBlocksCleared]
-
-
-_PACK = msgspec.msgpack.Encoder()  # vLLM's publisher thread: self._pack.encode(event)
 H1, H2 = b"\x01" * 32, b"\x02" * 32
 
 
-def _frames(topic: str, seq: int, payload: bytes) -> list[bytes]:
-    """As ZmqEventPublisher sends a batch: send_multipart((topic, seq, payload))."""
-    return [topic.encode("utf-8"), seq.to_bytes(8, "big"), payload]
-
-
 def test_the_first_releases_positional_batch_decodes() -> None:
-    payload = _PACK.encode(
+    payload = PACK.encode(
         V1KVEventBatch(
             ts=1.5,
             events=[
@@ -166,7 +64,7 @@ def test_the_first_releases_positional_batch_decodes() -> None:
 
 
 def test_positional_events_with_medium_and_rank_decode() -> None:
-    payload = _PACK.encode(
+    payload = PACK.encode(
         V2KVEventBatch(
             ts=2.0,
             events=[
@@ -216,29 +114,29 @@ _V3_DECODED = KVEventBatch(
 def test_todays_map_events_decode() -> None:
     """What vLLM publishes since it dropped ``array_like`` (fails on a
     decoder that reads positional arrays only: every event is refused)."""
-    assert decode_kv_events(_PACK.encode(_v3_batch())) == _V3_DECODED
+    assert decode_kv_events(PACK.encode(_v3_batch())) == _V3_DECODED
 
 
 def test_map_events_in_a_positional_batch_decode() -> None:
     """A vLLM 0.26.0 was seen sending map events in a positional batch
     (docs/protocol.md): each event's shape is read on its own."""
     batch = _v3_batch()
-    events = [msgspec.Raw(_PACK.encode(e)) for e in batch.events]
-    payload = _PACK.encode([batch.ts, events, batch.data_parallel_rank])
+    events = [msgspec.Raw(PACK.encode(e)) for e in batch.events]
+    payload = PACK.encode([batch.ts, events, batch.data_parallel_rank])
     assert decode_kv_events(payload) == _V3_DECODED
 
 
 def test_unknown_fields_of_newer_versions_are_skipped() -> None:
     event = {"type": "BlockStored", **msgspec.structs.asdict(_v3_batch().events[0])}
     event["locality"] = "local"  # a field added after 0181ea3
-    payload = _PACK.encode({"ts": 1.0, "events": [event], "future": [1, 2]})
+    payload = PACK.encode({"ts": 1.0, "events": [event], "future": [1, 2]})
     assert decode_kv_events(payload).events == [_V3_DECODED.events[0]]
 
 
 def test_the_encoder_writes_vllms_bytes() -> None:
     """``encode_kv_events`` (the sim's publisher) writes what vLLM's own
     structs encode to, byte for byte."""
-    assert encode_kv_events(_V3_DECODED) == _PACK.encode(
+    assert encode_kv_events(_V3_DECODED) == PACK.encode(
         V3KVEventBatch(
             ts=3.25,
             events=[
@@ -265,12 +163,40 @@ def test_the_encoder_writes_vllms_bytes() -> None:
 )
 def test_a_malformed_event_refuses_the_batch(event: object) -> None:
     with pytest.raises(ValueError, match="KV event batch"):
-        decode_kv_events(_PACK.encode([1.0, [event], 0]))
+        decode_kv_events(PACK.encode([1.0, [event], 0]))
 
 
 def test_vllms_frames_carry_topic_sequence_and_payload() -> None:
-    from iop.wire._kv_events import parse_live_frames
+    payload = PACK.encode(_v3_batch())
+    assert parse_live_frames(frames("kv-events", 7, payload), b"kv-events") == (7, payload)
+    assert parse_live_frames(frames("", 2**40, payload), b"") == (2**40, payload)
 
-    payload = _PACK.encode(_v3_batch())
-    assert parse_live_frames(_frames("kv-events", 7, payload), b"kv-events") == (7, payload)
-    assert parse_live_frames(_frames("", 2**40, payload), b"") == (2**40, payload)
+
+@pytest.mark.parametrize(
+    ("message", "why"),
+    [
+        ([b"kv-events", (1).to_bytes(8, "big")], "2 frames"),
+        ([b"kv-events", (1).to_bytes(8, "big"), b"x", b"y"], "4 frames"),
+        # ZeroMQ delivers by topic prefix: the topic is checked whole.
+        ([b"kv-events-other", (1).to_bytes(8, "big"), b"x"], "topic"),
+        ([b"kv-events", (1).to_bytes(4, "big"), b"x"], "4 bytes"),
+        ([b"kv-events", b"", b"x"], "0 bytes"),
+    ],
+)
+def test_what_is_not_a_live_batch_is_refused(message: list[bytes], why: str) -> None:
+    with pytest.raises(ValueError, match=why):
+        parse_live_frames(message, b"kv-events")
+
+
+def test_replay_answers_as_a_dealer_reads_them() -> None:
+    """vLLM's ROUTER answers ``(identity, "", seq, payload)``; the identity
+    is taken by ZeroMQ, so a DEALER reads ``["", seq, payload]``. Newer vLLM
+    puts the topic before the number; the end is ``END_SEQ`` and no payload."""
+    payload = PACK.encode(_v3_batch())
+    assert parse_replay_frames([b"", (5).to_bytes(8, "big"), payload]) == (5, payload)
+    assert parse_replay_frames([b"", b"kv", (5).to_bytes(8, "big"), payload]) == (5, payload)
+    assert parse_replay_frames([b"", END_SEQ, b""]) is None
+    assert parse_replay_frames([b"", b"kv", END_SEQ, b""]) is None
+    for bad in ([(5).to_bytes(8, "big"), payload], [b"", b"\x05", payload], [b""] * 5):
+        with pytest.raises(ValueError, match=r"replay answer|sequence number"):
+            parse_replay_frames(bad)
