@@ -20,7 +20,14 @@ from typing import cast
 import trio
 import zmq
 
-__all__ = ["close_context", "close_socket", "open_socket", "receive_message", "wait_for_message"]
+__all__ = [
+    "close_context",
+    "close_socket",
+    "open_socket",
+    "receive_message",
+    "wait_for_any",
+    "wait_for_message",
+]
 
 
 def open_socket(
@@ -49,6 +56,18 @@ async def wait_for_message(sock: zmq.Socket[bytes]) -> None:
     # by a fresh read of the events (module docstring).
     while not _events(sock) & zmq.POLLIN:
         await trio.lowlevel.wait_readable(sock.fileno())
+
+
+async def wait_for_any(*socks: zmq.Socket[bytes]) -> None:
+    """Return once one of ``socks`` has a message to read."""
+    async with trio.open_nursery() as nursery:
+        for sock in socks:
+
+            async def one(sock: zmq.Socket[bytes] = sock) -> None:
+                await wait_for_message(sock)
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(one)
 
 
 def _events(sock: zmq.Socket[bytes]) -> int:

@@ -39,9 +39,11 @@ more than                       ZeroMQ drops the rest (``RCVHWM``): a gap
 ``kv_events_max_queued`` unread
 ==============================  =============================================
 
-A socket error (a bad host, a closed context) is logged and the
-subscription opened again after a backoff; failures and recoveries are
-logged once each, not per message.
+A connection libzmq dropped for good (it reconnects after network errors,
+not after a protocol error such as an oversized frame: its monitor socket
+tells) or a socket error is logged and the subscription opened again after
+a backoff (1 s, doubling to 30 s, back to 1 s once a batch was applied);
+failures and recoveries are logged once each, not per message.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from iop._zmq_trio import (
     close_socket,
     open_socket,
     receive_message,
+    wait_for_any,
     wait_for_message,
 )
 from iop.config import VllmInstance
@@ -105,37 +108,44 @@ class KVEventsSubscriber:
         task_status.started()
         backoff = _BACKOFF_MIN_S
         while True:
+            applied = self.applied
             try:
                 await self._subscribe()
+                why = "the connection was dropped"
             except zmq.ZMQError as exc:
-                log.warning(
-                    "instance %s: KV events from %s: %s; subscribing again in %gs",
-                    self.cfg.name,
-                    self.cfg.kv_events_endpoint,
-                    exc,
-                    backoff,
-                )
+                why = str(exc)
+            if self.applied > applied:
+                backoff = _BACKOFF_MIN_S
+            self._bad(f"{why}; subscribing again in {backoff:g}s")
             await trio.sleep(backoff)
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
 
     async def _subscribe(self) -> None:
+        """Follow one subscription; return when libzmq dropped its
+        connection for good (a protocol error, as a frame over
+        ``MAXMSGSIZE``: libzmq reconnects after a network error but not
+        after those), which its monitor socket tells."""
         ctx = self._ctx = zmq.Context()
         sub = self._open(zmq.SUB)
+        monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             sub.setsockopt(zmq.SUBSCRIBE, self.topic)
             sub.connect(self.cfg.kv_events_endpoint)
             if self.cfg.kv_events_replay_endpoint:
                 self._open_dealer()
             while True:
-                with trio.move_on_after(IDLE_RECHECK_S):
-                    await wait_for_message(sub)
                 frames = receive_message(sub, _MAX_FRAMES)
-                if frames is not None:
-                    await self._live(frames)
+                if frames is None:
+                    with trio.move_on_after(IDLE_RECHECK_S):
+                        await wait_for_any(sub, monitor)
+                    if receive_message(monitor, 2) is not None:
+                        return
+                    continue
+                await self._live(frames)
                 # A publisher that floods the socket does not starve the node.
                 await trio.lowlevel.checkpoint()
         finally:
-            socks = [sub] if self._dealer is None else [sub, self._dealer]
+            socks = [sub, monitor] if self._dealer is None else [sub, monitor, self._dealer]
             self._dealer = None
             close_context(ctx, *socks)
 
