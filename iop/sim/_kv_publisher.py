@@ -51,13 +51,13 @@ async def publish_kv_events(
     cache: PrefixCache,
     cfg: SimConfig,
     *,
-    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[tuple[str, str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Publish ``cache``'s batches on ``cfg.kv_events_endpoint`` (bound), and
     serve replays on ``cfg.kv_events_replay_endpoint`` if set, until cancelled.
 
-    ``task_status`` receives the bound endpoint (the port ZeroMQ picked for
-    ``tcp://127.0.0.1:*``).
+    ``task_status`` receives the bound endpoints, PUB and ROUTER (the ports
+    ZeroMQ picked for ``tcp://127.0.0.1:*``; "" for no ROUTER).
 
     Raises:
         ListenError: An endpoint cannot be bound.
@@ -69,10 +69,12 @@ async def publish_kv_events(
     try:
         _bind(pub, cfg.kv_events_endpoint)
         endpoint = str(pub.getsockopt_string(zmq.LAST_ENDPOINT))
+        replay = ""
         if cfg.kv_events_replay_endpoint:
             _bind(router, cfg.kv_events_replay_endpoint)
-        log.info("sim: KV cache events published on %s", endpoint)
-        task_status.started(endpoint)
+            replay = str(router.getsockopt_string(zmq.LAST_ENDPOINT))
+        log.info("sim: KV cache events published on %s (replays: %s)", endpoint, replay or "none")
+        task_status.started((endpoint, replay))
         async with trio.open_nursery() as nursery:
             if cfg.kv_events_replay_endpoint:
                 nursery.start_soon(_serve_replays, router, cache)

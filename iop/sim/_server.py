@@ -472,7 +472,7 @@ async def _publish_kv_events(
     cache: PrefixCache,
     cfg: SimConfig,
     *,
-    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[tuple[str, str]] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     # The kvevents extra (pyzmq): imported only when the sim publishes.
     from iop.sim._kv_publisher import publish_kv_events
