@@ -99,6 +99,7 @@ class KVEventsSubscriber:
         self.replayed = 0
         self._failing = False
         self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._sub: zmq.Socket[bytes] | None = None
         self._dealer: zmq.Socket[bytes] | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -126,7 +127,7 @@ class KVEventsSubscriber:
         ``MAXMSGSIZE``: libzmq reconnects after a network error but not
         after those), which its monitor socket tells."""
         ctx = self._ctx = zmq.Context()
-        sub = self._open(zmq.SUB)
+        sub = self._sub = self._open(zmq.SUB)
         monitor = sub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         try:
             sub.setsockopt(zmq.SUBSCRIBE, self.topic)

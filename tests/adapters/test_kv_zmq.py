@@ -5,6 +5,7 @@ that sends what vLLM never would."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Final
@@ -16,7 +17,7 @@ import zmq
 
 from iop._zmq_trio import close_context, receive_message, wait_for_message
 from iop.adapters._kv_zmq import KVEventsSubscriber
-from iop.config import VllmInstance
+from iop.config import SimConfig, VllmInstance
 from iop.wire._kv_events import CacheMirror
 from tests._vllm_kv_events import (
     END_SEQ,
@@ -277,3 +278,68 @@ async def test_a_replay_that_does_not_answer_times_out_and_the_next_one_works(
         await until(lambda: sub.mirror.last_seq == 4)
         assert pub.requests == [1, 3]
         assert (sub.mirror.gaps, sub.mirror.blocks) == (1, 3)
+
+
+def vllm(**kw: Any) -> VllmInstance:
+    return msgspec.convert({"name": "v", "endpoint": "http://e.test:8000/v1", **kw}, VllmInstance)
+
+
+EP: Final = {"kv_events_endpoint": "tcp://gpu-1:5557"}
+
+
+@pytest.mark.parametrize(
+    ("keys", "error"),
+    [
+        ({"kv_events_max_bytes": 1023}, "kv_events_max_bytes must be 1024.."),
+        ({"kv_events_max_bytes": 256 * 2**20 + 1}, "kv_events_max_bytes must be 1024.."),
+        ({"kv_events_max_queued": 0}, "kv_events_max_queued must be 1..100000"),
+        ({"kv_events_max_queued": 100_001}, "kv_events_max_queued must be 1..100000"),
+        ({"kv_events_replay_timeout_s": 0}, "kv_events_replay_timeout_s must be > 0"),
+        ({"kv_events_replay_timeout_s": 60.5}, "kv_events_replay_timeout_s must be > 0"),
+        ({"kv_events_max_replay": -1}, "kv_events_max_replay must be 0..1000000"),
+        ({"kv_events_max_replay": 1_000_001}, "kv_events_max_replay must be 0..1000000"),
+        ({"kv_events_endpoint": "tcp://*:5557"}, "name the publisher's host"),
+        ({"kv_events_endpoint": "http://gpu-1:5557"}, "tcp://host:port or ipc://path"),
+        ({"kv_events_endpoint": "tcp://gpu-1"}, "tcp://host:port"),
+        ({"kv_events_path": "/kv_events"}, "choose one"),
+        ({"load_scrape_interval_s": 0}, "needs load_scrape_interval_s > 0"),
+    ],
+)
+def test_kv_events_keys_are_bounded(keys: dict[str, Any], error: str) -> None:
+    with pytest.raises(msgspec.ValidationError, match=re.escape(error)):
+        vllm(**{**EP, **keys})
+
+
+def test_kv_events_keys_at_their_bounds() -> None:
+    for keys in (
+        {"kv_events_max_bytes": 1024, "kv_events_max_queued": 1, "kv_events_max_replay": 0},
+        {
+            "kv_events_max_bytes": 256 * 2**20,
+            "kv_events_max_queued": 100_000,
+            "kv_events_replay_timeout_s": 60,
+            "kv_events_max_replay": 1_000_000,
+        },
+        {"kv_events_endpoint": "ipc:///run/vllm/kv-events", "kv_events_replay_endpoint": ""},
+        {"kv_events_replay_endpoint": "tcp://gpu-1:5558"},
+    ):
+        vllm(**{**EP, **keys})
+    with pytest.raises(msgspec.ValidationError, match="needs kv_events_endpoint"):
+        vllm(kv_events_replay_endpoint="tcp://gpu-1:5558")
+
+
+def test_the_sim_binds_what_a_node_connects_to() -> None:
+    cfg = msgspec.convert({"kv_events_endpoint": "tcp://*:5557"}, SimConfig)
+    assert cfg.kv_events_endpoint == "tcp://*:5557"
+    msgspec.convert({"kv_events_endpoint": "tcp://127.0.0.1:*"}, SimConfig)
+    with pytest.raises(msgspec.ValidationError, match="needs kv_events_endpoint"):
+        msgspec.convert({"kv_events_replay_endpoint": "tcp://*:5558"}, SimConfig)
+
+
+async def test_the_subscription_holds_at_most_max_queued(pub: Publisher) -> None:
+    """``kv_events_max_queued`` is the SUB socket's ZMQ_RCVHWM, past which
+    ZeroMQ drops messages (the gap is then handled as any other)."""
+    async with following(config(pub, kv_events_max_queued=7, kv_events_max_bytes=5000)) as sub:
+        await pub.joined()
+        sock = sub._sub
+        assert sock is not None
+        assert (sock.getsockopt(zmq.RCVHWM), sock.getsockopt(zmq.MAXMSGSIZE)) == (7, 5000)
