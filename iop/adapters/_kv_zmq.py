@@ -248,8 +248,8 @@ class KVEventsSubscriber:
         if not self._failing:
             self._failing = True
             log.warning(
-                "instance %s: KV events from %s: %s; what the cache holds is counted "
-                "again from the next batch. Logged again when they are read again.",
+                "instance %s: KV events from %s: %s. Further trouble is not logged "
+                "until a batch is read again.",
                 self.cfg.name,
                 self.cfg.kv_events_endpoint,
                 why,
