@@ -10,14 +10,17 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Final
 
+import httpx
 import msgspec
 import pytest
 import trio
 import zmq
 
 from iop._zmq_trio import close_context, receive_message, wait_for_message
+from iop.adapters import VllmAdapter
 from iop.adapters._kv_zmq import KVEventsSubscriber
 from iop.config import SimConfig, VllmInstance
+from iop.sim._engine import Engine
 from iop.wire._kv_events import CacheMirror
 from tests._vllm_kv_events import (
     END_SEQ,
@@ -343,3 +346,29 @@ async def test_the_subscription_holds_at_most_max_queued(pub: Publisher) -> None
         sock = sub._sub
         assert sock is not None
         assert (sock.getsockopt(zmq.RCVHWM), sock.getsockopt(zmq.MAXMSGSIZE)) == (7, 5000)
+
+
+async def test_the_vllm_adapter_reports_what_its_subscription_counted(pub: Publisher) -> None:
+    """``VllmAdapter.follow_kv_events`` feeds the mirror its load scrape
+    reports (``cached_tokens``), capped at the cache's size from ``/metrics``."""
+    page = Engine(SimConfig(kv_cache_blocks=4, kv_block_tokens=16)).metrics("m")
+    transport = httpx.MockTransport(lambda _: httpx.Response(200, content=page))
+    adapter = VllmAdapter(config(pub), transport=transport)
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(adapter.follow_kv_events)
+            await pub.joined()
+            assert (await adapter.engine_load()).cached_tokens is None  # nothing heard yet
+            pub.send(0, stored(1, 2))
+            await until(lambda: adapter._kv_mirror.last_seq == 0)
+            assert (await adapter.engine_load()).cached_tokens == 32
+            pub.send(1, stored(3, 4, 5, 6, 7))
+            await until(lambda: adapter._kv_mirror.last_seq == 1)
+            assert (await adapter.engine_load()).cached_tokens == 4 * 16  # the cache's size
+            nursery.cancel_scope.cancel()
+    finally:
+        await adapter.aclose()
+    plain = VllmAdapter(vllm())
+    with trio.fail_after(DEADLINE_S):
+        await plain.follow_kv_events()  # no endpoint: returns at once
+    await plain.aclose()
