@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from iop.wire._kv_events import (
     AllBlocksCleared,
@@ -200,3 +202,23 @@ def test_replay_answers_as_a_dealer_reads_them() -> None:
     for bad in ([(5).to_bytes(8, "big"), payload], [b"", b"\x05", payload], [b""] * 5):
         with pytest.raises(ValueError, match=r"replay answer|sequence number"):
             parse_replay_frames(bad)
+
+
+@given(st.binary(max_size=512))
+def test_any_bytes_are_a_batch_or_a_value_error(payload: bytes) -> None:
+    """What a publisher sends is never more than a refused batch."""
+    try:
+        batch = decode_kv_events(payload)
+    except ValueError:
+        return
+    assert isinstance(batch, KVEventBatch)
+
+
+@given(st.integers(0, 40))
+def test_a_batch_cut_anywhere_is_refused(cut: int) -> None:
+    payload = PACK.encode(_v3_batch())
+    cut = min(cut, len(payload) - 1)
+    with pytest.raises(ValueError, match="KV event batch"):
+        decode_kv_events(payload[:cut])
+    with pytest.raises(ValueError, match="KV event batch"):
+        decode_kv_events(payload + payload[:cut] + b"\x00")  # trailing garbage
