@@ -26,6 +26,7 @@ class Extra(enum.Enum):
 
     OTEL = ("otel", ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http"))
     CLUSTER = ("cluster", ("coredis",))
+    KVEVENTS = ("kvevents", ("zmq",))
 
     def __init__(self, extra: str, modules: tuple[str, ...]) -> None:
         self.extra = extra

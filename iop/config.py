@@ -293,18 +293,86 @@ class VllmInstance(HTTPInstance, frozen=True, tag="vllm", kw_only=True):
             with tools described in the prompt and parse calls from text.
         kv_events_path: A path at the server's root that serves its KV
             cache events over HTTP (``/kv_events`` of ``iop sim``), read
-            with each load scrape; empty: none. vLLM itself publishes them
-            over ZeroMQ only, which the node does not read
+            with each load scrape; empty: none.
+        kv_events_endpoint: The ZeroMQ PUB endpoint vLLM publishes its KV
+            cache events on (``--kv-events-config``'s ``endpoint``, with the
+            host the node reaches: ``tcp://gpu-1:5557``); the node
+            subscribes (the ``kvevents`` extra); empty: none
             (docs/operations.md, "What the caches hold").
+        kv_events_topic: The topic vLLM publishes on (its ``topic``).
+        kv_events_replay_endpoint: vLLM's ROUTER replay endpoint (its
+            ``replay_endpoint``), asked for the batches a gap in the
+            sequence numbers lost; empty: a gap starts the count over.
+        kv_events_max_bytes: Largest frame read from either socket; a
+            publisher that sends a bigger one is disconnected (ZeroMQ's
+            ``ZMQ_MAXMSGSIZE``) and reconnected, its batch lost.
+        kv_events_max_queued: Messages the subscription holds unread
+            (ZeroMQ's ``ZMQ_RCVHWM``); past it ZeroMQ drops them (a gap).
+        kv_events_replay_timeout_s: Deadline of one replay (the request
+            and every answer up to its end marker).
+        kv_events_max_replay: Most batches one replay asks for; a bigger
+            gap starts the count over without asking; 0: never ask.
     """
 
     text_tool_fallback: bool = True
     kv_events_path: str = ""
+    kv_events_endpoint: str = ""
+    kv_events_topic: str = ""
+    kv_events_replay_endpoint: str = ""
+    # iop.wire._kv_events.MAX_KV_EVENTS_BYTES: some 40,000 blocks a batch.
+    kv_events_max_bytes: int = 4 * 1024 * 1024
+    # ZeroMQ's default high-water mark: 1,000 batches, a few seconds of a
+    # busy engine, and at most that many frames of kv_events_max_bytes.
+    kv_events_max_queued: int = 1000
+    kv_events_replay_timeout_s: float = 2.0
+    # vLLM's replay buffer keeps 10,000 batches (buffer_steps).
+    kv_events_max_replay: int = 10_000
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.kv_events_path and not self.kv_events_path.startswith("/"):
             raise ValueError("kv_events_path must start with /")
+        if self.kv_events_path and self.kv_events_endpoint:
+            raise ValueError("kv_events_path and kv_events_endpoint: choose one")
+        for key in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            _check_zmq_endpoint(key, getattr(self, key))
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
+        if self.kv_events_endpoint and not self.load_scrape_interval_s > 0:
+            # The count reaches the edge with the load scrape's figures.
+            raise ValueError("kv_events_endpoint needs load_scrape_interval_s > 0")
+        if not 1024 <= self.kv_events_max_bytes <= MAX_KV_EVENTS_BYTES_BOUND:
+            raise ValueError(f"kv_events_max_bytes must be 1024..{MAX_KV_EVENTS_BYTES_BOUND}")
+        if not 1 <= self.kv_events_max_queued <= MAX_KV_EVENTS_QUEUED:
+            raise ValueError(f"kv_events_max_queued must be 1..{MAX_KV_EVENTS_QUEUED}")
+        if not 0 < self.kv_events_replay_timeout_s <= MAX_KV_EVENTS_REPLAY_TIMEOUT_S:
+            raise ValueError(
+                f"kv_events_replay_timeout_s must be > 0 and <= {MAX_KV_EVENTS_REPLAY_TIMEOUT_S:g}"
+            )
+        if not 0 <= self.kv_events_max_replay <= MAX_KV_EVENTS_REPLAY:
+            raise ValueError(f"kv_events_max_replay must be 0..{MAX_KV_EVENTS_REPLAY}")
+
+
+# KV events over ZeroMQ: beyond these a value is a typo, not a deployment.
+MAX_KV_EVENTS_BYTES_BOUND: Final = 256 * 1024 * 1024
+MAX_KV_EVENTS_QUEUED: Final = 100_000
+MAX_KV_EVENTS_REPLAY_TIMEOUT_S: Final = 60.0
+MAX_KV_EVENTS_REPLAY: Final = 1_000_000
+
+
+def _check_zmq_endpoint(key: str, endpoint: str, *, bind: bool = False) -> None:
+    """A ZeroMQ endpoint across processes: ``tcp://host:port`` or ``ipc://path``
+    (``*`` for all interfaces only where it is bound)."""
+    if not endpoint:
+        return
+    if not endpoint.startswith(("tcp://", "ipc://")):
+        raise ValueError(f"{key} must be tcp://host:port or ipc://path, got {endpoint!r}")
+    if endpoint.startswith("tcp://"):
+        host, sep, port = endpoint.removeprefix("tcp://").rpartition(":")
+        if not sep or not host or not (port.isdigit() or (bind and port == "*")):
+            raise ValueError(f"{key} must be tcp://host:port, got {endpoint!r}")
+        if "*" in host and not bind:
+            raise ValueError(f"{key} is connected to: name the publisher's host, not *")
 
 
 def _check_json_object(key: str, text: str) -> None:
@@ -398,6 +466,13 @@ class SimConfig(_Config, frozen=True, kw_only=True):
             ``engine = "sim"``) takes this long to load; 0: at once.
         memory_mib: The memory such a model takes from the node's
             ``node.memory_mib`` budget, unless the model sets its own.
+        kv_events_endpoint: Publish the prefix cache's events over ZeroMQ
+            on this endpoint (bound: ``tcp://127.0.0.1:5557``,
+            ``tcp://*:5557``), in vLLM's frames and bytes
+            (``iop.sim._kv_publisher``); empty: none. The server's.
+        kv_events_replay_endpoint: Serve replays of the last batches on this
+            ROUTER endpoint, as vLLM's ``replay_endpoint``. The server's.
+        kv_events_topic: The topic of every message (vLLM's ``topic``).
     """
 
     model: str = "iop-sim"
@@ -438,6 +513,10 @@ class SimConfig(_Config, frozen=True, kw_only=True):
     kv_block_tokens: int = 16
     max_num_seqs: int = 0
     decode_slowdown: float = 0.0
+    # The cache's events over ZeroMQ, as vLLM publishes them: off unless set.
+    kv_events_endpoint: str = ""
+    kv_events_replay_endpoint: str = ""
+    kv_events_topic: str = ""
     # On-demand models (docs/operations.md, "Models on demand"): a sim model
     # loads at once and takes 1 MiB unless a test says otherwise.
     load_time_s: float = 0.0
@@ -463,6 +542,10 @@ class SimConfig(_Config, frozen=True, kw_only=True):
             raise ValueError(f"load_time_s must be 0..{MAX_MODEL_LOAD_S:g}")
         if not 1 <= self.memory_mib <= MAX_MEMORY_MIB:
             raise ValueError(f"memory_mib must be 1..{MAX_MEMORY_MIB}")
+        for key in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            _check_zmq_endpoint(key, getattr(self, key), bind=True)
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
 
 
 class SimInstance(InstanceBase, frozen=True, tag="sim", kw_only=True):

@@ -152,6 +152,12 @@ NEEDS_EXTRA: Final = [
     ("up", "[edge.cluster]\nvalkey_url = 'redis://127.0.0.1:6379'\n", "cluster"),
     ("edge", "[tracing]\notlp_endpoint = 'http://127.0.0.1:4318/v1/traces'\n", "otel"),
     ("edge", "[cluster]\nvalkey_url = 'redis://127.0.0.1:6379'\n", "cluster"),
+    (
+        "up",
+        "[[instances]]\nadapter = 'vllm'\nname = 'q'\nendpoint = 'http://127.0.0.1:8000'\n"
+        "kv_events_endpoint = 'tcp://127.0.0.1:5557'\n",
+        "kvevents",
+    ),
 ]
 
 
@@ -159,7 +165,7 @@ NEEDS_EXTRA: Final = [
 @pytest.mark.parametrize(
     ("command", "config", "extra"),
     NEEDS_EXTRA,
-    ids=["up-otel", "up-cluster", "edge-otel", "edge-cluster"],
+    ids=["up-otel", "up-cluster", "edge-otel", "edge-cluster", "up-kvevents"],
 )
 def test_a_config_that_needs_a_missing_extra_is_one_line(
     venv: Path, tmp_path: Path, command: str, config: str, extra: str

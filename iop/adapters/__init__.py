@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import httpx
 
-from iop.adapters._base import Adapter, EngineLoadReader, require_model_and_messages
+from iop.adapters._base import (
+    Adapter,
+    EngineLoadReader,
+    KVEventsFollower,
+    require_model_and_messages,
+)
 from iop.adapters._http import HTTP_OPERATIONS, build_chat_body, join_openai_path
 from iop.adapters.openai_compat import OpenAICompatAdapter
 from iop.adapters.sim import SimAdapter
@@ -22,6 +27,7 @@ __all__ = [
     "HTTP_OPERATIONS",
     "Adapter",
     "EngineLoadReader",
+    "KVEventsFollower",
     "OpenAICompatAdapter",
     "SimAdapter",
     "VllmAdapter",

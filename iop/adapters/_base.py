@@ -19,7 +19,13 @@ from iop.runtime import EventSender
 from iop.spec import ChatRequest, ExecutionSpec
 from iop.wire._engine_load import EngineFigures
 
-__all__ = ["Adapter", "EngineLoadReader", "require_model", "require_model_and_messages"]
+__all__ = [
+    "Adapter",
+    "EngineLoadReader",
+    "KVEventsFollower",
+    "require_model",
+    "require_model_and_messages",
+]
 
 
 class Adapter(Protocol):
@@ -65,6 +71,18 @@ class EngineLoadReader(Protocol):
         Raises:
             IopError: It could not be read.
         """
+        ...
+
+
+@runtime_checkable
+class KVEventsFollower(Protocol):
+    """An adapter whose engine pushes its KV cache events (``vllm`` with
+    ``kv_events_endpoint``); the node follows them beside its load scrape,
+    which reports what they say the cache holds."""
+
+    async def follow_kv_events(self) -> None:
+        """Apply the engine's events until cancelled (returns at once when
+        there are none to follow). Never raises for what the engine sends."""
         ...
 
 

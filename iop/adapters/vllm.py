@@ -75,27 +75,41 @@ class VllmAdapter(HTTPAdapter):
         self._kv_mirror = CacheMirror()
 
     async def engine_load(self) -> EngineFigures:
-        """The load on ``/metrics``, and, when the server serves its KV
-        cache events (``kv_events_path``), what its prefix cache holds now
-        (``iop.wire._kv_events``): read on from the last batch each time.
+        """The load on ``/metrics``, and, when the node reads the server's KV
+        cache events, what its prefix cache holds now
+        (``iop.wire._kv_events``): over HTTP (``kv_events_path``, the sim's),
+        read on from the last batch each time; over ZeroMQ
+        (``kv_events_endpoint``, vLLM's), as ``follow_kv_events`` applied them.
 
         Raises:
             BackendError: A page could not be read, or is not what it should be.
         """
         figures = await super().engine_load()
-        if not self.cfg.kv_events_path:
+        if not (self.cfg.kv_events_path or self.cfg.kv_events_endpoint):
             return figures
         mirror = self._kv_mirror
         if figures.cache_tokens is not None and mirror.block_size > 0:
             mirror.capacity_blocks = figures.cache_tokens // mirror.block_size
-        page = await self._http.fetch_page(self.cfg.kv_events_path, f"after={mirror.last_seq}")
-        try:
-            batches = _EVENTS_PAGE.decode(page)
-            for seq, payload in batches:
-                mirror.apply(seq, decode_kv_events(payload))
-        except (msgspec.DecodeError, ValueError) as exc:
-            raise BackendProtocolError(f"{self.cfg.kv_events_path}: {exc}") from exc
+        if self.cfg.kv_events_path:
+            page = await self._http.fetch_page(self.cfg.kv_events_path, f"after={mirror.last_seq}")
+            try:
+                batches = _EVENTS_PAGE.decode(page)
+                for seq, payload in batches:
+                    mirror.apply(seq, decode_kv_events(payload))
+            except (msgspec.DecodeError, ValueError) as exc:
+                raise BackendProtocolError(f"{self.cfg.kv_events_path}: {exc}") from exc
         return msgspec.structs.replace(figures, cached_tokens=mirror.tokens)
+
+    async def follow_kv_events(self) -> None:
+        """Subscribe to the server's KV cache events over ZeroMQ
+        (``kv_events_endpoint``; ``iop.adapters._kv_zmq``) until cancelled;
+        returns at once when it has none to follow."""
+        if not self.cfg.kv_events_endpoint:
+            return
+        # The kvevents extra: imported only when a config asks for it.
+        from iop.adapters._kv_zmq import KVEventsSubscriber
+
+        await KVEventsSubscriber(self.cfg, self._kv_mirror).run()
 
     async def execute_chat(self, spec: ExecutionSpec, send: EventSender) -> None:
         model = require_model_and_messages(self.kind, spec)

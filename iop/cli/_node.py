@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
@@ -26,7 +27,14 @@ from iop._reload import NODE_RULES, managed_instances
 from iop._secrets import node_secrets, register_secrets
 from iop.cli._reloader import Reloader, watch_reloads
 from iop.cli._signals import open_stop_signals
-from iop.config import HTTPInstance, InstanceConfig, LlamaCppInstance, NodeConfig, load_config
+from iop.config import (
+    HTTPInstance,
+    InstanceConfig,
+    LlamaCppInstance,
+    NodeConfig,
+    VllmInstance,
+    load_config,
+)
 from iop.errors import ConfigError
 from iop.node import NodeAgent, open_node_agent
 
@@ -99,7 +107,19 @@ def _load(path: str) -> NodeConfig:
         )
     if cfg.tracing.otlp_endpoint:
         require(Extra.OTEL, "tracing.otlp_endpoint")
+    require_instance_extras(cfg.instances)
     return cfg
+
+
+def require_instance_extras(instances: Sequence[InstanceConfig]) -> None:
+    """Refuse, before anything starts, an instance whose keys need a missing extra.
+
+    Raises:
+        ConfigError: One does (the line names what to install).
+    """
+    for inst in instances:
+        if isinstance(inst, VllmInstance) and inst.kv_events_endpoint:
+            require(Extra.KVEVENTS, f"instance {inst.name!r}: kv_events_endpoint")
 
 
 def _cmd_node(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 import trio
 
+from iop._extras import Extra, require
 from iop.cli._signals import open_stop_signals
 from iop.config import SimConfig, load_config
 from iop.errors import ConfigError
@@ -47,6 +48,8 @@ examples:
   iop sim --failure midstream_error --fail-after-tokens 4
   iop sim --kv-cache-blocks 8192 --prefill-tokens-per-s 4000 --max-num-seqs 8
                                              # an engine with a prefix cache and a batch
+  iop sim --kv-cache-blocks 8192 --kv-events-endpoint 'tcp://*:5557' --kv-events-topic kv-events
+                                             # ... publishing its cache's events as vLLM does
   iop sim --config sim.toml --seed 7         # [sim] table from a file, seed overridden
   iop sim --tool-call-name shell --tool-call-name Bash \\
           --tool-call-arguments '{"command": "echo iop-tool-ok"}'
@@ -235,6 +238,22 @@ def add_parser(sub: Any) -> None:
         metavar="F",
         help="each other running request stretches a token's delay by F (default: 0)",
     )
+    k = p.add_argument_group(
+        "KV cache events",
+        "the prefix cache's events over ZeroMQ, in vLLM's frames and bytes (the kvevents "
+        'extra; docs/operations.md, "What the caches hold")',
+    )
+    k.add_argument(
+        "--kv-events-endpoint",
+        metavar="ENDPOINT",
+        help="publish on this PUB endpoint, bound (vLLM's endpoint: tcp://*:5557)",
+    )
+    k.add_argument(
+        "--kv-events-replay-endpoint",
+        metavar="ENDPOINT",
+        help="serve replays on this ROUTER endpoint (vLLM's replay_endpoint)",
+    )
+    k.add_argument("--kv-events-topic", metavar="TOPIC", help="the messages' topic (default: '')")
     p.set_defaults(func=_cmd_sim)
 
 
@@ -261,6 +280,9 @@ _OVERRIDES = (
     "kv_block_tokens",
     "max_num_seqs",
     "decode_slowdown",
+    "kv_events_endpoint",
+    "kv_events_replay_endpoint",
+    "kv_events_topic",
 )
 
 
@@ -301,6 +323,8 @@ def _name_values(flag: str, items: list[str]) -> list[tuple[str, str]]:
 
 def _cmd_sim(args: argparse.Namespace) -> int:
     cfg = sim_config_from_args(args)
+    if cfg.kv_events_endpoint:
+        require(Extra.KVEVENTS, "kv_events_endpoint")
     if (args.tls_certfile is None) != (args.tls_keyfile is None):
         raise ConfigError("--tls-certfile and --tls-keyfile go together")
     tls = None if args.tls_certfile is None else (args.tls_certfile, args.tls_keyfile)

@@ -29,6 +29,7 @@ import trio
 from iop._reload import UP_RULES, managed_instances
 from iop._secrets import register_secrets, up_secrets
 from iop.cli._edge import SURFACE_OPERATIONS, describe_edge, require_extras
+from iop.cli._node import require_instance_extras
 from iop.cli._reloader import Reloader, watch_reloads
 from iop.cli._signals import open_stop_signals
 from iop.config import (
@@ -126,6 +127,7 @@ def up_config_from_args(
         embedded = msgspec.structs.replace(embedded, kind=args.backend)
     edge = msgspec.structs.replace(cfg.edge, server=server, link=link)
     require_extras(edge, section="edge.")
+    require_instance_extras(cfg.instances)
     if edge.usage.ledger_path:
         from iop.ledger import check_ledger_path
 

@@ -71,7 +71,7 @@ import trio
 
 from iop import __version__
 from iop._secrets import SecretMasker, node_secrets
-from iop.adapters import Adapter, EngineLoadReader
+from iop.adapters import Adapter, EngineLoadReader, KVEventsFollower
 from iop.capabilities import Capabilities, ProviderStatus
 from iop.config import LlamaCppInstance, NodeConfig, NodeEdge
 from iop.errors import (
@@ -90,6 +90,7 @@ from iop.node._instances import (
     PROBE_GUARD_S,
     Instance,
     RunExecutor,
+    follow_kv_events,
     probe,
     scrape_engine_load,
 )
@@ -534,7 +535,10 @@ class NodeAgent:
 
             async def scrape() -> None:
                 with scope:
-                    await scrape_engine_load(inst, reader, self._load_changed)
+                    async with trio.open_nursery() as nursery:
+                        if isinstance(reader, KVEventsFollower):
+                            nursery.start_soon(follow_kv_events, inst, reader)
+                        await scrape_engine_load(inst, reader, self._load_changed)
 
             self._nursery.start_soon(scrape, name=f"load scrape {inst.name}")
 

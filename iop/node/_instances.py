@@ -21,7 +21,10 @@ instance's engine publishes about its load (``EngineLoadReader``), for the
 node's load reports (``Instance.load``). A failed scrape keeps the last
 figures, which age in the reports until the edge ignores them
 (``scheduler.load_stale_s``); failures are logged when the scrape starts
-failing and when it recovers, not once per scrape.
+failing and when it recovers, not once per scrape. Beside it,
+``follow_kv_events`` applies the KV cache events an engine pushes
+(``KVEventsFollower``: vLLM's over ZeroMQ), whose count the next scrape
+reports.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from typing import Final
 import msgspec
 import trio
 
-from iop.adapters import Adapter, EngineLoadReader
+from iop.adapters import Adapter, EngineLoadReader, KVEventsFollower
 from iop.capabilities import Capabilities, ProviderStatus, provider_detail
 from iop.config import Deadlines, InstanceConfig
 from iop.errors import IopError
@@ -51,6 +54,7 @@ __all__ = [
     "SCRAPE_GUARD_S",
     "Instance",
     "RunExecutor",
+    "follow_kv_events",
     "probe",
     "scrape_engine_load",
 ]
@@ -314,3 +318,17 @@ async def scrape_engine_load(
                 inst.engine = figures
                 on_change()
         await trio.sleep(interval)
+
+
+async def follow_kv_events(inst: Instance, follower: KVEventsFollower) -> None:
+    """Follow ``inst``'s engine's KV cache events until cancelled. A broken
+    follower is logged and stops: the scrape goes on, and the edge's index
+    then works from the cache's size alone."""
+    try:
+        await follower.follow_kv_events()
+    except Exception:
+        log.exception(
+            "instance %s: following the engine's KV cache events stopped; what its "
+            "cache holds is no longer reported",
+            inst.name,
+        )

@@ -46,7 +46,7 @@ import hashlib
 import math
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -54,6 +54,7 @@ import trio
 
 from iop.config import SimConfig
 from iop.wire._kv_events import (
+    MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -91,7 +92,8 @@ class PrefixCache:
 
     Every change is also published as vLLM publishes its KV cache events
     (``iop.wire._kv_events``): one batch per insert or clear, numbered from
-    0, the last ``KV_EVENT_BATCHES_KEPT`` of them kept for ``events_after``.
+    0, the last ``KV_EVENT_BATCHES_KEPT`` of them kept for ``events_after``
+    (the HTTP page and the ZeroMQ publisher, ``iop.sim._kv_publisher``).
     """
 
     def __init__(self, capacity: int) -> None:
@@ -99,6 +101,13 @@ class PrefixCache:
         self._blocks: OrderedDict[bytes, None] = OrderedDict()
         self._journal: deque[tuple[int, bytes]] = deque(maxlen=KV_EVENT_BATCHES_KEPT)
         self._next_seq = 0
+        # Called after each batch is journaled (the ZeroMQ publisher waits on it).
+        self.on_publish: Callable[[], None] | None = None
+
+    @property
+    def kept(self) -> int:
+        """How many published batches the journal keeps."""
+        return KV_EVENT_BATCHES_KEPT
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -148,10 +157,11 @@ class PrefixCache:
                     parent_block_hash=hashes[first - 1] if first > 0 else None,
                     token_ids=list(token_ids[first * block_tokens : end * block_tokens]),
                     block_size=block_tokens,
+                    medium=MEDIUM_GPU,
                 )
             )
         if removed:
-            events.append(BlockRemoved(block_hashes=list(removed)))
+            events.append(BlockRemoved(block_hashes=list(removed), medium=MEDIUM_GPU))
         self._publish(events)
 
     def clear(self) -> None:
@@ -161,9 +171,12 @@ class PrefixCache:
 
     def _publish(self, events: list[KVCacheEvent]) -> None:
         if events:
-            batch = KVEventBatch(ts=time.time(), events=events)
+            # vLLM's publisher stamps its data parallel rank (0 without DP).
+            batch = KVEventBatch(ts=time.time(), events=events, data_parallel_rank=0)
             self._journal.append((self._next_seq, encode_kv_events(batch)))
             self._next_seq += 1
+            if self.on_publish is not None:
+                self.on_publish()
 
     def events_after(self, seq: int, limit: int) -> list[tuple[int, bytes]]:
         """At most ``limit`` published batches numbered above ``seq``, oldest

@@ -104,9 +104,19 @@ __all__ = [
 ]
 
 SIM_OVERRIDE_KEY: Final = "iop_sim"
-# The engine model's shape (iop/sim/_engine.py): one per server, so no
-# request may change it for itself.
-SERVER_KEYS: Final = frozenset({"kv_cache_blocks", "kv_block_tokens", "max_num_seqs"})
+# The engine model's shape (iop/sim/_engine.py) and where its cache's events
+# go (iop/sim/_kv_publisher.py): one per server, so no request may change
+# them for itself.
+SERVER_KEYS: Final = frozenset(
+    {
+        "kv_cache_blocks",
+        "kv_block_tokens",
+        "max_num_seqs",
+        "kv_events_endpoint",
+        "kv_events_replay_endpoint",
+        "kv_events_topic",
+    }
+)
 
 # How much of a tool result the scripted answer quotes: enough for any
 # marker a test prints, short enough to keep the answer one line.

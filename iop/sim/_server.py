@@ -50,7 +50,7 @@ from iop.sim._completions import (
     parse_completion_request,
 )
 from iop.sim._embeddings import check_embedding_request, embedding_body, parse_embedding_request
-from iop.sim._engine import Admission, Engine
+from iop.sim._engine import Admission, Engine, PrefixCache
 from iop.sim._script import apply_overrides, build_script
 from iop.sim._tokenize_api import detokenize_body, tokenize_body
 from iop.sim._tokenizer import tokenize_chat
@@ -467,6 +467,20 @@ def create_sim_app(cfg: SimConfig) -> SimApp:
     return app
 
 
+async def _publish_kv_events(
+    scope: trio.CancelScope,
+    cache: PrefixCache,
+    cfg: SimConfig,
+    *,
+    task_status: trio.TaskStatus[tuple[str, str]] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    # The kvevents extra (pyzmq): imported only when the sim publishes.
+    from iop.sim._kv_publisher import publish_kv_events
+
+    with scope:
+        await publish_kv_events(cache, cfg, task_status=task_status)
+
+
 def _bind(host: str, port: int) -> str:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"  # IPv6 literal
@@ -515,10 +529,19 @@ async def serve_sim(
     if tls is not None:
         hc.certfile, hc.keyfile = tls
     async with trio.open_nursery() as nursery:
+        # The KV events publisher lives as long as the HTTP server.
+        publishing = trio.CancelScope()
+        if cfg.kv_events_endpoint:
+            await nursery.start(_publish_kv_events, publishing, app.engine.cache, cfg)
+
+        async def serving(*, task_status: trio.TaskStatus[list[str]]) -> None:
+            try:
+                await serve(app, hc, shutdown_trigger=shutdown_trigger, task_status=task_status)
+            finally:
+                publishing.cancel()
+
         try:
-            binds: list[str] = await nursery.start(
-                partial(serve, app, hc, shutdown_trigger=shutdown_trigger)
-            )
+            binds: list[str] = await nursery.start(serving)
         except (OSError, BaseExceptionGroup) as exc:
             error = listen_error_from(hc.bind[0], exc)
             if error is None:

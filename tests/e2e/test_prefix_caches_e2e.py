@@ -11,7 +11,8 @@ each behind its own ``iop node`` (a ``vllm`` instance that reads the sim's
   and placement no longer prefers that engine for it.
 * When an engine's cache is reset (``POST /reset_prefix_cache``, behind the
   edge's back), its ``AllBlocksCleared`` event reaches the edge through
-  the node's load report and the index forgets that engine's blocks.
+  the node's load report and the index forgets that engine's blocks, the
+  events read over HTTP or over ZeroMQ as vLLM publishes them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any, Final
 import httpx
 import pytest
 
-from tests.e2e._platform import MODEL, Edge, Procs, Sim, poll
+from tests.e2e._platform import MODEL, Edge, Procs, Sim, free_port, poll
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,8 +74,20 @@ def _held(edge: Edge) -> dict[str, dict[str, Any]]:
     return held
 
 
-def _cluster(procs: Procs) -> tuple[Edge, dict[str, Sim]]:
-    sims = {n: procs.sim(f"sim-{n}", *SIM_FLAGS) for n in ("n1", "n2")}
+def _events(transport: str) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """The sim's flags and the node's instance keys for its KV events: over
+    HTTP (the sim's page), or over ZeroMQ as vLLM publishes them."""
+    if transport == "http":
+        return (), {"kv_events_path": "/kv_events"}
+    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    flags = ("--kv-events-endpoint", pub, "--kv-events-replay-endpoint", replay)
+    keys = {"kv_events_endpoint": pub, "kv_events_replay_endpoint": replay}
+    return (*flags, "--kv-events-topic", "kv-events"), {**keys, "kv_events_topic": "kv-events"}
+
+
+def _cluster(procs: Procs, transport: str = "http") -> tuple[Edge, dict[str, Sim]]:
+    events = {n: _events(transport) for n in ("n1", "n2")}
+    sims = {n: procs.sim(f"sim-{n}", *SIM_FLAGS, *events[n][0]) for n in ("n1", "n2")}
     edge = procs.edge(
         {
             "server": {"admin_keys": [ADMIN_KEY]},
@@ -88,7 +101,7 @@ def _cluster(procs: Procs) -> tuple[Edge, dict[str, Sim]]:
             sim,
             node_id=n,
             name=n,
-            instance={"kv_events_path": "/kv_events", "load_scrape_interval_s": 0.2},
+            instance={**events[n][1], "load_scrape_interval_s": 0.2},
         )
     edge.wait_ready()
     # Both caches' sizes have reached the edge: every instance is bounded.
@@ -127,8 +140,11 @@ def test_placement_stops_preferring_an_engine_that_evicted_the_prefix(procs: Pro
     assert scores[f"{first}/vllm-sim"] <= scores[f"{other}/vllm-sim"]
 
 
-def test_a_reset_cache_is_forgotten_through_its_kv_events(procs: Procs) -> None:
-    edge, sims = _cluster(procs)
+@pytest.mark.parametrize("transport", ["http", "zmq"])
+def test_a_reset_cache_is_forgotten_through_its_kv_events(procs: Procs, transport: str) -> None:
+    """Over the sim's HTTP page, or over ZeroMQ in vLLM's frames and bytes
+    (``kv_events_endpoint``): the node's cache report follows either."""
+    edge, sims = _cluster(procs, transport)
     rng = random.Random(8)
     prompt = _system(rng)
     first, _, _ = _chat(edge, prompt)

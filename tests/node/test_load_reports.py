@@ -419,3 +419,35 @@ async def test_a_reader_with_no_interval_returns_at_once() -> None:
     async with trio.open_nursery() as nursery:
         await nursery.start(scrape_engine_load, inst, reader, lambda: None)
     assert reader.steps == ["crash"]  # never called
+
+
+async def test_a_crashing_kv_events_follower_is_logged_and_stops_alone(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A follower's bug (``KVEventsFollower``) is logged; it does not reach
+    the node's nursery, whose scrape goes on."""
+    from iop.node._instances import Instance, follow_kv_events
+
+    class Broken:
+        async def follow_kv_events(self) -> None:
+            raise RuntimeError("follower bug")
+
+    inst = Instance(sim(), VllmAdapter(vllm_instance()))
+    caplog.set_level(logging.INFO, logger="iop.node")
+    await follow_kv_events(inst, Broken())
+    (record,) = [r for r in caplog.records if "KV cache events stopped" in r.message]
+    assert record.exc_info is not None
+    assert "follower bug" in str(record.exc_info[1])
+
+
+async def test_cancelling_a_kv_events_follower_is_not_swallowed() -> None:
+    from iop.node._instances import Instance, follow_kv_events
+
+    class Forever:
+        async def follow_kv_events(self) -> None:
+            await trio.sleep_forever()
+
+    inst = Instance(sim(), VllmAdapter(vllm_instance()))
+    with trio.move_on_after(0.01) as scope:
+        await follow_kv_events(inst, Forever())
+    assert scope.cancelled_caught

@@ -164,6 +164,13 @@ async def test_over_http_the_second_turn_reuses_the_first_ones_prefix() -> None:
         )
         assert refused.status_code == 400
         assert "kv_cache_blocks" in refused.json()["error"]["message"]
+        # Nor where its cache's events go (iop/sim/_kv_publisher.py).
+        refused = await client.post(
+            f"{url}/v1/chat/completions",
+            json=chat(iop_sim={"kv_events_endpoint": "tcp://127.0.0.1:5557"}),
+        )
+        assert refused.status_code == 400
+        assert "kv_events_endpoint" in refused.json()["error"]["message"]
 
 
 async def test_without_the_engine_keys_nothing_changes() -> None:

@@ -61,7 +61,8 @@ def test_a_vllm_batch_decodes_old_and_new_fields_alike() -> None:
         VLLM_PAYLOAD + b"\x00",  # trailing garbage
         VLLM_PAYLOAD[:-3],  # cut short
         msgspec.msgpack.encode([1.0, [["BlockEvicted", [1]]]]),  # an unknown event
-        msgspec.msgpack.encode({"ts": 1.0, "events": []}),
+        msgspec.msgpack.encode({"ts": 1.0}),  # a map without its events
+        msgspec.msgpack.encode("BlockStored"),
         b"",
     ],
 )
@@ -116,3 +117,33 @@ def test_the_count_is_what_the_engine_holds_after_any_sequence(
             events.append(AllBlocksCleared())
         mirror.apply(seq, decode_kv_events(encode_kv_events(KVEventBatch(ts=0.0, events=events))))
         assert mirror.blocks == len(held)
+
+
+def test_blocks_offloaded_to_another_medium_are_not_the_gpus() -> None:
+    """A KV connector that offloads to CPU publishes its blocks too; the
+    engine's prefix cache (the GPU's) does not hold them."""
+    mirror = CacheMirror()
+    mirror.apply(0, KVEventBatch(ts=0.0, events=[BlockStored([1, 2], None, [], 16, medium="GPU")]))
+    mirror.apply(1, KVEventBatch(ts=0.0, events=[BlockStored([3, 4], 2, [], 16, medium="CPU")]))
+    mirror.apply(2, KVEventBatch(ts=0.0, events=[BlockRemoved([3], medium="CPU")]))
+    assert mirror.blocks == 2
+    mirror.apply(3, KVEventBatch(ts=0.0, events=[BlockRemoved([1], medium="GPU")]))
+    assert mirror.blocks == 1
+
+
+def test_lost_events_start_the_count_over() -> None:
+    """After a gap, an unreadable batch or a restarted publisher the count is
+    not carried on from a base that may be wrong: it starts from 0."""
+    mirror = CacheMirror()
+    stored = KVEventBatch(ts=0.0, events=[BlockStored([1, 2, 3], None, [], 16)])
+    mirror.apply(0, stored)
+    mirror.apply(2, KVEventBatch(ts=0.0, events=[BlockStored([4], None, [], 16)]))  # 1 lost
+    assert (mirror.gaps, mirror.blocks) == (1, 1)
+    mirror.lose(3)  # batch 3 arrived as garbage
+    assert (mirror.gaps, mirror.blocks, mirror.last_seq) == (2, 0, 3)
+    mirror.apply(4, stored)
+    assert mirror.blocks == 3
+    mirror.restart()  # the publisher numbers from 0 again
+    assert (mirror.restarts, mirror.blocks, mirror.last_seq) == (1, 0, -1)
+    mirror.apply(0, stored)
+    assert (mirror.blocks, mirror.gaps) == (3, 2)
