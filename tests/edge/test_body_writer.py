@@ -74,7 +74,7 @@ async def server(app: App, *, edge: bool = True) -> AsyncIterator[int]:
     config.bind = ["127.0.0.1:0"]
     stop = trio.Event()
     serving = (
-        partial(serve_guarded, app, config, StallGuard(None), shutdown_trigger=stop.wait)
+        partial(serve_guarded, app, config, StallGuard(30.0), shutdown_trigger=stop.wait)
         if edge
         else partial(serve, app, config, shutdown_trigger=stop.wait)
     )
@@ -183,3 +183,52 @@ async def test_a_surface_answer_writes_its_middle_pieces_through_the_writer(take
         assert sent == [(PIECES[0], True), (PIECES[-1], False)]
     else:
         assert sent == [(PIECES[0], True), *((p, True) for p in middle), (PIECES[-1], False)]
+
+
+class _Steps(trio.abc.Instrument):
+    """Counts the times a task gave the CPU back (each schedule point it passed)."""
+
+    def __init__(self, task: trio.lowlevel.Task) -> None:
+        self.task = task
+        self.steps = 0
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task is self.task:
+            self.steps += 1
+
+
+class _CountingApp(App):
+    """Counts the schedule points the app's task passes in each middle write."""
+
+    def __init__(self, pieces: list[bytes]) -> None:
+        super().__init__(pieces)
+        self.steps: list[int] = []
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        write = body_writer(scope) if scope["type"] == "http" else None
+        if write is not None:
+
+            async def counted(data: bytes) -> bool:
+                steps = _Steps(trio.lowlevel.current_task())
+                trio.lowlevel.add_instrument(steps)
+                try:
+                    return await write(data)
+                finally:
+                    trio.lowlevel.remove_instrument(steps)
+                    self.steps.append(steps.steps)
+
+            scope = {**scope, "extensions": {**scope["extensions"], "iop.body_writer": counted}}
+        await super().__call__(scope, receive, send)
+
+
+async def test_a_write_the_kernel_takes_at_once_passes_no_schedule_point() -> None:
+    # Hypercorn's connection writes under a trio.Lock, whose acquire is a
+    # schedule point even when the lock is free: a task switch per token.
+    # The edge's server takes a free lock without one.
+    app = _CountingApp(PIECES)
+    with trio.fail_after(NOTICE_S):
+        async with server(app) as port:
+            bodies = await exchange(port, ["/a"])
+    assert bodies == [b"".join(PIECES)]
+    assert app.written == [True, True]
+    assert app.steps == [0, 0]

@@ -44,6 +44,13 @@ h11 event sent) and its ``connection``    ``_send_error_response`` (OpenAI body)
                                           and body, per body and end): tests/edge/
                                           test_http_input.py, the 400/431 and
                                           write tests.
+``TCPServer.protocol_send`` writes        ``EdgeTCPServer.protocol_send`` is its
+under ``send_lock``, shielded; its        copy for a free lock (``acquire_nowait``),
+``stream``, ``protocol``.                 hypercorn's otherwise: tests/edge/
+                                          test_body_writer.py (no schedule point).
+``H11Protocol.connection``'s state and    ``EdgeH11Protocol.write_body`` writes a
+the head h11 wrote.                       chunk while h11 is in ``SEND_BODY``:
+                                          tests/edge/test_body_writer.py.
 ``trio.task_group._handle``, the app      ``EdgeTaskGroup.spawn_app`` runs the app
 runner ``TaskGroup.spawn_app`` uses       with it over an ``AppQueue``: tests/edge/
 (logs an app's error, sends ``None``      test_asgi_queue.py.
@@ -272,6 +279,26 @@ class EdgeTCPServer(TCPServer):
     """Hypercorn's trio connection server, building the edge's task group and protocol."""
 
     config: EdgeHypercornConfig
+
+    async def protocol_send(self, event: Event) -> None:
+        # hypercorn 0.18's, for a write: under the connection's send lock, the
+        # write shielded (a cancelled app leaves no half-written chunk), a
+        # broken stream handed to the protocol as Closed. trio.Lock.acquire
+        # is a schedule point even when the lock is free: a task switch per
+        # token of every stream. A free lock is taken without one (a trio
+        # lock handed on at release stays held, so free means no waiter).
+        if type(event) is not RawData or self.send_lock.locked():
+            await super().protocol_send(event)
+            return
+        self.send_lock.acquire_nowait()
+        try:
+            try:
+                with trio.CancelScope(shield=True):
+                    await self.stream.send_all(event.data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await self.protocol.handle(Closed())
+        finally:
+            self.send_lock.release()
 
     async def run(self) -> None:
         # hypercorn 0.18's TCPServer.run with EdgeTaskGroup and EdgeProtocolWrapper.
