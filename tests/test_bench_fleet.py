@@ -12,7 +12,7 @@ import msgspec
 import pytest
 
 from iop.bench import RUNNERS, ReportInput, RunContext
-from iop.bench._fleet import Options, Recorder, relative, summarize, tables
+from iop.bench._fleet import Options, Recorder, relative, stream_bodies, summarize, tables
 
 SCENARIO = Path(__file__).resolve().parents[1] / "configs" / "bench" / "fleet.toml"
 
@@ -131,3 +131,11 @@ def test_the_fleet_runner_measures_every_shape_on_real_processes(tmp_path: Path)
         )
     )
     assert reported == {"fleet": f"{text}\n\n_footer_"}
+
+
+def test_every_stream_asks_with_its_own_prompt() -> None:
+    # One prompt for all would be placed by its prefix on one instance: one
+    # sim would carry the fleet (the first run of the scenario did).
+    bodies = stream_bodies(256)
+    prompts = {msgspec.json.decode(b)["messages"][0]["content"] for b in bodies}
+    assert len(prompts) == 256

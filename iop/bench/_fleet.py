@@ -67,7 +67,7 @@ from iop.bench._results import pct
 from iop.bench._runner import RunContext, register, tables_report
 from iop.testing import UP_READY, Proc, toml_dumps
 
-__all__ = ["Options", "Recorder", "relative", "run", "summarize", "tables"]
+__all__ = ["Options", "Recorder", "relative", "run", "stream_bodies", "summarize", "tables"]
 
 MODEL: Final = "iop-sim"
 SHAPES: Final = ("direct", "split", "up")
@@ -181,7 +181,7 @@ async def paced_stream(client: RawClient, body: bytes, expect: int, rec: Recorde
 
 async def run_streams(
     clients: list[RawClient],
-    body: bytes,
+    bodies: list[bytes],
     *,
     streams: int,
     expect: int,
@@ -191,8 +191,9 @@ async def run_streams(
     on_open: Any,
     on_close: Any,
 ) -> Recorder:
-    """``streams`` closed-loop streams (stream ``i`` on ``clients[i % n]``,
-    started ``i * stream_s / streams`` after the first), measured for
+    """``streams`` closed-loop streams (stream ``i`` on ``clients[i % n]``
+    with ``bodies[i % m]``, started ``i * stream_s / streams`` after the
+    first), measured for
     ``window_s`` after ``warmup_s``; ``on_open()`` / ``on_close()`` are
     called at the window's ends (where the CPU is read)."""
     rec = Recorder()
@@ -201,6 +202,7 @@ async def run_streams(
     async def worker(i: int) -> None:
         await trio.sleep(i * stagger)
         client = clients[i % len(clients)]
+        body = bodies[i % len(bodies)]
         while True:
             await paced_stream(client, body, expect, rec)
 
@@ -218,6 +220,22 @@ async def run_streams(
     for c in clients:
         c.close_idle()
     return rec
+
+
+def stream_bodies(streams: int) -> list[bytes]:
+    """One request body per stream, each prompt its own: the same prompt for
+    all would be placed by its prefix (docs/operations.md) on one instance,
+    and one sim would carry the whole fleet."""
+    return [
+        msgspec.json.encode(
+            {
+                "model": MODEL,
+                "stream": True,
+                "messages": [{"role": "user", "content": f"{i}: tell me about the fleet."}],
+            }
+        )
+        for i in range(streams)
+    ]
 
 
 # --------------------------------------------------------------------------- the processes
@@ -350,13 +368,7 @@ def _window(
     url, procs = fleet.gateways[shape]
     urls = [u for _, u in fleet.sims] if shape == "direct" else [url]
     clients = [RawClient(u, max_idle=streams) for u in urls]
-    body = msgspec.json.encode(
-        {
-            "model": MODEL,
-            "stream": True,
-            "messages": [{"role": "user", "content": "Tell me about the fleet."}],
-        }
-    )
+    bodies = stream_bodies(streams)
     pids = {name: p.pid for name, p in procs.items()}
     pids |= {f"sim{i}": p.pid for i, (p, _) in enumerate(fleet.sims)}
     box: dict[str, Any] = {}
@@ -370,7 +382,7 @@ def _window(
     rec = trio.run(
         lambda: run_streams(
             clients,
-            body,
+            bodies,
             streams=streams,
             expect=opts.tokens,
             stream_s=opts.tokens / opts.tokens_per_s,
@@ -398,13 +410,10 @@ def _profile(  # pragma: no cover - py-spy attaches by ptrace: not in the suite
             )
 
     url = fleet.gateways[shape][0]
-    body = msgspec.json.encode(
-        {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "Profile."}]}
-    )
     trio.run(
         lambda: run_streams(
             [RawClient(url, max_idle=streams)],
-            body,
+            stream_bodies(streams),
             streams=streams,
             expect=opts.tokens,
             stream_s=opts.tokens / opts.tokens_per_s,
