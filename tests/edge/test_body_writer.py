@@ -232,3 +232,29 @@ async def test_a_write_the_kernel_takes_at_once_passes_no_schedule_point() -> No
     assert bodies == [b"".join(PIECES)]
     assert app.written == [True, True]
     assert app.steps == [0, 0]
+
+
+class _CancelledApp(App):
+    """Writes its middle pieces from a cancelled scope: a write of the edge's
+    connection is shielded, as hypercorn's, so each still goes out whole."""
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        write = body_writer(scope) if scope["type"] == "http" else None
+        if write is not None:
+
+            async def cancelled(data: bytes) -> bool:
+                with trio.CancelScope() as cancel:
+                    cancel.cancel()
+                    return await write(data)
+
+            scope = {**scope, "extensions": {**scope["extensions"], "iop.body_writer": cancelled}}
+        await super().__call__(scope, receive, send)
+
+
+async def test_a_write_from_a_cancelled_task_still_goes_out_whole() -> None:
+    app = _CancelledApp(PIECES)
+    with trio.fail_after(NOTICE_S):
+        async with server(app) as port:
+            bodies = await exchange(port, ["/a"])
+    assert bodies == [b"".join(PIECES)]
+    assert app.written == [True, True]

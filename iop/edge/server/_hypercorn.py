@@ -293,8 +293,14 @@ class EdgeTCPServer(TCPServer):
         self.send_lock.acquire_nowait()
         try:
             try:
-                with trio.CancelScope(shield=True):
-                    await self.stream.send_all(event.data)
+                # The stall guard's stream shields its write itself, with no
+                # cancel scope when the kernel takes it whole (_stall.py).
+                shielded = getattr(self.stream, "send_all_shielded", None)
+                if shielded is not None:
+                    await shielded(event.data)
+                else:
+                    with trio.CancelScope(shield=True):
+                        await self.stream.send_all(event.data)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 await self.protocol.handle(Closed())
         finally:
