@@ -46,6 +46,19 @@ in ``docs/benchmarks.md`` ("Where the fixed cost goes"):
   ``max_keepalive_connections``: above it, every connection that goes idle is
   closed, and the next request opens a new one.
 
+A response body (``_PooledBody``) is read from the connection's h11 state
+and socket directly, not through httpcore's body iterator: that one yields
+each HTTP chunk (each of a backend's SSE events: the sim and vLLM write one
+per token) through two async generators, an exception map (a ``contextlib``
+context manager) around each of h11's events and a ``bytes`` copy, and a
+node paid it per token. Here one ``__anext__`` returns everything one
+socket read completed, in one piece; h11 still parses the framing, so the
+connection's state is httpcore's own and its response close (keep-alive or
+not) is unchanged. A response whose stream is not httpcore's HTTP/1.1 one
+(``_direct_body``: another httpcore, a request traced through httpcore's
+``trace`` extension) is read through httpcore's iterator as before
+(``tests/adapters/test_pool.py`` pins the attributes read).
+
 The socket (``_SocketStream``) is trio's, without a cancel scope per read
 when there is no read timeout (the node's case), and it sends the request
 head together with the body: httpcore writes them as two ``send`` calls (two
@@ -81,6 +94,7 @@ from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
 from typing import Any, Final, Protocol, cast
 
+import h11
 import httpcore
 import httpx
 import trio
@@ -105,6 +119,10 @@ HEAD_MAX_BYTES: Final = 16 * 1024
 # that would (a TLS close_notify into a full send buffer) must not hold a
 # cancelled run's end, and its node slot, for ever.
 CLOSE_TIMEOUT_S: Final = 1.0
+
+# The most one body read asks the socket for: httpcore's own read size
+# (``AsyncHTTP11Connection.READ_NUM_BYTES``), so a read returns what it did.
+READ_BYTES: Final = 64 * 1024
 
 
 class _CoreBody(Protocol):
@@ -417,6 +435,26 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
                 await conn.aclose()
 
 
+def _direct_body(stream: object) -> tuple[h11.Connection, _SocketStream, float | None] | None:
+    """The h11 state, socket and read timeout of httpcore 1.0's HTTP/1.1
+    response ``stream``, to read its body directly (module docstring); None
+    when it is something else, or its request is traced."""
+    conn = getattr(stream, "_connection", None)
+    request = getattr(stream, "_request", None)
+    state = getattr(conn, "_h11_state", None)
+    net = getattr(conn, "_network_stream", None)
+    if not (
+        isinstance(state, h11.Connection)
+        and isinstance(net, _SocketStream)
+        and isinstance(request, httpcore.Request)
+    ):
+        return None
+    if "trace" in request.extensions:
+        return None
+    timeouts = request.extensions.get("timeout", {})
+    return state, net, timeouts.get("read")
+
+
 class _PooledBody(httpx.AsyncByteStream):
     """A response body; closing it hands its connection back to the pool.
 
@@ -438,6 +476,8 @@ class _PooledBody(httpx.AsyncByteStream):
         self._pool = pool
         self._parts: AsyncIterator[bytes] | None = None
         self._closed = False
+        self._ended = False
+        self._direct = _direct_body(stream)
         # The server answered before it took the whole request body: the
         # connection is closed with the response, never reused.
         self.answered_early = False
@@ -446,6 +486,8 @@ class _PooledBody(httpx.AsyncByteStream):
         return self
 
     async def __anext__(self) -> bytes:
+        if self._direct is not None:
+            return await self._read_direct(*self._direct)
         # One iteration over httpcore's body, however many loops read from
         # this one (the pump and then its drain).
         if self._parts is None:
@@ -453,6 +495,44 @@ class _PooledBody(httpx.AsyncByteStream):
                 raise StopAsyncIteration
             self._parts = self._stream.__aiter__()
         return await self._parts.__anext__()
+
+    async def _read_direct(
+        self, state: h11.Connection, net: _SocketStream, read_timeout: float | None
+    ) -> bytes:
+        """The body data one socket read completes, joined (module docstring).
+
+        Raises:
+            httpcore.RemoteProtocolError: h11 refused the framing, or the
+                server closed the connection before the body's end (what
+                httpcore's iterator raises for both).
+            httpcore.ReadError, httpcore.ReadTimeout: the read failed.
+        """
+        if self._closed or self._ended:
+            raise StopAsyncIteration
+        parts: list[bytes] = []
+        while True:
+            try:
+                event = state.next_event()
+            except h11.RemoteProtocolError as exc:
+                raise httpcore.RemoteProtocolError(str(exc)) from exc
+            kind = type(event)
+            if kind is h11.Data:
+                data = cast(h11.Data, event).data
+                parts.append(data if type(data) is bytes else bytes(data))
+            elif event is h11.NEED_DATA:
+                if parts:
+                    return parts[0] if len(parts) == 1 else b"".join(parts)
+                data = await net.read(READ_BYTES, read_timeout)
+                if not data and state.their_state is h11.SEND_RESPONSE:
+                    raise httpcore.RemoteProtocolError(
+                        "Server disconnected without sending a response."
+                    )
+                state.receive_data(data)
+            else:  # EndOfMessage (or PAUSED after it): the response's close recycles
+                self._ended = True
+                if parts:
+                    return parts[0] if len(parts) == 1 else b"".join(parts)
+                raise StopAsyncIteration
 
     async def aclose(self) -> None:
         if self._closed:

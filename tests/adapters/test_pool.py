@@ -644,3 +644,71 @@ async def test_a_connection_whose_body_the_server_refused_is_not_reused() -> Non
     assert isinstance(refused, Error), refused
     assert refused.status == 413
     assert isinstance(answered, Complete), answered
+
+
+async def _chunks_in_one_write(stream: trio.SocketStream) -> None:
+    """A chunked answer whose head and three chunks arrive in one segment, as a
+    backend's events do when it writes faster than the node reads."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += await stream.receive_some(65536)
+    await stream.send_all(
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+        b"7\r\ndata: a\r\n7\r\ndata: b\r\n7\r\ndata: c\r\n0\r\n\r\n"
+    )
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        await stream.receive_some(65536)  # until the client closes
+
+
+async def test_a_read_that_completes_several_chunks_is_one_piece() -> None:
+    # httpcore's body yields one piece per HTTP chunk (h11's Data), through
+    # two generators and an exception map each: the node paid that for every
+    # token. The pool's body gives what one socket read completed, and the
+    # connection still goes back to the pool at the body's end.
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            partial(trio.serve_tcp, _chunks_in_one_write, 0, host="127.0.0.1")
+        )
+        port = listeners[0].socket.getsockname()[1]
+        async with transport() as pool:
+            request = httpx.Request("POST", f"http://127.0.0.1:{port}/", content=b"{}")
+            response = await pool.handle_async_request(request)
+            pieces = []
+            try:
+                with trio.fail_after(NOTICE_S):
+                    async for piece in response.stream:
+                        pieces.append(piece)
+            finally:
+                await response.aclose()
+            assert pieces == [b"data: adata: bdata: c"]
+            assert pool.idle_connections == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_traced_request_is_read_through_httpcores_body() -> None:
+    # httpcore's ``trace`` extension reports each body read: a traced request
+    # keeps httpcore's own iterator, one piece per chunk.
+    seen: list[str] = []
+
+    async def trace(name: str, info: dict[str, object]) -> None:
+        seen.append(name)
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(
+            partial(trio.serve_tcp, _chunks_in_one_write, 0, host="127.0.0.1")
+        )
+        port = listeners[0].socket.getsockname()[1]
+        async with transport() as pool:
+            request = httpx.Request(
+                "POST", f"http://127.0.0.1:{port}/", content=b"{}", extensions={"trace": trace}
+            )
+            response = await pool.handle_async_request(request)
+            try:
+                with trio.fail_after(NOTICE_S):
+                    pieces = [piece async for piece in response.stream]
+            finally:
+                await response.aclose()
+            assert pieces == [b"data: a", b"data: b", b"data: c"]
+            assert "http11.receive_response_body.started" in seen
+            assert pool.idle_connections == 1
+        nursery.cancel_scope.cancel()

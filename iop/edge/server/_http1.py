@@ -58,6 +58,22 @@ and both were wrong for an OpenAI-compatible server:
   the edge sends that restart shielded (docs/architecture.md, "Facts about
   our dependencies: hypercorn").
 
+* **Every chunk of a stream pays hypercorn's and h11's layers.** Each body
+  message goes through hypercorn's ASGI send (``HTTPStream.app_send``: a
+  ``Body`` event), its protocol's ``stream_send`` (an ``h11.Data``), h11's
+  state machine and chunked writer, and ``TCPServer.protocol_send``: all
+  for a few bytes of framing around one SSE chunk, once per token of a paced
+  stream (``docs/benchmarks.md``, "Tokens per core at fleet scale"). While a
+  chunked response's body is under way (its head sent, its last message not
+  yet), a body piece is framed here (``chunk``: RFC 9112 §7.1) and written
+  to the connection at once by the edge's protocol; the response's first
+  and last messages still go through hypercorn and h11, which count nothing
+  in a chunked body, so their state stays right. The app finds that writer
+  in its scope's ``extensions`` (``BODY_WRITER``, ``body_writer``); it
+  answers False when it cannot take the piece (no writer, a head not sent
+  yet, a body that is not chunked, a connection gone), and the app sends the
+  ASGI message as before.
+
 This module is the rules, sans-IO: which heads are refused and with what
 answer (h11 events), and the context that marks a response's last message.
 ``iop/edge/server/_hypercorn.py`` applies them inside hypercorn's HTTP/1.1
@@ -70,9 +86,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from itertools import chain
-from typing import Final
+from typing import Any, Final
 
 import h11
 from hypercorn.config import Config as HypercornConfig
@@ -81,9 +97,14 @@ from iop.api import CHAT
 from iop.errors import ErrorCode
 
 __all__ = [
+    "BODY_WRITER",
+    "BodyWriter",
     "EdgeHypercornConfig",
+    "body_writer",
+    "chunk",
     "error_response",
     "h11_error",
+    "is_chunked",
     "refusal",
     "response_ending",
     "response_ends",
@@ -114,6 +135,32 @@ def response_ends() -> Iterator[None]:
         yield
     finally:
         _ENDING.reset(token)
+
+
+BODY_WRITER: Final = "iop.body_writer"
+"""The key of a request's ``BodyWriter`` in its scope's ``extensions``."""
+
+BodyWriter = Callable[[bytes], Awaitable[bool]]
+"""Writes a piece of a chunked response's body now, or answers False (module docstring)."""
+
+
+def body_writer(scope: dict[str, Any]) -> BodyWriter | None:
+    """The request's ``BodyWriter``, when the edge's hypercorn gave it one."""
+    extensions = scope.get("extensions")
+    writer = extensions.get(BODY_WRITER) if extensions else None
+    return writer if callable(writer) else None
+
+
+def is_chunked(head: bytes) -> bool:
+    """Whether a response ``head`` as h11 wrote it frames its body in chunks."""
+    return b"\r\ntransfer-encoding: chunked\r\n" in head.lower()
+
+
+def chunk(data: bytes) -> bytes:
+    """``data`` as one chunk of a chunked body (RFC 9112 §7.1); never empty:
+    an empty chunk is the body's end."""
+    assert data, "an empty chunk ends the body"
+    return b"%x\r\n%b\r\n" % (len(data), data)
 
 
 class EdgeHypercornConfig(HypercornConfig):

@@ -44,6 +44,13 @@ h11 event sent) and its ``connection``    ``_send_error_response`` (OpenAI body)
                                           and body, per body and end): tests/edge/
                                           test_http_input.py, the 400/431 and
                                           write tests.
+``TCPServer.protocol_send`` writes        ``EdgeTCPServer.protocol_send`` is its
+under ``send_lock``, shielded; its        copy for a free lock (``acquire_nowait``),
+``stream``, ``protocol``.                 hypercorn's otherwise: tests/edge/
+                                          test_body_writer.py (no schedule point).
+``H11Protocol.connection``'s state and    ``EdgeH11Protocol.write_body`` writes a
+the head h11 wrote.                       chunk while h11 is in ``SEND_BODY``:
+                                          tests/edge/test_body_writer.py.
 ``trio.task_group._handle``, the app      ``EdgeTaskGroup.spawn_app`` runs the app
 runner ``TaskGroup.spawn_app`` uses       with it over an ``AppQueue``: tests/edge/
 (logs an app's error, sends ``None``      test_asgi_queue.py.
@@ -60,7 +67,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import h11
 import trio
@@ -90,9 +97,12 @@ from hypercorn.utils import (
 
 from iop.edge.server._asgi_queue import APP_QUEUE, AppQueue
 from iop.edge.server._http1 import (
+    BODY_WRITER,
     EdgeHypercornConfig,
+    chunk,
     error_response,
     h11_error,
+    is_chunked,
     refusal,
     response_ending,
 )
@@ -122,6 +132,8 @@ class EdgeH11Protocol(H11Protocol):
         # Bytes not sent yet: a response head (it goes out with the next
         # write), and a last body message's data (it goes out with the end).
         self._held: bytes | None = None
+        # The response under way frames its body in chunks (its head said so).
+        self._chunked = False
         send = self.send
 
         # A close, and the idle timer's restart or stop, must not be cut
@@ -154,6 +166,7 @@ class EdgeH11Protocol(H11Protocol):
             return
         if isinstance(event, h11.Response):
             self._held = data  # _http1.py: sent with the body
+            self._chunked = is_chunked(data)
             return
         if isinstance(event, h11.Data) and response_ending():
             # The end follows in this same send (_http1.py).
@@ -162,6 +175,20 @@ class EdgeH11Protocol(H11Protocol):
         if self._held is not None:
             data, self._held = self._held + data, None
         await self.send(RawData(data=data))
+
+    async def write_body(self, data: bytes) -> bool:
+        """``data`` as the next chunk of the response under way, written now
+        (a ``BodyWriter``, ``_http1.py``); False when it cannot be: the caller
+        sends it through hypercorn."""
+        if (
+            not data
+            or self._held is not None
+            or not self._chunked
+            or self.connection.our_state is not h11.SEND_BODY
+        ):
+            return False
+        await self.send(RawData(data=chunk(data)))
+        return True
 
     async def _check_protocol(self, event: h11.Request) -> None:
         if (refused := refusal(event, self.config.max_header_bytes)) is not None:
@@ -219,7 +246,12 @@ class EdgeProtocolWrapper(ProtocolWrapper):
 
 
 class EdgeTaskGroup(TaskGroup):
-    """Hypercorn's per-connection task group; an HTTP request's queue is an ``AppQueue``."""
+    """Hypercorn's per-connection task group; an HTTP request's queue is an
+    ``AppQueue``, and an HTTP/1.1 request gets its connection's body writer
+    (``EdgeH11Protocol.write_body``)."""
+
+    # The connection's protocol switch (set by ``EdgeTCPServer.run``).
+    connection: ProtocolWrapper | None = None
 
     async def spawn_app(
         self,
@@ -232,6 +264,9 @@ class EdgeTaskGroup(TaskGroup):
             return await super().spawn_app(app, config, scope, send)
         queue = AppQueue(config.max_app_queue_size)
         scope["extensions"][APP_QUEUE] = queue  # type: ignore[assignment]
+        protocol = getattr(self.connection, "protocol", None)
+        if isinstance(protocol, EdgeH11Protocol):  # not after a switch to HTTP/2
+            scope["extensions"][BODY_WRITER] = protocol.write_body  # type: ignore[assignment]
         self.spawn(
             _handle,
             app,
@@ -249,6 +284,32 @@ class EdgeTCPServer(TCPServer):
     """Hypercorn's trio connection server, building the edge's task group and protocol."""
 
     config: EdgeHypercornConfig
+
+    async def protocol_send(self, event: Event) -> None:
+        # hypercorn 0.18's, for a write: under the connection's send lock, the
+        # write shielded (a cancelled app leaves no half-written chunk), a
+        # broken stream handed to the protocol as Closed. trio.Lock.acquire
+        # is a schedule point even when the lock is free: a task switch per
+        # token of every stream. A free lock is taken without one (a trio
+        # lock handed on at release stays held, so free means no waiter).
+        if type(event) is not RawData or self.send_lock.locked():
+            await super().protocol_send(event)
+            return
+        self.send_lock.acquire_nowait()
+        try:
+            try:
+                # The stall guard's stream shields its write itself, with no
+                # cancel scope when the kernel takes it whole (_stall.py).
+                shielded = getattr(self.stream, "send_all_shielded", None)
+                if shielded is not None:
+                    await shielded(event.data)
+                else:
+                    with trio.CancelScope(shield=True):
+                        await self.stream.send_all(event.data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                await self.protocol.handle(Closed())
+        finally:
+            self.send_lock.release()
 
     async def run(self) -> None:
         # hypercorn 0.18's TCPServer.run with EdgeTaskGroup and EdgeProtocolWrapper.
@@ -283,6 +344,7 @@ class EdgeTCPServer(TCPServer):
                     server,
                     self.protocol_send,
                 )
+                cast(EdgeTaskGroup, task_group).connection = self.protocol
                 await self.protocol.initiate()
                 await self.idle_task.restart(self._task_group, self._idle_timeout)
                 await self._read_data()

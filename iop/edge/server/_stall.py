@@ -260,19 +260,34 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
         await trio.lowlevel.checkpoint_if_cancelled()
         with memoryview(data) as view:
             total = _write_now(sock, view)
-            if total == len(view):
-                return
-            timeline = self._state.timeline
-            stall = None
-            if timeline is not None and timeline.terminal is None:
-                stall = timeline.stall_began(
-                    StallKind.CLIENT_WRITE, trio.current_time(), len(view) - total
-                )
-            try:
-                await self._send_rest(sock, view, total)
-            finally:
-                if stall is not None:
-                    stall.end = trio.current_time()
+            if total < len(view):
+                await self._wait_rest(sock, view, total)
+
+    async def send_all_shielded(self, data: bytes | bytearray | memoryview) -> None:
+        """``send_all`` shielded from cancellation, as hypercorn's connection
+        writes (a cancelled app's write still goes out whole), without a
+        cancel scope (two context managers in trio) when the kernel takes
+        the whole write at once: nearly every SSE write, once per token."""
+        sock = self._inner.socket
+        with memoryview(data) as view:
+            total = _write_now(sock, view) if view else 0
+            if total < len(view):
+                with trio.CancelScope(shield=True):
+                    await self._wait_rest(sock, view, total)
+
+    async def _wait_rest(self, sock: trio.socket.SocketType, view: memoryview, total: int) -> None:
+        """What the kernel did not take at once, its wait on the run's timeline."""
+        timeline = self._state.timeline
+        stall = None
+        if timeline is not None and timeline.terminal is None:
+            stall = timeline.stall_began(
+                StallKind.CLIENT_WRITE, trio.current_time(), len(view) - total
+            )
+        try:
+            await self._send_rest(sock, view, total)
+        finally:
+            if stall is not None:
+                stall.end = trio.current_time()
 
     async def _send_rest(self, sock: trio.socket.SocketType, view: memoryview, total: int) -> None:
         """Send ``view[total:]``, which the kernel did not take at once (``send_all``)."""

@@ -47,7 +47,7 @@ import trio
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge, RequestTimeout
 
 from iop.edge.server._asgi_queue import app_queue
-from iop.edge.server._http1 import response_ends
+from iop.edge.server._http1 import BodyWriter, body_writer, response_ends
 
 __all__ = ["ASGIApp", "Answer", "BodyReader", "EndKnownBody", "SurfaceASGI", "SurfaceAnswer"]
 
@@ -213,7 +213,7 @@ class SurfaceASGI:
         # body needs, not the request's headers (1 KB per open stream,
         # docs/benchmarks.md, "Memory", "Second pass").
         del headers, read_body
-        await _send_answer(status, head, body, send, unwatch)
+        await _send_answer(status, head, body, send, unwatch, body_writer(scope))
 
     async def _read_then_watch(
         self, headers: Mapping[str, str], receive: Any, watch: Callable[[], None], limit: int
@@ -273,8 +273,12 @@ async def _send_answer(
     body: bytes | EndKnownBody,
     send: Any,
     ending: Callable[[], None],
+    write: BodyWriter | None = None,
 ) -> None:
-    """An answer as ASGI messages: the start, then the body; ``ending()`` before the last."""
+    """An answer as ASGI messages: the start, then the body; ``ending()`` before the last.
+
+    With ``write`` (the connection's ``BodyWriter``), the pieces between a
+    stream's first and last are written through it (``_http1.py``)."""
     # Hypercorn keeps the start message (and copies its headers) for the response.
     await send({"type": "http.response.start", "status": status, "headers": headers})
     del headers
@@ -284,6 +288,7 @@ async def _send_answer(
         with response_ends():
             await send({"type": "http.response.body", "body": body, "more_body": False})
         return
+    opened = False  # the first piece carries the held head: through hypercorn
     try:
         async for data in body:
             if body.at_end:
@@ -291,7 +296,11 @@ async def _send_answer(
                 with response_ends():
                     await send({"type": "http.response.body", "body": data, "more_body": False})
                 return
+            # The middle of a stream: straight to the connection (_http1.py).
+            if opened and write is not None and await write(data):
+                continue
             await send({"type": "http.response.body", "body": data, "more_body": True})
+            opened = True
     finally:
         await body.aclose()
     ending()
