@@ -446,3 +446,32 @@ async def test_runs_that_waited_for_room_fail_with_the_load_a_later_change_start
             assert end.code == ErrorCode.MODEL_LOAD_FAILED
             assert "bad gguf" in end.message
         assert trio.current_time() - began == pytest.approx(1.0, abs=0.1)
+
+
+async def test_a_model_this_edge_has_runs_on_is_not_counted_as_room(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The node learns of a run only when its Assign arrives, and its offer
+    still says the model is idle: a load asked for meanwhile would make the
+    node evict the model the run is on its way to (seen in the tight
+    on-demand benchmark as 503 ``model_load_refused``). With room for one
+    model, b waits until a's run on this edge has ended, then loads."""
+    async with edge() as (core, nursery):
+        node = await join(core, nursery, "n1", [offer("a", "ready"), offer("b")], 60)
+        await node.models()  # a's instance usable
+        on_a = core.start_run(spec("a", "ra"))
+        await trio.testing.wait_all_tasks_blocked()
+        assign = await node.assigns.receive()
+        assert assign.assign.run_id == "ra"
+        for_b = core.start_run(spec("b", "rb"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert node.loads == []  # not while a's run is this edge's
+        assert "no room for b" in (for_b.timeline.why_queued or "")
+        await node.send("ra", Start(), Complete())
+        assert (await drain_events(on_a))[-1] == Complete()
+        await trio.testing.wait_all_tasks_blocked()
+        assert [ev.request.model for ev in node.loads] == ["b"]
+        await node.models(a="cold", b="ready")
+        await node.answer(0)
+        await serve_one(node, "rb")
+        assert (await drain_events(for_b))[-1] == Complete()

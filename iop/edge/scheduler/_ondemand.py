@@ -11,8 +11,9 @@ queue (``Scheduler.acquire``) while one node loads it:
 
 1. ``choose_load`` picks the node: one whose model is already loading
    (the run joins that load), else one with free memory for it, else one
-   that can free enough by evicting idle models (ready, no run, not
-   pinned; the node picks which, least recently used first), by the offer's
+   that can free enough by evicting idle models (ready, no run by the
+   node's offer nor in flight from this edge, not pinned; the node picks
+   which, least recently used first), by the offer's
    ``memory_mib`` against the node's budget (``Hello.memory_mib``) and what
    its loaded models hold. A node the edge backs off from for this model, or
    without room even after evictions, is no candidate.
@@ -86,11 +87,14 @@ def load_rank(conn: NodeConnection, offer: ModelOffer) -> tuple[int, str] | None
         return RANK_FREE, "no memory budget"
     held = 0
     idle = 0
-    for _, other in conn.offers():
+    for inst, other in conn.offers():
         if other.model == offer.model or other.state not in _HOLDING:
             continue
         held += other.memory_mib
-        if other.state == "ready" and not other.runs and not other.pinned:
+        # Idle by the node's offer and by this edge: a run this edge placed
+        # there may not have reached the node yet, whose offer then still
+        # says idle, and the load would evict the model it is on its way to.
+        if other.state == "ready" and not (other.runs or inst.in_flight or other.pinned):
             idle += other.memory_mib
     free = budget - held
     need = offer.memory_mib
