@@ -9,7 +9,8 @@ that still has a free slot: then it goes there again (session affinity, so
 the backend's prefix cache holds the prompt's head; see ``affinity_key``; a
 conversation is its tenant's alone unless tenants share their caches);
 ``prefix`` scores each by the share of the prompt it is expected to hold
-(``iop.edge.scheduler._prefix``), minus its load, plus affinity; ``random``
+(``iop.edge.scheduler._prefix``), minus its load, minus the room the rest
+of the prompt takes in its cache (``PrefixIndex.fill``), plus affinity; ``random``
 is a baseline. Nothing here waits: when no instance has a free slot the
 scheduler queues the run (``iop/edge/scheduler/_scheduler.py``).
 
@@ -217,7 +218,8 @@ class Placement:
         preferred: tuple[str, str] | None,
     ) -> tuple[NodeConnection, InstanceState, str, dict[str, float]]:
         """The best scored candidate: the expected cached share of the prompt,
-        minus its load, plus affinity (weights in ``[scheduler]``); or the
+        minus its load, minus the share it lacks times how full its cache is
+        with what matters, plus affinity (weights in ``[scheduler]``); or the
         least loaded when the best is too much busier than the idlest.
 
         The balance rule weighs the instance the score chose against the
@@ -234,20 +236,35 @@ class Placement:
         # Each candidate's load: its occupancy (the edge's count, or the
         # node's fresh report when larger) over its slots.
         loads = [self.occupancy(inst, now) / max(inst.caps.max_concurrency, 1) for _, inst in free]
+        wheres = [(conn.node_id, inst.caps.instance) for conn, inst in free]
+        # How full each cache is with what matters; an instance whose size
+        # is not reported is taken as full as the others on average.
+        fills = [self.prefixes.fill(where) for where in wheres] if prefix else []
+        known = [f for f in fills if f is not None]
+        usual = sum(known) / len(known) if known else 0.0
+        home = self.prefixes.home(prefix)
         scores: dict[str, float] = {}
         best: tuple[float, int, NodeConnection, InstanceState] | None = None
         idlest: int | None = None
         for i, (conn, inst) in enumerate(free):
-            where = (conn.node_id, inst.caps.instance)
+            where = wheres[i]
             matched = self.prefixes.matched(where, prefix) / len(prefix) if prefix else 0.0
             load = loads[i]
             if idlest is None or load < loads[idlest]:
                 idlest = i
+            # The home's copy goes first: another copy, made while the home
+            # was busy, serves only while it is busy.
+            home_bonus = s.home_weight if where == home else 0.0
             score = (
-                s.prefix_weight * matched
+                (s.prefix_weight + home_bonus) * matched
                 - s.load_weight * load
                 - s.kv_weight * self.kv_usage(inst, now)
             )
+            if prefix:
+                # The blocks it lacks evict what its cache holds, in
+                # proportion to how full that is with what matters.
+                fill = fills[i]
+                score -= s.room_weight * (1.0 - matched) * (usual if fill is None else fill)
             if where == preferred:
                 score += s.affinity_weight
             scores[f"{where[0]}/{where[1]}"] = round(score, 4)
