@@ -15,7 +15,13 @@ from hypothesis import strategies as st
 
 from iop.config import SchedulerSettings
 from iop.edge import open_edge_core
-from iop.edge.scheduler._prefix import DEMAND_GROWTH, ENTRY_BYTES, PrefixIndex, prompt_blocks
+from iop.edge.scheduler._prefix import (
+    COUNT_SLACK_S,
+    DEMAND_GROWTH,
+    ENTRY_BYTES,
+    PrefixIndex,
+    prompt_blocks,
+)
 from iop.events import CancelReason
 from iop.protocol import EngineLoad, InstanceLoad, LoadReport
 from iop.runtime import Run
@@ -260,9 +266,7 @@ def test_an_instance_keeps_no_more_blocks_than_its_cache_holds() -> None:
     assert index.matched(("n", "b"), [b"1", b"2", b"3", b"4"]) == 4
     assert len(index) == 6
     # A count from the engine's events trims once; what comes after may grow.
-    # (The first count may predate the four blocks: it keeps them.)
-    index.trim(("n", "b"), 4)
-    index.trim(("n", "b"), 1)
+    index.trim(("n", "b"), 1, taken_at=2 * COUNT_SLACK_S, now=2 * COUNT_SLACK_S)
     assert index.matched(("n", "b"), [b"4"]) == 1
     assert index.matched(("n", "b"), [b"3"]) == 0
     index.routed(("n", "b"), [b"6", b"7"])
@@ -313,8 +317,8 @@ def test_reused_blocks_fill_a_cache_and_blocks_routed_once_half() -> None:
     assert index.fill(a) == 4 / 20
     index.routed(a, [b"1", b"2", b"3", b"t2"])  # 1, 2, 3 reused; t1, t2 once
     assert index.fill(a) == (5 + 3) / 20
-    index.trim(a, 5)  # the engine's count has every block so far: nothing goes
-    index.trim(a, 3)  # t1 and 1 (reused) go, the least recently routed
+    # t1 and 1 (reused) go, the oldest (a count taken well after they went)
+    index.trim(a, 3, taken_at=2 * COUNT_SLACK_S, now=2 * COUNT_SLACK_S)
     assert index.fill(a) == (3 + 2) / 20
     index.bound(a, 0)
     assert index.fill(a) == 1.0  # no room at all
@@ -334,7 +338,11 @@ def test_reused_blocks_fill_a_cache_and_blocks_routed_once_half() -> None:
                 st.lists(st.sampled_from([b"1", b"2", b"3", b"4", b"5", b"6"]), max_size=5),
             ),
             st.tuples(st.just("bound"), st.sampled_from("ab"), st.integers(0, 6)),
-            st.tuples(st.just("trim"), st.sampled_from("ab"), st.integers(0, 6)),
+            st.tuples(
+                st.just("trim"),
+                st.sampled_from("ab"),
+                st.tuples(st.integers(0, 6), st.integers(0, 7)),
+            ),
             st.tuples(st.just("forget"), st.just(""), st.just(0)),
         ),
         max_size=60,
@@ -365,18 +373,18 @@ def test_the_index_counts_reused_blocks_as_a_plain_lru_model_does(
         if key[1] in homes and homes[key[1]][0] == key[0]:
             del homes[key[1]]
 
-    added: dict[str, int] = {}  # blocks new to an instance since its last count
+    added: dict[str, list[tuple[int, int]]] = {}  # (step, blocks new to an instance then)
 
     def trim(name: str, bound: int) -> None:
         mine = [k for k in order if k[0] == name]
         for key in mine[: max(0, len(mine) - bound)]:
             drop(key)
 
-    for op, name, arg in ops:
+    for step, (op, name, arg) in enumerate(ops):
         where = ("n", name)
         if op == "route":
             assert isinstance(arg, list)
-            index.routed(where, arg)
+            index.routed(where, arg, now=step)
             if max_entries:
                 for block in arg:
                     key = (name, block)
@@ -384,7 +392,7 @@ def test_the_index_counts_reused_blocks_as_a_plain_lru_model_does(
                     if was:
                         order.remove(key)
                     else:
-                        added[name] = added.get(name, 0) + 1
+                        added.setdefault(name, []).append((step, 1))
                     order.append(key)
                     reused[key] = was
                 if name in bounds:
@@ -409,9 +417,13 @@ def test_the_index_counts_reused_blocks_as_a_plain_lru_model_does(
             bounds[name] = arg
             trim(name, arg)
         elif op == "trim":
-            assert isinstance(arg, int)
-            index.trim(where, arg)
-            trim(name, arg + added.pop(name, 0))
+            assert isinstance(arg, tuple)
+            count, age = arg
+            index.trim(where, count, taken_at=step - age, now=step)
+            if age <= 5:  # the index's recent_s: an older count is ignored
+                since = step - age - COUNT_SLACK_S
+                later = sum(n for at, n in added.get(name, []) if at > since)
+                trim(name, count + later)
         else:
             index.forget("n")
             order.clear()
@@ -555,24 +567,31 @@ def test_a_home_moves_where_a_prompt_went_when_that_evens_the_demand() -> None:
 
 
 def test_a_count_taken_before_the_latest_prompts_does_not_trim_them() -> None:
-    """A node's count of what its engine holds was taken before it left:
-    the prompts routed since the last count may not be in it yet. A trim
+    """A node's count of what its engine holds was taken before the report
+    left, and the node sends it again in each report until it reads the
+    next: the prompts routed after it was taken may not be in it. A trim
     keeps those on top of the count, so a cache still filling up (its count
     below its size) does not make the index forget its oldest prefixes at
     every report (the 'nowhere' misses of docs/benchmarks.md, "Prefix
     placement on a skewed workload, caches reported")."""
-    index = PrefixIndex(max_bytes=100 * ENTRY_BYTES)
+    slack = COUNT_SLACK_S
+    index = PrefixIndex(max_bytes=100 * ENTRY_BYTES, recent_s=5 * slack)
     a = ("n", "a")
-    index.routed(a, [b"1", b"2", b"3"])
-    index.trim(a, 3)
-    index.routed(a, [b"4", b"5"])
-    index.routed(a, [b"4", b"6"])  # 4 again: not new, 6 is
-    index.trim(a, 3)  # taken before 4, 5 and 6 reached the engine
+    index.routed(a, [b"1", b"2", b"3"], now=0.0)
+    index.routed(a, [b"4", b"5"], now=2 * slack)
+    index.routed(a, [b"4", b"6"], now=3 * slack)  # 4 again: not new, 6 is
+    # The count has 1, 2 and 3 only; 4, 5 and 6 were routed after it, or
+    # so shortly before that they may not have reached the engine.
+    index.trim(a, 3, taken_at=2.5 * slack, now=3.5 * slack)
     assert index.matched(a, [b"1", b"2", b"3"]) == 3
-    index.trim(a, 3)  # the next count has them: now 1, 2 and 3 are gone
+    index.trim(a, 3, taken_at=2.5 * slack, now=3.6 * slack)  # the same count again
+    assert index.matched(a, [b"1", b"2", b"3"]) == 3
+    index.trim(a, 3, taken_at=4.5 * slack, now=5 * slack)  # a count that has them all
     assert index.matched(a, [b"1"]) == 0
-    assert index.matched(a, [b"5"]) + index.matched(a, [b"4"]) + index.matched(a, [b"6"]) == 3
-    index.routed(a, [b"7"])
-    index.trim(a, 0)  # a reset: only what came after the count may be there
+    assert [index.matched(a, [b]) for b in (b"4", b"5", b"6")] == [1, 1, 1]
+    index.routed(a, [b"7"], now=6 * slack)
+    index.trim(a, 0, taken_at=5.5 * slack, now=6.5 * slack)  # a reset: 7 may be after it
     assert len(index) == 1
-    assert index.matched(a, [b"7"]) == 1
+    index.routed(a, [b"8"], now=7 * slack)
+    index.trim(a, 0, taken_at=1.5 * slack, now=7 * slack)  # older than recent_s: ignored
+    assert len(index) == 2

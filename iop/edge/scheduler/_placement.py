@@ -101,7 +101,9 @@ class Placement:
         # Conversation key -> (node, instance) that last served it; LRU-bounded.
         self._affinity: OrderedDict[str, tuple[str, str]] = OrderedDict()
         # What each instance's prefix cache probably holds (``placement = "prefix"``).
-        self.prefixes = PrefixIndex(settings.prefix_index_bytes)
+        # What an engine's count may lack is what was routed since it was
+        # taken; a count older than load_stale_s is not used.
+        self.prefixes = PrefixIndex(settings.prefix_index_bytes, settings.load_stale_s)
         self._random = random.Random()
 
     def occupancy(self, inst: InstanceState, now: float) -> float:
@@ -208,7 +210,7 @@ class Placement:
         if affinity is not None:
             self._remember(affinity, where)
         if prefix:
-            self.prefixes.routed(where, prefix)
+            self.prefixes.routed(where, prefix, trio.current_time())
         return Placed(conn, inst, why, scores, candidates)
 
     def _by_prefix(

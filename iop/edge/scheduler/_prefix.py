@@ -54,7 +54,7 @@ reported"). Sans-IO.
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Final
 
@@ -62,7 +62,14 @@ import msgspec
 
 from iop.spec import ChatRequest, CompletionRequest, OperationRequest
 
-__all__ = ["DEMAND_GROWTH", "ENTRY_BYTES", "PrefixIndex", "cache_blocks", "prompt_blocks"]
+__all__ = [
+    "COUNT_SLACK_S",
+    "DEMAND_GROWTH",
+    "ENTRY_BYTES",
+    "PrefixIndex",
+    "cache_blocks",
+    "prompt_blocks",
+]
 
 # What one remembered (instance, block) costs in the index: the OrderedDict's
 # node and entry, the key tuple, a 16-byte digest. Measured with
@@ -76,6 +83,12 @@ _SEED: Final = b"iop-prefix"
 # busy edge): long enough to tell a popular prefix from a burst, short
 # enough to follow a shift in what is popular.
 DEMAND_GROWTH: Final = 2 ** (1 / 1024)
+# A count of what an engine holds is stamped when the node's scrape ended,
+# after it read the events; and a prompt the edge routed reaches the engine
+# through the node some time later. On a loaded host both take hundreds of
+# milliseconds: the blocks routed up to a second before a count's stamp may
+# not be in it (keeping them on top of it only delays forgetting them).
+COUNT_SLACK_S: Final = 1.0
 # Demands are kept in units that grow by DEMAND_GROWTH a prompt; past this
 # they are divided back down (every ~300,000 prompts), far from overflow.
 _DEMAND_RESCALE: Final = 1e90
@@ -137,7 +150,7 @@ class PrefixIndex:
     """(instance, block) -> None, least recently used first, at most ``max_entries``,
     and per instance at most what its cache holds (``bound``)."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, recent_s: float = 5.0) -> None:
         self.max_entries = max(0, max_bytes // ENTRY_BYTES)
         self._entries: OrderedDict[tuple[_Where, bytes], None] = OrderedDict()
         # The same entries per instance, in the same order: ``bound`` drops
@@ -146,9 +159,10 @@ class PrefixIndex:
         self._by_where: dict[_Where, OrderedDict[bytes, bool]] = {}
         # Per instance, how many of its blocks are reused.
         self._reused: dict[_Where, int] = {}
-        # Per instance, the blocks new to it since its engine's last count
-        # (``trim``): that count may not have them yet.
-        self._added: dict[_Where, int] = {}
+        # Per instance, (when, how many) blocks new to it were routed in the
+        # last ``recent_s``: an engine's count taken before may lack them.
+        self.recent_s = recent_s
+        self._added: dict[_Where, deque[tuple[float, int]]] = {}
         # A prompt's first block -> its home and demand (``home``), while
         # the home holds that block; per instance, its homes' demand.
         self._homes: dict[bytes, _Home] = {}
@@ -175,8 +189,8 @@ class PrefixIndex:
             n += 1
         return n
 
-    def routed(self, where: _Where, blocks: Sequence[bytes]) -> None:
-        """``blocks`` went to ``where``: they are its most recent."""
+    def routed(self, where: _Where, blocks: Sequence[bytes], now: float = 0.0) -> None:
+        """``blocks`` went to ``where`` at ``now``: they are its most recent."""
         if self.max_entries == 0:
             return
         entries = self._entries
@@ -195,7 +209,11 @@ class PrefixIndex:
             held.move_to_end(block)
         if reused:
             self._reused[where] = self._reused.get(where, 0) + reused
-        self._added[where] = self._added.get(where, 0) + added
+        if added:
+            log = self._added.setdefault(where, deque())
+            log.append((now, added))
+            while log[0][0] < now - self.recent_s:
+                log.popleft()
         self._trim(where, held)
         while len(entries) > self.max_entries:
             (w, block), _ = entries.popitem(last=False)
@@ -278,21 +296,28 @@ class PrefixIndex:
         if held is not None:
             self._trim(where, held)
 
-    def trim(self, where: _Where, max_blocks: int) -> None:
+    def trim(self, where: _Where, max_blocks: int, taken_at: float, now: float) -> None:
         """``where``'s cache held ``max_blocks`` of our blocks when it last
         said (its KV events' count): its least recently routed beyond that
         are gone now; what is routed after may be more (unlike ``bound``).
 
-        The count was taken before the report left, and the blocks new to
-        ``where`` since the last count may not be in it: they are kept on
-        top of it. Without them a cache that is still filling up (its
+        The count was taken at ``taken_at`` (before the report left, and a
+        node sends one count again in each report until it reads the next):
+        the blocks new to ``where`` routed after it, or up to
+        ``COUNT_SLACK_S`` before it, may not be in it, and are kept on top
+        of it. Without them a cache still filling up (its
         count below its size) lost its oldest prefixes from the index at
-        every report while the engine still held them.
+        every report while the engine still held them. A count older than
+        ``recent_s`` says nothing of what was routed since: it is ignored.
         """
-        added = self._added.pop(where, 0)
+        if taken_at < now - self.recent_s:
+            return
         held = self._by_where.get(where)
-        if held is not None:
-            self._trim(where, held, max(0, max_blocks) + added)
+        if held is None:
+            return
+        since = taken_at - COUNT_SLACK_S
+        later = sum(n for at, n in self._added.get(where, ()) if at > since)
+        self._trim(where, held, max(0, max_blocks) + later)
 
     def _trim(
         self, where: _Where, held: OrderedDict[bytes, bool], bound: int | None = None
