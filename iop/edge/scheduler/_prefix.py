@@ -36,7 +36,9 @@ vLLM's ``vllm:cache_config_info``); the edge turns it into blocks of ours
 (``scheduler.prefix_chars_per_token``) and ``bound`` keeps at most that many
 per instance, least recently routed first: the engine's own eviction rule
 (vLLM frees least recently used blocks first), so the index models it
-(docs/operations.md, "What the caches hold").
+(docs/operations.md, "What the caches hold"). Where the node reads the
+engine's KV events, its count of the blocks held (``EngineLoad.cached_tokens``)
+trims the index too (``trim``), less what was routed after it was taken.
 
 How full each cache is with what matters (``fill``): a block routed to an
 instance again while the index held it there is *reused* (a prefix that
@@ -48,7 +50,10 @@ goes where it evicts the least that is reused, instead of to the least
 loaded instance, whose full cache would evict another prefix that its
 prompts come back for, a miss that begets the next one
 (docs/benchmarks.md, "Prefix placement on a skewed workload, caches
-reported"). Sans-IO.
+reported"). And which copy a prompt uses: prompts that start alike have a
+home (``home``), preferred over a copy made while it was busy
+(``scheduler.home_weight``), that moves only when that evens the homes'
+demand. Sans-IO.
 """
 
 from __future__ import annotations
