@@ -595,3 +595,31 @@ def test_a_count_taken_before_the_latest_prompts_does_not_trim_them() -> None:
     index.routed(a, [b"8"], now=7 * slack)
     index.trim(a, 0, taken_at=1.5 * slack, now=7 * slack)  # older than recent_s: ignored
     assert len(index) == 2
+
+
+async def test_the_balance_rule_sends_a_run_to_another_copy_before_an_empty_instance(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The poet's home a piles up; the balance rule sent one run to b, which
+    now holds a copy. The next poet run that the rule sends away from a goes
+    to that copy on b (busy with 1 of 8, within the threshold of the idle c),
+    not to c, where it would be a whole prefill and a third copy."""
+    poet = "You are a poet. " * 80
+    cfg = prefix_config(home_weight=0.6)
+    async with open_edge_core(cfg) as core, trio.open_nursery() as nursery:  # type: ignore[arg-type]
+        nodes = {n: await connect(core, nursery, [caps(slots=8)], n) for n in "abc"}
+        runs = []
+        for k in range(7):
+            runs.append(core.start_run(spec(chat(poet, f"p{k}"), f"r{k}")))
+            await trio.testing.wait_all_tasks_blocked()
+        placed = [where(nodes, f"r{k}") for k in range(7)]
+        assert placed[:6] == ["a"] * 5 + ["b"]
+        assert runs[5].timeline.placements[0].why == "least-loaded: in flight 5/8 against 0/8"
+        assert placed[6] == "b"
+        assert runs[6].timeline.placements[0].why == (
+            "balance: in flight 5/8 against 0/8; best of the rest"
+        )
+        for r in runs:
+            r.cancel(CancelReason.CLIENT_DISCONNECT)
+            await drain_events(r)
+        nursery.cancel_scope.cancel()

@@ -246,6 +246,7 @@ class Placement:
         usual = sum(known) / len(known) if known else 0.0
         home = self.prefixes.home(prefix)
         scores: dict[str, float] = {}
+        raw: list[float] = []
         best: tuple[float, int, NodeConnection, InstanceState] | None = None
         idlest: int | None = None
         for i, (conn, inst) in enumerate(free):
@@ -270,22 +271,37 @@ class Placement:
             if where == preferred:
                 score += s.affinity_weight
             scores[f"{where[0]}/{where[1]}"] = round(score, 4)
+            raw.append(score)
             # Ties go to the first candidate (the registry's order).
             if best is None or score > best[0]:
                 best = (score, i, conn, inst)
         assert best is not None
         assert idlest is not None
         score, at, conn, inst = best
-        chosen, least = loads[at], loads[idlest]
-        if chosen - least > s.balance_load_threshold and chosen > least * s.balance_rel_threshold:
-            idle = free[idlest][1]
-            why = (
-                f"least-loaded: in flight {self.occupancy(inst, now):g}/"
-                f"{inst.caps.max_concurrency} against {self.occupancy(idle, now):g}/"
-                f"{idle.caps.max_concurrency}"
+        least = loads[idlest]
+
+        def too_busy(load: float) -> bool:
+            return (
+                load - least > s.balance_load_threshold and load > least * s.balance_rel_threshold
             )
-            conn, inst, _ = _least_loaded(free, None, lambda i: self.occupancy(i, now))
-            return conn, inst, why, scores
+
+        if too_busy(loads[at]):
+            idle = free[idlest][1]
+            against = (
+                f"in flight {self.occupancy(inst, now):g}/{inst.caps.max_concurrency} against "
+                f"{self.occupancy(idle, now):g}/{idle.caps.max_concurrency}"
+            )
+            # The best scored of the candidates the rule lets be (the
+            # idlest always is): another copy of the prefix, if one is not
+            # too busy, before an instance that holds none of it.
+            ok = [i for i in range(len(free)) if not too_busy(loads[i])]
+            pick = max(ok, key=lambda i: (raw[i], -loads[i], -i))
+            if raw[pick] <= raw[idlest]:
+                pick = idlest
+            conn, inst = free[pick]
+            if pick == idlest:
+                return conn, inst, f"least-loaded: {against}", scores
+            return conn, inst, f"balance: {against}; best of the rest", scores
         return conn, inst, f"prefix: best score {score:.3f} of {len(free)}", scores
 
     def _remember(self, key: str, where: tuple[str, str]) -> None:
