@@ -221,8 +221,9 @@ class Placement:
     ) -> tuple[NodeConnection, InstanceState, str, dict[str, float]]:
         """The best scored candidate: the expected cached share of the prompt,
         minus its load, minus the share it lacks times how full its cache is
-        with what matters, plus affinity (weights in ``[scheduler]``); or the
-        least loaded when the best is too much busier than the idlest.
+        with what matters, plus affinity (weights in ``[scheduler]``); or,
+        when that one is too much busier than the idlest, the best scored of
+        those that are not (the idlest always is).
 
         The balance rule weighs the instance the score chose against the
         idlest, not the busiest against the idlest (SGLang's cache-aware
