@@ -1427,6 +1427,13 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             instance.
         kv_weight: With ``prefix`` placement, score lost at a full KV cache
             (the engine's reported usage, 0 to 1, in proportion).
+        home_weight: With ``prefix`` placement, score of the instance
+            that has held the prompt's first block the longest on top of
+            ``prefix_weight``, per share of the prompt it holds.
+        room_weight: With ``prefix`` placement, score lost by a prompt the
+            instance holds none of when the instance's cache is full of
+            reused blocks (in proportion to the share it lacks and to how
+            full the cache is: ``PrefixIndex.fill``).
         load_stale_s: A node's load report (or the engine figures in it)
             older than this is ignored: the instance is scored on the
             edge's own count, never as full. Told to nodes, which repeat
@@ -1503,6 +1510,15 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
     # Half the load term's: llm-d's scorer weights prefix : queue : KV as
     # 2 : 2 : 1 (docs/operations.md, "How a run is placed").
     kv_weight: float = 0.5
+    # The prefix's own weight: a block a prompt adds to a cache full of
+    # reused blocks evicts one that another prompt comes back for, as much
+    # prefill lost later as a cached block saves now (docs/operations.md,
+    # "What the caches hold").
+    room_weight: float = 1.0
+    # Half the prefix's own: a second copy of a prefix is used only while
+    # its home is half its slots busier (4 runs of 8), so a copy made in a
+    # burst is not kept warm in a cache that other prefixes need.
+    home_weight: float = 0.5
     # 5 s: a node repeats its report every 1.7 s and scrapes its engine
     # every second (instance load_scrape_interval_s), so a live node's
     # figures are never this old; a node whose reports or scrapes stopped
@@ -1552,7 +1568,17 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             raise ValueError("prefix_index_bytes must be >= 0")
         if not 0.5 <= self.prefix_chars_per_token <= 64:
             raise ValueError("prefix_chars_per_token must be within 0.5 and 64")
-        if min(self.prefix_weight, self.load_weight, self.affinity_weight, self.kv_weight) < 0:
+        if (
+            min(
+                self.prefix_weight,
+                self.load_weight,
+                self.affinity_weight,
+                self.kv_weight,
+                self.room_weight,
+                self.home_weight,
+            )
+            < 0
+        ):
             raise ValueError("placement weights must be >= 0")
         if not self.load_stale_s > 0:
             raise ValueError("load_stale_s must be > 0")

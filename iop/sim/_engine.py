@@ -63,13 +63,26 @@ from iop.wire._kv_events import (
     encode_kv_events,
 )
 
-__all__ = ["KV_EVENT_BATCHES_KEPT", "Admission", "Engine", "PrefixCache", "block_hashes"]
+__all__ = [
+    "KV_EVENTS_ANSWER_BYTES",
+    "KV_EVENT_BATCHES_KEPT",
+    "Admission",
+    "Engine",
+    "PrefixCache",
+    "block_hashes",
+]
 
 _HASH_SEED: Final = b"iop-sim-prefix"
 # Event batches kept for readers (one per request the engine admits, one per
 # clear): a node reads them every second, so 4096 outlast seconds of a busy
 # sim; a reader that fell further behind sees a gap in the numbers.
 KV_EVENT_BATCHES_KEPT: Final = 4096
+# The payloads of one answer of events_after: a batch carries its new
+# blocks' token ids (a 2k-token prompt's are about 20 KB), and a node
+# refuses a page past its load_scrape_max_bytes (1 MiB by default), after
+# which it read no figure of the engine at all; half of that leaves room
+# for the answer's framing.
+KV_EVENTS_ANSWER_BYTES: Final = 512 * 1024
 
 
 def block_hashes(token_ids: Sequence[int], block_tokens: int, salt: str = "") -> list[bytes]:
@@ -178,10 +191,22 @@ class PrefixCache:
             if self.on_publish is not None:
                 self.on_publish()
 
-    def events_after(self, seq: int, limit: int) -> list[tuple[int, bytes]]:
+    def events_after(
+        self, seq: int, limit: int, max_bytes: int = KV_EVENTS_ANSWER_BYTES
+    ) -> list[tuple[int, bytes]]:
         """At most ``limit`` published batches numbered above ``seq``, oldest
-        first (a gap in the numbers: older ones were dropped)."""
-        return [(n, payload) for n, payload in self._journal if n > seq][:limit]
+        first (a gap in the numbers: older ones were dropped), of at most
+        ``max_bytes`` together but at least one."""
+        out: list[tuple[int, bytes]] = []
+        size = 0
+        for n, payload in self._journal:
+            if n <= seq:
+                continue
+            size += len(payload)
+            if len(out) >= limit or (out and size > max_bytes):
+                break
+            out.append((n, payload))
+        return out
 
 
 @dataclass(frozen=True)

@@ -82,9 +82,10 @@ MAX_REQUEST_BYTES: Final = 4 * 1024 * 1024
 SHUTDOWN_GRACE_S: Final = 1.0
 
 _JSON: Final = "application/json"
-# Event batches in one /kv_events answer: one per admitted request, a few
-# KiB each with its token ids, so 256 keep an answer under a MiB and well
-# within a reader's page limit; a reader behind asks again.
+# Event batches in one /kv_events answer: one per admitted request, up to
+# tens of KiB each with its token ids, so the answer also stops at
+# KV_EVENTS_ANSWER_BYTES (iop/sim/_engine.py), within a reader's page
+# limit; a reader behind asks again.
 KV_EVENTS_PER_ANSWER: Final = 256
 
 

@@ -366,7 +366,8 @@ class CacheMirror:
     """How much an engine's prefix cache holds, from its events in order.
 
     ``capacity_blocks`` (the engine's ``num_gpu_blocks``, when known) caps
-    the count, so lost events cannot make it claim more than fits.
+    the count after each batch, so lost events cannot make it claim more
+    than fits.
     """
 
     def __init__(self, capacity_blocks: int | None = None) -> None:
@@ -415,8 +416,10 @@ class CacheMirror:
                 self.blocks = 0
                 self.clears += 1
             self.blocks = max(0, self.blocks)
-            if self.capacity_blocks is not None:
-                self.blocks = min(self.blocks, self.capacity_blocks)
+        # After the batch, not between its events: an insert into a full
+        # cache may store its new blocks before it removes the oldest.
+        if self.capacity_blocks is not None:
+            self.blocks = min(self.blocks, self.capacity_blocks)
 
     def lose(self, seq: int) -> None:
         """Batch ``seq`` arrived but could not be read: its events are lost."""

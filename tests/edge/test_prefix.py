@@ -5,6 +5,7 @@ in-memory links in virtual time."""
 from __future__ import annotations
 
 import tracemalloc
+from typing import Any
 
 import pytest
 import trio
@@ -14,11 +15,19 @@ from hypothesis import strategies as st
 
 from iop.config import SchedulerSettings
 from iop.edge import open_edge_core
-from iop.edge.scheduler._prefix import ENTRY_BYTES, PrefixIndex, prompt_blocks
+from iop.edge.scheduler._prefix import (
+    COUNT_SLACK_S,
+    DEMAND_GROWTH,
+    ENTRY_BYTES,
+    PrefixIndex,
+    prompt_blocks,
+)
 from iop.events import CancelReason
+from iop.protocol import EngineLoad, InstanceLoad, LoadReport
+from iop.runtime import Run
 from iop.sim._engine import PrefixCache
 from iop.spec import ChatRequest, CompletionRequest, EmbeddingRequest, ExecutionSpec, Message
-from tests.edge.test_core import caps, config, connect, drain_events
+from tests.edge.test_core import FakeNode, caps, config, connect, drain_events, frame
 
 SYSTEM = "You are the support agent of ACME. Answer briefly and politely. " * 20
 
@@ -90,6 +99,11 @@ def prefix_config(**sched: object) -> object:
             **sched,  # type: ignore[arg-type]
         )
     )
+
+
+def where(nodes: dict[str, FakeNode], run_id: str) -> str:
+    """The node a run was assigned to."""
+    return next(n for n, f in nodes.items() if run_id in f.assigned)
 
 
 def spec(request: ChatRequest, run_id: str) -> ExecutionSpec:
@@ -252,7 +266,7 @@ def test_an_instance_keeps_no_more_blocks_than_its_cache_holds() -> None:
     assert index.matched(("n", "b"), [b"1", b"2", b"3", b"4"]) == 4
     assert len(index) == 6
     # A count from the engine's events trims once; what comes after may grow.
-    index.trim(("n", "b"), 1)
+    index.trim(("n", "b"), 1, taken_at=2 * COUNT_SLACK_S, now=2 * COUNT_SLACK_S)
     assert index.matched(("n", "b"), [b"4"]) == 1
     assert index.matched(("n", "b"), [b"3"]) == 0
     index.routed(("n", "b"), [b"6", b"7"])
@@ -289,3 +303,327 @@ def test_the_index_never_claims_a_block_the_engine_evicted(
         for block in {b for p in prompts for b in p}:
             if index.matched(where, [block]):
                 assert engine.cached_blocks([block]) == 1
+
+
+def test_reused_blocks_fill_a_cache_and_blocks_routed_once_half() -> None:
+    """``fill``: an instance's reused blocks count whole, its blocks routed
+    once half, over its bound; a block that leaves stops counting."""
+    index = PrefixIndex(max_bytes=100 * ENTRY_BYTES)
+    a = ("n", "a")
+    assert index.fill(a) is None  # size unknown
+    index.bound(a, 10)
+    assert index.fill(a) == 0.0
+    index.routed(a, [b"1", b"2", b"3", b"t1"])
+    assert index.fill(a) == 4 / 20
+    index.routed(a, [b"1", b"2", b"3", b"t2"])  # 1, 2, 3 reused; t1, t2 once
+    assert index.fill(a) == (5 + 3) / 20
+    # A count of more than half of them says nothing; of at most half, the
+    # oldest go: t1, 1 and 2 (reused).
+    index.trim(a, 3, taken_at=2 * COUNT_SLACK_S, now=2 * COUNT_SLACK_S)
+    assert index.fill(a) == (5 + 3) / 20
+    index.trim(a, 2, taken_at=2 * COUNT_SLACK_S, now=2 * COUNT_SLACK_S)
+    assert index.fill(a) == (2 + 1) / 20
+    index.bound(a, 0)
+    assert index.fill(a) == 1.0  # no room at all
+    index.bound(a, 2)
+    index.routed(a, [b"x", b"x"])  # reused within one prompt: held once, reused once
+    assert index.fill(a) == (1 + 1) / 4
+    index.forget("n")
+    assert index.fill(a) is None
+
+
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.tuples(
+                st.just("route"),
+                st.sampled_from("ab"),
+                st.lists(st.sampled_from([b"1", b"2", b"3", b"4", b"5", b"6"]), max_size=5),
+            ),
+            st.tuples(st.just("bound"), st.sampled_from("ab"), st.integers(0, 6)),
+            st.tuples(
+                st.just("trim"),
+                st.sampled_from("ab"),
+                st.tuples(st.integers(0, 6), st.integers(0, 7)),
+            ),
+            st.tuples(st.just("forget"), st.just(""), st.just(0)),
+        ),
+        max_size=60,
+    ),
+    max_entries=st.integers(min_value=0, max_value=10),
+)
+def test_the_index_counts_reused_blocks_as_a_plain_lru_model_does(
+    ops: list[tuple[str, str, object]], max_entries: int
+) -> None:
+    """The index against a model written plainly: one LRU list across
+    instances (at most ``max_entries``), one per instance (at most its
+    bound), each block flagged when routed there again while held, and a
+    prompt's first block homed where it first went, while held there, and
+    moved where a prompt went when its demand evens the two instances'."""
+    index = PrefixIndex(max_bytes=max_entries * ENTRY_BYTES)
+    order: list[tuple[str, bytes]] = []  # the global LRU, oldest first
+    reused: dict[tuple[str, bytes], bool] = {}
+    bounds: dict[str, int] = {}
+    homes: dict[bytes, list[Any]] = {}  # first block -> [instance, its demand]
+    unit = 1.0  # what a prompt adds to a demand now
+
+    def demand(name: str) -> float:
+        return sum(d for w, d in homes.values() if w == name)
+
+    def drop(key: tuple[str, bytes]) -> None:
+        order.remove(key)
+        del reused[key]
+        if key[1] in homes and homes[key[1]][0] == key[0]:
+            del homes[key[1]]
+
+    added: dict[str, list[tuple[int, int]]] = {}  # (step, blocks new to an instance then)
+
+    def trim(name: str, bound: int) -> None:
+        mine = [k for k in order if k[0] == name]
+        for key in mine[: max(0, len(mine) - bound)]:
+            drop(key)
+
+    for step, (op, name, arg) in enumerate(ops):
+        where = ("n", name)
+        if op == "route":
+            assert isinstance(arg, list)
+            index.routed(where, arg, now=step)
+            if max_entries:
+                for block in arg:
+                    key = (name, block)
+                    was = key in reused
+                    if was:
+                        order.remove(key)
+                    else:
+                        added.setdefault(name, []).append((step, 1))
+                    order.append(key)
+                    reused[key] = was
+                if name in bounds:
+                    trim(name, bounds[name])
+                while len(order) > max_entries:
+                    drop(order[0])
+                if arg:
+                    unit *= DEMAND_GROWTH
+                    first, held = arg[0], (name, arg[0]) in reused
+                    if first not in homes:
+                        if held:
+                            homes[first] = [name, unit]
+                    else:
+                        homes[first][1] += unit
+                        home, mine = homes[first]
+                        gap = demand(home) - demand(name)
+                        if held and home != name and gap > mine * (1 + 1e-9):
+                            homes[first][0] = name
+        elif op == "bound":
+            assert isinstance(arg, int)
+            index.bound(where, arg)
+            bounds[name] = arg
+            trim(name, arg)
+        elif op == "trim":
+            assert isinstance(arg, tuple)
+            count, age = arg
+            index.trim(where, count, taken_at=step - age, now=step)
+            if age <= 5:  # the index's recent_s: an older count is ignored
+                since = step - age - COUNT_SLACK_S
+                later = sum(n for at, n in added.get(name, []) if at > since)
+                if (count + later) * 2 <= len([k for k in order if k[0] == name]):
+                    trim(name, count + later)
+        else:
+            index.forget("n")
+            order.clear()
+            reused.clear()
+            bounds.clear()
+            homes.clear()
+            added.clear()
+        for n in "ab":
+            held = [k for k in order if k[0] == n]
+            bound = bounds.get(n)
+            if bound is None:
+                assert index.fill(("n", n)) is None
+            elif bound == 0:
+                assert index.fill(("n", n)) == 1.0
+            else:
+                want = min(1.0, (len(held) + sum(reused[k] for k in held)) / (2 * bound))
+                assert index.fill(("n", n)) == pytest.approx(want)
+            for _, block in held:
+                assert index.matched(("n", n), [block]) == 1
+        assert len(index) == len(order)
+        for block in [b"1", b"2", b"3", b"4", b"5", b"6"]:
+            want_home = homes.get(block)
+            assert index.home([block]) == (None if want_home is None else ("n", want_home[0]))
+
+
+async def test_a_prefix_held_nowhere_goes_where_it_evicts_least_not_to_the_idlest(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two instances with caches of 40 blocks. The support prompt's blocks
+    are reused on a (its cache half full of them); b has a run of another
+    edge's in flight (its node says so), so it is the busier. A poet's
+    prompt, held nowhere, goes to b, whose cache has room, not to the idle
+    a, where it would evict the support prefix that its prompts come back
+    for; with no room term it went to a."""
+    poet = "You are a poet. " * 10
+    support = "Be brief. " * 30  # 300 characters: 20 blocks with the JSON around it
+    for room_weight, expected in ((1.0, "b"), (0.0, "a")):
+        cfg = prefix_config(
+            prefix_block_chars=16, prefix_chars_per_token=4.0, room_weight=room_weight
+        )
+        async with open_edge_core(cfg) as core, trio.open_nursery() as nursery:  # type: ignore[arg-type]
+            nodes = {n: await connect(core, nursery, [caps(slots=4)], n) for n in "ab"}
+            runs = []
+            for i, user in enumerate(["q0", "q1"]):
+                run = core.start_run(spec(chat(support, user), f"r{i}"))
+                runs.append(run)
+                await trio.testing.wait_all_tasks_blocked()
+                run.cancel(CancelReason.CLIENT_DISCONNECT)
+                await drain_events(run)
+            for name, node in nodes.items():
+                # 160 tokens at 4 characters a token: 40 blocks of 16 characters.
+                load = InstanceLoad(
+                    instance="i0",
+                    in_flight=1 if name == "b" else 0,
+                    queued=0,
+                    max_concurrency=4,
+                    max_queue=0,
+                    engine=EngineLoad(cache_tokens=160),
+                )
+                await node.chan.send(frame(LoadReport(instances=[load])))
+            await trio.testing.wait_all_tasks_blocked()
+            runs.append(core.start_run(spec(chat(poet, "q2"), "r2")))
+            await trio.testing.wait_all_tasks_blocked()
+            where = [next(n for n, f in nodes.items() if f"r{i}" in f.assigned) for i in range(3)]
+            assert where[:2] == ["a", "a"]
+            assert where[2] == expected
+            placed = runs[2].timeline.placements[0]
+            assert placed.why.startswith("prefix: best score")
+            runs[2].cancel(CancelReason.CLIENT_DISCONNECT)
+            await drain_events(runs[2])
+            nursery.cancel_scope.cancel()
+
+
+def test_a_first_block_is_homed_where_it_first_went_while_it_is_held_there() -> None:
+    index = PrefixIndex(max_bytes=100 * ENTRY_BYTES)
+    a, b = ("n", "a"), ("m", "b")
+    assert index.home([]) is None
+    index.routed(a, [b"1", b"2"])
+    index.routed(b, [b"1", b"2", b"3"])  # a copy elsewhere: the home stays
+    assert index.home([b"1", b"9"]) == a
+    assert index.home([b"2"]) is None  # only a prompt's first block is homed
+    index.bound(a, 1)  # a drops 1: the home is gone with it
+    assert index.home([b"1"]) is None
+    index.routed(b, [b"1"])
+    assert index.home([b"1"]) == b
+    index.forget("m")
+    assert index.home([b"1"]) is None
+
+
+async def test_a_copy_made_while_the_home_was_full_is_not_kept_warm(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The support prompt's home is b; in a burst b's 4 slots fill and one
+    run makes a copy on a. Once both are idle, the next support prompt goes
+    home to b (the copy on a is left to age out of a's cache); with no home
+    weight the two copies tie and the registry's first, a, keeps its copy
+    warm as a second home."""
+    for home_weight, expected in ((0.5, "b"), (0.0, "a")):
+        async with (
+            open_edge_core(prefix_config(home_weight=home_weight)) as core,
+            trio.open_nursery() as nursery,
+        ):  # type: ignore[arg-type]
+            nodes = {n: await connect(core, nursery, [caps(slots=4)], n) for n in "ab"}
+
+            async def start(system: str, run_id: str) -> Run:
+                run = core.start_run(spec(chat(system, run_id), run_id))
+                await trio.testing.wait_all_tasks_blocked()
+                return run
+
+            other = await start("You are a poet. " * 80, "o0")
+            burst = [await start(SYSTEM, f"s{i}") for i in range(6)]
+            assert where(nodes, "o0") == "a"
+            assert [where(nodes, f"s{i}") for i in range(6)] == ["b"] * 4 + ["a", "a"]
+            for run in [other, *burst]:
+                run.cancel(CancelReason.CLIENT_DISCONNECT)
+                await drain_events(run)
+            after = await start(SYSTEM, "s6")
+            assert where(nodes, "s6") == expected
+            after.cancel(CancelReason.CLIENT_DISCONNECT)
+            await drain_events(after)
+            nursery.cancel_scope.cancel()
+
+
+def test_a_home_moves_where_a_prompt_went_when_that_evens_the_demand() -> None:
+    """Two prefixes homed on a; one's prompt goes to b (a was busy): its
+    demand moves to b, since a held both and b none. The other's prompt
+    then going to b does not move it: a would hold none and b both."""
+    index = PrefixIndex(max_bytes=100 * ENTRY_BYTES)
+    a, b = ("n", "a"), ("n", "b")
+    index.routed(a, [b"1", b"x"])
+    index.routed(a, [b"2", b"y"])
+    index.routed(b, [b"1", b"z"])
+    assert index.home([b"1"]) == b
+    index.routed(b, [b"2", b"w"])
+    assert index.home([b"2"]) == a
+    # A prompt a did not keep (its bound dropped it) is homed where it goes next.
+    index.bound(a, 1)
+    assert index.home([b"2"]) is None
+    index.routed(b, [b"2"])
+    assert index.home([b"2"]) == b
+
+
+def test_a_count_taken_before_the_latest_prompts_does_not_trim_them() -> None:
+    """A node's count of what its engine holds was taken before the report
+    left, and the node sends it again in each report until it reads the
+    next: the prompts routed after it was taken may not be in it. A trim
+    keeps those on top of the count, so a cache still filling up (its count
+    below its size) does not make the index forget its oldest prefixes at
+    every report (the 'nowhere' misses of docs/benchmarks.md, "Prefix
+    placement on a skewed workload, caches reported")."""
+    slack = COUNT_SLACK_S
+    index = PrefixIndex(max_bytes=100 * ENTRY_BYTES, recent_s=5 * slack)
+    a = ("n", "a")
+    index.routed(a, [b"1", b"2", b"3"], now=0.0)
+    index.routed(a, [b"4", b"5"], now=2 * slack)
+    index.routed(a, [b"4", b"6"], now=3 * slack)  # 4 again: not new, 6 is
+    # The count has 1, 2 and 3 only; 4, 5 and 6 were routed after it, or
+    # so shortly before that they may not have reached the engine.
+    index.trim(a, 3, taken_at=2.5 * slack, now=3.5 * slack)
+    assert index.matched(a, [b"1", b"2", b"3"]) == 3
+    index.trim(a, 3, taken_at=2.5 * slack, now=3.6 * slack)  # the same count again
+    assert index.matched(a, [b"1", b"2", b"3"]) == 3
+    index.trim(a, 3, taken_at=4.5 * slack, now=5 * slack)  # a count that has them all
+    assert index.matched(a, [b"1"]) == 0
+    assert [index.matched(a, [b]) for b in (b"4", b"5", b"6")] == [1, 1, 1]
+    index.routed(a, [b"7"], now=6 * slack)
+    index.trim(a, 0, taken_at=5.5 * slack, now=6.5 * slack)  # a reset: 7 may be after it
+    assert len(index) == 1
+    index.routed(a, [b"8"], now=7 * slack)
+    index.trim(a, 0, taken_at=1.5 * slack, now=7 * slack)  # older than recent_s: ignored
+    assert len(index) == 2
+
+
+async def test_the_balance_rule_sends_a_run_to_another_copy_before_an_empty_instance(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The poet's home a piles up; the balance rule sent one run to b, which
+    now holds a copy. The next poet run that the rule sends away from a goes
+    to that copy on b (busy with 1 of 8, within the threshold of the idle c),
+    not to c, where it would be a whole prefill and a third copy."""
+    poet = "You are a poet. " * 80
+    cfg = prefix_config(home_weight=0.6)
+    async with open_edge_core(cfg) as core, trio.open_nursery() as nursery:  # type: ignore[arg-type]
+        nodes = {n: await connect(core, nursery, [caps(slots=8)], n) for n in "abc"}
+        runs = []
+        for k in range(7):
+            runs.append(core.start_run(spec(chat(poet, f"p{k}"), f"r{k}")))
+            await trio.testing.wait_all_tasks_blocked()
+        placed = [where(nodes, f"r{k}") for k in range(7)]
+        assert placed[:6] == ["a"] * 5 + ["b"]
+        assert runs[5].timeline.placements[0].why == "least-loaded: in flight 5/8 against 0/8"
+        assert placed[6] == "b"
+        assert runs[6].timeline.placements[0].why == (
+            "balance: in flight 5/8 against 0/8; best of the rest"
+        )
+        for r in runs:
+            r.cancel(CancelReason.CLIENT_DISCONNECT)
+            await drain_events(r)
+        nursery.cancel_scope.cancel()

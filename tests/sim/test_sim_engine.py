@@ -300,3 +300,23 @@ async def test_the_sim_serves_its_kv_events_and_resets_its_cache() -> None:
         mirror.apply(seq, decode_kv_events(payload))
         assert mirror.blocks == 0
         assert (await client.get("/kv_events", params={"after": "x"})).status_code == 400
+
+
+def test_a_page_of_kv_events_stays_within_its_byte_budget() -> None:
+    """Batches of long prompts carry their token ids: 256 of them made a
+    /kv_events answer of megabytes, past the node's page limit
+    (``load_scrape_max_bytes``, 1 MiB), and the node's every scrape of that
+    engine failed from then on. A page stops at its byte budget (at least
+    one batch, so a reader always gets on), and the next page goes on."""
+    from iop.sim._engine import KV_EVENTS_ANSWER_BYTES
+
+    cache = PrefixCache(capacity=64)
+    for i in range(40):
+        ids = [(1 << 40) + i * 10_000 + t for t in range(2048)]  # toy ids: 9 bytes each
+        cache.insert(block_hashes(ids, 16), ids, 16)
+    page = cache.events_after(-1, 256, max_bytes=KV_EVENTS_ANSWER_BYTES)
+    assert 1 <= len(page) < 40
+    assert sum(len(p) for _, p in page) <= KV_EVENTS_ANSWER_BYTES
+    assert cache.events_after(-1, 256, max_bytes=1)[0][0] == 0  # one, however big
+    rest = cache.events_after(page[-1][0], 256, max_bytes=10**9)
+    assert [n for n, _ in page + rest] == list(range(40))

@@ -147,3 +147,17 @@ def test_lost_events_start_the_count_over() -> None:
     assert (mirror.restarts, mirror.blocks, mirror.last_seq) == (1, 0, -1)
     mirror.apply(0, stored)
     assert (mirror.blocks, mirror.gaps) == (3, 2)
+
+
+def test_a_full_cache_that_stores_and_evicts_in_one_batch_keeps_its_count() -> None:
+    """The sim publishes an insert into its full cache as one batch, the new
+    blocks stored and then the oldest removed: the cap applies to the count
+    after the batch, not between its events (capped in between, the count
+    lost the removed blocks twice and a full cache read as 2 of its 4)."""
+    mirror = CacheMirror(capacity_blocks=4)
+    mirror.apply(0, KVEventBatch(ts=0.0, events=[BlockStored([1, 2, 3, 4], None, [], 16)]))
+    mirror.apply(
+        1,
+        KVEventBatch(ts=0.0, events=[BlockStored([5, 6], 4, [], 16), BlockRemoved([1, 2])]),
+    )
+    assert (mirror.blocks, mirror.tokens) == (4, 64)

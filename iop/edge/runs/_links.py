@@ -241,9 +241,13 @@ class NodeLinks:
             )
             if engine.cache_tokens is not None:
                 self.scheduler.prefixes.bound(where, blocks(engine.cache_tokens))
-            if engine.cached_tokens is not None:
-                # What its KV events say it holds now (0 after a reset).
-                self.scheduler.prefixes.trim(where, blocks(engine.cached_tokens))
+            reported = conn.instances[load.instance].reported
+            if engine.cached_tokens is not None and reported is not None:
+                # What its KV events say it held when its figures were
+                # taken (0 after a reset).
+                self.scheduler.prefixes.trim(
+                    where, blocks(engine.cached_tokens), reported.engine_at, reported.at
+                )
 
     def _on_link_events(self, conn: NodeConnection, events: list[EdgeLinkEvent]) -> None:
         """A frame's events (the link reader: never blocks)."""

@@ -9,12 +9,13 @@ that still has a free slot: then it goes there again (session affinity, so
 the backend's prefix cache holds the prompt's head; see ``affinity_key``; a
 conversation is its tenant's alone unless tenants share their caches);
 ``prefix`` scores each by the share of the prompt it is expected to hold
-(``iop.edge.scheduler._prefix``), minus its load, plus affinity; ``random``
-is a baseline. Runs of sheddable objectives hold at most an instance's
-slots but its reserve (``reserved_slot_fraction`` of them, rounded down:
-``reserve``): while they hold that many, the other slots are for runs that
-may not be shed, which thus find one free at once as long as fewer of them
-than the reserve run. Nothing here waits: when no instance has a free slot the
+(``iop.edge.scheduler._prefix``), minus its load, minus the room the rest
+of the prompt takes in its cache (``PrefixIndex.fill``), plus affinity;
+``random`` is a baseline. Runs of sheddable objectives hold at most an
+instance's slots but its reserve (``reserved_slot_fraction`` of them,
+rounded down: ``reserve``): while they hold that many, the other slots are
+for runs that may not be shed, which thus find one free at once as long as
+fewer of them than the reserve run. Nothing here waits: when no instance has a free slot the
 scheduler queues the run (``iop/edge/scheduler/_scheduler.py``).
 
 Waiters are kept by what they wait for (model, operation, excluded nodes),
@@ -104,7 +105,9 @@ class Placement:
         # Conversation key -> (node, instance) that last served it; LRU-bounded.
         self._affinity: OrderedDict[str, tuple[str, str]] = OrderedDict()
         # What each instance's prefix cache probably holds (``placement = "prefix"``).
-        self.prefixes = PrefixIndex(settings.prefix_index_bytes)
+        # What an engine's count may lack is what was routed since it was
+        # taken; a count older than load_stale_s is not used.
+        self.prefixes = PrefixIndex(settings.prefix_index_bytes, settings.load_stale_s)
         self._random = random.Random()
 
     def occupancy(self, inst: InstanceState, now: float) -> float:
@@ -226,7 +229,7 @@ class Placement:
         if affinity is not None:
             self._remember(affinity, where)
         if prefix:
-            self.prefixes.routed(where, prefix)
+            self.prefixes.routed(where, prefix, trio.current_time())
         return Placed(conn, inst, why, scores, candidates)
 
     def _by_prefix(
@@ -236,8 +239,10 @@ class Placement:
         preferred: tuple[str, str] | None,
     ) -> tuple[NodeConnection, InstanceState, str, dict[str, float]]:
         """The best scored candidate: the expected cached share of the prompt,
-        minus its load, plus affinity (weights in ``[scheduler]``); or the
-        least loaded when the best is too much busier than the idlest.
+        minus its load, minus the share it lacks times how full its cache is
+        with what matters, plus affinity (weights in ``[scheduler]``); or,
+        when that one is too much busier than the idlest, the best scored of
+        those that are not (the idlest always is).
 
         The balance rule weighs the instance the score chose against the
         idlest, not the busiest against the idlest (SGLang's cache-aware
@@ -253,39 +258,70 @@ class Placement:
         # Each candidate's load: its occupancy (the edge's count, or the
         # node's fresh report when larger) over its slots.
         loads = [self.occupancy(inst, now) / max(inst.caps.max_concurrency, 1) for _, inst in free]
+        wheres = [(conn.node_id, inst.caps.instance) for conn, inst in free]
+        # How full each cache is with what matters; an instance whose size
+        # is not reported is taken as full as the others on average.
+        fills = [self.prefixes.fill(where) for where in wheres] if prefix else []
+        known = [f for f in fills if f is not None]
+        usual = sum(known) / len(known) if known else 0.0
+        home = self.prefixes.home(prefix)
         scores: dict[str, float] = {}
+        raw: list[float] = []
         best: tuple[float, int, NodeConnection, InstanceState] | None = None
         idlest: int | None = None
         for i, (conn, inst) in enumerate(free):
-            where = (conn.node_id, inst.caps.instance)
+            where = wheres[i]
             matched = self.prefixes.matched(where, prefix) / len(prefix) if prefix else 0.0
             load = loads[i]
             if idlest is None or load < loads[idlest]:
                 idlest = i
+            # The home's copy goes first: another copy, made while the home
+            # was busy, serves only while it is busy.
+            home_bonus = s.home_weight if where == home else 0.0
             score = (
-                s.prefix_weight * matched
+                (s.prefix_weight + home_bonus) * matched
                 - s.load_weight * load
                 - s.kv_weight * self.kv_usage(inst, now)
             )
+            if prefix:
+                # The blocks it lacks evict what its cache holds, in
+                # proportion to how full that is with what matters.
+                fill = fills[i]
+                score -= s.room_weight * (1.0 - matched) * (usual if fill is None else fill)
             if where == preferred:
                 score += s.affinity_weight
             scores[f"{where[0]}/{where[1]}"] = round(score, 4)
+            raw.append(score)
             # Ties go to the first candidate (the registry's order).
             if best is None or score > best[0]:
                 best = (score, i, conn, inst)
         assert best is not None
         assert idlest is not None
         score, at, conn, inst = best
-        chosen, least = loads[at], loads[idlest]
-        if chosen - least > s.balance_load_threshold and chosen > least * s.balance_rel_threshold:
-            idle = free[idlest][1]
-            why = (
-                f"least-loaded: in flight {self.occupancy(inst, now):g}/"
-                f"{inst.caps.max_concurrency} against {self.occupancy(idle, now):g}/"
-                f"{idle.caps.max_concurrency}"
+        least = loads[idlest]
+
+        def too_busy(load: float) -> bool:
+            return (
+                load - least > s.balance_load_threshold and load > least * s.balance_rel_threshold
             )
-            conn, inst, _ = _least_loaded(free, None, lambda i: self.occupancy(i, now))
-            return conn, inst, why, scores
+
+        if too_busy(loads[at]):
+            idle = free[idlest][1]
+            against = (
+                f"in flight {self.occupancy(inst, now):g}/{inst.caps.max_concurrency} against "
+                f"{self.occupancy(idle, now):g}/{idle.caps.max_concurrency}"
+            )
+            # The best scored of the candidates the rule lets be (the
+            # idlest always is): another copy of the prefix, if one is not
+            # too busy, before an instance that holds none of it.
+            ok = [i for i in range(len(free)) if not too_busy(loads[i])]
+            pick = max(ok, key=lambda i: (raw[i], -loads[i], -i))
+            if raw[pick] <= raw[idlest]:
+                pick = idlest
+            conn, inst = free[pick]
+            if pick == idlest:
+                return conn, inst, f"least-loaded: {against}", scores
+            return conn, inst, f"balance: {against}; best of the rest", scores
         return conn, inst, f"prefix: best score {score:.3f} of {len(free)}", scores
 
     def _remember(self, key: str, where: tuple[str, str]) -> None:

@@ -36,13 +36,30 @@ vLLM's ``vllm:cache_config_info``); the edge turns it into blocks of ours
 (``scheduler.prefix_chars_per_token``) and ``bound`` keeps at most that many
 per instance, least recently routed first: the engine's own eviction rule
 (vLLM frees least recently used blocks first), so the index models it
-(docs/operations.md, "What the caches hold"). Sans-IO.
+(docs/operations.md, "What the caches hold"). Where the node reads the
+engine's KV events, its count of the blocks held (``EngineLoad.cached_tokens``)
+trims the index too (``trim``), less what was routed after it was taken.
+
+How full each cache is with what matters (``fill``): a block routed to an
+instance again while the index held it there is *reused* (a prefix that
+prompts share); a block routed once is either a new prefix not yet proven
+or a prompt's unique tail on its way out of the LRU. Placement weighs a
+prompt's blocks that an instance does not hold by how full that
+instance's cache is (``scheduler.room_weight``): a prefix that is nowhere
+goes where it evicts the least that is reused, instead of to the least
+loaded instance, whose full cache would evict another prefix that its
+prompts come back for, a miss that begets the next one
+(docs/benchmarks.md, "Prefix placement on a skewed workload, caches
+reported"). And which copy a prompt uses: prompts that start alike have a
+home (``home``), preferred over a copy made while it was busy
+(``scheduler.home_weight``), that moves only when that evens the homes'
+demand. Sans-IO.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from typing import Final
 
@@ -50,7 +67,14 @@ import msgspec
 
 from iop.spec import ChatRequest, CompletionRequest, OperationRequest
 
-__all__ = ["ENTRY_BYTES", "PrefixIndex", "cache_blocks", "prompt_blocks"]
+__all__ = [
+    "COUNT_SLACK_S",
+    "DEMAND_GROWTH",
+    "ENTRY_BYTES",
+    "PrefixIndex",
+    "cache_blocks",
+    "prompt_blocks",
+]
 
 # What one remembered (instance, block) costs in the index: the OrderedDict's
 # node and entry, the key tuple, a 16-byte digest. Measured with
@@ -59,6 +83,20 @@ __all__ = ["ENTRY_BYTES", "PrefixIndex", "cache_blocks", "prompt_blocks"]
 ENTRY_BYTES: Final = 256
 
 _SEED: Final = b"iop-prefix"
+
+# A home's demand halves every 1024 prompts routed (a minute or two of a
+# busy edge): long enough to tell a popular prefix from a burst, short
+# enough to follow a shift in what is popular.
+DEMAND_GROWTH: Final = 2 ** (1 / 1024)
+# A count of what an engine holds is stamped when the node's scrape ended,
+# after it read the events; and a prompt the edge routed reaches the engine
+# through the node some time later. On a loaded host both take hundreds of
+# milliseconds: the blocks routed up to a second before a count's stamp may
+# not be in it (keeping them on top of it only delays forgetting them).
+COUNT_SLACK_S: Final = 1.0
+# Demands are kept in units that grow by DEMAND_GROWTH a prompt; past this
+# they are divided back down (every ~300,000 prompts), far from overflow.
+_DEMAND_RESCALE: Final = 1e90
 _Where = tuple[str, str]  # (node id, instance name)
 
 
@@ -103,16 +141,41 @@ def cache_blocks(cache_tokens: int, block_chars: int, chars_per_token: float) ->
     return max(0, int(cache_tokens * chars_per_token) // block_chars)
 
 
+class _Home:
+    """Where prompts that start with one block go, and their demand."""
+
+    __slots__ = ("demand", "where")
+
+    def __init__(self, where: _Where, demand: float) -> None:
+        self.where = where
+        self.demand = demand
+
+
 class PrefixIndex:
     """(instance, block) -> None, least recently used first, at most ``max_entries``,
     and per instance at most what its cache holds (``bound``)."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(self, max_bytes: int, recent_s: float = 5.0) -> None:
         self.max_entries = max(0, max_bytes // ENTRY_BYTES)
         self._entries: OrderedDict[tuple[_Where, bytes], None] = OrderedDict()
         # The same entries per instance, in the same order: ``bound`` drops
-        # an instance's oldest without a walk over every instance's.
-        self._by_where: dict[_Where, OrderedDict[bytes, None]] = {}
+        # an instance's oldest without a walk over every instance's. The
+        # value: whether the block was routed there again while held (reused).
+        self._by_where: dict[_Where, OrderedDict[bytes, bool]] = {}
+        # Per instance, how many of its blocks are reused.
+        self._reused: dict[_Where, int] = {}
+        # Per instance, (when, how many) blocks new to it were routed in the
+        # last ``recent_s``: an engine's count taken before may lack them.
+        self.recent_s = recent_s
+        self._added: dict[_Where, deque[tuple[float, int]]] = {}
+        # A prompt's first block -> its home and demand (``home``), while
+        # the home holds that block; per instance, its homes' demand.
+        self._homes: dict[bytes, _Home] = {}
+        self._demand: dict[_Where, float] = {}
+        # What one routed prompt adds to a demand now: it grows by
+        # DEMAND_GROWTH a prompt, so every older addition weighs less in
+        # proportion (an exponential decay without a walk over the homes).
+        self._unit = 1.0
         self._bounds: dict[_Where, int] = {}
         self.evicted = 0
 
@@ -131,23 +194,98 @@ class PrefixIndex:
             n += 1
         return n
 
-    def routed(self, where: _Where, blocks: Sequence[bytes]) -> None:
-        """``blocks`` went to ``where``: they are its most recent."""
+    def routed(self, where: _Where, blocks: Sequence[bytes], now: float = 0.0) -> None:
+        """``blocks`` went to ``where`` at ``now``: they are its most recent."""
         if self.max_entries == 0:
             return
         entries = self._entries
         held = self._by_where.setdefault(where, OrderedDict())
+        reused = added = 0
         for block in blocks:
             key = (where, block)
             entries[key] = None
             entries.move_to_end(key)
-            held[block] = None
+            was = held.get(block)
+            if was is None:
+                added += 1
+            elif not was:
+                reused += 1
+            held[block] = was is not None
             held.move_to_end(block)
+        if reused:
+            self._reused[where] = self._reused.get(where, 0) + reused
+        if added:
+            log = self._added.setdefault(where, deque())
+            log.append((now, added))
+            while log[0][0] < now - self.recent_s:
+                log.popleft()
         self._trim(where, held)
         while len(entries) > self.max_entries:
             (w, block), _ = entries.popitem(last=False)
-            del self._by_where[w][block]
-            self.evicted += 1
+            self._drop(w, block, self._by_where[w].pop(block))
+        if blocks:
+            self._settle(where, blocks[0], blocks[0] in held)
+
+    def _settle(self, where: _Where, first: bytes, held: bool) -> None:
+        """A prompt that starts with ``first`` went to ``where``: count it
+        to its home's demand, and home it there if it has no home yet, or
+        if moving its demand there brings the two instances' closer."""
+        self._unit *= DEMAND_GROWTH
+        if self._unit > _DEMAND_RESCALE:
+            self._rescale()
+        unit = self._unit
+        demand = self._demand
+        home = self._homes.get(first)
+        if home is None:
+            if held:
+                self._homes[first] = _Home(where, unit)
+                demand[where] = demand.get(where, 0.0) + unit
+            return
+        home.demand += unit
+        demand[home.where] += unit
+        if held and home.where != where:
+            # Another instance took it (the home was busy, or held less of
+            # it): moving a demand d from A to B evens them iff A - B > d.
+            mine = demand.get(where, 0.0)
+            if demand[home.where] - mine > home.demand:
+                demand[home.where] -= home.demand
+                demand[where] = mine + home.demand
+                home.where = where
+
+    def _rescale(self) -> None:
+        for home in self._homes.values():
+            home.demand /= self._unit
+        for where in self._demand:
+            self._demand[where] /= self._unit
+        self._unit = 1.0
+
+    def _drop(self, where: _Where, block: bytes, was_reused: bool) -> None:
+        """``block`` left ``where``'s part of the index."""
+        if was_reused:
+            self._reused[where] -= 1
+        self._unhome(where, block)
+        self.evicted += 1
+
+    def _unhome(self, where: _Where, block: bytes) -> None:
+        home = self._homes.get(block)
+        if home is not None and home.where == where:
+            del self._homes[block]
+            self._demand[where] = max(0.0, self._demand[where] - home.demand)
+
+    def home(self, blocks: Sequence[bytes]) -> _Where | None:
+        """The home of prompts that start with ``blocks``' first block.
+
+        It is the instance the first such prompt went to, for as long as it
+        holds that block (then the next one such a prompt goes to), unless a
+        prompt went elsewhere (its home was busy) and moving the prompts'
+        demand (their recent count) there evens the two instances' demand:
+        then the home moves. Placement prefers the home among instances
+        that hold as much of a prompt, so that a copy made elsewhere while
+        the home was busy is not kept warm as a second home, and a home
+        whose prompts keep it busy gives some of them away.
+        """
+        home = self._homes.get(blocks[0]) if blocks else None
+        return None if home is None else home.where
 
     def bound(self, where: _Where, max_blocks: int) -> None:
         """``where``'s cache holds at most ``max_blocks`` of our blocks (its
@@ -163,25 +301,64 @@ class PrefixIndex:
         if held is not None:
             self._trim(where, held)
 
-    def trim(self, where: _Where, max_blocks: int) -> None:
+    def trim(self, where: _Where, max_blocks: int, taken_at: float, now: float) -> None:
         """``where``'s cache held ``max_blocks`` of our blocks when it last
         said (its KV events' count): its least recently routed beyond that
-        are gone now; what is routed after may be more (unlike ``bound``)."""
+        are gone now; what is routed after may be more (unlike ``bound``).
+
+        The count was taken at ``taken_at`` (before the report left, and a
+        node sends one count again in each report until it reads the next):
+        the blocks new to ``where`` routed after it, or up to
+        ``COUNT_SLACK_S`` before it, may not be in it, and are kept on top
+        of it. Without them a cache still filling up (its
+        count below its size) lost its oldest prefixes from the index at
+        every report while the engine still held them. A count older than
+        ``recent_s`` says nothing of what was routed since: it is ignored.
+
+        And a count is a coarse signal: it trims only when it leaves at most
+        half of what the index claims there (a reset, or other traffic that
+        took the cache); within that the size bound (``bound``) models the
+        engine's LRU. Trimmed at every report, the index still forgot
+        prefixes that the engine held: 3.0-3.7 % misses against 2.0 % without
+        the trim on the skewed workload (docs/benchmarks.md, "Prefix
+        placement on a skewed workload, caches reported").
+        """
+        if taken_at < now - self.recent_s:
+            return
         held = self._by_where.get(where)
-        if held is not None:
-            self._trim(where, held, max(0, max_blocks))
+        if held is None:
+            return
+        since = taken_at - COUNT_SLACK_S
+        later = sum(n for at, n in self._added.get(where, ()) if at > since)
+        kept = max(0, max_blocks) + later
+        if kept * 2 > len(held):
+            return
+        self._trim(where, held, kept)
 
     def _trim(
-        self, where: _Where, held: OrderedDict[bytes, None], bound: int | None = None
+        self, where: _Where, held: OrderedDict[bytes, bool], bound: int | None = None
     ) -> None:
         if bound is None:
             bound = self._bounds.get(where)
             if bound is None:
                 return
         while len(held) > bound:
-            block, _ = held.popitem(last=False)
+            block, was_reused = held.popitem(last=False)
             del self._entries[(where, block)]
-            self.evicted += 1
+            self._drop(where, block, was_reused)
+
+    def fill(self, where: _Where) -> float | None:
+        """How full ``where``'s cache is with blocks that matter, 0 to 1:
+        its reused blocks count whole, the blocks routed there once half
+        (a new prefix, or a unique tail that the LRU drops first), over its
+        bound; None while its size is unknown."""
+        bound = self._bounds.get(where)
+        if bound is None:
+            return None
+        if bound == 0:
+            return 1.0
+        held = len(self._by_where.get(where, ()))
+        return min(1.0, (held + self._reused.get(where, 0)) / (2 * bound))
 
     def held(self) -> list[tuple[_Where, int, int | None]]:
         """Per instance: the blocks claimed, and its bound (None: unbounded)."""
@@ -193,5 +370,9 @@ class PrefixIndex:
         for where in [w for w in self._by_where if w[0] == node_id]:
             for block in self._by_where.pop(where):
                 del self._entries[(where, block)]
+                self._unhome(where, block)
+            self._reused.pop(where, None)
+            self._demand.pop(where, None)
+            self._added.pop(where, None)
         for where in [w for w in self._bounds if w[0] == node_id]:
             del self._bounds[where]
