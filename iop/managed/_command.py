@@ -41,6 +41,7 @@ from iop.managed._llamacpp import (
     PIPE_READ_BYTES,
     _LineSplitter,
     _raise_sole,
+    signal_name,
 )
 from iop.managed._llamacpp_server import _free_port
 
@@ -152,7 +153,7 @@ async def serve_command(
                             await exited.wait()
             if exited.is_set():
                 raise BackendUnavailable(
-                    _tail_text(f"model {name}: exited with {proc.returncode} while loading", tail)
+                    _tail_text(f"model {name}: {_exit_words(proc.returncode)} while loading", tail)
                 )
             if ready.cancelled_caught:
                 raise BackendUnavailable(
@@ -160,7 +161,7 @@ async def serve_command(
                 )
             task_status.started(url)
             await exited.wait()
-            reason = f"model {name}: exited with {proc.returncode}"
+            reason = f"model {name}: {_exit_words(proc.returncode)}"
             on_exit(reason)
             raise BackendUnavailable(_tail_text(reason, tail))
     except BaseExceptionGroup as group:
@@ -168,3 +169,9 @@ async def serve_command(
     finally:
         with trio.CancelScope(shield=True):
             await _stop(proc, stop_grace_s)
+
+
+def _exit_words(returncode: int | None) -> str:
+    """How a model's process ended: ``exited with 3``, ``killed by SIGKILL``."""
+    name = None if returncode is None else signal_name(returncode)
+    return f"killed by {name}" if name is not None else f"exited with {returncode}"

@@ -343,17 +343,25 @@ def _with_tail(message: str, tail: list[str]) -> str:
     return message + "; last lines of its log:\n  " + "\n  ".join(lines)
 
 
+def signal_name(returncode: int) -> str | None:
+    """The signal that killed a process of ``returncode`` (``SIGKILL``, or
+    ``signal 70`` for one Python does not name), None when it exited."""
+    if returncode >= 0:
+        return None
+    try:
+        return signal.Signals(-returncode).name
+    except ValueError:
+        return f"signal {-returncode}"
+
+
 def _exit_message(returncode: int, *, pid: int, phase: str) -> str:
     what = f"the embedded llama.cpp server (pid {pid}) exited {phase}"
     if returncode == EXIT_CANNOT_RUN:
         return f"{what}: it cannot run here (exit code {returncode})"
     if returncode == EXIT_START_FAILED:
         return f"{what}: llama.cpp failed to start (exit code {returncode})"
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = f"signal {-returncode}"
+    name = signal_name(returncode)
+    if name is not None:
         hint = " (an instruction this CPU lacks?)" if name == "SIGILL" else ""
         return f"{what}: killed by {name}{hint}"
     return f"{what} with code {returncode}"

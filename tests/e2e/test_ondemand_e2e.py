@@ -11,7 +11,10 @@ with a clear error naming the model and the reason, 503 with Retry-After.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import threading
 from typing import Any, Final
 
 import httpx
@@ -254,6 +257,68 @@ def test_a_load_that_fails_ends_the_request_with_the_model_and_the_reason(
     assert anthropic_error["error"]["type"] == "overloaded_error"
     assert "exited with 3 while loading" in anthropic_error["error"]["message"]
     # The other model still loads and serves.
+    answer = client.chat.completions.create(model="a", messages=MESSAGES, max_tokens=4)
+    assert answer.choices[0].message.content
+
+
+def test_a_loading_process_killed_ends_the_waiting_request_saying_so(procs: Procs) -> None:
+    """The engine's process is killed while it loads (the kernel's OOM killer,
+    an operator): the request waiting for it ends 503 ``model_load_failed``
+    naming the model and the signal, and the node goes on serving."""
+    # A server that never becomes healthy: its load waits until killed.
+    # (sleep adds its arguments: the port makes it longer, and the odd
+    # first one finds this process and no other.)
+    stuck = {
+        "engine": "vllm",
+        "name": "stuck",
+        "memory_mib": 50,
+        "command": ["sleep", "7311.5", "{port}"],
+    }
+    edge = procs.edge(EDGE_CONFIG)
+    start_model_node(procs, [edge], [stuck, sim_model("a")], memory_mib=150)
+    edge.wait_ready("stuck")
+    with edge.openai() as client:
+        _kill_the_load_under(client)
+
+
+def _kill_the_load_under(client: openai.OpenAI) -> None:
+    """Ask ``client`` for the stuck model, kill its loading process, read the answer."""
+    failed: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            client.chat.completions.create(model="stuck", messages=MESSAGES, max_tokens=4)
+        except BaseException as exc:
+            failed.append(exc)
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    pids: list[int] = []
+
+    def started() -> bool:
+        pids[:] = []
+        for entry in os.scandir("/proc"):
+            try:
+                with open(f"{entry.path}/cmdline", "rb") as f:
+                    argv = f.read().split(b"\0")
+            except OSError:
+                continue  # not a process, or gone
+            if argv[:2] == [b"sleep", b"7311.5"]:
+                pids.append(int(entry.name))
+        return bool(pids)
+
+    poll(started, timeout=30.0, what="the stuck model's process to start")
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    asker.join(timeout=60.0)
+    assert not asker.is_alive()
+    [err] = failed
+    assert isinstance(err, openai.APIStatusError), err
+    assert err.status_code == 503
+    body = err.response.json()["error"]
+    assert body["code"] == "model_load_failed"
+    assert "'stuck'" in body["message"]
+    assert "killed by SIGKILL while loading" in body["message"], body["message"]
     answer = client.chat.completions.create(model="a", messages=MESSAGES, max_tokens=4)
     assert answer.choices[0].message.content
 
