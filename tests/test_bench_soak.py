@@ -1,5 +1,5 @@
 """The ``soak`` bench runner (iop/bench/_soak.py): its stream classifier and
-slopes on their own, and a two-minute soak through the real CLI (``iop bench
+slopes on their own, and a one-minute soak through the real CLI (``iop bench
 run --smoke``) on real processes (Valkey, ``iop sim``, an edge with a ledger,
 a sim node and a node running llama.cpp itself), with its faults, asserting
 the invariants the soak exists for: every request ended with exactly one
@@ -110,18 +110,18 @@ def test_slopes_follow_each_process_s_last_incarnation() -> None:
     assert got["node"]["from_s"] == 360.0  # its first minute is its warm-up
 
 
-# --------------------------------------------------------------------------- two minutes
+# --------------------------------------------------------------------------- one minute
 
 
 @pytest.mark.slow
 @pytest.mark.real_backend
 @pytest.mark.timeout(600)
-def test_a_two_minute_soak_keeps_its_invariants(tmp_path: Path) -> None:
-    # Lean: two workers with pauses; --smoke caps the run at two minutes.
+def test_a_one_minute_soak_keeps_its_invariants(tmp_path: Path) -> None:
+    # Lean: two workers with pauses, one minute (--smoke caps a run at two).
     path = tmp_path / "soak-smoke.toml"
     path.write_text(
-        'runner = "soak"\ndescription = "two minutes"\n[args]\n'
-        "duration_s = 120.0\nconcurrency = 2\nthink_s = 0.25\nsample_s = 2.0\n"
+        'runner = "soak"\ndescription = "one minute"\n[args]\n'
+        "duration_s = 60.0\nconcurrency = 2\nthink_s = 0.25\nsample_s = 2.0\n"
         "warmup_s = 10.0\nreloads = 10\n"
     )
     out = tmp_path / "out"
