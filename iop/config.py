@@ -1972,6 +1972,8 @@ MAX_BATCH_FILE_BYTES: Final = 512 * 1024 * 1024
 DEFAULT_BATCH_LINES: Final = 50_000
 MAX_BATCH_LINES: Final = 1_000_000
 MAX_BATCH_CONCURRENCY: Final = 4096
+# Batch lines' own tokens a minute per tenant: beyond any fleet's output.
+MAX_BATCH_TOKENS_PER_MINUTE: Final = 10**12
 BATCH_OBJECTIVE: Final = "batch"
 
 
@@ -1994,6 +1996,15 @@ class BatchSettings(_Config, frozen=True, kw_only=True):
         retry_initial_s: After the scheduler or a tenant's limit refuses a
             line (a 429), the batch waits this long before it tries again...
         retry_max_s: ...doubling each time up to this.
+        tenant_limits: ``"shared"``: a line counts against its tenant's
+            ``requests_per_minute``, ``tokens_per_minute`` and
+            ``max_concurrent_runs`` together with its interactive requests;
+            ``"separate"``: it does not, and ``tokens_per_minute`` below
+            limits the tenant's batch lines on their own. The tenant's
+            budgets apply either way.
+        tokens_per_minute: With ``tenant_limits = "separate"``: the tokens
+            (the estimate a request reserves) each tenant's batch lines may
+            take a minute on this edge; 0: no limit of their own.
     """
 
     path: str = ""
@@ -2009,8 +2020,22 @@ class BatchSettings(_Config, frozen=True, kw_only=True):
     objective: str = BATCH_OBJECTIVE
     retry_initial_s: float = 0.5
     retry_max_s: float = 30.0
+    # Shared: a tenant's limits are what it may use, batch or not, as before
+    # there was a choice.
+    tenant_limits: Literal["shared", "separate"] = "shared"
+    tokens_per_minute: int = 0
 
     def __post_init__(self) -> None:
+        if self.tenant_limits not in ("shared", "separate"):
+            raise ValueError(
+                f"tenant_limits must be 'shared' or 'separate', got {self.tenant_limits!r}"
+            )
+        if not 0 <= self.tokens_per_minute <= MAX_BATCH_TOKENS_PER_MINUTE:
+            raise ValueError(
+                f"tokens_per_minute must be between 0 and {MAX_BATCH_TOKENS_PER_MINUTE}"
+            )
+        if self.tokens_per_minute and self.tenant_limits != "separate":
+            raise ValueError('tokens_per_minute is the limit of tenant_limits = "separate" only')
         if not 1 <= self.max_file_bytes <= MAX_BATCH_FILE_BYTES:
             raise ValueError(f"max_file_bytes must be between 1 and {MAX_BATCH_FILE_BYTES}")
         if not 1 <= self.max_lines <= MAX_BATCH_LINES:

@@ -121,7 +121,7 @@ class EdgeCore:
         # Requests admitted by their tenants, what runs cost ([prices]), and
         # the admitted runs' tickets, settled when each run ends (``record_outcome``).
         self.admission = TenantAdmission(
-            self.tenants, self.cluster, Prices(config.prices), config.tenancy
+            self.tenants, self.cluster, Prices(config.prices), config.tenancy, config.batches
         )
         # OpenAI's Batch API on this edge's nodes ([batches]; open_edge_core
         # runs it, the routes bind how a line runs).
@@ -354,13 +354,16 @@ class EdgeCore:
                 param=header or OBJECTIVE_HEADERS[0],
             )
 
-    async def admit(self, tenant: Tenant, request: OperationRequest, key_name: str = "") -> Ticket:
-        """Admit ``request`` of ``tenant`` (``TenantAdmission.admit``).
+    async def admit(
+        self, tenant: Tenant, request: OperationRequest, key_name: str = "", *, batch: bool = False
+    ) -> Ticket:
+        """Admit ``request`` of ``tenant`` (``TenantAdmission.admit``; ``batch``:
+        a batch line, under ``[batches] tenant_limits``).
 
         Raises:
             RateLimited: Over one of the tenant's limits or budgets.
         """
-        return await self.admission.admit(tenant, request, key_name)
+        return await self.admission.admit(tenant, request, key_name, batch=batch)
 
     def settle(self, ticket: Ticket, usage: Usage | None, cost: int | None = 0) -> None:
         """Settle ``ticket`` where it was reserved (``TenantAdmission.settle``)."""

@@ -481,3 +481,37 @@ def test_a_tenants_limits_hold_its_batch_back(procs: Procs, sim: Sim, tmp_path: 
         assert (done.request_counts.completed, done.request_counts.failed) == (n, 0)
     assert _metric(edge, "iop_tenant_rate_limited_total", tenant="a", limit="concurrency") > 0
     assert _metric(edge, "iop_batch_line_retries_total") > 0
+
+
+def test_separate_limits_leave_the_tenants_own_to_its_requests(
+    procs: Procs, sim: Sim, tmp_path: Path
+) -> None:
+    # The same tenant of one run at a time, its batch's lines apart from its
+    # limits (tenant_limits = "separate") and under a token minute of their
+    # own: lines run at once without a refusal by the tenant's concurrency,
+    # an interactive request beside them is not refused either, and the
+    # batch minute (three lines' worth: each reserves its prompt's estimate
+    # and [tenancy] default_max_tokens, 1,024) holds the rest back.
+    config = _config(
+        tmp_path, max_concurrent_per_batch=4, tenant_limits="separate", tokens_per_minute=3_200
+    )
+    config["tenants"][0]["max_concurrent_runs"] = 1
+    edge = _start(procs, sim, config)
+    n = 6
+    with _client(edge, KEY_A) as client:
+        up = client.files.create(
+            file=("in.jsonl", _lines(n, tokens=5, tokens_per_s=20.0)), purpose="batch"
+        )
+        batch = client.batches.create(
+            input_file_id=up.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        _wait_status(client, batch.id, "in_progress", "completed")
+        answer = client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+        )
+        assert answer.choices[0].message.content
+        done = _wait_status(client, batch.id, "completed")
+        assert done.request_counts is not None
+        assert (done.request_counts.completed, done.request_counts.failed) == (n, 0)
+    assert _metric(edge, "iop_tenant_rate_limited_total", tenant="a", limit="concurrency") == 0
+    assert _metric(edge, "iop_tenant_rate_limited_total", tenant="a", limit="batch_tokens") > 0

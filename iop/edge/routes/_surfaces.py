@@ -211,6 +211,8 @@ class _Surfaces:
         body: bytes,
         headers: Mapping[str, str],
         objective: Objective | None = None,
+        *,
+        batch: bool = False,
     ) -> tuple[Call, Ticket, Run]:
         """Parse ``body``, admit it into ``tenant``'s limits and start its run:
         what every request of a surface, and every batch line, goes through.
@@ -224,7 +226,7 @@ class _Surfaces:
         call = surface.parse(body, headers, tenant=tenant.name)
         if not tenant.may_use(call.request.model):
             raise no_access(call.request.model)
-        ticket = await core.admit(tenant, call.request, key_name)
+        ticket = await core.admit(tenant, call.request, key_name, batch=batch)
         spec = ExecutionSpec(
             run_id=new_run_id(),
             request=call.request,
@@ -270,7 +272,9 @@ class _Surfaces:
             return LineAnswer(status, out, new_run_id())
         try:
             # A line is never streamed (iop.batches._jsonl refuses stream).
-            call, _, run = await self._start(surface, tenant, key_name, body, {}, objective)
+            call, _, run = await self._start(
+                surface, tenant, key_name, body, {}, objective, batch=True
+            )
         except RateLimited as exc:
             core.metrics.tenant_refused.labels(tenant.name, exc.limit).inc()
             return LineAnswer(429, b"", "", refused=True)

@@ -184,6 +184,12 @@ class Ticket:
     budget_shared: bool = False
     # The name of the key the request came with (the usage ledger's).
     key_name: str = ""
+    # Taken from the tenant's rate limits and concurrency (False: a batch line
+    # under ``[batches] tenant_limits = "separate"``, which took none of them).
+    rated: bool = True
+    # That line's own bucket (``TenantAdmission``): what it reserved is
+    # settled there.
+    batch_tokens: Bucket | None = None
 
 
 def digest(key: str) -> str:
@@ -467,14 +473,16 @@ class Tenants:
             return
         ticket.settled = True
         tenant = ticket.tenant
-        tenant.running -= 1
+        if ticket.rated:
+            tenant.running -= 1
         if usage is None:
             return
         tenant.tokens_in += usage.input_tokens
         tenant.tokens_out += usage.output_tokens
-        if tenant.tokens is not None:
-            used = usage.input_tokens + usage.output_tokens
-            tenant.tokens.give(ticket.reserved_tokens - used, now)
+        used = usage.input_tokens + usage.output_tokens
+        bucket = tenant.tokens if ticket.rated else ticket.batch_tokens
+        if bucket is not None:
+            bucket.give(ticket.reserved_tokens - used, now)
 
     def cache_salt(self, tenant: Tenant, request: OperationRequest) -> str:
         """The cache salt of a run of ``tenant`` (``ExecutionSpec.cache_salt``).
