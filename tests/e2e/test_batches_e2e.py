@@ -515,3 +515,46 @@ def test_separate_limits_leave_the_tenants_own_to_its_requests(
         assert (done.request_counts.completed, done.request_counts.failed) == (n, 0)
     assert _metric(edge, "iop_tenant_rate_limited_total", tenant="a", limit="concurrency") == 0
     assert _metric(edge, "iop_tenant_rate_limited_total", tenant="a", limit="batch_tokens") > 0
+
+
+def _shape(obj: Any, model: Any, extra: frozenset[str] = frozenset()) -> None:
+    """``obj`` (the edge's JSON) as the SDK's model of OpenAI's object: every
+    field it requires present, each of its declared type (pydantic, strict),
+    and no top-level field OpenAI's object lacks but ``extra``."""
+    fields = model.model_fields
+    required = {name for name, f in fields.items() if f.is_required()}
+    assert required <= set(obj), sorted(required - set(obj))
+    assert set(obj) - set(fields) <= extra, sorted(set(obj) - set(fields) - extra)
+    model.model_validate(obj, strict=True)
+
+
+def test_files_and_batches_have_openais_shapes(procs: Procs, sim: Sim, tmp_path: Path) -> None:
+    """The raw JSON of every object and list, against the official SDK's
+    models of OpenAI's API (its types are generated from OpenAI's OpenAPI
+    document; tests/data/openai-schemas.json has no files or batches)."""
+    from openai.types import Batch, FileDeleted, FileObject
+
+    edge = _start(procs, sim, _config(tmp_path))
+    headers = {"Authorization": f"Bearer {KEY_A}"}
+    with (
+        _client(edge, KEY_A) as client,
+        httpx.Client(base_url=f"{edge.url}/v1", headers=headers, timeout=30) as http,
+    ):
+        up = client.files.create(file=("in.jsonl", _lines(3)), purpose="batch")
+        _shape(http.get(f"/files/{up.id}").json(), FileObject)
+        files = http.get("/files").json()
+        assert files["object"] == "list"
+        for f in files["data"]:
+            _shape(f, FileObject)
+        batch = client.batches.create(
+            input_file_id=up.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        _wait_status(client, batch.id, "completed")
+        # The batch object: IOP's progress rides in one extra field.
+        _shape(http.get(f"/batches/{batch.id}").json(), Batch, frozenset({"iop"}))
+        listed = http.get("/batches").json()
+        assert (listed["object"], listed["has_more"]) == ("list", False)
+        assert listed["first_id"] == listed["last_id"] == batch.id
+        for b in listed["data"]:
+            _shape(b, Batch, frozenset({"iop"}))
+        _shape(http.delete(f"/files/{up.id}").json(), FileDeleted)
