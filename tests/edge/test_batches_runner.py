@@ -260,3 +260,29 @@ async def test_a_restart_runs_only_the_lines_without_a_result(
     assert sorted(first.answered + second.answered) == sorted(str(i) for i in range(8))
     out = _output(path, done)
     assert sorted(str(o["custom_id"]) for o in out) == [str(i) for i in range(8)]
+
+
+def test_the_admin_page_plots_each_batchs_progress() -> None:
+    """A stacked bar per running batch (answered, failed, left), each part's
+    count in its tooltip, widths in proportion to the lines."""
+    import re
+
+    from iop.edge.routes._admin_page import render_admin_page
+
+    batch = {
+        "id": "batch_1", "tenant": "a", "model": "m", "status": "in_progress", "total": 200,
+        "done": 150, "failed": 50, "lines_per_s": 10.0, "eta_s": 5, "paused": False,
+    }  # fmt: skip
+    page = render_admin_page({"batches": [batch]}).decode()
+    assert page.count("<svg class='progress'") == 1
+    assert "<title>answered: 100</title>" in page
+    assert "<title>failed: 50</title>" in page
+    assert "<title>left: 50</title>" in page
+    widths = re.findall(r"<rect class='(\w+)'[^>]* width='([0-9.]+)'", page)
+    assert [(k, float(w)) for k, w in widths if k in ("answered", "failed", "left")] == [
+        ("answered", 100.0),
+        ("failed", 50.0),
+        ("left", 50.0),
+    ]
+    assert "<script" not in page
+    assert "<svg class='progress'" not in render_admin_page({}).decode()

@@ -56,7 +56,7 @@ button{font:inherit;padding:.3em 1em;margin-top:.8em}td form button{margin:0;pad
 .span .bar{position:absolute;top:0;bottom:0;min-width:2px;background:#3b6ea8}
 .span .bar.stall{background:#c77c02}.span .bar.cancel{background:#b00020}
 .span .bar.node{background:#5b8c3a}
-svg.usage rect.tokens{fill:#3b6ea8}svg.usage rect.cost_micros{fill:#5b8c3a}
+svg.usage rect.tokens{fill:#3b6ea8}svg.usage rect.cost_micros{fill:#5b8c3a}svg.progress rect.answered{fill:#5b8c3a}svg.progress rect.failed{fill:#b03a2e}svg.progress rect.left{fill:#ddd}
 figure{margin:.6em 0}figcaption{color:#555}
 """
 
@@ -339,6 +339,9 @@ def render_admin_page(
         + _cell(b["model"])
         + _cell(b["status"] + (" (paused)" if b["paused"] else ""))
         + _cell(f"{b['done']} / {b['total']}", "num")
+        + "<td>"
+        + _progress_plot(b)
+        + "</td>"
         + _cell(b["failed"], "num")
         + _cell(b["lines_per_s"], "num")
         + _cell("" if b["eta_s"] is None else f"{b['eta_s']} s", "num")
@@ -391,7 +394,17 @@ def render_admin_page(
         + _table(["outcome", "runs"], outcome_rows, "No run has ended yet.")
         + "<h2>Batches</h2>"
         + _table(
-            ["batch", "tenant", "model", "status", "lines done", "failed", "lines/s", "left"],
+            [
+                "batch",
+                "tenant",
+                "model",
+                "status",
+                "lines done",
+                "progress",
+                "failed",
+                "lines/s",
+                "left",
+            ],
             batch_rows,
             "No batch is running.",
         )
@@ -446,6 +459,34 @@ def _usage_plot(days: list[dict[str, Any]], field: str, label: str, fmt: Any) ->
         f"<line x1='0' y1='{_PLOT_H}' x2='{_PLOT_W}' y2='{_PLOT_H}' stroke='#999'/>"
         + "".join(bars)
         + "</svg></figure>"
+    )
+
+
+# A batch's progress: one stacked bar of this many SVG units.
+_PROGRESS_W: Final = 200
+_PROGRESS_H: Final = 12
+
+
+def _progress_plot(b: dict[str, Any]) -> str:
+    """One batch's lines as a stacked bar: answered, failed, left (each
+    part's count in its tooltip, its width in proportion)."""
+    total = max(1, int(b.get("total", 0)))
+    done, failed = int(b.get("done", 0)), int(b.get("failed", 0))
+    parts = (("answered", done - failed), ("failed", failed), ("left", total - done))
+    x = 0.0
+    rects = []
+    for name, count in parts:
+        width = max(0, count) / total * _PROGRESS_W
+        rects.append(
+            f"<rect class='{name}' x='{x:.1f}' y='0' width='{width:.1f}' "
+            f"height='{_PROGRESS_H}'><title>{name}: {max(0, count)}</title></rect>"
+        )
+        x += width
+    return (
+        f"<svg class='progress' role='img' aria-label='lines answered, failed and left' "
+        f"viewBox='0 0 {_PROGRESS_W} {_PROGRESS_H}' width='12em' height='0.8em'>"
+        + "".join(rects)
+        + "</svg>"
     )
 
 
