@@ -424,12 +424,16 @@ def test_interactive_runs_go_before_queued_batch_lines(
     [
         ("/v1/responses", {"input": "hello"}, "response"),
         ("/v1/completions", {"prompt": "hello", "max_tokens": 4}, "text_completion"),
+        ("/v1/embeddings", {"input": ["hello", "world"]}, "list"),
     ],
 )
 def test_a_batch_of_another_endpoint(
     procs: Procs, sim: Sim, tmp_path: Path, endpoint: str, body: dict[str, Any], object_: str
 ) -> None:
-    edge = _start(procs, sim, _config(tmp_path))
+    # The sim serves every operation; its vllm instance advertises
+    # embeddings only when told (docs/configuration.md, `operations`).
+    operations = ["chat", "completion", "embedding"]
+    edge = _start(procs, sim, _config(tmp_path), instance={"operations": operations})
     data = b"".join(
         json.dumps(
             {
