@@ -262,6 +262,28 @@ async def test_a_restart_runs_only_the_lines_without_a_result(
     assert sorted(str(o["custom_id"]) for o in out) == [str(i) for i in range(8)]
 
 
+async def test_a_batch_kept_in_memory_only_is_warned_of_once(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without a ledger or ``batches.path`` the store is in memory: the first
+    batch says a restart would lose it, and the next says nothing more."""
+    async with _batches(Path(":memory:"), Backend()) as (batches, _):
+        first = await _create(batches, 1)
+        await _create(batches, 1)
+    said = [r.getMessage() for r in caplog.records if "kept in memory only" in r.getMessage()]
+    assert len(said) == 1, said
+    assert first.id in said[0]
+    assert "usage.ledger_path or batches.path" in said[0]
+
+
+async def test_a_batch_on_disk_is_not_warned_of(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with _batches(tmp_path / "b.db", Backend()) as (batches, _):
+        await _create(batches, 1)
+    assert not [r for r in caplog.records if "kept in memory only" in r.getMessage()]
+
+
 def test_the_admin_page_plots_each_batchs_progress() -> None:
     """A stacked bar per running batch (answered, failed, left), each part's
     count in its tooltip, widths in proportion to the lines."""

@@ -166,6 +166,7 @@ class Batches:
         self.path = path
         self._objective = objective
         self._store: BatchStore | None = None
+        self._said_volatile = False  # the in-memory store was warned of (``create``)
         self._lock = trio.Lock()  # one store call at a time
         self._all = trio.CapacityLimiter(settings.max_concurrent)
         self._live: dict[str, _Live] = {}
@@ -302,6 +303,16 @@ class Batches:
         row.advance(BatchEvent.VALIDATED, now)
         await self._db(store.add_batch, row, [(x.custom_id, x.body) for x in lines])
         self._count(None, row.status)
+        if self.path == ":memory:" and not self._said_volatile:
+            # Once per process: the operator learns it at the first batch,
+            # not at every start of an edge that runs none.
+            self._said_volatile = True
+            log.warning(
+                "batch %s is kept in memory only: a restart of this edge loses it and "
+                "every batch after it; set usage.ledger_path or batches.path for a "
+                'store on disk (docs/operations.md, "Batches")',
+                row.id,
+            )
         self._start(row)
         return row
 
