@@ -291,20 +291,12 @@ class _Surfaces:
             policy=core.config.policy_for(call.request.model),
         )
         collector = surface.collector(call, ctx)
-        done = False
-        try:
-            async for ev in run.events:
-                collector.feed(ev)
-                if is_terminal(ev):
-                    break
-            else:
-                if run.outcome is not None:
-                    collector.feed(run.outcome)
-            done = True
-        finally:
-            if not done:  # the batch was cancelled, expired, or the edge stops
-                run.cancel(CancelReason.EXPLICIT, "its batch was cancelled or the edge stopped")
-            run.events.close()
+        # Left early: the batch was cancelled, expired, or the edge stops.
+        await _collect(
+            run,
+            collector,
+            lambda: (CancelReason.EXPLICIT, "its batch was cancelled or the edge stopped"),
+        )
         outcome = run.outcome
         if (isinstance(outcome, Error) and (outcome.code in _NOT_NOW or outcome.status == 429)) or (
             isinstance(outcome, Cancelled) and outcome.reason in _CUT_SHORT
@@ -664,12 +656,11 @@ def _cut_off_when_slow(connection: ConnectionStall) -> Callable[[TerminalEvent],
     return on_outcome
 
 
-async def _complete(
-    run: Run,
-    collector: Collector,
-    extra_headers: dict[str, str] | None = None,
-    load_backoff_s: float = 1.0,
-) -> Answer:
+async def _collect(
+    run: Run, collector: Collector, why_left: Callable[[], tuple[CancelReason, str]]
+) -> None:
+    """Feed ``run``'s events to ``collector`` up to its terminal; leaving
+    early (cancelled) cancels the run for ``why_left()``'s reason."""
     done = False
     try:
         async for ev in run.events:
@@ -682,10 +673,19 @@ async def _complete(
         done = True
     finally:
         # Cancel before closing the channel: a run that finds its consumer
-        # gone first would end as an internal error, not client_disconnect.
+        # gone first would end as an internal error, not with that reason.
         if not done:
-            run.cancel(*client_gone_reason())
+            run.cancel(*why_left())
         run.events.close()
+
+
+async def _complete(
+    run: Run,
+    collector: Collector,
+    extra_headers: dict[str, str] | None = None,
+    load_backoff_s: float = 1.0,
+) -> Answer:
+    await _collect(run, collector, client_gone_reason)
     status, body = collector.result()
     outcome = run.outcome
     code = outcome.code if isinstance(outcome, Error) else ""
