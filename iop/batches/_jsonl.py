@@ -22,6 +22,7 @@ from typing import Final
 
 import msgspec
 
+from iop.api._json_guard import json_nesting_depth
 from iop.errors import ErrorCode, RequestError
 
 __all__ = [
@@ -124,11 +125,23 @@ def check_line(line: BatchLine, check_body: Callable[[str, bytes], None]) -> Non
         raise _bad(line.number, exc.message, exc.code, param) from exc
 
 
+# A line's body sits one level below the line; the body's own limit
+# (server.max_json_depth, at most 256) is applied when its surface parses it.
+MAX_LINE_DEPTH: Final = 257
+
+
 def _read_line(number: int, raw: bytes, first: BatchLine | None) -> BatchLine:
+    # Measured on the bytes first: msgspec recurses on the C stack, and a
+    # deep enough line would raise RecursionError (iop.api._json_guard).
+    too_deep = f"nests deeper than {MAX_LINE_DEPTH} levels"
+    if json_nesting_depth(raw) > MAX_LINE_DEPTH:
+        raise _bad(number, too_deep, ErrorCode.JSON_TOO_DEEP, "line")
     try:
         obj = msgspec.json.decode(raw)
     except msgspec.DecodeError as exc:
         raise _bad(number, f"not valid JSON ({exc})", ErrorCode.INVALID_JSON, "line") from exc
+    except RecursionError:  # what the byte scan cannot judge (unbalanced)
+        raise _bad(number, too_deep, ErrorCode.JSON_TOO_DEEP, "line") from None
     if not isinstance(obj, dict):
         raise _bad(number, "a request is a JSON object", ErrorCode.INVALID_TYPE, "line")
     unknown = sorted(set(obj) - {"custom_id", "method", "url", "body"})

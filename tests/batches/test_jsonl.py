@@ -160,3 +160,15 @@ def test_output_lines_are_openais_shape() -> None:
         "response": None,
         "error": {"code": "batch_expired", "message": "late"},
     }
+
+
+@pytest.mark.parametrize("depth", [300, 100_000])
+def test_a_line_nested_past_any_body_limit_is_a_400_not_a_crash(depth: int) -> None:
+    # msgspec recurses on the C stack: 100,000 levels raised RecursionError,
+    # which reached the client as a 500 (found by a hostile upload).
+    deep = '{"custom_id":"d","method":"POST","url":"/v1/chat/completions","body":'
+    deep += "[" * depth + "]" * depth + "}"
+    exc = _refused(_file(_line("first"), deep))
+    assert exc.message.startswith("Line 2: "), exc.message
+    assert exc.code is ErrorCode.JSON_TOO_DEEP
+    assert exc.param == "line"
