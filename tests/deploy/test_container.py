@@ -170,7 +170,9 @@ def test_the_recipe_installs_this_distribution() -> None:
 def test_the_recipe_asks_for_extras_that_exist() -> None:
     name, extras = _spec_name()
     assert name == "iop-platform"
-    assert extras == ["cluster"]  # the edge's [cluster] needs the Valkey client
+    # the edge's [cluster] needs the Valkey client; a node reading vLLM's KV
+    # cache events over ZeroMQ (kv_events_endpoint) needs pyzmq
+    assert extras == ["cluster", "kvevents"]
     assert set(extras) <= set(_PROJECT["optional-dependencies"])
 
 
