@@ -460,6 +460,12 @@ class SimConfig(_Config, frozen=True, kw_only=True):
             server's.
         max_num_seqs: Requests running at once; the rest wait in arrival
             order; 0: no limit. The server's.
+        scheduling_policy: ``fcfs``, or ``priority`` as vLLM's
+            ``--scheduling-policy priority``: requests are served by their
+            body's ``priority`` (lower first), and a better one preempts
+            the worst running one when the batch (``max_num_seqs``) is full
+            (``iop.sim._engine``). Under ``fcfs`` a non-zero ``priority``
+            is refused with vLLM's 400. The server's.
         decode_slowdown: Each other running request stretches a token's
             delay by this fraction (``1 + decode_slowdown * (running - 1)``).
         load_time_s: A node's on-demand ``sim`` model (``[[models]]``,
@@ -512,6 +518,7 @@ class SimConfig(_Config, frozen=True, kw_only=True):
     # vLLM's default --block-size.
     kv_block_tokens: int = 16
     max_num_seqs: int = 0
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     decode_slowdown: float = 0.0
     # The cache's events over ZeroMQ, as vLLM publishes them: off unless set.
     kv_events_endpoint: str = ""
