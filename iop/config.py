@@ -312,9 +312,17 @@ class VllmInstance(HTTPInstance, frozen=True, tag="vllm", kw_only=True):
             and every answer up to its end marker).
         kv_events_max_replay: Most batches one replay asks for; a bigger
             gap starts the count over without asking; 0: never ask.
+        engine_priority: The server runs ``--scheduling-policy priority``:
+            each run's objective priority goes to it as the body's
+            ``priority``, negated (vLLM serves lower values first), the
+            instance advertises it, and the node runs a run the edge sent
+            on an overflow seat at once, beyond ``max_concurrency``
+            (docs/operations.md, "Engine priority"). Off by default: vLLM
+            refuses a non-zero ``priority`` without that policy.
     """
 
     text_tool_fallback: bool = True
+    engine_priority: bool = False
     kv_events_path: str = ""
     kv_events_endpoint: str = ""
     kv_events_topic: str = ""
