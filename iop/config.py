@@ -1397,6 +1397,12 @@ class LinkSettings(_Config, frozen=True, kw_only=True):
             raise ValueError("control_rate_per_s must be > 0 and control_burst >= 1")
 
 
+# Overflow seats per instance past which a value is a typo: an engine's batch
+# of a few hundred sequences (vLLM's default max_num_seqs is 256 to 1024)
+# holds no more runs to preempt.
+MAX_PRIORITY_OVERFLOW_SLOTS: Final = 1024
+
+
 class SchedulerSettings(_Config, frozen=True, kw_only=True):
     """How the edge places runs on nodes.
 
@@ -1486,6 +1492,15 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             no output yet gives up its slot, its attempt is cancelled on its
             node and it is placed again, first of its level; its client sees
             nothing of it. ``0`` never preempts (0 to 100).
+        priority_overflow_slots: Overflow seats per instance for engine
+            priority: when a run of an objective that may not be shed finds
+            no free slot and an instance that advertises ``engine_priority``
+            (its engine preempts by priority: vLLM's ``--scheduling-policy
+            priority``) holds sheddable runs of a lower objective priority,
+            the run takes a seat there beyond its slots, at most this many
+            per instance and never more than such runs held there, and the
+            engine preempts one of them for it (docs/operations.md, "Engine
+            priority"). ``0`` never (0 to 1024).
     """
 
     max_queue: int = 256
@@ -1563,8 +1578,16 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
     # run is not made to lose it twice; it still yields to every higher run
     # while it waits in the queue (docs/operations.md, "Sessions and objectives").
     max_preemptions: int = 1
+    # None: a slot is a slot, as before engine priority; what overflow
+    # seats cost and buy is measured in docs/benchmarks.md, "Objectives
+    # under overload".
+    priority_overflow_slots: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.priority_overflow_slots <= MAX_PRIORITY_OVERFLOW_SLOTS:
+            raise ValueError(
+                f"priority_overflow_slots must be between 0 and {MAX_PRIORITY_OVERFLOW_SLOTS}"
+            )
         if not 1 <= self.max_sessions_per_tenant <= 1_000_000:
             raise ValueError("max_sessions_per_tenant must be between 1 and 1000000")
         if not 0.001 <= self.unkeyed_session_weight <= 1000:
