@@ -111,10 +111,9 @@ class InstanceSlots:
         no slot is held.
         """
         await trio.lowlevel.checkpoint()
-        if self.in_flight < self.max_concurrency and not self._waiters:
-            self.in_flight += 1
-            self._changed()
-        elif overflow and self.in_flight < self.max_concurrency * (1 + OVERFLOW_SEATS_PER_SLOT):
+        if (self.in_flight < self.max_concurrency and not self._waiters) or (
+            overflow and self.in_flight < self.max_concurrency * (1 + OVERFLOW_SEATS_PER_SLOT)
+        ):
             self.in_flight += 1
             self._changed()
         else:

@@ -340,9 +340,7 @@ class Engine:
         seat = Seat(priority, self._arrivals, admission, recompute_s)
         self._arrivals += 1
         try:
-            if self._has_room() and not self._queue:
-                self._start(seat)
-            elif self._preempts(seat):
+            if (self._has_room() and not self._queue) or self._preempts(seat):
                 self._start(seat)
             else:
                 self._wait(seat)

@@ -25,7 +25,6 @@ the client go away, which is what makes a real vLLM abort the generation.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import logging
 import time
@@ -179,7 +178,9 @@ async def _stream_body(
                     # a token of a batch as big as the engine's now. A
                     # preempted request waits in ``work``: its client sees
                     # a pause (iop.sim._engine).
-                    delay = first if i == 0 else frame.delay_s * run.engine.decode_factor(run.config)
+                    delay = (
+                        first if i == 0 else frame.delay_s * run.engine.decode_factor(run.config)
+                    )
                     if delay > 0 or not seat.running:
                         await run.engine.work(seat, delay)
                     yield frame.data

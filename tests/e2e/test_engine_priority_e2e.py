@@ -116,7 +116,9 @@ def test_an_interactive_stream_overflows_and_the_engine_pauses_a_batch_stream(
         calm.read(client, "interactive", 4)
         for t in threads:
             t.join(timeout=60)
-    assert calm.error is None and batch[0].error is None and batch[1].error is None
+    assert calm.error is None
+    assert batch[0].error is None
+    assert batch[1].error is None
     # The interactive stream had its first token (and its end) while both
     # slots held batch streams that were still answering.
     assert calm.finishes == ["stop"]

@@ -400,11 +400,15 @@ async def test_priority_the_worst_and_then_the_newest_is_preempted(
         engine.seat(admission, priority=0) as newer,
         engine.seat(admission, priority=-5) as better,
     ):
-        assert older.running and newer.running and better.running
+        assert older.running
+        assert newer.running
+        assert better.running
         async with engine.seat(admission, priority=-10) as best:
             # The newest of the worst priority gave its place.
-            assert best.running and not newer.running
-            assert older.running and better.running
+            assert best.running
+            assert not newer.running
+            assert older.running
+            assert better.running
             assert (engine.running, engine.waiting) == (3, 1)
             # A request no better than the worst running waits, preempting none.
             async with trio.open_nursery() as nursery:

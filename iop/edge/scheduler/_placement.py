@@ -270,7 +270,9 @@ class Placement:
             f"{min(cap, lower)} beyond {inst.caps.max_concurrency}, for the engine to "
             f"preempt one of {lower} lower-priority sheddable run(s)"
         )
-        candidates = [(conn.node_id, inst.caps.instance, inst.in_flight - 1, inst.caps.max_concurrency)]
+        candidates = [
+            (conn.node_id, inst.caps.instance, inst.in_flight - 1, inst.caps.max_concurrency)
+        ]
         return Placed(conn, inst, why, {}, candidates)
 
     def _by_prefix(
