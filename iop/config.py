@@ -1497,8 +1497,9 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             no free slot and an instance that advertises ``engine_priority``
             (its engine preempts by priority: vLLM's ``--scheduling-policy
             priority``) holds sheddable runs of a lower objective priority,
-            the run takes a seat there beyond its slots, at most this many
-            per instance and never more than such runs held there, and the
+            the run takes a seat there beyond its slots, with at most this
+            many seats beyond them per instance and never more seats beyond
+            them than such runs held there, and the
             engine preempts one of them for it (docs/operations.md, "Engine
             priority"). ``0`` never (0 to 1024).
     """

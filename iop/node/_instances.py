@@ -227,7 +227,7 @@ class RunExecutor:
             # Waiting for the model's load is not the backend's latency either.
             with send.queued():
                 lease = await models.acquire(instance.name, models.load_timeout_s)
-                await slots.take()
+                await slots.take(spec.overflow and instance.engine_priority)
             if instance.cfg.system_messages == "fold":
                 spec = _folded(spec)
             try:

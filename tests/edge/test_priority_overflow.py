@@ -3,8 +3,8 @@ priority"): when a run of a higher objective priority finds no free slot, and an
 instance whose engine preempts by priority (it advertises ``engine_priority``) holds
 sheddable runs of a lower priority, the run takes a seat there beyond the instance's
 slots (``scheduler.priority_overflow_slots``), so that the engine preempts one of them
-for it. Never for a sheddable run, never past the lower-priority sheddable runs held
-there nor past the key; the seat counts like any lease. On an edge core with a
+for it. Never for a sheddable run; never more seats beyond the slots than lower-priority
+sheddable runs held there, nor than the key; the seat counts like any lease. On an edge core with a
 hand-played node and a virtual clock; the config's bounds at the end.
 """
 
@@ -86,6 +86,34 @@ async def test_never_past_the_lower_sheddable_runs_held_there(
         # One batch run below it: one overflow seat, however many the key allows.
         assert list(taken(node)) == ["i0"]
         assert core.scheduler.queued == 1
+
+
+async def test_the_bound_is_the_seats_beyond_the_slots_not_the_runs_placed_so(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An overflow run whose lower neighbour ended holds one of the slots
+    now: the seats beyond the slots, not the runs once placed on overflow
+    seats, are what the lower runs must cover (the engine, a batch of the
+    slots, then still has a lower run to pause for the next one)."""
+    cfg = setup(priority_overflow_slots=2, max_preemptions=0)
+    async with edge_with_node(cfg, [engine_caps(slots=2)]) as (core, node, _):
+        runs = await submit(core, "batch", "b0", "b1", "b2")
+        runs |= await submit(core, "interactive", "i0")
+        assert list(taken(node)) == ["b0", "b1", "i0"]
+        # b0 ends: its slot is not free (b1 and i0 hold both), b2 still waits.
+        await node.send("b0", Start(), Complete())
+        await drain_events(runs.pop("b0"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert taken(node) == {}
+        # One batch run is left under the interactive ones, and no seat is
+        # beyond the slots: the next interactive run may take one.
+        runs |= await submit(core, "interactive", "i1")
+        got = taken(node)
+        assert list(got) == ["i1"]
+        assert got["i1"].assign.spec.overflow
+        # Now one seat beyond the slots and one batch run: no third.
+        await submit(core, "interactive", "i2")
+        assert taken(node) == {}
 
 
 async def test_a_sheddable_run_never_overflows(
