@@ -80,6 +80,13 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
             (``iop.spec.OPERATIONS``: ``chat``, ``completion``,
             ``embedding``, ``tokenize``). A peer that predates the field
             decodes as chat-only, the only operation it had.
+        engine_priority: The engine schedules runs by the priority the
+            adapter passes on, preempting lower ones for higher ones
+            (``engine_priority`` in the node's config: vLLM started with
+            ``--scheduling-policy priority``); the edge may then place a run
+            of a higher objective on an overflow seat there
+            (docs/operations.md, "Engine priority"). A peer that predates
+            the field decodes as False.
     """
 
     adapter: str
@@ -93,6 +100,7 @@ class Capabilities(msgspec.Struct, frozen=True, kw_only=True):
     provider_status: ProviderStatus = ProviderStatus.UNKNOWN
     provider_detail: str = ""
     operations: tuple[str, ...] = ("chat",)
+    engine_priority: bool = False
 
     def serves(self, operation: str) -> bool:
         """Whether the instance serves ``operation``."""

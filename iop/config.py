@@ -312,9 +312,17 @@ class VllmInstance(HTTPInstance, frozen=True, tag="vllm", kw_only=True):
             and every answer up to its end marker).
         kv_events_max_replay: Most batches one replay asks for; a bigger
             gap starts the count over without asking; 0: never ask.
+        engine_priority: The server runs ``--scheduling-policy priority``:
+            each run's objective priority goes to it as the body's
+            ``priority``, negated (vLLM serves lower values first), the
+            instance advertises it, and the node runs a run the edge sent
+            on an overflow seat at once, beyond ``max_concurrency``
+            (docs/operations.md, "Engine priority"). Off by default: vLLM
+            refuses a non-zero ``priority`` without that policy.
     """
 
     text_tool_fallback: bool = True
+    engine_priority: bool = False
     kv_events_path: str = ""
     kv_events_endpoint: str = ""
     kv_events_topic: str = ""
@@ -460,6 +468,12 @@ class SimConfig(_Config, frozen=True, kw_only=True):
             server's.
         max_num_seqs: Requests running at once; the rest wait in arrival
             order; 0: no limit. The server's.
+        scheduling_policy: ``fcfs``, or ``priority`` as vLLM's
+            ``--scheduling-policy priority``: requests are served by their
+            body's ``priority`` (lower first), and a better one preempts
+            the worst running one when the batch (``max_num_seqs``) is full
+            (``iop.sim._engine``). Under ``fcfs`` a non-zero ``priority``
+            is refused with vLLM's 400. The server's.
         decode_slowdown: Each other running request stretches a token's
             delay by this fraction (``1 + decode_slowdown * (running - 1)``).
         load_time_s: A node's on-demand ``sim`` model (``[[models]]``,
@@ -512,6 +526,7 @@ class SimConfig(_Config, frozen=True, kw_only=True):
     # vLLM's default --block-size.
     kv_block_tokens: int = 16
     max_num_seqs: int = 0
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
     decode_slowdown: float = 0.0
     # The cache's events over ZeroMQ, as vLLM publishes them: off unless set.
     kv_events_endpoint: str = ""
@@ -1382,6 +1397,12 @@ class LinkSettings(_Config, frozen=True, kw_only=True):
             raise ValueError("control_rate_per_s must be > 0 and control_burst >= 1")
 
 
+# Overflow seats per instance past which a value is a typo: an engine's batch
+# of a few hundred sequences (vLLM's default max_num_seqs is 256 to 1024)
+# holds no more runs to preempt.
+MAX_PRIORITY_OVERFLOW_SLOTS: Final = 1024
+
+
 class SchedulerSettings(_Config, frozen=True, kw_only=True):
     """How the edge places runs on nodes.
 
@@ -1471,6 +1492,16 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             no output yet gives up its slot, its attempt is cancelled on its
             node and it is placed again, first of its level; its client sees
             nothing of it. ``0`` never preempts (0 to 100).
+        priority_overflow_slots: Overflow seats per instance for engine
+            priority: when a run of an objective that may not be shed finds
+            no free slot and an instance that advertises ``engine_priority``
+            (its engine preempts by priority: vLLM's ``--scheduling-policy
+            priority``) holds sheddable runs of a lower objective priority,
+            the run takes a seat there beyond its slots, with at most this
+            many seats beyond them per instance and never more seats beyond
+            them than such runs held there, and the
+            engine preempts one of them for it (docs/operations.md, "Engine
+            priority"). ``0`` never (0 to 1024).
     """
 
     max_queue: int = 256
@@ -1548,8 +1579,16 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
     # run is not made to lose it twice; it still yields to every higher run
     # while it waits in the queue (docs/operations.md, "Sessions and objectives").
     max_preemptions: int = 1
+    # None: a slot is a slot, as before engine priority; what overflow
+    # seats cost and buy is measured in docs/benchmarks.md, "Objectives
+    # under overload".
+    priority_overflow_slots: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.priority_overflow_slots <= MAX_PRIORITY_OVERFLOW_SLOTS:
+            raise ValueError(
+                f"priority_overflow_slots must be between 0 and {MAX_PRIORITY_OVERFLOW_SLOTS}"
+            )
         if not 1 <= self.max_sessions_per_tenant <= 1_000_000:
             raise ValueError("max_sessions_per_tenant must be between 1 and 1000000")
         if not 0.001 <= self.unkeyed_session_weight <= 1000:

@@ -363,6 +363,18 @@ class ExecutionSpec(_Base, frozen=True):
             no salt (a tenant that shares its cache, or an edge with one
             tenant). Adapters of backends that isolate per request send it;
             the others ignore it.
+        priority: The run's objective priority (higher is more important;
+            docs/operations.md, "Sessions and objectives"), for an engine
+            that schedules by it; None: the edge sends none (the instance
+            does not advertise ``engine_priority``). An adapter passes it on
+            only when its instance has ``engine_priority`` set
+            (docs/operations.md, "Engine priority").
+        overflow: The edge placed the run on an *overflow* seat beyond the
+            instance's slots, counting on the engine to preempt a run of a
+            lower priority for it (``scheduler.priority_overflow_slots``):
+            the node runs it at once instead of queueing it
+            (``iop.node._slots``). Added after the first release: an older
+            peer sends neither field and ignores both.
     """
 
     run_id: str
@@ -370,6 +382,8 @@ class ExecutionSpec(_Base, frozen=True):
     target: str = ""
     traceparent: str = ""
     cache_salt: str = ""
+    priority: int | None = None
+    overflow: bool = False
 
     @property
     def operation(self) -> Operation:

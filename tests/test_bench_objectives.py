@@ -30,12 +30,24 @@ def test_a_smoke_run_measures_every_phase(tmp_path: Path) -> None:
     result = run(Options(), RunContext(python=sys.executable, workdir=tmp_path, smoke=True))
     json.dumps(result)
     phases = result["phases"]
-    assert set(phases) == {"unloaded", "queue_only", "loaded", "reserved", "no_objectives"}
-    assert set(phases["unloaded"]) == {"interactive", "preempted"}
-    for phase in ("queue_only", "loaded", "reserved", "no_objectives"):
-        assert set(phases[phase]) == {"interactive", "batch", "preempted"}
-    # Without preemption the edge preempts nothing.
+    assert set(phases) == {
+        "unloaded",
+        "queue_only",
+        "loaded",
+        "reserved",
+        "engine_priority",
+        "no_objectives",
+    }
+    counts = {"preempted", "overflowed", "engine_preempted"}
+    assert set(phases["unloaded"]) == {"interactive", *counts}
+    for phase in ("queue_only", "loaded", "reserved", "engine_priority", "no_objectives"):
+        assert set(phases[phase]) == {"interactive", "batch", *counts}
+    # Without preemption the edge preempts nothing; without engine priority
+    # no run overflows and the sims (priority 0 for every request) preempt none.
     assert phases["queue_only"]["preempted"] == 0
+    for phase in ("unloaded", "queue_only", "loaded", "reserved", "no_objectives"):
+        assert phases[phase]["overflowed"] == 0
+        assert phases[phase]["engine_preempted"] == 0
     for got in phases.values():
         for kind in ("interactive", "batch"):
             c = got.get(kind)
@@ -48,3 +60,4 @@ def test_a_smoke_run_measures_every_phase(tmp_path: Path) -> None:
     assert table.startswith("| phase | class |")
     assert "| loaded | batch |" in table
     assert "| reserved | batch |" in table
+    assert "| engine_priority | batch |" in table

@@ -21,6 +21,12 @@ block so that only requests of the same salt share cached blocks
 (https://docs.vllm.ai/en/latest/design/prefix_caching/, since
 https://github.com/vllm-project/vllm/pull/17045; a vLLM on its V0 engine
 refuses the field with a 400).
+
+With ``engine_priority`` (docs/operations.md, "Engine priority"), a run's
+objective priority (``ExecutionSpec.priority``, higher is more important)
+goes to vLLM as the body's ``priority``, negated: vLLM handles lower values
+first (its ``ChatCompletionRequest.priority``, default 0) and refuses a
+non-zero one unless it runs ``--scheduling-policy priority``.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import msgspec
 
 from iop.adapters._base import require_model_and_messages
 from iop.adapters._http import HTTPAdapter, build_chat_body
+from iop.capabilities import Capabilities
 from iop.config import VllmInstance
 from iop.errors import BackendProtocolError
 from iop.events import Start
@@ -111,12 +118,24 @@ class VllmAdapter(HTTPAdapter):
 
         await KVEventsSubscriber(self.cfg, self._kv_mirror).run()
 
+    async def capabilities(self) -> Capabilities:
+        caps = await super().capabilities()
+        if self.cfg.engine_priority:
+            caps = msgspec.structs.replace(caps, engine_priority=True)
+        return caps
+
     async def execute_chat(self, spec: ExecutionSpec, send: EventSender) -> None:
         model = require_model_and_messages(self.kind, spec)
         await send.send(Start(target=model))
         body = build_chat_body(
             spec, model=model, passthrough=_VLLM_PASSTHROUGH, cache_salt=self._http.salt_of(spec)
         )
+        if self.cfg.engine_priority:
+            # The edge's, never the client's; vLLM: lower is earlier, IOP's
+            # objectives: higher is more important.
+            body.pop("priority", None)
+            if spec.priority is not None:
+                body["priority"] = -spec.priority
         log.info(
             "vllm executing run_id=%s target=%s endpoint=%s",
             spec.run_id,

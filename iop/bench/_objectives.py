@@ -26,14 +26,29 @@ arrival to the first content chunk):
 ``reserved``
     The same, and ``reserved_slot_fraction`` of each instance's slots kept
     from the batch runs.
+``engine_priority``
+    The same two loads with the defaults (no reserve) and engine priority
+    (docs/operations.md, "Engine priority"): the node's instances have
+    ``engine_priority``, the edge ``priority_overflow_slots``, so an
+    interactive run that finds every slot taken takes an overflow seat and
+    the sim preempts a batch run for it (vLLM's priority policy: the paused
+    run resumes after paying its first token again).
 ``no_objectives``
     The same two loads without the headers: what the queue does without
     objectives (the control).
 
+Every phase runs on the same sims: ``max_num_seqs`` = the node's slots per
+instance and vLLM's priority scheduling policy (``--scheduling-policy
+priority``). A request without a ``priority`` is priority 0, so outside
+``engine_priority`` (where the node sends none) the policy serves in
+arrival order and preempts nothing, as ``fcfs`` would: one sim
+configuration for every phase, the unloaded one included.
+
 Figures per phase and class: TTFT p50, p90, p99; answers per second
 (goodput: the answers completed in the window over the window); 429s; 5xx
-and other failures (which must be none); and the edge's preemptions
-(``/admin/nodes``).
+and other failures (which must be none); the edge's preemptions and
+overflow seats (``/admin/nodes``); and the sims' own preemptions
+(``vllm:num_preemptions_total``, over the phase).
 """
 
 from __future__ import annotations
@@ -67,12 +82,13 @@ from iop.testing import NODE_READY, Proc
 
 __all__ = ["Options", "run"]
 
-Phase = Literal["unloaded", "queue_only", "loaded", "reserved", "no_objectives"]
+Phase = Literal["unloaded", "queue_only", "loaded", "reserved", "engine_priority", "no_objectives"]
 PHASES: Final[tuple[Phase, ...]] = (
     "unloaded",
     "queue_only",
     "loaded",
     "reserved",
+    "engine_priority",
     "no_objectives",
 )
 MODEL: Final = "iop-sim"
@@ -95,6 +111,8 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         background_pct: Background (sheddable) arrivals, in % of capacity.
         duration_s: Each phase's window of arrivals.
         reserved_slot_fraction: The ``reserved`` phase's reserve.
+        priority_overflow_slots: The ``engine_priority`` phase's overflow
+            seats per instance (``scheduler.priority_overflow_slots``).
         phases: Which phases to run.
         seed: Seeds the arrivals (the same in every phase).
         client_timeout_s: A request not answered within this fails.
@@ -110,6 +128,7 @@ class Options(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     background_pct: float = 150.0
     duration_s: float = 20.0
     reserved_slot_fraction: float = 0.5
+    priority_overflow_slots: int = 4
     phases: list[Phase] = msgspec.field(default_factory=lambda: list(PHASES))
     seed: int = 0
     client_timeout_s: float = 60.0
@@ -226,6 +245,7 @@ def _start_sims(stack: Stack, opts: Options) -> list[str]:
         "--output-tokens", str(opts.output_tokens),
         "--reasoning-tokens", "0",
         "--max-num-seqs", str(opts.max_concurrency),
+        "--scheduling-policy", "priority",
     ]  # fmt: skip
     return [url for _, url in start_sims(stack, opts.instances, *flags)]
 
@@ -237,6 +257,8 @@ def _phase_scheduler(opts: Options, phase: Phase) -> dict[str, Any]:
         own = {"max_preemptions": 0}
     elif phase == "reserved":
         own = {"reserved_slot_fraction": opts.reserved_slot_fraction}
+    elif phase == "engine_priority":
+        own = {"priority_overflow_slots": opts.priority_overflow_slots}
     return {"max_queue": 64, **opts.scheduler, **own}
 
 
@@ -245,14 +267,26 @@ def _start_cluster(
 ) -> tuple[Proc, Proc, str]:
     config = {"scheduler": _phase_scheduler(opts, phase), "objectives": OBJECTIVES}
     edge, url, link = start_edge(stack, config, name=f"edge-{tag}")
+    engine = {"engine_priority": True} if phase == "engine_priority" else {}
     instances = [
-        {"adapter": "vllm", "name": f"gpu{i}", "endpoint": sim, "max_concurrency": opts.max_concurrency}
+        {"adapter": "vllm", "name": f"gpu{i}", "endpoint": sim, "max_concurrency": opts.max_concurrency, **engine}
         for i, sim in enumerate(sims)
     ]  # fmt: skip
     node = start_node(stack, f"node-{tag}", link, {"probe_interval_s": 30.0}, instances)
     node.wait_stdout(NODE_READY)
     wait_instances(url, len(sims))
     return edge, node, url
+
+
+def _engine_preemptions(sims: list[str]) -> int:
+    """The sims' preemptions so far (``vllm:num_preemptions_total``)."""
+    total = 0.0
+    for sim in sims:
+        page = httpx.get(sim + "/metrics", timeout=10.0, trust_env=False).text
+        for line in page.splitlines():
+            if line.startswith("vllm:num_preemptions_total"):
+                total += float(line.split()[-1])
+    return round(total)
 
 
 def _figures(samples: list[_Sample], duration_s: float) -> dict[str, Any]:
@@ -300,12 +334,15 @@ def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
         for phase in opts.phases:
             tag = f"r{ctx.repeat}-{phase}"
             edge, node, url = _start_cluster(stack, opts, sims, tag, phase)
+            before = _engine_preemptions(sims)
             samples = trio.run(_drive, url, opts, phase != "unloaded", phase != "no_objectives")
             queue = httpx.get(url + "/admin/nodes", timeout=10.0, trust_env=False).json()["queue"]
             stack.stop(node)
             stack.stop(edge)
             phases[phase] = _figures(samples, opts.duration_s)
             phases[phase]["preempted"] = queue.get("preempted", 0)
+            phases[phase]["overflowed"] = queue.get("priority_overflows", 0)
+            phases[phase]["engine_preempted"] = _engine_preemptions(sims) - before
             with (ctx.workdir / f"samples-{tag}.jsonl").open("w") as f:
                 for s in samples:
                     f.write(json.dumps(s.__dict__) + "\n")
@@ -326,8 +363,8 @@ def tables(result: dict[str, Any]) -> str:
     """One row per (phase, class): TTFT, goodput, refusals, failures."""
     rows = [
         "| phase | class | sent | answered/s | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms "
-        "| 429 | 5xx | other errors | preempted |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| 429 | 5xx | other errors | preempted | overflow seats | engine preempted |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for phase in PHASES:
         got = result.get("phases", {}).get(phase)
@@ -340,11 +377,13 @@ def tables(result: dict[str, Any]) -> str:
             t = c["ttft_ms"]
             other = sum(c["other_errors"].values()) if isinstance(c["other_errors"], dict) else 0
             preempted = _f(got.get("preempted"), ".0f") if kind == "batch" else ""
+            overflowed = _f(got.get("overflowed"), ".0f") if kind == "interactive" else ""
+            engine = _f(got.get("engine_preempted"), ".0f") if kind == "batch" else ""
             rows.append(
                 f"| {phase} | {kind} | {_f(c['sent'], '.0f')} | {_f(c['answers_per_s'], '.2f')} "
                 f"| {_f(t['p50'], '.0f')} | {_f(t['p90'], '.0f')} | {_f(t['p99'], '.0f')} "
                 f"| {_f(c['refused_429'], '.0f')} | {_f(c['failed_5xx'], '.0f')} | {other} "
-                f"| {preempted} |"
+                f"| {preempted} | {overflowed} | {engine} |"
             )
     rows.append("")
     rows.append(f"Capacity {_f(result.get('capacity_per_s'), '.1f')} runs/s (the slots' rate).")

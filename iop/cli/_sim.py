@@ -233,6 +233,12 @@ def add_parser(sub: Any) -> None:
         help="requests running at once; the rest wait (0, the default: no limit)",
     )
     e.add_argument(
+        "--scheduling-policy",
+        choices=("fcfs", "priority"),
+        help="vLLM's --scheduling-policy: priority serves the body's priority (lower first) "
+        "and preempts the worst running request for a better one (default: fcfs)",
+    )
+    e.add_argument(
         "--decode-slowdown",
         type=float,
         metavar="F",
@@ -279,6 +285,7 @@ _OVERRIDES = (
     "kv_cache_blocks",
     "kv_block_tokens",
     "max_num_seqs",
+    "scheduling_policy",
     "decode_slowdown",
     "kv_events_endpoint",
     "kv_events_replay_endpoint",

@@ -88,6 +88,12 @@ class _LiveCollector(Collector):
             "before any output, and were placed again.",
             value=self._scheduler.preempted,
         )
+        yield CounterMetricFamily(
+            "iop_priority_overflows",
+            "Runs placed on an overflow seat beyond an instance's slots, for its engine "
+            "to preempt a lower-priority run (scheduler.priority_overflow_slots).",
+            value=self._scheduler.overflowed,
+        )
         # Sessions as counts, never a label per session id (docs/operations.md,
         # "Sessions and objectives").
         yield CounterMetricFamily(

@@ -228,6 +228,7 @@ def _queue_view(scheduler: Scheduler) -> dict[str, object]:
         "last_exit": None if last is None else msgspec.to_builtins(last),
         "refused": dict(scheduler.refused),
         "preempted": scheduler.preempted,
+        "priority_overflows": scheduler.overflowed,
         "sessions": {
             "seen": scheduler.sessions_seen,
             "queued": scheduler.sessions_queued,

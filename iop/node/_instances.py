@@ -39,7 +39,7 @@ import trio
 
 from iop.adapters import Adapter, EngineLoadReader, KVEventsFollower
 from iop.capabilities import Capabilities, ProviderStatus, provider_detail
-from iop.config import Deadlines, InstanceConfig
+from iop.config import Deadlines, InstanceConfig, VllmInstance
 from iop.errors import IopError
 from iop.node._models import ModelLease, ModelManager
 from iop.node._slots import InstanceSlots
@@ -101,6 +101,12 @@ class Instance:
         # one of them ends.
         self._uses: dict[Adapter, int] = {}
         self._ended: trio.Event | None = None
+
+    @property
+    def engine_priority(self) -> bool:
+        """Whether its engine preempts by priority (``engine_priority``): a run
+        on an overflow seat then starts beyond its slots (``iop.node._slots``)."""
+        return isinstance(self.cfg, VllmInstance) and self.cfg.engine_priority
 
     def replace(self, cfg: InstanceConfig, adapter: Adapter) -> Adapter:
         """Serve ``cfg`` with ``adapter`` from now on; returns the adapter replaced."""
@@ -201,7 +207,7 @@ class RunExecutor:
             return
         slots = instance.slots
         with send.queued():  # waiting for a slot is not the backend's latency
-            await slots.take()
+            await slots.take(spec.overflow and instance.engine_priority)
         adapter = instance.hold()  # a reload may replace it: this run keeps it
         if instance.cfg.system_messages == "fold":
             spec = _folded(spec)
@@ -221,7 +227,7 @@ class RunExecutor:
             # Waiting for the model's load is not the backend's latency either.
             with send.queued():
                 lease = await models.acquire(instance.name, models.load_timeout_s)
-                await slots.take()
+                await slots.take(spec.overflow and instance.engine_priority)
             if instance.cfg.system_messages == "fold":
                 spec = _folded(spec)
             try:

@@ -9,6 +9,13 @@ for at most ``queue_timeout_s``:
 * waited too long: ``RunAborted(reason=CancelReason.QUEUE_TIMEOUT)``; the runtime turns
   it into ``Cancelled(queue_timeout)``.
 
+A run the edge placed on an *overflow* seat (``take(overflow=True)``: an
+instance whose engine preempts lower-priority runs for higher ones;
+docs/operations.md, "Engine priority") starts at once even with every
+slot taken, up to ``OVERFLOW_SEATS_PER_SLOT`` per slot beyond them; past
+that it queues as any run. An overflow seat that frees is not a free slot:
+a waiter gets one only when fewer than ``max_concurrency`` are held.
+
 Every change of ``in_flight`` or ``queued`` calls ``on_change`` (the node's
 load reports: ``iop.node._agent``); it must not block.
 
@@ -23,13 +30,21 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Final
 
 import trio
 
 from iop.errors import ErrorCode, IopError, RunAborted
 from iop.events import CancelReason
 
-__all__ = ["InstanceSlots"]
+__all__ = ["OVERFLOW_SEATS_PER_SLOT", "InstanceSlots"]
+
+# Overflow seats an instance takes beyond its slots, per slot: the edge
+# places at most one per lower-priority run it holds there (and at most
+# ``scheduler.priority_overflow_slots``), so a batch of the instance's slots
+# never holds more than that many runs an engine preempts; the node's own
+# bound keeps a peer that asks for more from doubling its engine's batch.
+OVERFLOW_SEATS_PER_SLOT: Final = 1
 
 
 class _Waiter:
@@ -87,14 +102,18 @@ class InstanceSlots:
         finally:
             self.release()
 
-    async def take(self) -> None:
+    async def take(self, overflow: bool = False) -> None:
         """Take one slot, waiting in the queue if none is free; ``release`` gives it back.
 
         For a holder that keeps no context manager per slot (``RunExecutor``:
-        one per open stream). Raises as ``acquire`` does; then no slot is held.
+        one per open stream). ``overflow``: a run the edge placed on an
+        overflow seat (module docstring). Raises as ``acquire`` does; then
+        no slot is held.
         """
         await trio.lowlevel.checkpoint()
-        if self.in_flight < self.max_concurrency and not self._waiters:
+        if (self.in_flight < self.max_concurrency and not self._waiters) or (
+            overflow and self.in_flight < self.max_concurrency * (1 + OVERFLOW_SEATS_PER_SLOT)
+        ):
             self.in_flight += 1
             self._changed()
         else:

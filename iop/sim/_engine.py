@@ -20,7 +20,10 @@ answers exactly as before):
   prompt tokens over ``prefill_tokens_per_s`` after the request starts
   running;
 * **a running batch** of at most ``max_num_seqs`` requests; the rest wait
-  (``num_requests_waiting``) in arrival order;
+  (``num_requests_waiting``) in arrival order, or, with
+  ``scheduling_policy = "priority"``, by the request's ``priority`` (lower
+  first) then arrival, and a request better than the worst running one
+  preempts it when the batch is full (below);
 * **decode slowed by concurrency**: each token's delay is stretched by
   ``1 + decode_slowdown * (running - 1)``.
 
@@ -36,7 +39,24 @@ response's usage says how many prompt tokens were cached
 (``prompt_tokens_details.cached_tokens``, as vLLM with
 ``--enable-prompt-tokens-details``).
 
-Sans-IO but for ``Engine.seat``, which waits for a place in the batch.
+**The priority policy** models vLLM's ``--scheduling-policy priority``
+(docs/operations.md, "Engine priority", has the facts and their sources):
+each request carries an integer ``priority`` (lower is handled earlier,
+default 0); waiting requests are served by (priority, arrival). When a
+request arrives to a full batch and a running one is worse by (priority,
+arrival), the worst running request (the latest arrival among ties) is
+preempted: it stops producing tokens, goes back to waiting, and, seated
+again, pays its first token's time again (ttft and prefill: vLLM's
+*recompute* mode drops its KV blocks) and the token it was producing,
+then goes on where it stopped. A streamed request just pauses; its client
+sees a gap, no error. (vLLM's V0 scheduler preempted so for a waiting
+request that did not fit the batch's budget, ``max_num_seqs`` included;
+its V1 scheduler preempts the worst running request when the KV cache has
+no room, and a full ``max_num_seqs`` batch makes a better request wait:
+the sim's ``max_num_seqs`` stands for whichever limit the engine reaches.)
+
+Sans-IO but for ``Engine.seat`` and ``Engine.work``, which wait for a place
+in the batch and for engine time.
 """
 
 from __future__ import annotations
@@ -69,6 +89,7 @@ __all__ = [
     "Admission",
     "Engine",
     "PrefixCache",
+    "Seat",
     "block_hashes",
 ]
 
@@ -222,6 +243,32 @@ class Admission:
     shared: tuple[bytes, ...] = ()
 
 
+@dataclass(eq=False)
+class Seat:
+    """One request's place in the engine: running, or waiting (first, or
+    again after a preemption)."""
+
+    priority: int
+    arrival: int
+    admission: Admission
+    # What a preemption costs on resume: the first token's time again.
+    recompute_s: float = 0.0
+    running: bool = False
+    preemptions: int = 0
+    # Set (and replaced) whenever ``running`` flips.
+    changed: trio.Event = field(default_factory=trio.Event)
+
+    @property
+    def order(self) -> tuple[int, int]:
+        """Lower is served first (vLLM's (priority, arrival_time))."""
+        return (self.priority, self.arrival)
+
+    def _flip(self, running: bool) -> None:
+        self.running = running
+        done, self.changed = self.changed, trio.Event()
+        done.set()
+
+
 @dataclass
 class Engine:
     """The sim server's one engine: its cache, its batch and its counters."""
@@ -238,19 +285,24 @@ class Engine:
     _shared_blocks: Counter[bytes] = field(default_factory=Counter)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
-    _seats: trio.Semaphore | None = field(init=False, default=None)
+    preemptions: int = 0  # vLLM's vllm:num_preemptions
+    _batch: dict[Seat, None] = field(default_factory=dict)
+    _queue: list[Seat] = field(default_factory=list)
+    _arrivals: int = 0
 
     def __post_init__(self) -> None:
         self.cache = PrefixCache(self.config.kv_cache_blocks)
-        if self.config.max_num_seqs > 0:
-            self._seats = trio.Semaphore(self.config.max_num_seqs)
 
     @property
     def enabled(self) -> bool:
         """Whether any of the engine's keys is set (else requests bypass it)."""
         c = self.config
         return bool(
-            c.kv_cache_blocks or c.prefill_tokens_per_s or c.max_num_seqs or c.decode_slowdown
+            c.kv_cache_blocks
+            or c.prefill_tokens_per_s
+            or c.max_num_seqs
+            or c.decode_slowdown
+            or c.scheduling_policy != "fcfs"
         )
 
     def admit(self, prompt_ids: Sequence[int], request_cfg: SimConfig, salt: str = "") -> Admission:
@@ -279,29 +331,100 @@ class Engine:
         )
 
     @contextlib.asynccontextmanager
-    async def seat(self, admission: Admission) -> AsyncIterator[None]:
-        """A place in the running batch for the request's lifetime (waits while full)."""
+    async def seat(
+        self, admission: Admission, *, priority: int = 0, recompute_s: float = 0.0
+    ) -> AsyncIterator[Seat]:
+        """A place in the engine for the request's lifetime: it is yielded
+        once running (it waits while the batch is full); it may be preempted
+        and seated again meanwhile (``Seat.running``; ``work``)."""
+        seat = Seat(priority, self._arrivals, admission, recompute_s)
+        self._arrivals += 1
+        try:
+            if (self._has_room() and not self._queue) or self._preempts(seat):
+                self._start(seat)
+            else:
+                self._wait(seat)
+                while not seat.running:
+                    await seat.changed.wait()
+            yield seat
+        finally:
+            if seat.running:
+                self._stop(seat)
+            elif seat in self._queue:
+                self._queue.remove(seat)
+                self.waiting -= 1
+            self._fill()
+
+    async def work(self, seat: Seat, delay_s: float) -> None:
+        """Spend ``delay_s`` of engine time on ``seat``'s request: wait
+        while it is preempted; a preemption costs the work in progress and,
+        on resume, ``recompute_s`` (module docstring)."""
+        todo = delay_s
+        while True:
+            while not seat.running:
+                await seat.changed.wait()
+            changed = seat.changed
+            with trio.move_on_after(todo) as done:
+                await changed.wait()
+            if done.cancelled_caught:
+                return
+            todo = seat.recompute_s + delay_s  # preempted: its KV blocks are gone
+
+    def _has_room(self) -> bool:
+        limit = self.config.max_num_seqs
+        return limit <= 0 or len(self._batch) < limit
+
+    def _preempts(self, seat: Seat) -> bool:
+        """With the priority policy, preempt the worst running request (by
+        priority, then the latest arrival) for ``seat`` if it is better and
+        comes before every waiting one; whether it did."""
+        if self.config.scheduling_policy != "priority" or not self._batch:
+            return False
+        if self._queue and min(w.order for w in self._queue) < seat.order:
+            return False
+        victim = max(self._batch, key=lambda s: s.order)
+        if victim.order <= seat.order:
+            return False
+        self._stop(victim)
+        victim.preemptions += 1
+        self.preemptions += 1
+        self._wait(victim)
+        return True
+
+    def _wait(self, seat: Seat) -> None:
+        self._queue.append(seat)
         self.waiting += 1
-        try:
-            if self._seats is not None:
-                await self._seats.acquire()
-        finally:
-            self.waiting -= 1
+
+    def _start(self, seat: Seat) -> None:
+        self._batch[seat] = None
         self.running += 1
-        own = admission.blocks - len(admission.shared)
-        self._own_blocks += own
+        admission = seat.admission
+        self._own_blocks += admission.blocks - len(admission.shared)
         self._shared_blocks.update(admission.shared)
-        try:
-            yield
-        finally:
-            self.running -= 1
-            self._own_blocks -= own
-            self._shared_blocks.subtract(admission.shared)
-            for h in admission.shared:
-                if self._shared_blocks[h] <= 0:
-                    del self._shared_blocks[h]
-            if self._seats is not None:
-                self._seats.release()
+        seat._flip(True)
+
+    def _stop(self, seat: Seat) -> None:
+        del self._batch[seat]
+        self.running -= 1
+        admission = seat.admission
+        self._own_blocks -= admission.blocks - len(admission.shared)
+        self._shared_blocks.subtract(admission.shared)
+        for h in admission.shared:
+            if self._shared_blocks[h] <= 0:
+                del self._shared_blocks[h]
+        seat._flip(False)
+
+    def _fill(self) -> None:
+        """Seat waiting requests while the batch has room: by arrival, or
+        with the priority policy by (priority, arrival)."""
+        while self._queue and self._has_room():
+            if self.config.scheduling_policy == "priority":
+                nxt = min(self._queue, key=lambda s: s.order)
+                self._queue.remove(nxt)
+            else:
+                nxt = self._queue.pop(0)
+            self.waiting -= 1
+            self._start(nxt)
 
     def decode_factor(self, request_cfg: SimConfig) -> float:
         """How much the running batch stretches each token's delay now."""
@@ -339,6 +462,9 @@ class Engine:
             "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of tokens.",
             "# TYPE vllm:prefix_cache_hits_total counter",
             f"vllm:prefix_cache_hits_total{label} {float(self.prefix_cache_hits)}",
+            "# HELP vllm:num_preemptions_total Cumulative number of preemption from the engine.",
+            "# TYPE vllm:num_preemptions_total counter",
+            f"vllm:num_preemptions_total{label} {float(self.preemptions)}",
         ]
         if self.config.kv_cache_blocks > 0:
             # vLLM's info gauge of its cache config: the shape is in the labels.

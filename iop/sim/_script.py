@@ -112,6 +112,7 @@ SERVER_KEYS: Final = frozenset(
         "kv_cache_blocks",
         "kv_block_tokens",
         "max_num_seqs",
+        "scheduling_policy",
         "kv_events_endpoint",
         "kv_events_replay_endpoint",
         "kv_events_topic",

@@ -25,7 +25,6 @@ the client go away, which is what makes a real vLLM abort the generation.
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import logging
 import time
@@ -65,6 +64,7 @@ from iop.sim._vllm_wire import (
     model_not_found,
     models_body,
     parse_chat_request,
+    request_priority,
     stream_plan,
 )
 
@@ -163,20 +163,27 @@ async def _stream_body(
     stats.open_streams += 1
     finished = False
     try:
-        async with _seat(run):
-            for i, frame in enumerate(plan.frames):
-                delay = frame.delay_s
-                if run is not None:
-                    # The first frame waits for prefill too; the others for
-                    # a token of a batch as big as the engine's now.
-                    delay = (
-                        delay + run.admission.prefill_s
-                        if i == 0
-                        else delay * run.engine.decode_factor(run.config)
-                    )
-                if delay > 0:
-                    await trio.sleep(delay)
+        if run is None:
+            for frame in plan.frames:
+                if frame.delay_s > 0:
+                    await trio.sleep(frame.delay_s)
                 yield frame.data
+        else:
+            first = (plan.frames[0].delay_s if plan.frames else 0.0) + run.admission.prefill_s
+            async with run.engine.seat(
+                run.admission, priority=run.priority, recompute_s=first
+            ) as seat:
+                for i, frame in enumerate(plan.frames):
+                    # The first frame waits for prefill too; the others for
+                    # a token of a batch as big as the engine's now. A
+                    # preempted request waits in ``work``: its client sees
+                    # a pause (iop.sim._engine).
+                    delay = (
+                        first if i == 0 else frame.delay_s * run.engine.decode_factor(run.config)
+                    )
+                    if delay > 0 or not seat.running:
+                        await run.engine.work(seat, delay)
+                    yield frame.data
         if plan.ending is Ending.STALL:
             await trio.sleep_forever()
         finished = True
@@ -195,15 +202,7 @@ class _EngineRun:
     engine: Engine
     admission: Admission
     config: SimConfig  # the request's (the server's with its overrides)
-
-
-@contextlib.asynccontextmanager
-async def _seat(run: _EngineRun | None) -> AsyncIterator[None]:
-    if run is None:
-        yield
-        return
-    async with run.engine.seat(run.admission):
-        yield
+    priority: int = 0  # the body's ``priority`` (lower first)
 
 
 async def _complete(
@@ -219,11 +218,16 @@ async def _complete(
     try:
         if cfg.failure in ("stall_before_first_byte", "stall_mid_stream"):
             await trio.sleep_forever()
-        async with _seat(run):
-            if run is not None:
-                delay_s = run.admission.prefill_s + delay_s * run.engine.decode_factor(cfg)
+        if run is None:
             if delay_s > 0:
                 await trio.sleep(delay_s)
+        else:
+            first = cfg.ttft_s + run.admission.prefill_s
+            async with run.engine.seat(
+                run.admission, priority=run.priority, recompute_s=first
+            ) as seat:
+                delay_s = run.admission.prefill_s + delay_s * run.engine.decode_factor(cfg)
+                await run.engine.work(seat, delay_s)
         if cfg.failure == "midstream_error":
             data = b""
         else:
@@ -305,6 +309,7 @@ def create_sim_app(cfg: SimConfig) -> SimApp:
             if chat.model != cfg.model:
                 raise model_not_found(chat.model)
             salt = cache_salt(chat.extra_body)
+            priority = request_priority(chat.extra_body, cfg)
             script = build_script(chat, cfg)
         except RequestError as exc:
             log.debug("sim: refused request (%d): %s", exc.status, exc.message)
@@ -315,7 +320,7 @@ def create_sim_app(cfg: SimConfig) -> SimApp:
         if app.engine.enabled:
             prompt = tokenize_chat(chat.messages, tools=chat.tools or ())
             admission = app.engine.admit(prompt, script.config, salt)
-            run = _EngineRun(app.engine, admission, script.config)
+            run = _EngineRun(app.engine, admission, script.config, priority)
             script = msgspec.structs.replace(
                 script, prompt_tokens=admission.prompt_tokens, cached_tokens=admission.cached_tokens
             )

@@ -66,6 +66,7 @@ __all__ = [
     "model_not_found",
     "models_body",
     "parse_chat_request",
+    "request_priority",
     "stream_plan",
     "streaming_error_event",
 ]
@@ -173,6 +174,21 @@ def parse_chat_request(raw: bytes) -> ChatRequest:
             "Stream options can only be defined when `stream=True`.", param="stream_options"
         )
     return request
+
+
+def request_priority(extra_body: Mapping[str, Any] | None, cfg: SimConfig) -> int:
+    """A request's ``priority`` (0 when it has none), checked as vLLM checks
+    it: an integer, and non-zero only on a server started with
+    ``--scheduling-policy priority`` (docs/operations.md, "Engine
+    priority")."""
+    if not extra_body or "priority" not in extra_body:
+        return 0
+    priority = extra_body["priority"]
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise RequestError("Input should be a valid integer", param="priority")
+    if priority != 0 and cfg.scheduling_policy != "priority":
+        raise RequestError(f"Got priority {priority} but Priority scheduling is not enabled.")
+    return priority
 
 
 def cache_salt(extra_body: Mapping[str, Any] | None) -> str:

@@ -439,11 +439,13 @@ async def test_metrics() -> None:
     assert "iop_queue_depth 0.0" in text
     assert 'iop_queue_exits_total{how="cancelled"} 0.0' in text
     assert "iop_preemptions_total 0.0" in text
+    assert "iop_priority_overflows_total 0.0" in text
     assert admin["queue"] == {
         "exits": {"placed": 0, "cancelled": 0, "timed_out": 0, "shed": 0, "load_failed": 0},
         "last_exit": None,
         "refused": {"queue_full": 0, "queue_delay": 0, "deadline": 0, "shed": 0},
         "preempted": 0,
+        "priority_overflows": 0,
         "sessions": {"seen": 0, "queued": 0, "overflowed": 0},
     }
 

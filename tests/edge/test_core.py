@@ -373,6 +373,7 @@ async def test_each_way_out_of_the_queue_is_counted_with_the_time_of_the_last(
             "last_exit": None,
             "refused": {"queue_full": 0, "queue_delay": 0, "deadline": 0, "shed": 0},
             "preempted": 0,
+            "priority_overflows": 0,
             "sessions": {"seen": 0, "queued": 0, "overflowed": 0},
         }
         r1 = core.start_run(spec(run_id="r1"))

@@ -261,3 +261,29 @@ async def test_a_smaller_concurrency_is_reached_as_runs_end(
         assert order == ["a", "b", "c", "d"]
         releases["d"].set()
     assert (slots.in_flight, slots.queued) == (0, 0)
+
+
+async def test_an_overflow_run_starts_beyond_the_slots_up_to_one_per_slot(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A run the edge placed on an overflow seat (``ExecutionSpec.overflow``:
+    the engine preempts a lower-priority run for it) starts at once with
+    every slot taken, at most ``max_concurrency`` of them beyond the slots;
+    the one past that queues as any run. An overflow seat that frees is no
+    slot for a waiter: the slots are still all taken."""
+    slots = InstanceSlots(2, 4, 10.0)
+    await slots.take()
+    await slots.take()
+    await slots.take(overflow=True)
+    await slots.take(overflow=True)
+    assert (slots.in_flight, slots.queued) == (4, 0)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(slots.take, True)
+        await trio.testing.wait_all_tasks_blocked()
+        assert (slots.in_flight, slots.queued) == (4, 1)
+        slots.release()
+        slots.release()  # the two overflow seats free: both slots still taken
+        await trio.testing.wait_all_tasks_blocked()
+        assert (slots.in_flight, slots.queued) == (2, 1)
+        slots.release()  # a slot frees: handed to the waiter
+    assert (slots.in_flight, slots.queued) == (2, 0)

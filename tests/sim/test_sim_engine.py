@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from iop.config import SimConfig
 from iop.sim import build_script, parse_chat_request, stream_plan
-from iop.sim._engine import Engine, PrefixCache, block_hashes
+from iop.sim._engine import Admission, Engine, PrefixCache, block_hashes
 from iop.sim._server import SimStats, _EngineRun, _stream_body
 from tests.sim.test_sim_server import WAIT_S, chat, running_sim
 
@@ -320,3 +320,128 @@ def test_a_page_of_kv_events_stays_within_its_byte_budget() -> None:
     assert cache.events_after(-1, 256, max_bytes=1)[0][0] == 0  # one, however big
     rest = cache.events_after(page[-1][0], 256, max_bytes=10**9)
     assert [n for n, _ in page + rest] == list(range(40))
+
+
+# --- the priority scheduling policy (vLLM's --scheduling-policy priority) ------
+
+POLICY = SimConfig(ttft_s=0.1, tokens_per_s=10.0, output_tokens=6, max_num_seqs=1)
+
+
+async def _stream_times(
+    engine: Engine, cfg: SimConfig, priority: int, times: list[float], text: list[str]
+) -> None:
+    """Stream one answer through ``engine`` at ``priority``; note when each
+    frame came (from the engine's start) and the content it carried."""
+    body = chat(stream=True, priority=priority)
+    request = parse_chat_request(msgspec_encode(body))
+    plan = stream_plan(build_script(request, cfg), created=0, include_usage=False)
+    run = _EngineRun(engine, engine.admit(list(range(8)), cfg), cfg, priority=priority)
+    async for frame in _stream_body(plan, SimStats(), run):
+        times.append(trio.current_time())
+        if frame.startswith(b"data: {"):
+            delta = msgspec.json.decode(frame[6:])["choices"][0]["delta"]
+            text.append(delta.get("content") or "")
+
+
+async def _low_then_high(cfg: SimConfig) -> tuple[list[float], list[float], list[str], Engine]:
+    """A priority-0 stream, then a priority -10 one 0.35 s later (after the
+    first one's second token) on a batch of one."""
+    engine = Engine(cfg)
+    low: list[float] = []
+    high: list[float] = []
+    low_text: list[str] = []
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_stream_times, engine, cfg, 0, low, low_text)
+        await trio.sleep(0.35)
+        nursery.start_soon(_stream_times, engine, cfg, -10, high, [])
+    return [t - start for t in low], [t - start for t in high], low_text, engine
+
+
+async def test_priority_a_better_arrival_preempts_the_running_one_which_resumes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    cfg = msgspec.structs.replace(POLICY, scheduling_policy="priority")
+    low, high, low_text, engine = await _low_then_high(cfg)
+    # The better request runs at once: its first token one TTFT after it came.
+    assert abs(high[0] - 0.45) < 1e-9
+    # The preempted one sent nothing while the other ran (0.35 .. 1.05 s)...
+    assert not [t for t in low if 0.35 < t < high[-1]]
+    # ... then paid its prefill again (ttft 0.1 s) and the token it lost,
+    # and went on where it stopped: its whole answer, each token once.
+    after = [t for t in low if t >= high[-1]]
+    assert abs(after[0] - (high[-1] + 0.1 + 0.1)) < 1e-9
+    _, _, unloaded_text, _ = await _low_then_high(POLICY)
+    assert "".join(low_text) == "".join(unloaded_text)
+    assert len(low) == len(high)
+    assert engine.preemptions == 1
+    families = {f.name: f for f in text_string_to_metric_families(engine.metrics("m").decode())}
+    assert families["vllm:num_preemptions"].samples[0].value == 1.0
+    assert (engine.running, engine.waiting) == (0, 0)
+
+
+async def test_fcfs_a_better_arrival_waits_for_the_batch(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    low, high, _, engine = await _low_then_high(POLICY)
+    # No preemption: the second waits for the first to end.
+    assert high[0] > low[-1]
+    assert engine.preemptions == 0
+
+
+async def test_priority_the_worst_and_then_the_newest_is_preempted(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    cfg = SimConfig(max_num_seqs=3, scheduling_policy="priority")
+    engine = Engine(cfg)
+    admission = engine.admit([1, 2, 3], cfg)
+    async with (
+        engine.seat(admission, priority=0) as older,
+        engine.seat(admission, priority=0) as newer,
+        engine.seat(admission, priority=-5) as better,
+    ):
+        assert older.running
+        assert newer.running
+        assert better.running
+        async with engine.seat(admission, priority=-10) as best:
+            # The newest of the worst priority gave its place.
+            assert best.running
+            assert not newer.running
+            assert older.running
+            assert better.running
+            assert (engine.running, engine.waiting) == (3, 1)
+            # A request no better than the worst running waits, preempting none.
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_enter_and_leave, engine, admission, 0)
+                await trio.testing.wait_all_tasks_blocked()
+                assert engine.preemptions == 1
+                assert (engine.running, engine.waiting) == (3, 2)
+                nursery.cancel_scope.cancel()
+        # The best left: the preempted one runs again before the later arrival.
+        assert newer.running
+    assert (engine.running, engine.waiting, engine.held_blocks) == (0, 0, 0)
+
+
+async def _enter_and_leave(engine: Engine, admission: Admission, priority: int) -> None:
+    async with engine.seat(admission, priority=priority):
+        pass
+
+
+async def test_over_http_priority_needs_the_priority_policy() -> None:
+    """vLLM refuses a non-zero ``priority`` unless started with
+    ``--scheduling-policy priority`` (docs/operations.md, "Engine priority")."""
+    fcfs = SimConfig(ttft_s=0.0, output_tokens=2, max_num_seqs=2)
+    async with running_sim(fcfs) as (_, url), httpx.AsyncClient(timeout=WAIT_S) as client:
+        refused = await client.post(f"{url}/v1/chat/completions", json=chat(priority=-10))
+        assert refused.status_code == 400
+        assert refused.json()["error"]["message"] == (
+            "Got priority -10 but Priority scheduling is not enabled."
+        )
+        ok = await client.post(f"{url}/v1/chat/completions", json=chat(priority=0))
+        assert ok.status_code == 200
+    policy = msgspec.structs.replace(fcfs, scheduling_policy="priority")
+    async with running_sim(policy) as (_, url), httpx.AsyncClient(timeout=WAIT_S) as client:
+        ok = await client.post(f"{url}/v1/chat/completions", json=chat(priority=-10))
+        assert ok.status_code == 200
+        bad = await client.post(f"{url}/v1/chat/completions", json=chat(priority="high"))
+        assert bad.status_code == 400

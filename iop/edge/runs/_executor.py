@@ -257,6 +257,10 @@ class RemoteExecutor:
         )
         if traceparent != spec.traceparent:
             spec = msgspec.structs.replace(spec, traceparent=traceparent)
+        if lease.instance.caps.engine_priority:
+            # Its engine schedules by priority: the run's, and whether it is
+            # on an overflow seat (docs/operations.md, "Engine priority").
+            spec = msgspec.structs.replace(spec, priority=lease.rank, overflow=lease.overflow)
         try:
             try:
                 conn.assign(

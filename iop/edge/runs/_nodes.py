@@ -26,7 +26,7 @@ A connection hands its runs' events to them through its ``delivery``:
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
@@ -128,6 +128,11 @@ class InstanceState:
     # Of those, runs of sheddable objectives (the reserve's count:
     # iop.edge.scheduler._placement).
     sheddable_in_flight: int = 0
+    # Of those, how many of each objective priority; and the runs on an
+    # overflow seat beyond its slots (engine priority:
+    # iop.edge.scheduler._placement).
+    sheddable_ranks: Counter[int] = field(default_factory=Counter)
+    overflow_in_flight: int = 0
     reported: ReportedLoad | None = None
     # An on-demand model of the node (``[[models]]``): its state and what a
     # load costs (``iop.edge.scheduler._ondemand``); None for an instance.

@@ -9,6 +9,9 @@ A lease of a sheddable run may be preempted (``Scheduler`` calls
 slot): the attempt holding it sets ``preempt`` once it is on its node, and
 the hook ends the attempt only if it has sent no output yet (it says
 whether it did); the attempt then releases the lease as any attempt does.
+
+A lease may be an *overflow* seat beyond the instance's slots (engine
+priority: ``Placement.pick_overflow``); it releases that seat, not a slot.
 """
 
 from __future__ import annotations
@@ -46,6 +49,9 @@ class Lease:
     # Its run's objective: priority, and whether it may be shed.
     rank: int = 0
     sheddable: bool = False
+    # It holds an overflow seat beyond the instance's slots (engine priority:
+    # ``Placement.pick_overflow``).
+    overflow: bool = False
     # Ends the attempt if it sent no output yet, and says whether it did
     # (set by the attempt while it may be preempted; module docstring).
     preempt: Callable[[], bool] | None = None
@@ -56,4 +62,7 @@ class Lease:
             self.instance.in_flight -= 1
             if self.sheddable:
                 self.instance.sheddable_in_flight -= 1
+                self.instance.sheddable_ranks[self.rank] -= 1
+            if self.overflow:
+                self.instance.overflow_in_flight -= 1
             self._scheduler.released(self)

@@ -15,7 +15,14 @@ of the prompt takes in its cache (``PrefixIndex.fill``), plus affinity;
 instance's slots but its reserve (``reserved_slot_fraction`` of them,
 rounded down: ``reserve``): while they hold that many, the other slots are
 for runs that may not be shed, which thus find one free at once as long as
-fewer of them than the reserve run. Nothing here waits: when no instance has a free slot the
+fewer of them than the reserve run. *Overflow seats* (``pick_overflow``,
+``priority_overflow_slots``): a run of an objective that may not be shed
+that finds no free slot may take a seat beyond an instance's slots when the
+instance's engine preempts by priority (it advertises ``engine_priority``)
+and holds sheddable runs of a lower objective priority: at most the key's
+seats beyond its slots and never more seats beyond them than such runs held
+there, so the engine always has a lower run to preempt for each (docs/operations.md, "Engine
+priority"). Nothing here waits: when no instance has a free slot the
 scheduler queues the run (``iop/edge/scheduler/_scheduler.py``).
 
 Waiters are kept by what they wait for (model, operation, excluded nodes),
@@ -231,6 +238,50 @@ class Placement:
         if prefix:
             self.prefixes.routed(where, prefix, trio.current_time())
         return Placed(conn, inst, why, scores, candidates)
+
+    def pick_overflow(
+        self, model: str, exclude: Excluded, operation: str, rank: int
+    ) -> Placed | None:
+        """An overflow seat for a run of objective priority ``rank`` that may
+        not be shed and found no free slot, its seat counted (``in_flight``
+        and ``overflow_in_flight``), or None (module docstring).
+
+        The bound is on the seats beyond the slots (``in_flight`` past
+        ``max_concurrency``), not on the runs once placed on overflow
+        seats: when a lower run ends, an overflow run holds one of the slots,
+        and the engine (a batch of the slots) has a lower run to pause for
+        each seat beyond them as long as there are no more of those than
+        lower runs. Among the instances that have one, the one with the most
+        lower runs per seat beyond its slots: the most to preempt."""
+        cap = self.settings.priority_overflow_slots
+        if cap <= 0:
+            return None
+        best: tuple[float, NodeConnection, InstanceState, int] | None = None
+        for conn, inst in self.candidates(model, exclude, operation):
+            if not inst.caps.engine_priority:
+                continue
+            beyond = inst.in_flight - inst.caps.max_concurrency + 1  # with this one
+            lower = sum(n for r, n in inst.sheddable_ranks.items() if r < rank)
+            if beyond > min(cap, lower):
+                continue
+            room = lower / max(beyond, 1)
+            if best is None or room > best[0]:
+                best = (room, conn, inst, lower)
+        if best is None:
+            return None
+        _, conn, inst, lower = best
+        inst.in_flight += 1
+        inst.overflow_in_flight += 1
+        beyond = inst.in_flight - inst.caps.max_concurrency
+        why = (
+            f"overflow: every slot busy; {beyond} of at most {min(cap, lower)} beyond "
+            f"{inst.caps.max_concurrency} slots, for the engine to preempt one of {lower} "
+            "lower-priority sheddable run(s)"
+        )
+        candidates = [
+            (conn.node_id, inst.caps.instance, inst.in_flight - 1, inst.caps.max_concurrency)
+        ]
+        return Placed(conn, inst, why, {}, candidates)
 
     def _by_prefix(
         self,

@@ -58,6 +58,17 @@ Only objective priority preempts: a tenant's class or share never does,
 and a run that may not be shed is never preempted. One preemption is on
 its way at a time for the instances a waiter could use, so a burst of
 waiters preempts one run each, not every run at once.
+
+Engine priority (``priority_overflow_slots``; docs/operations.md, "Engine
+priority"): the edge cannot take a slot back from a run that has sent
+output, but an engine that schedules by priority can pause it. A run that
+may not be shed and finds no free slot takes an *overflow* seat beyond
+the slots of an instance that advertises ``engine_priority`` and holds
+sheddable runs of a lower objective priority (``Placement.pick_overflow``),
+before any preemption here: its Assign says so (``ExecutionSpec.overflow``)
+and carries its priority, the node runs it at once, and the engine
+preempts one of the lower runs for it; that one's client sees a pause, no
+error. Counted in ``overflowed``.
 """
 
 from __future__ import annotations
@@ -148,6 +159,7 @@ class Scheduler:
         # preemptible run is below costs ``dispatch`` no look at them.
         self._preemptible_ranks: Counter[int] = Counter()
         self.preempted = 0  # runs preempted (module docstring)
+        self.overflowed = 0  # runs placed on an overflow seat (module docstring)
 
     @property
     def queued(self) -> int:
@@ -356,6 +368,11 @@ class Scheduler:
         placed = self.placement.pick(
             model, exclude, affinity, operation, prefix, sheddable=share.sheddable
         )
+        overflow = False
+        if placed is None and not share.sheddable:
+            placed = self.placement.pick_overflow(model, exclude, operation, share.rank)
+            overflow = placed is not None
+            self.overflowed += overflow
         if placed is None:
             return None
         lease = Lease(
@@ -367,9 +384,11 @@ class Scheduler:
             candidates=placed.candidates,
             rank=share.rank,
             sheddable=share.sheddable,
+            overflow=overflow,
         )
         if share.sheddable:
             placed.inst.sheddable_in_flight += 1
+            placed.inst.sheddable_ranks[share.rank] += 1
             if preemptions < self.settings.max_preemptions:
                 self._preemptible[lease] = None
                 self._preemptible_ranks[share.rank] += 1
