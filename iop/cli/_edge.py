@@ -19,7 +19,7 @@ from iop.cli._signals import open_stop_signals
 from iop.config import EdgeConfig, load_config
 from iop.edge import EdgeCore, EdgeHandle, serve_edge
 from iop.errors import ConfigError
-from iop.runtime import YOUNG_THRESHOLD, settle_heap
+from iop.runtime import settle_heap
 
 __all__ = ["add_parser", "describe_edge"]
 
@@ -106,17 +106,6 @@ def edge_config_from_args(args: argparse.Namespace) -> EdgeConfig:
     return msgspec.structs.replace(cfg, server=server, link=link)
 
 
-def settled(logger: logging.Logger) -> None:
-    """A server that is up: its start-up heap out of the collector's way
-    (``iop.runtime.settle_heap``), said in its log."""
-    frozen = settle_heap()
-    logger.info(
-        "garbage collector: %d start-up objects frozen, young generation every %d allocations",
-        frozen,
-        YOUNG_THRESHOLD,
-    )
-
-
 def require_extras(cfg: EdgeConfig, *, section: str = "") -> None:
     """Refuse a config whose keys need an extra that is not installed.
 
@@ -184,7 +173,7 @@ async def _main(cfg: EdgeConfig, args: argparse.Namespace) -> int:
         if reload:  # else POST /admin/reload answers 409
             reloader = handle.core.reloader = edge_reloader(args, handle.core)
             await nursery.start(watch_reloads, stop, reloader)
-        settled(log)
+        settle_heap(log)
         print(describe_edge(handle), flush=True)
         # serve_edge returns once the first signal's drain is done.
     log.info("stopped")

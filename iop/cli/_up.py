@@ -28,7 +28,7 @@ import trio
 
 from iop._reload import UP_RULES, managed_instances
 from iop._secrets import register_secrets, up_secrets
-from iop.cli._edge import SURFACE_OPERATIONS, describe_edge, require_extras, settled
+from iop.cli._edge import SURFACE_OPERATIONS, describe_edge, require_extras
 from iop.cli._node import require_instance_extras
 from iop.cli._reloader import Reloader, watch_reloads
 from iop.cli._signals import open_stop_signals
@@ -45,6 +45,7 @@ from iop.config import (
 from iop.edge import EdgeHandle, check_ports, serve_edge
 from iop.managed import llamacpp_available
 from iop.node import open_node_agent
+from iop.runtime import settle_heap
 
 __all__ = ["add_parser"]
 
@@ -252,7 +253,7 @@ async def _up(cfg: UpConfig, args: argparse.Namespace) -> int:
                         "embeddings are off: [embedded] embeddings = true serves /v1/embeddings"
                     )
                 models = ", ".join(repr(m.id) for m in handle.core.models()) or "none yet"
-                settled(log)
+                settle_heap(log)
                 print(describe_edge(handle, served), flush=True)
                 print(f"iop up: ready; models: {models}", flush=True)
                 # The first signal sets drain: the edge drains its runs

@@ -4,6 +4,7 @@ never runs in the test process."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from iop.runtime import YOUNG_THRESHOLD
-from iop.testing import EDGE_READY, Proc
+from iop.testing import EDGE_READY, Proc, toml_dumps
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -41,3 +42,33 @@ def test_iop_edge_settles_its_heap_once_it_is_up(tmp_path: Path) -> None:
         edge.wait_stderr(r"garbage collector: \d+ start-up objects frozen", 10)
     finally:
         edge.stop()
+
+
+def test_iop_node_settles_its_heap_once_it_is_up(tmp_path: Path) -> None:
+    token = "t" * 32
+    edge = Proc("edge", ["edge", "--port", "0", "--node-token", token], tmp_path)
+    try:
+        link = edge.wait_stdout(EDGE_READY, 30)[2]
+        config = tmp_path / "node.toml"
+        config.write_text(
+            toml_dumps(
+                {
+                    "node": {"id": "n1", "edges": [{"url": link, "token": token}]},
+                    # Nothing listens there: the node is up all the same.
+                    "instances": [{"adapter": "vllm", "name": "i0", "endpoint": _closed_url()}],
+                }
+            )
+        )
+        node = Proc("node", ["node", "--config", str(config)], tmp_path)
+        try:
+            node.wait_stderr(r"garbage collector: \d+ start-up objects frozen", 30)
+        finally:
+            node.stop()
+    finally:
+        edge.stop()
+
+
+def _closed_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
