@@ -91,9 +91,10 @@ class KeepaliveClock:
                     self.wakeups += 1
                     due = now + watch.interval_s
                 elif due <= now:
-                    # Not waiting for an event (busy, or writing to a slow
-                    # client): it checks its own time after that write.
-                    due = now + res
+                    # Not waiting for an event (about to run, or writing to a
+                    # slow client): its next write moves last_write on, and
+                    # the due time read then is never earlier than this.
+                    due = now + watch.interval_s
                 earliest = min(earliest, due)
             with trio.CancelScope(deadline=max(earliest, now + res)) as self._sleep:
                 await trio.sleep_forever()
