@@ -19,6 +19,7 @@ from iop.cli._signals import open_stop_signals
 from iop.config import EdgeConfig, load_config
 from iop.edge import EdgeCore, EdgeHandle, serve_edge
 from iop.errors import ConfigError
+from iop.runtime import settle_heap
 
 __all__ = ["add_parser", "describe_edge"]
 
@@ -172,6 +173,7 @@ async def _main(cfg: EdgeConfig, args: argparse.Namespace) -> int:
         if reload:  # else POST /admin/reload answers 409
             reloader = handle.core.reloader = edge_reloader(args, handle.core)
             await nursery.start(watch_reloads, stop, reloader)
+        settle_heap(log)
         print(describe_edge(handle), flush=True)
         # serve_edge returns once the first signal's drain is done.
     log.info("stopped")

@@ -37,6 +37,7 @@ from iop.config import (
 )
 from iop.errors import ConfigError
 from iop.node import NodeAgent, open_node_agent
+from iop.runtime import settle_heap
 
 __all__ = ["add_parser"]
 
@@ -180,6 +181,7 @@ async def _run_node(cfg: NodeConfig, path: str) -> int:
         async with trio.open_nursery() as nursery:
             await nursery.start(agent.serve)
             await nursery.start(watch_reloads, stop, reloader)
+            settle_heap(log)
             await stop.drain.wait()
             await agent.drain(agent.config.node.drain_timeout_s)  # a reload may change it
             nursery.cancel_scope.cancel()

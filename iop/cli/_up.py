@@ -45,6 +45,7 @@ from iop.config import (
 from iop.edge import EdgeHandle, check_ports, serve_edge
 from iop.managed import llamacpp_available
 from iop.node import open_node_agent
+from iop.runtime import settle_heap
 
 __all__ = ["add_parser"]
 
@@ -252,6 +253,7 @@ async def _up(cfg: UpConfig, args: argparse.Namespace) -> int:
                         "embeddings are off: [embedded] embeddings = true serves /v1/embeddings"
                     )
                 models = ", ".join(repr(m.id) for m in handle.core.models()) or "none yet"
+                settle_heap(log)
                 print(describe_edge(handle, served), flush=True)
                 print(f"iop up: ready; models: {models}", flush=True)
                 # The first signal sets drain: the edge drains its runs

@@ -41,6 +41,7 @@ from iop.edge._metrics import EdgeMetrics
 from iop.edge._timeline_export import TimelineExport
 from iop.edge.batches import Batches
 from iop.edge.runs import (
+    KeepaliveClock,
     NodeLinks,
     NodeRegistry,
     RemoteExecutor,
@@ -138,6 +139,8 @@ class EdgeCore:
         self._traces: dict[str, RunTrace] = {}
         # One timer for every link's liveness and pings (``open_edge_core`` runs it).
         self.link_clock = LinkClock(config.link.heartbeat_timeout_s)
+        # One timer for every open stream's keep-alives (``open_edge_core`` runs it).
+        self.keepalives = KeepaliveClock()
         # How node events reach runs: per-run credit, or none (research);
         # ``link.run_window`` needs a restart, so this is chosen once.
         self.delivery = delivery_policy(config.link)
@@ -478,6 +481,7 @@ async def open_edge_core(config: EdgeConfig) -> AsyncIterator[EdgeCore]:
                         restored.spent, restored.recent, restored.at, trio.current_time()
                     )
                 links.start_soon(core.link_clock.run, name="edge link clock")
+                links.start_soon(core.keepalives.run, name="edge keep-alive clock")
                 # Cancelled with the links, before the supervisor closes: the
                 # lines in flight end unwritten and run again at the next start.
                 await links.start(core.batches.run, name="batches")

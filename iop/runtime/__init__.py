@@ -1,10 +1,12 @@
 """The Trio core: runs as supervised tasks, bounded channels, per-phase deadlines,
-and the one driver of the edge <-> node link.
+the one driver of the edge <-> node link, and a server's garbage collector
+settings (``iop.runtime._heap``).
 
 See ``iop.runtime._run`` for the theory of operation of runs and
 ``iop.runtime._link`` for the link driver.
 """
 
+from iop.runtime._heap import YOUNG_THRESHOLD, settle_heap
 from iop.runtime._link import (
     LIVENESS_RESOLUTION_S,
     Backpressure,
@@ -33,6 +35,7 @@ from iop.runtime._run import (
 __all__ = [
     "LIVENESS_RESOLUTION_S",
     "RUN_EVENT_BUFFER",
+    "YOUNG_THRESHOLD",
     "Backpressure",
     "EventSender",
     "Executor",
@@ -51,4 +54,5 @@ __all__ = [
     "collect_run",
     "new_run_id",
     "open_run_supervisor",
+    "settle_heap",
 ]

@@ -142,8 +142,23 @@ class OneToOneChannel(Generic[T]):
             return trio.lowlevel.Abort.SUCCEEDED
 
         await trio.lowlevel.wait_task_rescheduled(abort)
-        # Woken by an event or by the sender's close (then EndOfChannel).
+        # Woken by an event, by the sender's close (then EndOfChannel) or by
+        # ``interrupt_receive`` (then WouldBlock, unless an event came since).
         return self.receive_nowait()
+
+    def interrupt_receive(self) -> bool:
+        """Wake a receiver waiting in ``receive`` with nothing to take: its
+        ``receive`` raises ``trio.WouldBlock``. A timer beside the channel
+        without a cancel scope per wait (the edge's keep-alive clock,
+        ``iop.edge.runs._keepalive``). Returns whether one was waiting.
+        """
+        receiver = self._receiver
+        if receiver is None:
+            return False
+        # Not ``_woken``: no event is in its hands, the buffer's room is unchanged.
+        self._receiver = None
+        trio.lowlevel.reschedule(receiver)
+        return True
 
     def close_receive(self) -> None:
         """The consumer's close: what is buffered is dropped, a sender gets

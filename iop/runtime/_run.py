@@ -246,6 +246,11 @@ class RunEvents:
             self._taken(ev)
         return ev
 
+    def interrupt_receive(self) -> bool:
+        """Wake a ``receive`` that waits for an event: it raises
+        ``trio.WouldBlock`` (``OneToOneChannel.interrupt_receive``)."""
+        return self._channel.interrupt_receive()
+
     def close(self) -> None:
         self._channel.close_receive()
 

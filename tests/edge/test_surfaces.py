@@ -6,6 +6,7 @@ its own shape, on a real socket with a hand-played node."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Mapping
 from contextlib import asynccontextmanager
 from functools import partial
@@ -257,3 +258,71 @@ async def test_other_methods_on_a_surface_path_get_its_405() -> None:
         resp = await client.get("/toy")
         assert resp.status_code == 405
         assert "Method GET is not allowed on /toy" in str(toy_error(resp.content)["message"])
+
+
+@pytest.fixture
+def scopes(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Cancel scopes entered (nurseries too: each opens one), by task name."""
+    counts: Counter[str] = Counter()
+    enter = trio.CancelScope.__enter__
+
+    def counting(self: trio.CancelScope) -> trio.CancelScope:
+        counts[trio.lowlevel.current_task().name] += 1
+        return enter(self)
+
+    monkeypatch.setattr(trio.CancelScope, "__enter__", counting)
+    return counts
+
+
+def _in_answers(counts: Counter[str]) -> int:
+    # hypercorn runs each request's app in a task of its ``_handle``.
+    return sum(n for name, n in counts.items() if name.endswith("._handle"))
+
+
+async def _read_until(lines: AsyncIterator[str], wanted: str) -> None:
+    async for line in lines:
+        if line == wanted:
+            return
+    raise AssertionError(f"the stream ended before {wanted!r}")
+
+
+async def test_a_stream_waits_for_each_event_without_a_cancel_scope(scopes: Counter[str]) -> None:
+    # Each event is sent only once the client has the one before: the
+    # answer waits for every one. The keep-alive's timer was a cancel scope
+    # around each of those waits (a deadline into trio's heap and out, two
+    # context managers: per token of every stream); now one clock keeps the
+    # time of every stream (iop/edge/runs/_keepalive.py).
+    tokens = 24
+    async with (
+        edge() as (_, node, client),
+        client.stream("POST", "/toy", content=b"!hi") as resp,
+    ):
+        run_id = (await node.assigns.receive()).assign.run_id
+        lines = resp.aiter_lines()
+        await node.send(run_id, Start(), Delta("t0"))
+        await _read_until(lines, "data: t0")
+        before = _in_answers(scopes)
+        for i in range(1, tokens):
+            await node.send(run_id, Delta(f"t{i}"))
+            await _read_until(lines, f"data: t{i}")
+        during = _in_answers(scopes) - before
+        await node.send(run_id, Complete())
+        await _read_until(lines, "event: done")
+    assert during == 0  # one per event before (23)
+
+
+async def test_a_stream_that_pauses_after_its_first_output_keeps_alive() -> None:
+    async with edge() as (handle, node, client):
+        core = handle.core
+        async with client.stream("POST", "/toy", content=b"!hi") as resp:
+            run_id = (await node.assigns.receive()).assign.run_id
+            lines = resp.aiter_lines()
+            await node.send(run_id, Start(), Delta("a"))
+            await _read_until(lines, "data: a")
+            # Nothing more from the node until the client has a keep-alive.
+            await _read_until(lines, "event: ping")
+            await node.send(run_id, Delta("b"), Complete())
+            await _read_until(lines, "data: b")
+            await _read_until(lines, "event: done")
+    assert core.keepalives.wakeups >= 1
+    assert len(core.keepalives) == 0  # the stream left the clock

@@ -251,3 +251,50 @@ async def test_a_taken_send_returns_even_if_the_receiver_closes_next(make: Facto
         assert p.receive_nowait() == ev(0)  # ev(1) joins the buffer
         p.close_receive()
     assert sent == [True]
+
+
+async def test_an_interrupted_receive_raises_would_block() -> None:
+    # The edge's keep-alive clock wakes an idle stream this way, with no
+    # cancel scope per wait (iop/edge/runs/_keepalive.py).
+    p = _RunPair(1)
+    events = RunEvents(p.channel)
+    assert not events.interrupt_receive()  # nobody waits
+    outcome: list[object] = []
+
+    async def receiver() -> None:
+        try:
+            outcome.append(await events.receive())
+        except trio.WouldBlock:
+            outcome.append(trio.WouldBlock)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(receiver)
+        await trio.testing.wait_all_tasks_blocked()
+        assert events.interrupt_receive()
+        assert not events.interrupt_receive()  # woken once
+    assert outcome == [trio.WouldBlock]
+    p.send_nowait(ev(0))  # nothing was lost or taken: the channel goes on
+    assert events.receive_nowait() == ev(0)
+
+
+async def test_an_event_sent_before_the_interrupted_receiver_runs_is_what_it_gets() -> None:
+    p = _RunPair(1)
+    events = RunEvents(p.channel)
+    outcome: list[object] = []
+
+    async def receiver() -> None:
+        try:
+            outcome.append(await events.receive())
+        except trio.WouldBlock:
+            outcome.append(trio.WouldBlock)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(receiver)
+        await trio.testing.wait_all_tasks_blocked()
+        assert events.interrupt_receive()
+        p.send_nowait(ev(0))
+        # The room is the channel's capacity (one), not one more: the
+        # interrupt put no event in the receiver's hands.
+        with pytest.raises(trio.WouldBlock):
+            p.send_nowait(ev(1))
+    assert outcome == [ev(0)]

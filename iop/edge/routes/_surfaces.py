@@ -14,7 +14,8 @@ body, whole bytes or a streamed ``EndKnownBody``.
 Streaming (docs/architecture.md, "Facts about our dependencies: quart and
 quart-trio"): the response body is an async generator that only awaits the
 run's channel and yields bytes; no ``yield`` sits inside a cancel scope or
-nursery (the keep-alive timeout wraps only the ``receive``). What is already
+nursery, and its waits have no timeout of their own: one clock keeps every
+stream's keep-alive time (``iop.edge.runs._keepalive``). What is already
 queued is coalesced into one send (docs/benchmarks.md, "Earlier
 measurements: The trio-stack spike"). When the client goes away, the ASGI
 layer cancels the answer and closes the body, and the body's ``finally``
@@ -88,6 +89,7 @@ from iop.edge.routes._errors import (
     retry_after,
     unsupported_content_type,
 )
+from iop.edge.runs import KeepaliveClock
 from iop.edge.server._stall import ConnectionStall, client_gone_reason, current_connection
 from iop.edge.server._surface_asgi import Answer, BodyReader, EndKnownBody, SurfaceAnswer
 from iop.edge.tenancy._charges import charged_usage
@@ -370,7 +372,7 @@ class _Surfaces:
                 run.events.close()
                 return early
             handed_over = True
-            sse = _RunBody(run, stream, _sse_body(run, stream, first, keepalive_s))
+            sse = _RunBody(run, stream, _sse_body(run, stream, first, keepalive_s, core.keepalives))
             if limit_headers:
                 return Answer(200, (*_SSE_HEADERS, *raw_headers(limit_headers)), sse)
             return Answer(200, _SSE_HEADERS, sse)
@@ -577,9 +579,13 @@ async def _first_output(run: Run, wait_s: float) -> list[RuntimeEvent]:
 
 
 async def _sse_body(
-    run: Run, stream: StreamEncoder, first: list[RuntimeEvent], keepalive_s: float
+    run: Run,
+    stream: StreamEncoder,
+    first: list[RuntimeEvent],
+    keepalive_s: float,
+    clock: KeepaliveClock,
 ) -> AsyncGenerator[bytes, None]:
-    """The SSE body: yields bytes only, never inside a cancel scope.
+    """The SSE body: yields bytes only, and opens no cancel scope.
 
     The stream's opening chunk goes out with the first batch (``first``, the
     events ``_first_output`` found), in one piece: one write to the client,
@@ -587,14 +593,22 @@ async def _sse_body(
     so that ``_RunBody.at_end`` tells the ASGI layer it is the last
     (``_surface_asgi``: it leaves in the same write as the chunked
     terminator), and the body may be closed right there.
+
+    Each wait for the run's next event has no deadline of its own: the
+    edge's keep-alive clock (``iop.edge.runs._keepalive``) interrupts it
+    once the stream has written nothing for ``keepalive_s``, and the stream
+    writes a keep-alive. What is queued behind an event goes out with it,
+    up to ``COALESCE_MAX`` events: one wake-up, one write.
     """
     finished = False
+    events = run.events
+    watch = clock.watch(events, keepalive_s)
     try:
         opening = stream.start()
         if not first:  # no output within keepalive_s: the head and opening now
             yield opening
             opening = b""
-        last_write = trio.current_time()
+            watch.last_write = trio.current_time()
         batch = first
         while True:
             if batch:
@@ -606,35 +620,38 @@ async def _sse_body(
                     if out:
                         yield out
                     return
+                now = trio.current_time()
                 if out:
                     yield out
-                    last_write = trio.current_time()
-                if trio.current_time() - last_write >= keepalive_s:
+                    watch.last_write = now = trio.current_time()
+                elif now - watch.last_write >= keepalive_s:
                     # Events arrive but nothing goes out (a buffered or strict
                     # stream holding its text): keep the connection alive.
                     yield stream.keepalive()
-                    last_write = trio.current_time()
-            batch = []
-            with trio.move_on_after(keepalive_s):
-                try:
-                    batch.append(await run.events.receive())
-                except trio.EndOfChannel:
-                    # The run ended without handing us its terminal event
-                    # (we were too slow); its outcome still says how.
-                    batch.append(run.outcome or _NO_OUTCOME)
-            if not batch:
+                    watch.last_write = trio.current_time()
+            try:
+                batch = [await events.receive()]
+            except trio.WouldBlock:
+                # The clock: nothing written for keepalive_s.
                 yield stream.keepalive()
-                last_write = trio.current_time()
+                watch.last_write = trio.current_time()
+                batch = []
+                continue
+            except trio.EndOfChannel:
+                # The run ended without handing us its terminal event
+                # (we were too slow); its outcome still says how.
+                batch = [run.outcome or _NO_OUTCOME]
                 continue
             while len(batch) < COALESCE_MAX and not is_terminal(batch[-1]):
                 try:
-                    batch.append(run.events.receive_nowait())
+                    batch.append(events.receive_nowait())
                 except (trio.WouldBlock, trio.EndOfChannel):
                     break
     finally:
+        clock.discard(watch)
         if not finished:
             run.cancel(*client_gone_reason())
-        run.events.close()
+        events.close()
         # The level first: a runtime-checkable isinstance walks the protocol's
         # members, about 1 % of the edge's CPU for a short stream.
         if log.isEnabledFor(logging.DEBUG) and isinstance(stream, _Summarised):

@@ -1,6 +1,7 @@
 """The edge's half of a run: the failover executor, each attempt's state,
 the node connections runs go over, how a node's events reach its runs, the
-link handshake that accepts a node, and drains.
+link handshake that accepts a node, drains, and the keep-alive clock of the
+runs' streams.
 """
 
 from iop.edge.runs._attempt import AttemptEnd, RemoteRun, RunStart
@@ -13,6 +14,7 @@ from iop.edge.runs._delivery import (
 from iop.edge.runs._drains import drain_node, drain_runs, known_node, undrain_node
 from iop.edge.runs._executor import MAX_ATTEMPTS, RemoteExecutor, RunHost
 from iop.edge.runs._handshake import accept_node, node_credentials
+from iop.edge.runs._keepalive import KEEPALIVE_RESOLUTION_S, KeepaliveClock, KeepaliveWatch
 from iop.edge.runs._links import NodeLinks
 from iop.edge.runs._model_controls import LOAD_TIME_BUCKETS, ModelStats, ModelTotals, NodeModels
 from iop.edge.runs._nodes import (
@@ -25,6 +27,7 @@ from iop.edge.runs._nodes import (
 )
 
 __all__ = [
+    "KEEPALIVE_RESOLUTION_S",
     "LOAD_FIGURE_CAP",
     "LOAD_TIME_BUCKETS",
     "MAX_ATTEMPTS",
@@ -32,6 +35,8 @@ __all__ = [
     "AttemptEnd",
     "DeliveryPolicy",
     "InstanceState",
+    "KeepaliveClock",
+    "KeepaliveWatch",
     "ModelStats",
     "ModelTotals",
     "NodeConnection",

@@ -46,8 +46,12 @@ h11 event sent) and its ``connection``    ``_send_error_response`` (OpenAI body)
                                           write tests.
 ``TCPServer.protocol_send`` writes        ``EdgeTCPServer.protocol_send`` is its
 under ``send_lock``, shielded; its        copy for a free lock (``acquire_nowait``),
-``stream``, ``protocol``.                 hypercorn's otherwise: tests/edge/
-                                          test_body_writer.py (no schedule point).
+``stream``, ``protocol``.                 hypercorn's otherwise; ``write_raw``
+                                          writes a body chunk without the lock
+                                          when it is free and the kernel takes
+                                          it whole: tests/edge/
+                                          test_body_writer.py (no schedule point,
+                                          no lock, no event).
 ``H11Protocol.connection``'s state and    ``EdgeH11Protocol.write_body`` writes a
 the head h11 wrote.                       chunk while h11 is in ``SEND_BODY``:
                                           tests/edge/test_body_writer.py.
@@ -67,7 +71,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Awaitable, Callable
 from functools import partial
-from typing import Any, cast
+from typing import Any, Protocol, cast, runtime_checkable
 
 import h11
 import trio
@@ -147,6 +151,9 @@ class EdgeH11Protocol(H11Protocol):
                 await send(event)
 
         self.send = send_shielded
+        # How a body chunk is written: the edge's server sets its own
+        # (``EdgeTCPServer.write_raw``); hypercorn's send otherwise.
+        self.write_raw: Callable[[bytes], Awaitable[None]] = self._send_raw
 
     async def handle(self, event: Event) -> None:
         with contextlib.suppress(_Refused):
@@ -187,8 +194,11 @@ class EdgeH11Protocol(H11Protocol):
             or self.connection.our_state is not h11.SEND_BODY
         ):
             return False
-        await self.send(RawData(data=chunk(data)))
+        await self.write_raw(chunk(data))
         return True
+
+    async def _send_raw(self, data: bytes) -> None:
+        await self.send(RawData(data=data))
 
     async def _check_protocol(self, event: h11.Request) -> None:
         if (refused := refusal(event, self.config.max_header_bytes)) is not None:
@@ -280,10 +290,22 @@ class EdgeTaskGroup(TaskGroup):
         return queue.send
 
 
+@runtime_checkable
+class NowaitStream(Protocol):
+    """A connection stream that writes what the kernel takes without waiting
+    (the stall guard's, ``iop.edge.server._stall``)."""
+
+    def write_nowait(self, data: bytes) -> int: ...
+
+    async def send_rest_shielded(self, data: bytes, total: int) -> None: ...
+
+
 class EdgeTCPServer(TCPServer):
     """Hypercorn's trio connection server, building the edge's task group and protocol."""
 
     config: EdgeHypercornConfig
+    # The connection's stream when it writes without waiting (``write_raw``).
+    _nowait: NowaitStream | None = None
 
     async def protocol_send(self, event: Event) -> None:
         # hypercorn 0.18's, for a write: under the connection's send lock, the
@@ -311,6 +333,31 @@ class EdgeTCPServer(TCPServer):
         finally:
             self.send_lock.release()
 
+    async def write_raw(self, data: bytes) -> None:
+        """``protocol_send(RawData(data))`` for a body chunk, with nothing in
+        between when the send lock is free and the kernel takes the whole
+        write at once: nothing runs between the check and the write (no
+        ``await``), so no other write of the connection can interleave, and
+        the lock (whose acquire and release register and remove a parking
+        lot breaker in trio) is taken only for a rest the kernel did not
+        take. No hypercorn event is built per token either."""
+        stream = self._nowait
+        lock = self.send_lock
+        if stream is None or lock.locked():
+            await self.protocol_send(RawData(data=data))
+            return
+        try:
+            total = stream.write_nowait(data)
+            if total == len(data):
+                return
+            lock.acquire_nowait()
+            try:
+                await stream.send_rest_shielded(data, total)
+            finally:
+                lock.release()
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            await self.protocol.handle(Closed())
+
     async def run(self) -> None:
         # hypercorn 0.18's TCPServer.run with EdgeTaskGroup and EdgeProtocolWrapper.
         # A TLS stream (_tls.py) is the one with a handshake; its ALPN offers
@@ -328,6 +375,9 @@ class EdgeTCPServer(TCPServer):
         else:
             sock = stream.socket
             ssl = False
+            # The stall guard's stream writes without waiting (not under TLS).
+            if isinstance(stream, NowaitStream):
+                self._nowait = stream
         try:
             client = parse_socket_addr(sock.family, sock.getpeername())
             server = parse_socket_addr(sock.family, sock.getsockname())
@@ -345,6 +395,8 @@ class EdgeTCPServer(TCPServer):
                     self.protocol_send,
                 )
                 cast(EdgeTaskGroup, task_group).connection = self.protocol
+                if isinstance(self.protocol.protocol, EdgeH11Protocol):
+                    self.protocol.protocol.write_raw = self.write_raw
                 await self.protocol.initiate()
                 await self.idle_task.restart(self._task_group, self._idle_timeout)
                 await self._read_data()

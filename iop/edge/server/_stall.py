@@ -268,12 +268,26 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
         writes (a cancelled app's write still goes out whole), without a
         cancel scope (two context managers in trio) when the kernel takes
         the whole write at once: nearly every SSE write, once per token."""
-        sock = self._inner.socket
+        total = self.write_nowait(data) if data else 0
+        if total < len(data):
+            await self.send_rest_shielded(data, total)
+
+    def write_nowait(self, data: bytes | bytearray | memoryview) -> int:
+        """Write what the kernel takes of ``data`` now, without waiting; the
+        bytes written (``send_rest_shielded`` sends the rest).
+
+        Raises:
+            trio.BrokenResourceError: The connection broke.
+            trio.ClosedResourceError: The connection was closed here.
+        """
         with memoryview(data) as view:
-            total = _write_now(sock, view) if view else 0
-            if total < len(view):
-                with trio.CancelScope(shield=True):
-                    await self._wait_rest(sock, view, total)
+            return _write_now(self._inner.socket, view)
+
+    async def send_rest_shielded(self, data: bytes | bytearray | memoryview, total: int) -> None:
+        """``data[total:]``, which the kernel did not take at once, shielded."""
+        sock = self._inner.socket
+        with memoryview(data) as view, trio.CancelScope(shield=True):
+            await self._wait_rest(sock, view, total)
 
     async def _wait_rest(self, sock: trio.socket.SocketType, view: memoryview, total: int) -> None:
         """What the kernel did not take at once, its wait on the run's timeline."""
