@@ -22,6 +22,7 @@ in IOP), or the backend (``BackendError`` and its children)::
     │   └── LinkClosed              the link closed (WebSocket close code, reason)
     └── BackendError                the inference backend failed                -> 5xx / backend's status
         ├── BackendUnavailable      connection refused, DNS, connect timeout    -> 503
+        │   └── ModelLoadRefused    an on-demand model's load refused (pinned)  -> 503
         ├── BackendLost             a backend IOP started died or hung mid-run  -> 503
         ├── BackendTimeout          a transport read/write timed out            -> 504
         ├── BackendHTTPError        the backend answered non-2xx (status, body) -> backend's status
@@ -71,6 +72,7 @@ __all__ = [
     "LinkLimitError",
     "LinkProtocolError",
     "ListenError",
+    "ModelLoadRefused",
     "RequestError",
     "RunAborted",
     "backend_fails_over",
@@ -423,6 +425,23 @@ class BackendUnavailable(BackendError):
 
     code = ErrorCode.BACKEND_UNAVAILABLE
     status = 503
+
+
+class ModelLoadRefused(BackendUnavailable):
+    """A node's on-demand model may not be loaded now: models that must stay
+    are in the way (``iop.ondemand``'s ``Refused``).
+
+    Attributes:
+        pinned: The pinned models in the way when they make the refusal last
+            until an operator unpins one; empty when it passes (runs in
+            flight, ``min_residency_s``).
+    """
+
+    code = ErrorCode.MODEL_LOAD_REFUSED
+
+    def __init__(self, message: str, *, pinned: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.pinned = pinned
 
 
 class BackendLost(BackendError):

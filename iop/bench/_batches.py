@@ -43,9 +43,14 @@ import httpx
 import msgspec
 import trio
 
-from iop.bench._client import load_client
-from iop.bench._objectives import Options as _ObjectiveOptions
-from iop.bench._objectives import _arrivals, _one, _Sample
+from iop.bench._client import (
+    TimedSample,
+    load_client,
+    open_loop,
+    poisson_arrivals,
+    sim_stream_body,
+    timed_stream,
+)
 from iop.bench._procs import (
     NODE_TOKEN,
     Stack,
@@ -255,33 +260,30 @@ def _start_node(stack: Stack, opts: Options, sims: list[str], link: str, tag: st
     return node
 
 
-def _interactive(url: str, opts: Options) -> list[_Sample]:
-    # The objectives runner's client (its Options only carry the sizes).
-    shape = _ObjectiveOptions(
-        output_tokens=opts.output_tokens, client_timeout_s=opts.client_timeout_s
-    )
+def _interactive(url: str, opts: Options) -> list[TimedSample]:
+    """The interactive load beside the batch: the objectives runner's requests."""
 
-    async def drive() -> list[_Sample]:
-        plan = _arrivals(
+    async def drive() -> list[TimedSample]:
+        plan = poisson_arrivals(
             opts.capacity * opts.interactive_pct / 100,
             opts.duration_s,
             random.Random(f"{opts.seed}/i"),
         )
-        samples: list[_Sample] = []
         async with load_client(opts.client_timeout_s, keepalive=512) as client:
+
+            async def send(s: TimedSample) -> None:
+                body = sim_stream_body(MODEL, s, opts.output_tokens)
+                await timed_stream(
+                    client, url + "/v1/chat/completions", s, body, opts.client_timeout_s
+                )
+
             t0 = trio.current_time() + 0.05
-            async with trio.open_nursery() as nursery:
-                for at in plan:
-                    await trio.sleep_until(t0 + at)
-                    s = _Sample("interactive", t0 + at)
-                    samples.append(s)
-                    nursery.start_soon(_one, client, url, s, False, shape)
-        return samples
+            return await open_loop(t0, [(at, "interactive") for at in plan], send)
 
     return trio.run(drive)
 
 
-def _ttft(samples: list[_Sample]) -> dict[str, Any]:
+def _ttft(samples: list[TimedSample]) -> dict[str, Any]:
     ok = [s for s in samples if s.status == 200 and not s.error]
     ttft = [s.ttft_s for s in ok]
     return {

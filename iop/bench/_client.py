@@ -9,6 +9,10 @@ Three kinds of client, each for what it measures:
   reads one streamed chat completion into an ``Answer``.
 * ``one_request`` / ``one_completion`` (httpx): the clients of ``platform``,
   timing the first content chunk and the end of an answer.
+* ``timed_stream`` / ``open_loop`` (httpx): the open-loop load of
+  ``objectives``, ``ondemand`` and ``batches``: each streamed chat
+  completion sent at its planned time (``poisson_arrivals``) whatever is in
+  flight, its TTFT counted from that time (``TimedSample``).
 * ``slow_reader`` / ``fast_stream`` (a bare socket, ``Connection: close``):
   the backpressure runners' readers; a slow reader's receive buffer is set
   small before it connects, so that it really stops reading.
@@ -22,10 +26,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import random
 import re
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -41,6 +46,7 @@ __all__ = [
     "RawClient",
     "Sample",
     "StreamEvent",
+    "TimedSample",
     "admin_nodes",
     "chat_body",
     "decode_chunk",
@@ -49,10 +55,15 @@ __all__ = [
     "next_event",
     "one_completion",
     "one_request",
+    "open_loop",
+    "poisson_arrivals",
     "read_sse",
+    "sim_stream_body",
     "slow_reader",
     "sse_data",
     "stream_answer",
+    "stream_body",
+    "timed_stream",
     "wait_edge_idle",
 ]
 
@@ -452,6 +463,131 @@ async def one_completion(client: httpx.AsyncClient, url: str, body: bytes, expec
     if not c.choices or not c.choices[0].message.content or tokens not in (expect, expect + 1):
         return Sample(False, total, total, tokens, 1, f"{tokens} tokens (expected {expect})")
     return Sample(True, total, total, tokens, 1)
+
+
+# --------------------------------------------------------------------------- open loop
+
+
+@dataclass
+class TimedSample:
+    """One streamed chat completion of an open-loop load (``timed_stream``).
+
+    Timed from when it was *scheduled*, not sent: a load generator that falls
+    behind its plan shows in the TTFT instead of hiding it.
+
+    Attributes:
+        label: Which stream of the plan it is (a kind of request, a model).
+        scheduled: When it was due (``trio.current_time``).
+        ttft_s: ``scheduled`` to its first content chunk (nan: none came).
+        end: When its 200 stream ended (nan: it did not).
+        status: The answer's status (0: none came).
+        error: Why it failed, but for its status: an error event's code
+            (``stream error`` without one), ``no content``, the httpx
+            error's name, or ``timeout``.
+        refusal: A non-200 answer's first 200 bytes (a runner may count it
+            as its error).
+    """
+
+    label: str
+    scheduled: float
+    ttft_s: float = math.nan
+    end: float = math.nan
+    status: int = 0
+    error: str = ""
+    refusal: str = ""
+
+    def row(self, label: str, *, end: bool = True) -> dict[str, Any]:
+        """The sample as a line of its runner's ``samples-*.jsonl``: the label
+        under the runner's key (``kind``, ``model``), then the figures
+        (``end`` where the runner records it)."""
+        out: dict[str, Any] = {label: self.label, "scheduled": self.scheduled}
+        out["ttft_s"] = self.ttft_s
+        if end:
+            out["end"] = self.end
+        out["status"] = self.status
+        out["error"] = self.error
+        return out
+
+    def take(self, chunk: StreamEvent) -> None:
+        """One event of its stream: an error's code, or the first content's time."""
+        if chunk.error is not None:
+            self.error = chunk.error.code or "stream error"
+        if math.isnan(self.ttft_s) and any(c.delta.content for c in chunk.choices):
+            self.ttft_s = trio.current_time() - self.scheduled
+
+
+def stream_body(model: str, s: TimedSample, **extra: Any) -> dict[str, Any]:
+    """The body of ``s``: a streamed chat completion of ``model`` whose
+    prompt says which request it is (its label and time), with ``extra``."""
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": f"{s.label} at {s.scheduled:.6f}"}],
+        "stream": True,
+        **extra,
+    }
+
+
+def sim_stream_body(model: str, s: TimedSample, output_tokens: int) -> dict[str, Any]:
+    """``stream_body`` for a sim, ``output_tokens`` long by the sim's own knob."""
+    return stream_body(model, s, iop_sim={"output_tokens": output_tokens})
+
+
+def poisson_arrivals(rate: float, duration_s: float, rng: random.Random) -> list[float]:
+    """Seconds from the start of the requests of a Poisson process of
+    ``rate`` a second within ``duration_s`` (none at rate 0)."""
+    out: list[float] = []
+    at = rng.expovariate(rate) if rate > 0 else duration_s
+    while at < duration_s:
+        out.append(at)
+        at += rng.expovariate(rate)
+    return out
+
+
+async def timed_stream(
+    client: httpx.AsyncClient,
+    url: str,
+    s: TimedSample,
+    body: dict[str, Any],
+    timeout_s: float,
+    headers: Mapping[str, str] | None = None,
+) -> None:
+    """POST ``body`` (a streamed chat completion) to ``url`` and record how
+    it went in ``s``; ``timeout_s`` bounds the whole answer (the client's
+    own timeout, each read)."""
+    with trio.move_on_after(timeout_s) as deadline:
+        try:
+            async with client.stream("POST", url, json=body, headers=headers) as r:
+                s.status = r.status_code
+                if r.status_code != 200:
+                    s.refusal = (await r.aread())[:200].decode(errors="replace")
+                    return
+                await read_sse(r, lambda payload: s.take(decode_chunk(payload)))
+            s.end = trio.current_time()
+            if math.isnan(s.ttft_s) and not s.error:
+                s.error = "no content"
+        except httpx.HTTPError as exc:
+            s.error = type(exc).__name__
+    if deadline.cancelled_caught:
+        s.error = "timeout"
+
+
+async def open_loop(
+    t0: float,
+    plan: Iterable[tuple[float, str]],
+    send: Callable[[TimedSample], Awaitable[None]],
+) -> list[TimedSample]:
+    """``send`` a sample for each ``(seconds after t0, label)`` of ``plan``
+    (in time order) at its time, whatever is still in flight: an open loop,
+    whose arrivals do not wait for the answers. The samples, in plan order,
+    once every send has returned."""
+    samples: list[TimedSample] = []
+    async with trio.open_nursery() as nursery:
+        for at, label in plan:
+            await trio.sleep_until(t0 + at)
+            s = TimedSample(label, t0 + at)
+            samples.append(s)
+            nursery.start_soon(send, s)
+    return samples
 
 
 # --------------------------------------------------------------------------- bare sockets

@@ -54,12 +54,10 @@ overflow seats (``/admin/nodes``); and the sims' own preemptions
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -67,7 +65,14 @@ import httpx
 import msgspec
 import trio
 
-from iop.bench._client import StreamEvent, decode_chunk, load_client, read_sse
+from iop.bench._client import (
+    TimedSample,
+    load_client,
+    open_loop,
+    poisson_arrivals,
+    sim_stream_body,
+    timed_stream,
+)
 from iop.bench._procs import (
     Stack,
     process_stack,
@@ -153,88 +158,32 @@ def _smoke(opts: Options) -> Options:
     )
 
 
-@dataclass
-class _Sample:
-    kind: str  # interactive | batch
-    scheduled: float
-    ttft_s: float = math.nan
-    end: float = math.nan
-    status: int = 0
-    error: str = ""
-
-
-async def _one(
-    client: httpx.AsyncClient, url: str, s: _Sample, objective: bool, opts: Options
-) -> None:
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "user", "content": f"{s.kind} at {s.scheduled:.6f}"}],
-        "stream": True,
-        "iop_sim": {"output_tokens": opts.output_tokens},
-    }
-    headers = {"x-iop-objective": s.kind} if objective else {}
-    # httpx's timeout bounds each read; this, the whole answer.
-    with trio.move_on_after(opts.client_timeout_s) as deadline:
-        try:
-            async with client.stream(
-                "POST", url + "/v1/chat/completions", json=body, headers=headers
-            ) as r:
-                s.status = r.status_code
-                if r.status_code != 200:
-                    await r.aread()
-                    return
-                await read_sse(r, lambda payload: _take(s, decode_chunk(payload)))
-            s.end = trio.current_time()
-            if math.isnan(s.ttft_s) and not s.error:
-                s.error = "no content"
-        except httpx.HTTPError as exc:
-            s.error = type(exc).__name__
-    if deadline.cancelled_caught:
-        s.error = "timeout"
-
-
-def _take(s: _Sample, chunk: StreamEvent) -> None:
-    if chunk.error is not None:
-        s.error = chunk.error.code or "stream error"
-    if math.isnan(s.ttft_s) and any(c.delta.content for c in chunk.choices):
-        s.ttft_s = trio.current_time() - s.scheduled
-
-
-def _arrivals(rate: float, duration_s: float, rng: random.Random) -> list[float]:
-    out: list[float] = []
-    at = rng.expovariate(rate) if rate > 0 else duration_s
-    while at < duration_s:
-        out.append(at)
-        at += rng.expovariate(rate)
-    return out
-
-
-async def _drive(url: str, opts: Options, background: bool, objective: bool) -> list[_Sample]:
+async def _drive(url: str, opts: Options, background: bool, objective: bool) -> list[TimedSample]:
     cap = opts.capacity
     plan = [
         (at, "interactive")
-        for at in _arrivals(
+        for at in poisson_arrivals(
             cap * opts.interactive_pct / 100, opts.duration_s, random.Random(f"{opts.seed}/i")
         )
     ]
     if background:
         plan += [
             (at, "batch")
-            for at in _arrivals(
+            for at in poisson_arrivals(
                 cap * opts.background_pct / 100, opts.duration_s, random.Random(f"{opts.seed}/b")
             )
         ]
     plan.sort()
-    samples: list[_Sample] = []
     async with load_client(opts.client_timeout_s, keepalive=512) as client:
-        t0 = trio.current_time() + 0.05
-        async with trio.open_nursery() as nursery:
-            for at, kind in plan:
-                await trio.sleep_until(t0 + at)
-                s = _Sample(kind, t0 + at)
-                samples.append(s)
-                nursery.start_soon(_one, client, url, s, objective, opts)
-    return samples
+
+        async def send(s: TimedSample) -> None:
+            body = sim_stream_body(MODEL, s, opts.output_tokens)
+            headers = {"x-iop-objective": s.label} if objective else {}
+            await timed_stream(
+                client, url + "/v1/chat/completions", s, body, opts.client_timeout_s, headers
+            )
+
+        return await open_loop(trio.current_time() + 0.05, plan, send)
 
 
 def _start_sims(stack: Stack, opts: Options) -> list[str]:
@@ -289,10 +238,10 @@ def _engine_preemptions(sims: list[str]) -> int:
     return round(total)
 
 
-def _figures(samples: list[_Sample], duration_s: float) -> dict[str, Any]:
+def _figures(samples: list[TimedSample], duration_s: float) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for kind in ("interactive", "batch"):
-        mine = [s for s in samples if s.kind == kind]
+        mine = [s for s in samples if s.label == kind]
         if not mine:
             continue
         ok = [s for s in mine if s.status == 200 and not s.error]
@@ -345,7 +294,7 @@ def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
             phases[phase]["engine_preempted"] = _engine_preemptions(sims) - before
             with (ctx.workdir / f"samples-{tag}.jsonl").open("w") as f:
                 for s in samples:
-                    f.write(json.dumps(s.__dict__) + "\n")
+                    f.write(json.dumps(s.row("kind")) + "\n")
     return {
         "options": msgspec.to_builtins(opts),
         "capacity_per_s": round(opts.capacity, 2),

@@ -41,13 +41,14 @@ import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Final, Literal
 
 import httpx
 import msgspec
 import trio
 
-from iop.bench._client import StreamEvent, decode_chunk, load_client, read_sse
+from iop.bench._client import TimedSample, load_client, open_loop, stream_body, timed_stream
 from iop.bench._procs import Stack, process_stack, start_edge, start_node
 from iop.bench._results import pct_ms
 from iop.bench._runner import RunContext, register, tables_report
@@ -230,15 +231,6 @@ def _quantiles(values: list[float], n: int) -> list[float]:
 
 
 @dataclass
-class _Sample:
-    model: str
-    scheduled: float
-    ttft_s: float = math.nan
-    status: int = 0
-    error: str = ""
-
-
-@dataclass
 class _Memory:
     points: list[tuple[float, float]] = field(default_factory=list)
 
@@ -301,35 +293,12 @@ def _start(stack: Stack, opts: Options, mode: Mode, tag: str) -> str:
     return url
 
 
-async def _one(client: httpx.AsyncClient, url: str, s: _Sample, opts: Options) -> None:
-    body = {
-        "model": s.model,
-        "messages": [{"role": "user", "content": f"{s.model} at {s.scheduled:.6f}"}],
-        "stream": True,
-        "max_tokens": opts.output_tokens,
-    }
-    with trio.move_on_after(opts.client_timeout_s) as deadline:
-        try:
-            async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-                s.status = r.status_code
-                if r.status_code != 200:
-                    text = (await r.aread())[:200].decode(errors="replace")
-                    s.error = f"HTTP {r.status_code}: {text}"
-                    return
-                await read_sse(r, lambda payload: _take(s, decode_chunk(payload)))
-            if math.isnan(s.ttft_s) and not s.error:
-                s.error = "no content"
-        except httpx.HTTPError as exc:
-            s.error = type(exc).__name__
-    if deadline.cancelled_caught:
-        s.error = "timeout"
-
-
-def _take(s: _Sample, chunk: StreamEvent) -> None:
-    if chunk.error is not None:
-        s.error = chunk.error.code or "stream error"
-    if math.isnan(s.ttft_s) and any(c.delta.content for c in chunk.choices):
-        s.ttft_s = trio.current_time() - s.scheduled
+async def _one(client: httpx.AsyncClient, url: str, s: TimedSample, opts: Options) -> None:
+    """One request for ``s``'s model; a refusal counts as its error, with its body."""
+    body = stream_body(s.label, s, max_tokens=opts.output_tokens)
+    await timed_stream(client, url + "/v1/chat/completions", s, body, opts.client_timeout_s)
+    if s.status not in (0, 200) and not s.error:
+        s.error = f"HTTP {s.status}: {s.refusal}"
 
 
 async def _sample_memory(
@@ -344,20 +313,16 @@ async def _sample_memory(
 
 async def _drive(
     url: str, opts: Options, arrivals: list[Arrival]
-) -> tuple[list[_Sample], _Memory, float, float, str, str]:
-    samples: list[_Sample] = []
+) -> tuple[list[TimedSample], _Memory, float, float, str, str]:
     memory = _Memory()
     async with load_client(opts.client_timeout_s, keepalive=256) as client:
         before = (await client.get(url + "/metrics")).text
         async with trio.open_nursery() as sampler:
             sampler.start_soon(_sample_memory, client, url, opts.sample_s, memory)
             t0 = trio.current_time() + 0.05
-            async with trio.open_nursery() as nursery:
-                for a in arrivals:
-                    await trio.sleep_until(t0 + a.at_s)
-                    s = _Sample(a.model, t0 + a.at_s)
-                    samples.append(s)
-                    nursery.start_soon(_one, client, url, s, opts)
+            samples = await open_loop(
+                t0, [(a.at_s, a.model) for a in arrivals], partial(_one, client, url, opts=opts)
+            )
             end = trio.current_time()
             sampler.cancel_scope.cancel()
         after = (await client.get(url + "/metrics")).text
@@ -366,7 +331,7 @@ async def _drive(
 
 def _figures(
     opts: Options,
-    samples: list[_Sample],
+    samples: list[TimedSample],
     memory: _Memory,
     start: float,
     end: float,
@@ -423,7 +388,7 @@ def run(opts: Options, ctx: RunContext) -> dict[str, Any]:
         modes[mode] = _figures(opts, samples, memory, start, end, before, after)
         with (ctx.workdir / f"samples-{tag}.jsonl").open("w") as f:
             for s in samples:
-                f.write(json.dumps(s.__dict__) + "\n")
+                f.write(json.dumps(s.row("model", end=False)) + "\n")
     popularity = Counter(a.model for a in arrivals)
     return {
         "options": msgspec.to_builtins(opts),

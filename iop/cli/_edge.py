@@ -6,7 +6,7 @@ import argparse
 import logging
 from collections.abc import Container
 from functools import partial
-from typing import Any, Final
+from typing import TYPE_CHECKING, Any, Final
 
 import msgspec
 import trio
@@ -17,9 +17,11 @@ from iop._secrets import edge_secrets, register_secrets
 from iop.cli._reloader import Reloader, watch_reloads
 from iop.cli._signals import open_stop_signals
 from iop.config import EdgeConfig, load_config
-from iop.edge import EdgeCore, EdgeHandle, serve_edge
 from iop.errors import ConfigError
 from iop.runtime import settle_heap
+
+if TYPE_CHECKING:
+    from iop.edge import EdgeCore, EdgeHandle
 
 __all__ = ["add_parser", "describe_edge"]
 
@@ -166,6 +168,10 @@ def edge_reloader(args: argparse.Namespace, core: EdgeCore) -> Reloader[EdgeConf
 
 
 async def _main(cfg: EdgeConfig, args: argparse.Namespace) -> int:
+    # Imported when the command runs: building the parser (``iop --help``, the
+    # clients) loads no server (tests/cli/test_main.py).
+    from iop.edge import serve_edge
+
     # Without a file there is nothing to re-read: SIGHUP (a closed terminal) stops it.
     reload = bool(args.config)
     async with open_stop_signals(log, reload=reload) as stop, trio.open_nursery() as nursery:

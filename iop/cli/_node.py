@@ -17,7 +17,7 @@ import argparse
 import logging
 from collections.abc import Sequence
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -36,8 +36,10 @@ from iop.config import (
     load_config,
 )
 from iop.errors import ConfigError
-from iop.node import NodeAgent, open_node_agent
 from iop.runtime import settle_heap
+
+if TYPE_CHECKING:
+    from iop.node import NodeAgent
 
 __all__ = ["add_parser"]
 
@@ -160,6 +162,10 @@ def startup_line(agent: NodeAgent) -> str:
 
 
 async def _run_node(cfg: NodeConfig, path: str) -> int:
+    # Imported when the command runs: building the parser (``iop --help``, the
+    # clients) loads no server (tests/cli/test_main.py).
+    from iop.node import open_node_agent
+
     # The signals are watched before anything slow (the first probe), so an
     # early signal is not lost.
     async with (

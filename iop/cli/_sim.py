@@ -19,7 +19,6 @@ from iop._extras import Extra, require
 from iop.cli._signals import open_stop_signals
 from iop.config import SimConfig, load_config
 from iop.errors import ConfigError
-from iop.sim import SimFile, serve_sim
 
 __all__ = ["add_parser"]
 
@@ -299,6 +298,10 @@ def sim_config_from_args(args: argparse.Namespace) -> SimConfig:
     Raises:
         ConfigError: The file or a flag's value is invalid.
     """
+    # Imported when the command runs: building the parser (``iop --help``, the
+    # clients) loads no server (tests/cli/test_main.py).
+    from iop.sim import SimFile
+
     base = load_config(args.config, SimFile).sim if args.config else SimConfig()
     flags = {k: getattr(args, k) for k in _OVERRIDES if getattr(args, k) is not None}
     if "tool_call_arguments_by_tool" in flags:
@@ -341,6 +344,8 @@ def _cmd_sim(args: argparse.Namespace) -> int:
 async def _serve_until_signal(
     cfg: SimConfig, host: str, port: int, tls: tuple[str, str] | None = None
 ) -> int:
+    from iop.sim import serve_sim
+
     async with open_stop_signals(log) as stop, trio.open_nursery() as nursery:
         url = await nursery.start(
             partial(serve_sim, cfg, host, port, shutdown_trigger=stop.drain.wait, tls=tls)

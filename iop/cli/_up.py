@@ -21,7 +21,7 @@ import argparse
 import logging
 import secrets
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
@@ -42,10 +42,10 @@ from iop.config import (
     UpConfig,
     load_config,
 )
-from iop.edge import EdgeHandle, check_ports, serve_edge
-from iop.managed import llamacpp_available
-from iop.node import open_node_agent
 from iop.runtime import settle_heap
+
+if TYPE_CHECKING:
+    from iop.edge import EdgeHandle
 
 __all__ = ["add_parser"]
 
@@ -137,6 +137,10 @@ def up_config_from_args(
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
+    # Imported when the command runs: building the parser (``iop --help``, the
+    # clients) loads no server (tests/cli/test_main.py).
+    from iop.edge import check_ports
+
     cfg = up_config_from_args(args)
     # Before the model loads (seconds), not after.
     check_ports(cfg.edge)
@@ -182,6 +186,8 @@ def embedded_instances(cfg: UpConfig) -> list[InstanceConfig]:
     """The instances of ``iop up`` when its config has none: llama.cpp, or ``sim``."""
     emb = cfg.embedded
     if emb.kind == "llamacpp":
+        from iop.managed import llamacpp_available
+
         reason = llamacpp_available()
         if reason is None:
             log.info("starting llama.cpp (SmolLM2-135M-Instruct) ...")
@@ -204,6 +210,9 @@ def _served_operations(handle: EdgeHandle) -> set[str] | None:
 
 
 async def _up(cfg: UpConfig, args: argparse.Namespace) -> int:
+    from iop.edge import serve_edge
+    from iop.node import open_node_agent
+
     reload = bool(args.config)  # without a file SIGHUP (a closed terminal) stops it
     async with open_stop_signals(log, restart=True, reload=reload) as stop:
         # On-demand models are the node's backends: no embedded one beside them.

@@ -82,6 +82,7 @@ from iop.errors import (
     LinkClosed,
     LinkError,
     LinkProtocolError,
+    ModelLoadRefused,
 )
 from iop.events import CancelReason, Error
 from iop.managed import SupervisedAdapter, Supervisor, build_instance_adapter
@@ -402,7 +403,11 @@ class NodeAgent:
                 await models.wait_ready(name, models.load_timeout_s)
             except IopError as exc:
                 result = msgspec.structs.replace(
-                    result, ok=False, code=exc.code, message=self._masker.mask(exc.message)
+                    result,
+                    ok=False,
+                    code=exc.code,
+                    message=self._masker.mask(exc.message),
+                    pinned=exc.pinned if isinstance(exc, ModelLoadRefused) else (),
                 )
         log.info(
             "edge %s asked for model %s: %s",

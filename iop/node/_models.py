@@ -50,7 +50,7 @@ import trio
 from iop.adapters import HTTP_OPERATIONS, Adapter
 from iop.capabilities import Capabilities, ProbeResult, ProviderStatus, provider_detail
 from iop.config import LlamaCppModel, ModelConfig, ModelGroup, NodeSection, SimModel
-from iop.errors import BackendUnavailable, ErrorCode, InvariantError, IopError
+from iop.errors import BackendUnavailable, ErrorCode, InvariantError, IopError, ModelLoadRefused
 from iop.managed import BackendFactory, BackendState, ModelBackend, build_model_backend
 from iop.ondemand import (
     Decision,
@@ -276,9 +276,10 @@ class ModelManager:
         """Want ``name`` until it is ready (a run's lease, an edge's ``LoadModel``).
 
         Raises:
-            BackendUnavailable: Refused, failed, or not loaded in ``timeout_s``
-                (codes ``model_load_refused``, ``model_load_failed``,
-                ``model_load_timeout``).
+            ModelLoadRefused: Models that must stay are in the way (its
+                ``pinned`` names the pinned ones when that lasts).
+            BackendUnavailable: Failed, or not loaded in ``timeout_s``
+                (codes ``model_load_failed``, ``model_load_timeout``).
         """
         with trio.move_on_after(timeout_s):
             while True:
@@ -288,13 +289,10 @@ class ModelManager:
                 if isinstance(decision, Ready) and name in self._live:
                     return
                 if isinstance(decision, Refused):
-                    code = (
-                        ErrorCode.MODEL_LOAD_FAILED
-                        if decision.failed
-                        else ErrorCode.MODEL_LOAD_REFUSED
-                    )
                     log.warning("model %s: load refused: %s", name, decision.reason)
-                    raise BackendUnavailable(decision.reason, code=code)
+                    if decision.failed:
+                        raise BackendUnavailable(decision.reason, code=ErrorCode.MODEL_LOAD_FAILED)
+                    raise ModelLoadRefused(decision.reason, pinned=decision.pinned)
                 await changed.wait()
         raise BackendUnavailable(
             f"model {name} was not loaded within {timeout_s:g}s (node.model_load_timeout_s)",

@@ -34,7 +34,10 @@ A model may be unloaded (1) or evicted (2) only if no run holds it (a
 *lease*), it is not ``pinned``, it is not loading, and its last use (load
 or run) is at least ``min_residency_s`` ago; if one that must go may not, or
 no set of models that may go frees enough, the load is refused and the
-reason names each model in the way and why. Otherwise the victims go
+reason names each model in the way and why. A refusal *lasts* (``Refused.pinned``
+names the models) when pinned models alone are in the way: a group rule needs
+one gone, or the budget less the pinned models' memory is less than the
+model's; it passes otherwise (runs end, residencies run out). Otherwise the victims go
 ``UNLOADING`` and the model ``LOADING``, but its process starts only once
 the memory of every model still resident (loading, ready, draining or
 unloading) plus its own fits the budget, and the models unloaded for it
@@ -208,10 +211,13 @@ class Wait:
 @dataclass(frozen=True)
 class Refused:
     """It cannot be loaded now; ``reason`` says why. ``failed``: its last
-    load failed (the backoff); else other models are in the way."""
+    load failed (the backoff); else other models are in the way. ``pinned``:
+    the pinned models in the way when the refusal lasts until an operator
+    unpins one (module docstring); empty when it passes."""
 
     reason: str
     failed: bool = False
+    pinned: tuple[str, ...] = ()
 
 
 Decision = Ready | Wait | Refused
@@ -287,17 +293,21 @@ class ModelTable:
     def _plan(self, m: Model, now: float) -> Decision:
         victims: list[Model] = []
         blocked: list[str] = []
+        pinned: list[str] = []
         for other in self._conflicts(m):
             why = self._why_kept(other, now)
             if why:
                 blocked.append(f"{other.name} ({why})")
+                if other.pinned:
+                    pinned.append(other.name)
             else:
                 victims.append(other)
         if blocked:
             group = m.spec.group.name if m.spec.group else ""
             return Refused(
                 f"model {m.name} may not run with models of group {group!r} rules "
-                f"that cannot be unloaded now: {', '.join(blocked)}"
+                f"that cannot be unloaded now: {', '.join(blocked)}",
+                pinned=tuple(pinned),
             )
         staying = [
             o
@@ -318,10 +328,13 @@ class ModelTable:
                 free += o.spec.memory_mib
             if need > free:
                 kept = [f"{o.name} ({self._why_kept(o, now)})" for o in staying if o not in victims]
+                pins = [o for o in staying if o.pinned]
+                lasting = need > self.budget_mib - sum(o.spec.memory_mib for o in pins)
                 return Refused(
                     f"model {m.name} needs {need} MiB of node.memory_mib {self.budget_mib}; "
                     f"{max(0, free)} MiB can be freed, the rest is held by: "
-                    f"{', '.join(kept) or 'nothing'}"
+                    f"{', '.join(kept) or 'nothing'}",
+                    pinned=tuple(o.name for o in pins) if lasting else (),
                 )
         for v in victims:
             v.evictions += 1

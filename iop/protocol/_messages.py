@@ -151,13 +151,21 @@ class ModelOffer(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 class ModelLoadResult(_Msg, frozen=True, kw_only=True, tag="model_load"):
     """The answer to ``LoadModel``: ``ok`` once the model is ready, or why not
     (``code``: ``model_load_failed``, ``model_load_refused``,
-    ``model_load_timeout``, ``unknown_instance``, ``node_draining``)."""
+    ``model_load_timeout``, ``unknown_instance``, ``node_draining``).
+
+    ``pinned``, with ``model_load_refused``: the pinned models in the way of
+    a refusal that lasts until an operator unpins one (pinned models alone
+    leave no room, or a group rule needs one gone). Empty: a refusal that
+    passes (runs in flight, ``min_residency_s``), or an older node's, which
+    an edge reads as one that passes; an older edge ignores the field.
+    """
 
     request_id: str
     model: str
     ok: bool
     code: str = ""
     message: str = ""
+    pinned: tuple[str, ...] = ()
 
 
 class ModelControlResult(_Msg, frozen=True, kw_only=True, tag="model_control", omit_defaults=True):

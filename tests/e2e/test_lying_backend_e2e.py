@@ -13,6 +13,10 @@ lies:
 * its answers report -5 or 2**64 - 1 output tokens: the edge, which counts
   them (``/metrics``, the usage ledger), keeps serving and writes every
   run.
+
+The tests share one edge and node (``lied_to``): each checks what one lie
+does, and the checks of the stack (no crash, no error line) cover the lies
+of the tests before it too.
 """
 
 from __future__ import annotations
@@ -89,7 +93,7 @@ class _Liar(BaseHTTPRequestHandler):
         self._send(body.encode(), "text/event-stream")
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def liar() -> Iterator[str]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Liar)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -129,6 +133,18 @@ def _start(procs: Procs, sim: Sim, liar: str, ledger: Path | None = None) -> Edg
     return edge
 
 
+@pytest.fixture(scope="module")
+def lied_to(
+    sim: Sim, liar: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Procs, Edge]]:
+    """The module's edge, with prices and a usage ledger, and its node."""
+    procs = Procs(tmp_path_factory.mktemp("lying"))
+    try:
+        yield procs, _start(procs, sim, liar, tmp_path_factory.mktemp("ledger"))
+    finally:
+        procs.stop_all()
+
+
 def _story(client: openai.OpenAI) -> openai.Stream[Any]:
     return client.chat.completions.create(
         model=MODEL,
@@ -138,8 +154,8 @@ def _story(client: openai.OpenAI) -> openai.Stream[Any]:
     )
 
 
-def test_absurd_kv_events_do_not_cut_the_link(procs: Procs, sim: Sim, liar: str) -> None:
-    edge = _start(procs, sim, liar)
+def test_absurd_kv_events_do_not_cut_the_link(lied_to: tuple[Procs, Edge]) -> None:
+    procs, edge = lied_to
     with (
         edge.openai() as client,
         _story(client) as stream,
@@ -154,8 +170,8 @@ def test_absurd_kv_events_do_not_cut_the_link(procs: Procs, sim: Sim, liar: str)
     assert "crashed" not in procs._owned[-1].stderr()
 
 
-def test_usage_past_64_bits_ends_that_run_alone(procs: Procs, sim: Sim, liar: str) -> None:
-    edge = _start(procs, sim, liar)
+def test_usage_past_64_bits_ends_that_run_alone(lied_to: tuple[Procs, Edge], sim: Sim) -> None:
+    procs, edge = lied_to
     with edge.openai() as client, _story(client) as stream:
         sim.wait_open()
         with pytest.raises(openai.APIStatusError) as refused:
@@ -180,9 +196,9 @@ def test_usage_past_64_bits_ends_that_run_alone(procs: Procs, sim: Sim, liar: st
 
 @pytest.mark.parametrize("usage", ["negative", "past-int64"])
 def test_absurd_usage_is_answered_and_the_edge_keeps_serving(
-    procs: Procs, sim: Sim, liar: str, tmp_path: Path, usage: str
+    lied_to: tuple[Procs, Edge], usage: str
 ) -> None:
-    edge = _start(procs, sim, liar, tmp_path)
+    _, edge = lied_to
     with edge.openai() as client:
         for streamed in (False, True):
             answer = client.chat.completions.create(

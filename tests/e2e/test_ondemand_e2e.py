@@ -62,9 +62,10 @@ def start_model_node(
     *,
     memory_mib: int = 100,
     node_id: str = "n1",
+    groups: list[dict[str, Any]] | None = None,
 ) -> Node:
     """``iop node`` with only on-demand ``models`` (no instance), dialling ``edges``."""
-    config = {
+    config: dict[str, Any] = {
         "node": {
             "id": node_id,
             "memory_mib": memory_mib,
@@ -75,6 +76,8 @@ def start_model_node(
         },
         "models": models,
     }
+    if groups:
+        config["model_groups"] = groups
     path = procs.log_dir / f"{node_id}.toml"
     path.write_text(toml_dumps(config))
     proc = Proc(node_id, ["node", "--config", str(path)], procs.log_dir)
@@ -364,6 +367,42 @@ def test_a_swap_inside_min_residency_is_refused_and_the_request_waits_then_times
     assert loads(node) == ["a"]  # b never loaded, a never unloaded
     assert "model a: unloading" not in node.proc.stderr()
     # a still serves.
+    assert client.chat.completions.create(model="a", messages=MESSAGES, max_tokens=4).choices
+
+
+def test_a_load_only_an_unpin_would_allow_is_refused_at_once(procs: Procs) -> None:
+    """Pinned a is in the way of b (their group swaps) and of c (a's memory
+    leaves too little): each request ends at once, 503 ``model_load_refused``
+    with Retry-After, naming the pinned model and the node, instead of
+    waiting ``scheduler.model_load_wait_s`` for an unpin. b's refusal is the
+    node's answer on the link; c's the edge's reading of the node's offers,
+    so the node is not asked."""
+    edge = procs.edge(
+        {**EDGE_CONFIG, "scheduler": {"model_load_backoff_s": 30.0, "model_load_wait_s": 60.0}}
+    )
+    node = start_model_node(
+        procs,
+        [edge],
+        [sim_model("a", pinned=True), sim_model("b"), sim_model("c", memory_mib=60)],
+        groups=[{"name": "g", "members": ["a", "b"]}],
+    )
+    edge.wait_ready("c")
+    client = edge.openai()
+    for model in ("b", "c"):
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4)
+        err = refused.value
+        assert err.status_code == 503
+        assert err.response.headers["retry-after"] == "30"
+        body = err.response.json()["error"]
+        assert body["code"] == "model_load_refused", body
+        assert f"model {model!r}" in body["message"]
+        assert "node n1: pinned model a in the way" in body["message"]
+    stderr = node.proc.stderr()
+    assert "asked for model b: model_load_refused" in stderr
+    assert "asked for model c" not in stderr
+    assert loads(node) == ["a"]
+    # a serves on.
     assert client.chat.completions.create(model="a", messages=MESSAGES, max_tokens=4).choices
 
 

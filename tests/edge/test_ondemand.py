@@ -98,7 +98,14 @@ class ModelNode(FakeNode):
         self.session.capabilities(caps, list(self.offers.values()))
         await self.flush()
 
-    async def answer(self, n: int, ok: bool = True, code: str = "", message: str = "") -> None:
+    async def answer(
+        self,
+        n: int,
+        ok: bool = True,
+        code: str = "",
+        message: str = "",
+        pinned: tuple[str, ...] = (),
+    ) -> None:
         """Answer the ``n``-th ``LoadModel``."""
         request = self.loads[n].request
         self.session.model_load_result(
@@ -108,6 +115,7 @@ class ModelNode(FakeNode):
                 ok=ok,
                 code=code,
                 message=message,
+                pinned=pinned,
             )
         )
         await self.flush()
@@ -265,6 +273,85 @@ async def test_a_refused_load_waits_and_asks_again_after_the_backoff(
         await node.models(a="cold", b="ready")
         await node.answer(1)
         await serve_one(node, "r1")
+        assert (await drain_events(run))[-1] == Complete()
+
+
+async def test_a_refusal_that_lasts_until_an_unpin_ends_the_runs_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # The node refuses b: pinned a is in the way (its group's rule). No other
+    # node may load b, so the runs end now, 503 model_load_refused naming
+    # the pinned model and the node, not at model_load_wait_s.
+    async with edge(od_config(model_load_wait_s=60.0, model_load_backoff_s=5.0)) as (
+        core,
+        nursery,
+    ):
+        node = await join(core, nursery, "n1", [offer("a", "ready", pinned=True), offer("b")], 200)
+        began = trio.current_time()  # relative: as in the test below
+        runs = [core.start_run(spec("b", f"r{i}")) for i in range(2)]
+        await trio.testing.wait_all_tasks_blocked()
+        assert [ev.request.model for ev in node.loads] == ["b"]
+        refusal = "model b may not run with models of group 'g' rules ...: a (pinned)"
+        await node.answer(
+            0, ok=False, code=ErrorCode.MODEL_LOAD_REFUSED, message=refusal, pinned=("a",)
+        )
+        for run in runs:
+            (end,) = await drain_events(run)
+            assert isinstance(end, Error)
+            assert (end.status, end.code) == (503, ErrorCode.MODEL_LOAD_REFUSED)
+            assert "'b'" in end.message
+            assert "node n1" in end.message
+            assert "pinned model a" in end.message
+        assert trio.current_time() - began == pytest.approx(0.0, abs=0.1)
+        assert core.scheduler.exits[QueueExit.LOAD_FAILED] == 2
+        # Within the backoff: refused up front, the node not asked again.
+        with pytest.raises(IopError) as refused:
+            core.start_run(spec("b", "r9"))
+        assert (refused.value.status, refused.value.code) == (503, ErrorCode.MODEL_LOAD_REFUSED)
+        assert len(node.loads) == 1
+
+
+async def test_pinned_models_that_leave_no_room_refuse_the_run_without_asking(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # By the node's offers alone: pinned a holds 60 of 100, b needs 60. The
+    # node is not asked (it would refuse); the run ends now, naming a.
+    async with edge(od_config(model_load_wait_s=60.0)) as (core, nursery):
+        node = await join(core, nursery, "n1", [offer("a", "ready", pinned=True), offer("b")], 100)
+        with pytest.raises(IopError) as refused:
+            core.start_run(spec("b"))
+        assert (refused.value.status, refused.value.code) == (503, ErrorCode.MODEL_LOAD_REFUSED)
+        assert "pinned model a" in refused.value.message
+        assert "node n1" in refused.value.message
+        assert node.loads == []
+        # Unpinned (the node's offer says so): b's load is asked for.
+        node.offers["a"] = offer("a", "ready")
+        await node.models()
+        run = core.start_run(spec("b", "r2"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert [ev.request.model for ev in node.loads] == ["b"]
+        run.cancel(CancelReason.EXPLICIT)
+
+
+async def test_a_lasting_refusal_waits_while_another_node_may_load_it_later(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    # n1 refuses for pinned a; n2 has no room only while its run on c lasts:
+    # the run waits for n2, as for any refusal that passes.
+    async with edge(od_config(model_load_wait_s=60.0)) as (core, nursery):
+        n1 = await join(core, nursery, "n1", [offer("a", "ready", pinned=True), offer("b")], 200)
+        n2 = await join(core, nursery, "n2", [offer("b"), offer("c", "ready", runs=1)], 100)
+        run = core.start_run(spec("b"))
+        await trio.testing.wait_all_tasks_blocked()
+        assert [ev.request.model for ev in n1.loads] == ["b"]
+        await n1.answer(0, ok=False, code=ErrorCode.MODEL_LOAD_REFUSED, message="a", pinned=("a",))
+        assert run.outcome is None
+        n2.offers["c"] = offer("c", "ready")  # its run ended
+        await n2.models()
+        assert [ev.request.model for ev in n2.loads] == ["b"]
+        await n2.models(b="ready")
+        await n2.answer(0)
+        await serve_one(n2, "r1")
         assert (await drain_events(run))[-1] == Complete()
 
 

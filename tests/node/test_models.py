@@ -300,6 +300,56 @@ async def test_the_edge_hears_a_load_past_the_deadline_as_a_timeout(
         nursery.cancel_scope.cancel()
 
 
+async def test_the_edge_hears_whether_a_refusal_lasts_until_a_model_is_unpinned(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A load refused because pinned models alone leave no room lasts until an
+    operator unpins one: the answer names them (``pinned``), and the edge
+    answers its runs at once. One refused for a model inside its
+    ``min_residency_s`` passes: no names, the edge waits and asks again."""
+    cfg = NodeConfig(
+        node=section(memory_mib=100),
+        models=[
+            model("a", memory_mib=60, pinned=True),
+            model("b", memory_mib=60),
+            model("q", memory_mib=30, min_residency_s=600.0),
+            model("r", memory_mib=30),
+        ],
+    )
+    async with open_node_agent(cfg) as agent, trio.open_nursery() as nursery:
+        edge = await link(nursery, agent)
+        answers: dict[str, ModelLoadResult] = {}
+        receive = edge.session.receive
+
+        def recording(frame: bytes, now: float) -> list[EdgeLinkEvent]:
+            events = receive(frame, now)
+            answers.update(
+                (e.result.request_id, e.result) for e in events if isinstance(e, ModelLoadAnswered)
+            )
+            return events
+
+        edge.session.receive = recording  # type: ignore[method-assign]
+        for request_id, name in [("q1", "a"), ("q2", "q")]:
+            edge.session.load_model(request_id, name)
+            await edge.flush()
+            while request_id not in answers:
+                await edge.progress.wait()
+            assert answers[request_id].ok
+        edge.session.load_model("q3", "b")
+        edge.session.load_model("q4", "r")
+        await edge.flush()
+        while len(answers) < 4:
+            await edge.progress.wait()
+        lasting, passing = answers["q3"], answers["q4"]
+        assert (lasting.ok, lasting.code) == (False, ErrorCode.MODEL_LOAD_REFUSED)
+        assert lasting.pinned == ("a",)
+        assert "a (pinned)" in lasting.message
+        assert (passing.ok, passing.code) == (False, ErrorCode.MODEL_LOAD_REFUSED)
+        assert passing.pinned == ()
+        assert "min_residency_s" in passing.message
+        nursery.cancel_scope.cancel()
+
+
 async def test_load_model_to_a_node_that_offers_no_models_breaks_the_protocol(
     autojump_clock: trio.abc.Clock,
 ) -> None:

@@ -135,16 +135,16 @@ def test_a_load_that_does_not_fit_evicts_the_least_recently_used_idle_model() ->
 
 
 @pytest.mark.parametrize(
-    ("spec_a", "hold", "why"),
+    ("spec_a", "hold", "why", "pinned"),
     [
-        (ModelSpec("a", 60, pinned=True), False, "a (pinned)"),
-        (ModelSpec("a", 60), True, "a (1 run in flight)"),
-        (ModelSpec("a", 60, min_residency_s=30), False, "a (used 10s ago, min_residency_s 30)"),
+        (ModelSpec("a", 60, pinned=True), False, "a (pinned)", ("a",)),
+        (ModelSpec("a", 60), True, "a (1 run in flight)", ()),
+        (ModelSpec("a", 60, min_residency_s=30), False, "a (used 10s ago, min_residency_s 30)", ()),
     ],
     ids=["pinned", "runs in flight", "min residency"],
 )
 def test_a_load_that_needs_a_model_that_must_stay_is_refused_naming_it(
-    spec_a: ModelSpec, hold: bool, why: str
+    spec_a: ModelSpec, hold: bool, why: str, pinned: tuple[str, ...]
 ) -> None:
     t = table(spec_a, ModelSpec("b", 60))
     load(t, "a", 0.0)
@@ -154,10 +154,43 @@ def test_a_load_that_needs_a_model_that_must_stay_is_refused_naming_it(
     assert isinstance(decision, Refused)
     assert not decision.failed
     assert why in decision.reason
+    # Only a pinned model makes the refusal last (until an operator unpins it).
+    assert decision.pinned == pinned
     assert "needs 60 MiB of node.memory_mib 100" in decision.reason
     assert t.actions() == []
     assert t.models["a"].state is S.READY
     assert t.models["b"].state is S.COLD
+
+
+def test_a_refusal_is_lasting_only_when_the_pinned_models_alone_leave_no_room() -> None:
+    # p (pinned, 30) and q (min residency, 30) hold 60 of 100. b (50) would
+    # fit once q goes: the refusal passes with q's residency. c (80) does
+    # not fit beside p whatever goes: it lasts until p is unpinned.
+    t = table(
+        ModelSpec("p", 30, pinned=True),
+        ModelSpec("q", 30, min_residency_s=30),
+        ModelSpec("b", 50),
+        ModelSpec("c", 80),
+    )
+    load(t, "p", 0.0)
+    load(t, "q", 0.0)
+    passing = t.want("b", 10.0)
+    assert isinstance(passing, Refused)
+    assert passing.pinned == ()
+    lasting = t.want("c", 10.0)
+    assert isinstance(lasting, Refused)
+    assert lasting.pinned == ("p",)
+    assert "p (pinned)" in lasting.reason
+
+
+def test_a_group_rule_that_needs_a_pinned_model_gone_is_a_lasting_refusal() -> None:
+    g = GroupSpec("g")
+    t = table(ModelSpec("a", 10, group=g, pinned=True), ModelSpec("b", 10, group=g))
+    load(t, "a", 0.0)
+    refused = t.want("b", 1.0)
+    assert isinstance(refused, Refused)
+    assert refused.pinned == ("a",)
+    assert "a (pinned)" in refused.reason
 
 
 def test_past_min_residency_the_model_may_be_evicted() -> None:

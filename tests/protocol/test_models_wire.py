@@ -162,3 +162,31 @@ def test_an_older_edge_reads_an_offer_with_counters() -> None:
     # and a new edge reads an old offer's missing counters as 0
     new = msgspec.msgpack.decode(msgspec.msgpack.encode(old), type=ModelOffer)
     assert (new.loads, new.evictions, new.cold_starts, new.loading_s) == (0, 0, 0, 0.0)
+
+
+class OldModelLoadResult(msgspec.Struct, tag_field="t", tag="model_load"):
+    """The load answer an edge from before ``pinned`` decodes."""
+
+    request_id: str
+    model: str
+    ok: bool
+    code: str = ""
+    message: str = ""
+
+
+def test_a_refusal_naming_pinned_models_reads_as_a_refusal_to_an_older_edge() -> None:
+    result = ModelLoadResult(
+        request_id="q1", model="b", ok=False, code="model_load_refused", message="no", pinned=("a",)
+    )
+    old = msgspec.msgpack.decode(encode(result), type=OldModelLoadResult)
+    assert (old.ok, old.code, old.message) == (False, "model_load_refused", "no")
+
+
+def test_an_older_nodes_refusal_reads_as_one_that_passes() -> None:
+    edge, node = open_pair()
+    edge.load_model("q1", "b")
+    to_node(edge, node)
+    old = OldModelLoadResult(request_id="q1", model="b", ok=False, code="model_load_refused")
+    [answered] = edge.receive(encode_batch([msgspec.msgpack.encode(old)]), 0.0)
+    assert isinstance(answered, ModelLoadAnswered)
+    assert answered.result.pinned == ()

@@ -27,9 +27,17 @@ queue (``Scheduler.acquire``) while one node loads it:
    and the waiters try another node that offers it; with none left, a
    failed load ends them 503 ``model_load_failed`` naming the model, the
    node and the reason, and a refused one (the node would have to evict a
-   model inside its ``min_residency_s``, or a pinned one) lets them wait and
-   ask again when the backoff ends, so two edges never make a node swap
+   model inside its ``min_residency_s``, or one a run holds) lets them wait
+   and ask again when the backoff ends, so two edges never make a node swap
    models back and forth.
+4. A refusal that lasts until an operator unpins a model: the node's answer
+   names the pinned models in the way (``ModelLoadResult.pinned``), or the
+   edge sees by the node's offers that its pinned models alone leave no room
+   (``pinned_in_way``; it then asks nothing). When every node that offers
+   the model failed or refuses so, its waiters (and new runs) end at once,
+   503 ``model_load_refused`` naming the pinned models and the nodes; while
+   one node may still load it, they wait. An older node names none: its
+   refusals read as ones that pass.
 
 A waiter waits at most ``scheduler.model_load_wait_s`` (or its TTFT deadline
 if shorter), then ends 503 ``model_load_timeout`` with the last refusal.
@@ -49,7 +57,15 @@ from iop.protocol import ModelLoadResult, ModelOffer
 if TYPE_CHECKING:
     from iop.edge.runs._nodes import InstanceState, NodeConnection
 
-__all__ = ["FAILED_CODES", "Load", "LoadChoice", "ModelLoads", "choose_load", "load_rank"]
+__all__ = [
+    "FAILED_CODES",
+    "Load",
+    "LoadChoice",
+    "ModelLoads",
+    "choose_load",
+    "load_rank",
+    "pinned_in_way",
+]
 
 # States whose process holds (or is about to hold) its memory on the node
 # (``iop.ondemand._table``, ``_HOLDING``).
@@ -105,6 +121,24 @@ def load_rank(conn: NodeConnection, offer: ModelOffer) -> tuple[int, str] | None
     return None
 
 
+def pinned_in_way(conn: NodeConnection, offer: ModelOffer) -> tuple[str, ...]:
+    """The pinned models of ``conn`` that alone leave no room for ``offer``'s
+    model (its budget less their memory is less than the model's), by the
+    node's offers: empty when it may load it once runs end and idle models
+    go, or is loading it, or offered no budget."""
+    budget = conn.memory_mib
+    if offer.state == "loading" or budget <= 0:
+        return ()
+    pins = [
+        other
+        for _, other in conn.offers()
+        if other.model != offer.model and other.pinned and other.state in _HOLDING
+    ]
+    if offer.memory_mib <= budget - sum(o.memory_mib for o in pins):
+        return ()
+    return tuple(o.model for o in pins)
+
+
 def choose_load(
     candidates: Iterable[tuple[NodeConnection, InstanceState]],
 ) -> tuple[LoadChoice | None, list[str]]:
@@ -135,6 +169,8 @@ class _Backoff:
     until: float
     code: str
     message: str
+    # A refusal's pinned models, when it lasts until one is unpinned.
+    pinned: tuple[str, ...] = ()
 
 
 @dataclass(eq=False)
@@ -207,7 +243,8 @@ class ModelLoads:
             self._backoff.pop(key, None)
         else:
             self.failed += 1
-            self._backoff[key] = _Backoff(now + backoff_s, result.code, result.message)
+            pinned = result.pinned if result.code == ErrorCode.MODEL_LOAD_REFUSED else ()
+            self._backoff[key] = _Backoff(now + backoff_s, result.code, result.message, pinned)
         return load
 
     def forget_link(self, conn: NodeConnection) -> list[Load]:

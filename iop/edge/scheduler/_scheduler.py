@@ -84,7 +84,7 @@ import trio
 
 from iop.config import SchedulerSettings
 from iop.edge.scheduler._leases import Lease
-from iop.edge.scheduler._ondemand import FAILED_CODES, ModelLoads, choose_load
+from iop.edge.scheduler._ondemand import FAILED_CODES, ModelLoads, choose_load, pinned_in_way
 from iop.edge.scheduler._placement import Placement
 from iop.edge.scheduler._prefix import PrefixIndex
 from iop.edge.scheduler._queue import (
@@ -225,15 +225,34 @@ class Scheduler:
         )
 
     def _load_failure(self, model: str, exclude: Excluded, operation: str) -> IopError | None:
-        """The 503 for a run of ``model`` when every node that offers it failed
-        to load it lately (the edge backs off from each), else None."""
+        """The 503 for a run of ``model`` when no node that offers it may load
+        it soon: each failed to lately (the edge backs off from it), or has
+        pinned models in the way (its refusal, or its offers), else None."""
         now = trio.current_time()
         failures = []
+        refusals = []
         for conn, inst in self.offered(model, exclude, operation):
             backoff = self.loads.backing_off(conn.node_id, inst.caps.instance, now)
-            if backoff is None or backoff.code not in FAILED_CODES:
+            if backoff is not None and backoff.code in FAILED_CODES:
+                failures.append(f"node {conn.node_id}: {backoff.message}")
+                continue
+            assert inst.offer is not None  # offered
+            pinned = pinned_in_way(conn, inst.offer) if backoff is None else backoff.pinned
+            if not pinned:
                 return None
-            failures.append(f"node {conn.node_id}: {backoff.message}")
+            names = ", ".join(pinned)
+            why = f" ({backoff.message})" if backoff is not None else ""
+            refusals.append(
+                f"node {conn.node_id}: pinned model{'s' if len(pinned) > 1 else ''} "
+                f"{names} in the way{why}"
+            )
+        if refusals:
+            return IopError(
+                f"model {model!r} cannot be loaded on any node that offers it until an "
+                f"operator unpins a model: {'; '.join([*refusals, *failures])}",
+                status=503,
+                code=ErrorCode.MODEL_LOAD_REFUSED,
+            )
         if not failures:
             return None
         return IopError(
@@ -319,8 +338,9 @@ class Scheduler:
     def _reconsider(self, waiter: _Waiter) -> None:
         """A waiter whose model is not loaded and whose load is not on its
         way: ask a node to load it; else, when every node that offers it
-        failed to, end it (503); else (refused, or no room) it waits and asks
-        again when a backoff ends or a node's models change."""
+        failed to, or has pinned models in the way, end it (503); else
+        (refused, or no room for now) it waits and asks again when a backoff
+        ends or a node's models change."""
         if not self.needs_load(waiter.model, waiter.exclude, waiter.operation):
             return  # loaded (a slot is what it waits for now), or no longer offered
         if self._start_load(waiter):
@@ -438,7 +458,9 @@ class Scheduler:
         or too far behind (see the module's docstring).
 
         Raises:
-            IopError: 429 ``queue_full`` (the HTTP layer adds Retry-After).
+            IopError: 429 ``queue_full`` (the HTTP layer adds Retry-After);
+                503 ``model_load_failed`` or ``model_load_refused`` when no
+                node that offers the model may load it soon.
         """
         if self.needs_load(model, frozenset(), operation):
             failure = self._load_failure(model, frozenset(), operation)
@@ -573,7 +595,9 @@ class Scheduler:
 
         Raises:
             IopError: 429 when the queue is full or too far behind; 503
-                ``model_load_failed`` or ``model_load_timeout``.
+                ``model_load_failed``, ``model_load_refused`` (pinned models
+                in the way on every node that offers it) or
+                ``model_load_timeout``.
             RunAborted: ``queue_timeout`` when no slot came in time.
         """
         ahead = self._queued
