@@ -60,7 +60,10 @@ not) is unchanged. A response whose stream is not httpcore's HTTP/1.1 one
 (``tests/adapters/test_pool.py`` pins the attributes read).
 
 The socket (``_SocketStream``) is trio's, without a cancel scope per read
-when there is no read timeout (the node's case), and it sends the request
+when there is no read timeout (the node's case); over plain TCP such a read
+waits until the socket is readable and then reads once (trio's ``recv``
+tries first, and a paced backend's next token is never there yet: a failed
+system call per token), and it sends the request
 head together with the body: httpcore writes them as two ``send`` calls (two
 TCP segments, two wakeups of the backend); a head up to ``HEAD_MAX_BYTES`` is
 held until the next write or read and then goes out with it.
@@ -88,6 +91,7 @@ what tells the backend to stop. Every such close ends in
 from __future__ import annotations
 
 import logging
+import os
 import ssl
 import time
 from collections import deque
@@ -142,6 +146,9 @@ class _SocketStream(httpcore.AsyncNetworkStream):
 
     def __init__(self, stream: trio.SocketStream | trio.SSLStream[trio.SocketStream]) -> None:
         self._stream = stream
+        # Plain TCP is read by waiting, then one read (``read``); TLS through
+        # trio's stream, which owns the TLS state.
+        self._plain = stream.socket if isinstance(stream, trio.SocketStream) else None
         self._held: bytes | None = None  # a small write not sent yet (module docstring)
         # The server answered while a large write was still going out: it may
         # not have taken the body in full (module docstring, "early answer").
@@ -150,6 +157,8 @@ class _SocketStream(httpcore.AsyncNetworkStream):
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
         if self._held is not None:
             await self._send(b"", None)
+        if timeout is None and self._plain is not None:
+            return await self._wait_and_read(self._plain, max_bytes)
         try:
             if timeout is None:
                 return bytes(await self._stream.receive_some(max_bytes))
@@ -159,6 +168,29 @@ class _SocketStream(httpcore.AsyncNetworkStream):
             raise httpcore.ReadTimeout(str(exc)) from exc
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise httpcore.ReadError(str(exc)) from exc
+
+    async def _wait_and_read(self, sock: trio.socket.SocketType, max_bytes: int) -> bytes:
+        """Wait until the socket is readable, then read once.
+
+        trio's ``recv`` tries first, and a paced backend's next token is
+        never there yet: a read failing with EAGAIN under two context
+        managers per token, before the wait and the read. Waiting first
+        costs one schedule point per read whether or not data was there.
+        """
+        while True:
+            try:
+                await trio.lowlevel.wait_readable(sock)
+            except trio.ClosedResourceError as exc:  # closed while we waited
+                raise httpcore.ReadError(str(exc)) from exc
+            fd = sock.fileno()
+            if fd < 0:
+                raise httpcore.ReadError("the connection was closed")
+            try:
+                return os.read(fd, max_bytes)
+            except BlockingIOError:
+                continue  # woken for nothing (another reader's data): wait again
+            except OSError as exc:  # worded as trio's (its BrokenResourceError)
+                raise httpcore.ReadError(f"socket connection broken: {exc}") from exc
 
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109
         if not buffer:

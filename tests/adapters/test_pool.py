@@ -13,6 +13,7 @@ import gc
 import gzip
 import math
 import ssl
+import sys
 import warnings
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -712,3 +713,33 @@ async def test_a_traced_request_is_read_through_httpcores_body() -> None:
             assert "http11.receive_response_body.started" in seen
             assert pool.idle_connections == 1
         nursery.cancel_scope.cancel()
+
+
+async def test_a_read_that_waits_for_its_data_makes_one_read_system_call() -> None:
+    # A paced backend's next token is never there yet when the node reads:
+    # trio's socket ``recv`` first tries (a system call failing with EAGAIN,
+    # under two context managers), then waits, then reads again. The pool's
+    # socket waits first, then reads once.
+    a, b = trio.socket.socketpair()
+    reads: list[str] = []
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        if event == "c_call" and getattr(arg, "__name__", "") in ("recv", "recv_into", "read"):
+            reads.append(getattr(arg, "__name__", ""))
+
+    async def answer_later() -> None:
+        await trio.testing.wait_all_tasks_blocked()
+        await b.send(b"data: token\n\n")
+
+    with a, b:
+        stream = _SocketStream(trio.SocketStream(a))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer_later)
+            sys.setprofile(profile)
+            try:
+                with trio.fail_after(NOTICE_S):
+                    data = await stream.read(1024)
+            finally:
+                sys.setprofile(None)
+    assert data == b"data: token\n\n"
+    assert len(reads) == 1, reads
