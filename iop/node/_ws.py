@@ -289,6 +289,8 @@ class WebSocketFrameChannel:
                         await self._await_close()
         finally:
             self._stream_closed = True
+            if self._ended is not None:
+                log.debug("%s", self._ended.message)
             # A cancelled aclose still releases the socket (trio's AsyncResource).
             await self._stream.aclose()
 
@@ -451,6 +453,7 @@ async def open_ws_link(
             )
         raise _rejected(url, answer)
     assert stream is not None
+    log.debug("link to %s: WebSocket open", url)
     frames = ClientFrames(max_message_size)
     frames.receive_data(answer.rest)
     chan = WebSocketFrameChannel(stream, frames, url)
