@@ -24,6 +24,9 @@ OPERATIONS = {
     "h11 chunk read",
     "chat chunk parse",
     "wsproto frame",
+    "chunked decoder read",
+    "node link frame",
+    "node link send (writable)",
     "msgspec batch",
 }
 

@@ -52,15 +52,25 @@ each HTTP chunk (each of a backend's SSE events: the sim and vLLM write one
 per token) through two async generators, an exception map (a ``contextlib``
 context manager) around each of h11's events and a ``bytes`` copy, and a
 node paid it per token. Here one ``__anext__`` returns everything one
-socket read completed, in one piece; h11 still parses the framing, so the
-connection's state is httpcore's own and its response close (keep-alive or
-not) is unchanged. A response whose stream is not httpcore's HTTP/1.1 one
+socket read completed, in one piece. A chunked body's framing is h11's
+until h11 stands between two chunks with nothing left unparsed (at once,
+for a head that came alone or with whole chunks), then the node's own
+decoder's (``iop.wire.ChunkedDecoder``, checked against h11 with
+hypothesis): h11 paid an event, a state-machine step and two
+``next_event`` calls per chunk, and an engine writes one token per chunk.
+At the last chunk h11 is given ``0\r\n`` and what followed, so the
+trailer section, the end of the message and the connection's state
+(keep-alive or not) are h11's and httpcore's as before; an end of stream
+between chunks is h11's error too. A response whose stream is not httpcore's HTTP/1.1 one
 (``_direct_body``: another httpcore, a request traced through httpcore's
 ``trace`` extension) is read through httpcore's iterator as before
 (``tests/adapters/test_pool.py`` pins the attributes read).
 
 The socket (``_SocketStream``) is trio's, without a cancel scope per read
-when there is no read timeout (the node's case), and it sends the request
+when there is no read timeout (the node's case); over plain TCP such a read
+waits until the socket is readable and then reads once (trio's ``recv``
+tries first, and a paced backend's next token is never there yet: a failed
+system call per token), and it sends the request
 head together with the body: httpcore writes them as two ``send`` calls (two
 TCP segments, two wakeups of the backend); a head up to ``HEAD_MAX_BYTES`` is
 held until the next write or read and then goes out with it.
@@ -88,6 +98,7 @@ what tells the backend to stop. Every such close ends in
 from __future__ import annotations
 
 import logging
+import os
 import ssl
 import time
 from collections import deque
@@ -98,6 +109,8 @@ import h11
 import httpcore
 import httpx
 import trio
+
+from iop.wire import ChunkedDecoder, ChunkedError
 
 __all__ = ["CLOSE_TIMEOUT_S", "HEAD_MAX_BYTES", "KEEPALIVE_EXPIRY_S", "KeepAliveTransport"]
 
@@ -142,6 +155,9 @@ class _SocketStream(httpcore.AsyncNetworkStream):
 
     def __init__(self, stream: trio.SocketStream | trio.SSLStream[trio.SocketStream]) -> None:
         self._stream = stream
+        # Plain TCP is read by waiting, then one read (``read``); TLS through
+        # trio's stream, which owns the TLS state.
+        self._plain = stream.socket if isinstance(stream, trio.SocketStream) else None
         self._held: bytes | None = None  # a small write not sent yet (module docstring)
         # The server answered while a large write was still going out: it may
         # not have taken the body in full (module docstring, "early answer").
@@ -150,6 +166,8 @@ class _SocketStream(httpcore.AsyncNetworkStream):
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
         if self._held is not None:
             await self._send(b"", None)
+        if timeout is None and self._plain is not None:
+            return await self._wait_and_read(self._plain, max_bytes)
         try:
             if timeout is None:
                 return bytes(await self._stream.receive_some(max_bytes))
@@ -159,6 +177,29 @@ class _SocketStream(httpcore.AsyncNetworkStream):
             raise httpcore.ReadTimeout(str(exc)) from exc
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise httpcore.ReadError(str(exc)) from exc
+
+    async def _wait_and_read(self, sock: trio.socket.SocketType, max_bytes: int) -> bytes:
+        """Wait until the socket is readable, then read once.
+
+        trio's ``recv`` tries first, and a paced backend's next token is
+        never there yet: a read failing with EAGAIN under two context
+        managers per token, before the wait and the read. Waiting first
+        costs one schedule point per read whether or not data was there.
+        """
+        while True:
+            try:
+                await trio.lowlevel.wait_readable(sock)
+            except trio.ClosedResourceError as exc:  # closed while we waited
+                raise httpcore.ReadError(str(exc)) from exc
+            fd = sock.fileno()
+            if fd < 0:
+                raise httpcore.ReadError("the connection was closed")
+            try:
+                return os.read(fd, max_bytes)
+            except BlockingIOError:
+                continue  # woken for nothing (another reader's data): wait again
+            except OSError as exc:  # worded as trio's (its BrokenResourceError)
+                raise httpcore.ReadError(f"socket connection broken: {exc}") from exc
 
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109
         if not buffer:
@@ -368,7 +409,13 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
             self._open.discard(conn)
             raise
         stream = response.extensions.get("network_stream")
-        body = _PooledBody(cast(_CoreBody, response.stream), origin, conn, self)
+        body = _PooledBody(
+            cast(_CoreBody, response.stream),
+            origin,
+            conn,
+            self,
+            chunked=_chunked(core_request.method, response),
+        )
         body.answered_early = isinstance(stream, _SocketStream) and stream.answered_early
         return httpx.Response(
             status_code=response.status,
@@ -435,6 +482,20 @@ class KeepAliveTransport(httpx.AsyncBaseTransport):
                 await conn.aclose()
 
 
+def _chunked(method: bytes, response: httpcore.Response) -> bool:
+    """Whether h11 reads ``response``'s body as chunked (h11's ``_body_framing``:
+    no body for 204, 304, HEAD, CONNECT; else ``Transfer-Encoding: chunked``)."""
+    if response.status in (204, 304) or method in (b"HEAD", b"CONNECT"):
+        return False
+    codings = [
+        coding.strip().lower()
+        for name, value in response.headers
+        if name.lower() == b"transfer-encoding"
+        for coding in value.split(b",")
+    ]
+    return codings == [b"chunked"]
+
+
 def _direct_body(stream: object) -> tuple[h11.Connection, _SocketStream, float | None] | None:
     """The h11 state, socket and read timeout of httpcore 1.0's HTTP/1.1
     response ``stream``, to read its body directly (module docstring); None
@@ -469,6 +530,8 @@ class _PooledBody(httpx.AsyncByteStream):
         origin: httpcore.Origin,
         conn: httpcore.AsyncHTTPConnection,
         pool: KeepAliveTransport,
+        *,
+        chunked: bool = False,
     ) -> None:
         self._stream = stream
         self._origin = origin
@@ -477,7 +540,20 @@ class _PooledBody(httpx.AsyncByteStream):
         self._parts: AsyncIterator[bytes] | None = None
         self._closed = False
         self._ended = False
-        self._direct = _direct_body(stream)
+        self._direct = direct = _direct_body(stream)
+        # A chunked body's framing: h11's until it stands between two chunks,
+        # then ``_chunks`` (module docstring); ``_shadow`` follows the bytes
+        # h11 is given until then, to know when that is.
+        self._chunks: ChunkedDecoder | None = None
+        self._shadow: ChunkedDecoder | None = None
+        if chunked and direct is not None and direct[0].their_state is h11.SEND_BODY:
+            shadow = ChunkedDecoder()
+            try:
+                shadow.feed(direct[0].trailing_data[0])  # what came with the head
+            except ChunkedError:
+                pass  # h11 reports it
+            else:
+                self._shadow = shadow
         # The server answered before it took the whole request body: the
         # connection is closed with the response, never reused.
         self.answered_early = False
@@ -510,6 +586,29 @@ class _PooledBody(httpx.AsyncByteStream):
         if self._closed or self._ended:
             raise StopAsyncIteration
         parts: list[bytes] = []
+        decoder = self._chunks
+        if decoder is not None:
+            # Between two chunks, h11 has seen none of the body since.
+            while True:
+                data = await net.read(READ_BYTES, read_timeout)
+                if not data:
+                    # h11's end of stream between two chunks: its error.
+                    self._chunks = None
+                    state.receive_data(b"")
+                    break
+                try:
+                    body = decoder.feed(data)
+                except ChunkedError as exc:
+                    raise httpcore.RemoteProtocolError(str(exc)) from exc
+                if decoder.done:
+                    # The trailer section and the end are h11's again.
+                    self._chunks = None
+                    state.receive_data(b"0\r\n" + decoder.rest)
+                    if body:
+                        parts.append(body)
+                    break
+                if body:
+                    return body
         while True:
             try:
                 event = state.next_event()
@@ -520,6 +619,14 @@ class _PooledBody(httpx.AsyncByteStream):
                 data = cast(h11.Data, event).data
                 parts.append(data if type(data) is bytes else bytes(data))
             elif event is h11.NEED_DATA:
+                shadow = self._shadow
+                if shadow is not None and shadow.at_boundary and not shadow.done:
+                    # h11 took every byte it was given, whole chunks: the
+                    # next ones are the decoder's.
+                    self._chunks, self._shadow = shadow, None
+                    if parts:
+                        return parts[0] if len(parts) == 1 else b"".join(parts)
+                    return await self._read_direct(state, net, read_timeout)
                 if parts:
                     return parts[0] if len(parts) == 1 else b"".join(parts)
                 data = await net.read(READ_BYTES, read_timeout)
@@ -528,6 +635,11 @@ class _PooledBody(httpx.AsyncByteStream):
                         "Server disconnected without sending a response."
                     )
                 state.receive_data(data)
+                if shadow is not None:
+                    try:
+                        shadow.feed(data)
+                    except ChunkedError:
+                        self._shadow = None  # h11 reports it
             else:  # EndOfMessage (or PAUSED after it): the response's close recycles
                 self._ended = True
                 if parts:

@@ -27,8 +27,18 @@ operation, in µs):
   vLLM SSE event (about 150 bytes): what httpcore paid per token;
 * ``chat chunk parse``: that SSE event through the node's chat stream
   parser (SSE decoding, the chunk's JSON, one ``Delta``);
+* ``chunked decoder read``: the node's own chunked decoder
+  (``iop.wire.ChunkedDecoder``) reading that HTTP chunk: what the node pays
+  per token since it replaced h11 there;
 * ``wsproto frame``: wsproto framing a 100-byte binary message and parsing
   it back;
+* ``node link frame``: the node's own WebSocket client (``iop.node._wsframes``)
+  framing and masking a 100-byte binary message, and parsing a 100-byte
+  frame from the server: the node's framing work per frame each way since
+  it replaced trio-websocket (over wsproto);
+* ``node link send (writable)``: the node's link channel
+  (``iop.node.WebSocketFrameChannel``) sending a 100-byte frame on a socket
+  whose buffer has room: framing, masking and the write;
 * ``msgspec batch``: encoding and decoding a link frame of 32 one-token
   ``events`` messages, per message.
 
@@ -55,8 +65,10 @@ from wsproto.events import AcceptConnection, BytesMessage, Request
 
 from iop.bench._runner import RunContext, register, tables_report
 from iop.events import Delta
+from iop.node import WebSocketFrameChannel
+from iop.node._wsframes import ClientFrames
 from iop.protocol import RunEvents, decode_node_batch, encode, encode_batch
-from iop.wire import ChatStreamParser
+from iop.wire import ChatStreamParser, ChunkedDecoder
 
 __all__ = ["CASES", "Options", "plots", "run", "tables"]
 
@@ -189,6 +201,14 @@ async def h11_chunk_read(n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
+async def chunked_decoder_read(n: int) -> float:
+    decoder = ChunkedDecoder()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        decoder.feed(_HTTP_CHUNK)
+    return (time.perf_counter() - t0) / n
+
+
 async def chat_chunk_parse(n: int) -> float:
     parser = ChatStreamParser(label="bench")
     t0 = time.perf_counter()
@@ -212,6 +232,40 @@ async def wsproto_frame(n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
+_SERVER_FRAME = b"\x82" + bytes([len(PAYLOAD)]) + PAYLOAD  # unmasked (RFC 6455 §5.1)
+
+
+async def node_link_frame(n: int) -> float:
+    frames = ClientFrames(1 << 20)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        frames.binary(PAYLOAD)
+        frames.receive_data(_SERVER_FRAME)
+        frames.next_event()
+    return (time.perf_counter() - t0) / n
+
+
+async def node_link_send_writable(n: int) -> float:
+    a, b = trio.socket.socketpair()
+    with a, b:
+        chan = WebSocketFrameChannel(trio.SocketStream(a), ClientFrames(1 << 20), "bench")
+
+        async def drain() -> None:
+            while await b.recv(1 << 20):
+                pass
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drain)
+            t0 = time.perf_counter()
+            for i in range(n):
+                await chan.send(PAYLOAD)
+                if i % 64 == 63:
+                    await trio.lowlevel.checkpoint()  # let the reader drain the buffer
+            elapsed = time.perf_counter() - t0
+            nursery.cancel_scope.cancel()
+    return elapsed / n
+
+
 async def msgspec_batch(n: int) -> float:
     rounds = max(1, n // 32)
     t0 = time.perf_counter()
@@ -232,8 +286,11 @@ CASES: dict[str, Callable[[int], Awaitable[float]]] = {
     "cancel scope": cancel_scope,
     "h11 chunk": h11_chunk,
     "h11 chunk read": h11_chunk_read,
+    "chunked decoder read": chunked_decoder_read,
     "chat chunk parse": chat_chunk_parse,
     "wsproto frame": wsproto_frame,
+    "node link frame": node_link_frame,
+    "node link send (writable)": node_link_send_writable,
     "msgspec batch": msgspec_batch,
 }
 

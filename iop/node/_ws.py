@@ -1,14 +1,27 @@
-"""The production ``FrameChannel``: a WebSocket client on trio-websocket.
+"""The production ``FrameChannel``: the node's WebSocket client, on a trio stream.
 
-One binary WebSocket message carries one link frame (``iop.protocol``). Two
-rough edges of trio-websocket 0.12.2 are handled here (docs/architecture.md,
-"Facts about our dependencies: trio-websocket"):
+One binary WebSocket message carries one link frame (``iop.protocol``). The
+protocol is ``iop.node._wsframes`` (sans-IO: the upgrade, masking, framing,
+limits); this module is its IO, with no task of its own:
 
-* ``disconnect_timeout`` defaults to 60 s: a frozen edge would keep the close
-  handshake (and the node's reconnect) waiting a minute. We use 2 s.
-* When the *server* closes, the client never closes its TCP stream (its
-  ``aclose`` returns early once a close reason is known), which leaks a socket
-  (a ``ResourceWarning``). ``aclose`` here always closes the stream itself.
+* ``send`` frames in the caller's task (the link's writer) and writes the
+  frame with one ``os.write`` over plain TCP when the kernel takes it all,
+  taking the free send lock with ``acquire_nowait``: no schedule point per
+  frame. What the kernel does not take, and every TLS write, goes through
+  trio's ``send_all``. The writer sends everything queued for the link as
+  one frame (``iop.runtime._link``), so a burst costs one write.
+* ``receive`` reads and parses in the caller's task (the link's reader):
+  no reader task and no channel between the socket and the link, so a
+  frame from the edge costs no task hop. It answers the edge's pings and
+  its close frame (echoing its code).
+* ``aclose`` sends a close frame, waits for the edge's (unless the reader
+  is waiting for it) and always closes the stream, all within
+  ``DISCONNECT_TIMEOUT_S``; an edge that closes the connection or breaks the
+  stream during the upgrade fails the dial at once, with OpenSSL's reason
+  for a TLS alert.
+
+docs/benchmarks.md ("Tokens per core at fleet scale") has what this cut
+from a token's path against trio-websocket, which the node used before.
 
 TLS (``wss://``): the edge's certificate is verified against the system's
 trusted roots, or the edge entry's ``tls_ca_file``, and its host name checked
@@ -25,23 +38,30 @@ or partitioned edge.
 from __future__ import annotations
 
 import logging
+import os
 import ssl
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from typing import Any, Final, cast
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from typing import Final
 from urllib.parse import urlsplit
 
 import trio
-from trio_websocket import (
-    ConnectionClosed,
-    ConnectionRejected,
-    WebSocketConnection,
-    wrap_client_stream,
-)
 
 from iop._tls import send_pending_alert, tls_reason
 from iop.config import NodeEdge
 from iop.errors import ConfigError, LinkAuthError, LinkError, LinkProtocolError
+from iop.node._wsframes import (
+    CLOSE_ABNORMAL,
+    Accepted,
+    BinaryMessage,
+    ClientFrames,
+    CloseReceived,
+    PingReceived,
+    Refused,
+    TextMessage,
+    Upgrade,
+    WebSocketFailure,
+)
 from iop.protocol import CLOSE_NORMAL, CLOSE_PROTOCOL, LinkClosed
 
 __all__ = [
@@ -58,77 +78,243 @@ log = logging.getLogger("iop.node.ws")
 # TCP connect + WebSocket upgrade. An edge that does not answer within this
 # is treated as down and retried with backoff.
 DEFAULT_CONNECT_TIMEOUT_S: Final = 10.0
-# Close handshake; trio-websocket's default is 60 s (docs/architecture.md,
-# "Facts about our dependencies: trio-websocket").
+# Close handshake: a frozen edge must not keep the node's reconnect waiting
+# (trio-websocket, which the node used before, waited 60 s).
 DISCONNECT_TIMEOUT_S: Final = 2.0
 # The default of ``open_ws_link(max_message_size=...)``; the agent passes
 # ``node.max_frame_bytes`` (told to the edge in the hello, which sends
-# nothing bigger). trio-websocket's 1 MiB default would close the link
+# nothing bigger). 1 MiB (trio-websocket's default) would close the link
 # (1009) on a legitimate large request.
 MAX_FRAME_BYTES: Final = 32 * 1024 * 1024
-
-
-def _link_closed(exc: ConnectionClosed, url: str) -> LinkClosed:
-    reason = exc.reason
-    code = None if reason is None else reason.code
-    text = "" if reason is None or reason.reason is None else reason.reason
-    return LinkClosed(f"link to {url} closed ({code} {text})".strip(), close_code=code, reason=text)
+# One read of the link's socket: a frame from the edge is mostly an assign
+# or credit, far smaller; a large assign takes several reads.
+RECEIVE_BYTES: Final = 64 * 1024
 
 
 class WebSocketFrameChannel:
-    """A ``FrameChannel`` over an open trio-websocket client connection.
+    """A ``FrameChannel`` over an open WebSocket client connection.
+
+    ``send`` frames and writes in the caller's task; ``receive`` reads and
+    parses in the caller's task (the link's reader), answers the edge's
+    pings and its close. No task of its own: ``open_ws_link`` owns the
+    stream and closes it.
 
     Args:
-        ws: The connection (owned by ``open_ws_link``).
+        stream: The upgraded connection.
+        frames: Its frames (what followed the upgrade's head already fed).
         url: The edge's URL, for messages.
     """
 
-    def __init__(self, ws: WebSocketConnection, url: str) -> None:
-        self._ws = ws
+    def __init__(
+        self,
+        stream: trio.SocketStream | trio.SSLStream[trio.SocketStream],
+        frames: ClientFrames,
+        url: str,
+    ) -> None:
+        self._stream = stream
+        self._frames = frames
         self.url = url
+        # Over plain TCP a frame is written with one os.write when the kernel
+        # takes it all (module docstring); TLS goes through trio's stream.
+        self._socket = stream.socket if isinstance(stream, trio.SocketStream) else None
+        # A pong or a close from the reader and the writer's frames must not
+        # interleave on the stream.
+        self._send_lock = trio.Lock()
+        self._ended: LinkClosed | None = None  # why no frame goes or comes any more
+        self._ended_event = trio.Event()
+        # A write failed: nothing more goes, but the reader still reads what
+        # came before (the edge's close frame says why it hung up).
+        self._send_broken: LinkClosed | None = None
+        self._receiving = False
+        self._stream_closed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._ended is not None or self._send_broken is not None
+
+    def _closed_error(self) -> LinkClosed:
+        ended = self._ended
+        assert ended is not None
+        return LinkClosed(ended.message, close_code=ended.close_code, reason=ended.reason)
+
+    def _end(self, code: int | None, reason: str) -> LinkClosed:
+        """Record why the connection ended (the first cause wins)."""
+        if self._ended is None:
+            text = f"{code} {reason}".strip() if code is not None else reason
+            self._ended = LinkClosed(
+                f"link to {self.url} closed ({text})", close_code=code, reason=reason
+            )
+            self._ended_event.set()
+        return self._closed_error()
+
+    def _lost(self, exc: BaseException | None) -> LinkClosed:
+        """The stream broke or ended without a close frame (1006, RFC 6455 §7.1.5)."""
+        return self._end(CLOSE_ABNORMAL, "" if exc is None else str(exc) or type(exc).__name__)
 
     async def send(self, frame: bytes) -> None:
         """Send one frame as a binary message.
 
+        Passes no schedule point when the kernel takes the whole frame at
+        once (the link's writer passes one per round, in its wait).
+
         Raises:
             LinkClosed: The connection is closed.
         """
+        if self._ended is not None:
+            raise self._closed_error()
+        if self._send_broken is not None:
+            raise LinkClosed(self._send_broken.message, close_code=CLOSE_ABNORMAL, reason="")
         try:
-            await self._ws.send_message(frame)
-        except ConnectionClosed as exc:
-            raise _link_closed(exc, self.url) from None
+            await self._write(self._frames.binary(frame))
+        except LinkClosed as broken:
+            raise await self._why_broken(broken) from None
+
+    async def _why_broken(self, broken: LinkClosed) -> LinkClosed:
+        """A write failed: the edge's close frame, when one came, says why
+        (its code tells the dialer whether to retry soon: ``iop.node._dial``)."""
+        with trio.move_on_after(DISCONNECT_TIMEOUT_S):
+            if self._receiving:
+                await self._ended_event.wait()  # the reader reads it
+            elif self._ended is None:
+                await self._await_close()
+        return self._closed_error() if self._ended is not None else broken
+
+    async def _write(self, data: bytes) -> None:
+        lock = self._send_lock
+        try:
+            lock.acquire_nowait()  # free: no schedule point (trio's acquire passes one)
+        except trio.WouldBlock:
+            await lock.acquire()
+        try:
+            sock = self._socket
+            if sock is not None and (fd := sock.fileno()) >= 0:
+                try:
+                    sent = os.write(fd, data)
+                except BlockingIOError:
+                    sent = 0
+                except OSError as exc:
+                    raise self._broken(exc) from None
+                if sent == len(data):
+                    return
+                data = data[sent:]
+            try:
+                await self._stream.send_all(data)
+            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+                raise self._broken(exc) from None
+        finally:
+            lock.release()
+
+    def _broken(self, exc: BaseException) -> LinkClosed:
+        if self._send_broken is None:
+            self._send_broken = LinkClosed(
+                f"link to {self.url} closed ({CLOSE_ABNORMAL} {str(exc) or type(exc).__name__})",
+                close_code=CLOSE_ABNORMAL,
+                reason="",
+            )
+        return LinkClosed(self._send_broken.message, close_code=CLOSE_ABNORMAL, reason="")
+
+    async def _write_close(self, code: int | None, reason: str = "") -> None:
+        """Send a close frame, bounded by ``DISCONNECT_TIMEOUT_S``; a broken
+        stream is no error here (it is closing anyway)."""
+        with trio.move_on_after(DISCONNECT_TIMEOUT_S), suppress(LinkClosed):
+            await self._write(self._frames.close(code, reason))
+
+    async def _read(self) -> None:
+        """Feed one read of the stream to the frames.
+
+        Raises:
+            LinkClosed: The stream broke or ended (1006).
+        """
+        try:
+            data = await self._stream.receive_some(RECEIVE_BYTES)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise self._lost(exc) from None
+        if not data:
+            raise self._lost(None)
+        self._frames.receive_data(data)
 
     async def receive(self) -> bytes:
         """The next frame.
 
         Raises:
-            LinkClosed: The connection closed (with the peer's code/reason).
+            LinkClosed: The connection closed (with the edge's code and
+                reason; 1006 when it ended without a close frame; 1002, 1007
+                or 1009 when the edge broke RFC 6455 or the size limit, and
+                the node closed it).
             LinkProtocolError: The edge sent a text message (the link is
                 closed with ``CLOSE_PROTOCOL``).
         """
+        frames = self._frames
+        self._receiving = True
         try:
-            message = await self._ws.get_message()
-        except ConnectionClosed as exc:
-            raise _link_closed(exc, self.url) from None
-        if isinstance(message, str):
-            await self.aclose(CLOSE_PROTOCOL, "text frames are not part of the link protocol")
-            raise LinkProtocolError(f"edge {self.url} sent a text frame")
-        return message
+            while True:
+                if self._ended is not None:
+                    raise self._closed_error()
+                try:
+                    event = frames.next_event()
+                except WebSocketFailure as exc:
+                    error = self._end(exc.code, exc.message)
+                    await self._write_close(exc.code, exc.message)
+                    raise error from None
+                if event is None:
+                    await self._read()
+                elif type(event) is BinaryMessage:
+                    return event.data
+                elif isinstance(event, PingReceived):
+                    await self._write(frames.pong(event.payload))
+                elif isinstance(event, CloseReceived):
+                    error = self._end(event.code, event.reason)
+                    await self._write_close(event.code)  # RFC 6455 §5.5.1: echo the code
+                    raise error
+                elif isinstance(event, TextMessage):
+                    await self.aclose(
+                        CLOSE_PROTOCOL, "text frames are not part of the link protocol"
+                    )
+                    raise LinkProtocolError(f"edge {self.url} sent a text frame")
+        finally:
+            self._receiving = False
 
     async def aclose(self, code: int = CLOSE_NORMAL, reason: str = "") -> None:
-        """Close the connection and its TCP stream (idempotent)."""
-        with trio.move_on_after(DISCONNECT_TIMEOUT_S):
-            try:
-                await self._ws.aclose(code, reason or None)
-            finally:
-                # trio-websocket 0.12.2 leaves the stream open when the server
-                # closed first. Closing a trio stream twice is harmless, and a
-                # cancelled aclose still releases it (trio's AsyncResource).
-                await self._ws._stream.aclose()
+        """Close the connection and its stream (idempotent): send a close
+        frame, wait for the edge's (unless a reader is waiting for it), then
+        close the stream, all within ``DISCONNECT_TIMEOUT_S``."""
+        if self._stream_closed:
+            return
+        try:
+            if self._ended is None:
+                self._end(code, reason)
+                with trio.move_on_after(DISCONNECT_TIMEOUT_S):
+                    await self._write_close(code, reason)
+                    if not self._receiving:
+                        await self._await_close()
+        finally:
+            self._stream_closed = True
+            if self._ended is not None:
+                log.debug("%s", self._ended.message)
+            # A cancelled aclose still releases the socket (trio's AsyncResource).
+            await self._stream.aclose()
 
-    @property
-    def closed(self) -> bool:
-        return self._ws.closed is not None
+    async def _await_close(self) -> None:
+        """Read until the edge's close frame or the end of the stream (RFC 6455 §7.1.1:
+        the server closes the TCP connection first)."""
+        frames = self._frames
+        while True:
+            try:
+                event = frames.next_event()
+            except WebSocketFailure:
+                return
+            if event is None:
+                try:
+                    await self._read()
+                except LinkClosed:
+                    return
+            elif isinstance(event, CloseReceived):
+                self._end(event.code, event.reason)
+                return
+
+    async def _send_text(self, text: str) -> None:
+        """A text message: not part of the link (tests send one to see it refused)."""
+        await self._write(self._frames.text(text))
 
 
 def client_tls_context(edge: NodeEdge) -> ssl.SSLContext | None:
@@ -191,58 +377,6 @@ _PEM_BEGIN: Final = "-----BEGIN CERTIFICATE-----"
 _PEM_END: Final = "-----END CERTIFICATE-----"
 
 
-class _WatchedStream(trio.abc.Stream):
-    """The link's stream, telling the upgrade's waiter when it breaks.
-
-    trio-websocket 0.12.2 waits for the upgrade's answer until its connect
-    timeout even when the stream broke or closed meanwhile (its reader
-    notes the break but never wakes the waiter): a TLS alert after the
-    handshake (an edge refusing the node's certificate, under TLS 1.3) or an
-    edge closing the connection would cost the whole connect timeout and
-    say only "timeout". While ``on_break`` is set, a break or an end of
-    stream calls it (``open_ws_link`` cancels the wait) and keeps the error.
-    """
-
-    def __init__(self, inner: trio.SocketStream | trio.SSLStream[trio.SocketStream]) -> None:
-        self._inner = inner
-        self.on_break: Callable[[], None] | None = None
-        self.failure: BaseException | None = None
-
-    def _broke(self, exc: BaseException | None) -> None:
-        if self.failure is None and exc is not None:
-            self.failure = exc
-        if self.on_break is not None:
-            self.on_break()
-
-    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        try:
-            await self._inner.send_all(data)
-        except trio.BrokenResourceError as exc:
-            self._broke(exc)
-            raise
-
-    async def wait_send_all_might_not_block(self) -> None:
-        await self._inner.wait_send_all_might_not_block()
-
-    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        try:
-            data = await self._inner.receive_some(max_bytes)
-        except trio.BrokenResourceError as exc:
-            self._broke(exc)
-            raise
-        if not data:
-            self._broke(None)
-        return data
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-    def __getattr__(self, name: str) -> Any:
-        # trio-websocket reads ``socket`` (or ``transport_stream.socket``) for
-        # its ``local`` / ``remote`` addresses.
-        return getattr(self._inner, name)
-
-
 async def _open_stream(
     url: str, ssl_context: ssl.SSLContext | None
 ) -> trio.SocketStream | trio.SSLStream[trio.SocketStream]:
@@ -299,70 +433,70 @@ async def open_ws_link(
             upgrade (the message names the URL).
     """
     parts = urlsplit(url)
-    resource = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
     host_header = parts.netloc.rpartition("@")[2]
+    stream: trio.SocketStream | trio.SSLStream[trio.SocketStream] | None = None
+    answer: Accepted | Refused | None = None
+    with trio.move_on_after(connect_timeout_s):
+        stream = await _open_stream(url, ssl_context)
+        try:
+            answer = await _upgrade(stream, url, Upgrade(host_header, target))
+        except BaseException:
+            await trio.aclose_forcefully(stream)
+            raise
+    if not isinstance(answer, Accepted):
+        if stream is not None:
+            await trio.aclose_forcefully(stream)
+        if answer is None:
+            raise LinkError(
+                f"cannot connect to edge {url}: no answer within {connect_timeout_s:g}s"
+            )
+        raise _rejected(url, answer)
+    assert stream is not None
+    log.debug("link to %s: WebSocket open", url)
+    frames = ClientFrames(max_message_size)
+    frames.receive_data(answer.rest)
+    chan = WebSocketFrameChannel(stream, frames, url)
     try:
-        async with trio.open_nursery() as nursery:  # trio-websocket's reader task
-            stream: _WatchedStream | None = None
-            opening = trio.CancelScope()
-            with trio.move_on_after(connect_timeout_s) as deadline:
-                stream = _WatchedStream(await _open_stream(url, ssl_context))
-                with opening:
-                    stream.on_break = opening.cancel
-                    ws = await wrap_client_stream(
-                        nursery,
-                        cast(Any, stream),
-                        host_header,
-                        resource,
-                        max_message_size=max_message_size,
-                    )
-                stream.on_break = None
-            if deadline.cancelled_caught or opening.cancelled_caught:
-                raise await _not_opened(url, stream, opening.cancelled_caught, connect_timeout_s)
-            chan = WebSocketFrameChannel(ws, url)
-            try:
-                yield chan
-            finally:
-                # Shielded: leaving by cancellation must still release the
-                # socket; bounded by DISCONNECT_TIMEOUT_S inside aclose. The
-                # reader task ends once the stream is closed.
-                with trio.CancelScope(shield=True):
-                    await chan.aclose()
-    except BaseExceptionGroup as group:
-        # One task raised (the body, or the reader with the edge's refusal):
-        # raise it as itself, as trio-websocket's own context manager does.
-        leaves = [e for e in group.exceptions if not isinstance(e, trio.Cancelled)]
-        if len(group.exceptions) == 1 or len(leaves) == 1:
-            only = leaves[0] if leaves else group.exceptions[0]
-            if isinstance(only, ConnectionRejected):
-                raise _rejected(url, only) from only
-            raise only from None
-        raise
+        yield chan
+    finally:
+        # Shielded: leaving by cancellation must still release the socket;
+        # bounded by DISCONNECT_TIMEOUT_S inside aclose.
+        with trio.CancelScope(shield=True):
+            await chan.aclose()
 
 
-async def _not_opened(
-    url: str, stream: _WatchedStream | None, broke: bool, timeout_s: float
-) -> LinkError:
-    """Why the link did not open (the stream is closed here): the stream's
-    failure, the edge closing it, or no answer within the connect timeout."""
-    if stream is not None:
-        await trio.aclose_forcefully(stream)
-        if stream.failure is not None:
-            return _connect_error(url, stream.failure)
-    if broke:
+async def _upgrade(
+    stream: trio.SocketStream | trio.SSLStream[trio.SocketStream], url: str, upgrade: Upgrade
+) -> Accepted | Refused:
+    """Send the upgrade request and read the answer (``Upgrade``)."""
+    try:
+        await stream.send_all(upgrade.request())
+        while True:
+            answer = upgrade.receive(await stream.receive_some(RECEIVE_BYTES))
+            if answer is not None:
+                return answer
+    except trio.BrokenResourceError as exc:
+        # A TLS alert after the handshake (an edge refusing the node's
+        # certificate, under TLS 1.3) or a reset: OpenSSL's reason, at once.
+        raise _connect_error(url, exc) from exc
+    except WebSocketFailure as exc:
+        if exc.message != "closed during the upgrade":
+            raise LinkError(f"cannot connect to edge {url}: {exc.message}") from None
         hint = " (if the edge serves TLS, dial it with wss://)" if url.startswith("ws://") else ""
-        return LinkError(
+        raise LinkError(
             f"cannot connect to edge {url}: the edge closed the connection during the upgrade{hint}"
-        )
-    return LinkError(f"cannot connect to edge {url}: no answer within {timeout_s:g}s")
+        ) from None
 
 
-def _rejected(url: str, exc: ConnectionRejected) -> LinkError:
+def _rejected(url: str, answer: Refused) -> LinkError:
+    if answer.problem:
+        return LinkError(f"edge {url} answered the link upgrade with {answer.problem}")
     said = ""
-    if exc.body:
-        said = ": " + exc.body.decode(errors="replace").strip()[:200]
-    message = f"edge {url} refused the link upgrade: HTTP {exc.status_code}{said}"
-    if exc.status_code in (401, 403):
+    if answer.body:
+        said = ": " + answer.body.decode(errors="replace").strip()[:200]
+    message = f"edge {url} refused the link upgrade: HTTP {answer.status}{said}"
+    if answer.status in (401, 403):
         return LinkAuthError(message)
     return LinkError(message)
 

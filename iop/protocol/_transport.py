@@ -1,7 +1,7 @@
 """What a link driver needs from a transport: whole frames, in order.
 
 The edge and node drivers are written against ``FrameChannel``; production
-uses WebSockets (trio-websocket on the node, quart-trio on the edge) and the
+uses WebSockets (the node's own client, ``iop.node._ws``; hypercorn on the edge) and the
 tests use ``iop.testing.memory_link_pair`` with virtual time. This module only
 declares the interface (no trio import: the protocol package stays sans-IO).
 """

@@ -8,6 +8,7 @@ streamed text is held back until it is known not to be a tag (``<think>``, a
 tool-call opener), and where an engine's published load is read.
 """
 
+from iop.wire._chunked import CHUNK_LINE_MAX_BYTES, ChunkedDecoder, ChunkedError
 from iop.wire._chunks import ChatChunk, ChunkToolCall
 from iop.wire._engine_load import (
     EngineDialect,
@@ -39,6 +40,7 @@ from iop.wire._tooltext import (
 )
 
 __all__ = [
+    "CHUNK_LINE_MAX_BYTES",
     "DEFAULT_MAX_LINE_BYTES",
     "DONE",
     "ERROR_EXCERPT_BYTES",
@@ -47,6 +49,8 @@ __all__ = [
     "ChatChunk",
     "ChatStreamParser",
     "ChunkToolCall",
+    "ChunkedDecoder",
+    "ChunkedError",
     "EngineDialect",
     "EngineFigures",
     "HoldBack",

@@ -13,11 +13,13 @@ import gc
 import gzip
 import math
 import ssl
+import sys
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from functools import partial
 
+import h11
 import httpcore
 import httpx
 import pytest
@@ -711,4 +713,124 @@ async def test_a_traced_request_is_read_through_httpcores_body() -> None:
             assert pieces == [b"data: a", b"data: b", b"data: c"]
             assert "http11.receive_response_body.started" in seen
             assert pool.idle_connections == 1
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_read_that_waits_for_its_data_makes_one_read_system_call() -> None:
+    # A paced backend's next token is never there yet when the node reads:
+    # trio's socket ``recv`` first tries (a system call failing with EAGAIN,
+    # under two context managers), then waits, then reads again. The pool's
+    # socket waits first, then reads once.
+    a, b = trio.socket.socketpair()
+    reads: list[str] = []
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        if event == "c_call" and getattr(arg, "__name__", "") in ("recv", "recv_into", "read"):
+            reads.append(getattr(arg, "__name__", ""))
+
+    async def answer_later() -> None:
+        await trio.testing.wait_all_tasks_blocked()
+        await b.send(b"data: token\n\n")
+
+    with a, b:
+        stream = _SocketStream(trio.SocketStream(a))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer_later)
+            sys.setprofile(profile)
+            try:
+                with trio.fail_after(NOTICE_S):
+                    data = await stream.read(1024)
+            finally:
+                sys.setprofile(None)
+    assert data == b"data: token\n\n"
+    assert len(reads) == 1, reads
+
+
+async def _paced_chunks(stream: trio.SocketStream) -> None:
+    """A chunked answer whose head comes with its first chunk, then 63 more
+    chunks, each in its own write, then the last chunk with a trailer."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += await stream.receive_some(65536)
+    await stream.send_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n3\r\nt00\r\n")
+    for i in range(1, 64):
+        await stream.send_all(b"3\r\nt%02d\r\n" % i)
+    await stream.send_all(b"0\r\nx-done: 1\r\n\r\n")
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        await stream.receive_some(65536)  # until the client closes
+
+
+async def test_a_chunked_body_is_framed_without_h11_per_chunk() -> None:
+    # h11 parsed each chunk of a paced stream (an engine writes one token per
+    # chunk) with an event, a state-machine step and two ``next_event``
+    # calls. The pool's body hands the chunks to its own decoder once h11
+    # stands between two chunks, and back to h11 for the trailer section:
+    # the body is the same, and the connection still goes back to the pool.
+    calls = 0
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        nonlocal calls
+        if event == "call" and getattr(frame, "f_code", None) is h11.Connection.next_event.__code__:
+            calls += 1
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, _paced_chunks, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        async with transport() as pool:
+            request = httpx.Request("POST", f"http://127.0.0.1:{port}/", content=b"{}")
+            response = await pool.handle_async_request(request)
+            body = b""
+            sys.setprofile(profile)
+            try:
+                with trio.fail_after(NOTICE_S):
+                    async for piece in response.stream:
+                        body += piece
+            finally:
+                sys.setprofile(None)
+                await response.aclose()
+            assert body == b"".join(b"t%02d" % i for i in range(64))
+            assert pool.idle_connections == 1
+        nursery.cancel_scope.cancel()
+    assert calls <= 6, calls
+
+
+def _then(tail: bytes) -> Callable[[trio.SocketStream], Awaitable[None]]:
+    async def serve(stream: trio.SocketStream) -> None:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += await stream.receive_some(65536)
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n")
+        await stream.send_all(b"3\r\nt00\r\n")
+        await stream.send_all(tail)
+        await stream.aclose()
+
+    return serve
+
+
+@pytest.mark.parametrize(
+    ("tail", "error"),
+    [
+        (b"3\r\nt01\r\nzz\r\n", "illegal chunk header: bytearray(b'zz\\r\\n')"),
+        (b"3\r\nt01XY", "malformed chunk footer: bytearray(b'XY') (expected b'\\r\\n')"),
+        (b"3\r\nt0", "incomplete chunked read"),
+        (b"0\r\nnot a header\r\n\r\n", "illegal header line"),
+    ],
+)
+async def test_a_broken_chunked_body_is_httpcores_error_with_h11s_words(
+    tail: bytes, error: str
+) -> None:
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, _then(tail), 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        async with transport() as pool:
+            request = httpx.Request("GET", f"http://127.0.0.1:{port}/")
+            response = await pool.handle_async_request(request)
+            try:
+                with trio.fail_after(NOTICE_S), pytest.raises(httpcore.RemoteProtocolError) as info:
+                    async for _ in response.stream:
+                        pass
+            finally:
+                await response.aclose()
+            assert error in str(info.value)
+            assert pool.idle_connections == 0
         nursery.cancel_scope.cancel()

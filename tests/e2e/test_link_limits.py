@@ -9,6 +9,7 @@ node id cannot be taken over by a second connection.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from pathlib import Path
@@ -16,7 +17,6 @@ from typing import Any
 
 import pytest
 import trio
-from trio_websocket import ConnectionClosed
 
 from iop.events import Delta
 from iop.node._ws import open_ws_link
@@ -99,20 +99,22 @@ async def _first_close(url: str, *frames: bytes | str) -> tuple[int | None, str]
     """Send ``frames`` on a fresh link connection; the close code and reason it gets.
 
     Over the node's own channel (``open_ws_link`` closes the socket even when
-    the server closed first); a text frame goes through its WebSocket.
+    the server closed first); a text frame too (``_send_text``).
     """
     async with open_ws_link(url) as chan:
-        try:
+        # Closed while we were still sending: the edge's close frame says why.
+        with contextlib.suppress(LinkClosed):
             for frame in frames:
-                await chan._ws.send_message(frame)
+                if isinstance(frame, str):
+                    await chan._send_text(frame)
+                else:
+                    await chan.send(frame)
+        try:
             with trio.fail_after(10):
                 while True:
                     await chan.receive()
         except LinkClosed as exc:
             return exc.close_code, exc.reason
-        except ConnectionClosed as exc:  # closed while we were still sending
-            reason = exc.reason
-            return (None, "") if reason is None else (reason.code, reason.reason or "")
     raise AssertionError("unreachable")
 
 

@@ -2,7 +2,7 @@
 
 hypercorn serves ``EdgeASGI`` on loopback exactly as ``serve_edge`` does
 (``serve_guarded``, the edge's hypercorn config); the client is the node's
-own trio-websocket channel (``open_ws_link``). Real sockets, so real time:
+own WebSocket channel (``open_ws_link``). Real sockets, so real time:
 every wait is bounded by ``fail_after``, and ``gc.collect()`` at the end
 makes a leaked socket fail the test (``ResourceWarning`` is an error).
 """
@@ -132,7 +132,7 @@ async def test_a_text_frame_is_a_protocol_error() -> None:
     with trio.fail_after(DEADLINE_S):
         async with serving(link_app(handler)) as url:
             async with open_ws_link(ws(url)) as node:
-                await node._ws.send_message("hello?")
+                await node._send_text("hello?")
                 with pytest.raises(LinkClosed) as info:
                     await node.receive()
             await handler.done.wait()
@@ -179,7 +179,7 @@ async def test_a_connection_gone_without_a_close_frame_is_1006() -> None:
     with trio.fail_after(DEADLINE_S):
         async with serving(link_app(handler)) as url:
             async with open_ws_link(ws(url)) as node:
-                await node._ws._stream.aclose()  # TCP closed, no close frame
+                await node._stream.aclose()  # TCP closed, no close frame
             await handler.done.wait()
     (error,) = handler.errors
     assert isinstance(error, LinkClosed)

@@ -7,18 +7,21 @@ show up as a ``ResourceWarning`` (an error under ``filterwarnings=error``).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from collections.abc import Awaitable, Callable
 from functools import partial
 
 import pytest
 import trio
-from trio_websocket import WebSocketRequest, serve_websocket
+from trio_websocket import ConnectionClosed, WebSocketRequest, serve_websocket
+from wsproto import ConnectionType, WSConnection
+from wsproto.events import AcceptConnection, CloseConnection, Request
 
 from iop.config import NodeConfig, NodeEdge, NodeSection, SimConfig, SimInstance
 from iop.errors import LinkError, LinkProtocolError
 from iop.events import Complete, RuntimeEvent, Start, is_terminal
-from iop.node import open_node_agent, open_ws_link
+from iop.node import WebSocketFrameChannel, open_node_agent, open_ws_link
 from iop.protocol import (
     CLOSE_BAD_TOKEN,
     CLOSE_GOING_AWAY,
@@ -200,4 +203,136 @@ async def test_an_edge_that_never_answers_the_upgrade_times_out_by_name() -> Non
             async with open_ws_link(url, connect_timeout_s=0.2):
                 pass
         nursery.cancel_scope.cancel()
+    gc.collect()
+
+
+class _Steps(trio.abc.Instrument):
+    """Counts the times a task gave the CPU back (each schedule point it passed)."""
+
+    def __init__(self, task: trio.lowlevel.Task) -> None:
+        self.task = task
+        self.steps = 0
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        if task is self.task:
+            self.steps += 1
+
+
+async def _sink(request: WebSocketRequest) -> None:
+    ws = await request.accept()
+    with contextlib.suppress(ConnectionClosed):
+        while True:
+            await ws.get_message()
+
+
+async def test_a_frame_the_kernel_takes_at_once_passes_no_schedule_point() -> None:
+    """The link's writer sends one frame per paced token: through trio-websocket
+    each passed two schedule points (its send lock's ``acquire``, a scheduler
+    pass even when free, and trio's socket ``send``). The writer's own wait
+    is its schedule point per round (``iop.runtime._link``)."""
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            url = await start_server(nursery, _sink)
+            async with open_ws_link(url) as chan:
+                await chan.send(b"first")
+                steps = _Steps(trio.lowlevel.current_task())
+                trio.lowlevel.add_instrument(steps)
+                try:
+                    for _ in range(10):
+                        await chan.send(b"x" * 100)
+                finally:
+                    trio.lowlevel.remove_instrument(steps)
+            nursery.cancel_scope.cancel()
+    assert steps.steps == 0
+    gc.collect()
+
+
+async def test_a_ping_from_the_edge_is_answered_while_the_node_reads() -> None:
+    async def handler(request: WebSocketRequest) -> None:
+        ws = await request.accept()
+        await ws.ping(b"are you there")  # returns once the pong came
+        await ws.send_message(b"after the pong")
+        with contextlib.suppress(ConnectionClosed):
+            await ws.get_message()
+
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            url = await start_server(nursery, handler)
+            async with open_ws_link(url) as chan:
+                assert await chan.receive() == b"after the pong"
+            nursery.cancel_scope.cancel()
+    gc.collect()
+
+
+async def test_a_message_over_the_limit_closes_the_link_with_1009() -> None:
+    seen: list[int | None] = []
+
+    async def handler(request: WebSocketRequest) -> None:
+        ws = await request.accept()
+        await ws.send_message(b"x" * 2000)
+        try:
+            await ws.get_message()
+        except ConnectionClosed as exc:
+            seen.append(None if exc.reason is None else exc.reason.code)
+
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            url = await start_server(nursery, handler)
+            async with open_ws_link(url, max_message_size=1000) as chan:
+                with pytest.raises(LinkClosed) as info:
+                    await chan.receive()
+                assert chan.closed
+            assert info.value.close_code == 1009
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.cancel_scope.cancel()
+    assert seen == [1009]
+    gc.collect()
+
+
+async def test_an_edge_gone_without_a_close_frame_is_1006_for_reads_and_writes() -> None:
+    async def handler(request: WebSocketRequest) -> None:
+        ws = await request.accept()
+        await ws._stream.aclose()  # TCP closed, no close frame
+
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            url = await start_server(nursery, handler)
+            async with open_ws_link(url) as chan:
+                with pytest.raises(LinkClosed) as info:
+                    await chan.receive()
+                assert info.value.close_code == 1006
+                with pytest.raises(LinkClosed) as sent:
+                    await chan.send(b"late")
+                assert sent.value.close_code == 1006
+            nursery.cancel_scope.cancel()
+    gc.collect()
+
+
+async def _send_until_it_fails(chan: WebSocketFrameChannel) -> None:
+    while True:  # until the kernel reports the edge gone
+        await chan.send(b"x" * 65536)
+        await trio.lowlevel.checkpoint()
+
+
+async def test_a_write_that_fails_reports_the_edges_close_code() -> None:
+    """The edge sent a close 4409 and hung up while the node was writing: the
+    dialer must see 4409 (it backs off on it: ``iop.node._dial``), not the
+    broken pipe."""
+
+    async def edge(stream: trio.SocketStream) -> None:
+        ws = WSConnection(ConnectionType.SERVER)
+        while not any(isinstance(e, Request) for e in ws.events()):
+            ws.receive_data(await stream.receive_some())
+        await stream.send_all(ws.send(AcceptConnection()))
+        await stream.send_all(ws.send(CloseConnection(code=4409, reason="replaced")))
+        await stream.aclose()
+
+    with trio.fail_after(DEADLINE_S):
+        async with trio.open_nursery() as nursery:
+            url = await _tcp_server(nursery, edge)
+            async with open_ws_link(url) as chan:
+                with pytest.raises(LinkClosed) as info:
+                    await _send_until_it_fails(chan)
+            assert (info.value.close_code, info.value.reason) == (4409, "replaced")
+            nursery.cancel_scope.cancel()
     gc.collect()
