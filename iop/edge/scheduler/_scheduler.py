@@ -108,7 +108,7 @@ class Scheduler:
 
     def __init__(self, registry: NodeRegistry, settings: SchedulerSettings) -> None:
         self.registry = registry
-        self.settings = settings
+        self._settings = settings
         # Runs that left the queue, by how; and the last one (module docstring).
         self.exits: dict[QueueExit, int] = dict.fromkeys(QueueExit, 0)
         self.last_exit: QueueExitAt | None = None
@@ -148,6 +148,17 @@ class Scheduler:
         # preemptible run is below costs ``dispatch`` no look at them.
         self._preemptible_ranks: Counter[int] = Counter()
         self.preempted = 0  # runs preempted (module docstring)
+
+    @property
+    def settings(self) -> SchedulerSettings:
+        return self._settings
+
+    @settings.setter
+    def settings(self, settings: SchedulerSettings) -> None:
+        """A reload's keys (``EdgeCore.apply_config``): placement reads them
+        from the next run on too. The prefix index keeps the keys it was
+        sized and tuned with (they need a restart)."""
+        self._settings = self.placement.settings = settings
 
     @property
     def queued(self) -> int:
