@@ -1539,13 +1539,13 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
     # its home is half its slots busier (4 runs of 8), so a copy made in a
     # burst is not kept warm in a cache that other prefixes need.
     home_weight: float = 0.5
-    # An eighth of a home's slots (one run of 8): a prefix that alone keeps
-    # a run in flight on each of its homes fills them as often as the
-    # homes' other prefixes do; a second home then takes its runs by load,
-    # and evens the homes' loads too (docs/operations.md, "What the caches
-    # hold"; docs/benchmarks.md, "Prefix placement on a skewed workload,
+    # A quarter of a home's slots (two runs of 8): a prefix that alone
+    # keeps that many in flight is a large part of what fills its home, and
+    # a second home, which takes its runs by load, evens the homes' loads
+    # too. Lower, more prefixes get copies that the caches must make room
+    # for (docs/benchmarks.md, "Prefix placement on a skewed workload,
     # caches reported").
-    replica_load: float = 0.125
+    replica_load: float = 0.25
     # Half: a replica made at one run a home is dropped below half a run,
     # so a demand that wavers around the threshold does not make and drop
     # copies (each made is one full prefill).

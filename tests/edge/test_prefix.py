@@ -641,7 +641,7 @@ def hot_index(**kw: Any) -> PrefixIndex:
     return PrefixIndex(max_bytes=10_000 * ENTRY_BYTES, **kw)
 
 
-def wanted(index: PrefixIndex, blocks: list[bytes], slots: int = 8) -> int:
+def wanted(index: PrefixIndex, blocks: list[bytes], slots: int = 4) -> int:
     """The homes the default replica keys want for ``blocks`` on ``slots``-slot homes."""
     s = SchedulerSettings()
     return index.homes_wanted(blocks, slots, s.replica_load, s.replica_drop, s.replica_min_prompts)
@@ -747,7 +747,7 @@ async def test_a_replica_is_chosen_where_it_evicts_least(
 
 
 def test_a_replica_is_dropped_when_demand_falls_not_before() -> None:
-    """A prefix that keeps more than an eighth of its home's 8 slots busy
+    """A prefix that keeps more than a quarter of its home's 4 slots busy
     (one run: its share of the recent prompts times the runs in flight)
     wants a second home; it keeps it until one home would carry less than
     half that, so a demand between the two neither makes nor drops one."""
@@ -924,4 +924,47 @@ async def test_a_reloaded_placement_places_the_next_run(
         for r in runs:
             r.cancel(CancelReason.CLIENT_DISCONNECT)
             await drain_events(r)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_replica_is_dropped_at_placement_when_its_prefix_cools(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The support prompt's runs piled up on a and made b a replica. Then
+    forty other prompts come, one at a time: the support prompt's share of
+    the recent prompts falls, and at its next run placement drops the
+    replica; the admin view counts one made and one dropped."""
+    cfg = prefix_config(replica_load=0.125, replica_min_prompts=3)
+    async with open_edge_core(cfg) as core, trio.open_nursery() as nursery:  # type: ignore[arg-type]
+        nodes = {n: await connect(core, nursery, [caps(slots=4)], n) for n in "abc"}
+        blocks = core.scheduler.placement.prompt_blocks(chat(SYSTEM, "q"))
+
+        async def start(system: str, run_id: str) -> Run:
+            run = core.start_run(spec(chat(system, run_id), run_id))
+            await trio.testing.wait_all_tasks_blocked()
+            return run
+
+        async def stop(run: Run) -> None:
+            run.cancel(CancelReason.CLIENT_DISCONNECT)
+            await drain_events(run)
+            for node in nodes.values():  # the fake nodes' inboxes are bounded
+                while True:
+                    try:
+                        node.assigns.receive_nowait()
+                    except trio.WouldBlock:
+                        break
+
+        piled = [await start(SYSTEM, f"s{k}") for k in range(3)]
+        assert core.scheduler.prefixes.homes(blocks) == [("a", "i0"), ("b", "i0")]
+        for run in piled:
+            await stop(run)
+        for k in range(40):
+            await stop(await start(f"You are poet number {k}. " * 40, f"p{k}"))
+        assert core.scheduler.prefixes.homes(blocks) == [("a", "i0"), ("b", "i0")]
+        last = await start(SYSTEM, "s3")
+        assert where(nodes, "s3") == "a"
+        assert core.scheduler.prefixes.homes(blocks) == [("a", "i0")]
+        index = core.snapshot()["routing"]["prefix_index"]  # type: ignore[index]
+        assert (index["replicas_made"], index["replicas_dropped"], index["replicas"]) == (1, 1, 0)
+        await stop(last)
         nursery.cancel_scope.cancel()
