@@ -968,3 +968,49 @@ async def test_a_replica_is_dropped_at_placement_when_its_prefix_cools(
         assert (index["replicas_made"], index["replicas_dropped"], index["replicas"]) == (1, 1, 0)
         await stop(last)
         nursery.cancel_scope.cancel()
+
+
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["route", "add", "drop", "bound", "forget"]),
+            st.sampled_from([("n", "a"), ("n", "b"), ("m", "c")]),
+            st.lists(st.sampled_from([b"1", b"2", b"3", b"4"]), min_size=1, max_size=3),
+            st.integers(0, 4),
+        ),
+        max_size=60,
+    ),
+    max_entries=st.integers(min_value=0, max_value=16),
+)
+def test_homes_and_replicas_keep_their_books_whatever_happens(
+    ops: list[tuple[str, tuple[str, str], list[bytes], int]], max_entries: int
+) -> None:
+    """Replicas made and dropped among routes, bounds and nodes leaving: the
+    index stays within its bytes, every home has an instance that holds its
+    block, the replicas counted are the homes' beyond the first, and each
+    instance's demand is its homes' shares."""
+    index = PrefixIndex(max_bytes=max_entries * (ENTRY_BYTES + HOME_BYTES // 2))
+    for op, where, blocks, n in ops:
+        if op == "route":
+            index.routed(where, blocks, busy=float(n))
+        elif op == "add":
+            index.add_home(blocks, where)
+        elif op == "drop":
+            index.drop_home(blocks)
+        elif op == "bound":
+            index.bound(where, n)
+        else:
+            index.forget(where[0])
+        assert index.size_bytes <= index.max_bytes
+        homes = index._homes
+        assert index.replica_count == sum(len(h.wheres) - 1 for h in homes.values())
+        shares: dict[tuple[str, str], float] = {}
+        for block, home in homes.items():
+            assert home.wheres
+            assert len(set(home.wheres)) == len(home.wheres)
+            assert any(index.matched(w, [block]) for w in home.wheres)
+            for w in home.wheres:
+                shares[w] = shares.get(w, 0.0) + home.demand / len(home.wheres)
+        for w in index._demand.keys() | shares.keys():
+            want = shares.get(w, 0.0)
+            assert index._demand.get(w, 0.0) == pytest.approx(want, rel=1e-6, abs=1e-6)
