@@ -101,6 +101,10 @@ EDGE_RULES: Final[Rules] = {
     "scheduler.prefix_block_chars": RESTART,
     "scheduler.prefix_index_bytes": RESTART,
     "scheduler.prefix_chars_per_token": RESTART,
+    # The prefix index is built with them (Placement.__init__).
+    "scheduler.prefix_demand_half_life": RESTART,
+    "scheduler.prefix_count_slack_s": RESTART,
+    "scheduler.prefix_trim_share": RESTART,
     "scheduler.load_stale_s": RESTART,
     "deadlines": LIVE,
     "responses": RESTART,

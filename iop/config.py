@@ -1455,6 +1455,26 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             instance holds none of when the instance's cache is full of
             reused blocks (in proportion to the share it lacks and to how
             full the cache is: ``PrefixIndex.fill``).
+        replica_load: With ``prefix`` placement, a prompt's prefix gets
+            another home (a replica, chosen where its cache has room and
+            its load is low) when the runs its recent demand keeps in
+            flight (its share of the recent prompts times the runs in
+            flight) are more than this share of a home's slots per home it
+            has. ``0``: no replicas.
+        replica_drop: A replica is dropped when the prefix's runs per home,
+            with one home fewer, would be below ``replica_load`` times this
+            (hysteresis: 0 to below 1).
+        replica_min_prompts: A prefix with fewer recent prompts than this
+            (its count, decayed as its demand is) gets no replica: a few
+            prompts are no evidence of its share.
+        prefix_demand_half_life: A routed prompt's weight in its prefix's
+            demand halves every this many prompts routed after it.
+        prefix_count_slack_s: The prompts routed up to this long before an
+            engine's count of its cache was taken may be missing from it:
+            the count does not trim them from the prefix index.
+        prefix_trim_share: An engine's count of what its cache holds trims
+            the prefix index only when it leaves at most this share of what
+            the index claims there (1: whenever it is below).
         load_stale_s: A node's load report (or the engine figures in it)
             older than this is ignored: the instance is scored on the
             edge's own count, never as full. Told to nodes, which repeat
@@ -1550,6 +1570,32 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
     # its home is half its slots busier (4 runs of 8), so a copy made in a
     # burst is not kept warm in a cache that other prefixes need.
     home_weight: float = 0.5
+    # A quarter of a home's slots (two runs of 8): a prefix that alone
+    # keeps that many in flight is a large part of what fills its home, and
+    # a second home, which takes its runs by load, evens the homes' loads
+    # too. Lower, more prefixes get copies that the caches must make room
+    # for (docs/benchmarks.md, "Prefix placement on a skewed workload,
+    # caches reported").
+    replica_load: float = 0.25
+    # Half: a replica made at one run a home is dropped below half a run,
+    # so a demand that wavers around the threshold does not make and drop
+    # copies (each made is one full prefill).
+    replica_drop: float = 0.5
+    # 16 prompts: a share measured on them is within about a quarter
+    # (1/sqrt(16)) of the truth.
+    replica_min_prompts: int = 16
+    # 1024 prompts (a minute or two of a busy edge): long enough to tell a
+    # popular prefix from a burst, short enough to follow a shift in what
+    # is popular.
+    prefix_demand_half_life: int = 1024
+    # A count is stamped when the node's scrape ended, and a prompt the
+    # edge routed reaches the engine through the node some time later; on
+    # a loaded host both take hundreds of milliseconds.
+    prefix_count_slack_s: float = 1.0
+    # Half: within it the size bound models the engine's LRU better than a
+    # count taken at another moment than the routing (docs/benchmarks.md,
+    # "Prefix placement on a skewed workload, caches reported").
+    prefix_trim_share: float = 0.5
     # 5 s: a node repeats its report every 1.7 s and scrapes its engine
     # every second (instance load_scrape_interval_s), so a live node's
     # figures are never this old; a node whose reports or scrapes stopped
@@ -1621,6 +1667,18 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             raise ValueError("placement weights must be >= 0")
         if not self.load_stale_s > 0:
             raise ValueError("load_stale_s must be > 0")
+        if not 0 <= self.replica_load <= 1:
+            raise ValueError("replica_load must be within 0 and 1")
+        if not 0 <= self.replica_drop < 1:
+            raise ValueError("replica_drop must be >= 0 and < 1")
+        if not 1 <= self.replica_min_prompts <= 1_000_000:
+            raise ValueError("replica_min_prompts must be between 1 and 1000000")
+        if not 1 <= self.prefix_demand_half_life <= 10_000_000:
+            raise ValueError("prefix_demand_half_life must be between 1 and 10000000")
+        if not 0 <= self.prefix_count_slack_s <= self.load_stale_s:
+            raise ValueError("prefix_count_slack_s must be within 0 and load_stale_s")
+        if not 0 < self.prefix_trim_share <= 1:
+            raise ValueError("prefix_trim_share must be > 0 and <= 1")
         if self.balance_load_threshold < 0 or self.balance_rel_threshold < 1:
             raise ValueError("balance_load_threshold must be >= 0, balance_rel_threshold >= 1")
         if self.max_queue_delay_s < 0:

@@ -50,6 +50,9 @@ def test_a_smoke_run_measures_every_cell(tmp_path: Path) -> None:
     # cached blocks; unique prompts never share one.
     assert shared["hit_rate"] > 0
     assert unique["hit_rate"] == 0
+    # The prefix index as the edge's admin view showed it at the cell's end.
+    assert shared["prefix_index"]["entries"] > 0
+    assert {"homes", "replicas", "replicas_made", "replicas_dropped"} <= set(shared["prefix_index"])
     assert unique["instances_per_tenant"] is None
     # Every process was stopped.
     assert not any(p.alive for p in _procs_of(tmp_path))

@@ -94,6 +94,13 @@ EDGE_TABLE: list[tuple[str, dict[str, Any], list[str], list[str]]] = [
         [],
         ["scheduler.prefix_index_bytes"],
     ),
+    (
+        "the demand's half-life",
+        {"scheduler": {"prefix_demand_half_life": 64}},
+        [],
+        ["scheduler.prefix_demand_half_life"],
+    ),
+    ("a replica key", {"scheduler": {"replica_load": 0.5}}, ["scheduler.replica_load"], []),
     ("a deadline", {"deadlines": {"idle_timeout_s": 5.0}}, ["deadlines.idle_timeout_s"], []),
     ("the store", {"responses": {"store_ttl_s": 5.0}}, [], ["responses.store_ttl_s"]),
     ("the timeline ring", {"timelines": {"recent": 5}}, [], ["timelines.recent"]),

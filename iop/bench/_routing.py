@@ -233,6 +233,10 @@ def _cell(
         samples = trio.run(drive, url, reqs, opts.client_timeout_s, sessions)
     cpu = window.stop()
     after = _sim_counters(urls)
+    # The prefix index at the cell's end: its homes, and the replicas made
+    # and dropped over the cell (docs/operations.md, "What the caches hold").
+    with httpx.Client(timeout=5.0, trust_env=False) as c:
+        routing = c.get(url + "/admin/nodes").json().get("routing", {})
     stack.stop(node)
     stack.stop(edge)  # flushes the timelines' export
     placements = placements_of(export)
@@ -253,6 +257,7 @@ def _cell(
         **cell_figures(samples, placements),
         "misses_per_window": misses_per_window(samples, opts.window_s),
         "sim_metrics_hit_rate": round(hits / queries, 4) if queries else None,
+        "prefix_index": routing.get("prefix_index"),
         "wall_s": round(cpu["wall_s"], 2),
         "cpu_s": cpu["cpu_s"],
         "foreign_cpu_pct": cpu["foreign_cpu_pct_of_core"],

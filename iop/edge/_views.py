@@ -102,6 +102,7 @@ def routing_view(edge: EdgeState) -> dict[str, object]:
     """The scheduler's policy, its weights and the prefix index's size."""
     s = edge.config.scheduler
     prefixes = edge.scheduler.prefixes
+    placement = edge.scheduler.placement
     return {
         "placement": s.placement,
         "affinity": s.affinity,
@@ -118,6 +119,13 @@ def routing_view(edge: EdgeState) -> dict[str, object]:
             "entries": len(prefixes),
             "max_entries": prefixes.max_entries,
             "evicted": prefixes.evicted,
+            "bytes": prefixes.size_bytes,
+            # Prompts' homes, their replicas now, and replicas made and
+            # dropped so far (docs/operations.md, "What the caches hold").
+            "homes": prefixes.home_count,
+            "replicas": prefixes.replica_count,
+            "replicas_made": placement.replicas_made,
+            "replicas_dropped": placement.replicas_dropped,
         },
         # Per instance: the blocks the index claims its cache holds, and the
         # bound its reported cache size sets (None: none reported).

@@ -154,6 +154,11 @@ async def test_drains_are_a_gauge_and_routing_is_in_the_snapshot(
             "entries": 0,
             "max_entries": core.scheduler.prefixes.max_entries,
             "evicted": 0,
+            "bytes": 0,
+            "homes": 0,
+            "replicas": 0,
+            "replicas_made": 0,
+            "replicas_dropped": 0,
         }
         nursery.cancel_scope.cancel()
 

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 from iop.config import SchedulerSettings
 from iop.edge import open_edge_core
 from iop.edge.scheduler._prefix import (
-    COUNT_SLACK_S,
-    DEMAND_GROWTH,
     ENTRY_BYTES,
+    HOME_BYTES,
+    REPLICA_BYTES,
     PrefixIndex,
     prompt_blocks,
 )
@@ -30,6 +30,9 @@ from iop.spec import ChatRequest, CompletionRequest, EmbeddingRequest, Execution
 from tests.edge.test_core import FakeNode, caps, config, connect, drain_events, frame
 
 SYSTEM = "You are the support agent of ACME. Answer briefly and politely. " * 20
+# The index's tuning numbers, at the config's defaults.
+COUNT_SLACK_S = SchedulerSettings().prefix_count_slack_s
+DEMAND_GROWTH = 2 ** (1 / SchedulerSettings().prefix_demand_half_life)
 
 
 def chat(system: str, user: str) -> ChatRequest:
@@ -64,7 +67,7 @@ def test_the_index_matches_leading_blocks_and_forgets_a_node() -> None:
 
 
 def test_the_index_is_bounded_least_recently_routed_first() -> None:
-    index = PrefixIndex(max_bytes=4 * ENTRY_BYTES)
+    index = PrefixIndex(max_bytes=4 * ENTRY_BYTES + 2 * HOME_BYTES)  # two prompts' homes
     index.routed(("n", "i"), [b"1", b"2", b"3"])
     index.routed(("n", "i"), [b"1"])  # 1 is now the most recent
     index.routed(("n", "i"), [b"4", b"5"])  # 2 goes
@@ -350,17 +353,18 @@ def test_reused_blocks_fill_a_cache_and_blocks_routed_once_half() -> None:
         ),
         max_size=60,
     ),
-    max_entries=st.integers(min_value=0, max_value=10),
+    max_entries=st.integers(min_value=0, max_value=20),
 )
 def test_the_index_counts_reused_blocks_as_a_plain_lru_model_does(
     ops: list[tuple[str, str, object]], max_entries: int
 ) -> None:
     """The index against a model written plainly: one LRU list across
-    instances (at most ``max_entries``), one per instance (at most its
+    instances (within the bytes, homes counted), one per instance (at most its
     bound), each block flagged when routed there again while held, and a
     prompt's first block homed where it first went, while held there, and
     moved where a prompt went when its demand evens the two instances'."""
-    index = PrefixIndex(max_bytes=max_entries * ENTRY_BYTES)
+    max_bytes = max_entries * ENTRY_BYTES
+    index = PrefixIndex(max_bytes=max_bytes)
     order: list[tuple[str, bytes]] = []  # the global LRU, oldest first
     reused: dict[tuple[str, bytes], bool] = {}
     bounds: dict[str, int] = {}
@@ -400,8 +404,6 @@ def test_the_index_counts_reused_blocks_as_a_plain_lru_model_does(
                     reused[key] = was
                 if name in bounds:
                     trim(name, bounds[name])
-                while len(order) > max_entries:
-                    drop(order[0])
                 if arg:
                     unit *= DEMAND_GROWTH
                     first, held = arg[0], (name, arg[0]) in reused
@@ -414,6 +416,9 @@ def test_the_index_counts_reused_blocks_as_a_plain_lru_model_does(
                         gap = demand(home) - demand(name)
                         if held and home != name and gap > mine * (1 + 1e-9):
                             homes[first][0] = name
+                # Entries and homes within the bytes, least recently routed out first.
+                while order and len(order) * ENTRY_BYTES + len(homes) * HOME_BYTES > max_bytes:
+                    drop(order[0])
         elif op == "bound":
             assert isinstance(arg, int)
             index.bound(where, arg)
@@ -627,3 +632,385 @@ async def test_the_balance_rule_sends_a_run_to_another_copy_before_an_empty_inst
             r.cancel(CancelReason.CLIENT_DISCONNECT)
             await drain_events(r)
         nursery.cancel_scope.cancel()
+
+
+# --------------------------------------------------------------------------- replicas
+
+
+def hot_index(**kw: Any) -> PrefixIndex:
+    return PrefixIndex(max_bytes=10_000 * ENTRY_BYTES, **kw)
+
+
+def wanted(index: PrefixIndex, blocks: list[bytes], slots: int = 4) -> int:
+    """The homes the default replica keys want for ``blocks`` on ``slots``-slot homes."""
+    s = SchedulerSettings()
+    return index.homes_wanted(blocks, slots, s.replica_load, s.replica_drop, s.replica_min_prompts)
+
+
+async def test_a_prefix_whose_demand_fills_its_home_gets_a_replica_before_the_home_runs_full(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """One prompt's runs pile up on its home a (4 slots; runs stay in
+    flight). Once its recent prompts say it keeps more than ``replica_load``
+    of a's slots busy (an eighth: half a run), b becomes a second home,
+    while a still has a free slot. The next run, which the balance rule
+    sends away from a, warms b; from then on the prompt's runs go to the
+    less loaded of its homes, so b stays warm. With ``replica_load = 0``
+    the copy on b is a spill that a's home bonus outweighs: the prompt's
+    next run goes back to a, the busier."""
+    for replica_load, after in ((0.125, "b"), (0.0, "a")):
+        cfg = prefix_config(replica_load=replica_load, replica_min_prompts=3)
+        async with open_edge_core(cfg) as core, trio.open_nursery() as nursery:  # type: ignore[arg-type]
+            nodes = {n: await connect(core, nursery, [caps(slots=4)], n) for n in "abc"}
+            blocks = core.scheduler.placement.prompt_blocks(chat(SYSTEM, "q"))
+
+            async def start(run_id: str) -> Run:
+                run = core.start_run(spec(chat(SYSTEM, run_id), run_id))
+                await trio.testing.wait_all_tasks_blocked()
+                return run
+
+            runs = [await start(f"r{k}") for k in range(3)]
+            assert [where(nodes, f"r{k}") for k in range(3)] == ["a"] * 3
+            homes = core.scheduler.prefixes.homes(blocks)
+            assert homes == [("a", "i0"), ("b", "i0")][: 2 if replica_load else 1]
+            runs.append(await start("r3"))
+            assert where(nodes, "r3") == "b"
+            why = runs[3].timeline.placements[0].why
+            assert why == "least-loaded: in flight 3/4 against 0/4"
+            runs[0].cancel(CancelReason.CLIENT_DISCONNECT)
+            await drain_events(runs[0])
+            runs.append(await start("r4"))  # a has 2 of 4 busy, b 1
+            assert where(nodes, "r4") == after
+            assert runs[4].timeline.placements[0].why.startswith("prefix: best score")
+            for r in runs[1:]:
+                r.cancel(CancelReason.CLIENT_DISCONNECT)
+                await drain_events(r)
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_replica_is_chosen_where_it_evicts_least(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Three instances with caches of 40 blocks. a's cache is half full of
+    the support prompt's reused blocks; c's is empty, but c is busier (a run
+    of another edge's, its node says). The poet's prompts go to b, and their
+    demand soon wants a second home: it is c, where the copy evicts nothing
+    that prompts come back for. With no room term the poet's home is a (the
+    first of the idle), beside the support prefix, and its replica the idle
+    b, whatever either evicts."""
+    poet = "You are a poet. " * 10
+    support = "Be brief. " * 60  # 600 characters: 19 blocks of 32 with the JSON around it
+    for room_weight, home, replica in ((1.0, "b", "c"), (0.0, "a", "b")):
+        cfg = prefix_config(
+            prefix_block_chars=32,
+            prefix_chars_per_token=8.0,
+            room_weight=room_weight,
+            replica_load=0.125,
+            replica_min_prompts=1,
+        )
+        async with open_edge_core(cfg) as core, trio.open_nursery() as nursery:  # type: ignore[arg-type]
+            nodes = {n: await connect(core, nursery, [caps(slots=4)], n) for n in "abc"}
+
+            async def start(system: str, run_id: str) -> Run:
+                run = core.start_run(spec(chat(system, run_id), run_id))
+                await trio.testing.wait_all_tasks_blocked()
+                return run
+
+            for k in range(2):
+                run = await start(support, f"s{k}")
+                run.cancel(CancelReason.CLIENT_DISCONNECT)
+                await drain_events(run)
+            assert where(nodes, "s0") == where(nodes, "s1") == "a"
+            for name, node in nodes.items():
+                # 160 tokens at 8 characters a token: 40 blocks of 32 characters.
+                load = InstanceLoad(
+                    instance="i0",
+                    in_flight=1 if name == "c" else 0,
+                    queued=0,
+                    max_concurrency=4,
+                    max_queue=0,
+                    engine=EngineLoad(cache_tokens=160),
+                )
+                await node.chan.send(frame(LoadReport(instances=[load])))
+            await trio.testing.wait_all_tasks_blocked()
+            blocks = core.scheduler.placement.prompt_blocks(chat(poet, "p"))
+            first = await start(poet, "p0")
+            assert where(nodes, "p0") == home
+            assert core.scheduler.prefixes.homes(blocks) == [(home, "i0")]
+            second = await start(poet, "p1")
+            assert where(nodes, "p1") == home
+            assert core.scheduler.prefixes.homes(blocks) == [(home, "i0"), (replica, "i0")]
+            for run in (first, second):
+                run.cancel(CancelReason.CLIENT_DISCONNECT)
+                await drain_events(run)
+            nursery.cancel_scope.cancel()
+
+
+def test_a_replica_is_dropped_when_demand_falls_not_before() -> None:
+    """A prefix that keeps more than a quarter of its home's 4 slots busy
+    (one run: its share of the recent prompts times the runs in flight)
+    wants a second home; it keeps it until one home would carry less than
+    half that, so a demand between the two neither makes nor drops one."""
+    index = hot_index()
+    a, b, c = ("n", "a"), ("n", "b"), ("n", "c")
+    hot = [b"hot", b"tail"]
+    for _ in range(16):  # every prompt the hot one's, 1.5 runs in flight
+        index.routed(a, hot, busy=1.5)
+    assert index.prompts(hot) == pytest.approx(16, rel=0.01)
+    assert index.runs(hot) == pytest.approx(1.5)
+    assert wanted(index, hot) == 2
+    assert index.add_home(hot, b)
+    assert not index.add_home(hot, b)  # already one
+    assert index.homes(hot) == [a, b]
+    assert wanted(index, hot) == 2  # 0.75 runs a home: no third
+    # Other prompts come: the hot one's share falls. At 0.75 runs (between
+    # half a run and one) a prefix with one home wants no second, and one
+    # with two keeps it.
+    other = 0
+    while index.runs(hot) > 0.75:
+        index.routed(c, [b"o%d" % other], busy=1.5)
+        other += 1
+    assert wanted(index, hot) == 2
+    assert index.drop_home(hot) == b
+    assert index.homes(hot) == [a]
+    assert wanted(index, hot) == 1
+    index.add_home(hot, b)
+    while index.runs(hot) >= 0.5:
+        index.routed(c, [b"o%d" % other], busy=1.5)
+        other += 1
+    assert wanted(index, hot) == 1
+    assert index.drop_home(hot) == b
+    assert index.drop_home(hot) is None  # the first home stays
+    assert index.homes(hot) == [a]
+
+
+def test_a_prefix_seen_a_few_times_gets_no_replica() -> None:
+    """Two prompts of a prefix are no evidence of its share: below
+    ``replica_min_prompts`` recent prompts it wants its one home."""
+    index = hot_index()
+    a = ("n", "a")
+    index.routed(a, [b"x"], busy=16.0)
+    index.routed(a, [b"x"], busy=16.0)
+    assert index.runs([b"x"]) == pytest.approx(16.0)
+    assert wanted(index, [b"x"]) == 1
+    assert index.homes_wanted([b"x"], 8, 0.125, 0.5, 2) == 2
+    assert index.homes_wanted([b"x"], 8, 0.0, 0.5, 2) == 1  # replicas off
+    assert index.homes_wanted([b"nowhere"], 8, 0.125, 0.5, 2) == 0
+
+
+def test_a_replicas_runs_are_not_counted_as_misses_by_the_index() -> None:
+    """A prompt that goes to a replica is its home's, not a spill from a
+    busy home: the home does not move. The same prompt to an instance that
+    is no home of it moves the home there (a's demand, two prefixes, is
+    more than the hot one's above b's)."""
+    for replicated in (True, False):
+        index = hot_index()
+        a, b = ("n", "a"), ("n", "b")
+        hot, cold = [b"hot", b"t"], [b"cold", b"t"]
+        for _ in range(4):
+            index.routed(a, hot)
+            index.routed(a, cold)
+        if replicated:
+            index.add_home(hot, b)
+        index.routed(b, hot)
+        assert index.homes(hot) == ([a, b] if replicated else [b])
+        assert index.homes(cold) == [a]
+
+
+def test_a_replica_that_loses_the_prefix_stops_being_a_home() -> None:
+    """Homes are instances that hold the prefix's first block (or are about
+    to: a new replica): one that evicts it is no home; when the primary
+    does, the replica is the home; a node that leaves takes its homes."""
+    index = hot_index()
+    a, b = ("n", "a"), ("m", "b")
+    hot = [b"hot", b"t"]
+    index.routed(a, hot)
+    index.add_home(hot, b)
+    index.routed(b, hot)
+    index.bound(a, 0)
+    assert index.homes(hot) == [b]
+    index.bound(a, 10)
+    index.routed(a, hot)
+    index.add_home(hot, a)
+    assert index.homes(hot) == [b, a]
+    index.forget("m")
+    assert index.homes(hot) == [a]
+    # A replica that never held it goes with its node too.
+    index.add_home(hot, b)
+    index.forget("m")
+    assert index.homes(hot) == [a]
+
+
+def test_a_home_costs_at_most_home_bytes() -> None:
+    index = PrefixIndex(max_bytes=10**9)
+    prompts = [[b"%015d" % i] for i in range(4000)]
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for blocks in prompts:
+        index.routed(("node-with-a-long-id", "instance"), blocks)
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+    assert len(index) == index.home_count == 4000
+    assert grown / 4000 <= ENTRY_BYTES + HOME_BYTES
+    tracemalloc.start()
+    before = tracemalloc.take_snapshot()
+    for blocks in prompts:
+        index.add_home(blocks, ("another-node", "instance"))
+    after = tracemalloc.take_snapshot()
+    tracemalloc.stop()
+    grown = sum(stat.size_diff for stat in after.compare_to(before, "filename"))
+    assert index.replica_count == 4000
+    assert grown / 4000 <= REPLICA_BYTES
+
+
+def test_homes_count_in_the_index_bytes() -> None:
+    """Prompts of one block each make one home each: the index holds no more
+    of them than ``prefix_index_bytes`` pays for with their homes (without:
+    ENTRY_BYTES a prompt, about 1.8 times the cap in memory)."""
+    cap = 10 * (ENTRY_BYTES + HOME_BYTES)
+    index = PrefixIndex(max_bytes=cap)
+    for i in range(40):
+        index.routed(("n", "a"), [b"p%d" % i])
+    assert len(index) == index.home_count == 10
+    assert index.size_bytes <= cap
+    assert index.homes([b"p39"]) == [("n", "a")]
+    assert index.homes([b"p29"]) == []
+    index.add_home([b"p39"], ("n", "b"))  # a replica costs its place too
+    assert index.size_bytes <= cap
+    assert len(index) == 9
+
+
+def test_a_demand_halves_every_half_life_prompts() -> None:
+    """``prefix_demand_half_life``: a prompt's weight in its home's demand
+    halves every so many prompts routed after it."""
+    for half_life in (4, 1024):
+        index = hot_index(demand_half_life=half_life)
+        index.routed(("n", "a"), [b"x"])
+        for i in range(4):
+            index.routed(("n", "a"), [b"y%d" % i])
+        assert index.prompts([b"x"]) == pytest.approx(0.5 if half_life == 4 else 1, rel=0.01)
+
+
+def test_a_count_trims_only_below_its_share_of_the_claims() -> None:
+    """``prefix_trim_share``: a count of what an engine holds trims the
+    index when it leaves at most that share of what the index claims there
+    (a half by default; 1: at any count below the claims)."""
+    for share, left in ((0.5, 4), (1.0, 3)):
+        index = hot_index(trim_share=share)
+        a = ("n", "a")
+        index.routed(a, [b"1", b"2", b"3", b"4"], now=0.0)
+        index.trim(a, 3, taken_at=10.0, now=10.0)
+        assert len(index) == left
+
+
+async def test_a_reloaded_placement_places_the_next_run(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``[scheduler]`` is live on a reload (docs/configuration.md): the next
+    run is placed by the new keys, not by those the edge started with."""
+    cfg = config(scheduler=SchedulerSettings(max_queue=8, placement="least_loaded"))
+    async with open_edge_core(cfg) as core, trio.open_nursery() as nursery:
+        await connect(core, nursery, [caps(slots=4)], "a")
+        runs = [core.start_run(spec(chat(SYSTEM, "q0"), "r0"))]
+        await trio.testing.wait_all_tasks_blocked()
+        core.apply_config(prefix_config(replica_load=0.5))  # type: ignore[arg-type]
+        assert core.scheduler.placement.settings.replica_load == 0.5
+        runs.append(core.start_run(spec(chat(SYSTEM, "q1"), "r1")))
+        await trio.testing.wait_all_tasks_blocked()
+        whys = [r.timeline.placements[0].why for r in runs]
+        assert whys[0] == "least-loaded"
+        assert whys[1].startswith("prefix: best score")
+        for r in runs:
+            r.cancel(CancelReason.CLIENT_DISCONNECT)
+            await drain_events(r)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_replica_is_dropped_at_placement_when_its_prefix_cools(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The support prompt's runs piled up on a and made b a replica. Then
+    forty other prompts come, one at a time: the support prompt's share of
+    the recent prompts falls, and at its next run placement drops the
+    replica; the admin view counts one made and one dropped."""
+    cfg = prefix_config(replica_load=0.125, replica_min_prompts=3)
+    async with open_edge_core(cfg) as core, trio.open_nursery() as nursery:  # type: ignore[arg-type]
+        nodes = {n: await connect(core, nursery, [caps(slots=4)], n) for n in "abc"}
+        blocks = core.scheduler.placement.prompt_blocks(chat(SYSTEM, "q"))
+
+        async def start(system: str, run_id: str) -> Run:
+            run = core.start_run(spec(chat(system, run_id), run_id))
+            await trio.testing.wait_all_tasks_blocked()
+            return run
+
+        async def stop(run: Run) -> None:
+            run.cancel(CancelReason.CLIENT_DISCONNECT)
+            await drain_events(run)
+            for node in nodes.values():  # the fake nodes' inboxes are bounded
+                while True:
+                    try:
+                        node.assigns.receive_nowait()
+                    except trio.WouldBlock:
+                        break
+
+        piled = [await start(SYSTEM, f"s{k}") for k in range(3)]
+        assert core.scheduler.prefixes.homes(blocks) == [("a", "i0"), ("b", "i0")]
+        for run in piled:
+            await stop(run)
+        for k in range(40):
+            await stop(await start(f"You are poet number {k}. " * 40, f"p{k}"))
+        assert core.scheduler.prefixes.homes(blocks) == [("a", "i0"), ("b", "i0")]
+        last = await start(SYSTEM, "s3")
+        assert where(nodes, "s3") == "a"
+        assert core.scheduler.prefixes.homes(blocks) == [("a", "i0")]
+        index = core.snapshot()["routing"]["prefix_index"]  # type: ignore[index]
+        assert (index["replicas_made"], index["replicas_dropped"], index["replicas"]) == (1, 1, 0)
+        await stop(last)
+        nursery.cancel_scope.cancel()
+
+
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["route", "add", "drop", "bound", "forget"]),
+            st.sampled_from([("n", "a"), ("n", "b"), ("m", "c")]),
+            st.lists(st.sampled_from([b"1", b"2", b"3", b"4"]), min_size=1, max_size=3),
+            st.integers(0, 4),
+        ),
+        max_size=60,
+    ),
+    max_entries=st.integers(min_value=0, max_value=16),
+)
+def test_homes_and_replicas_keep_their_books_whatever_happens(
+    ops: list[tuple[str, tuple[str, str], list[bytes], int]], max_entries: int
+) -> None:
+    """Replicas made and dropped among routes, bounds and nodes leaving: the
+    index stays within its bytes, every home has an instance that holds its
+    block, the replicas counted are the homes' beyond the first, and each
+    instance's demand is its homes' shares."""
+    index = PrefixIndex(max_bytes=max_entries * (ENTRY_BYTES + HOME_BYTES // 2))
+    for op, where, blocks, n in ops:
+        if op == "route":
+            index.routed(where, blocks, busy=float(n))
+        elif op == "add":
+            index.add_home(blocks, where)
+        elif op == "drop":
+            index.drop_home(blocks)
+        elif op == "bound":
+            index.bound(where, n)
+        else:
+            index.forget(where[0])
+        assert index.size_bytes <= index.max_bytes
+        homes = index._homes
+        assert index.replica_count == sum(len(h.wheres) - 1 for h in homes.values())
+        shares: dict[tuple[str, str], float] = {}
+        for block, home in homes.items():
+            assert home.wheres
+            assert len(set(home.wheres)) == len(home.wheres)
+            assert any(index.matched(w, [block]) for w in home.wheres)
+            for w in home.wheres:
+                shares[w] = shares.get(w, 0.0) + home.demand / len(home.wheres)
+        for w in index._demand.keys() | shares.keys():
+            want = shares.get(w, 0.0)
+            assert index._demand.get(w, 0.0) == pytest.approx(want, rel=1e-6, abs=1e-6)

@@ -114,8 +114,17 @@ class Placement:
         # What each instance's prefix cache probably holds (``placement = "prefix"``).
         # What an engine's count may lack is what was routed since it was
         # taken; a count older than load_stale_s is not used.
-        self.prefixes = PrefixIndex(settings.prefix_index_bytes, settings.load_stale_s)
+        self.prefixes = PrefixIndex(
+            settings.prefix_index_bytes,
+            settings.load_stale_s,
+            count_slack_s=settings.prefix_count_slack_s,
+            demand_half_life=settings.prefix_demand_half_life,
+            trim_share=settings.prefix_trim_share,
+        )
         self._random = random.Random()
+        # Replicas made, and dropped as their prefix's demand fell (``_tend_homes``).
+        self.replicas_made = 0
+        self.replicas_dropped = 0
 
     def occupancy(self, inst: InstanceState, now: float) -> float:
         """The runs ``inst`` is busy with, as placement scores it.
@@ -236,7 +245,12 @@ class Placement:
         if affinity is not None:
             self._remember(affinity, where)
         if prefix:
-            self.prefixes.routed(where, prefix, trio.current_time())
+            # The runs in flight, this one counted: with the prompts' shares,
+            # how many runs each prefix keeps busy (``PrefixIndex.runs``).
+            busy = sum(i.in_flight for _, i in self.registry.instances())
+            self.prefixes.routed(where, prefix, trio.current_time(), busy)
+            if placement == "prefix":
+                self._tend_homes(model, operation, prefix)
         return Placed(conn, inst, why, scores, candidates)
 
     def pick_overflow(
@@ -283,6 +297,54 @@ class Placement:
         ]
         return Placed(conn, inst, why, {}, candidates)
 
+    def _tend_homes(self, model: str, operation: str, prefix: Sequence[bytes]) -> None:
+        """Give the prompt's prefix another home, or take its newest replica
+        away, as its demand wants (``PrefixIndex.homes_wanted``, on the
+        slots of its first home): a replica goes where its copy evicts the
+        least that matters and the load is lowest (the placement score's
+        room and load terms, for a prompt held nowhere)."""
+        s = self.settings
+        homes = self.prefixes.homes(prefix)
+        if not homes:
+            return
+        now = trio.current_time()
+        others: list[tuple[tuple[str, str], InstanceState]] = []
+        slots = 0
+        for conn, inst in self.candidates(model, frozenset(), operation):
+            where = (conn.node_id, inst.caps.instance)
+            if where == homes[0]:
+                slots = inst.caps.max_concurrency
+            elif where not in homes:
+                others.append((where, inst))
+        if not slots:
+            return  # its first home is gone or drained: it is placed anew
+        want = self.prefixes.homes_wanted(
+            prefix, slots, s.replica_load, s.replica_drop, s.replica_min_prompts
+        )
+        if want < len(homes):
+            self.prefixes.drop_home(prefix)
+            self.replicas_dropped += 1
+            return
+        if want <= len(homes) or not others:
+            return
+        fills = [self.prefixes.fill(where) for where, _ in others]
+        known = [f for f in fills if f is not None]
+        usual = sum(known) / len(known) if known else 0.0
+
+        def score(k: int) -> float:
+            inst = others[k][1]
+            fill = fills[k]
+            return (
+                -s.room_weight * (usual if fill is None else fill)
+                - s.load_weight * self.occupancy(inst, now) / max(inst.caps.max_concurrency, 1)
+                - s.kv_weight * self.kv_usage(inst, now)
+            )
+
+        # Ties go to the first candidate (the registry's order).
+        best = max(range(len(others)), key=lambda k: (score(k), -k))
+        if self.prefixes.add_home(prefix, others[best][0]):
+            self.replicas_made += 1
+
     def _by_prefix(
         self,
         free: list[tuple[NodeConnection, InstanceState]],
@@ -315,7 +377,7 @@ class Placement:
         fills = [self.prefixes.fill(where) for where in wheres] if prefix else []
         known = [f for f in fills if f is not None]
         usual = sum(known) / len(known) if known else 0.0
-        home = self.prefixes.home(prefix)
+        homes = self.prefixes.homes(prefix)
         scores: dict[str, float] = {}
         raw: list[float] = []
         best: tuple[float, int, NodeConnection, InstanceState] | None = None
@@ -323,18 +385,24 @@ class Placement:
         for i, (conn, inst) in enumerate(free):
             where = wheres[i]
             matched = self.prefixes.matched(where, prefix) / len(prefix) if prefix else 0.0
+            home = where in homes
+            # A replica that holds none of the prompt yet is where its runs
+            # go when its homes are full or too busy (a miss either way):
+            # its room was weighed when it was chosen.
+            cold = home and matched == 0.0
             load = loads[i]
             if idlest is None or load < loads[idlest]:
                 idlest = i
-            # The home's copy goes first: another copy, made while the home
-            # was busy, serves only while it is busy.
-            home_bonus = s.home_weight if where == home else 0.0
+            # The homes' copies go first (their load decides among them):
+            # another copy, made while they were busy, serves only while
+            # they are busy.
+            home_bonus = s.home_weight if home else 0.0
             score = (
                 (s.prefix_weight + home_bonus) * matched
                 - s.load_weight * load
                 - s.kv_weight * self.kv_usage(inst, now)
             )
-            if prefix:
+            if prefix and not cold:
                 # The blocks it lacks evict what its cache holds, in
                 # proportion to how full that is with what matters.
                 fill = fills[i]
@@ -373,7 +441,10 @@ class Placement:
             if pick == idlest:
                 return conn, inst, f"least-loaded: {against}", scores
             return conn, inst, f"balance: {against}; best of the rest", scores
-        return conn, inst, f"prefix: best score {score:.3f} of {len(free)}", scores
+        why = f"prefix: best score {score:.3f} of {len(free)}"
+        if wheres[at] in homes and prefix and not self.prefixes.matched(wheres[at], prefix):
+            why += "; warms a new replica"
+        return conn, inst, why, scores
 
     def _remember(self, key: str, where: tuple[str, str]) -> None:
         self._affinity[key] = where

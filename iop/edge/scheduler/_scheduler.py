@@ -119,7 +119,7 @@ class Scheduler:
 
     def __init__(self, registry: NodeRegistry, settings: SchedulerSettings) -> None:
         self.registry = registry
-        self.settings = settings
+        self._settings = settings
         # Runs that left the queue, by how; and the last one (module docstring).
         self.exits: dict[QueueExit, int] = dict.fromkeys(QueueExit, 0)
         self.last_exit: QueueExitAt | None = None
@@ -160,6 +160,17 @@ class Scheduler:
         self._preemptible_ranks: Counter[int] = Counter()
         self.preempted = 0  # runs preempted (module docstring)
         self.overflowed = 0  # runs placed on an overflow seat (module docstring)
+
+    @property
+    def settings(self) -> SchedulerSettings:
+        return self._settings
+
+    @settings.setter
+    def settings(self, settings: SchedulerSettings) -> None:
+        """A reload's keys (``EdgeCore.apply_config``): placement reads them
+        from the next run on too. The prefix index keeps the keys it was
+        sized and tuned with (they need a restart)."""
+        self._settings = self.placement.settings = settings
 
     @property
     def queued(self) -> int:
