@@ -155,12 +155,14 @@ class NodeLinks:
         closes it too (``iop.runtime._local_link``).
         """
         edge_end, node_end = local_link_pair(send_timeout_s=self.config.link.heartbeat_timeout_s)
+        log.debug("in-process node link opened")
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self.handle, edge_end, IN_PROCESS_PEER, name="in-process link")
             try:
                 yield node_end
             finally:
                 node_end.abort()
+        log.debug("in-process node link ended (close %s)", node_end.close_code)
 
     async def _serve(self, chan: FrameChannel, session: EdgeSession, conn: NodeConnection) -> None:
         old = self.registry.add(conn)
