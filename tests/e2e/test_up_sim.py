@@ -192,7 +192,8 @@ def own_tcp_links(proc: Proc, url: str) -> list[Any]:
 def test_its_own_node_joins_in_process_and_other_nodes_over_the_network(tmp_path: Path) -> None:
     """``iop up``'s node joins its edge over an in-process link: it streams
     with no connection of the process to its own port, and /admin/nodes
-    shows the node's peer as ``in-process`` (docs/operations.md, "iop up").
+    shows the node's peer as ``in-process`` (docs/operations.md, "iop up's own
+    node").
     A node in another process still joins the same edge over the network."""
     config = {"edge": {"link": {"node_tokens": [TOKEN]}}}
     proc, url = start_up(tmp_path / "up", config=config)
