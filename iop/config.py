@@ -930,9 +930,9 @@ class NodeEdge(_Config, frozen=True, kw_only=True):
         tls_pin_certfile: The edge's own certificate file (PEM, a chain file
             too): its first certificate, the edge's, is the only one trusted,
             whoever signed it, and the host name is not checked (the edge
-            proves it holds that certificate's key). What ``iop up`` sets for
-            its node, which dials its own edge on loopback. Not with
-            ``tls_ca_file``.
+            proves it holds that certificate's key). For an edge dialled by
+            an address its certificate does not name (loopback, an IP). Not
+            with ``tls_ca_file``.
     """
 
     url: str

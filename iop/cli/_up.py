@@ -11,8 +11,13 @@ starts it, restarts it when it dies or hangs (``[embedded.supervise]``), and
 stops it; a server that dies never takes ``iop up`` with it. SIGUSR1 restarts
 it after a crash loop.
 
-The node dials the edge over loopback exactly as a remote node would, so what
-runs here is the distributed platform, not a shortcut.
+The node joins the edge as a remote node does (its hello, its token, the
+same sans-IO link sessions, credit and frame limits), but over an in-process
+link (``EdgeCore.open_local_link``): the same frames through bounded memory
+channels instead of a loopback WebSocket, with or without TLS (no socket, so
+nothing to encrypt). Other nodes join the same edge over the network as
+usual. What runs here is the distributed platform, minus the socket between
+two ends in one process (docs/architecture.md, "iop up").
 """
 
 from __future__ import annotations
@@ -85,8 +90,8 @@ def add_parser(sub: Any) -> None:
         "up",
         help="run edge + node + a backend in one process (a real tiny model by default)",
         description=(
-            "Run the whole platform in one process: the edge (OpenAI API), a node that "
-            "dials it over loopback, and the node's backends. Without [[instances]] in the "
+            "Run the whole platform in one process: the edge (OpenAI API), a node joined "
+            "to it in-process, and the node's backends. Without [[instances]] in the "
             "config, the node starts llama.cpp's server with SmolLM2-135M-Instruct (both "
             "from PyPI wheels), or the simulated backend if they are missing."
         ),
@@ -149,16 +154,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _node_config(cfg: UpConfig, link_url: str, instances: list[InstanceConfig]) -> NodeConfig:
-    """The node of ``iop up``: dialling its edge, serving ``cfg``'s instances
-    (or ``instances``, the embedded backend's, when it has none) and its
+    """The node of ``iop up``: joined to its edge (``link_url`` names it in
+    the node's logs; the link is in-process), serving ``cfg``'s instances (or
+    ``instances``, the embedded backend's, when it has none) and its
     on-demand models."""
-    # With TLS the node dials wss:// on loopback: it trusts the certificate
-    # its edge serves, whoever signed it and whatever host it names.
-    edge = NodeEdge(
-        url=link_url,
-        token=cfg.edge.link.node_tokens[0],
-        tls_pin_certfile=cfg.edge.server.tls_certfile if link_url.startswith("wss://") else None,
-    )
+    edge = NodeEdge(url=link_url, token=cfg.edge.link.node_tokens[0])
     return NodeConfig(
         node=msgspec.structs.replace(cfg.node, edges=[edge]),
         instances=cfg.instances or instances,
@@ -251,7 +251,12 @@ async def _up(cfg: UpConfig, args: argparse.Namespace) -> int:
                     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
                 ) -> None:
                     with node_scope:
-                        await agent.serve(task_status=task_status)
+                        # Its link to its edge, in memory: the same frames and
+                        # session as over a socket (iop.runtime._local_link).
+                        await agent.serve(
+                            connect=lambda _edge: handle.core.open_local_link(),
+                            task_status=task_status,
+                        )
 
                 await nursery.start(run_node)
                 with trio.move_on_after(NODE_READY_TIMEOUT_S):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Final
 
@@ -62,7 +62,7 @@ from iop.errors import ConfigError, ErrorCode, RequestError
 from iop.events import CancelReason, Usage
 from iop.ledger import Prices
 from iop.protocol import FrameChannel
-from iop.runtime import LinkClock, Run, RunSupervisor, open_run_supervisor
+from iop.runtime import LinkClock, LocalFrameChannel, Run, RunSupervisor, open_run_supervisor
 from iop.spec import ExecutionSpec, OperationRequest, Routing
 from iop.timeline import Timeline, TimelineRing
 from iop.tracing import RunTrace, Tracing
@@ -411,6 +411,11 @@ class EdgeCore:
         """Serve one node connection until it closes (``NodeLinks.handle``).
         Never raises (but Cancelled)."""
         await self.links.handle(chan, peer, on_open=on_open)
+
+    def open_local_link(self) -> AbstractAsyncContextManager[LocalFrameChannel]:
+        """A link from a node in this process (``iop up``'s own), over memory
+        instead of a socket (``NodeLinks.open_local``)."""
+        return self.links.open_local()
 
     # --- admin / lifecycle --------------------------------------------------------
 

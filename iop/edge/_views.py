@@ -151,6 +151,8 @@ def snapshot(edge: EdgeState) -> dict[str, object]:
             {
                 "id": conn.node_id,
                 "software": conn.software,
+                # host:port of its link, or "in-process" (iop up's own node).
+                "peer": conn.peer,
                 "connected_for_s": round(now - conn.connected_at, 1),
                 "draining": conn.draining,
                 "drained": drained_view(conn.node_id),

@@ -1,5 +1,5 @@
 """The Trio core: runs as supervised tasks, bounded channels, per-phase deadlines,
-the one driver of the edge <-> node link, and a server's garbage collector
+the one driver of the edge <-> node link and its in-process channel, and a server's garbage collector
 settings (``iop.runtime._heap``).
 
 See ``iop.runtime._run`` for the theory of operation of runs and
@@ -17,6 +17,12 @@ from iop.runtime._link import (
     SweptSession,
     Wakeup,
 )
+from iop.runtime._local_link import (
+    CLOSE_DROPPED,
+    LOCAL_LINK_FRAMES,
+    LocalFrameChannel,
+    local_link_pair,
+)
 from iop.runtime._run import (
     RUN_EVENT_BUFFER,
     EventSender,
@@ -33,7 +39,9 @@ from iop.runtime._run import (
 )
 
 __all__ = [
+    "CLOSE_DROPPED",
     "LIVENESS_RESOLUTION_S",
+    "LOCAL_LINK_FRAMES",
     "RUN_EVENT_BUFFER",
     "YOUNG_THRESHOLD",
     "Backpressure",
@@ -42,6 +50,7 @@ __all__ = [
     "LinkClock",
     "LinkDriver",
     "LinkSession",
+    "LocalFrameChannel",
     "Outlet",
     "PeerSilent",
     "Run",
@@ -52,6 +61,7 @@ __all__ = [
     "SweptSession",
     "Wakeup",
     "collect_run",
+    "local_link_pair",
     "new_run_id",
     "open_run_supervisor",
     "settle_heap",

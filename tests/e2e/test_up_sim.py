@@ -22,10 +22,13 @@ from iop.testing import UP_READY
 from tests.e2e._platform import (
     LOG_LINE,
     MODEL,
+    TOKEN,
     Proc,
     StreamResult,
     read_more,
     read_stream,
+    start_node,
+    start_sim,
     toml_dumps,
 )
 
@@ -173,11 +176,57 @@ def test_the_root_url_points_to_the_api_the_admin_view_and_the_docs(tmp_path: Pa
         proc.stop()
 
 
-def test_with_tls_its_own_node_joins_over_wss_and_clients_get_https(tmp_path: Path) -> None:
-    """``server.tls_*`` on ``iop up``: its node dials its own edge over
-    ``wss://`` on loopback and must trust that edge's certificate, whoever
-    signed it and whatever names it has (here: a leaf of an intermediate CA,
-    for another host name, served as a chain file), while clients verify it
+def own_tcp_links(proc: Proc, url: str) -> list[Any]:
+    """The TCP connections ``proc`` holds to its own API port (a node of its
+    own dialling it would hold one)."""
+    import psutil
+
+    port = int(url.rsplit(":", 1)[1])
+    return [
+        c
+        for c in psutil.Process(proc.pid).net_connections(kind="tcp")
+        if c.raddr and c.raddr.port == port
+    ]
+
+
+def test_its_own_node_joins_in_process_and_other_nodes_over_the_network(tmp_path: Path) -> None:
+    """``iop up``'s node joins its edge over an in-process link: it streams
+    with no connection of the process to its own port, and /admin/nodes
+    shows the node's peer as ``in-process`` (docs/operations.md, "iop up's own
+    node").
+    A node in another process still joins the same edge over the network."""
+    config = {"edge": {"link": {"node_tokens": [TOKEN]}}}
+    proc, url = start_up(tmp_path / "up", config=config)
+    sim = start_sim(tmp_path / "sim")
+    try:
+        with client(url) as c:
+            result = read_stream(
+                c.chat.completions.create(model=MODEL, messages=MESSAGES, stream=True)
+            )
+        assert result.content, proc.logs()
+        assert own_tcp_links(proc, url) == [], proc.logs()
+        nodes = httpx.get(f"{url}/admin/nodes", timeout=30).json()["nodes"]
+        assert [n["peer"] for n in nodes] == ["in-process"], nodes
+        link_url = "ws" + url[len("http") :] + "/v1/link"
+        other = start_node(tmp_path / "node", [link_url], sim.url, node_id="remote")
+        try:
+            with httpx.Client(base_url=url, timeout=30) as http:
+                peers = {n["id"]: n["peer"] for n in http.get("/admin/nodes").json()["nodes"]}
+            assert peers["remote"].startswith("127.0.0.1:"), peers
+            assert list(peers.values()).count("in-process") == 1, peers
+        finally:
+            other.proc.stop()
+    finally:
+        sim.proc.stop()
+        rc = proc.stop()
+    assert rc == 0, proc.logs()
+
+
+def test_with_tls_its_own_node_joins_in_process_and_clients_get_https(tmp_path: Path) -> None:
+    """``server.tls_*`` on ``iop up``: its own node needs no certificate (its
+    link is in-process, not a loopback ``wss://``: nothing to encrypt in one
+    process), while clients verify the edge's (here: a leaf of an
+    intermediate CA, for another host name, served as a chain file)
     against the CA as usual."""
     import ssl
 
@@ -205,7 +254,9 @@ def test_with_tls_its_own_node_joins_over_wss_and_clients_get_https(tmp_path: Pa
         ) as c:
             answer = c.chat.completions.create(model=MODEL, messages=MESSAGES)
         assert answer.choices[0].message.content
+        assert own_tcp_links(proc, url) == [], proc.logs()
     finally:
         rc = proc.stop()
     assert rc == 0, proc.logs()
     assert "certificate verification failed" not in proc.stderr(), proc.logs()
+    assert "connected from in-process" in proc.stderr(), proc.logs()

@@ -13,12 +13,18 @@ goodbye to its draining flag, the answer to a model load to the scheduler
 run on it is told (``RemoteRun.lose``: the executor fails it over or ends
 it ``node_lost``), the close is logged at the level its cause deserves, and
 the scheduler gives the freed slots to waiters.
+
+``NodeLinks.open_local`` serves a node of this process (``iop up``'s) the
+same way over an in-process channel (``iop.runtime.local_link_pair``): the
+same handshake and session, no socket; ``/admin/nodes`` shows its peer as
+``in-process``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from functools import partial
 from typing import Final
 
@@ -51,9 +57,9 @@ from iop.protocol import (
     close_code,
     close_reason,
 )
-from iop.runtime import LinkClock, LinkDriver, PeerSilent
+from iop.runtime import LinkClock, LinkDriver, LocalFrameChannel, PeerSilent, local_link_pair
 
-__all__ = ["NodeLinks"]
+__all__ = ["IN_PROCESS_PEER", "NodeLinks"]
 
 log = logging.getLogger("iop.edge")
 
@@ -63,6 +69,10 @@ _CLOSE_MEANING: Final[dict[int | None, str]] = {
     1005: "closed without a status code",
     1006: "the connection dropped without a close frame",
 }
+
+
+# The peer of a link opened by ``NodeLinks.open_local`` (logs, /admin/nodes).
+IN_PROCESS_PEER: Final = "in-process"
 
 
 def _nothing() -> None:
@@ -133,6 +143,26 @@ class NodeLinks:
         if conn is not None:
             conn.delivery = self.delivery.for_link(conn)
             await self._serve(chan, session, conn)
+
+    @asynccontextmanager
+    async def open_local(self) -> AsyncIterator[LocalFrameChannel]:
+        """A link to this edge from a node in the same process: its end.
+
+        The edge serves the other end (``handle``) in a task of the caller's
+        until the link ends; leaving the block without closing the link ends
+        it as a dropped connection (1006), a link loss for the edge. A send
+        the other end does not take within the link's heartbeat timeout
+        closes it too (``iop.runtime._local_link``).
+        """
+        edge_end, node_end = local_link_pair(send_timeout_s=self.config.link.heartbeat_timeout_s)
+        log.debug("in-process node link opened")
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.handle, edge_end, IN_PROCESS_PEER, name="in-process link")
+            try:
+                yield node_end
+            finally:
+                node_end.abort()
+        log.debug("in-process node link ended (close %s)", node_end.close_code)
 
     async def _serve(self, chan: FrameChannel, session: EdgeSession, conn: NodeConnection) -> None:
         old = self.registry.add(conn)
