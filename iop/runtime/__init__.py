@@ -9,10 +9,12 @@ See ``iop.runtime._run`` for the theory of operation of runs and
 from iop.runtime._heap import YOUNG_THRESHOLD, settle_heap
 from iop.runtime._link import (
     LIVENESS_RESOLUTION_S,
+    MAX_FRAMES_PER_WAKE,
     Backpressure,
     LinkClock,
     LinkDriver,
     LinkSession,
+    NowaitFrameChannel,
     PeerSilent,
     SweptSession,
     Wakeup,
@@ -34,6 +36,7 @@ from iop.runtime._run import (
 
 __all__ = [
     "LIVENESS_RESOLUTION_S",
+    "MAX_FRAMES_PER_WAKE",
     "RUN_EVENT_BUFFER",
     "YOUNG_THRESHOLD",
     "Backpressure",
@@ -42,6 +45,7 @@ __all__ = [
     "LinkClock",
     "LinkDriver",
     "LinkSession",
+    "NowaitFrameChannel",
     "Outlet",
     "PeerSilent",
     "Run",
