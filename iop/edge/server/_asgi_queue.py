@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Final
 
+import trio
 from hypercorn.typing import ASGIReceiveEvent
 
 from iop.runtime._channel import OneToOneChannel
@@ -63,6 +64,23 @@ class AppQueue(OneToOneChannel[ASGIReceiveEvent]):
             self._disconnected = True
             if self._on_disconnect is not None:
                 self._on_disconnect()
+
+    async def put(self, event: ASGIReceiveEvent) -> None:
+        """``send`` with no schedule point when there is room (a WebSocket's
+        queue: ``EdgeTaskGroup.spawn_app``).
+
+        hypercorn puts each message of a socket read in turn; with a schedule
+        point after each, the link reader ran after the first, and the
+        streams its events woke wrote before the next was in. Without, every
+        message of the read is queued before the reader runs, and it takes
+        them in one wake-up (``iop.runtime._link``). hypercorn's task still
+        waits, and so yields, when the queue is full, and passes a schedule
+        point at its next socket read: a read is at most 64 KiB.
+        """
+        try:
+            self.send_nowait(event)
+        except trio.WouldBlock:
+            await self.send(event)
 
     def on_disconnect(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback`` when the client disconnects (at once if it has); None: don't.
