@@ -18,7 +18,13 @@ sets that callback to cancel the answer's scope once the body is read: the
 same cancel the watcher task made, from hypercorn's task, one step sooner,
 with no task. The queue reaches the app in the scope's ``extensions`` (the
 ASGI spec's place for what a server adds) under ``APP_QUEUE``; an app that
-finds none (another server, a websocket) works as before.
+finds none (another server) works as before.
+
+A WebSocket's queue (the node link's) is an ``AppQueue`` too, which hypercorn
+fills with ``put``: no schedule point while there is room, so the frames of
+one socket read are all queued before the link reader runs, and it takes
+them with ``receive_nowait`` in one wake-up (``iop.runtime._link``,
+``MAX_FRAMES_PER_WAKE``; ``AsgiFrameChannel.receive_nowait``).
 
 Hypercorn builds that channel in its per-connection task group
 (``TaskGroup.spawn_app``); the edge's task group (``EdgeTaskGroup`` in
