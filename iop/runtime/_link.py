@@ -74,9 +74,10 @@ E = TypeVar("E")
 
 # Frames the reader takes without a schedule point when more have already
 # arrived (``NowaitFrameChannel``): the edge's ASGI queue holds at most
-# ``max_app_queue_size`` (10) messages and a waiting sender's one more, so a
-# wake-up of the edge's reader never reaches it; the bound is for a channel
-# that can hold a flood, which then yields between batches of this many.
+# ``max_app_queue_size`` (10) messages, one more already in a woken reader's
+# hands and a waiting sender's (12 seen at most), so a wake-up of the edge's
+# reader takes what it has; the bound is for a channel that can hold a
+# flood, whose reader then yields between batches of this many.
 MAX_FRAMES_PER_WAKE: Final = 16
 
 # How often at most a ``LinkClock`` wakes to check deadlines, and so how much
