@@ -9,10 +9,12 @@ See ``iop.runtime._run`` for the theory of operation of runs and
 from iop.runtime._heap import YOUNG_THRESHOLD, settle_heap
 from iop.runtime._link import (
     LIVENESS_RESOLUTION_S,
+    MAX_FRAMES_PER_WAKE,
     Backpressure,
     LinkClock,
     LinkDriver,
     LinkSession,
+    NowaitFrameChannel,
     PeerSilent,
     SweptSession,
     Wakeup,
@@ -42,6 +44,7 @@ __all__ = [
     "CLOSE_DROPPED",
     "LIVENESS_RESOLUTION_S",
     "LOCAL_LINK_FRAMES",
+    "MAX_FRAMES_PER_WAKE",
     "RUN_EVENT_BUFFER",
     "YOUNG_THRESHOLD",
     "Backpressure",
@@ -51,6 +54,7 @@ __all__ = [
     "LinkDriver",
     "LinkSession",
     "LocalFrameChannel",
+    "NowaitFrameChannel",
     "Outlet",
     "PeerSilent",
     "Run",

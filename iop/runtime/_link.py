@@ -13,6 +13,12 @@ between them is only what the session's events mean to the caller
   deadline and its next tick: at the first the peer is lost (``PeerSilent``,
   a ``LinkClosed`` with ``CLOSE_HEARTBEAT``), at the second the session
   queues a ping, or makes the events it held for collected runs sendable.
+  A frame that has already arrived behind the one it took (the peer's
+  frames of one socket read, queued by the server) it takes at once,
+  before any other task runs, up to ``MAX_FRAMES_PER_WAKE`` per wake-up:
+  a stream the events wake then finds all of them and writes them in one
+  send, however small the frames the peer cut them into
+  (docs/benchmarks.md, "Coalescing across frames").
 * the **writer**: sleeps until woken (``wake``), then sends everything the
   session has queued, for every run, in as few frames as the peer accepts
   (``data_to_send``). Nothing else ever calls ``chan.send``.
@@ -44,7 +50,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, Final, Generic, NoReturn, Protocol, TypeVar, cast
+from typing import Any, Final, Generic, NoReturn, Protocol, TypeVar, cast, runtime_checkable
 
 import trio
 
@@ -53,16 +59,26 @@ from iop.protocol import CLOSE_HEARTBEAT, FrameChannel, LinkClosed
 
 __all__ = [
     "LIVENESS_RESOLUTION_S",
+    "MAX_FRAMES_PER_WAKE",
     "Backpressure",
     "LinkClock",
     "LinkDriver",
     "LinkSession",
+    "NowaitFrameChannel",
     "PeerSilent",
     "SweptSession",
     "Wakeup",
 ]
 
 E = TypeVar("E")
+
+# Frames the reader takes without a schedule point when more have already
+# arrived (``NowaitFrameChannel``): the edge's ASGI queue holds at most
+# ``max_app_queue_size`` (10) messages, one more already in a woken reader's
+# hands and a waiting sender's (12 seen at most), so a wake-up of the edge's
+# reader takes what it has; the bound is for a channel that can hold a
+# flood, whose reader then yields between batches of this many.
+MAX_FRAMES_PER_WAKE: Final = 16
 
 # How often at most a ``LinkClock`` wakes to check deadlines, and so how much
 # earlier than its deadline it may lose a silent peer: a node silent for
@@ -91,6 +107,17 @@ class LinkSession(Protocol[E]):
     def data_to_send(self, now: float) -> list[bytes]: ...
 
     def tick(self, now: float) -> None: ...
+
+
+@runtime_checkable
+class NowaitFrameChannel(FrameChannel, Protocol):
+    """A ``FrameChannel`` that hands over a frame that has already arrived
+    without a schedule point (the edge's ``AsgiFrameChannel``)."""
+
+    def receive_nowait(self) -> bytes:
+        """The next frame if one has arrived (with the checks ``receive``
+        makes of it); else ``trio.WouldBlock``."""
+        ...
 
 
 class Backpressure(Protocol):
@@ -254,6 +281,7 @@ class LinkDriver(Generic[E]):
 
     async def _reader(self) -> None:
         session, chan = self.session, self.chan
+        nowait = _nowait(chan)
         if session.has_data_to_send:
             self._wake.set()
         if self._clock is not None:
@@ -266,12 +294,21 @@ class LinkDriver(Generic[E]):
                 self._scope = scope
                 while True:
                     frame = await chan.receive()
-                    events = session.receive(frame, trio.current_time())
-                    scope.deadline = min(session.liveness_deadline, session.next_tick_at)
-                    if events:
-                        self._on_events(events)
-                    if session.has_data_to_send:
-                        self._wake.set()
+                    taken = 1
+                    while True:
+                        events = session.receive(frame, trio.current_time())
+                        scope.deadline = min(session.liveness_deadline, session.next_tick_at)
+                        if events:
+                            self._on_events(events)
+                        if session.has_data_to_send:
+                            self._wake.set()
+                        if nowait is None or taken >= MAX_FRAMES_PER_WAKE:
+                            break
+                        try:
+                            frame = nowait()
+                        except trio.WouldBlock:
+                            break
+                        taken += 1
             if not scope.cancelled_caught:  # pragma: no cover - the loop only ends by cancel
                 return
             now = trio.current_time()
@@ -283,6 +320,7 @@ class LinkDriver(Generic[E]):
 
     async def _clocked_reader(self, clock: LinkClock) -> None:
         session, chan = self.session, self.chan
+        nowait = _nowait(chan)
         backpressure = self._backpressure
         with trio.CancelScope() as scope:
             self._scope = scope
@@ -290,13 +328,23 @@ class LinkDriver(Generic[E]):
             try:
                 while True:
                     frame = await chan.receive()
-                    events = session.receive(frame, trio.current_time())
-                    if events:
-                        self._on_events(events)
-                    if session.has_data_to_send:
-                        self._wake.set()
-                    if backpressure is not None and backpressure.is_held():
-                        await self._hold(backpressure)
+                    taken = 1
+                    while True:
+                        events = session.receive(frame, trio.current_time())
+                        if events:
+                            self._on_events(events)
+                        if session.has_data_to_send:
+                            self._wake.set()
+                        if backpressure is not None and backpressure.is_held():
+                            await self._hold(backpressure)
+                            break
+                        if nowait is None or taken >= MAX_FRAMES_PER_WAKE:
+                            break
+                        try:
+                            frame = nowait()
+                        except trio.WouldBlock:
+                            break
+                        taken += 1
             finally:
                 clock.discard(self)
         # Only the clock cancels this scope (``lose``): the peer went silent.
@@ -329,6 +377,11 @@ class LinkDriver(Generic[E]):
                     scope.deadline = tick
             if self._after_send is not None:
                 self._after_send()
+
+
+def _nowait(chan: FrameChannel) -> Callable[[], bytes] | None:
+    """``chan``'s ``receive_nowait``, if it has one."""
+    return chan.receive_nowait if isinstance(chan, NowaitFrameChannel) else None
 
 
 class LinkClock:

@@ -38,6 +38,7 @@ from iop.protocol import (
     Welcome,
     decode_edge_message,
 )
+from iop.runtime import NowaitFrameChannel
 
 DEADLINE_S = 10.0
 TOKEN = "a-node-token-of-some-length"
@@ -390,3 +391,112 @@ async def test_a_connection_gone_before_the_handshake_is_never_accepted() -> Non
         await app({"type": "websocket", "path": path}, peer.receive, peer.send)
         assert peer.sent == []
     assert handler.peers == []
+
+
+async def test_the_frames_of_one_socket_read_are_all_queued_before_the_reader_runs() -> None:
+    # The node's channel writes each frame with no schedule point, so the
+    # five leave in one go and hypercorn reads them together. Before, its
+    # task passed a schedule point after queueing each, and the reader
+    # (woken by the first) found at most one more behind it.
+    got: list[bytes] = []
+
+    async def body(chan: FrameChannel, on_open: object) -> None:
+        assert isinstance(chan, NowaitFrameChannel)
+        got.append(await chan.receive())
+        while True:
+            try:
+                got.append(chan.receive_nowait())
+            except trio.WouldBlock:
+                break
+        await chan.aclose()
+
+    handler = Handler(body)
+    frames = [b"frame %d" % i for i in range(5)]
+    with trio.fail_after(DEADLINE_S):
+        async with serving(link_app(handler)) as url:
+            async with open_ws_link(ws(url)) as node:
+                await trio.testing.wait_all_tasks_blocked(cushion=0.05)  # the reader waits
+                for frame in frames:
+                    await node.send(frame)
+                with pytest.raises(LinkClosed):
+                    await node.receive()
+            await handler.done.wait()
+    assert got == frames
+    assert handler.errors == []
+    gc.collect()
+
+
+async def test_frames_taken_without_waiting_are_credited_to_the_queued_bound() -> None:
+    # Two rounds of 3000 bytes under a bound of 3000: within it only if the
+    # first round's frames, taken by ``receive_nowait``, left the guard's books.
+    rounds: list[list[int]] = []
+    taken, more = trio.Event(), trio.Event()
+
+    async def body(chan: FrameChannel, on_open: object) -> None:
+        assert isinstance(chan, NowaitFrameChannel)
+        for event in (taken, None):
+            got = [len(await chan.receive())]
+            while len(got) < 3:
+                try:
+                    got.append(len(chan.receive_nowait()))
+                except trio.WouldBlock:
+                    got.append(len(await chan.receive()))
+            rounds.append(got)
+            if event is not None:
+                event.set()
+                await more.wait()
+        await chan.aclose()
+
+    handler = Handler(body)
+    with trio.fail_after(DEADLINE_S):
+        async with serving(link_app(handler, max_queued=3000)) as url:
+            async with open_ws_link(ws(url)) as node:
+                for round_ in range(2):
+                    for _ in range(3):
+                        await node.send(b"x" * 1000)
+                    if round_ == 0:
+                        await taken.wait()
+                        await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+                        more.set()
+                with pytest.raises(LinkClosed) as info:
+                    await node.receive()
+            await handler.done.wait()
+    assert info.value.close_code == 1000
+    assert handler.errors == []
+    assert rounds == [[1000] * 3, [1000] * 3]
+    gc.collect()
+
+
+async def test_a_frame_over_the_limit_behind_others_trips_the_guard_before_they_are_taken_1009(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    got: list[int] = []
+
+    async def body(chan: FrameChannel, on_open: object) -> None:
+        assert isinstance(chan, NowaitFrameChannel)
+        got.append(len(await chan.receive()))
+        while True:
+            try:
+                got.append(len(chan.receive_nowait()))
+            except trio.WouldBlock:
+                await chan.receive()  # the guard's verdict
+
+    handler = Handler(body)
+    with trio.fail_after(DEADLINE_S):
+        async with serving(link_app(handler, hello_limit=4096)) as url:
+            async with open_ws_link(ws(url)) as node:
+                await trio.testing.wait_all_tasks_blocked(cushion=0.05)
+                for _ in range(3):
+                    await node.send(b"x" * 100)
+                await node.send(b"x" * 5000)
+                with pytest.raises(LinkClosed) as info:
+                    await node.receive()
+            await handler.done.wait()
+    assert info.value.close_code == CLOSE_TOO_BIG
+    (error,) = handler.errors
+    assert isinstance(error, LinkClosed)
+    assert error.close_code == CLOSE_TOO_BIG
+    # A trip ends the link at once: what was queued before it is not taken
+    # (as ``receive``), with or without waiting.
+    assert got == []
+    gc.collect()

@@ -8,6 +8,7 @@ writer sent as one frame.
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 
@@ -31,7 +32,14 @@ from iop.protocol import (
     decode_edge_batch,
     decode_node_batch,
 )
-from iop.runtime import LIVENESS_RESOLUTION_S, LinkClock, LinkDriver, PeerSilent, Wakeup
+from iop.runtime import (
+    LIVENESS_RESOLUTION_S,
+    MAX_FRAMES_PER_WAKE,
+    LinkClock,
+    LinkDriver,
+    PeerSilent,
+    Wakeup,
+)
 from iop.spec import ChatRequest, ExecutionSpec, Message
 from iop.testing import MemoryFrameChannel, memory_link_pair
 
@@ -412,3 +420,129 @@ async def test_a_driver_cancelled_as_its_link_closes_raises_only_the_cancel() ->
             await chan.receiving.wait()
             scope.cancel()
     assert scope.cancelled_caught
+
+
+# --- frames that have already arrived: taken in one wake-up ------------------------
+
+
+class QueuedFrames:
+    """A ``NowaitFrameChannel`` whose frames are already there (as hypercorn's
+    queue holds the frames of one socket read): ``receive`` passes a schedule
+    point like a trio channel's, ``receive_nowait`` none."""
+
+    def __init__(self, frames: list[bytes]) -> None:
+        self.frames = frames
+        self.received = 0  # frames through ``receive``: one schedule point each
+        self.more = trio.Event()
+
+    async def send(self, frame: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+
+    def receive_nowait(self) -> bytes:
+        if not self.frames:
+            raise trio.WouldBlock
+        return self.frames.pop(0)
+
+    async def receive(self) -> bytes:
+        while not self.frames:
+            await self.more.wait()
+        self.received += 1
+        await trio.lowlevel.checkpoint()
+        return self.frames.pop(0)
+
+    async def aclose(self, code: int = 1000, reason: str = "") -> None:
+        await trio.lowlevel.checkpoint()
+
+
+class EchoSession:
+    """A ``LinkSession``/``SweptSession`` whose every frame is one event."""
+
+    liveness_deadline = math.inf
+    next_tick_at = math.inf
+    has_data_to_send = False
+
+    def receive(self, frame: bytes, now: float) -> list[bytes]:
+        return [frame]
+
+    def data_to_send(self, now: float) -> list[bytes]:
+        return []
+
+    def tick(self, now: float) -> None:
+        pass
+
+    def sweep(self, now: float) -> None:
+        pass
+
+
+class Stream:
+    """A stream task: woken by the reader's events, it writes everything
+    that arrived since it last wrote in one write (as ``_sse_body`` does)."""
+
+    def __init__(self) -> None:
+        self.pending: list[bytes] = []
+        self.writes: list[list[bytes]] = []
+        self.woken = Wakeup()
+
+    def deliver(self, events: list[bytes]) -> None:
+        self.pending.extend(events)
+        self.woken.set()
+
+    async def run(self) -> None:
+        while True:
+            await self.woken.wait()
+            if self.pending:
+                self.writes.append(self.pending)
+                self.pending = []
+
+
+@pytest.mark.parametrize("clocked", [False, True], ids=["own deadline", "under a clock"])
+@pytest.mark.parametrize("queued", [8, MAX_FRAMES_PER_WAKE])
+async def test_frames_already_queued_reach_a_stream_before_it_runs(
+    clocked: bool, queued: int, autojump_clock: trio.testing.MockClock
+) -> None:
+    # Before: one schedule point per frame, and the stream woke and wrote
+    # after the first (its first write held one or two of the frames).
+    frames = [b"%d" % i for i in range(queued)]
+    chan = QueuedFrames(list(frames))
+    stream = Stream()
+    clock = LinkClock(sweep_every_s=INTERVAL_S) if clocked else None
+    driver = LinkDriver(chan, EchoSession(), stream.deliver, clock=clock)  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        if clock is not None:
+            nursery.start_soon(clock.run)
+        nursery.start_soon(stream.run)
+        nursery.start_soon(driver.run)
+        with trio.fail_after(5):
+            while sum(map(len, stream.writes)) < queued:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert stream.writes == [frames]
+    assert chan.received == 1
+
+
+@pytest.mark.parametrize("clocked", [False, True], ids=["own deadline", "under a clock"])
+async def test_a_flood_is_taken_in_batches_with_a_schedule_point_between(
+    clocked: bool, autojump_clock: trio.testing.MockClock
+) -> None:
+    queued = 2 * MAX_FRAMES_PER_WAKE + 3
+    frames = [b"%d" % i for i in range(queued)]
+    chan = QueuedFrames(list(frames))
+    stream = Stream()
+    clock = LinkClock(sweep_every_s=INTERVAL_S) if clocked else None
+    driver = LinkDriver(chan, EchoSession(), stream.deliver, clock=clock)  # type: ignore[arg-type]
+    async with trio.open_nursery() as nursery:
+        if clock is not None:
+            nursery.start_soon(clock.run)
+        nursery.start_soon(stream.run)
+        nursery.start_soon(driver.run)
+        with trio.fail_after(5):
+            while sum(map(len, stream.writes)) < queued:
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    # Every frame delivered, in order; the reader passed a schedule point
+    # (a ``receive``) before each batch of at most the bound, and the stream
+    # ran between the batches.
+    assert [f for write in stream.writes for f in write] == frames
+    assert chan.received == 3
+    assert len(stream.writes) >= 2
+    assert max(map(len, stream.writes)) <= 2 * MAX_FRAMES_PER_WAKE

@@ -18,7 +18,13 @@ sets that callback to cancel the answer's scope once the body is read: the
 same cancel the watcher task made, from hypercorn's task, one step sooner,
 with no task. The queue reaches the app in the scope's ``extensions`` (the
 ASGI spec's place for what a server adds) under ``APP_QUEUE``; an app that
-finds none (another server, a websocket) works as before.
+finds none (another server) works as before.
+
+A WebSocket's queue (the node link's) is an ``AppQueue`` too, which hypercorn
+fills with ``put``: no schedule point while there is room, so the frames of
+one socket read are all queued before the link reader runs, and it takes
+them with ``receive_nowait`` in one wake-up (``iop.runtime._link``,
+``MAX_FRAMES_PER_WAKE``; ``AsgiFrameChannel.receive_nowait``).
 
 Hypercorn builds that channel in its per-connection task group
 (``TaskGroup.spawn_app``); the edge's task group (``EdgeTaskGroup`` in
@@ -34,6 +40,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Final
 
+import trio
 from hypercorn.typing import ASGIReceiveEvent
 
 from iop.runtime._channel import OneToOneChannel
@@ -63,6 +70,23 @@ class AppQueue(OneToOneChannel[ASGIReceiveEvent]):
             self._disconnected = True
             if self._on_disconnect is not None:
                 self._on_disconnect()
+
+    async def put(self, event: ASGIReceiveEvent) -> None:
+        """``send`` with no schedule point when there is room (a WebSocket's
+        queue: ``EdgeTaskGroup.spawn_app``).
+
+        hypercorn puts each message of a socket read in turn; with a schedule
+        point after each, the link reader ran after the first, and the
+        streams its events woke wrote before the next was in. Without, every
+        message of the read is queued before the reader runs, and it takes
+        them in one wake-up (``iop.runtime._link``). hypercorn's task still
+        waits, and so yields, when the queue is full, and passes a schedule
+        point at its next socket read: a read is at most 64 KiB.
+        """
+        try:
+            self.send_nowait(event)
+        except trio.WouldBlock:
+            await self.send(event)
 
     def on_disconnect(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback`` when the client disconnects (at once if it has); None: don't.

@@ -256,8 +256,8 @@ class EdgeProtocolWrapper(ProtocolWrapper):
 
 
 class EdgeTaskGroup(TaskGroup):
-    """Hypercorn's per-connection task group; an HTTP request's queue is an
-    ``AppQueue``, and an HTTP/1.1 request gets its connection's body writer
+    """Hypercorn's per-connection task group; an HTTP request's and a
+    WebSocket's queue is an ``AppQueue``, and an HTTP/1.1 request gets its connection's body writer
     (``EdgeH11Protocol.write_body``)."""
 
     # The connection's protocol switch (set by ``EdgeTCPServer.run``).
@@ -270,6 +270,23 @@ class EdgeTaskGroup(TaskGroup):
         scope: Scope,
         send: Callable[[ASGISendEvent | None], Awaitable[None]],
     ) -> Callable[[ASGIReceiveEvent], Awaitable[None]]:
+        if scope["type"] == "websocket":
+            # The node link's: the frames of one socket read are all queued
+            # before the link reader runs, which takes them in one wake-up
+            # (``AppQueue.put``; ``iop.runtime._link``, ``MAX_FRAMES_PER_WAKE``).
+            queue = AppQueue(config.max_app_queue_size)
+            scope["extensions"][APP_QUEUE] = queue  # type: ignore[assignment]
+            self.spawn(
+                _handle,
+                app,
+                config,
+                scope,
+                queue.receive,
+                send,
+                trio.to_thread.run_sync,
+                trio.from_thread.run,
+            )
+            return queue.put
         if scope["type"] != "http":
             return await super().spawn_app(app, config, scope, send)
         queue = AppQueue(config.max_app_queue_size)

@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Final, Protocol
+from typing import Any, Final, Protocol, cast
 
 import trio
 
 from iop.api import CHAT
+from iop.edge.server._asgi_queue import app_queue
 from iop.edge.server._link_guard import LinkFrameGuard, LinkFrameLimits
 from iop.errors import ErrorCode, LinkClosed, LinkLimitError, LinkProtocolError
 from iop.protocol import CLOSE_NORMAL, CLOSE_RATE, CLOSE_TOO_BIG, FrameChannel
@@ -61,6 +62,7 @@ _NO_STATUS: Final = 1005
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
 Send = Callable[[dict[str, Any]], Awaitable[None]]
+ReceiveNowait = Callable[[], dict[str, Any]]
 ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]  # quart types its own ASGI dicts
 
 
@@ -84,10 +86,21 @@ class AsgiFrameChannel:
         send: Its ASGI ``send``.
         limits: The frame guard's state for this connection (None when the
             guard could not install itself): a trip wakes ``receive``.
+        receive_nowait: Takes a message already in the connection's queue
+            (``AppQueue.receive_nowait``), else raises ``trio.WouldBlock``;
+            None: ``receive_nowait`` never has one.
     """
 
-    def __init__(self, receive: Receive, send: Send, limits: LinkFrameLimits | None) -> None:
+    def __init__(
+        self,
+        receive: Receive,
+        send: Send,
+        limits: LinkFrameLimits | None,
+        *,
+        receive_nowait: ReceiveNowait | None = None,
+    ) -> None:
         self._receive = receive
+        self._receive_nowait = receive_nowait
         self._send = send
         self._limits = limits
         self._closed = False  # our close went out
@@ -120,6 +133,28 @@ class AsgiFrameChannel:
             raise _again(self._gone)
         limits = self._limits
         message = await (self._receive() if limits is None else self._receive_guarded(limits))
+        return self._frame(message, limits)
+
+    def receive_nowait(self) -> bytes:
+        """The next frame if hypercorn has already queued it, with every check
+        ``receive`` makes (the guard's accounting and limits, the peer's close).
+
+        Raises:
+            trio.WouldBlock: None is queued, or the guard has tripped
+                (``receive`` then raises its error at once).
+            LinkClosed, LinkLimitError, LinkProtocolError: As ``receive``.
+        """
+        if self._gone is not None:
+            raise _again(self._gone)
+        nowait, limits = self._receive_nowait, self._limits
+        if nowait is None or (limits is not None and limits.tripped):
+            raise trio.WouldBlock
+        message = nowait()
+        if limits is not None:
+            _account(message, limits)
+        return self._frame(message, limits)
+
+    def _frame(self, message: dict[str, Any], limits: LinkFrameLimits | None) -> bytes:
         kind = message["type"]
         if kind == "websocket.receive":
             data = message.get("bytes")
@@ -148,21 +183,10 @@ class AsgiFrameChannel:
                 message = await self._receive()
             finally:
                 limits.waiting(None)
-        if message is not None and message["type"] == "websocket.receive":
-            limits.consumed(len(message.get("bytes") or message.get("text") or ""))
-        if limits.oversize is not None:
-            raise LinkClosed(
-                f"frame of more than {limits.oversize} bytes (limit {limits.limit})",
-                close_code=CLOSE_TOO_BIG,
-                reason="frame too big",
-            )
-        if limits.overqueued:
-            raise LinkLimitError(
-                f"{limits.queued} bytes queued unread (limit {limits.max_queued})",
-                close_code=CLOSE_RATE,
-            )
-        if message is None:  # pragma: no cover - only a tripped guard cancels the scope
-            raise LinkClosed("link closed")
+        if message is None:  # the guard tripped while we waited
+            _check(limits)
+            raise LinkClosed("link closed")  # pragma: no cover - only a trip cancels the scope
+        _account(message, limits)
         return message
 
     async def aclose(self, code: int = CLOSE_NORMAL, reason: str = "") -> None:
@@ -176,6 +200,28 @@ class AsgiFrameChannel:
             await self._send({"type": "websocket.close", "code": code, "reason": reason})
         except Exception as exc:  # the socket may already be gone
             log.debug("closing node websocket: %r", exc)
+
+
+def _account(message: dict[str, Any], limits: LinkFrameLimits) -> None:
+    """The handler took ``message``: the guard's books, then its limits."""
+    if message["type"] == "websocket.receive":
+        limits.consumed(len(message.get("bytes") or message.get("text") or ""))
+    _check(limits)
+
+
+def _check(limits: LinkFrameLimits) -> None:
+    """Raise what a tripped guard means for the handler."""
+    if limits.oversize is not None:
+        raise LinkClosed(
+            f"frame of more than {limits.oversize} bytes (limit {limits.limit})",
+            close_code=CLOSE_TOO_BIG,
+            reason="frame too big",
+        )
+    if limits.overqueued:
+        raise LinkLimitError(
+            f"{limits.queued} bytes queued unread (limit {limits.max_queued})",
+            close_code=CLOSE_RATE,
+        )
 
 
 def _again(closed: LinkClosed) -> LinkClosed:
@@ -209,8 +255,19 @@ class LinkEndpoint:
             self.guard.accepted(limits, send)
         client = scope.get("client")
         peer = f"{client[0]}:{client[1]}" if client else "?"
+        # The edge's hypercorn queues a link's messages in an ``AppQueue``
+        # (``EdgeTaskGroup.spawn_app``): the reader takes what has arrived
+        # without waiting (``iop.runtime._link``, ``MAX_FRAMES_PER_WAKE``).
+        queue = app_queue(scope)
         await self._handle_link(
-            AsgiFrameChannel(receive, send, limits),
+            AsgiFrameChannel(
+                receive,
+                send,
+                limits,
+                receive_nowait=None
+                if queue is None
+                else cast("ReceiveNowait", queue.receive_nowait),
+            ),
             peer=peer,
             on_open=None if limits is None else limits.open,
         )
