@@ -64,7 +64,8 @@ class _Shared:
 
 
 class LocalFrameChannel:
-    """One end of an in-process link (``local_link_pair``)."""
+    """One end of an in-process link (``local_link_pair``); a
+    ``NowaitFrameChannel``, so the link reader takes queued frames at once."""
 
     def __init__(
         self,
@@ -119,6 +120,18 @@ class LocalFrameChannel:
         """
         try:
             return await self._receive.receive()
+        except (trio.EndOfChannel, trio.ClosedResourceError):
+            raise self._shared.closed_error() from None
+
+    def receive_nowait(self) -> bytes:
+        """The next frame if one has arrived, without a schedule point (the
+        link reader's ``NowaitFrameChannel``), else ``trio.WouldBlock``.
+
+        Raises:
+            LinkClosed: As ``receive``.
+        """
+        try:
+            return self._receive.receive_nowait()
         except (trio.EndOfChannel, trio.ClosedResourceError):
             raise self._shared.closed_error() from None
 

@@ -108,3 +108,24 @@ async def test_an_end_that_goes_away_unclosed_is_a_dropped_connection(
     await node2.aclose(CLOSE_GOING_AWAY, "bye")
     node2.abort()
     assert edge2.close_code == CLOSE_GOING_AWAY
+
+
+async def test_frames_that_arrived_are_taken_without_a_schedule_point(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The link reader takes every frame already queued in one wake-up
+    (``NowaitFrameChannel``), as it does from the edge's WebSocket."""
+    edge, node = local_link_pair(send_timeout_s=TIMEOUT_S)
+    with pytest.raises(trio.WouldBlock):
+        edge.receive_nowait()
+    for i in range(3):
+        await node.send(b"n%d" % i)
+    assert [edge.receive_nowait() for _ in range(3)] == [b"n0", b"n1", b"n2"]
+    with pytest.raises(trio.WouldBlock):
+        edge.receive_nowait()
+    await node.send(b"last")
+    await node.aclose(CLOSE_GOING_AWAY, "node leaving")
+    assert edge.receive_nowait() == b"last"
+    with pytest.raises(LinkClosed) as closed:
+        edge.receive_nowait()
+    assert closed.value.close_code == CLOSE_GOING_AWAY
