@@ -97,6 +97,27 @@ def test_compare_lists_what_changed_and_counts_the_rest() -> None:
     assert "2 only one side reported" in table
 
 
+def test_compare_matches_cells_by_what_names_them_not_by_their_order() -> None:
+    """An interleaved run can order a scenario's cells differently on each
+    side: a list of cells is matched by their names (their text fields),
+    so prefix is compared with prefix, not with least-loaded."""
+    base = {
+        "cells": [{"placement": "least_loaded", "p90": 400.0}, {"placement": "prefix", "p90": 80.0}]
+    }
+    head = {
+        "cells": [{"placement": "prefix", "p90": 60.0}, {"placement": "least_loaded", "p90": 390.0}]
+    }
+    table = compare("routing", base, head, "aaa", "bbb")
+    assert "| `cells[placement=prefix].p90` | 80 | 60 | -25.0 % |" in table
+    assert "| `cells[placement=least_loaded].p90` | 400 | 390 | -2.5 % |" in table
+
+
+def test_compare_falls_back_to_positions_when_cells_have_no_unique_names() -> None:
+    base = {"cells": [{"kind": "x", "n": 1.0}, {"kind": "x", "n": 2.0}]}
+    head = {"cells": [{"kind": "x", "n": 1.5}, {"kind": "x", "n": 2.0}]}
+    assert "| `cells[0].n` | 1 | 1.5 | +50.0 % |" in compare("s", base, head, "a", "b")
+
+
 def test_run_against_a_revision_runs_both_sides_interleaved(tmp_path: Path) -> None:
     out = tmp_path / "results"
     proc = subprocess.run(

@@ -116,10 +116,27 @@ def _leaves(tree: Any, prefix: str = "") -> Iterator[tuple[str, float]]:
         for k, v in tree.items():
             yield from _leaves(v, f"{prefix}.{k}" if prefix else str(k))
     elif isinstance(tree, list):
+        names = _cell_names(tree)
         for i, v in enumerate(tree):
-            yield from _leaves(v, f"{prefix}[{i}]")
+            yield from _leaves(v, f"{prefix}[{names[i] if names else i}]")
     elif isinstance(tree, int | float) and not isinstance(tree, bool):
         yield prefix, float(tree)
+
+
+def _cell_names(cells: list[Any]) -> list[str] | None:
+    """Each cell's name from its text fields (``placement=prefix``), when
+    every cell is a mapping with one and no two share it: an interleaved run
+    may order a scenario's cells differently on each side, so cells are
+    matched by name. None: match them by position."""
+    names: list[str] = []
+    for cell in cells:
+        if not isinstance(cell, dict):
+            return None
+        name = ",".join(f"{k}={v}" for k, v in cell.items() if isinstance(v, str))
+        if not name:
+            return None
+        names.append(name)
+    return names if len(set(names)) == len(names) else None
 
 
 def _change(base: float, head: float) -> str:
