@@ -174,3 +174,56 @@ async def test_without_an_app_queue_a_task_watches_for_the_disconnect() -> None:
         await tx.send({"type": "http.disconnect"})
     assert answered == ["cancelled"]
     assert sent == []  # nothing answered to a client that left
+
+
+async def test_a_disconnect_put_while_hypercorns_task_waits_on_a_full_queue_goes_in() -> None:
+    """A frozen link reader leaves a WebSocket's queue full with hypercorn's
+    connection task waiting in ``put``; when the app then closes, hypercorn
+    puts ``websocket.disconnect`` from the app's own task. That second sender
+    used to raise ``BusyResourceError`` out of hypercorn's task group and
+    stop the whole edge (tests/e2e/test_node_loss.py, the frozen edge)."""
+    queue = AppQueue(2)
+    await queue.put({"type": "websocket.receive", "bytes": b"1"})
+    await queue.put({"type": "websocket.receive", "bytes": b"2"})
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(queue.put, {"type": "websocket.receive", "bytes": b"3"})
+        await trio.testing.wait_all_tasks_blocked()
+        await queue.put({"type": "websocket.disconnect", "code": 1000})
+        got = [await queue.receive() for _ in range(4)]
+    assert [m.get("bytes", m["type"]) for m in got] == [
+        b"1",
+        b"2",
+        "websocket.disconnect",
+        b"3",
+    ] or [m.get("bytes", m["type"]) for m in got] == [b"1", b"2", b"3", "websocket.disconnect"]
+
+
+async def test_a_connection_whose_server_code_fails_is_closed_and_the_edge_serves_on(
+    monkeypatch: Any,
+) -> None:
+    """Whatever goes wrong in one connection's own server code ends that
+    connection, logged, not the edge: the next client is served."""
+    from iop.edge.server import _hypercorn
+
+    real = _hypercorn.EdgeProtocolWrapper.initiate
+    calls = 0
+
+    async def initiate(self: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise trio.BusyResourceError("injected: another task is sending on this channel")
+        await real(self)
+
+    monkeypatch.setattr(_hypercorn.EdgeProtocolWrapper, "initiate", initiate)
+    app = App()
+    async with server(app, EdgeHypercornConfig(max_header_bytes=8192)) as port:
+        first = await trio.open_tcp_stream("127.0.0.1", port)
+        with trio.fail_after(10):
+            assert await first.receive_some(4096) == b""  # closed, no answer
+        second = await trio.open_tcp_stream("127.0.0.1", port)
+        await second.send_all(REQUEST % b"ok")
+        with trio.fail_after(10):
+            assert (await read_response(second)).startswith(b"HTTP/1.1 200")
+        await first.aclose()
+        await second.aclose()

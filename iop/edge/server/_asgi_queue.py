@@ -47,6 +47,8 @@ from iop.runtime._channel import OneToOneChannel
 
 __all__ = ["APP_QUEUE", "AppQueue", "app_queue"]
 
+_DISCONNECTS: Final = frozenset({"http.disconnect", "websocket.disconnect"})
+
 APP_QUEUE: Final = "iop.app_queue"
 """The key of a request's ``AppQueue`` in its scope's ``extensions``."""
 
@@ -62,7 +64,16 @@ class AppQueue(OneToOneChannel[ASGIReceiveEvent]):
         self._on_disconnect: Callable[[], None] | None = None
 
     async def send(self, event: ASGIReceiveEvent) -> None:
-        await super().send(event)
+        if event["type"] in _DISCONNECTS and self._sender is not None:
+            # hypercorn's connection task waits on a full queue (a link
+            # reader that stopped reading), and the app's own task puts the
+            # disconnect as its close ends the stream (``WSStream.app_send``):
+            # a second sender. The disconnect goes in beyond the capacity: a
+            # stream puts it once, and the app must hear it.
+            self._force(event)
+            await trio.lowlevel.cancel_shielded_checkpoint()
+        else:
+            await super().send(event)
         # After the message is in, so that hypercorn's task goes on as it
         # would with trio's channel: the cancel lands at the app's next
         # checkpoint, as the watcher task's did.
@@ -87,6 +98,14 @@ class AppQueue(OneToOneChannel[ASGIReceiveEvent]):
             self.send_nowait(event)
         except trio.WouldBlock:
             await self.send(event)
+
+    def _force(self, event: ASGIReceiveEvent) -> None:
+        if self._send_closed:
+            raise trio.ClosedResourceError
+        if self._receive_closed:
+            raise trio.BrokenResourceError
+        self._items.append(event)
+        self._wake_receiver()
 
     def on_disconnect(self, callback: Callable[[], None] | None) -> None:
         """Call ``callback`` when the client disconnects (at once if it has); None: don't.

@@ -69,6 +69,7 @@ the stream is not what it expects: ``iop/edge/server/_link_guard.py``.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable
 from functools import partial
 from typing import Any, Protocol, cast, runtime_checkable
@@ -119,6 +120,8 @@ __all__ = [
     "EdgeTaskGroup",
     "serve_edge_listeners",
 ]
+
+log = logging.getLogger("iop.edge")
 
 
 class _Refused(Exception):
@@ -395,6 +398,7 @@ class EdgeTCPServer(TCPServer):
             # The stall guard's stream writes without waiting (not under TLS).
             if isinstance(stream, NowaitStream):
                 self._nowait = stream
+        client: Any = None
         try:
             client = parse_socket_addr(sock.family, sock.getpeername())
             server = parse_socket_addr(sock.family, sock.getsockname())
@@ -417,8 +421,19 @@ class EdgeTCPServer(TCPServer):
                 await self.protocol.initiate()
                 await self.idle_task.restart(self._task_group, self._idle_timeout)
                 await self._read_data()
-        except OSError:
+        except* OSError:
             pass
+        except* Exception as failed:
+            # One connection's own server code (hypercorn's, or the edge's
+            # queues and writers under it) failed: that connection ends, the
+            # edge serves on. Unhandled, it stopped every listener and every
+            # run (tests/edge/test_asgi_queue.py).
+            log.error(
+                "connection from %s: the server failed on it (%s); closed it",
+                client,
+                "; ".join(f"{type(e).__name__}: {e}" for e in failed.exceptions),
+                exc_info=failed,
+            )
         finally:
             await self._close()
 
