@@ -94,8 +94,8 @@ class _LiveCollector(Collector):
             "(scheduler.prefix_wait_s), by how the hold ended (home, expired, left).",
             labels=["how"],
         )
-        for how, n in self._scheduler.home_waits.items():
-            home_waits.add_metric([how], n)
+        for ended, n in self._scheduler.home_waits.items():
+            home_waits.add_metric([ended], n)
         yield home_waits
         yield CounterMetricFamily(
             "iop_priority_overflows",

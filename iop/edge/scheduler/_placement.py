@@ -234,13 +234,11 @@ class Placement:
         would go elsewhere now. With ``homes`` (a run held for them): only
         those, by score, the balance rule aside (the run waited for them).
         """
-        candidates = list(self.candidates(model, exclude, operation))
+        pool = list(self.candidates(model, exclude, operation))
         if homes:
-            candidates = [
-                (c, i) for c, i in candidates if (c.node_id, i.caps.instance) in homes
-            ]
-        free = [(conn, inst) for conn, inst in candidates if self.fits(inst, sheddable)]
-        wait = self._home_wait(candidates, prefix) if hold else None
+            pool = [(c, i) for c, i in pool if (c.node_id, i.caps.instance) in homes]
+        free = [(conn, inst) for conn, inst in pool if self.fits(inst, sheddable)]
+        wait = self._home_wait(pool, prefix) if hold else None
         if not free:
             return wait
         # As plain tuples: the timeline's JSON formats them, when someone looks.
@@ -255,9 +253,7 @@ class Placement:
             conn, inst = self._random.choice(free)
             why = "random"
         elif placement == "prefix":
-            conn, inst, why, scores = self._by_prefix(
-                free, prefix, preferred, balance=not homes
-            )
+            conn, inst, why, scores = self._by_prefix(free, prefix, preferred, balance=not homes)
             if wait is not None and (conn.node_id, inst.caps.instance) not in wait.homes:
                 return wait
         else:
