@@ -394,6 +394,7 @@ class Timeline(msgspec.Struct, kw_only=True):
             "queued_ms": ms(self.queued),
             "why_queued": self.why_queued,
             "dequeued_ms": ms(self.dequeued),
+            "home_wait_ms": self.home_wait_ms,
             "model_load": None
             if (load := self.model_load) is None
             else {
