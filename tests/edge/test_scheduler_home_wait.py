@@ -119,6 +119,29 @@ async def test_with_prefix_wait_s_0_a_full_home_sends_the_run_elsewhere_at_once(
         nursery.cancel_scope.cancel()
 
 
+async def test_a_home_with_a_free_slot_takes_the_run_the_balance_rule_would_send_away(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The balance rule would send the fourth run of one prompt to the idle
+    instance (3 of 8 slots busy against 0, as in
+    tests/edge/test_prefix.py::test_too_much_load_on_the_warm_instance_turns_placement_to_least_loaded);
+    with a cached prompt worth waiting for, the home's free slot takes it
+    at once, not queued."""
+    cfg = home_config(balance_load_threshold=0.25, balance_rel_threshold=1.5, load_weight=0.0)
+    async with open_edge_core(cfg) as core, trio.open_nursery() as nursery:
+        nodes = {n: await connect(core, nursery, [caps(slots=8)], n) for n in "ab"}
+        runs = [await start(core, SYSTEM, f"s{i}") for i in range(4)]
+        home = placed(nodes, "s0")
+        assert [placed(nodes, f"s{i}") for i in range(4)] == [home] * 4
+        timeline = runs[3].timeline
+        assert timeline.queued is None
+        assert timeline.placements[0].why.endswith(
+            "the balance rule aside (scheduler.prefix_wait_s)"
+        )
+        await end(runs)
+        nursery.cancel_scope.cancel()
+
+
 async def test_a_held_run_does_not_hold_back_another_tenants_run_that_can_be_placed(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -229,10 +229,11 @@ class Placement:
         when no candidate has a free slot (for a ``sheddable`` run, beyond
         the instance's reserve).
 
-        With ``hold``: ``HomeWait`` instead, nothing counted, when the run
-        is worth holding for its prefix's homes (``prefix_wait_s``) and
-        would go elsewhere now. With ``homes`` (a run held for them): only
-        those, by score, the balance rule aside (the run waited for them).
+        With ``hold``, for a run worth holding for its prefix's homes
+        (``prefix_wait_s``) that would go elsewhere now: a home's free slot
+        if one has one (the balance rule aside), else ``HomeWait``, nothing
+        counted. With ``homes`` (a run held for them): only those, by
+        score, the balance rule aside.
         """
         pool = list(self.candidates(model, exclude, operation))
         if homes:
@@ -255,7 +256,13 @@ class Placement:
         elif placement == "prefix":
             conn, inst, why, scores = self._by_prefix(free, prefix, preferred, balance=not homes)
             if wait is not None and (conn.node_id, inst.caps.instance) not in wait.homes:
-                return wait
+                # A home with a free slot that the balance rule found too
+                # busy takes it now: that is the slot a held run would take.
+                at_home = [(c, i) for c, i in free if (c.node_id, i.caps.instance) in wait.homes]
+                if not at_home:
+                    return wait
+                conn, inst, why, _ = self._by_prefix(at_home, prefix, preferred, balance=False)
+                why += "; its home, the balance rule aside (scheduler.prefix_wait_s)"
         else:
             now = trio.current_time()
             conn, inst, why = _least_loaded(free, preferred, lambda i: self.occupancy(i, now))

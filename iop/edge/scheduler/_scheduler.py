@@ -69,6 +69,16 @@ before any preemption here: its Assign says so (``ExecutionSpec.overflow``)
 and carries its priority, the node runs it at once, and the engine
 preempts one of the lower runs for it; that one's client sees a pause, no
 error. Counted in ``overflowed``.
+
+Waiting for a prefix's home (``prefix_wait_s``; docs/operations.md, "What
+the caches hold"): with ``prefix`` placement, a run whose prefix's homes
+have no free slot (``Placement.pick`` answers ``HomeWait``) is *held*: it
+queues as any waiter (its turn, ``max_queue``, cancellation), in a group
+of its own keyed by those homes (``_WaitKey``), and dispatch offers it
+only their slots, never preempting nor taking an overflow seat for it,
+until ``prefix_wait_s`` has passed; then it is placed as any waiter. A
+newcomer that finds only held runs queued is placed at once: they want
+none of the slots that are free. Holds are counted in ``home_waits``.
 """
 
 from __future__ import annotations
