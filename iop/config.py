@@ -395,6 +395,9 @@ def _check_json_object(key: str, text: str) -> None:
 # On-demand models: beyond these a value is a typo, not a machine or a model.
 MAX_MEMORY_MIB: Final = 1 << 24  # 16 TiB
 MAX_MODEL_LOAD_S: Final = 3600.0  # an hour to load is a stuck load
+# 10 s: waiting for a cached prefix pays only while it is shorter than the
+# prefill it saves, a few seconds for the longest prompts.
+MAX_PREFIX_WAIT_S: Final = 10.0
 MAX_MODEL_TTL_S: Final = 7 * 86400.0  # a week
 
 
@@ -1475,6 +1478,13 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
         prefix_trim_share: An engine's count of what its cache holds trims
             the prefix index only when it leaves at most this share of what
             the index claims there (1: whenever it is below).
+        prefix_wait_s: With ``prefix`` placement, a run whose prefix's
+            homes (the instances expected to hold ``prefix_wait_share`` of
+            its prompt or more) have no free slot, or are too busy for the
+            balance rule, waits up to this long for a slot on one of them
+            before it is placed elsewhere (0: never).
+        prefix_wait_share: The share of a prompt an instance must be
+            expected to hold for a run to wait for it (``prefix_wait_s``).
         load_stale_s: A node's load report (or the engine figures in it)
             older than this is ignored: the instance is scored on the
             edge's own count, never as full. Told to nodes, which repeat
@@ -1596,6 +1606,15 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
     # count taken at another moment than the routing (docs/benchmarks.md,
     # "Prefix placement on a skewed workload, caches reported").
     prefix_trim_share: float = 0.5
+    # 0.2 s: with every slot of a home busy, one frees within about a tenth
+    # of a second under a closed loop of runs of a second or two, while
+    # prefilling a 1-2k-token prompt elsewhere takes 0.2-0.35 s and evicts
+    # another prefix there (docs/benchmarks.md, "Prefix placement on a
+    # skewed workload, caches reported").
+    prefix_wait_s: float = 0.2
+    # Half: a run waits only where its cache would save at least half its
+    # prompt's prefill.
+    prefix_wait_share: float = 0.5
     # 5 s: a node repeats its report every 1.7 s and scrapes its engine
     # every second (instance load_scrape_interval_s), so a live node's
     # figures are never this old; a node whose reports or scrapes stopped
@@ -1679,6 +1698,10 @@ class SchedulerSettings(_Config, frozen=True, kw_only=True):
             raise ValueError("prefix_count_slack_s must be within 0 and load_stale_s")
         if not 0 < self.prefix_trim_share <= 1:
             raise ValueError("prefix_trim_share must be > 0 and <= 1")
+        if not 0 <= self.prefix_wait_s <= MAX_PREFIX_WAIT_S:
+            raise ValueError(f"prefix_wait_s must be within 0 and {MAX_PREFIX_WAIT_S:g}")
+        if not 0 < self.prefix_wait_share <= 1:
+            raise ValueError("prefix_wait_share must be > 0 and <= 1")
         if self.balance_load_threshold < 0 or self.balance_rel_threshold < 1:
             raise ValueError("balance_load_threshold must be >= 0, balance_rel_threshold >= 1")
         if self.max_queue_delay_s < 0:

@@ -11,6 +11,8 @@ field                  the moment                                 recorded by
 ``admitted``           a slot was free at once                    scheduler
 ``queued`` + ``why``   it had to wait, and for what               scheduler
 ``dequeued``           the wait ended with a slot                 scheduler
+``home_wait_ms``       how long it was held for the instances     scheduler
+                       that hold its prompt's prefix (ms)
 ``model_load``         it waited for a node to load its model:    scheduler
                        where, from when to when, how it ended
 ``placements``         each attempt: node, instance, when, result executor
@@ -280,6 +282,9 @@ class Timeline(msgspec.Struct, kw_only=True):
     queued: float | None = None
     why_queued: str | None = None
     dequeued: float | None = None
+    # How long it was held for its prefix's homes (``[scheduler]
+    # prefix_wait_s``), in milliseconds; None: it was not.
+    home_wait_ms: float | None = None
     model_load: ModelLoad | None = None
     placements: list[Placement] = []
     first_output: float | None = None
@@ -389,6 +394,7 @@ class Timeline(msgspec.Struct, kw_only=True):
             "queued_ms": ms(self.queued),
             "why_queued": self.why_queued,
             "dequeued_ms": ms(self.dequeued),
+            "home_wait_ms": self.home_wait_ms,
             "model_load": None
             if (load := self.model_load) is None
             else {

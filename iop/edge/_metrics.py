@@ -88,6 +88,15 @@ class _LiveCollector(Collector):
             "before any output, and were placed again.",
             value=self._scheduler.preempted,
         )
+        home_waits = CounterMetricFamily(
+            "iop_prefix_home_waits",
+            "Runs held for the instances that hold their prompt's prefix "
+            "(scheduler.prefix_wait_s), by how the hold ended (home, expired, left).",
+            labels=["how"],
+        )
+        for ended, n in self._scheduler.home_waits.items():
+            home_waits.add_metric([ended], n)
+        yield home_waits
         yield CounterMetricFamily(
             "iop_priority_overflows",
             "Runs placed on an overflow seat beyond an instance's slots, for its engine "

@@ -126,6 +126,9 @@ def routing_view(edge: EdgeState) -> dict[str, object]:
             "replicas": prefixes.replica_count,
             "replicas_made": placement.replicas_made,
             "replicas_dropped": placement.replicas_dropped,
+            # Runs held for their prefix's homes, by how the hold ended
+            # (docs/operations.md, "What the caches hold").
+            "home_waits": dict(edge.scheduler.home_waits),
         },
         # Per instance: the blocks the index claims its cache holds, and the
         # bound its reported cache size sets (None: none reported).

@@ -159,6 +159,7 @@ async def test_drains_are_a_gauge_and_routing_is_in_the_snapshot(
             "replicas": 0,
             "replicas_made": 0,
             "replicas_dropped": 0,
+            "home_waits": {"home": 0, "expired": 0, "left": 0},
         }
         nursery.cancel_scope.cancel()
 

@@ -99,7 +99,9 @@ def prefix_config(**sched: object) -> object:
             max_queue=8,
             queue_timeout_s=5.0,
             placement="prefix",
-            **sched,  # type: ignore[arg-type]
+            # The placement rules on their own; a run waits for a full home
+            # in tests/edge/test_scheduler_home_wait.py.
+            **{"prefix_wait_s": 0.0, **sched},  # type: ignore[arg-type]
         )
     )
 

@@ -66,7 +66,7 @@ from iop.spec import OperationRequest
 if TYPE_CHECKING:
     from iop.edge.runs._nodes import InstanceState, NodeConnection, NodeRegistry
 
-__all__ = ["PLACEMENT_CANDIDATES_KEPT", "Placed", "Placement"]
+__all__ = ["PLACEMENT_CANDIDATES_KEPT", "HomeWait", "Placed", "Placement"]
 
 # Candidates a placement keeps for the run's timeline: every instance of a
 # cluster of a few nodes; a bigger one's timeline must not grow with it.
@@ -81,6 +81,15 @@ class Placed(NamedTuple):
     why: str
     scores: dict[str, float]
     candidates: list[tuple[str, str, int, int]]
+
+
+class HomeWait(NamedTuple):
+    """A run worth holding for its prefix's homes (``prefix_wait_s``): they
+    hold ``prefix_wait_share`` of its prompt or more, and none can take it
+    now (no free slot, or the balance rule sends it away)."""
+
+    homes: frozenset[tuple[str, str]]
+    why: str
 
 
 def _least_loaded(
@@ -213,17 +222,26 @@ class Placement:
         prefix: Sequence[bytes] = (),
         *,
         sheddable: bool = False,
-    ) -> Placed | None:
+        hold: bool = False,
+        homes: frozenset[tuple[str, str]] = frozenset(),
+    ) -> Placed | HomeWait | None:
         """The instance for a run, its slot counted (``in_flight``), or None
         when no candidate has a free slot (for a ``sheddable`` run, beyond
-        the instance's reserve)."""
-        free = [
-            (conn, inst)
-            for conn, inst in self.candidates(model, exclude, operation)
-            if self.fits(inst, sheddable)
-        ]
+        the instance's reserve).
+
+        With ``hold``, for a run worth holding for its prefix's homes
+        (``prefix_wait_s``) that would go elsewhere now: a home's free slot
+        if one has one (the balance rule aside), else ``HomeWait``, nothing
+        counted. With ``homes`` (a run held for them): only those, by
+        score, the balance rule aside.
+        """
+        pool = list(self.candidates(model, exclude, operation))
+        if homes:
+            pool = [(c, i) for c, i in pool if (c.node_id, i.caps.instance) in homes]
+        free = [(conn, inst) for conn, inst in pool if self.fits(inst, sheddable)]
+        wait = self._home_wait(pool, prefix) if hold else None
         if not free:
-            return None
+            return wait
         # As plain tuples: the timeline's JSON formats them, when someone looks.
         candidates = [
             (c.node_id, i.caps.instance, i.in_flight, i.caps.max_concurrency)
@@ -236,7 +254,15 @@ class Placement:
             conn, inst = self._random.choice(free)
             why = "random"
         elif placement == "prefix":
-            conn, inst, why, scores = self._by_prefix(free, prefix, preferred)
+            conn, inst, why, scores = self._by_prefix(free, prefix, preferred, balance=not homes)
+            if wait is not None and (conn.node_id, inst.caps.instance) not in wait.homes:
+                # A home with a free slot that the balance rule found too
+                # busy takes it now: that is the slot a held run would take.
+                at_home = [(c, i) for c, i in free if (c.node_id, i.caps.instance) in wait.homes]
+                if not at_home:
+                    return wait
+                conn, inst, why, _ = self._by_prefix(at_home, prefix, preferred, balance=False)
+                why += "; its home, the balance rule aside (scheduler.prefix_wait_s)"
         else:
             now = trio.current_time()
             conn, inst, why = _least_loaded(free, preferred, lambda i: self.occupancy(i, now))
@@ -297,6 +323,33 @@ class Placement:
         ]
         return Placed(conn, inst, why, {}, candidates)
 
+    def _home_wait(
+        self, candidates: list[tuple[NodeConnection, InstanceState]], prefix: Sequence[bytes]
+    ) -> HomeWait | None:
+        """The instances a run is worth holding for (``HomeWait``): those
+        expected to hold ``prefix_wait_share`` of its prompt or more."""
+        s = self.settings
+        if s.placement != "prefix" or not prefix or s.prefix_wait_s <= 0:
+            return None
+        homes: list[tuple[str, str]] = []
+        shares: list[str] = []
+        for conn, inst in candidates:
+            where = (conn.node_id, inst.caps.instance)
+            share = self.prefixes.matched(where, prefix) / len(prefix)
+            if share >= s.prefix_wait_share:
+                homes.append(where)
+                shares.append(
+                    f"{where[0]}/{where[1]} ({share:.0%} of the prompt, "
+                    f"{inst.in_flight}/{inst.caps.max_concurrency} in flight)"
+                )
+        if not homes:
+            return None
+        why = (
+            f"waits up to {s.prefix_wait_s:g}s (scheduler.prefix_wait_s) for a slot on its "
+            f"prefix's home: {', '.join(shares[:8])}"
+        )
+        return HomeWait(frozenset(homes), why)
+
     def _tend_homes(self, model: str, operation: str, prefix: Sequence[bytes]) -> None:
         """Give the prompt's prefix another home, or take its newest replica
         away, as its demand wants (``PrefixIndex.homes_wanted``, on the
@@ -350,6 +403,8 @@ class Placement:
         free: list[tuple[NodeConnection, InstanceState]],
         prefix: Sequence[bytes],
         preferred: tuple[str, str] | None,
+        *,
+        balance: bool = True,
     ) -> tuple[NodeConnection, InstanceState, str, dict[str, float]]:
         """The best scored candidate: the expected cached share of the prompt,
         minus its load, minus the share it lacks times how full its cache is
@@ -424,7 +479,7 @@ class Placement:
                 load - least > s.balance_load_threshold and load > least * s.balance_rel_threshold
             )
 
-        if too_busy(loads[at]):
+        if balance and too_busy(loads[at]):
             idle = free[idlest][1]
             against = (
                 f"in flight {self.occupancy(inst, now):g}/{inst.caps.max_concurrency} against "

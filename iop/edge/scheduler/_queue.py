@@ -9,7 +9,9 @@ tenant class, its tenant, whether it may be shed), each group a
 and objectives"). Every waiter leaves the queue one way (``QueueExit``):
 placed, cancelled (its run ended while it waited: the client left, a
 deadline, shutdown), timed out, shed (evicted for a run that may not
-be), or failed with its model's load (``iop.edge.scheduler._ondemand``). The scheduler counts the exits and keeps the host's
+be), or failed with its model's load (``iop.edge.scheduler._ondemand``).
+A run held for its prefix's homes (``prefix_wait_s``) is a waiter too,
+counted as any. The scheduler counts the exits and keeps the host's
 monotonic time of the last one (``QueueExitAt``): ``/metrics`` and
 ``/admin/nodes`` show them, and ``scripts/bench_stress.py`` times a queued
 run's cancel with it on the clock it shares with the edge
@@ -106,9 +108,11 @@ _Level = tuple[int, int]
 Excluded = frozenset[str | tuple[str, str]]
 
 # What a waiter waits for: a free slot for (model, operation) outside these
-# nodes and instances; and whose it is (level, tenant, sheddable), so that a
-# group is one tenant's runs of one level.
-_WaitKey = tuple[str, str, Excluded, _Level, str, bool]
+# nodes and instances; whose it is (level, tenant, sheddable), so that a
+# group is one tenant's runs of one level; and the homes of its prefix it
+# is held for (``prefix_wait_s``; none for most), so that a group's runs
+# wait for the same slots.
+_WaitKey = tuple[str, str, Excluded, _Level, str, bool, frozenset[tuple[str, str]]]
 
 
 @dataclass(eq=False, slots=True)
@@ -150,6 +154,12 @@ class _Waiter:
     # What a waiter for a load waits on: set with ``event``, and when a
     # load's answer changes when it should ask again (``Scheduler._wait``).
     nudge: trio.Event = field(default_factory=trio.Event)
+    # Held for its prefix's homes (``Scheduler.acquire``, ``prefix_wait_s``):
+    # which, until when, and whether it still is (the hold ended: it is
+    # placed as any waiter, in the same group).
+    homes: frozenset[tuple[str, str]] = frozenset()
+    home_until: float = -math.inf
+    holding: bool = False
 
     def wake(self) -> None:
         """It leaves the queue: placed, shed or failed."""
@@ -164,7 +174,15 @@ class _Waiter:
     @property
     def key(self) -> _WaitKey:
         s = self.share
-        return (self.model, self.operation, self.exclude, s.level, s.tenant, s.sheddable)
+        return (
+            self.model,
+            self.operation,
+            self.exclude,
+            s.level,
+            s.tenant,
+            s.sheddable,
+            self.homes,
+        )
 
 
 @dataclass(eq=False)

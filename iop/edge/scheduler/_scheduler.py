@@ -69,6 +69,16 @@ before any preemption here: its Assign says so (``ExecutionSpec.overflow``)
 and carries its priority, the node runs it at once, and the engine
 preempts one of the lower runs for it; that one's client sees a pause, no
 error. Counted in ``overflowed``.
+
+Waiting for a prefix's home (``prefix_wait_s``; docs/operations.md, "What
+the caches hold"): with ``prefix`` placement, a run whose prefix's homes
+have no free slot (``Placement.pick`` answers ``HomeWait``) is *held*: it
+queues as any waiter (its turn, ``max_queue``, cancellation), in a group
+of its own keyed by those homes (``_WaitKey``), and dispatch offers it
+only their slots, never preempting nor taking an overflow seat for it,
+until ``prefix_wait_s`` has passed; then it is placed as any waiter. A
+newcomer that finds only held runs queued is placed at once: they want
+none of the slots that are free. Holds are counted in ``home_waits``.
 """
 
 from __future__ import annotations
@@ -85,7 +95,7 @@ import trio
 from iop.config import SchedulerSettings
 from iop.edge.scheduler._leases import Lease
 from iop.edge.scheduler._ondemand import FAILED_CODES, ModelLoads, choose_load, pinned_in_way
-from iop.edge.scheduler._placement import Placement
+from iop.edge.scheduler._placement import HomeWait, Placement
 from iop.edge.scheduler._prefix import PrefixIndex
 from iop.edge.scheduler._queue import (
     EVEN_SHARE,
@@ -159,6 +169,10 @@ class Scheduler:
         # preemptible run is below costs ``dispatch`` no look at them.
         self._preemptible_ranks: Counter[int] = Counter()
         self.preempted = 0  # runs preempted (module docstring)
+        # Runs held for their prefix's homes now (``prefix_wait_s``), and
+        # how holds ended: placed at home, the wait expired, the run left.
+        self._holding = 0
+        self.home_waits: dict[str, int] = {"home": 0, "expired": 0, "left": 0}
         self.overflowed = 0  # runs placed on an overflow seat (module docstring)
 
     @property
@@ -377,6 +391,15 @@ class Scheduler:
         """Until ``waiter`` is served, shed or failed; one that waits for a
         load asks again whenever a backoff ends, or when nudged."""
         while not waiter.event.is_set():
+            if waiter.holding:
+                with trio.move_on_at(waiter.home_until):
+                    await waiter.event.wait()
+                if waiter.event.is_set():
+                    return
+                # No slot at its homes in time: placed as any waiter.
+                self._end_hold(waiter, "expired")
+                self.dispatch()
+                continue
             if not waiter.load:
                 await waiter.event.wait()
                 return
@@ -395,11 +418,25 @@ class Scheduler:
         prefix: Sequence[bytes] = (),
         share: QueueShare = EVEN_SHARE,
         preemptions: int = 0,
-    ) -> Lease | None:
+        *,
+        hold: bool = False,
+        homes: frozenset[tuple[str, str]] = frozenset(),
+    ) -> Lease | HomeWait | None:
         placed = self.placement.pick(
-            model, exclude, affinity, operation, prefix, sheddable=share.sheddable
+            model,
+            exclude,
+            affinity,
+            operation,
+            prefix,
+            sheddable=share.sheddable,
+            hold=hold,
+            homes=homes,
         )
+        if isinstance(placed, HomeWait):
+            return placed
         overflow = False
+        if placed is None and homes:
+            return None  # held for its homes: no overflow seat elsewhere
         if placed is None and not share.sheddable:
             placed = self.placement.pick_overflow(model, exclude, operation, share.rank)
             overflow = placed is not None
@@ -453,7 +490,7 @@ class Scheduler:
         now = trio.current_time()
         worst = 0.0
         line = (model, operation, share.level, share.tenant)
-        for (m, op, _, level, tenant, _), group in self._groups.items():
+        for (m, op, _, level, tenant, _, _), group in self._groups.items():
             # Its own tenant's groups of its level: with fair queueing, that
             # is the line it joins (another tenant's flood, or a lower
             # objective's, is not ahead of it).
@@ -563,7 +600,7 @@ class Scheduler:
         of the lowest level, if that is not above ``share``'s."""
         victim: _Waiter | None = None
         worst: _Level | None = None
-        for (_, _, _, level, _, sheddable), group in self._groups.items():
+        for (_, _, _, level, _, sheddable, _), group in self._groups.items():
             if sheddable and level >= share.level and (worst is None or level > worst):
                 # A run that was preempted is not shed: its client waits for
                 # the answer it was promised (module docstring).
@@ -612,19 +649,29 @@ class Scheduler:
             RunAborted: ``queue_timeout`` when no slot came in time.
         """
         ahead = self._queued
-        if not ahead:
-            lease = self._pick(model, exclude, affinity, operation, prefix, share, preemptions)
-            if lease is not None:
+        held: HomeWait | None = None
+        # Runs held for their prefix's homes want none of the slots free
+        # now (they would have taken them): a newcomer is not behind them.
+        if ahead == self._holding:
+            # Held only while the queue has room: a run that may be placed
+            # is not refused for a wait it chose.
+            hold = ahead < self.settings.max_queue
+            got = self._pick(
+                model, exclude, affinity, operation, prefix, share, preemptions, hold=hold
+            )
+            if isinstance(got, HomeWait):
+                held = got
+            elif got is not None:
                 if timeline is not None:
                     timeline.admitted = trio.current_time()
-                return lease
-        load = self.needs_load(model, exclude, operation)
+                return got
+        load = held is None and self.needs_load(model, exclude, operation)
         if load:
             failure = self._load_failure(model, exclude, operation)
             if failure is not None:
                 raise failure
         resumed = preemptions > 0
-        if not resumed:
+        if not resumed and held is None:
             self._refuse_if_behind(model, operation, share, estimate=not load)
         waiter = _Waiter(
             model,
@@ -639,6 +686,10 @@ class Scheduler:
             timeline=timeline,
             preemptions=preemptions,
         )
+        if held is not None:
+            waiter.homes, waiter.holding = held.homes, True
+            waiter.home_until = waiter.queued_at + self.settings.prefix_wait_s
+            self._holding += 1
         if resumed:
             waiter.deadline_at = -math.inf  # it had its turn: the next one of its level
         elif share.deadline_s is not None:
@@ -657,11 +708,12 @@ class Scheduler:
         self._tenant_queued[share.tenant] = self._tenant_queued.get(share.tenant, 0) + 1
         if timeline is not None:
             timeline.queued = waiter.queued_at
-            timeline.why_queued = (
-                f"{ahead} run(s) queued ahead"
-                if ahead
-                else self._busy_text(model, exclude, operation, share.sheddable)
-            )
+            if held is not None:
+                timeline.why_queued = held.why
+            elif ahead:
+                timeline.why_queued = f"{ahead} run(s) queued ahead"
+            else:
+                timeline.why_queued = self._busy_text(model, exclude, operation, share.sheddable)
         timeout = self.settings.queue_timeout_s
         if load:
             timeout = self.settings.model_load_wait_s
@@ -776,6 +828,8 @@ class Scheduler:
 
     def _remove(self, waiter: _Waiter, how: QueueExit) -> None:
         """Take a waiter out of the queue (one without a lease is always in it)."""
+        if waiter.holding:
+            self._end_hold(waiter, "home" if how is QueueExit.PLACED else "left")
         group = self._groups[waiter.key]
         group.discard(waiter)
         tenant = (waiter.share.level, waiter.share.tenant)
@@ -806,6 +860,15 @@ class Scheduler:
             del self._groups[waiter.key]
         self.exits[how] += 1
         self.last_exit = QueueExitAt(how, time.monotonic())
+
+    def _end_hold(self, waiter: _Waiter, how: str) -> None:
+        """``waiter``'s hold for its prefix's homes ends (``home_waits``)."""
+        waiter.holding = False
+        self._holding -= 1
+        self.home_waits[how] += 1
+        if waiter.timeline is not None:
+            held = min(trio.current_time(), waiter.home_until) - waiter.queued_at
+            waiter.timeline.home_wait_ms = round(held * 1000, 3)
 
     def dispatch(self) -> None:
         """Hand free slots to waiters: levels in order, then deadlines, then
@@ -856,9 +919,13 @@ class Scheduler:
                 head.prefix,
                 head.share,
                 head.preemptions,
+                homes=head.homes if head.holding else frozenset(),
             )
+            assert not isinstance(lease, HomeWait)  # asked for no hold
             if lease is None:
                 stuck.add(head.key)
+                if head.holding:
+                    continue  # it may go elsewhere once its hold ends: no preemption
                 if head.load and head.load_at is None:
                     # Its model may have room now (a node's models changed).
                     self._reconsider(head)
