@@ -5,6 +5,7 @@ connection is closed when it must be."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -521,6 +522,48 @@ async def _receive_or_eof(stream: trio.SocketStream) -> bytes:
         return await stream.receive_some(65536)
     except trio.BrokenResourceError:  # reset after close: as good as EOF
         return b""
+
+
+@pytest.mark.parametrize(
+    ("name", "headers"),
+    [
+        ("415", b"Authorization: Bearer k\r\nContent-Type: text/plain\r\n"),
+        ("401", b"Content-Type: application/json\r\n"),
+    ],
+)
+async def test_an_answer_sent_before_the_body_arrived_says_the_connection_closes(
+    name: str, headers: bytes
+) -> None:
+    """An error answered before the request's body is in (the client sent its
+    head, its body is still on the way) ends the connection, since the body
+    is not read: the head must say ``connection: close`` (RFC 9112 section
+    9.6), or a client reuses the connection and its next request finds it
+    closed ("Server disconnected without sending a response": how
+    ``test_every_error_the_edge_sends_is_openais_error_response`` failed now
+    and then, when httpx's head and body went out in two segments)."""
+    body = _chat()
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        + headers
+        + b"Content-Length: %d\r\n\r\n" % len(body)
+    )
+    async with edge(config(api_keys=["k"])) as (handle, _, _):
+        host, port = handle.url.removeprefix("http://").rsplit(":", 1)
+        stream = await trio.open_tcp_stream(host, int(port))
+        async with stream:
+            await stream.send_all(head)
+            got = b""
+            with trio.fail_after(20):
+                while b"\r\n\r\n" not in got:
+                    got += await stream.receive_some(65536)
+            with contextlib.suppress(trio.BrokenResourceError):
+                await stream.send_all(body)
+            with trio.fail_after(20):
+                while chunk := await stream.receive_some(65536):
+                    got += chunk
+    [(status, response_headers, _)] = _responses(got)
+    assert status == int(name)
+    assert response_headers.get("connection") == "close"
 
 
 async def test_every_error_the_edge_sends_is_openais_error_response(

@@ -166,6 +166,20 @@ class EdgeH11Protocol(H11Protocol):
             await self.send(Updated(idle=False))
 
     async def _send_h11_event(self, event: H11SendableEvent) -> None:
+        if (
+            isinstance(event, h11.Response)
+            and self.connection.their_state is h11.SEND_BODY
+            and not any(name == b"connection" for name, _ in event.headers)
+        ):
+            # Answered before the request's body is in (an early error):
+            # hypercorn closes the connection after it, as the body is not
+            # read, so the head says so (RFC 9112 section 9.6); without it a
+            # client reuses the connection and its next request is lost.
+            event = h11.Response(
+                status_code=event.status_code,
+                headers=[*event.headers, (b"connection", b"close")],
+                reason=event.reason,
+            )
         try:
             data = self.connection.send(event)
         except h11.LocalProtocolError:
