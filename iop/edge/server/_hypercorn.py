@@ -287,30 +287,14 @@ class EdgeTaskGroup(TaskGroup):
         scope: Scope,
         send: Callable[[ASGISendEvent | None], Awaitable[None]],
     ) -> Callable[[ASGIReceiveEvent], Awaitable[None]]:
-        if scope["type"] == "websocket":
-            # The node link's: the frames of one socket read are all queued
-            # before the link reader runs, which takes them in one wake-up
-            # (``AppQueue.put``; ``iop.runtime._link``, ``MAX_FRAMES_PER_WAKE``).
-            queue = AppQueue(config.max_app_queue_size)
-            scope["extensions"][APP_QUEUE] = queue  # type: ignore[assignment]
-            self.spawn(
-                _handle,
-                app,
-                config,
-                scope,
-                queue.receive,
-                send,
-                trio.to_thread.run_sync,
-                trio.from_thread.run,
-            )
-            return queue.put
-        if scope["type"] != "http":
+        kind = scope["type"]
+        if kind not in ("http", "websocket"):
             return await super().spawn_app(app, config, scope, send)
         queue = AppQueue(config.max_app_queue_size)
-        scope["extensions"][APP_QUEUE] = queue  # type: ignore[assignment]
+        scope["extensions"][APP_QUEUE] = queue  # type: ignore[assignment, typeddict-item]
         protocol = getattr(self.connection, "protocol", None)
-        if isinstance(protocol, EdgeH11Protocol):  # not after a switch to HTTP/2
-            scope["extensions"][BODY_WRITER] = protocol.write_body  # type: ignore[assignment]
+        if kind == "http" and isinstance(protocol, EdgeH11Protocol):  # not after HTTP/2
+            scope["extensions"][BODY_WRITER] = protocol.write_body  # type: ignore[assignment, typeddict-item]
         self.spawn(
             _handle,
             app,
@@ -321,7 +305,10 @@ class EdgeTaskGroup(TaskGroup):
             trio.to_thread.run_sync,
             trio.from_thread.run,
         )
-        return queue.send
+        # The node link's: the frames of one socket read are all queued
+        # before the link reader runs, which takes them in one wake-up
+        # (``AppQueue.put``; ``iop.runtime._link``, ``MAX_FRAMES_PER_WAKE``).
+        return queue.put if kind == "websocket" else queue.send
 
 
 @runtime_checkable
