@@ -293,22 +293,17 @@ class LinkDriver(Generic[E]):
             ) as scope:
                 self._scope = scope
                 while True:
-                    frame = await chan.receive()
-                    taken = 1
-                    while True:
+                    frame: bytes | None = await chan.receive()
+                    taken = 0
+                    while frame is not None:
+                        taken += 1
                         events = session.receive(frame, trio.current_time())
                         scope.deadline = min(session.liveness_deadline, session.next_tick_at)
                         if events:
                             self._on_events(events)
                         if session.has_data_to_send:
                             self._wake.set()
-                        if nowait is None or taken >= MAX_FRAMES_PER_WAKE:
-                            break
-                        try:
-                            frame = nowait()
-                        except trio.WouldBlock:
-                            break
-                        taken += 1
+                        frame = _queued(nowait, taken)
             if not scope.cancelled_caught:  # pragma: no cover - the loop only ends by cancel
                 return
             now = trio.current_time()
@@ -327,9 +322,10 @@ class LinkDriver(Generic[E]):
             clock.add(self)
             try:
                 while True:
-                    frame = await chan.receive()
-                    taken = 1
-                    while True:
+                    frame: bytes | None = await chan.receive()
+                    taken = 0
+                    while frame is not None:
+                        taken += 1
                         events = session.receive(frame, trio.current_time())
                         if events:
                             self._on_events(events)
@@ -338,13 +334,7 @@ class LinkDriver(Generic[E]):
                         if backpressure is not None and backpressure.is_held():
                             await self._hold(backpressure)
                             break
-                        if nowait is None or taken >= MAX_FRAMES_PER_WAKE:
-                            break
-                        try:
-                            frame = nowait()
-                        except trio.WouldBlock:
-                            break
-                        taken += 1
+                        frame = _queued(nowait, taken)
             finally:
                 clock.discard(self)
         # Only the clock cancels this scope (``lose``): the peer went silent.
@@ -382,6 +372,18 @@ class LinkDriver(Generic[E]):
 def _nowait(chan: FrameChannel) -> Callable[[], bytes] | None:
     """``chan``'s ``receive_nowait``, if it has one."""
     return chan.receive_nowait if isinstance(chan, NowaitFrameChannel) else None
+
+
+def _queued(nowait: Callable[[], bytes] | None, taken: int) -> bytes | None:
+    """The next frame that has already arrived, if this wake-up may take one
+    more after ``taken`` (``MAX_FRAMES_PER_WAKE``); else None: the reader's
+    next ``receive`` is its schedule point."""
+    if nowait is None or taken >= MAX_FRAMES_PER_WAKE:
+        return None
+    try:
+        return nowait()
+    except trio.WouldBlock:
+        return None
 
 
 class LinkClock:
