@@ -78,6 +78,9 @@ __all__ = [
 # ``LinkSettings.control_rate_per_s``), which pings and capability updates
 # share; the edge also asks for at most a quarter of its own budget.
 MAX_LOAD_REPORTS_PER_S: Final = 20.0
+# Tokens after a run's first may wait this long on the node for company in
+# a link frame: at 50 ms they would come noticeably in bursts.
+MAX_FRAME_INTERVAL_MS: Final = 50.0
 
 DEFAULT_MAX_CONCURRENCY: Final = 8  # seed 003's effectiveCapacity default
 
@@ -976,6 +979,13 @@ class NodeSection(_Config, frozen=True, kw_only=True):
             yet (beyond its credit, or, with the edge's per-run credit off,
             not yet sent) before its adapter waits and stops reading its
             backend: the bounded channel between adapter and link.
+        frame_interval_ms: Least time between two of the link's frames
+            that carry only tokens after a run's first: tokens that come
+            within it (from any run) go out together, in one frame, when it
+            has passed. A run's first output, every terminal event and
+            every control message go at once, and so does the first frame
+            after a quiet interval. 0: a frame per wake-up of the node.
+            At most 50.
         load_reports_per_s: Most ``LoadReport`` messages a second the node
             sends each edge (its instances' in-flight runs, queue depth and
             engine figures; changes in between are coalesced into the next,
@@ -1003,6 +1013,8 @@ class NodeSection(_Config, frozen=True, kw_only=True):
     max_frame_bytes: int = 32 * 1024 * 1024
     # Why 16: iop.protocol._session (RUN_BACKLOG).
     run_backlog: int = 16
+    # Why 2 ms: docs/benchmarks.md, "Frames paced on the node".
+    frame_interval_ms: float = 5.0
     # 10/s: a change reaches the edges within 0.1 s, and a node whose runs
     # start and end thousands of times a second still sends ten small
     # messages a second per edge, a fifth of the edge's default budget for
@@ -1030,6 +1042,8 @@ class NodeSection(_Config, frozen=True, kw_only=True):
             raise ValueError("node id must not be empty")
         if self.run_backlog < 1:
             raise ValueError("run_backlog must be >= 1")
+        if not 0 <= self.frame_interval_ms <= MAX_FRAME_INTERVAL_MS:
+            raise ValueError(f"frame_interval_ms must be from 0 (off) to {MAX_FRAME_INTERVAL_MS:g}")
         if not 0 <= self.load_reports_per_s <= MAX_LOAD_REPORTS_PER_S:
             raise ValueError(
                 f"load_reports_per_s must be from 0 (off) to {MAX_LOAD_REPORTS_PER_S:g}"

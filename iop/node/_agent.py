@@ -739,6 +739,7 @@ class NodeAgent:
             on_assign=self._on_assign,
             on_run_closed=self._run_closed,
             run_backlog=self.config.node.run_backlog,
+            frame_interval=self.config.node.frame_interval_ms / 1000,
             on_load_model=None if self.models is None else self._on_load_model,
             on_control_model=None if self.models is None else self._on_control_model,
         )

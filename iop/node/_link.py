@@ -46,7 +46,7 @@ import trio
 from iop._secrets import SecretMasker, mask_event
 from iop.config import NodeEdge
 from iop.errors import LinkError, LinkProtocolError
-from iop.events import CancelReason, Error, RuntimeEvent, is_terminal
+from iop.events import CancelReason, Error, RuntimeEvent, Start, is_terminal
 from iop.protocol import (
     CLOSE_NORMAL,
     RUN_BACKLOG,
@@ -78,7 +78,16 @@ log = logging.getLogger("iop.node")
 class NodeRun:
     """A run as its link sees it, and the runtime's ``Outlet`` of its events."""
 
-    __slots__ = ("assigned_at", "instance", "link", "run", "run_id", "space", "trace")
+    __slots__ = (
+        "assigned_at",
+        "flowing",
+        "instance",
+        "link",
+        "run",
+        "run_id",
+        "space",
+        "trace",
+    )
 
     def __init__(self, link: NodeLink, run_id: str, instance: str) -> None:
         self.link = link
@@ -89,6 +98,9 @@ class NodeRun:
         self.space = Wakeup()
         self.run: Run | None = None
         self.trace: NodeRunTrace | None = None  # when the node traces (iop.tracing)
+        # The run's first output was queued: its later ones may wait for the
+        # link's frame interval (``NodeSection.frame_interval_ms``).
+        self.flowing = False
 
     def send_nowait(self, event: RuntimeEvent) -> None:
         link = self.link
@@ -116,6 +128,12 @@ class NodeRun:
             link.unsent_waiters[self.run_id] = self
             raise trio.WouldBlock
         session.push(self.run_id, event)
+        if self.flowing:
+            link.driver.wake(urgent=False)
+            return
+        # A Start, or the run's first output: the client waits for its first
+        # token, which does not wait for the frame interval.
+        self.flowing = not isinstance(event, Start)
         link.driver.wake()
 
     async def send(self, event: RuntimeEvent) -> None:
@@ -165,6 +183,7 @@ class NodeLink:
         on_assign: Callable[[NodeLink, AssignReceived], None],
         on_run_closed: Callable[[NodeRun], None],
         run_backlog: int = RUN_BACKLOG,
+        frame_interval: float = 0.0,
         on_load_model: Callable[[NodeLink, LoadModel], None] | None = None,
         on_control_model: Callable[[NodeLink, ControlModel], None] | None = None,
     ) -> None:
@@ -181,7 +200,12 @@ class NodeLink:
         self._on_assign = on_assign
         self._on_run_closed = on_run_closed
         self.driver = LinkDriver(
-            chan, session, self._on_events, after_send=self._after_send, peer=f"edge {edge.url}"
+            chan,
+            session,
+            self._on_events,
+            after_send=self._after_send,
+            peer=f"edge {edge.url}",
+            frame_interval=frame_interval,
         )
         self.scope = trio.CancelScope()
         self.welcomed_at = math.inf

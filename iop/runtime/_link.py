@@ -159,6 +159,10 @@ class Wakeup:
         else:
             self._set = True
 
+    def clear(self) -> None:
+        """Forget a ``set()`` no ``wait()`` has returned for yet."""
+        self._set = False
+
     async def wait(self) -> None:
         """Return once ``set()`` was called since the last ``wait()`` returned."""
         if self._set:
@@ -186,6 +190,11 @@ class LinkDriver(Generic[E]):
             be a ``SweptSession``); None: the reader's own deadline does.
         backpressure: Asked after each frame whether the reader must wait
             before the next (only with a ``clock``).
+        frame_interval: Least time in seconds between two rounds of frames
+            that are not urgent (``wake(urgent=False)``): what is queued
+            within it goes out together, in one frame, when it has passed.
+            A round after a quiet link goes at once, and an urgent wake-up
+            ends the wait. 0: every wake-up is a round.
     """
 
     def __init__(
@@ -198,9 +207,17 @@ class LinkDriver(Generic[E]):
         peer: str = "peer",
         clock: LinkClock | None = None,
         backpressure: Backpressure | None = None,
+        frame_interval: float = 0.0,
     ) -> None:
         if backpressure is not None and clock is None:
             raise ValueError("a link reader that may wait needs a LinkClock")
+        if not 0 <= frame_interval < math.inf:
+            raise ValueError(f"frame_interval must be >= 0 and finite, got {frame_interval!r}")
+        self._frame_interval = frame_interval
+        # Something that may not wait for the interval is queued, and the
+        # writer's wait for the interval while it is not (None: no wait).
+        self._urgent = False
+        self._pacing: trio.Event | None = None
         self.chan = chan
         self._backpressure = backpressure
         self._holding = False
@@ -232,16 +249,30 @@ class LinkDriver(Generic[E]):
             self._holding = False
             self._resume_until = trio.current_time() + left
 
-    def wake(self) -> None:
+    def wake(self, *, urgent: bool = True) -> None:
         """The session has something to send, or to do at a tick: the writer
-        sends it soon, and the reader's deadline moves up to the session's
-        next tick if that came earlier (a collected run began to hold events)."""
-        self._wake.set()
+        sends it soon (not ``urgent``: within ``frame_interval`` of its last
+        round, with whatever else comes meanwhile), and the reader's deadline
+        moves up to the session's next tick if that came earlier (a collected
+        run began to hold events)."""
+        if urgent:
+            self._send_soon()
+        else:
+            self._wake.set()
         scope = self._scope
         if scope is not None and self._clock is None:
             tick = self.session.next_tick_at
             if tick < scope.deadline:
                 scope.deadline = tick
+
+    def _send_soon(self) -> None:
+        """The writer's next round goes without waiting for the frame
+        interval: what the session has to say comes from the link itself (a
+        pong, a ping, credit, a report at its tick), not from a run's tokens."""
+        self._wake.set()
+        self._urgent = True
+        if self._pacing is not None:
+            self._pacing.set()
 
     async def run(self) -> None:
         """Read and write until the link ends.
@@ -283,7 +314,7 @@ class LinkDriver(Generic[E]):
         session, chan = self.session, self.chan
         nowait = _nowait(chan)
         if session.has_data_to_send:
-            self._wake.set()
+            self._send_soon()
         if self._clock is not None:
             await self._clocked_reader(self._clock)
             return
@@ -302,7 +333,7 @@ class LinkDriver(Generic[E]):
                         if events:
                             self._on_events(events)
                         if session.has_data_to_send:
-                            self._wake.set()
+                            self._send_soon()
                         frame = _queued(nowait, taken)
             if not scope.cancelled_caught:  # pragma: no cover - the loop only ends by cancel
                 return
@@ -311,7 +342,7 @@ class LinkDriver(Generic[E]):
                 raise self._silent()
             session.tick(now)
             if session.has_data_to_send:
-                self._wake.set()
+                self._send_soon()
 
     async def _clocked_reader(self, clock: LinkClock) -> None:
         session, chan = self.session, self.chan
@@ -330,7 +361,7 @@ class LinkDriver(Generic[E]):
                         if events:
                             self._on_events(events)
                         if session.has_data_to_send:
-                            self._wake.set()
+                            self._send_soon()
                         if backpressure is not None and backpressure.is_held():
                             await self._hold(backpressure)
                             break
@@ -350,14 +381,25 @@ class LinkDriver(Generic[E]):
         session = cast("SweptSession", self.session)
         session.sweep(now)
         if session.has_data_to_send:
-            self._wake.set()
+            self._send_soon()
 
     async def _writer(self) -> None:
         session, chan = self.session, self.chan
+        interval = self._frame_interval
+        last_round = -math.inf
         while True:
             await self._wake.wait()
+            if interval and not self._urgent:
+                due = last_round + interval
+                if due > trio.current_time():
+                    await self._paced(due)
+                    # What was queued meanwhile goes in this round: the
+                    # wake-ups it made ask for nothing more.
+                    self._wake.clear()
+            self._urgent = False
             for frame in session.data_to_send(trio.current_time()):
                 await chan.send(frame)
+            last_round = trio.current_time()
             scope = self._scope
             if scope is not None and self._clock is None:
                 # Nothing queued any more: the session's next ping is due
@@ -367,6 +409,16 @@ class LinkDriver(Generic[E]):
                     scope.deadline = tick
             if self._after_send is not None:
                 self._after_send()
+
+    async def _paced(self, due: float) -> None:
+        """Wait until ``due`` (``frame_interval`` after the last round), or
+        until an urgent wake-up: what is queued meanwhile joins the round."""
+        self._pacing = event = trio.Event()
+        try:
+            with trio.move_on_at(due):
+                await event.wait()
+        finally:
+            self._pacing = None
 
 
 def _nowait(chan: FrameChannel) -> Callable[[], bytes] | None:
