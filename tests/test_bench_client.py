@@ -22,6 +22,7 @@ import math
 import random
 from collections.abc import AsyncIterator, Callable
 
+import h11
 import httpx
 import pytest
 import trio
@@ -31,6 +32,7 @@ from hypothesis import strategies as st
 
 from iop.bench._client import (
     STREAM_DEADLINE_S,
+    RawClient,
     TimedSample,
     fast_stream,
     open_loop,
@@ -261,3 +263,60 @@ def test_a_sample_row_keeps_each_runners_samples_file_keys() -> None:
     assert list(s.row("kind")) == ["kind", "scheduled", "ttft_s", "end", "status", "error"]
     assert list(s.row("model", end=False)) == ["model", "scheduled", "ttft_s", "status", "error"]
     assert s.row("model", end=False)["model"] == "batch"
+
+
+# --- the load generator's keep-alive connections ------------------------------------
+
+
+async def test_a_stale_keep_alive_connection_is_retried_on_a_new_one() -> None:
+    """The server closed every idle connection (its keep-alive timeout):
+    the request on the first fails, and its one retry must not take the next
+    idle one, which is just as dead, but connect anew (the fleet runner
+    counted such requests as broken streams at 1,024 open)."""
+    expired = trio.Event()
+    connections: list[int] = []
+
+    async def serve(stream: trio.SocketStream) -> None:
+        connections.append(len(connections))
+        h = h11.Connection(h11.SERVER)
+        while True:
+            event = h.next_event()
+            if event is h11.NEED_DATA:
+                data = await stream.receive_some(65536)
+                if not data:
+                    return
+                h.receive_data(data)
+                continue
+            if isinstance(event, h11.EndOfMessage):
+                body = b"ok"
+                await stream.send_all(
+                    h.send(h11.Response(status_code=200, headers=[("content-length", "2")]))
+                    + h.send(h11.Data(data=body))
+                    + h.send(h11.EndOfMessage())
+                )
+                h.start_next_cycle()
+                await expired.wait()  # idle past the server's keep-alive timeout
+                await stream.aclose()
+                return
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(trio.serve_tcp, serve, 0)
+        port = listeners[0].socket.getsockname()[1]
+        client = RawClient(f"http://127.0.0.1:{port}", max_idle=4)
+        got: list[bytes] = []
+
+        async def post() -> None:
+            await client.post("/x", b"{}", lambda status, headers: None, got.append)
+
+        async with trio.open_nursery() as clients:  # two connections, both kept idle
+            clients.start_soon(post)
+            clients.start_soon(post)
+        assert got == [b"ok", b"ok"]
+        assert len(connections) == 2
+        expired.set()
+        await trio.testing.wait_all_tasks_blocked()
+        await post()  # the first idle one fails; the retry connects anew
+        assert got[-1] == b"ok"
+        assert client.connects == 3
+        client.close_idle()
+        nursery.cancel_scope.cancel()

@@ -227,7 +227,10 @@ class RawClient:
                 response broke off.
         """
         for attempt in range(2):
-            reused = bool(self._idle)
+            # The retry of a stale connection opens a new one: the next idle
+            # one has waited longer still, and the server that closed the
+            # first after its keep-alive timeout has closed it too.
+            reused = bool(self._idle) and attempt == 0
             if reused:
                 conn = self._idle.pop()
             else:

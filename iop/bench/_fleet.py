@@ -169,7 +169,10 @@ async def paced_stream(client: RawClient, body: bytes, expect: int, rec: Recorde
         with trio.fail_after(STREAM_DEADLINE_S):
             await client.post("/v1/chat/completions", body, on_head, on_data)
     except (h11.ProtocolError, trio.BrokenResourceError, OSError) as exc:
-        error = f"broken: {type(exc).__name__}"
+        # Where it broke tells the client's stale keep-alive connection
+        # (before the head) from a stream cut off (after some chunks).
+        where = "before the head" if not state["status"] else f"after {state['chunks']} chunks"
+        error = f"broken: {type(exc).__name__} ({where}: {exc})"
     except msgspec.DecodeError:
         error = "undecodable chunk"
     if not error and state["status"] != 200:
