@@ -28,6 +28,9 @@ OPERATIONS = {
     "node link frame",
     "node link send (writable)",
     "msgspec batch",
+    "wake-up from idle, trio (CPU)",
+    "wake-up from idle, bare epoll (CPU)",
+    "loopback write that wakes its reader (CPU)",
 }
 
 discover()

@@ -40,7 +40,23 @@ operation, in µs):
   (``iop.node.WebSocketFrameChannel``) sending a 100-byte frame on a socket
   whose buffer has room: framing, masking and the write;
 * ``msgspec batch``: encoding and decoding a link frame of 32 one-token
-  ``events`` messages, per message.
+  ``events`` messages, per message;
+
+and three that are CPU time, not wall time, each of at most
+``IDLE_OPS`` operations ``IDLE_GAP_S`` apart (a paced token's life: the
+process sleeps between two), where another thread (on the other core)
+plays the peer:
+
+* ``wake-up from idle, trio (CPU)``: a trio task waiting readable on a
+  socket pair, woken by a 100-byte message, reading it and waiting again:
+  the CPU of the woken thread (``time.thread_time``) per message, system
+  time included: what waking a trio process costs per token;
+* ``wake-up from idle, bare epoll (CPU)``: the same wait with
+  ``select.epoll`` and no event loop: the kernel's and CPython's part of it;
+* ``loopback write that wakes its reader (CPU)``: a 150-byte ``os.write``
+  on a loopback TCP connection whose reader sleeps in ``recv``: the
+  writer's CPU per write, which includes the receiver's TCP work and its
+  wake-up (the kernel does both inside the sender's write on loopback).
 
 It starts no process: the operations are measured where nothing else of
 IOP runs. Until December 2026 this was ``scripts/bench_floor.py``
@@ -49,8 +65,11 @@ IOP runs. Until December 2026 this was ``scripts/bench_floor.py``
 
 from __future__ import annotations
 
+import os
+import select
 import socket
 import statistics
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from importlib.metadata import version
@@ -278,6 +297,90 @@ async def msgspec_batch(n: int) -> float:
     return (time.perf_counter() - t0) / (rounds * 32)
 
 
+# The idle cases: operations per run, and the gap between two (a stream of
+# 50 tokens/s is 20 ms; 32 of them make a token every 0.6 ms).
+IDLE_OPS = 1000
+IDLE_GAP_S = 0.001
+
+
+def _paced_writer(sock: socket.socket, n: int, payload: bytes) -> threading.Thread:
+    """A thread writing ``payload`` to ``sock`` ``n`` times, ``IDLE_GAP_S`` apart."""
+
+    def write() -> None:
+        for _ in range(n):
+            time.sleep(IDLE_GAP_S)
+            sock.sendall(payload)
+
+    thread = threading.Thread(target=write, daemon=True)
+    thread.start()
+    return thread
+
+
+async def trio_idle_wakeup(n: int) -> float:
+    n = min(n, IDLE_OPS)
+    a, b = socket.socketpair()
+    with a, b:
+        b.setblocking(False)
+        writer = _paced_writer(a, n, PAYLOAD)
+        got = 0
+        t0 = time.thread_time()
+        while got < n * len(PAYLOAD):
+            await trio.lowlevel.wait_readable(b)
+            got += len(b.recv(65536))
+        spent = time.thread_time() - t0
+        writer.join()
+    return spent / n
+
+
+async def epoll_idle_wakeup(n: int) -> float:
+    n = min(n, IDLE_OPS)
+    a, b = socket.socketpair()
+    with a, b, select.epoll() as ep:
+        b.setblocking(False)
+        ep.register(b.fileno(), select.EPOLLIN)
+        writer = _paced_writer(a, n, PAYLOAD)
+        got = 0
+        t0 = time.thread_time()
+        while got < n * len(PAYLOAD):
+            ep.poll()
+            got += len(b.recv(65536))
+        spent = time.thread_time() - t0
+        writer.join()
+    await trio.lowlevel.checkpoint()
+    return spent / n
+
+
+async def loopback_write_waking(n: int) -> float:
+    await trio.lowlevel.checkpoint()
+    return _loopback_write_waking(min(n, IDLE_OPS))
+
+
+def _loopback_write_waking(n: int) -> float:
+    """The writer sleeps between writes on purpose: nothing else runs here."""
+    payload = b"x" * 150  # an SSE chunk of one token, chunked framing included
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        reader = socket.create_connection(listener.getsockname()[:2])
+        writer, _ = listener.accept()
+    with reader, writer:
+        writer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+        def read() -> None:
+            got = 0
+            while got < n * len(payload):
+                got += len(reader.recv(65536))
+
+        thread = threading.Thread(target=read, daemon=True)
+        thread.start()
+        spent = 0.0
+        for _ in range(n):
+            time.sleep(IDLE_GAP_S)  # the reader is asleep in recv again
+            t0 = time.thread_time()
+            os.write(writer.fileno(), payload)
+            spent += time.thread_time() - t0
+        thread.join()
+    return spent / n
+
+
 CASES: dict[str, Callable[[int], Awaitable[float]]] = {
     "socket round trip": socket_round_trip,
     "socket send (writable)": socket_send_writable,
@@ -292,6 +395,9 @@ CASES: dict[str, Callable[[int], Awaitable[float]]] = {
     "node link frame": node_link_frame,
     "node link send (writable)": node_link_send_writable,
     "msgspec batch": msgspec_batch,
+    "wake-up from idle, trio (CPU)": trio_idle_wakeup,
+    "wake-up from idle, bare epoll (CPU)": epoll_idle_wakeup,
+    "loopback write that wakes its reader (CPU)": loopback_write_waking,
 }
 
 
