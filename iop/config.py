@@ -1183,6 +1183,12 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
             together (431 and the connection closed above).
         body_read_timeout_s: Longest time a request body may take to
             arrive once its headers have (408 and the connection closed).
+        listen_backlog: Connections the kernel holds for each listener
+            before the edge accepts them (``listen(2)``'s backlog; the kernel
+            caps it at ``net.core.somaxconn``). Past it a new connection's
+            handshake is dropped, or reset once its request was sent: many
+            clients connecting at once (a fleet's restart, a burst after
+            their keep-alive connections expired) need room. 1 to 65535.
         keep_alive_timeout_s: Longest wait for a request head, and longest
             idle time of a keep-alive connection between requests (then the
             connection is closed).
@@ -1229,6 +1235,11 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
     # 5 s: hypercorn's default. A client's request head arrives in one round
     # trip; an idle keep-alive connection costs a socket and a task.
     keep_alive_timeout_s: float = 5.0
+    # 1024: hypercorn's 100 overflowed (connections reset before their
+    # response) with 1,024 streams opening on a busy edge
+    # (docs/benchmarks.md, "Frames paced on the node"); what nginx (511)
+    # and uvicorn (2048) choose is of that order.
+    listen_backlog: int = 1024
     keepalive_interval_s: float = 10.0
     drain_timeout_s: float = 10.0
     api_keys: list[str] = []
@@ -1253,6 +1264,8 @@ class EdgeServer(_Config, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if (self.tls_certfile is None) != (self.tls_keyfile is None):
             raise ValueError("tls_certfile and tls_keyfile go together")
+        if not 1 <= self.listen_backlog <= 65535:
+            raise ValueError("listen_backlog must be from 1 to 65535")
         for origin in self.cors_origins:
             if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
                 raise ValueError(

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
+import subprocess
 
 import pytest
 import trio
 
 from iop.api import ChatSurface
+from iop.config import EdgeServer
 from tests.api.chat.test_request import TOO_DEEP_BODIES
 from tests.edge._openai_schema import validate_error
 from tests.edge.test_app import CHAT, answer, config, edge, sse_objects
@@ -730,3 +733,32 @@ async def test_count_tokens_estimates_and_says_so_when_no_instance_tokenizes() -
     assert resp.status_code == 200
     assert resp.headers["x-iop-token-count"] == "estimated"
     assert resp.json()["input_tokens"] > 0
+
+
+def _listen_backlog(port: int) -> int:
+    """The backlog of the listening socket on ``port``, as the kernel holds it
+    (``ss``: a listener's Send-Q is its backlog)."""
+    out = subprocess.run(
+        ["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    return int(out[2])
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2)")
+@pytest.mark.parametrize(("backlog", "expected"), [(None, 1024), (7, 7)])
+async def test_the_listener_holds_server_listen_backlog_connections(
+    backlog: int | None, expected: int
+) -> None:
+    """hypercorn's own backlog (100) reset connections opened at once by a
+    fleet of 1,024 streams (docs/benchmarks.md, "Frames paced on the node")."""
+    cfg = config() if backlog is None else config(listen_backlog=backlog)
+    async with edge(cfg) as (handle, _, _):
+        port = int(handle.url.rsplit(":", 1)[1])
+        assert _listen_backlog(port) == expected
+
+
+def test_listen_backlog_is_bounded() -> None:
+    with pytest.raises(ValueError, match="listen_backlog"):
+        EdgeServer(listen_backlog=0)
+    with pytest.raises(ValueError, match="listen_backlog"):
+        EdgeServer(listen_backlog=65536)

@@ -104,6 +104,7 @@ def check_ports(config: EdgeConfig) -> None:
 def _hypercorn_config(config: EdgeConfig, bind: str) -> EdgeHypercornConfig:
     hc = EdgeHypercornConfig(max_header_bytes=config.server.max_header_bytes)
     hc.keep_alive_timeout = config.server.keep_alive_timeout_s
+    hc.backlog = config.server.listen_backlog
     hc.bind = [bind]
     hc.accesslog = None
     # hypercorn's own "-" logger prints in its own format; this one goes
