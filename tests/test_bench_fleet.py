@@ -131,6 +131,10 @@ def test_the_fleet_runner_measures_every_shape_on_real_processes(tmp_path: Path)
         )
     )
     assert reported == {"fleet": f"{text}\n\n_footer_"}
+    # The figure beside the table: both panels from the same result.
+    (png,) = (tmp_path / "img").glob("*.png")
+    assert png.name == "bench_fleet.png"
+    assert png.read_bytes().startswith(b"\x89PNG")
 
 
 def test_every_stream_asks_with_its_own_prompt() -> None:

@@ -566,5 +566,47 @@ def tables(result: dict[str, Any]) -> str:
 
 
 def plots(result: dict[str, Any], img_dir: Path) -> list[Path]:
-    """No plots: the table says it."""
-    return []
+    """``bench_fleet.png``: CPU per token of each gateway process (edge and
+    node stacked) and tokens/s per core of each shape, per level."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = sorted(result["levels"], key=lambda k: int(k.removeprefix("c")))
+    if not levels:
+        return []
+    fig, (cpu_ax, core_ax) = plt.subplots(1, 2, figsize=(10, 4))
+    xs = range(len(levels))
+    width = 0.38
+
+    def us(level: str, shape: str, proc: str) -> float:
+        cell = result["levels"][level].get(shape) or {}
+        value = (cell.get("procs") or {}).get(proc, {}).get("us_per_token")
+        return float(value) if value is not None else 0.0
+
+    edge = [us(lv, "split", "edge") for lv in levels]
+    node = [us(lv, "split", "node") for lv in levels]
+    up = [us(lv, "up", "up") for lv in levels]
+    left = [x - width / 2 for x in xs]
+    right = [x + width / 2 for x in xs]
+    cpu_ax.bar(left, edge, width, label="edge (edge + node)", color="C0")
+    cpu_ax.bar(left, node, width, bottom=edge, label="node (edge + node)", color="C1")
+    cpu_ax.bar(right, up, width, label="iop up", color="C2")
+    cpu_ax.set_ylabel("µs of CPU per paced token")
+    split_core = [1e6 / (e + n) if e + n else 0.0 for e, n in zip(edge, node, strict=True)]
+    up_core = [1e6 / u if u else 0.0 for u in up]
+    core_ax.bar(left, split_core, width, label="edge + node", color="C0")
+    core_ax.bar(right, up_core, width, label="iop up", color="C2")
+    core_ax.set_ylabel("paced tokens/s per core")
+    names = [f"{int(lv.removeprefix('c')):,} streams" for lv in levels]
+    for ax in (cpu_ax, core_ax):
+        ax.set_xticks(list(xs), names)
+        ax.legend()
+    fig.suptitle("Paced streams (64 tokens, 50 tokens/s) through the gateway")
+    fig.tight_layout()
+    img_dir.mkdir(parents=True, exist_ok=True)
+    path = img_dir / "bench_fleet.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return [path]
