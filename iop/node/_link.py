@@ -122,10 +122,16 @@ class NodeRun:
             link.driver.wake()
             return
         if session.backlog(self.run_id) >= link.run_backlog:
+            # Out of credit: what is queued within it goes now, not after
+            # the frame interval, so that the edge can read it and give more.
+            link.driver.wake()
             raise trio.WouldBlock
         if session.unsent(self.run_id) >= link.run_backlog:
-            # No per-run credit: the writer (and the link's TCP window) holds it.
+            # No per-run credit: the writer (and the link's TCP window) holds
+            # it; the writer's round goes now, not after the frame interval
+            # (which would cap a fast run at its backlog per interval).
             link.unsent_waiters[self.run_id] = self
+            link.driver.wake()
             raise trio.WouldBlock
         session.push(self.run_id, event)
         if self.flowing:

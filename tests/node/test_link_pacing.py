@@ -19,6 +19,7 @@ from iop.config import NodeEdge, NodeSection
 from iop.events import Complete, Delta, Start
 from iop.node._link import NodeLink, NodeRun
 from iop.protocol import (
+    UNLIMITED_CREDIT,
     AssignReceived,
     EdgeSession,
     NodeJoined,
@@ -116,3 +117,62 @@ def test_frame_interval_ms_defaults_to_5_and_takes_0_to_50() -> None:
     assert NodeSection(id="n").frame_interval_ms == 5.0
     assert NodeSection(id="n", frame_interval_ms=0).frame_interval_ms == 0
     assert NodeSection(id="n", frame_interval_ms=50).frame_interval_ms == 50
+
+
+async def test_a_run_that_must_wait_for_the_writer_does_not_wait_for_the_interval(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """With per-run credit off a run may have ``run_backlog`` events unsent;
+    the one past them waits for the writer's round, which then goes at
+    once: a fast run is not held to its backlog per frame interval."""
+    edge_chan, node_chan = memory_link_pair()
+    now = trio.current_time()
+    edge = EdgeSession(tokens=["t"], heartbeat_interval_s=60.0, heartbeat_timeout_s=120.0, now=now)
+    session = NodeSession(node_id="n1", token="t", now=now)
+    await node_chan.send(session.hello([CAPS]))
+    edge.receive(await edge_chan.receive(), now)
+    await edge_chan.send(edge.welcome())
+    session.receive(await node_chan.receive(), now)
+    runs: dict[str, NodeRun] = {}
+    link = NodeLink(
+        NodeEdge(url="ws://edge/v1/link", token="t"),
+        node_chan,
+        session,
+        SecretMasker(),
+        on_assign=lambda lk, ev: runs.setdefault(
+            ev.assign.spec.run_id, NodeRun(lk, ev.assign.spec.run_id, "sim")
+        ),
+        on_run_closed=lambda _: None,
+        run_backlog=2,
+        frame_interval=INTERVAL_S,
+    )
+    texts: list[str] = []
+
+    def on_edge_events(events: list[object]) -> None:
+        for e in events:
+            if isinstance(e, RunEventsReceived):
+                texts.extend(ev.text for ev in e.events if isinstance(ev, Delta))
+
+    edge_driver = LinkDriver(edge_chan, edge, on_edge_events, peer="node")
+    spec = ExecutionSpec(
+        run_id="r1", request=ChatRequest(model="m", messages=[Message(role="user", content="hi")])
+    )
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(edge_driver.run)
+        nursery.start_soon(link.driver.run)
+        edge.assign("r1", "sim", spec, credit=UNLIMITED_CREDIT)
+        edge_driver.wake()
+        await trio.testing.wait_all_tasks_blocked()
+        nr = runs["r1"]
+        nr.send_nowait(Start())
+        nr.send_nowait(Delta("0"))  # the first output: a round at once
+        await trio.testing.wait_all_tasks_blocked()
+        t0 = trio.current_time()
+        for i in range(1, 41):  # 40 more, as fast as the writer lets them go
+            await nr.send(Delta(str(i)))
+        await trio.testing.wait_all_tasks_blocked()
+        # Two unsent at a time, each round at once: no interval was waited.
+        assert trio.current_time() - t0 < INTERVAL_S
+        await trio.sleep(0.1)
+        assert texts == [str(i) for i in range(41)]  # in order, nothing lost
+        nursery.cancel_scope.cancel()
