@@ -983,9 +983,10 @@ class NodeSection(_Config, frozen=True, kw_only=True):
             that carry only tokens after a run's first: tokens that come
             within it (from any run) go out together, in one frame, when it
             has passed. A run's first output, every terminal event and
-            every control message go at once, and so does the first frame
-            after a quiet interval. 0: a frame per wake-up of the node.
-            At most 50.
+            every control message go at once, and so do a run's queued
+            events when it has to wait for them to leave (out of credit, or
+            at ``run_backlog``), and the first frame after a quiet interval.
+            0: a frame per wake-up of the node. At most 50.
         load_reports_per_s: Most ``LoadReport`` messages a second the node
             sends each edge (its instances' in-flight runs, queue depth and
             engine figures; changes in between are coalesced into the next,
