@@ -267,8 +267,8 @@ class LinkDriver(Generic[E]):
 
     def _send_soon(self) -> None:
         """The writer's next round goes without waiting for the frame
-        interval: what the session has to say comes from the link itself (a
-        pong, a ping, credit, a report at its tick), not from a run's tokens."""
+        interval: an urgent ``wake``, and whatever the reader or the clock
+        found the session has to say (a ping, credit, a report at its tick)."""
         self._wake.set()
         self._urgent = True
         if self._pacing is not None:

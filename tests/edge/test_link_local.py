@@ -10,12 +10,14 @@ its code, an end left unclosed as a loss (1006).
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
 import trio.testing
 
-from iop.edge import open_edge_core
+from iop.edge import EdgeCore, open_edge_core
 from iop.events import Cancelled, CancelReason, Complete, Delta, Start
 from iop.protocol import (
     CLOSE_BAD_TOKEN,
@@ -28,9 +30,9 @@ from iop.runtime import CLOSE_DROPPED
 from tests.edge.test_core import FakeNode, caps, config, drain_events, frame, spec
 
 
-async def test_an_in_process_node_joins_by_the_handshake_and_streams_with_credit(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
+@asynccontextmanager
+async def joined() -> AsyncIterator[tuple[EdgeCore, FakeNode]]:
+    """An edge core with a node joined over its in-process link, serving."""
     async with (
         open_edge_core(config()) as core,
         core.open_local_link() as chan,
@@ -40,6 +42,14 @@ async def test_an_in_process_node_joins_by_the_handshake_and_streams_with_credit
         await node.hello([caps()])
         nursery.start_soon(node.serve)
         await trio.testing.wait_all_tasks_blocked()  # registered
+        yield core, node
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_in_process_node_joins_by_the_handshake_and_streams_with_credit(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with joined() as (core, node):
         (view,) = core.snapshot()["nodes"]  # type: ignore[misc]
         assert (view["id"], view["peer"]) == ("n1", "in-process")
         run = core.start_run(spec())
@@ -54,7 +64,6 @@ async def test_an_in_process_node_joins_by_the_handshake_and_streams_with_credit
         events = got + await drain_events(run)
         assert [type(e) for e in events] == [Start, Delta, Delta, Delta, Delta, Complete]
         assert "".join(e.text for e in events if isinstance(e, Delta)) == "abcd"
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_bad_token_is_refused_with_4401(
@@ -123,15 +132,7 @@ async def test_an_end_left_unclosed_is_a_node_loss(
 async def test_the_edge_drain_closes_it_with_1001(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    async with (
-        open_edge_core(config()) as core,
-        core.open_local_link() as chan,
-        trio.open_nursery() as nursery,
-    ):
-        node = FakeNode(chan)  # type: ignore[arg-type]
-        await node.hello([caps()])
-        nursery.start_soon(node.serve)
-        await trio.testing.wait_all_tasks_blocked()  # registered
+    async with joined() as (core, node):
         await core.drain(1.0)
         await trio.testing.wait_all_tasks_blocked()
         assert node.closed is not None

@@ -9,6 +9,9 @@ real edge session, in virtual time.
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import pytest
 import trio
 import trio.testing
@@ -16,11 +19,13 @@ import trio.testing
 from iop._secrets import SecretMasker
 from iop.capabilities import Capabilities
 from iop.config import NodeEdge, NodeSection
-from iop.events import Complete, Delta, Start
+from iop.events import Complete, Delta, RuntimeEvent, Start
 from iop.node._link import NodeLink, NodeRun
 from iop.protocol import (
+    RUN_BACKLOG,
     UNLIMITED_CREDIT,
     AssignReceived,
+    EdgeLinkEvent,
     EdgeSession,
     NodeJoined,
     NodeSession,
@@ -35,9 +40,12 @@ INTERVAL_S = 0.005
 CAPS = Capabilities(adapter="sim", instance="sim", targets=("m",))
 
 
-async def test_a_runs_first_output_and_terminal_go_at_once_and_its_later_tokens_wait(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
+@asynccontextmanager
+async def linked_run(
+    *, credit: int, run_backlog: int = RUN_BACKLOG
+) -> AsyncIterator[tuple[NodeRun, list[tuple[float, list[RuntimeEvent]]]]]:
+    """Run ``r1`` on a node's paced link, assigned by an edge session: its
+    ``NodeRun``, and when each of its frames' events reached the edge."""
     edge_chan, node_chan = memory_link_pair()
     now = trio.current_time()
     edge = EdgeSession(tokens=["t"], heartbeat_interval_s=60.0, heartbeat_timeout_s=120.0, now=now)
@@ -50,9 +58,9 @@ async def test_a_runs_first_output_and_terminal_go_at_once_and_its_later_tokens_
     assert isinstance(welcomed, Welcomed)
 
     runs: dict[str, NodeRun] = {}
-    arrived: list[tuple[float, list[object]]] = []  # when each RunEvents reached the edge
+    arrived: list[tuple[float, list[RuntimeEvent]]] = []
 
-    def on_edge_events(events: list[object]) -> None:
+    def on_edge_events(events: list[EdgeLinkEvent]) -> None:
         for e in events:
             if isinstance(e, RunEventsReceived):
                 arrived.append((trio.current_time(), list(e.events)))
@@ -68,6 +76,7 @@ async def test_a_runs_first_output_and_terminal_go_at_once_and_its_later_tokens_
         SecretMasker(),
         on_assign=on_assign,
         on_run_closed=lambda _: None,
+        run_backlog=run_backlog,
         frame_interval=INTERVAL_S,
     )
     edge_driver = LinkDriver(edge_chan, edge, on_edge_events, peer="node")
@@ -77,11 +86,17 @@ async def test_a_runs_first_output_and_terminal_go_at_once_and_its_later_tokens_
     async with trio.open_nursery() as nursery:
         nursery.start_soon(edge_driver.run)
         nursery.start_soon(link.driver.run)
-        edge.assign("r1", "sim", spec, credit=64)
+        edge.assign("r1", "sim", spec, credit=credit)
         edge_driver.wake()
         await trio.testing.wait_all_tasks_blocked()
-        nr = runs["r1"]
+        yield runs["r1"], arrived
+        nursery.cancel_scope.cancel()
 
+
+async def test_a_runs_first_output_and_terminal_go_at_once_and_its_later_tokens_wait(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async with linked_run(credit=64) as (nr, arrived):
         t0 = trio.current_time()
         nr.send_nowait(Start())
         nr.send_nowait(Delta("first"))
@@ -104,7 +119,6 @@ async def test_a_runs_first_output_and_terminal_go_at_once_and_its_later_tokens_
         await trio.testing.wait_all_tasks_blocked()
         t_end = trio.current_time()
         assert arrived[-1] == (t_end, [Delta("fourth"), Complete()])
-        nursery.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("interval", [-1.0, 50.001, float("nan")])
@@ -125,45 +139,7 @@ async def test_a_run_that_must_wait_for_the_writer_does_not_wait_for_the_interva
     """With per-run credit off a run may have ``run_backlog`` events unsent;
     the one past them waits for the writer's round, which then goes at
     once: a fast run is not held to its backlog per frame interval."""
-    edge_chan, node_chan = memory_link_pair()
-    now = trio.current_time()
-    edge = EdgeSession(tokens=["t"], heartbeat_interval_s=60.0, heartbeat_timeout_s=120.0, now=now)
-    session = NodeSession(node_id="n1", token="t", now=now)
-    await node_chan.send(session.hello([CAPS]))
-    edge.receive(await edge_chan.receive(), now)
-    await edge_chan.send(edge.welcome())
-    session.receive(await node_chan.receive(), now)
-    runs: dict[str, NodeRun] = {}
-    link = NodeLink(
-        NodeEdge(url="ws://edge/v1/link", token="t"),
-        node_chan,
-        session,
-        SecretMasker(),
-        on_assign=lambda lk, ev: runs.setdefault(
-            ev.assign.spec.run_id, NodeRun(lk, ev.assign.spec.run_id, "sim")
-        ),
-        on_run_closed=lambda _: None,
-        run_backlog=2,
-        frame_interval=INTERVAL_S,
-    )
-    texts: list[str] = []
-
-    def on_edge_events(events: list[object]) -> None:
-        for e in events:
-            if isinstance(e, RunEventsReceived):
-                texts.extend(ev.text for ev in e.events if isinstance(ev, Delta))
-
-    edge_driver = LinkDriver(edge_chan, edge, on_edge_events, peer="node")
-    spec = ExecutionSpec(
-        run_id="r1", request=ChatRequest(model="m", messages=[Message(role="user", content="hi")])
-    )
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(edge_driver.run)
-        nursery.start_soon(link.driver.run)
-        edge.assign("r1", "sim", spec, credit=UNLIMITED_CREDIT)
-        edge_driver.wake()
-        await trio.testing.wait_all_tasks_blocked()
-        nr = runs["r1"]
+    async with linked_run(credit=UNLIMITED_CREDIT, run_backlog=2) as (nr, arrived):
         nr.send_nowait(Start())
         nr.send_nowait(Delta("0"))  # the first output: a round at once
         await trio.testing.wait_all_tasks_blocked()
@@ -174,5 +150,5 @@ async def test_a_run_that_must_wait_for_the_writer_does_not_wait_for_the_interva
         # Two unsent at a time, each round at once: no interval was waited.
         assert trio.current_time() - t0 < INTERVAL_S
         await trio.sleep(0.1)
+        texts = [ev.text for _, evs in arrived for ev in evs if isinstance(ev, Delta)]
         assert texts == [str(i) for i in range(41)]  # in order, nothing lost
-        nursery.cancel_scope.cancel()

@@ -72,11 +72,16 @@ class Ends:
         edge_chan: MemoryFrameChannel,
         node_chan: MemoryFrameChannel,
         clock: LinkClock | None = None,
+        *,
+        interval_s: float = INTERVAL_S,
+        timeout_s: float = TIMEOUT_S,
+        frame_interval: float = 0.0,
+        after_node_send: Callable[[], None] | None = None,
     ) -> None:
         now = trio.current_time()
         self.edge_chan, self.node_chan = edge_chan, node_chan
         self.edge = EdgeSession(
-            tokens=["t"], heartbeat_interval_s=INTERVAL_S, heartbeat_timeout_s=TIMEOUT_S, now=now
+            tokens=["t"], heartbeat_interval_s=interval_s, heartbeat_timeout_s=timeout_s, now=now
         )
         self.node = NodeSession(node_id="n1", token="t", now=now)
         self.edge_events: list[EdgeLinkEvent] = []
@@ -84,7 +89,14 @@ class Ends:
         self.edge_driver = LinkDriver(
             edge_chan, self.edge, self.edge_events.extend, peer="node", clock=clock
         )
-        self.node_driver = LinkDriver(node_chan, self.node, self.node_events.extend, peer="edge")
+        self.node_driver = LinkDriver(
+            node_chan,
+            self.node,
+            self.node_events.extend,
+            peer="edge",
+            after_send=after_node_send,
+            frame_interval=frame_interval,
+        )
         self.edge_lost, self.node_lost = trio.Event(), trio.Event()
         self.edge_loss: PeerSilent | None = None
         self.node_loss: PeerSilent | None = None
@@ -495,14 +507,9 @@ class Stream:
                 self.pending = []
 
 
-@pytest.mark.parametrize("clocked", [False, True], ids=["own deadline", "under a clock"])
-@pytest.mark.parametrize("queued", [8, MAX_FRAMES_PER_WAKE])
-async def test_frames_already_queued_reach_a_stream_before_it_runs(
-    clocked: bool, queued: int, autojump_clock: trio.testing.MockClock
-) -> None:
-    # Before: one schedule point per frame, and the stream woke and wrote
-    # after the first (its first write held one or two of the frames).
-    frames = [b"%d" % i for i in range(queued)]
+async def _read_all(frames: list[bytes], *, clocked: bool) -> tuple[QueuedFrames, Stream]:
+    """A driver reads ``frames``, all already arrived, into a stream task
+    until the stream has every one (its own deadline, or under a clock)."""
     chan = QueuedFrames(list(frames))
     stream = Stream()
     clock = LinkClock(sweep_every_s=INTERVAL_S) if clocked else None
@@ -513,9 +520,21 @@ async def test_frames_already_queued_reach_a_stream_before_it_runs(
         nursery.start_soon(stream.run)
         nursery.start_soon(driver.run)
         with trio.fail_after(5):
-            while sum(map(len, stream.writes)) < queued:
+            while sum(map(len, stream.writes)) < len(frames):
                 await trio.sleep(0.01)
         nursery.cancel_scope.cancel()
+    return chan, stream
+
+
+@pytest.mark.parametrize("clocked", [False, True], ids=["own deadline", "under a clock"])
+@pytest.mark.parametrize("queued", [8, MAX_FRAMES_PER_WAKE])
+async def test_frames_already_queued_reach_a_stream_before_it_runs(
+    clocked: bool, queued: int, autojump_clock: trio.testing.MockClock
+) -> None:
+    # Before: one schedule point per frame, and the stream woke and wrote
+    # after the first (its first write held one or two of the frames).
+    frames = [b"%d" % i for i in range(queued)]
+    chan, stream = await _read_all(frames, clocked=clocked)
     assert stream.writes == [frames]
     assert chan.received == 1
 
@@ -526,19 +545,7 @@ async def test_a_flood_is_taken_in_batches_with_a_schedule_point_between(
 ) -> None:
     queued = 2 * MAX_FRAMES_PER_WAKE + 3
     frames = [b"%d" % i for i in range(queued)]
-    chan = QueuedFrames(list(frames))
-    stream = Stream()
-    clock = LinkClock(sweep_every_s=INTERVAL_S) if clocked else None
-    driver = LinkDriver(chan, EchoSession(), stream.deliver, clock=clock)  # type: ignore[arg-type]
-    async with trio.open_nursery() as nursery:
-        if clock is not None:
-            nursery.start_soon(clock.run)
-        nursery.start_soon(stream.run)
-        nursery.start_soon(driver.run)
-        with trio.fail_after(5):
-            while sum(map(len, stream.writes)) < queued:
-                await trio.sleep(0.01)
-        nursery.cancel_scope.cancel()
+    chan, stream = await _read_all(frames, clocked=clocked)
     # Every frame delivered, in order; the reader passed a schedule point
     # (a ``receive``) before each batch of at most the bound, and the stream
     # ran between the batches.

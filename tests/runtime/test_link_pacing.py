@@ -17,22 +17,14 @@ import pytest
 import trio
 import trio.testing
 
-from iop.capabilities import Capabilities
 from iop.events import Delta, Start
-from iop.protocol import (
-    UNLIMITED_CREDIT,
-    EdgeSession,
-    NodeJoined,
-    NodeSession,
-    RunEventsReceived,
-    Welcomed,
-)
+from iop.protocol import UNLIMITED_CREDIT, NodeSession, RunEventsReceived
 from iop.runtime import LinkDriver
 from iop.spec import ChatRequest, ExecutionSpec, Message
 from iop.testing import MemoryFrameChannel, memory_link_pair
+from tests.runtime.test_link import Ends
 
 INTERVAL_S = 0.005
-CAPS = Capabilities(adapter="sim", instance="sim", targets=("m",))
 RUNS = ("r1", "r2", "r3")
 
 
@@ -43,39 +35,27 @@ def spec(run_id: str) -> ExecutionSpec:
     )
 
 
-class Paced:
-    """A node session under a driver with a frame interval, an edge session
-    under a plain one, each run flowing (its Start and first output sent)."""
+class Paced(Ends):
+    """The edge and node ends of ``tests/runtime/test_link.py``, the node's
+    driver with a frame interval (``frame_interval``; 0: none), heartbeats
+    far apart (only the frames under test cross the link), and when each
+    round of the node's writer ended."""
 
-    def __init__(self, edge_chan: MemoryFrameChannel, node_chan: MemoryFrameChannel) -> None:
-        now = trio.current_time()
-        self.node_chan = node_chan
-        # Heartbeats far apart: only the frames under test cross the link.
-        self.edge = EdgeSession(
-            tokens=["t"], heartbeat_interval_s=60.0, heartbeat_timeout_s=120.0, now=now
-        )
-        self.node = NodeSession(node_id="n1", token="t", now=now)
-        self.edge_events: list[object] = []
-        self.rounds: list[float] = []  # when each round of the node's writer ended
-        self.edge_driver = LinkDriver(edge_chan, self.edge, self.edge_events.extend, peer="node")
-        self.node_driver = LinkDriver(
+    def __init__(
+        self,
+        edge_chan: MemoryFrameChannel,
+        node_chan: MemoryFrameChannel,
+        frame_interval: float = INTERVAL_S,
+    ) -> None:
+        self.rounds: list[float] = []
+        super().__init__(
+            edge_chan,
             node_chan,
-            self.node,
-            lambda _: None,
-            peer="edge",
-            after_send=lambda: self.rounds.append(trio.current_time()),
-            frame_interval=INTERVAL_S,
+            interval_s=60.0,
+            timeout_s=120.0,
+            frame_interval=frame_interval,
+            after_node_send=lambda: self.rounds.append(trio.current_time()),
         )
-        self._edge_chan = edge_chan
-
-    async def handshake(self) -> None:
-        now = trio.current_time()
-        await self.node_chan.send(self.node.hello([CAPS]))
-        (joined,) = self.edge.receive(await self._edge_chan.receive(), now)
-        assert isinstance(joined, NodeJoined)
-        await self._edge_chan.send(self.edge.welcome())
-        (welcomed,) = self.node.receive(await self.node_chan.receive(), now)
-        assert isinstance(welcomed, Welcomed)
 
     def tokens(self) -> list[tuple[str, list[str]]]:
         """What reached the edge: each RunEvents' run and texts, in order."""
@@ -192,14 +172,7 @@ async def test_without_an_interval_every_wake_up_is_a_round(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     edge_chan, node_chan = memory_link_pair()
-    ends = Paced(edge_chan, node_chan)
-    ends.node_driver = LinkDriver(
-        node_chan,
-        ends.node,
-        lambda _: None,
-        peer="edge",
-        after_send=lambda: ends.rounds.append(trio.current_time()),
-    )
+    ends = Paced(edge_chan, node_chan, frame_interval=0.0)
     await ends.handshake()
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ends.edge_driver.run)

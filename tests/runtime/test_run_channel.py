@@ -8,6 +8,7 @@ and ``OneToOneChannel`` (what a run uses, for its memory: docs/benchmarks.md,
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Protocol
 
 import pytest
@@ -253,6 +254,14 @@ async def test_a_taken_send_returns_even_if_the_receiver_closes_next(make: Facto
     assert sent == [True]
 
 
+async def _receive_once(events: RunEvents, outcome: list[object]) -> None:
+    """One ``receive``: its event, or ``trio.WouldBlock`` when interrupted."""
+    try:
+        outcome.append(await events.receive())
+    except trio.WouldBlock:
+        outcome.append(trio.WouldBlock)
+
+
 async def test_an_interrupted_receive_raises_would_block() -> None:
     # The edge's keep-alive clock wakes an idle stream this way, with no
     # cancel scope per wait (iop/edge/runs/_keepalive.py).
@@ -260,12 +269,7 @@ async def test_an_interrupted_receive_raises_would_block() -> None:
     events = RunEvents(p.channel)
     assert not events.interrupt_receive()  # nobody waits
     outcome: list[object] = []
-
-    async def receiver() -> None:
-        try:
-            outcome.append(await events.receive())
-        except trio.WouldBlock:
-            outcome.append(trio.WouldBlock)
+    receiver = partial(_receive_once, events, outcome)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(receiver)
@@ -281,12 +285,7 @@ async def test_an_event_sent_before_the_interrupted_receiver_runs_is_what_it_get
     p = _RunPair(1)
     events = RunEvents(p.channel)
     outcome: list[object] = []
-
-    async def receiver() -> None:
-        try:
-            outcome.append(await events.receive())
-        except trio.WouldBlock:
-            outcome.append(trio.WouldBlock)
+    receiver = partial(_receive_once, events, outcome)
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(receiver)
